@@ -1,0 +1,132 @@
+"""Per-sequence KV cache and stored spans (the tensors; the store's bookkeeping is in store.py).
+
+A sequence cache holds one slot per position: slot ``p`` holds the K/V of the token at position
+``p``. Capacity grows by doubling, so appending n tokens one at a time copies O(n) in total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.errors import ScheduleError
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.rope import RotaryEmbedding
+
+
+@dataclass
+class StoredSpan:
+    """KV of a contiguous run of tokens as computed in some context, ready to be reused elsewhere."""
+
+    token_ids: tuple[int, ...]
+    start_pos: int  # original position of the first token (keys are rotated for start_pos + i)
+    k: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim] post-RoPE
+    v: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim]
+    fingerprint: str
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, hidden] layer input
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if self.k.shape != self.v.shape or self.k.shape[2] != n:
+            raise ValueError(f"span K/V shapes {tuple(self.k.shape)}/{tuple(self.v.shape)} do not match {n} tokens")
+        for layer, h in self.hidden.items():
+            if h.shape[0] != n:
+                raise ValueError(f"span hidden state at layer {layer} has {h.shape[0]} rows, expected {n}")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.k, self.v, *self.hidden.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class SequenceKV:
+    """The K/V of one sequence, by position, for every layer."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 capacity: int = 256) -> None:
+        self.num_layers = config.num_layers
+        self.shape_tail = (config.num_kv_heads, config.head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.capacity = 0
+        self.length = 0  # positions in use: [0, length)
+        self.k = self.v = torch.empty(0)
+        self.filled = torch.empty(0, dtype=torch.bool)
+        self.ensure_capacity(max(1, capacity))
+
+    def ensure_capacity(self, num_positions: int) -> None:
+        if num_positions <= self.capacity:
+            return
+        new_cap = max(num_positions, 2 * self.capacity)
+        h_kv, head_dim = self.shape_tail
+        k = torch.zeros(self.num_layers, h_kv, new_cap, head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        filled = torch.zeros(self.num_layers, new_cap, dtype=torch.bool, device=self.device)
+        if self.capacity:
+            k[:, :, : self.capacity] = self.k
+            v[:, :, : self.capacity] = self.v
+            filled[:, : self.capacity] = self.filled
+        self.k, self.v, self.filled, self.capacity = k, v, filled, new_cap
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_kv_heads, n, head_dim] for positions ``slots`` ([n])."""
+        self.k[layer].index_copy_(1, slots, k)
+        self.v[layer].index_copy_(1, slots, v)
+        self.filled[layer].index_fill_(0, slots, True)
+
+    def write_range(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Contiguous write (the decode hot path): k, v: [num_kv_heads, n, head_dim]."""
+        n = k.shape[1]
+        self.k[layer, :, start : start + n] = k
+        self.v[layer, :, start : start + n] = v
+        self.filled[layer, start : start + n] = True
+
+    def check_filled(self, num_positions: int) -> None:
+        ok = self.filled[:, :num_positions]
+        if not bool(ok.all()):
+            layer, pos = (~ok).nonzero()[0].tolist()
+            raise ScheduleError(
+                f"schedule left position {pos} without K/V at layer {layer}: a token that is never "
+                "active at a layer must have been loaded from a reused span"
+            )
+
+    def load_span(self, span: StoredSpan, dst_start: int, rope: RotaryEmbedding,
+                  src_start: int = 0, src_end: int | None = None) -> int:
+        """Copy span tokens [src_start, src_end) to positions from ``dst_start``; re-rotate keys.
+
+        Returns the number of positions moved (0 when the span keeps its original positions).
+        """
+        src_end = len(span) if src_end is None else src_end
+        n = src_end - src_start
+        self.ensure_capacity(dst_start + n)
+        k = span.k[:, :, src_start:src_end].to(self.device, self.dtype)  # [L, Hkv, n, hd]
+        v = span.v[:, :, src_start:src_end].to(self.device, self.dtype)
+        delta = dst_start - (span.start_pos + src_start)
+        if delta:
+            if not rope.can_shift:
+                raise ScheduleError(
+                    f"RoPE type {rope.rope_type!r} does not compose, so keys cannot move by {delta} "
+                    "positions; recompute this span instead"
+                )
+            k = rope.shift_keys(k, delta)
+        self.k[:, :, dst_start : dst_start + n] = k
+        self.v[:, :, dst_start : dst_start + n] = v
+        self.filled[:, dst_start : dst_start + n] = True
+        return n if delta else 0
+
+    def export(self, start: int, end: int, token_ids: list[int] | tuple[int, ...], fingerprint: str,
+               hidden: dict[int, torch.Tensor] | None = None) -> StoredSpan:
+        """A copy of positions [start, end) as a span (the sequence cache may then be freed)."""
+        if end > self.length:
+            raise ValueError(f"export [{start}, {end}) past the sequence length {self.length}")
+        return StoredSpan(
+            token_ids=tuple(int(t) for t in token_ids),
+            start_pos=start,
+            k=self.k[:, :, start:end].clone(),
+            v=self.v[:, :, start:end].clone(),
+            fingerprint=fingerprint,
+            hidden=dict(hidden or {}),
+        )

@@ -1,0 +1,33 @@
+"""Errors users see. Each names the input at fault (file, field, limit) and what to do."""
+
+
+class KvRelayError(Exception):
+    """Base class of every error kvrelay raises on bad input or state."""
+
+
+class ModelNotFoundError(KvRelayError):
+    """An unknown model alias or a path that does not exist."""
+
+
+class UnsupportedModelError(KvRelayError):
+    """An architecture, RoPE variant or tensor type this engine does not implement."""
+
+
+class ConfigError(KvRelayError):
+    """A configuration value that is out of range or inconsistent."""
+
+
+class CorruptModelError(KvRelayError):
+    """A model or cache file that cannot be parsed (truncated, wrong magic, missing tensors)."""
+
+
+class ContextLengthError(KvRelayError):
+    """A prompt (plus generation) that does not fit the model's context."""
+
+
+class ScheduleError(KvRelayError):
+    """A schedule that asks the forward for something impossible (e.g. a token with no KV)."""
+
+
+class StoreFullError(KvRelayError):
+    """A span that cannot fit the store's byte budget even after evicting every unpinned span."""

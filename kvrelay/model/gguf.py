@@ -1,0 +1,95 @@
+"""Read a GGUF file: metadata, and tensors dequantized to fp32 in Hugging Face naming and layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvrelay.errors import CorruptModelError, UnsupportedModelError
+from kvrelay.model.config import ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        mapped = _LAYER_NAMES.get(part)
+        return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
+    mapped = _TOP_NAMES.get(stem)
+    return None if mapped is None else f"{mapped}.{suffix}"
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    # [H, 2, rows/H/2, ...] in HF order was permuted to [H, rows/H/2, 2, ...]; swap back.
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open(path: Path) -> Any:
+    import gguf  # imported lazily: only conversions need it
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CorruptModelError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises bare ValueErrors/IndexErrors on truncation
+        raise CorruptModelError(f"{path}: truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        meta[key] = value
+    return meta
+
+
+def read_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], ModelConfig, dict[str, torch.Tensor]]:
+    """Metadata, config and fp32 state dict (HF names) of a GGUF checkpoint."""
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    reader = _open(path)
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(meta, has_output_weight="output.weight" in names)
+    state: dict[str, torch.Tensor] = {}
+    tensors = tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", disable=not progress,
+                   leave=False)
+    for t in tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name.startswith("rope_freqs"):
+                continue  # llama3 frequency factors: recomputed from the config
+            raise UnsupportedModelError(f"{path}: unexpected tensor {t.name!r}")
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from exc
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        arr = np.asarray(arr).reshape(shape)
+        if config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            arr = _unpermute(arr, heads)
+        state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # writable copy
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return meta, config, state

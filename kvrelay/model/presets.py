@@ -1,0 +1,54 @@
+"""``random:<preset>`` models: known shapes with random weights, for timing only.
+
+No weights can reach a GPU machine here, and timing does not need them. Their text is noise, so
+fidelity numbers on them mean nothing; the tokenizer is the default model's (its ids fit every
+preset's vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.errors import ModelNotFoundError
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.transformer import Transformer
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(family="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                        max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
+    "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                                max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama3-1b": ModelConfig(family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                             num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                             max_position_embeddings=131072, rope_theta=500000.0,
+                             rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}, tie_word_embeddings=True),
+    "llama3-8b": ModelConfig(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             max_position_embeddings=131072, rope_theta=500000.0,
+                             rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}),
+}
+
+
+def build_random(preset: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
+    from kvrelay.model.loader import DEFAULT_MODEL, LoadedModel, fingerprint_of, load_tokenizer
+
+    if preset not in PRESETS:
+        raise ModelNotFoundError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
+    config = PRESETS[preset]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:  # N(0, 0.02), Llama's initializer
+                p.normal_(0.0, 0.02, generator=gen)
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    fp = fingerprint_of(config, f"random:{preset}:seed{seed}", dtype, "default")
+    return LoadedModel(f"random:{preset}", model.eval(), tokenizer, config, fp, f"random:{preset}")

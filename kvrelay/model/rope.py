@@ -1,0 +1,120 @@
+"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama/Qwen/Mistral use).
+
+Moving reused keys to a new position is exact for RoPE variants whose rotation depends only on
+the position: ``K(p') = R(p' - p) K(p)``. Dynamic NTK scaling changes the frequencies with the
+sequence length, so rotations do not compose; ``RotaryEmbedding.can_shift`` finds that out with a
+round-trip self-test instead of trusting a list, and callers fall back to recompute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvrelay.model.config import ModelConfig
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., n, head_dim]; cos/sin: [n, head_dim] (broadcast over heads)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions, plus exact key shifts."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
+        self.rope_type = config.rope_type
+        self.params = dict(config.rope_scaling)
+        self.max_position_embeddings = int(
+            self.params.get("original_max_position_embeddings", config.max_position_embeddings)
+        )
+        self.device = torch.device(device)
+        self.inv_freq = self._inv_freq(self.theta)
+        self._table_len = 0
+        self._cos = self._sin = torch.empty(0)
+        self._can_shift: bool | None = None
+
+    def _inv_freq(self, theta: float) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=self.device) / self.head_dim
+        inv_freq = 1.0 / (theta**exponents)
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / float(self.params["factor"])
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, self.params)
+        return inv_freq.float()
+
+    def _freqs_for_length(self, seq_len: int) -> torch.Tensor:
+        if self.rope_type != "dynamic" or seq_len <= self.max_position_embeddings:
+            return self.inv_freq
+        # Dynamic NTK: the base grows with the sequence, so a position's angle depends on the length.
+        factor = float(self.params["factor"])
+        d = self.head_dim
+        base = self.theta * ((factor * seq_len / self.max_position_embeddings) - (factor - 1)) ** (d / (d - 2))
+        return self._inv_freq(base)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [n] -> cos, sin: [n, head_dim] in ``dtype``."""
+        if self.rope_type == "dynamic":
+            length = int(seq_len if seq_len is not None else positions.max().item() + 1)
+            freqs = positions.float()[:, None] * self._freqs_for_length(length)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        need = int(positions.max().item()) + 1 if positions.numel() else 0
+        if need > self._table_len:
+            self._grow_table(max(need, 2 * self._table_len, 256))
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+
+    def _grow_table(self, length: int) -> None:
+        pos = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [length, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
+        self._cos, self._sin, self._table_len = emb.cos(), emb.sin(), length
+
+    def shift_keys(self, keys: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
+        """Rotate post-RoPE keys by a position delta (per token). keys: [..., n, head_dim]; delta: [n]."""
+        n = keys.shape[-2]
+        delta_t = torch.as_tensor(delta, device=keys.device, dtype=torch.float32).expand(n)
+        freqs = delta_t[:, None] * self.inv_freq.to(keys.device)[None, :]  # [n, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return apply_rotary(keys.float(), emb.cos(), emb.sin()).to(keys.dtype)
+
+    @property
+    def can_shift(self) -> bool:
+        """Round-trip self-test: rope(k, p) shifted by Δ must equal rope(k, p + Δ), and back."""
+        if self._can_shift is None:
+            gen = torch.Generator().manual_seed(0)
+            k = torch.randn(4, self.head_dim, generator=gen).to(self.device)
+            # Probe past the original context so length-dependent variants show themselves.
+            p = torch.tensor([0, 5, 17, 100], device=self.device)
+            q = p + self.max_position_embeddings + 1
+            seq_p, seq_q = int(p.max()) + 1, int(q.max()) + 1
+            at_p = apply_rotary(k, *self.cos_sin(p, torch.float32, seq_p))
+            at_q = apply_rotary(k, *self.cos_sin(q, torch.float32, seq_q))
+            moved = self.shift_keys(at_p, q - p)
+            back = self.shift_keys(moved, p - q)
+            tol = 1e-2  # fp32 angles at ~8k positions carry ~1e-3 error; a failure is O(1)
+            self._can_shift = bool(
+                torch.allclose(moved, at_q, atol=tol) and torch.allclose(back, at_p, atol=tol)
+            )
+        return self._can_shift

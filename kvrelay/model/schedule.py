@@ -1,0 +1,82 @@
+"""The schedule: at each layer, which prompt tokens are computed and which come from the cache.
+
+Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
+
+- ``entries()`` says which tokens join the active set at which layer, and with what hidden state
+  (``None`` = from the embedding, only at layer 0; otherwise the carried input of that layer).
+- After each layer, ``after_layer(view)`` may drop tokens from the active set (never add: a
+  dropped token's hidden state is gone). It sees the fresh K/V of the active tokens, the K/V the
+  cache held for them before (if ``needs_prev_kv``), and can ask for attention probabilities.
+- ``exit_after(layer, last_hidden)`` may stop the forward early (RKSC's layer exit).
+
+Tokens that are not active at a layer must already have K/V there in the sequence cache: the
+forward checks this once at the end and raises ``ScheduleError`` if a schedule broke it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Entry:
+    """Tokens that join the active set at one layer."""
+
+    token_idx: torch.Tensor  # [n] prompt indices, int64
+    hidden: torch.Tensor | None = None  # [n, hidden_size] input of that layer; None = embedding
+
+
+@dataclass
+class LayerView:
+    """What a schedule may inspect right after layer ``layer`` ran for the active tokens."""
+
+    layer: int
+    active_idx: torch.Tensor  # [n_act] prompt indices, ascending
+    hidden_out: torch.Tensor  # [n_act, hidden_size] output of this layer
+    q: torch.Tensor  # [num_heads, n_act, head_dim] post-RoPE queries
+    k: torch.Tensor  # [num_kv_heads, n_act, head_dim] fresh post-RoPE keys
+    v: torch.Tensor  # [num_kv_heads, n_act, head_dim] fresh values
+    prev_k: torch.Tensor | None  # [num_kv_heads, n_act, head_dim] cached keys before overwrite
+    prev_v: torch.Tensor | None
+    _attention_probs: Callable[[torch.Tensor], torch.Tensor] = field(repr=False, default=None)
+
+    def attention_probs(self, query_rows: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of the chosen active rows over all keys: [num_heads, n_q, num_keys]."""
+        return self._attention_probs(query_rows)
+
+
+class Schedule:
+    """Default schedule: every prompt token active from layer 0 to the top (= full prefill)."""
+
+    #: layers whose *input* hidden states are captured for the tokens active there
+    capture_layers: tuple[int, ...] = ()
+    #: whether ``after_layer`` is called (skipped on the hot path when False)
+    has_layer_hook: bool = False
+    #: whether ``exit_after`` is called
+    has_exit_test: bool = False
+
+    def entries(self, num_tokens: int) -> dict[int, Entry]:
+        return {0: Entry(torch.arange(num_tokens))}
+
+    def needs_prev_kv(self, layer: int) -> bool:
+        return False
+
+    def after_layer(self, view: LayerView) -> torch.Tensor | None:
+        """Return a bool keep-mask over ``view.active_idx`` (None keeps every token)."""
+        return None
+
+    def exit_after(self, layer: int, last_hidden: torch.Tensor) -> bool:
+        return False
+
+
+class SuffixSchedule(Schedule):
+    """Tokens ``[start, n)`` active at every layer; ``[0, start)`` read from the cache."""
+
+    def __init__(self, start: int) -> None:
+        self.start = int(start)
+
+    def entries(self, num_tokens: int) -> dict[int, Entry]:
+        return {0: Entry(torch.arange(self.start, num_tokens))}

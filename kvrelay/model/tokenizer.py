@@ -1,0 +1,150 @@
+"""Tokenizer with the model's chat template, built from GGUF metadata or a HF tokenizer.json.
+
+Uses the ``tokenizers`` library directly (no transformers import: loads stay fast).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvrelay.errors import CorruptModelError, UnsupportedModelError
+
+# Pre-tokenizer split patterns of llama.cpp's BPE "pre" types (the same regexes as the HF files).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+
+
+def _byte_level_pre(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "smollm":  # every digit alone, then GPT-2's regex
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    if pre in ("gpt2", "default", "gpt-2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if split is None:
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer pre-type {pre!r}; supported: smollm, gpt2, llama-bpe, qwen2"
+        )
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, extra_stop_ids: tuple[int, ...] = ()) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        stops = set(extra_stop_ids)
+        for name in (eos_token, *STOP_TOKEN_NAMES):
+            tid = backend.token_to_id(name) if name else None
+            if tid is not None:
+                stops.add(tid)
+        self.stop_ids = frozenset(stops)
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (e.g. <|im_start|>) are parsed."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            # No template shipped: a plain transcript, so base models still work.
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return text + ("assistant: " if add_generation_prompt else "")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message: str) -> None:
+                raise jinja2.exceptions.TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: Path) -> None:
+        self.backend.save(str(directory / "tokenizer.json"))
+        meta = {"chat_template": self.chat_template, "bos_token": self.bos_token,
+                "eos_token": self.eos_token, "stop_ids": sorted(self.stop_ids)}
+        (directory / "tokenizer_meta.json").write_text(json.dumps(meta))
+
+    @classmethod
+    def load(cls, directory: Path) -> Tokenizer:
+        meta = json.loads((directory / "tokenizer_meta.json").read_text())
+        backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        return cls(backend, meta["chat_template"], meta["bos_token"], meta["eos_token"],
+                   tuple(meta["stop_ids"]))
+
+    @classmethod
+    def from_hf_dir(cls, directory: Path) -> Tokenizer:
+        path = directory / "tokenizer.json"
+        if not path.exists():
+            raise CorruptModelError(f"{directory}: no tokenizer.json (a fast tokenizer file is required)")
+        backend = HFTokenizer.from_file(str(path))
+        cfg: dict[str, Any] = {}
+        if (directory / "tokenizer_config.json").exists():
+            cfg = json.loads((directory / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if (directory / "chat_template.jinja").exists():
+            template = (directory / "chat_template.jinja").read_text()
+
+        def token_text(value: Any) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value
+
+        return cls(backend, template, token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token")))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is implemented"
+            )
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
+        backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre", "gpt2"))
+        backend.decoder = decoders.ByteLevel()
+        specials = [AddedToken(tokens[i], special=True, normalized=False)
+                    for i, t in enumerate(types) if t in (GGUF_CONTROL, GGUF_USER_DEFINED)]
+        backend.add_special_tokens(specials)
+
+        def token_at(key: str) -> str | None:
+            idx = meta.get(key)
+            return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+        return cls(backend, meta.get("tokenizer.chat_template"), token_at("tokenizer.ggml.bos_token_id"),
+                   token_at("tokenizer.ggml.eos_token_id"))

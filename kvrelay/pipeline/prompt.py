@@ -1,0 +1,68 @@
+"""Prompt assembly: render a chat template, then splice upstream outputs in as token ids.
+
+An upstream agent's output enters a downstream prompt as the very token ids it generated (not
+re-tokenized text), so its span matches the stored KV exactly; the ``full`` reference is fed the
+same ids, so comparisons are fair.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvrelay.model.tokenizer import Tokenizer
+
+_MARK = "\u27e6{}\u27e7"  # ⟦name⟧: a placeholder that no chat template or tokenizer alters
+_MARK_RE = re.compile("\u27e6([^\u27e7]+)\u27e7")
+
+
+def splice_marker(name: str) -> str:
+    """Text to put in a message where the output ``name`` should be spliced in as token ids."""
+    return _MARK.format(name)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of prompt tokens: text tokenized here (ref None) or an upstream output (ref = its name)."""
+
+    start: int
+    end: int
+    ref: str | None
+
+
+@dataclass
+class PromptIds:
+    ids: list[int]
+    segments: list[Segment]
+
+    def span_of(self, ref: str) -> Segment:
+        for seg in self.segments:
+            if seg.ref == ref:
+                return seg
+        raise KeyError(f"no spliced output {ref!r} in this prompt")
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]],
+                    splices: dict[str, list[int]] | None = None, add_generation_prompt: bool = True
+                    ) -> PromptIds:
+    """Token ids of ``messages`` under the chat template; each ⟦name⟧ becomes ``splices[name]``."""
+    splices = splices or {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ids: list[int] = []
+    segments: list[Segment] = []
+    pos = 0
+    for m in _MARK_RE.finditer(text):
+        name = m.group(1)
+        if name not in splices:
+            raise KeyError(f"prompt refers to output {name!r}, which was not given")
+        for piece, ref in ((text[pos : m.start()], None), (None, name)):
+            piece_ids = tokenizer.encode(piece) if ref is None else list(splices[ref])
+            if piece_ids:
+                segments.append(Segment(len(ids), len(ids) + len(piece_ids), ref))
+                ids.extend(piece_ids)
+        pos = m.end()
+    tail = tokenizer.encode(text[pos:])
+    if tail:
+        segments.append(Segment(len(ids), len(ids) + len(tail), None))
+        ids.extend(tail)
+    return PromptIds(ids, segments)

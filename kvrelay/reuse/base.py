@@ -1,0 +1,51 @@
+"""The interface every reuse method implements: look at the prompt and the store, build a plan.
+
+A plan is the spans to load into the sequence cache (re-rotated to their new positions) and the
+schedule that says, per layer, which prompt tokens the forward computes. A method never touches
+the forward loop (DESIGN.md: if it must, the schedule interface is wrong).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from kvrelay.cache.store import KVStore
+from kvrelay.model.schedule import Schedule
+
+if TYPE_CHECKING:
+    from kvrelay.model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class SpanLoad:
+    """Copy tokens [src_start, src_end) of a stored span to prompt positions from dst_start."""
+
+    span_id: str
+    src_start: int
+    src_end: int
+    dst_start: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.src_end - self.src_start
+
+
+@dataclass
+class Plan:
+    schedule: Schedule
+    loads: list[SpanLoad] = field(default_factory=list)
+    fallback: str | None = None  # why the method fell back to a full prefill, if it did
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return sum(load.num_tokens for load in self.loads)
+
+
+class ReuseMethod(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def plan(self, prompt_ids: list[int], store: KVStore | None, lm: LoadedModel) -> Plan:
+        """Decide what to reuse for this prompt; must leave the last prompt token active."""
