@@ -16,7 +16,7 @@ def median_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> 
     """Median of per-call ratios (not the ratio of medians): speedup = median(t_ref / t_method)."""
     if len(numerators) != len(denominators):
         raise ValueError(f"{len(numerators)} vs {len(denominators)} calls: ratios need pairs")
-    return median([n / d for n, d in zip(numerators, denominators)])
+    return median([n / d for n, d in zip(numerators, denominators, strict=True)])
 
 
 def mean(values: Sequence[float]) -> float:

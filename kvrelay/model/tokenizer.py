@@ -135,7 +135,10 @@ class Tokenizer:
         types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
+        try:
+            backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
+        except Exception as exc:  # tokenizers raises a bare Exception on an inconsistent vocab
+            raise CorruptModelError(f"GGUF tokenizer vocabulary/merges are inconsistent: {exc}") from exc
         backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre", "gpt2"))
         backend.decoder = decoders.ByteLevel()
         specials = [AddedToken(tokens[i], special=True, normalized=False)

@@ -1,0 +1,135 @@
+"""Tiny random-weight models of every family, built from a transformers config (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.loader import LoadedModel
+from kvrelay.model.transformer import Transformer
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+
+FAMILIES = {
+    "llama2": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    "smollm2": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 100000.0, "tie_word_embeddings": True,
+                                                    "num_key_value_heads": 1}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+def hf_model(family: str, seed: int = 0):
+    """A random transformers model of ``family``; norms and biases perturbed so they matter."""
+    import transformers
+
+    cfg_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    config._attn_implementation = "sdpa"
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def ours_from_hf(hf) -> Transformer:
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    model = Transformer(cfg)
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def tiny_lm(family: str = "llama2", seed: int = 0) -> LoadedModel:
+    """Our model wrapped as a LoadedModel, with a byte-level toy tokenizer (for engine tests)."""
+    from kvrelay.model.tokenizer import Tokenizer
+
+    model = ours_from_hf(hf_model(family, seed))
+    tok = Tokenizer.from_gguf_metadata(toy_tokenizer_metadata())
+    return LoadedModel(f"tiny-{family}", model, tok, model.config, f"fp-{family}-{seed}", "test")
+
+
+def toy_tokenizer_metadata() -> dict:
+    """GGUF-style metadata of a 259-token byte-level BPE (256 bytes, 2 chat specials, one merge)."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = alphabet + ["<|im_start|>", "<|im_end|>", "ab"]
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * len(alphabet) + [3, 3, 1], "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": len(alphabet), "tokenizer.ggml.eos_token_id": len(alphabet) + 1,
+        "tokenizer.chat_template": template,
+    }
+
+
+def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's conversion permutation of Q/K rows (what kvrelay must undo)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, hf) -> None:
+    """Write ``hf`` (a Llama) as a GGUF file the way llama.cpp's converter lays it out (F32)."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    meta = toy_tokenizer_metadata()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_chat_template(meta["tokenizer.chat_template"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, t in hf.state_dict().items():
+        arr = t.float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{names[module]}.{suffix}"
+            if module == "self_attn.q_proj":
+                arr = _permute(arr, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                arr = _permute(arr, cfg.num_key_value_heads)
+        w.add_tensor(out, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,0 +1,60 @@
+"""The real default model: conversion, tokenizer and forward against transformers' own GGUF loader."""
+
+import pytest
+import torch
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.model.loader import _alias_path, load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def hf_pair():
+    """transformers reading the same GGUF file: an independent dequantization and Q/K un-permute."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _alias_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+PROMPT = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold "
+                                      "half as many clips in May. How many clips did she sell altogether?"}]
+
+
+def test_tokenizer_matches_transformers(lm, hf_pair):
+    _, hf_tok = hf_pair
+    for text in ["Natalia sold 48 clips, 12,345.67 + $678 = ?", "<|im_start|>user\nHi!<|im_end|>\n",
+                 "  spaces   and\ttabs\n\nnew  lines ünïcödé 日本語 🙂"]:
+        assert lm.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
+        assert lm.tokenizer.decode(lm.tokenizer.encode(text), skip_special_tokens=False) == text
+
+
+def test_chat_template_and_stop_tokens(lm):
+    text = lm.tokenizer.apply_chat_template(PROMPT)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert lm.tokenizer.token_to_id("<|im_end|>") in lm.tokenizer.stop_ids
+
+
+def test_logits_match_transformers(lm, hf_pair):
+    hf, _ = hf_pair
+    ids = torch.tensor(lm.tokenizer.encode(lm.tokenizer.apply_chat_template(PROMPT)))
+    with torch.no_grad():
+        ref32 = hf(ids[None]).logits[0]
+    got32 = lm.model.prefill(ids, SequenceKV(lm.config, torch.float32, "cpu"), all_logits=True).logits
+    assert torch.equal(got32.argmax(-1), ref32.argmax(-1))
+    # fp32 over 30 layers: summation order (GQA in SDPA vs repeated KV) leaves ~1e-4 on logits of ~40.
+    assert (got32 - ref32).abs().max() < 2e-4
+    # In fp64 the two forwards agree to the final fp32 cast of our logits: the same computation.
+    hf64 = hf.double()  # last use of the fixture: transformers will not cast a GGUF model back
+    ours64 = load_model("smollm2-135m", dtype=torch.float64)
+    with torch.no_grad():
+        ref64 = hf64(ids[None]).logits[0]
+    got64 = ours64.model.prefill(ids, SequenceKV(ours64.config, torch.float64, "cpu"), all_logits=True).logits
+    assert (got64.double() - ref64).abs().max() < 1e-4

@@ -1,0 +1,107 @@
+"""generate(): reuse through the store, publishing, stop tokens, sampling, stats."""
+
+import pytest
+import torch
+
+from kvrelay.cache.store import KVStore
+from kvrelay.engine import CallStats, generate
+from kvrelay.errors import ConfigError
+from kvrelay.eval.fidelity import kl_first_token
+from kvrelay.model.sampling import Sampler, SamplingConfig
+from tests.helpers import tiny_lm
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm("llama3")
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_published_span_holds_prompt_and_every_output_token(lm):
+    store = KVStore(1 << 30)
+    prompt = _prompt(20, 0)
+    out = generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=7), publish_as="a")
+    span = store.get("a")
+    assert out.stop_reason == "length" and len(out.output_ids) == 7
+    assert span.token_ids == tuple(prompt + out.output_ids)
+    assert span.k.shape[2] == 27 and span.start_pos == 0
+    assert span.nbytes == 2 * 4 * 2 * 27 * 16 * 4  # K and V: layers x kv_heads x tokens x head_dim x fp32
+
+
+def test_prefix_reuse_reproduces_full_on_a_downstream_call(lm):
+    store = KVStore(1 << 30)
+    upstream = generate(lm, _prompt(24, 1), "full", store, SamplingConfig(max_new_tokens=10), publish_as="up")
+    downstream = upstream.prompt_ids + upstream.output_ids + _prompt(9, 2)
+    full = generate(lm, downstream, "full", store, SamplingConfig(max_new_tokens=12))
+    pre = generate(lm, downstream, "prefix", store, SamplingConfig(max_new_tokens=12))
+    assert pre.stats.num_reused_tokens == 34
+    torch.testing.assert_close(pre.first_logits, full.first_logits, atol=1e-4, rtol=0)
+    assert pre.output_ids == full.output_ids
+    assert kl_first_token(full.first_logits, pre.first_logits) < 1e-8
+    layers = lm.config.num_layers
+    assert pre.stats.num_computed_token_layers == 9 * layers
+    assert pre.stats.reuse_rate == pytest.approx(34 / 43)
+    assert pre.stats.recompute_frac == 0.0
+
+
+def test_prefix_recomputes_the_last_token_of_a_fully_cached_prompt(lm):
+    store = KVStore(1 << 30)
+    prompt = _prompt(16, 3)
+    generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=3), publish_as="p")
+    full = generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=1))
+    pre = generate(lm, prompt, "prefix", store, SamplingConfig(max_new_tokens=1))
+    assert pre.stats.num_reused_tokens == 15
+    torch.testing.assert_close(pre.first_logits, full.first_logits, atol=1e-4, rtol=0)
+
+
+def test_prefix_ignores_spans_of_another_model(lm):
+    other = tiny_lm("llama3", seed=1)
+    store = KVStore(1 << 30)
+    prompt = _prompt(40, 4)
+    generate(other, prompt, "full", store, SamplingConfig(max_new_tokens=2), publish_as="x")
+    assert generate(lm, prompt, "prefix", store, SamplingConfig(max_new_tokens=1)).stats.num_reused_tokens == 0
+
+
+def test_stop_token_ends_generation(lm, monkeypatch):
+    prompt = _prompt(10, 5)
+    first = generate(lm, prompt, "full", sampling=SamplingConfig(max_new_tokens=16))
+    ids = first.output_ids
+    cut = max(i for i, t in enumerate(ids) if t not in ids[:i])  # the last token seen for the first time
+    monkeypatch.setattr(lm.tokenizer, "stop_ids", frozenset({ids[cut]}))
+    out = generate(lm, prompt, "full", sampling=SamplingConfig(max_new_tokens=16))
+    assert out.stop_reason == "stop" and out.output_ids == ids[:cut]
+
+
+def test_decode_hidden_states_are_captured(lm):
+    out = generate(lm, _prompt(10, 6), "full", KVStore(1 << 30), SamplingConfig(max_new_tokens=4),
+                   capture_layers=(1, 3), publish_as="h")
+    assert sorted(out.decode_hidden) == [1, 3]
+    assert out.decode_hidden[1].shape == (4, lm.config.hidden_size)  # every output token, incl. the last
+
+
+def test_sampling_is_seeded_and_top_p_keeps_the_top_token():
+    logits = torch.tensor([5.0, 4.0, 0.0, -1.0])
+    a = [Sampler(SamplingConfig(temperature=1.0, seed=3))(logits) for _ in range(5)]
+    b = [Sampler(SamplingConfig(temperature=1.0, seed=3))(logits) for _ in range(5)]
+    assert a == b
+    tiny_p = Sampler(SamplingConfig(temperature=1.0, top_p=0.01, seed=0))
+    assert {tiny_p(logits) for _ in range(20)} == {0}
+    nucleus = Sampler(SamplingConfig(temperature=1.0, top_p=0.9, seed=0))
+    assert {nucleus(logits) for _ in range(200)} == {0, 1}  # p(0)+p(1) > 0.9 covers the rest out
+
+
+def test_sampling_config_validation():
+    with pytest.raises(ConfigError, match="top_p"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        SamplingConfig(max_new_tokens=0)
+
+
+def test_call_stats_definitions():
+    s = CallStats("m", num_prompt_tokens=10, num_layers=4, num_reused_tokens=6, num_computed_token_layers=4 * 4 + 3,
+                  num_shifted_tokens=0, ttft_ms=1.0)
+    assert s.reuse_rate == pytest.approx(1 - 19 / 40)
+    assert s.recompute_frac == pytest.approx(3 / 24)  # 4 new tokens at 4 layers; 3 reused token-layers redone
