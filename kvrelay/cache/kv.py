@@ -62,8 +62,9 @@ class SequenceKV:
             return
         new_cap = max(num_positions, 2 * self.capacity)
         h_kv, head_dim = self.shape_tail
-        k = torch.zeros(self.num_layers, h_kv, new_cap, head_dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
+        # Uninitialised is safe: attention reads only slots the schedule filled (``check_filled``).
+        k = torch.empty(self.num_layers, h_kv, new_cap, head_dim, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
         filled = torch.zeros(self.num_layers, new_cap, dtype=torch.bool, device=self.device)
         if self.capacity:
             k[:, :, : self.capacity] = self.k

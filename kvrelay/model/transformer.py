@@ -36,6 +36,40 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several Linears that read the same input.
+
+    Decoding is bound by reading weights; one GEMV over the stacked rows runs ~20% faster on CPU
+    than three small ones. The Linears' parameters are re-pointed to views of the fused tensor, so
+    memory stays single and HF-named state dicts still load into them (copy_ writes the views).
+    """
+    # Built outside inference mode: an inference tensor as a parameter could never be loaded into again.
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        has_bias = linears[0].bias is not None
+        bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+        row = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight = nn.Parameter(weight[row : row + rows], requires_grad=False)
+            if has_bias:
+                lin.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
+            row += rows
+    return weight, bias
+
+
+def _still_fused(fused: torch.Tensor | None, linears: list[nn.Linear]) -> bool:
+    """True while every Linear's weight is still the view of ``fused`` made by fuse_linears."""
+    if fused is None:
+        return False
+    offset = fused.data_ptr()
+    for lin in linears:
+        if lin.weight.data_ptr() != offset or lin.weight.dtype != fused.dtype:
+            return False
+        offset += lin.weight.numel() * lin.weight.element_size()
+    return True
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -48,14 +82,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self._qkv_w: torch.Tensor | None = None
+        self._qkv_b: torch.Tensor | None = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [n, hidden] -> q [H, n, hd], k [Hkv, n, hd], v [Hkv, n, hd]; q and k rotated."""
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, H, hd]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, hd]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, n, hd]
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        if not _still_fused(self._qkv_w, linears):
+            self._qkv_w, self._qkv_b = fuse_linears(linears)
+        n, q_dim, kv_dim = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self._qkv_w, self._qkv_b).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [n, H, hd]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, hd]
+        v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, n, hd]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(0, 1), cos, sin)  # [H, n, hd]
@@ -69,9 +109,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self._gate_up_w: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        linears = [self.gate_proj, self.up_proj]
+        if not _still_fused(self._gate_up_w, linears):
+            self._gate_up_w, _ = fuse_linears(linears)
+        gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)  # [n, inter] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -62,3 +62,20 @@ def test_twenty_decode_steps_match(pair):
     with torch.no_grad():
         full = hf(torch.cat([prompt, torch.tensor(tokens)])[None]).logits[0, -1]
     torch.testing.assert_close(logits[-1], full, atol=ATOL, rtol=0)
+
+
+def test_fused_projections_follow_later_weight_changes():
+    """Fusing q/k/v and gate/up must never serve stale weights (load_state_dict or dtype changes)."""
+    hf_a, hf_b = hf_model("qwen2", seed=0), hf_model("qwen2", seed=5)
+    ours = ours_from_hf(hf_a)
+    ids = _ids(10)
+    cache = lambda dtype=torch.float32: SequenceKV(ours.config, dtype, "cpu")  # noqa: E731
+    ours.prefill(ids, cache())  # fuses
+    ours.load_state_dict(hf_b.state_dict(), strict=False)  # copies into the fused views
+    with torch.no_grad():
+        ref = hf_b(ids[None]).logits[0, -1]
+    torch.testing.assert_close(ours.prefill(ids, cache()).logits, ref, atol=ATOL, rtol=0)
+    ours.double()  # replaces every parameter: the fusion must be rebuilt
+    ours._rope = None
+    got = ours.prefill(ids, cache(torch.float64)).logits
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)

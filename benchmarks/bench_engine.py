@@ -1,0 +1,145 @@
+"""Engine speed against transformers on the same weights, in the same run (issue: engine foundation).
+
+- prefill: one forward over N prompt tokens (default 1,024), median of R runs; ours vs
+  transformers' model forward (SDPA attention), logits of the last token only on both sides.
+- decode: greedy tokens/s over T new tokens; ours (generate, full) vs transformers' generate.
+- load: wall time of a fresh process loading the default model once it is converted and cached.
+
+Usage: python benchmarks/bench_engine.py [--model smollm2-135m] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kvrelay
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.engine import generate
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingConfig
+
+
+def _env(device: str) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                       f"{torch.get_num_threads()} torch threads", "device": device, "torch": torch.__version__,
+            "kvrelay": kvrelay.__version__, "commit": commit, "python": platform.python_version()}
+
+
+def _hf_twin(lm):
+    """A transformers Llama with exactly our weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = lm.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                      attn_implementation="sdpa")
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(lm.model.state_dict(), strict=False)
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    lm = load_model(args.model)
+    hf = _hf_twin(lm)
+    ids = torch.randint(0, 20000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
+
+    def ours_prefill():
+        lm.model.prefill(ids, SequenceKV(lm.config, lm.dtype, "cpu", capacity=args.prompt_tokens))
+
+    @torch.inference_mode()
+    def hf_prefill():
+        hf(ids[None], logits_to_keep=1, use_cache=True)
+
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0, -1]
+    ours_logits = lm.model.prefill(ids, SequenceKV(lm.config, lm.dtype, "cpu")).logits
+    max_diff = float((ours_logits - ref).abs().max())
+
+    # alternate the two so machine noise hits both alike
+    ours_ms, hf_ms = [], []
+    for _ in range(args.repeats):
+        ours_ms.append(_median_ms(ours_prefill, 1))
+        hf_ms.append(_median_ms(hf_prefill, 1))
+    prefill = {"prompt_tokens": args.prompt_tokens, "ours_ms_median": statistics.median(ours_ms),
+               "transformers_ms_median": statistics.median(hf_ms), "max_abs_logit_diff": max_diff}
+    prefill["ratio_ours_over_transformers"] = prefill["ours_ms_median"] / prefill["transformers_ms_median"]
+
+    decode_prompt = ids[:128].tolist()
+    new = args.new_tokens
+
+    def ours_decode():
+        out = generate(lm, decode_prompt, "full", sampling=SamplingConfig(max_new_tokens=new))
+        assert len(out.output_ids) == new or out.stop_reason == "stop"
+        return out.stats.decode_ms, len(out.output_ids)
+
+    @torch.inference_mode()
+    def hf_decode():
+        x = torch.tensor([decode_prompt])
+        t0 = time.perf_counter()
+        hf.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return (time.perf_counter() - t0) * 1e3
+
+    ours_decode()
+    hf_decode()
+    ours_tps, hf_tps = [], []
+    for _ in range(args.repeats):
+        ms, n = ours_decode()
+        ours_tps.append((n - 1) / (ms / 1e3))  # the decode loop feeds n-1 tokens after the prefill's first
+        # transformers' generate time includes its prefill: subtract a prefill of the same prompt
+        hf_total = hf_decode()
+        hf_pre = _median_ms(lambda: hf(torch.tensor([decode_prompt]), logits_to_keep=1), 1)
+        hf_tps.append((new - 1) / ((hf_total - hf_pre) / 1e3))
+    decode = {"prompt_tokens": 128, "new_tokens": new, "ours_tokens_per_s_median": statistics.median(ours_tps),
+              "transformers_tokens_per_s_median": statistics.median(hf_tps)}
+    decode["ratio_ours_over_transformers"] = (decode["ours_tokens_per_s_median"]
+                                              / decode["transformers_tokens_per_s_median"])
+
+    code = f"import time; t=time.perf_counter(); from kvrelay.model.loader import load_model; " \
+           f"load_model({args.model!r}); print(time.perf_counter()-t)"
+    load_s = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.split()[-1]) for _ in range(3)]
+    load = {"second_load_s_median": statistics.median(load_s), "runs_s": load_s,
+            "note": "fresh process, conversion cache present; includes importing torch and kvrelay"}
+
+    result = {"env": _env("cpu"), "model": lm.name, "prefill": prefill, "decode": decode, "load": load}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
