@@ -16,7 +16,8 @@ from kvrelay.cache.store import KVStore
 from kvrelay.errors import ContextLengthError
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import Sampler, SamplingConfig
-from kvrelay.reuse import ReuseMethod, get_method
+from kvrelay.model.schedule import Schedule
+from kvrelay.reuse import Plan, ReuseMethod, get_method
 
 
 @dataclass
@@ -68,6 +69,18 @@ class GenerationOutput:
     decode_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_out, hidden]
 
 
+def _shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
+    """A plan that moves reused keys under a RoPE whose rotations do not compose becomes a full
+    prefill, and says so (counted as a fallback in the stats)."""
+    if model.rope.can_shift:
+        return plan
+    for load in plan.loads:
+        if store.get(load.span_id).start_pos + load.src_start != load.dst_start:
+            return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot move keys "
+                                             f"(span {load.span_id!r}); recomputed with a full prefill")
+    return plan
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,7 +109,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], method: ReuseMethod | str =
 
     _sync(device)
     t0 = time.perf_counter()
-    plan = method.plan(prompt_ids, store, lm)
+    plan = _shiftable(method.plan(prompt_ids, store, lm), store, model)
     cache = SequenceKV(config, model.dtype, device, capacity=total + 1)
     num_shifted = 0
     for load in plan.loads:

@@ -105,3 +105,30 @@ def test_call_stats_definitions():
                   num_shifted_tokens=0, ttft_ms=1.0)
     assert s.reuse_rate == pytest.approx(1 - 19 / 40)
     assert s.recompute_frac == pytest.approx(3 / 24)  # 4 new tokens at 4 layers; 3 reused token-layers redone
+
+
+def test_moving_keys_under_dynamic_rope_falls_back_to_full_and_says_so():
+    import dataclasses
+
+    from kvrelay.model.schedule import SuffixSchedule
+    from kvrelay.reuse.base import Plan, ReuseMethod, SpanLoad
+
+    lm = tiny_lm("llama2")
+    cfg = dataclasses.replace(lm.config, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    lm.model.config = lm.config = cfg
+    lm.model._rope = None
+    store = KVStore(1 << 30)
+    up = generate(lm, _prompt(12, 8), "full", store, SamplingConfig(max_new_tokens=2), publish_as="up")
+
+    class MoveSpan(ReuseMethod):  # reuse the upstream prompt 5 positions later
+        name = "move"
+
+        def plan(self, prompt_ids, store, lm):
+            return Plan(SuffixSchedule(17), [SpanLoad("up", 0, 12, 5)])
+
+    prompt = _prompt(5, 9) + up.prompt_ids + _prompt(4, 10)
+    out = generate(lm, prompt, MoveSpan(), store, SamplingConfig(max_new_tokens=1))
+    full = generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=1))
+    assert "cannot move keys" in out.stats.fallback
+    assert out.stats.num_reused_tokens == 0 and out.stats.reuse_rate == 0.0
+    torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-5, rtol=0)
