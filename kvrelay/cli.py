@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from kvrelay.errors import KvRelayError
 
@@ -45,6 +46,60 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from kvrelay.eval.harness import Bench, BenchConfig
+    from kvrelay.eval.plots import write_plots
+    from kvrelay.eval.report import format_by_agent, format_table
+
+    result = Bench(_dataclass_from_args(BenchConfig, args)).run()
+    print(f"\n{result['workload']} ({result['mode']} mode), {result['n']} problems, model {result['model']} "
+          f"on {result['env']['device']}")
+    if not result["fidelity_meaningful"]:
+        print("fidelity columns are not meaningful for random-weight models (n/a)")
+    print(format_table(result["results"], result["fidelity_meaningful"]))
+    print("\n" + format_by_agent(result["results"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        for path in write_plots(result, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from kvrelay.cache.store import KVStore
+    from kvrelay.model.loader import load_model
+    from kvrelay.pipeline.runner import PipelineRunner
+    from kvrelay.pipeline.spec import PipelineSpec
+
+    spec = PipelineSpec.from_yaml(args.pipeline)
+    inputs = {}
+    for item in args.input:
+        name, sep, text = item.partition("=")
+        if not sep:
+            if len(spec.inputs) != 1:
+                raise KvRelayError(f"--input {item!r}: write NAME=TEXT (inputs: {list(spec.inputs)})")
+            name, text = spec.inputs[0], item
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text()
+        inputs[name] = text
+    lm = load_model(args.model, device=args.device)
+    runner = PipelineRunner(lm, spec, KVStore(args.store_bytes))
+    results = runner.run(inputs, args.method)
+    for name, res in results.items():
+        s = res.output.stats
+        print(f"=== {name} [{args.method}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
+              f"reuse {s.reuse_rate:.2f}, {s.num_generated_tokens} new tokens"
+              + (f", fallback: {s.fallback}" if s.fallback else "") + "]")
+        print(res.output.text)
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvrelay.engine import generate
     from kvrelay.model.loader import load_model
@@ -65,14 +120,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvrelay.demo import DemoConfig
+    from kvrelay.eval.harness import BenchConfig
     from kvrelay.model.loader import DEFAULT_MODEL
     from kvrelay.model.sampling import SamplingConfig
+    from kvrelay.reuse import METHODS
 
     parser = argparse.ArgumentParser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="2-agent GSM8K chain on the default model, methods side by side")
+    demo = sub.add_parser("demo", help="gsm8k-chain3 on the default model, every method side by side")
     _add_dataclass_flags(demo, DemoConfig)
     demo.set_defaults(fn=_cmd_demo)
+    bench = sub.add_parser("bench", help="every method on a named workload: TTFT, reuse, fidelity; table + JSON")
+    _add_dataclass_flags(bench, BenchConfig)
+    bench.add_argument("--json", default=None, help="write the result JSON here")
+    bench.add_argument("--plot", default=None, help="write PNG plots into this folder")
+    bench.set_defaults(fn=_cmd_bench)
+    run = sub.add_parser("run", help="run one pipeline (YAML) with a method; print outputs and stats")
+    run.add_argument("pipeline", help="PIPELINE.yaml")
+    run.add_argument("--method", default="full", help=f"one of: {', '.join(METHODS)}")
+    run.add_argument("--input", action="append", default=[], help="NAME=TEXT (or NAME=@file); repeatable")
+    run.add_argument("--model", default=DEFAULT_MODEL)
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--store-bytes", type=int, default=4 << 30)
+    run.set_defaults(fn=_cmd_run)
     gen = sub.add_parser("generate", help="one chat completion with the engine")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=DEFAULT_MODEL)

@@ -1,4 +1,4 @@
-"""``generate(lm, prompt_ids, method)``: plan, load reused KV, scheduled prefill, decode, publish.
+"""``generate(lm, call, method)``: plan, load reused KV, scheduled prefill, decode; ``publish`` after.
 
 TTFT runs from call start (planning, store lookups, loading and re-rotating reused KV, the
 scheduled prefill) to the first-token logits.
@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ContextLengthError
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import Sampler, SamplingConfig
-from kvrelay.model.schedule import Schedule
-from kvrelay.reuse import Plan, ReuseMethod, get_method
+from kvrelay.model.schedule import Schedule, SuffixSchedule
+from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method
 
 
 @dataclass
@@ -38,18 +38,25 @@ class CallStats:
         return self.num_prompt_tokens * self.num_layers
 
     @property
+    def num_reused_token_layers(self) -> int:
+        return self.num_prompt_token_layers - self.num_computed_token_layers
+
+    @property
+    def num_recomputed_token_layers(self) -> int:
+        """Token-layers of reused spans that were computed again."""
+        new_token_layers = (self.num_prompt_tokens - self.num_reused_tokens) * self.num_layers
+        return self.num_computed_token_layers - new_token_layers
+
+    @property
     def reuse_rate(self) -> float:
         """Reused token-layers / prompt token-layers (DESIGN.md)."""
-        return 1.0 - self.num_computed_token_layers / self.num_prompt_token_layers
+        return self.num_reused_token_layers / self.num_prompt_token_layers
 
     @property
     def recompute_frac(self) -> float:
         """Recomputed token-layers of reused spans / their token-layers (0 with nothing reused)."""
         reused_token_layers = self.num_reused_tokens * self.num_layers
-        if reused_token_layers == 0:
-            return 0.0
-        new_token_layers = (self.num_prompt_tokens - self.num_reused_tokens) * self.num_layers
-        return (self.num_computed_token_layers - new_token_layers) / reused_token_layers
+        return self.num_recomputed_token_layers / reused_token_layers if reused_token_layers else 0.0
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -64,9 +71,15 @@ class GenerationOutput:
     text: str
     first_logits: torch.Tensor  # [vocab] fp32, the first-token distribution's logits
     stats: CallStats
-    stop_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
-    span_id: str | None = None  # where the sequence's KV was published, if it was
+    stop_reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "forced"
     decode_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_out, hidden]
+    prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_prompt, hidden]
+    cache: SequenceKV | None = None  # kept with keep_cache=True: every prompt and output token's KV
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
@@ -81,50 +94,70 @@ def _shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
     return plan
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def generate(lm: LoadedModel, prompt_ids: list[int], method: ReuseMethod | str = "full",
+def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod | str = "full",
              store: KVStore | None = None, sampling: SamplingConfig | None = None,
-             capture_layers: tuple[int, ...] = (), publish_as: str | None = None,
-             pin: bool = False) -> GenerationOutput:
-    """One agent call. With ``publish_as``, the sequence's KV (prompt + output) goes to ``store``."""
+             capture_layers: tuple[int, ...] = (), keep_cache: bool = False,
+             forced_output_ids: list[int] | None = None) -> GenerationOutput:
+    """One agent call.
+
+    With ``keep_cache``, the output keeps the sequence KV so that ``publish`` can store it. With
+    ``forced_output_ids``, the output is those ids (not sampled): their KV is computed by one more
+    prefill chunk, as decoding them would (up to float rounding), for deterministic workloads.
+    """
     sampling = sampling or SamplingConfig()
+    call = call if isinstance(call, CallInput) else CallInput(list(call))
     method = get_method(method) if isinstance(method, str) else method
     model, config = lm.model, lm.config
+    prompt_ids = call.prompt_ids
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
-    total = len(prompt_ids) + sampling.max_new_tokens
+    num_new = len(forced_output_ids) if forced_output_ids is not None else sampling.max_new_tokens
+    total = len(prompt_ids) + num_new
     if total > config.max_position_embeddings:
         raise ContextLengthError(
-            f"prompt of {len(prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} = {total} "
-            f"exceeds the context length of {lm.name} ({config.max_position_embeddings})"
+            f"prompt of {len(prompt_ids)} tokens + {num_new} new tokens = {total} exceeds the context "
+            f"length of {lm.name} ({config.max_position_embeddings})"
         )
-    if publish_as is not None and store is None:
-        raise ValueError("publish_as needs a store")
     device = model.device
     ids = torch.tensor(prompt_ids, dtype=torch.long)
 
     _sync(device)
     t0 = time.perf_counter()
-    plan = _shiftable(method.plan(prompt_ids, store, lm), store, model)
+    plan = _shiftable(method.plan(call, store, lm), store, model)
     cache = SequenceKV(config, model.dtype, device, capacity=total + 1)
     num_shifted = 0
     for load in plan.loads:
         span = store.get(load.span_id)
         num_shifted += cache.load_span(span, load.dst_start, model.rope, load.src_start, load.src_end)
+    plan.schedule.capture_layers = tuple(capture_layers)
     result = model.prefill(ids, cache, plan.schedule)
     _sync(device)
     ttft_ms = (time.perf_counter() - t0) * 1e3
 
-    sampler = Sampler(sampling)
+    t1 = time.perf_counter()
+    if forced_output_ids is not None:
+        output, stop_reason, decode_hidden = _force(model, ids, cache, forced_output_ids, capture_layers)
+    else:
+        output, stop_reason, decode_hidden = _decode(lm, cache, result.logits, sampling, capture_layers,
+                                                     feed_last=keep_cache)
+    _sync(device)
+    decode_ms = (time.perf_counter() - t1) * 1e3
+
+    prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(prompt_ids)}
+    stats = CallStats(method.name, len(prompt_ids), config.num_layers, plan.num_reused_tokens,
+                      result.num_computed_token_layers, num_shifted, ttft_ms, decode_ms, len(output),
+                      plan.fallback)
+    return GenerationOutput(prompt_ids, output, lm.tokenizer.decode(output), result.logits, stats, stop_reason,
+                            decode_hidden, prompt_hidden, cache if keep_cache else None)
+
+
+def _decode(lm: LoadedModel, cache: SequenceKV, logits: torch.Tensor, sampling: SamplingConfig,
+            capture_layers: tuple[int, ...], feed_last: bool) -> tuple[list[int], str, dict[int, torch.Tensor]]:
+    model, sampler = lm.model, Sampler(sampling)
     captured: dict[int, list[torch.Tensor]] = {}
     output: list[int] = []
-    next_id = sampler(result.logits)
+    next_id = sampler(logits)
     stop_reason = "length"
-    t1 = time.perf_counter()
     while True:
         if next_id in lm.tokenizer.stop_ids:
             stop_reason = "stop"
@@ -133,24 +166,32 @@ def generate(lm: LoadedModel, prompt_ids: list[int], method: ReuseMethod | str =
         if len(output) >= sampling.max_new_tokens:
             break
         next_id = sampler(model.decode_step(next_id, cache, capture_layers, captured))
-    if stop_reason == "length" and publish_as is not None:
+    if stop_reason == "length" and feed_last:
         model.decode_step(output[-1], cache, capture_layers, captured)  # so every output token has KV
-    _sync(device)
-    decode_ms = (time.perf_counter() - t1) * 1e3
+    return output, stop_reason, {layer: torch.stack(rows) for layer, rows in captured.items()}
 
-    decode_hidden = {layer: torch.stack(rows) for layer, rows in captured.items()}
-    stats = CallStats(method.name, len(prompt_ids), config.num_layers, plan.num_reused_tokens,
-                      result.num_computed_token_layers, num_shifted, ttft_ms, decode_ms, len(output),
-                      plan.fallback)
-    span_id = None
-    if publish_as is not None:
-        seq_ids = prompt_ids + output
-        hidden = {}
-        for layer in capture_layers:  # a layer's hidden states are kept only if every row is known
-            got = result.captured.get(layer)
-            if got is not None and got[0].numel() == len(prompt_ids) and layer in decode_hidden:
-                hidden[layer] = torch.cat([got[1], decode_hidden[layer]])
-        store.put(publish_as, cache.export(0, len(seq_ids), seq_ids, lm.fingerprint, hidden), pin=pin)
-        span_id = publish_as
-    return GenerationOutput(prompt_ids, output, lm.tokenizer.decode(output), result.logits, stats,
-                            stop_reason, span_id, decode_hidden)
+
+def _force(model, prompt: torch.Tensor, cache: SequenceKV, forced: list[int], capture_layers: tuple[int, ...]
+           ) -> tuple[list[int], str, dict[int, torch.Tensor]]:
+    if not forced:
+        return [], "forced", {}
+    schedule = SuffixSchedule(len(prompt))
+    schedule.capture_layers = tuple(capture_layers)
+    result = model.prefill(torch.cat([prompt, torch.tensor(forced, dtype=torch.long)]), cache, schedule)
+    return list(forced), "forced", {layer: h for layer, (_, h) in result.captured.items()}
+
+
+def publish(store: KVStore, span_id: str, out: GenerationOutput, lm: LoadedModel, pin: bool = False) -> StoredSpan:
+    """Store a call's prompt KV + decode KV (+ captured hidden states) as one span at position 0."""
+    if out.cache is None:
+        raise ValueError("publish needs generate(..., keep_cache=True)")
+    seq_ids = out.prompt_ids + out.output_ids
+    layers = sorted(out.decode_hidden)
+    if layers and all(layer in out.prompt_hidden for layer in layers):
+        hidden = {layer: torch.cat([out.prompt_hidden[layer], out.decode_hidden[layer]]) for layer in layers}
+        hidden_from = 0
+    else:  # the prompt's rows are not all known (reused tokens): carry the output's rows only
+        hidden, hidden_from = dict(out.decode_hidden), len(out.prompt_ids)
+    span = out.cache.export(0, len(seq_ids), seq_ids, lm.fingerprint, hidden, hidden_from)
+    store.put(span_id, span, pin=pin)
+    return span

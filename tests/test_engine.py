@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import CallStats, generate
+from kvrelay.engine import CallStats, generate, publish
 from kvrelay.errors import ConfigError
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.model.sampling import Sampler, SamplingConfig
@@ -23,7 +23,8 @@ def _prompt(n, seed):
 def test_published_span_holds_prompt_and_every_output_token(lm):
     store = KVStore(1 << 30)
     prompt = _prompt(20, 0)
-    out = generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=7), publish_as="a")
+    out = generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=7), keep_cache=True)
+    publish(store, "a", out, lm)
     span = store.get("a")
     assert out.stop_reason == "length" and len(out.output_ids) == 7
     assert span.token_ids == tuple(prompt + out.output_ids)
@@ -33,7 +34,8 @@ def test_published_span_holds_prompt_and_every_output_token(lm):
 
 def test_prefix_reuse_reproduces_full_on_a_downstream_call(lm):
     store = KVStore(1 << 30)
-    upstream = generate(lm, _prompt(24, 1), "full", store, SamplingConfig(max_new_tokens=10), publish_as="up")
+    upstream = generate(lm, _prompt(24, 1), "full", store, SamplingConfig(max_new_tokens=10), keep_cache=True)
+    publish(store, "up", upstream, lm)
     downstream = upstream.prompt_ids + upstream.output_ids + _prompt(9, 2)
     full = generate(lm, downstream, "full", store, SamplingConfig(max_new_tokens=12))
     pre = generate(lm, downstream, "prefix", store, SamplingConfig(max_new_tokens=12))
@@ -50,7 +52,7 @@ def test_prefix_reuse_reproduces_full_on_a_downstream_call(lm):
 def test_prefix_recomputes_the_last_token_of_a_fully_cached_prompt(lm):
     store = KVStore(1 << 30)
     prompt = _prompt(16, 3)
-    generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=3), publish_as="p")
+    publish(store, "p", generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=3), keep_cache=True), lm)
     full = generate(lm, prompt, "full", store, SamplingConfig(max_new_tokens=1))
     pre = generate(lm, prompt, "prefix", store, SamplingConfig(max_new_tokens=1))
     assert pre.stats.num_reused_tokens == 15
@@ -61,7 +63,8 @@ def test_prefix_ignores_spans_of_another_model(lm):
     other = tiny_lm("llama3", seed=1)
     store = KVStore(1 << 30)
     prompt = _prompt(40, 4)
-    generate(other, prompt, "full", store, SamplingConfig(max_new_tokens=2), publish_as="x")
+    publish(store, "x", generate(other, prompt, "full", store, SamplingConfig(max_new_tokens=2), keep_cache=True),
+            other)
     assert generate(lm, prompt, "prefix", store, SamplingConfig(max_new_tokens=1)).stats.num_reused_tokens == 0
 
 
@@ -76,10 +79,27 @@ def test_stop_token_ends_generation(lm, monkeypatch):
 
 
 def test_decode_hidden_states_are_captured(lm):
-    out = generate(lm, _prompt(10, 6), "full", KVStore(1 << 30), SamplingConfig(max_new_tokens=4),
-                   capture_layers=(1, 3), publish_as="h")
+    store = KVStore(1 << 30)
+    out = generate(lm, _prompt(10, 6), "full", store, SamplingConfig(max_new_tokens=4), capture_layers=(1, 3),
+                   keep_cache=True)
     assert sorted(out.decode_hidden) == [1, 3]
     assert out.decode_hidden[1].shape == (4, lm.config.hidden_size)  # every output token, incl. the last
+    span = publish(store, "h", out, lm)
+    assert span.hidden_from == 0 and span.hidden[3].shape == (14, lm.config.hidden_size)
+    # the prompt rows are the prefill's layer inputs, the rest the decode's
+    torch.testing.assert_close(span.hidden_rows(1, 10, 14), out.decode_hidden[1])
+
+
+def test_forced_output_kv_equals_decoding_it(lm):
+    prompt = _prompt(12, 11)
+    decoded = generate(lm, prompt, "full", sampling=SamplingConfig(max_new_tokens=6), capture_layers=(2,),
+                       keep_cache=True)
+    forced = generate(lm, prompt, "full", capture_layers=(2,), keep_cache=True,
+                      forced_output_ids=decoded.output_ids)
+    assert forced.output_ids == decoded.output_ids and forced.stop_reason == "forced"
+    n = 18
+    torch.testing.assert_close(forced.cache.k[:, :, :n], decoded.cache.k[:, :, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(forced.decode_hidden[2], decoded.decode_hidden[2], atol=1e-5, rtol=0)
 
 
 def test_sampling_is_seeded_and_top_p_keeps_the_top_token():
@@ -118,12 +138,13 @@ def test_moving_keys_under_dynamic_rope_falls_back_to_full_and_says_so():
     lm.model.config = lm.config = cfg
     lm.model._rope = None
     store = KVStore(1 << 30)
-    up = generate(lm, _prompt(12, 8), "full", store, SamplingConfig(max_new_tokens=2), publish_as="up")
+    up = generate(lm, _prompt(12, 8), "full", store, SamplingConfig(max_new_tokens=2), keep_cache=True)
+    publish(store, "up", up, lm)
 
     class MoveSpan(ReuseMethod):  # reuse the upstream prompt 5 positions later
         name = "move"
 
-        def plan(self, prompt_ids, store, lm):
+        def plan(self, call, store, lm):
             return Plan(SuffixSchedule(17), [SpanLoad("up", 0, 12, 5)])
 
     prompt = _prompt(5, 9) + up.prompt_ids + _prompt(4, 10)

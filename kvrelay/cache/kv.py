@@ -24,15 +24,26 @@ class StoredSpan:
     k: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim] post-RoPE
     v: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim]
     fingerprint: str
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, hidden] layer input
+    # layer -> [n - hidden_from, hidden]: that layer's input for tokens [hidden_from, n) (e.g. only
+    # the decoded output, when the prompt's rows were not all computed)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_from: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if self.k.shape != self.v.shape or self.k.shape[2] != n:
             raise ValueError(f"span K/V shapes {tuple(self.k.shape)}/{tuple(self.v.shape)} do not match {n} tokens")
         for layer, h in self.hidden.items():
-            if h.shape[0] != n:
-                raise ValueError(f"span hidden state at layer {layer} has {h.shape[0]} rows, expected {n}")
+            if h.shape[0] != n - self.hidden_from:
+                raise ValueError(f"span hidden state at layer {layer} has {h.shape[0]} rows, "
+                                 f"expected {n - self.hidden_from} (tokens {self.hidden_from}..{n})")
+
+    def hidden_rows(self, layer: int, start: int, end: int) -> torch.Tensor | None:
+        """Layer input of span tokens [start, end), or None where not carried."""
+        h = self.hidden.get(layer)
+        if h is None or start < self.hidden_from:
+            return None
+        return h[start - self.hidden_from : end - self.hidden_from]
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -119,7 +130,7 @@ class SequenceKV:
         return n if delta else 0
 
     def export(self, start: int, end: int, token_ids: list[int] | tuple[int, ...], fingerprint: str,
-               hidden: dict[int, torch.Tensor] | None = None) -> StoredSpan:
+               hidden: dict[int, torch.Tensor] | None = None, hidden_from: int = 0) -> StoredSpan:
         """A copy of positions [start, end) as a span (the sequence cache may then be freed)."""
         if end > self.length:
             raise ValueError(f"export [{start}, {end}) past the sequence length {self.length}")
@@ -130,4 +141,5 @@ class SequenceKV:
             v=self.v[:, :, start:end].clone(),
             fingerprint=fingerprint,
             hidden=dict(hidden or {}),
+            hidden_from=hidden_from,
         )

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from kvrelay.errors import ConfigError
-from kvrelay.reuse.base import Plan, ReuseMethod, SpanLoad
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef
 from kvrelay.reuse.full import FullMethod
 from kvrelay.reuse.prefix import PrefixMethod
 
 METHODS: dict[str, type[ReuseMethod]] = {"full": FullMethod, "prefix": PrefixMethod}
 
-__all__ = ["METHODS", "Plan", "ReuseMethod", "SpanLoad", "get_method"]
+__all__ = ["METHODS", "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method"]
 
 
 def get_method(name: str) -> ReuseMethod:

@@ -19,6 +19,34 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class SpanRef:
+    """Prompt tokens [start, end) are a copy of tokens [src_start, src_start + end - start) of a stored span.
+
+    The runner knows these (it splices upstream outputs and task inputs in as ids); the server
+    finds them by matching token runs against the store.
+    """
+
+    start: int
+    end: int
+    span_id: str
+    src_start: int
+    kind: str = "output"  # "output" (an upstream agent's generated ids) or "input" (a task input)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class CallInput:
+    """What a method sees of one agent call: the prompt ids and the known copies in it."""
+
+    prompt_ids: list[int]
+    refs: list[SpanRef] = field(default_factory=list)
+    name: str = ""
+
+
+@dataclass(frozen=True)
 class SpanLoad:
     """Copy tokens [src_start, src_end) of a stored span to prompt positions from dst_start."""
 
@@ -46,6 +74,10 @@ class Plan:
 class ReuseMethod(ABC):
     name: ClassVar[str]
 
+    def capture_layers(self, lm: LoadedModel) -> tuple[int, ...]:
+        """Layers whose input hidden states upstream calls must carry for this method."""
+        return ()
+
     @abstractmethod
-    def plan(self, prompt_ids: list[int], store: KVStore | None, lm: LoadedModel) -> Plan:
-        """Decide what to reuse for this prompt; must leave the last prompt token active."""
+    def plan(self, call: CallInput, store: KVStore | None, lm: LoadedModel) -> Plan:
+        """Decide what to reuse for this call; must leave the last prompt token active."""

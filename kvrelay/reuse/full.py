@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from kvrelay.cache.store import KVStore
 from kvrelay.model.schedule import Schedule
-from kvrelay.reuse.base import Plan, ReuseMethod
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 
 
 class FullMethod(ReuseMethod):
     name = "full"
 
-    def plan(self, prompt_ids: list[int], store: KVStore | None, lm) -> Plan:
+    def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         return Plan(Schedule())

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from kvrelay.cache.store import KVStore
 from kvrelay.model.schedule import Schedule, SuffixSchedule
-from kvrelay.reuse.base import Plan, ReuseMethod, SpanLoad
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad
 
 
 class PrefixMethod(ReuseMethod):
     name = "prefix"
 
-    def plan(self, prompt_ids: list[int], store: KVStore | None, lm) -> Plan:
-        match = store.match_prefix(lm.fingerprint, prompt_ids) if store is not None else None
-        num_reused = 0 if match is None else min(match.num_tokens, len(prompt_ids) - 1)
+    def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        ids = call.prompt_ids
+        match = store.match_prefix(lm.fingerprint, ids) if store is not None else None
+        num_reused = 0 if match is None else min(match.num_tokens, len(ids) - 1)
         if num_reused <= 0:
             return Plan(Schedule())
         return Plan(SuffixSchedule(num_reused), [SpanLoad(match.span_id, 0, num_reused, 0)])

@@ -1,0 +1,216 @@
+"""``kvrelay bench``: every method on the same calls, TTFT + reuse + fidelity against ``full``.
+
+Agent mode (default): the reference pipeline runs once with ``full``. Before each downstream
+call publishes its KV, every method runs that call on the very same prompt ids, against a store
+holding exactly the upstream spans (prompt + decode KV) — so each call is isolated and the
+comparison is exact. E2e mode: each method runs the whole pipeline; task accuracy is scored.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import kvrelay
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.store import KVStore
+from kvrelay.engine import generate
+from kvrelay.errors import ConfigError
+from kvrelay.eval.fidelity import first_token_agrees, greedy_match, kl_first_token
+from kvrelay.eval.report import CallRow, summarize
+from kvrelay.eval.stats import mean, median
+from kvrelay.model.loader import DEFAULT_MODEL, LoadedModel, load_model
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.model.schedule import Entry, Schedule
+from kvrelay.pipeline.runner import PipelineRunner
+from kvrelay.pipeline.workloads import Workload, get_workload
+from kvrelay.reuse import METHODS, CallInput, ReuseMethod, get_method
+
+REFERENCES = ("full", "prefix")  # always measured: speedups and fidelity are relative to them
+
+
+@dataclass
+class BenchConfig:
+    workload: str = "gsm8k-chain3"
+    methods: tuple[str, ...] = tuple(METHODS)
+    limit: int = 5  # problems
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    mode: str = "agent"  # agent | e2e
+    data: str | None = None
+    repeats: int = 3  # timed TTFT runs per method and call (median kept), interleaved across methods
+    greedy_tokens: int = 32  # G of greedy_match_rate
+    seed: int = 0
+    store_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"unknown method(s) {unknown}; available: {', '.join(METHODS)}")
+        if self.mode not in ("agent", "e2e"):
+            raise ConfigError(f"mode must be 'agent' or 'e2e', got {self.mode!r}")
+        for name in ("limit", "repeats", "greedy_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # references first, then the requested methods in order, no duplicates
+        self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
+
+
+class _ActiveOnly(Schedule):
+    """Only the given tokens are computed (the rest marked as cached): the ideal-reuse probe."""
+
+    def __init__(self, token_idx: torch.Tensor) -> None:
+        self.token_idx = token_idx
+
+    def entries(self, num_tokens: int) -> dict[int, Entry]:
+        return {0: Entry(self.token_idx)}
+
+
+def new_token_mask(call: CallInput, store: KVStore, lm: LoadedModel) -> list[bool]:
+    """Prompt tokens with no KV anywhere: not in a ref, not in the longest exact stored prefix."""
+    new = [True] * len(call.prompt_ids)
+    for ref in call.refs:
+        new[ref.start : ref.end] = [False] * ref.num_tokens
+    match = store.match_prefix(lm.fingerprint, call.prompt_ids)
+    if match is not None:
+        new[: match.num_tokens] = [False] * match.num_tokens
+    new[-1] = True  # the last token is always computed (its logits are the point)
+    return new
+
+
+def ideal_ttft_ms(lm: LoadedModel, call: CallInput, new_mask: list[bool]) -> float:
+    """TTFT of a call that computes only its new tokens, with nothing to load (the physical limit)."""
+    import time
+
+    model, n = lm.model, len(call.prompt_ids)
+    idx = torch.tensor([i for i, is_new in enumerate(new_mask) if is_new])
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    cache = SequenceKV(lm.config, model.dtype, model.device, capacity=n + 1)
+    cache.filled[:, :n] = True  # stands for reused KV; its values do not matter for timing
+    model.prefill(torch.tensor(call.prompt_ids), cache, _ActiveOnly(idx))
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _env(device: str) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    machine = f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} torch threads"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        machine += f", {torch.cuda.get_device_name()}"
+    return {"machine": machine, "device": device, "torch": torch.__version__, "kvrelay": kvrelay.__version__,
+            "commit": commit, "python": platform.python_version()}
+
+
+class Bench:
+    def __init__(self, cfg: BenchConfig, lm: LoadedModel | None = None) -> None:
+        self.cfg = cfg
+        self.lm = lm or load_model(cfg.model, device=cfg.device)
+        self.workload: Workload = get_workload(cfg.workload)
+        self.methods: dict[str, ReuseMethod] = {m: get_method(m) for m in cfg.methods}
+        layers = set()
+        for m in self.methods.values():
+            layers.update(m.capture_layers(self.lm))
+        self.capture_layers = tuple(sorted(layers))
+        self.fidelity_meaningful = not self.lm.name.startswith("random:")
+
+    def run(self, progress: bool = True) -> dict:
+        torch.manual_seed(self.cfg.seed)
+        problems = self.workload.problems(self.cfg.data, self.cfg.limit)
+        bar = tqdm(problems, desc=f"{self.cfg.workload} ({self.cfg.mode})", unit="problem", disable=not progress,
+                   file=sys.stderr)
+        rows: list[CallRow] = []
+        accuracy: dict[str, float] | None = None
+        peak_bytes = 0
+        if self.cfg.mode == "agent":
+            for problem in bar:
+                peak_bytes = max(peak_bytes, self._agent_mode(problem, rows))
+        else:
+            accuracy, peak_bytes = self._e2e_mode(problems, rows, bar)
+        results = summarize(rows, accuracy)
+        for s in results.values():
+            s["peak_store_bytes"] = peak_bytes
+        return {"env": _env(self.cfg.device), "model": self.lm.name, "workload": self.cfg.workload,
+                "n": len(problems), "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
+                "config": {k: v for k, v in self.cfg.__dict__.items()}, "results": results,
+                "calls": [r.__dict__ for r in rows]}
+
+    # ------------------------------------------------------------------ agent mode
+    def _agent_mode(self, problem, rows: list[CallRow]) -> int:
+        store = KVStore(self.cfg.store_bytes)
+        runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
+                                capture_layers=self.capture_layers)
+
+        def probe(agent, call: CallInput, position: int) -> None:
+            if call.refs:  # a downstream call: it has something to reuse
+                rows.extend(self._probe_call(problem.problem_id, agent.name, position, call, store))
+
+        runner.run(problem.inputs, "full", before_call=probe)
+        return store.peak_bytes
+
+    def _probe_call(self, problem_id: str, agent: str, position: int, call: CallInput, store: KVStore
+                    ) -> list[CallRow]:
+        lm, cfg = self.lm, self.cfg
+        greedy = {m: generate(lm, call, meth, store, SamplingConfig(cfg.greedy_tokens))
+                  for m, meth in self.methods.items()}  # fidelity outputs; also the warm-up
+        new_mask = new_token_mask(call, store, lm)
+        ttft: dict[str, list[float]] = {m: [] for m in (*self.methods, "ideal")}
+        stats = {}
+        for _ in range(cfg.repeats):  # interleaved, so machine noise hits every method alike
+            for m, meth in self.methods.items():
+                out = generate(lm, call, meth, store, SamplingConfig(max_new_tokens=1))
+                ttft[m].append(out.stats.ttft_ms)
+                stats[m] = out.stats
+            ttft["ideal"].append(ideal_ttft_ms(lm, call, new_mask))
+        ref = greedy["full"]
+        rows = []
+        for m in self.methods:
+            s, out = stats[m], greedy[m]
+            rows.append(CallRow(
+                problem_id, agent, position, m, s.num_prompt_tokens, sum(new_mask), median(ttft[m]),
+                median(ttft["full"]), median(ttft["prefix"]), median(ttft["ideal"]), s.num_prompt_token_layers,
+                s.num_reused_token_layers, s.num_reused_tokens * s.num_layers, s.num_recomputed_token_layers,
+                first_token_agrees(ref.first_logits, out.first_logits),
+                kl_first_token(ref.first_logits, out.first_logits),
+                greedy_match(ref.output_ids, out.output_ids, cfg.greedy_tokens), s.fallback))
+        return rows
+
+    # ------------------------------------------------------------------ e2e mode
+    def _e2e_mode(self, problems, rows: list[CallRow], bar) -> tuple[dict[str, float], int]:
+        if self.workload.score is None:
+            raise ConfigError(f"workload {self.cfg.workload!r} has no task score: use --mode agent")
+        scores: dict[str, list[float]] = {m: [] for m in self.methods}
+        peak = 0
+        for problem in bar:
+            per_method = {}
+            for m, meth in self.methods.items():
+                store = KVStore(self.cfg.store_bytes)
+                runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
+                                        capture_layers=self.capture_layers)
+                per_method[m] = runner.run(problem.inputs, meth)
+                peak = max(peak, store.peak_bytes)
+                final = per_method[m][self.workload.spec.output].output.text
+                scores[m].append(self.workload.score(final, problem.reference))
+            for m in self.methods:
+                for name, res in per_method[m].items():
+                    if not res.call.refs:
+                        continue
+                    s, full_s = res.output.stats, per_method["full"][name].output.stats
+                    pre_s = per_method["prefix"][name].output.stats
+                    rows.append(CallRow(
+                        problem.problem_id, name, res.position, m, s.num_prompt_tokens, 0, s.ttft_ms,
+                        full_s.ttft_ms, pre_s.ttft_ms, None, s.num_prompt_token_layers, s.num_reused_token_layers,
+                        s.num_reused_tokens * s.num_layers, s.num_recomputed_token_layers, fallback=s.fallback))
+        return {m: mean(v) for m, v in scores.items()}, peak

@@ -1,0 +1,120 @@
+"""Per-call rows -> the bench summary of DESIGN.md, a printed table, and the JSON contract.
+
+Pure Python: the harness turns tensors into numbers before they reach here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from kvrelay.eval.stats import mean, median, median_ratio
+
+
+@dataclass
+class CallRow:
+    """One method on one downstream call (a call that can reuse something)."""
+
+    problem_id: str
+    agent: str
+    position: int  # the agent's index in run order
+    method: str
+    num_prompt_tokens: int
+    num_new_tokens: int  # not covered by any reusable span (what an ideal method computes)
+    ttft_ms: float
+    full_ttft_ms: float  # `full` on the same call, same run
+    prefix_ttft_ms: float | None  # `prefix` on the same call (None if not measured)
+    ideal_ttft_ms: float | None  # a prefill of the new tokens only
+    prompt_token_layers: int
+    reused_token_layers: int
+    reused_span_token_layers: int  # token-layers of reused spans (recompute_frac's denominator)
+    recomputed_token_layers: int
+    first_token_agree: bool | None = None  # None where fidelity was not measured (e2e mode)
+    kl_first_token: float | None = None
+    greedy_match: bool | None = None
+    fallback: str | None = None
+
+
+def summarize(rows: list[CallRow], accuracy: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per method, the DESIGN.md summary over its downstream calls."""
+    by_method: dict[str, list[CallRow]] = defaultdict(list)
+    for r in rows:
+        by_method[r.method].append(r)
+    out = {}
+    for method, rs in by_method.items():
+        span_tl = sum(r.reused_span_token_layers for r in rs)
+        prefix_pairs = [(r.prefix_ttft_ms, r.ttft_ms) for r in rs if r.prefix_ttft_ms is not None]
+        ideal_pairs = [(r.full_ttft_ms, r.ideal_ttft_ms) for r in rs if r.ideal_ttft_ms is not None]
+        fidelity = [r for r in rs if r.first_token_agree is not None]
+        summary = {
+            "ttft_ms_median": median([r.ttft_ms for r in rs]),
+            "speedup_vs_full": median_ratio([r.full_ttft_ms for r in rs], [r.ttft_ms for r in rs]),
+            "speedup_vs_prefix": median_ratio(*zip(*prefix_pairs, strict=True)) if prefix_pairs else None,
+            "ideal_speedup": median_ratio(*zip(*ideal_pairs, strict=True)) if ideal_pairs else None,
+            "reuse_rate": sum(r.reused_token_layers for r in rs) / sum(r.prompt_token_layers for r in rs),
+            "recompute_frac": sum(r.recomputed_token_layers for r in rs) / span_tl if span_tl else 0.0,
+            "first_token_agreement": mean([float(r.first_token_agree) for r in fidelity]) if fidelity else None,
+            "greedy_match_rate": mean([float(r.greedy_match) for r in fidelity]) if fidelity else None,
+            "kl_first_token": mean([r.kl_first_token for r in fidelity]) if fidelity else None,
+            "accuracy": (accuracy or {}).get(method),
+            "n_calls": len(rs),
+            "fallback_rate": sum(r.fallback is not None for r in rs) / len(rs),
+            "reuse_rate_per_call": mean([float(r.reused_token_layers > 0) for r in rs]),
+            "by_agent": {},
+        }
+        for agent in dict.fromkeys(r.agent for r in rs):
+            ar = [r for r in rs if r.agent == agent]
+            summary["by_agent"][agent] = {
+                "position": ar[0].position, "n_calls": len(ar),
+                "ttft_ms_median": median([r.ttft_ms for r in ar]),
+                "speedup_vs_full": median_ratio([r.full_ttft_ms for r in ar], [r.ttft_ms for r in ar]),
+                "ideal_speedup": median_ratio([r.full_ttft_ms for r in ar], [r.ideal_ttft_ms for r in ar])
+                if all(r.ideal_ttft_ms for r in ar) else None,
+                "num_prompt_tokens_median": statistics.median(r.num_prompt_tokens for r in ar),
+            }
+        out[method] = summary
+    return out
+
+
+def _fmt(value, spec: str, meaningful: bool = True) -> str:
+    if value is None:
+        return "-"
+    if not meaningful:
+        return "n/a"
+    return format(value, spec)
+
+
+def format_table(results: dict[str, dict], fidelity_meaningful: bool = True) -> str:
+    cols = ("method", "TTFT ms", "vs full", "vs prefix", "ideal", "reuse", "recompute", "1st-tok", "KL", "greedy@G",
+            "acc", "calls")
+    lines = ["{:<10} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7} {:>9} {:>8} {:>5} {:>5}".format(*cols)]
+    lines.append("-" * len(lines[0]))
+    for method, s in results.items():
+        lines.append("{:<10} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7} {:>9} {:>8} {:>5} {:>5}".format(
+            method, _fmt(s["ttft_ms_median"], ".1f"), _fmt(s["speedup_vs_full"], ".2f") + "x",
+            _fmt(s["speedup_vs_prefix"], ".2f") + ("x" if s["speedup_vs_prefix"] else ""),
+            _fmt(s["ideal_speedup"], ".2f") + ("x" if s["ideal_speedup"] else ""),
+            _fmt(s["reuse_rate"], ".3f"), _fmt(s["recompute_frac"], ".3f"),
+            _fmt(s["first_token_agreement"], ".2f", fidelity_meaningful),
+            _fmt(s["kl_first_token"], ".1e", fidelity_meaningful),
+            _fmt(s["greedy_match_rate"], ".2f", fidelity_meaningful),
+            _fmt(s["accuracy"], ".2f"), s["n_calls"]))
+    return "\n".join(lines)
+
+
+def format_by_agent(results: dict[str, dict]) -> str:
+    agents = list(next(iter(results.values()))["by_agent"])
+    head = f"{'TTFT ms by agent':<18}" + "".join(f"{a:>14}" for a in agents)
+    lines = [head, "-" * len(head)]
+    for method, s in results.items():
+        cells = []
+        for a in agents:
+            b = s["by_agent"].get(a)
+            cells.append(f"{b['ttft_ms_median']:>8.1f} ({b['speedup_vs_full']:.1f}x)" if b else f"{'-':>14}")
+        lines.append(f"{method:<18}" + "".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)
+
+
+def rows_to_json(rows: list[CallRow]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,65 @@
+"""kvrelay bench end to end on a tiny model: the JSON contract, and exactness of full and prefix."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvrelay.errors import ConfigError
+from kvrelay.eval.harness import Bench, BenchConfig
+
+CONTRACT_KEYS = {"ttft_ms_median", "speedup_vs_full", "speedup_vs_prefix", "ideal_speedup", "reuse_rate",
+                 "recompute_frac", "first_token_agreement", "greedy_match_rate", "kl_first_token", "accuracy",
+                 "n_calls"}
+
+
+def test_bench_cli_writes_the_json_contract(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "kvrelay", "bench", "--workload", "gsm8k-chain3",
+                           "--methods", "full,prefix", "--limit", "2", "--model", "random:tiny", "--repeats", "1",
+                           "--json", str(out), "--plot", str(tmp_path / "plots")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "not meaningful" in proc.stdout
+    data = json.loads(out.read_text())
+    assert set(data["env"]) >= {"machine", "device", "torch", "kvrelay", "commit"}
+    assert data["model"] == "random:tiny" and data["workload"] == "gsm8k-chain3" and data["n"] == 2
+    assert set(data["results"]) == {"full", "prefix"}
+    for s in data["results"].values():
+        assert set(s) >= CONTRACT_KEYS
+        assert s["n_calls"] == 4  # 2 problems x (critic, finalizer)
+        assert s["accuracy"] is None  # agent mode: no end-to-end score
+    assert data["results"]["full"]["speedup_vs_full"] == 1.0 and data["results"]["full"]["reuse_rate"] == 0.0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["gsm8k-chain3-agent-ttft-by-agent.png"]
+
+
+def test_prefix_is_exact_where_it_reuses():
+    """copy-agents: every agent's prompt starts with the same system prompt + context, so prefix reuses."""
+    bench = Bench(BenchConfig(workload="copy-agents:3", methods=("full", "prefix"), limit=1, model="random:tiny",
+                              repeats=1, greedy_tokens=8))
+    r = bench.run(progress=False)["results"]
+    assert r["prefix"]["reuse_rate"] > 0.3
+    for method in ("full", "prefix"):
+        assert r[method]["first_token_agreement"] == 1.0
+        assert r[method]["greedy_match_rate"] == 1.0
+        assert r[method]["kl_first_token"] < 1e-6
+    assert r["full"]["kl_first_token"] == 0.0
+    assert r["prefix"]["recompute_frac"] == 0.0
+
+
+def test_e2e_mode_scores_accuracy():
+    bench = Bench(BenchConfig(workload="gsm8k-chain3", methods=("full", "prefix"), limit=1, model="random:tiny",
+                              mode="e2e"))
+    r = bench.run(progress=False)["results"]
+    assert r["full"]["accuracy"] == 0.0 and r["prefix"]["accuracy"] == 0.0  # random weights solve nothing
+    assert r["full"]["first_token_agreement"] is None  # fidelity is an agent-mode measure
+
+
+def test_bad_bench_config():
+    with pytest.raises(ConfigError, match="unknown method"):
+        BenchConfig(methods=("magic",))
+    with pytest.raises(ConfigError, match="unknown workload"):
+        Bench(BenchConfig(workload="nope", model="random:tiny"))
+    with pytest.raises(ConfigError, match="no task score"):
+        Bench(BenchConfig(workload="copy-agents", model="random:tiny", mode="e2e", limit=1)).run(progress=False)
