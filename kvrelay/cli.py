@@ -34,7 +34,9 @@ def _dataclass_from_args(cls, args: argparse.Namespace):
             value = getattr(args, f.name)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if isinstance(default, tuple) and isinstance(value, str):
-                value = tuple(v.strip() for v in value.split(",") if v.strip())
+                from kvrelay.reuse import split_method_specs
+
+                value = split_method_specs(value)
             values[f.name] = value
     return cls(**values)
 
@@ -100,6 +102,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from kvrelay.model.loader import load_model
+    from kvrelay.reuse.profiler import build_profile, plot_profile, profile_path
+
+    lm = load_model(args.model, device=args.device)
+    profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
+                            workload=args.workload)
+    out = Path(args.out) if args.out else profile_path(lm.fingerprint)
+    profile.save(out)
+    if out != profile_path(lm.fingerprint):  # relay finds profiles by model fingerprint in the cache
+        profile.save(profile_path(lm.fingerprint))
+    print(f"{lm.name}: L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end} "
+          f"(band holding {profile.band_mass:.0%} of the value deviation; {profile.calibration['tokens']} tokens)")
+    print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
+    print(f"wrote {out} (and {profile_path(lm.fingerprint)})")
+    if args.plot:
+        plot_profile(profile, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvrelay.engine import generate
     from kvrelay.model.loader import load_model
@@ -143,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu")
     run.add_argument("--store-bytes", type=int, default=4 << 30)
     run.set_defaults(fn=_cmd_run)
+    prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
+    prof.add_argument("--model", default=DEFAULT_MODEL)
+    prof.add_argument("--device", default="cpu")
+    prof.add_argument("--workload", default="gsm8k-chain3", help="calibration pipelines (default gsm8k-chain3)")
+    prof.add_argument("--data", default=None, help="calibration data (default ../shared/data/gsm8k/train.jsonl)")
+    prof.add_argument("--problems", type=int, default=20)
+    prof.add_argument("--band-mass", type=float, default=0.5, help="share of deviation the band holds")
+    prof.add_argument("--out", default=None, help="PROFILE.json (default: the cache, keyed by model fingerprint)")
+    prof.add_argument("--plot", default=None, help="PNG of the curves")
+    prof.set_defaults(fn=_cmd_profile)
     gen = sub.add_parser("generate", help="one chat completion with the engine")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=DEFAULT_MODEL)

@@ -32,6 +32,7 @@ class CallStats:
     decode_ms: float = 0.0
     num_generated_tokens: int = 0
     fallback: str | None = None
+    note: str | None = None
 
     @property
     def num_prompt_token_layers(self) -> int:
@@ -146,7 +147,7 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(prompt_ids)}
     stats = CallStats(method.name, len(prompt_ids), config.num_layers, plan.num_reused_tokens,
                       result.num_computed_token_layers, num_shifted, ttft_ms, decode_ms, len(output),
-                      plan.fallback)
+                      plan.fallback, plan.note)
     return GenerationOutput(prompt_ids, output, lm.tokenizer.decode(output), result.logits, stats, stop_reason,
                             decode_hidden, prompt_hidden, cache if keep_cache else None)
 

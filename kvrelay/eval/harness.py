@@ -30,7 +30,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import Entry, Schedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import Workload, get_workload
-from kvrelay.reuse import METHODS, CallInput, ReuseMethod, get_method
+from kvrelay.reuse import METHODS, CallInput, ReuseMethod, get_method, split_method_specs
 
 REFERENCES = ("full", "prefix")  # always measured: speedups and fidelity are relative to them
 
@@ -50,9 +50,10 @@ class BenchConfig:
     store_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"unknown method(s) {unknown}; available: {', '.join(METHODS)}")
+        if isinstance(self.methods, str):
+            self.methods = split_method_specs(self.methods)
+        for spec in self.methods:
+            get_method(spec)  # validates names and parameters
         if self.mode not in ("agent", "e2e"):
             raise ConfigError(f"mode must be 'agent' or 'e2e', got {self.mode!r}")
         for name in ("limit", "repeats", "greedy_tokens"):

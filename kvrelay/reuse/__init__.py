@@ -1,18 +1,69 @@
-"""Reuse methods by name. A new method is a new file here plus one line in ``METHODS``."""
+"""Reuse methods by name. A new method is a new file here plus one line in ``METHODS``.
+
+A method spec is a name with optional parameters: ``relay``, ``relay[tau_dev=2,l_suf=5]``,
+``cacheblend[ratio=0.3]``, ``epic[k=8]``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 from kvrelay.errors import ConfigError
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef
+from kvrelay.reuse.cacheblend import CacheBlendMethod
+from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.full import FullMethod
+from kvrelay.reuse.naive import NaiveMethod
 from kvrelay.reuse.prefix import PrefixMethod
+from kvrelay.reuse.relay import RelayMethod
 
-METHODS: dict[str, type[ReuseMethod]] = {"full": FullMethod, "prefix": PrefixMethod}
+METHODS: dict[str, type[ReuseMethod]] = {
+    "full": FullMethod, "prefix": PrefixMethod, "naive": NaiveMethod, "cacheblend": CacheBlendMethod,
+    "epic": EpicMethod, "relay": RelayMethod,
+}
 
-__all__ = ["METHODS", "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method"]
+__all__ = ["METHODS", "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "split_method_specs"]
+
+_SPEC = re.compile(r"^([a-z_]+)(?:\[(.*)\])?$")
 
 
-def get_method(name: str) -> ReuseMethod:
-    if name not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
-    return METHODS[name]()
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def get_method(spec: str) -> ReuseMethod:
+    """A method from its spec, e.g. ``relay[tau_dev=2,l_suf=5]``; unknown names or parameters are errors."""
+    m = _SPEC.match(spec.strip())
+    if not m or m.group(1) not in METHODS:
+        raise ConfigError(f"unknown method {spec!r}; available: {', '.join(METHODS)} (parameters as name[k=v,...])")
+    cls, params = METHODS[m.group(1)], {}
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    for item in filter(None, (m.group(2) or "").split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise ConfigError(f"method {spec!r}: unknown parameter {key!r}; parameters: {sorted(fields) or 'none'}")
+        params[key] = _parse_value(value.strip())
+    return cls(**params)
+
+
+def split_method_specs(text: str) -> tuple[str, ...]:
+    """Split a comma-separated list of specs, keeping commas inside [...]."""
+    specs, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            specs.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        specs.append(current.strip())
+    return tuple(specs)

@@ -65,6 +65,7 @@ class Plan:
     schedule: Schedule
     loads: list[SpanLoad] = field(default_factory=list)
     fallback: str | None = None  # why the method fell back to a full prefill, if it did
+    note: str | None = None  # anything else the stats should say (e.g. tokens recomputed from layer 0)
 
     @property
     def num_reused_tokens(self) -> int:

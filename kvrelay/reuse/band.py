@@ -1,0 +1,68 @@
+"""BandSchedule: the schedule shape that CacheBlend and RelayCaching share.
+
+- ``new_idx`` tokens are computed at every layer.
+- span tokens (reused, approximate) enter as ``span_entries`` say: at layer 0 from the embedding,
+  or at a higher layer from carried hidden states (below it they read the reused KV as is). They
+  are all computed through ``select_layer`` (inclusive: its fresh V is the deviation signal), then
+  only the tokens the selector keeps stay through ``end_layer`` (inclusive); above it, all read the
+  reused KV as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvrelay.model.schedule import Entry, LayerView, Schedule
+
+# (view, rows of span tokens among the active rows, rows of new tokens) -> keep mask over span rows
+Selector = Callable[[LayerView, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class BandSchedule(Schedule):
+    has_layer_hook = True
+
+    def __init__(self, new_idx: torch.Tensor, span_entries: dict[int, Entry], select_layer: int, end_layer: int,
+                 selector: Selector) -> None:
+        enter = [layer for layer, e in span_entries.items() if e.token_idx.numel()]
+        if enter and not max(enter) <= select_layer <= end_layer:
+            raise ValueError(f"band layers must satisfy enter {max(enter)} <= select {select_layer} <= end {end_layer}")
+        for layer, e in span_entries.items():
+            if layer > 0 and e.token_idx.numel() and e.hidden is None:
+                raise ValueError(f"span tokens entering at layer {layer} need carried hidden states")
+        self.new_idx, self.span_entries = new_idx, span_entries
+        spans = [e.token_idx for e in span_entries.values()]
+        self.span_idx = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
+        self.select_layer, self.end_layer, self.selector = select_layer, end_layer, selector
+        self.num_selected: int | None = None  # span tokens kept at the select layer (for stats)
+
+    def entries(self, num_tokens: int) -> dict[int, Entry]:
+        entries = {0: Entry(self.new_idx)}
+        for layer, e in self.span_entries.items():
+            if not e.token_idx.numel():
+                continue
+            if layer == 0:
+                entries[0] = Entry(torch.cat([entries[0].token_idx, e.token_idx]))
+            else:
+                entries[layer] = e
+        return entries
+
+    def needs_prev_kv(self, layer: int) -> bool:
+        return layer == self.select_layer
+
+    def after_layer(self, view: LayerView) -> torch.Tensor | None:
+        if view.layer not in (self.select_layer, self.end_layer):
+            return None
+        is_span = torch.isin(view.active_idx, self.span_idx.to(view.active_idx.device))
+        if not bool(is_span.any()):
+            return None
+        keep = torch.ones_like(is_span)
+        if view.layer == self.end_layer:
+            keep[is_span] = False  # above the band: reuse as is
+            return keep
+        span_rows, new_rows = is_span.nonzero().flatten(), (~is_span).nonzero().flatten()
+        chosen = self.selector(view, span_rows, new_rows)
+        keep[span_rows] = chosen
+        self.num_selected = int(chosen.sum())
+        return keep

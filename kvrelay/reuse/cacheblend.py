@@ -1,0 +1,55 @@
+"""``cacheblend`` (CacheBlend, EuroSys'25): recompute the most deviating reused tokens.
+
+All reused (moved) tokens are recomputed from layer 0 through the check layer; there, the
+tokens whose fresh V deviates most from the reused V (top r, by L2 distance) stay recomputed for
+every later layer, the rest read the reused KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.cache.store import KVStore
+from kvrelay.errors import ConfigError
+from kvrelay.model.schedule import Entry, LayerView
+from kvrelay.reuse.band import BandSchedule
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
+from kvrelay.reuse.spans import collect_reuse
+
+
+def value_l2_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
+    """||v_fresh - v_reused|| per row, over all KV heads: [len(rows)]."""
+    diff = (view.v[:, rows] - view.prev_v[:, rows]).float()  # [Hkv, n, hd]
+    return diff.pow(2).sum(dim=(0, 2)).sqrt()
+
+
+@dataclass
+class CacheBlendMethod(ReuseMethod):
+    check_layer: int = 1
+    ratio: float = 0.15  # r: share of reused tokens kept recomputed after the check layer
+    name = "cacheblend"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ratio <= 1:
+            raise ConfigError(f"cacheblend: ratio must be in [0, 1], got {self.ratio}")
+        if self.check_layer < 0:
+            raise ConfigError(f"cacheblend: check_layer must be >= 0, got {self.check_layer}")
+
+    def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        reuse = collect_reuse(call, store, lm.fingerprint)
+        num_layers = lm.config.num_layers
+        check = min(self.check_layer, num_layers - 1)
+
+        def top_r(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+            dev = value_l2_deviation(view, span_rows)
+            keep = torch.zeros(span_rows.numel(), dtype=torch.bool, device=dev.device)
+            num_keep = round(self.ratio * span_rows.numel())
+            if num_keep:
+                keep[dev.topk(num_keep).indices] = True
+            return keep
+
+        schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), {0: Entry(reuse.approx_idx())}, check,
+                                num_layers - 1, top_r)
+        return Plan(schedule, reuse.loads)

@@ -1,0 +1,156 @@
+"""``relay`` (RelayCaching, arXiv 2603.13289): reuse upstream decode KV, repair a band of layers.
+
+Reused spans (an upstream agent's output with the KV it built while decoding; a task input with
+the KV an upstream prompt built) are re-rotated to their new positions, then:
+
+- below ``L_start`` and above ``L_end``: reused as is;
+- ``[L_start, L_det]``: every span token recomputed, entering at ``L_start`` from the hidden state
+  the upstream call carried (a span without it is recomputed from layer 0 instead, and the stats
+  say how many tokens that was);
+- at ``L_det`` the selector keeps tokens whose value deviation ``1 - cos(v_reused, v_fresh)`` is at
+  least ``tau_dev`` x the mean, or whose attention from the call's new tokens is at least ``tau_inf``
+  x the mean, plus the last ``l_suf`` tokens of every span; only those stay through ``L_end``.
+
+The layers come from the model's offline profile (``kvrelay profile``); when none exists, one is
+built on a small GSM8K-train calibration set, saying so.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrelay.cache.store import KVStore
+from kvrelay.errors import ConfigError
+from kvrelay.model.schedule import Entry, LayerView
+from kvrelay.reuse.band import BandSchedule
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
+from kvrelay.reuse.naive import StaticSchedule
+from kvrelay.reuse.profiler import LayerProfile, build_profile, profile_path
+from kvrelay.reuse.spans import collect_reuse
+
+SELECTORS = ("both", "deviation", "influence")
+# 1 - cos below this is float noise (fresh vs reused V of the same input through different matmul
+# shapes), not a deviation; SmolLM2's real mid-layer deviations average ~1e-2.
+DEVIATION_FLOOR = 1e-4
+_PROFILES: dict[str, LayerProfile] = {}
+
+
+def value_cos_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
+    """1 - cos(v_fresh, v_reused) per row, over all KV heads: [len(rows)]."""
+    fresh = view.v[:, rows].permute(1, 0, 2).flatten(1).float()  # [n, Hkv * hd]
+    reused = view.prev_v[:, rows].permute(1, 0, 2).flatten(1).float()
+    dev = 1 - torch.nn.functional.cosine_similarity(fresh, reused, dim=-1)
+    return torch.where(dev < DEVIATION_FLOOR, torch.zeros_like(dev), dev)
+
+
+def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None, is_suffix: torch.Tensor,
+                  tau_dev: float, tau_inf: float) -> torch.Tensor:
+    """Union of: deviation >= tau_dev x mean, influence >= tau_inf x mean, suffix tokens. Bool [n].
+
+    A zero score never selects: tokens entering at L_start from carried hidden states have fresh V
+    equal to the reused V at that layer, so all deviations are 0 there and "0 >= tau x 0" would keep all.
+    """
+    keep = is_suffix.clone()
+    if deviation is not None and deviation.numel():
+        keep |= (deviation >= tau_dev * deviation.mean()) & (deviation > 0)
+    if influence is not None and influence.numel():
+        keep |= (influence >= tau_inf * influence.mean()) & (influence > 0)
+    return keep
+
+
+def layer_profile(lm, calibration_problems: int = 8) -> LayerProfile:
+    """The model's saved profile, else one built now on a small calibration set (and saved)."""
+    if lm.fingerprint in _PROFILES:
+        return _PROFILES[lm.fingerprint]
+    path = profile_path(lm.fingerprint)
+    shipped = Path(__file__).resolve().parent.parent / "profiles" / path.name  # measured for the default model
+    if path.exists() or shipped.exists():
+        profile = LayerProfile.load(path if path.exists() else shipped)
+    else:
+        print(f"kvrelay: no RelayCaching profile for {lm.name}; building one on {calibration_problems} GSM8K "
+              f"train problems (run `kvrelay profile --model {lm.name}` for a larger one)", file=sys.stderr)
+        profile = build_profile(lm, num_problems=calibration_problems)
+        profile.save(path)
+    _PROFILES[lm.fingerprint] = profile
+    return profile
+
+
+@dataclass
+class RelayMethod(ReuseMethod):
+    tau_dev: float = 1.5
+    tau_inf: float = 1.45
+    l_suf: int = 10
+    selector: str = "both"  # both | deviation | influence (ablations)
+    band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
+    l_start: int | None = None  # override the profile's layers
+    l_det: int | None = None
+    l_end: int | None = None
+    name = "relay"
+
+    def __post_init__(self) -> None:
+        if self.selector not in SELECTORS:
+            raise ConfigError(f"relay: selector must be one of {SELECTORS}, got {self.selector!r}")
+        if self.l_suf < 0 or self.tau_dev < 0 or self.tau_inf < 0:
+            raise ConfigError("relay: l_suf, tau_dev and tau_inf must be >= 0")
+
+    def layers(self, lm) -> tuple[int, int, int]:
+        """(L_start, L_det, L_end) for this model: overrides, else the profile."""
+        num_layers = lm.config.num_layers
+        if None in (self.l_start, self.l_det, self.l_end):
+            profile = layer_profile(lm)
+            start, det, end = profile.l_start, profile.l_det, profile.l_end
+        else:
+            start, det, end = self.l_start, self.l_det, self.l_end
+        if not self.band:
+            start, end = 0, num_layers - 1
+        if start == det == end == num_layers:
+            return start, det, end  # the empty band: nothing recomputed (equals naive)
+        if not 0 <= start <= det <= end < num_layers:
+            raise ConfigError(f"relay: need 0 <= L_start {start} <= L_det {det} <= L_end {end} < {num_layers} "
+                              f"(or all = {num_layers}: the empty band)")
+        return start, det, end
+
+    def capture_layers(self, lm) -> tuple[int, ...]:
+        start = self.layers(lm)[0]
+        return (start,) if 0 < start < lm.config.num_layers else ()
+
+    def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        reuse = collect_reuse(call, store, lm.fingerprint)
+        start, det, end = self.layers(lm)
+        if start >= lm.config.num_layers:
+            return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
+        carried, carried_h, from_zero, suffix = [], [], [], []
+        for load in reuse.approx:
+            idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
+            suffix.append(idx[-self.l_suf:] if self.l_suf else idx[:0])
+            h = store.get(load.span_id).hidden_rows(start, load.src_start, load.src_end) if start > 0 else None
+            if h is not None:
+                carried.append(idx)
+                carried_h.append(h)
+            else:
+                from_zero.append(idx)
+        entries = {}
+        if from_zero or start == 0:
+            entries[0] = Entry(torch.cat(from_zero + carried) if start == 0 else torch.cat(from_zero))
+        if carried and start > 0:
+            entries[start] = Entry(torch.cat(carried), torch.cat(carried_h))
+        suffix_idx = torch.cat(suffix) if suffix else torch.empty(0, dtype=torch.long)
+
+        def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+            dev = value_cos_deviation(view, span_rows) if self.selector != "influence" else None
+            inf = None
+            if self.selector != "deviation" and new_rows.numel():
+                probs = view.attention_probs(new_rows)  # [H, n_new, n_keys]
+                inf = probs.sum(dim=(0, 1))[view.active_idx[span_rows]]
+            is_suffix = torch.isin(view.active_idx[span_rows], suffix_idx.to(view.active_idx.device))
+            return select_tokens(dev, inf, is_suffix, self.tau_dev, self.tau_inf)
+
+        schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), entries, det, end, selector)
+        num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0
+        note = f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0" \
+            if num_from_zero else None
+        return Plan(schedule, reuse.loads, note=note)
