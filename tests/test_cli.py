@@ -33,3 +33,20 @@ def test_unknown_model_is_a_clear_error():
 def test_bad_flag_value_is_a_clear_error():
     out = _kvrelay("generate", "hi", "--model", "random:tiny", "--top-p", "2")
     assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr
+
+
+def test_run_a_pipeline_file():
+    out = _kvrelay("run", "examples/solve-and-check.yaml", "--method", "prefix", "--model", "random:tiny",
+                   "--input", "question=What is 2+2?")
+    assert out.returncode == 0, out.stderr
+    assert "=== solver [prefix:" in out.stdout and "=== checker [prefix:" in out.stdout
+
+
+def test_run_reports_bad_pipelines_clearly(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q} {b}'}\n")
+    out = _kvrelay("run", str(bad), "--model", "random:tiny", "--input", "q=x")
+    assert out.returncode == 2 and "agent 'a': unknown reference {b}" in out.stderr
+    out = _kvrelay("run", "examples/solve-and-check.yaml", "--model", "random:tiny")
+    assert out.returncode == 2 and "missing input(s) ['question']" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -13,7 +13,7 @@ def write_plots(result: dict, out_dir: str | Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{result['workload']}-{result['mode']}"
+    stem = f"{result['workload']}-{result['mode']}".replace(":", "-")  # copy-agents:5 -> copy-agents-5
     results = result["results"]
     paths = []
 

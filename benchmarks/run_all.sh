@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every table in BENCHMARKS.md (CPU, SmolLM2-135M). Results: benchmarks/results/*.json and *.png.
+# Usage: bash benchmarks/run_all.sh            (about an hour on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+K=.venv/bin/kvrelay
+R=benchmarks/results
+ALL=full,prefix,naive,cacheblend,epic,relay
+# 1. RelayCaching layer profile on GSM8K train (shipped in kvrelay/profiles/ for the default model)
+$K profile --problems 16 --out $R/relay-profile-smollm2-135m.json --plot $R/relay-profile-smollm2-135m.png
+cp "$(ls -t "${KVRELAY_CACHE:-$HOME/.cache/kvrelay}"/profiles/relay-*.json | head -1)" kvrelay/profiles/
+# 2. agent mode, every method on the same calls
+$K bench --workload gsm8k-chain3 --methods $ALL --limit 10 --json $R/gsm8k-chain3.json --plot $R
+for a in 2 3 4 5; do
+  $K bench --workload copy-agents:$a --methods $ALL --limit 2 --json $R/copy-agents-$a.json --plot $R
+done
+$K bench --workload humaneval-adr --methods $ALL --limit 8 --json $R/humaneval-adr.json --plot $R
+# 3. end to end: task accuracy
+$K bench --workload gsm8k-chain3 --methods full,prefix,relay --mode e2e --limit 5 --json $R/gsm8k-chain3-e2e.json
+for w in gsm8k-fc3 mmlu-fc3 humaneval-fc3; do
+  $K bench --workload $w --methods $ALL --limit 5 --json $R/$w.json --plot $R
+done
+# 4. sweep: fidelity against reuse for every method's knob (one figure)
+$K bench --workload gsm8k-chain3 --limit 4 --repeats 1 --json $R/sweep-gsm8k-chain3.json --plot $R/sweep \
+  --methods "naive,epic[k=4],epic[k=16],epic[k=48],cacheblend[ratio=0.05],cacheblend[ratio=0.15],cacheblend[ratio=0.4],relay[tau_dev=3,tau_inf=3],relay,relay[tau_dev=1,tau_inf=1],relay[band=false],relay[selector=deviation],relay[selector=influence]"
