@@ -11,8 +11,8 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
-def _f(v, spec: str) -> str:
-    return "–" if v is None else format(v, spec)
+def _f(v, spec: str, suffix: str = "") -> str:
+    return "–" if v is None else format(v, spec) + suffix
 
 
 def bench_table(path: Path) -> str:
@@ -24,8 +24,8 @@ def bench_table(path: Path) -> str:
              "1st-token agree | KL(full‖m) | greedy@32 | accuracy | calls |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m, s in d["results"].items():
-        lines.append(f"| {m} | {_f(s['ttft_ms_median'], '.1f')} | {_f(s['speedup_vs_full'], '.2f')}× | "
-                     f"{_f(s['speedup_vs_prefix'], '.2f')}× | {_f(s['ideal_speedup'], '.2f')}× | "
+        lines.append(f"| {m} | {_f(s['ttft_ms_median'], '.1f')} | {_f(s['speedup_vs_full'], '.2f', '×')} | "
+                     f"{_f(s['speedup_vs_prefix'], '.2f', '×')} | {_f(s['ideal_speedup'], '.2f', '×')} | "
                      f"{_f(s['reuse_rate'], '.3f')} | {_f(s['recompute_frac'], '.3f')} | "
                      f"{_f(s['first_token_agreement'], '.2f')} | {_f(s['kl_first_token'], '.3f')} | "
                      f"{_f(s['greedy_match_rate'], '.2f')} | {_f(s['accuracy'], '.2f')} | {s['n_calls']} |")
@@ -33,8 +33,9 @@ def bench_table(path: Path) -> str:
 
 
 def copy_agents_table() -> str:
-    rows = ["| agents | last agent prompt tokens | full TTFT ms | prefix | naive | cacheblend | epic | relay "
-            "| ideal speedup |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    methods = ("prefix", "naive", "cacheblend", "epic", "relay")
+    rows = ["| agents | last agent prompt tokens | full TTFT ms | " + " | ".join(methods) + " | ideal speedup | "
+            "1st-token agreement (all calls): " + " / ".join(methods) + " |", "|---:|" * 1 + "---:|" * 9]
     for a in (2, 3, 4, 5):
         path = RESULTS / f"copy-agents-{a}.json"
         if not path.exists():
@@ -42,10 +43,10 @@ def copy_agents_table() -> str:
         res = json.loads(path.read_text())["results"]
         last = max(res["full"]["by_agent"].values(), key=lambda b: b["position"])
         name = next(k for k, v in res["full"]["by_agent"].items() if v is last)
-        cells = [f"{res[m]['by_agent'][name]['speedup_vs_full']:.2f}×" if m in res else "–"
-                 for m in ("prefix", "naive", "cacheblend", "epic", "relay")]
+        cells = [f"{res[m]['by_agent'][name]['speedup_vs_full']:.2f}×" if m in res else "–" for m in methods]
+        agree = " / ".join(_f(res[m]["first_token_agreement"], ".2f") if m in res else "–" for m in methods)
         rows.append(f"| {a} | {last['num_prompt_tokens_median']:.0f} | {last['ttft_ms_median']:.0f} | "
-                    + " | ".join(cells) + f" | {last['ideal_speedup']:.2f}× |")
+                    + " | ".join(cells) + f" | {last['ideal_speedup']:.2f}× | {agree} |")
     return "\n".join(rows)
 
 
