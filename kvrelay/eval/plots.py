@@ -32,17 +32,19 @@ def write_plots(result: dict, out_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     if result.get("fidelity_meaningful", True) and result["mode"] == "agent":
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for method, s in results.items():
-            ax.scatter(s["reuse_rate"], s["greedy_match_rate"], marker="o", s=60, label=f"{method} greedy@G")
-            ax.scatter(s["reuse_rate"], s["first_token_agreement"], marker="x", s=60, color=ax.collections[-1]
-                       .get_facecolor()[0], label=f"{method} 1st token")
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        colors = plt.get_cmap("tab20")
+        for i, (method, s) in enumerate(results.items()):
+            color = colors(i % 20)
+            ax.scatter(s["reuse_rate"], s["greedy_match_rate"], marker="o", s=60, color=color,
+                       label=f"{method}: greedy@G (o), 1st token (x)")
+            ax.scatter(s["reuse_rate"], s["first_token_agreement"], marker="x", s=60, color=color)
         ax.set_xlabel("reuse rate (token-layers)")
         ax.set_ylabel("fidelity vs full")
         ax.set_xlim(-0.05, 1.05)
         ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"fidelity vs reuse: {result['workload']}")
-        ax.legend(fontsize=7)
+        ax.set_title(f"fidelity vs reuse: {result['workload']} ({result['model']}, {result['n']} problems)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         ax.grid(alpha=0.3)
         paths.append(out_dir / f"{stem}-fidelity-vs-reuse.png")
         fig.tight_layout()
