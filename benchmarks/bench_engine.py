@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,18 +20,11 @@ from pathlib import Path
 
 import torch
 
-import kvrelay
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine import generate
+from kvrelay.eval.harness import environment
 from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingConfig
-
-
-def _env(device: str) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
-                       f"{torch.get_num_threads()} torch threads", "device": device, "torch": torch.__version__,
-            "kvrelay": kvrelay.__version__, "commit": commit, "python": platform.python_version()}
 
 
 def _hf_twin(lm):
@@ -134,7 +126,7 @@ def main() -> None:
     load = {"second_load_s_median": statistics.median(load_s), "runs_s": load_s,
             "note": "fresh process, conversion cache present; includes importing torch and kvrelay"}
 
-    result = {"env": _env("cpu"), "model": lm.name, "prefill": prefill, "decode": decode, "load": load}
+    result = {"env": environment("cpu"), "model": lm.name, "prefill": prefill, "decode": decode, "load": load}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

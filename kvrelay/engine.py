@@ -78,7 +78,8 @@ class GenerationOutput:
     cache: SequenceKV | None = None  # kept with keep_cache=True: every prompt and output token's KV
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings cover it (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -122,7 +123,7 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     device = model.device
     ids = torch.tensor(prompt_ids, dtype=torch.long)
 
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     plan = _shiftable(method.plan(call, store, lm), store, model)
     cache = SequenceKV(config, model.dtype, device, capacity=total + 1)
@@ -132,7 +133,7 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
         num_shifted += cache.load_span(span, load.dst_start, model.rope, load.src_start, load.src_end)
     plan.schedule.capture_layers = tuple(capture_layers)
     result = model.prefill(ids, cache, plan.schedule)
-    _sync(device)
+    sync_device(device)
     ttft_ms = (time.perf_counter() - t0) * 1e3
 
     t1 = time.perf_counter()
@@ -141,7 +142,7 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     else:
         output, stop_reason, decode_hidden = _decode(lm, cache, result.logits, sampling, capture_layers,
                                                      feed_last=keep_cache)
-    _sync(device)
+    sync_device(device)
     decode_ms = (time.perf_counter() - t1) * 1e3
 
     prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(prompt_ids)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tqdm import tqdm
 import kvrelay
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import generate
+from kvrelay.engine import generate, sync_device
 from kvrelay.errors import ConfigError
 from kvrelay.eval.fidelity import first_token_agrees, greedy_match, kl_first_token
 from kvrelay.eval.report import CallRow, summarize
@@ -87,22 +88,19 @@ def new_token_mask(call: CallInput, store: KVStore, lm: LoadedModel) -> list[boo
 
 def ideal_ttft_ms(lm: LoadedModel, call: CallInput, new_mask: list[bool]) -> float:
     """TTFT of a call that computes only its new tokens, with nothing to load (the physical limit)."""
-    import time
-
     model, n = lm.model, len(call.prompt_ids)
     idx = torch.tensor([i for i, is_new in enumerate(new_mask) if is_new])
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_device(model.device)
     t0 = time.perf_counter()
     cache = SequenceKV(lm.config, model.dtype, model.device, capacity=n + 1)
     cache.filled[:, :n] = True  # stands for reused KV; its values do not matter for timing
     model.prefill(torch.tensor(call.prompt_ids), cache, _ActiveOnly(idx))
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_device(model.device)
     return (time.perf_counter() - t0) * 1e3
 
 
-def _env(device: str) -> dict:
+def environment(device: str) -> dict:
+    """The bench JSON's "env": machine, device, versions, commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip() or None
@@ -143,7 +141,7 @@ class Bench:
         results = summarize(rows, accuracy)
         for s in results.values():
             s["peak_store_bytes"] = peak_bytes
-        return {"env": _env(self.cfg.device), "model": self.lm.name, "workload": self.cfg.workload,
+        return {"env": environment(self.cfg.device), "model": self.lm.name, "workload": self.cfg.workload,
                 "n": len(problems), "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
                 "config": {k: v for k, v in self.cfg.__dict__.items()}, "results": results,
                 "calls": [r.__dict__ for r in rows]}
