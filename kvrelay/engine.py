@@ -89,6 +89,9 @@ def _shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
     prefill, and says so (counted as a fallback in the stats)."""
     if model.rope.can_shift:
         return plan
+    if plan.patches:  # patched keys were rotated for their positions by the method
+        return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot rotate patched keys; "
+                                         "recomputed with a full prefill")
     for load in plan.loads:
         if store.get(load.span_id).start_pos + load.src_start != load.dst_start:
             return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot move keys "
@@ -99,12 +102,14 @@ def _shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
 def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod | str = "full",
              store: KVStore | None = None, sampling: SamplingConfig | None = None,
              capture_layers: tuple[int, ...] = (), keep_cache: bool = False,
-             forced_output_ids: list[int] | None = None) -> GenerationOutput:
+             forced_output_ids: list[int] | None = None, learn: bool = True) -> GenerationOutput:
     """One agent call.
 
     With ``keep_cache``, the output keeps the sequence KV so that ``publish`` can store it. With
     ``forced_output_ids``, the output is those ids (not sampled): their KV is computed by one more
     prefill chunk, as decoding them would (up to float rounding), for deterministic workloads.
+    With ``learn`` (default), a stateful method (KVCOMM's anchor pools) learns from this prefill
+    after the first token; the bench turns it off for repeated timing runs of one call.
     """
     sampling = sampling or SamplingConfig()
     call = call if isinstance(call, CallInput) else CallInput(list(call))
@@ -131,10 +136,14 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     for load in plan.loads:
         span = store.get(load.span_id)
         num_shifted += cache.load_span(span, load.dst_start, model.rope, load.src_start, load.src_end)
+    for patch in plan.patches:
+        cache.patch(patch.dst_start, patch.k, patch.v, patch.add)
     plan.schedule.capture_layers = tuple(capture_layers)
     result = model.prefill(ids, cache, plan.schedule)
     sync_device(device)
     ttft_ms = (time.perf_counter() - t0) * 1e3
+    if learn:
+        method.observe(call, plan, cache, store, lm)
 
     t1 = time.perf_counter()
     if forced_output_ids is not None:

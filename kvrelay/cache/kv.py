@@ -129,6 +129,21 @@ class SequenceKV:
         self.filled[:, dst_start : dst_start + n] = True
         return n if delta else 0
 
+    def patch(self, dst_start: int, k: torch.Tensor, v: torch.Tensor, add: bool) -> None:
+        """Add to (``add``) or set positions [dst_start, dst_start + n); k, v: [L, Hkv, n, hd]."""
+        n = k.shape[2]
+        self.ensure_capacity(dst_start + n)
+        rows = slice(dst_start, dst_start + n)
+        if add:
+            if not bool(self.filled[:, rows].all()):
+                raise ScheduleError(f"offsets patched onto positions {dst_start}..{dst_start + n} with no loaded K/V")
+            self.k[:, :, rows] += k.to(self.device, self.dtype)
+            self.v[:, :, rows] += v.to(self.device, self.dtype)
+        else:
+            self.k[:, :, rows] = k.to(self.device, self.dtype)
+            self.v[:, :, rows] = v.to(self.device, self.dtype)
+            self.filled[:, rows] = True
+
     def export(self, start: int, end: int, token_ids: list[int] | tuple[int, ...], fingerprint: str,
                hidden: dict[int, torch.Tensor] | None = None, hidden_from: int = 0) -> StoredSpan:
         """A copy of positions [start, end) as a span (the sequence cache may then be freed)."""

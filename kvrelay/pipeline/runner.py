@@ -73,12 +73,12 @@ class PipelineRunner:
                 continue
             if seg.ref in done:  # an upstream output: after that call's prompt in its span
                 up = done[seg.ref]
-                refs.append(SpanRef(seg.start, seg.end, up.span_id, len(up.output.prompt_ids), "output"))
+                refs.append(SpanRef(seg.start, seg.end, up.span_id, len(up.output.prompt_ids), "output", seg.ref))
                 continue
             holder = next((r for r in done.values() if any(s.ref == seg.ref for s in r.prompt.segments)), None)
             if holder is not None:  # a task input some earlier call already prefilled
                 src = next(s for s in holder.prompt.segments if s.ref == seg.ref)
-                refs.append(SpanRef(seg.start, seg.end, holder.span_id, src.start, "input"))
+                refs.append(SpanRef(seg.start, seg.end, holder.span_id, src.start, "input", seg.ref))
         return CallInput(prompt.ids, refs, agent.name), prompt
 
     def run(self, inputs: dict[str, str], method: ReuseMethod | str = "full",

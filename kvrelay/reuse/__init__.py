@@ -14,13 +14,14 @@ from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef
 from kvrelay.reuse.cacheblend import CacheBlendMethod
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.full import FullMethod
+from kvrelay.reuse.kvcomm import KVCommMethod
 from kvrelay.reuse.naive import NaiveMethod
 from kvrelay.reuse.prefix import PrefixMethod
 from kvrelay.reuse.relay import RelayMethod
 
 METHODS: dict[str, type[ReuseMethod]] = {
     "full": FullMethod, "prefix": PrefixMethod, "naive": NaiveMethod, "cacheblend": CacheBlendMethod,
-    "epic": EpicMethod, "relay": RelayMethod,
+    "epic": EpicMethod, "relay": RelayMethod, "kvcomm": KVCommMethod,
 }
 
 __all__ = ["METHODS", "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "split_method_specs"]
@@ -43,7 +44,7 @@ def get_method(spec: str) -> ReuseMethod:
     if not m or m.group(1) not in METHODS:
         raise ConfigError(f"unknown method {spec!r}; available: {', '.join(METHODS)} (parameters as name[k=v,...])")
     cls, params = METHODS[m.group(1)], {}
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    fields = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set()
     for item in filter(None, (m.group(2) or "").split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()

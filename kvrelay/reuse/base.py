@@ -11,10 +11,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+
 from kvrelay.cache.store import KVStore
 from kvrelay.model.schedule import Schedule
 
 if TYPE_CHECKING:
+    from kvrelay.cache.kv import SequenceKV
     from kvrelay.model.loader import LoadedModel
 
 
@@ -31,6 +34,7 @@ class SpanRef:
     span_id: str
     src_start: int
     kind: str = "output"  # "output" (an upstream agent's generated ids) or "input" (a task input)
+    name: str = ""  # the placeholder it fills in the prompt template ("question", "agent1"), if known
 
     @property
     def num_tokens(self) -> int:
@@ -61,15 +65,33 @@ class SpanLoad:
 
 
 @dataclass
+class KVPatch:
+    """K/V a method writes into the sequence cache after the loads: ``add`` offsets to loaded rows,
+    or set rows that no stored span holds (KVCOMM's template segments). Both at prompt positions
+    [dst_start, dst_start + n), keys already rotated for those positions."""
+
+    dst_start: int
+    k: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim]
+    v: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim]
+    add: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass
 class Plan:
     schedule: Schedule
     loads: list[SpanLoad] = field(default_factory=list)
+    patches: list[KVPatch] = field(default_factory=list)
     fallback: str | None = None  # why the method fell back to a full prefill, if it did
     note: str | None = None  # anything else the stats should say (e.g. tokens recomputed from layer 0)
+    state: object = None  # the method's own record of this plan, handed back to ``observe``
 
     @property
     def num_reused_tokens(self) -> int:
-        return sum(load.num_tokens for load in self.loads)
+        return sum(load.num_tokens for load in self.loads) + sum(p.num_tokens for p in self.patches if not p.add)
 
 
 class ReuseMethod(ABC):
@@ -82,3 +104,11 @@ class ReuseMethod(ABC):
     @abstractmethod
     def plan(self, call: CallInput, store: KVStore | None, lm: LoadedModel) -> Plan:
         """Decide what to reuse for this call; must leave the last prompt token active."""
+
+    def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None,
+                lm: LoadedModel) -> None:
+        """Learn from a finished prefill of ``plan`` (``cache`` holds every prompt token's K/V).
+
+        Called after the first token, outside TTFT. Stateless methods ignore it; KVCOMM adds anchors.
+        """
+        return None

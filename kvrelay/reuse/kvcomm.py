@@ -1,0 +1,224 @@
+"""``kvcomm`` (KVCOMM, NeurIPS'25, arXiv 2510.12872): reuse shared spans, add anchor-estimated offsets.
+
+A prompt is template segments and placeholders (a task input, an upstream agent's output). For each
+placeholder the method keeps an online anchor pool per agent (anchors.py). A call is planned
+all-or-nothing:
+
+- every placeholder needs ``warmup`` anchors at least as long as it, and the softmax(-distance /
+  ``temperature``) weights over them must be decisive: normalized entropy <= ``gamma``; otherwise
+  the call runs a dense (``full``) prefill, counted as a fallback, and ``observe`` turns that
+  prefill into one new anchor per placeholder (pools bounded by ``max_anchors``);
+- when it passes, no span token is computed: each placeholder's stored KV is re-rotated to its
+  new position and the weighted anchor offsets are added; the template segments (constant per
+  agent) are taken from the agent's first dense prefill plus the offsets the anchors of the
+  placeholder before them recorded. Only tokens in neither, and the last prompt token, are computed.
+
+Key offsets are kept position-free (both sides rotated back to position 0) and re-rotated to the
+new positions when applied. ``rotate_offsets=false`` keeps absolute offsets and adds them as they
+are, as the public KVCOMM code does. Layer 0 offsets are zero (K/V there depend on token and
+position only). Placeholders come from the call's refs; the store's exact prefix is not used (the
+first template segment covers it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.store import KVStore
+from kvrelay.errors import ConfigError
+from kvrelay.model.rope import RotaryEmbedding
+from kvrelay.model.schedule import Schedule
+from kvrelay.reuse.anchors import Anchor, AnchorPool, mix, normalized_entropy, value_distances
+from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
+from kvrelay.reuse.naive import StaticSchedule
+
+
+@dataclass
+class TemplateSegment:
+    """A template segment's KV from an agent's first dense prefill; keys rotated back to position 0."""
+
+    token_ids: tuple[int, ...]
+    k_rel: torch.Tensor  # [L, Hkv, m, hd]
+    v: torch.Tensor  # [L, Hkv, m, hd]
+
+
+@dataclass
+class _Layout:
+    """A call cut into template segments and placeholders: segs[j] precedes refs[j]; segs[-1] is the tail."""
+
+    refs: list[SpanRef]
+    segs: list[tuple[int, int]]  # [start, end) per template segment, len(refs) + 1 of them
+
+    @classmethod
+    def of(cls, call: CallInput) -> _Layout:
+        refs = sorted(call.refs, key=lambda r: r.start)
+        bounds = [0] + [x for r in refs for x in (r.start, r.end)] + [len(call.prompt_ids)]
+        return cls(refs, list(zip(bounds[::2], bounds[1::2], strict=True)))
+
+
+@dataclass
+class _Decision:
+    key: str
+    anchors: list[Anchor]
+    weights: torch.Tensor  # [len(anchors)]
+
+
+@dataclass
+class KVCommMethod(ReuseMethod):
+    gamma: float = 0.3  # reuse only when the anchors' weight entropy / log(#anchors) is at most this
+    # softmax(-relative value distance / temperature). Distances between different texts cluster at
+    # 1.2-1.4 (~sqrt 2: near-orthogonal values) with a spread of ~0.1 on SmolLM2, so 0.01 makes a gap
+    # of a few hundredths decisive; at 0.05 nearly every weight vector is flat (entropy > 0.8).
+    temperature: float = 0.01
+    warmup: int = 3  # a placeholder with fewer eligible anchors forces a dense prefill
+    max_anchors: int = 20  # per placeholder pool
+    evict_window: int = 5  # a full pool evicts the least used of its this-many oldest anchors
+    rotate_offsets: bool = True  # False: absolute key offsets, as the public code stores them
+    reuse_template: bool = True  # also reuse template segments (base KV + the anchors' offsets)
+    name = "kvcomm"
+    pools: dict[str, AnchorPool] = field(default_factory=dict, init=False, repr=False)
+    templates: dict[str, list[TemplateSegment]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.gamma < 0 or self.temperature <= 0:
+            raise ConfigError(f"kvcomm: need gamma >= 0 and temperature > 0, got {self.gamma}, {self.temperature}")
+        if self.warmup < 1 or self.max_anchors < self.warmup or not 1 <= self.evict_window <= self.max_anchors:
+            raise ConfigError(f"kvcomm: need 1 <= warmup <= max_anchors and 1 <= evict_window <= max_anchors, got "
+                              f"warmup={self.warmup}, max_anchors={self.max_anchors}, evict_window={self.evict_window}")
+
+    @staticmethod
+    def pool_key(call: CallInput, ref: SpanRef) -> str:
+        return f"{call.name}/{ref.name or ref.span_id}"
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools.values())
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        layout = _Layout.of(call)
+        decisions, reason = self._gate(call, layout, store)
+        if reason is not None:
+            return Plan(Schedule(), fallback=f"kvcomm: {reason}; dense prefill (+1 anchor per placeholder)",
+                        state=("dense", layout))
+        n, rope = len(call.prompt_ids), lm.model.rope
+        loads, patches = [], []
+        covered = torch.zeros(n, dtype=torch.bool)
+        for ref, d in zip(layout.refs, decisions, strict=True):
+            m = min(ref.end, n - 1) - ref.start  # the last prompt token is always computed
+            if m <= 0:
+                continue
+            loads.append(SpanLoad(ref.span_id, ref.src_start, ref.src_start + m, ref.start))
+            dk = mix(d.weights, [a.dk for a in d.anchors], m)
+            if self.rotate_offsets:
+                dk = rope.shift_keys(dk, ref.start)
+            patches.append(KVPatch(ref.start, dk, mix(d.weights, [a.dv for a in d.anchors], m), add=True))
+            covered[ref.start : ref.start + m] = True
+        if self.reuse_template:
+            for patch in self._template_patches(call, layout, decisions, rope):
+                patches.append(patch)
+                covered[patch.dst_start : patch.dst_start + patch.num_tokens] = True
+        active = (~covered).nonzero().flatten()
+        return Plan(StaticSchedule(active), loads, patches, state=("reuse", decisions))
+
+    def _gate(self, call: CallInput, layout: _Layout, store: KVStore | None
+              ) -> tuple[list[_Decision], str | None]:
+        if not layout.refs:
+            return [], "no placeholder to reuse"
+        decisions = []
+        for ref in layout.refs:
+            key = self.pool_key(call, ref)
+            if store is None or ref.span_id not in store:
+                return [], f"span {ref.span_id!r} of placeholder {key!r} is not in the store"
+            pool = self.pools.get(key)
+            anchors = pool.eligible(ref.num_tokens) if pool else []
+            if len(anchors) < self.warmup:
+                return [], f"placeholder {key!r} has {len(anchors)} of {self.warmup} anchors >= {ref.num_tokens} tokens"
+            span = store.get(ref.span_id)
+            base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
+            weights = torch.softmax(-value_distances(base_v, anchors) / self.temperature, dim=0)
+            entropy = normalized_entropy(weights)
+            if entropy > self.gamma:
+                return [], f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma}"
+            decisions.append(_Decision(key, anchors, weights))
+        return decisions, None
+
+    def _template_patches(self, call: CallInput, layout: _Layout, decisions: list[_Decision],
+                          rope: RotaryEmbedding) -> list[KVPatch]:
+        template = self.templates.get(call.name)
+        if template is None or len(template) != len(layout.segs):
+            return []
+        n, patches = len(call.prompt_ids), []
+        for j, (start, end) in enumerate(layout.segs):
+            base = template[j]
+            m = min(end, n - 1) - start
+            if m <= 0 or tuple(call.prompt_ids[start:end]) != base.token_ids:
+                continue
+            k_rel, v = base.k_rel[:, :, :m], base.v[:, :, :m]
+            if j > 0:  # a segment after a placeholder moved with it: add its anchors' segment offsets
+                d = decisions[j - 1]
+                have = [i for i, a in enumerate(d.anchors) if a.seg_ids == base.token_ids and a.seg_dk is not None]
+                if not have:
+                    continue
+                w = d.weights[have] / d.weights[have].sum()
+                seg_dk = mix(w, [d.anchors[i].seg_dk for i in have], m)
+                seg_dv = mix(w, [d.anchors[i].seg_dv for i in have], m)
+                k_rel, v = (k_rel + seg_dk, v + seg_dv) if self.rotate_offsets else (k_rel, v + seg_dv)
+                k = rope.shift_keys(k_rel, start) + (0 if self.rotate_offsets else seg_dk)
+            else:  # the first segment: same tokens, same positions, nothing before it -> exact
+                k = rope.shift_keys(k_rel, start)
+            patches.append(KVPatch(start, k, v, add=False))
+        return patches
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
+        if not isinstance(plan.state, tuple):
+            return
+        kind, data = plan.state
+        if kind == "reuse":
+            for d in data:
+                for a, w in zip(d.anchors, d.weights.tolist(), strict=True):
+                    a.usage += w
+            return
+        layout: _Layout = data
+        rope = lm.model.rope
+        if call.name not in self.templates:  # the agent's first dense prefill is its template base
+            self.templates[call.name] = [
+                TemplateSegment(tuple(call.prompt_ids[s:e]), rope.shift_keys(cache.k[:, :, s:e], -s).clone(),
+                                cache.v[:, :, s:e].clone()) for s, e in layout.segs]
+        template = self.templates[call.name]
+        for j, ref in enumerate(layout.refs):
+            if store is None or ref.span_id not in store:
+                continue
+            span = store.get(ref.span_id)
+            src = slice(ref.src_start, ref.src_start + ref.num_tokens)
+            dk, dv = self._offsets(rope, cache, ref.start, ref.end, span.k[:, :, src], span.v[:, :, src],
+                                   span.start_pos + ref.src_start)
+            anchor = Anchor(span.v[:, :, src].clone(), dk, dv)
+            s, e = layout.segs[j + 1]
+            seg_ids = tuple(call.prompt_ids[s:e])
+            if e > s and len(template) == len(layout.segs) and template[j + 1].token_ids == seg_ids:
+                base = template[j + 1]
+                anchor.seg_ids = seg_ids
+                anchor.seg_dk, anchor.seg_dv = self._offsets(rope, cache, s, e, base.k_rel, base.v, 0)
+            pool = self.pools.setdefault(self.pool_key(call, ref), AnchorPool(self.max_anchors, self.evict_window))
+            pool.add(anchor)
+
+    def _offsets(self, rope: RotaryEmbedding, cache: SequenceKV, start: int, end: int, base_k: torch.Tensor,
+                 base_v: torch.Tensor, base_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Offsets (real - base) of prompt positions [start, end) against base K/V rotated for base_pos.
+
+        Position-free keys: both rotated back to position 0; absolute: base moved to ``start``.
+        """
+        real_k, real_v = cache.k[:, :, start:end], cache.v[:, :, start:end]
+        if self.rotate_offsets:
+            dk = rope.shift_keys(real_k, -start) - rope.shift_keys(base_k, -base_pos)
+        else:
+            dk = real_k - rope.shift_keys(base_k, start - base_pos)
+        dv = real_v - base_v
+        dk[0] = 0  # layer 0: K/V depend on the token and its position only; any offset is float noise
+        dv[0] = 0
+        return dk.contiguous(), dv.contiguous()

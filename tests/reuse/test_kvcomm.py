@@ -1,0 +1,152 @@
+"""KVCOMM on a tiny model and on hand-made tensors: exact estimate with one identical anchor, the
+softmax weights, pool eviction, the gate's fallback path and what the bench counts."""
+
+import math
+
+import pytest
+import torch
+
+from kvrelay.cache.store import KVStore
+from kvrelay.engine import generate, publish
+from kvrelay.errors import ConfigError
+from kvrelay.eval.harness import Bench, BenchConfig
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.reuse import get_method
+from kvrelay.reuse.anchors import Anchor, AnchorPool, mix, normalized_entropy, value_distances
+from kvrelay.reuse.base import CallInput, SpanRef
+from tests.helpers import tiny_lm
+
+ONE = SamplingConfig(max_new_tokens=1)
+
+
+def _downstream(lm, store, seed: int, head_len: int = 7, tail_len: int = 5, up_name: str = "up") -> CallInput:
+    """An upstream call (published as ``up_name``) and a downstream prompt: template head + its output + tail."""
+    gen = torch.Generator().manual_seed(seed)
+    up_prompt = torch.randint(0, 256, (20,), generator=gen).tolist()
+    up = generate(lm, up_prompt, "full", store, SamplingConfig(max_new_tokens=24), keep_cache=True)
+    publish(store, up_name, up, lm)
+    head, tail = [1, 2, 3, 4, 5, 6, 7][:head_len], [9, 8, 7, 6, 5][:tail_len]  # the agent's constant template
+    ids = head + up.output_ids + tail
+    return CallInput(ids, [SpanRef(head_len, head_len + 24, up_name, 20, "output", "up")], name="agent")
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm("qwen2")
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_single_anchor_from_the_same_context_reproduces_full(lm, rotate):
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, seed=0)
+    method = get_method(f"kvcomm[warmup=1,rotate_offsets={str(rotate).lower()}]")
+    first = generate(lm, call, method, store, ONE, keep_cache=True)
+    assert first.stats.fallback is not None and "0 of 1 anchors" in first.stats.fallback
+    assert len(method.pools["agent/up"].anchors) == 1
+    full = generate(lm, call, "full", store, ONE, keep_cache=True)
+    again = generate(lm, call, method, store, ONE, keep_cache=True)
+    n = len(call.prompt_ids)
+    assert again.stats.fallback is None
+    assert again.stats.num_reused_tokens == n - 1  # span + template; only the last token is computed
+    assert again.stats.num_computed_token_layers == lm.config.num_layers
+    torch.testing.assert_close(again.cache.k[:, :, : n - 1], full.cache.k[:, :, : n - 1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(again.cache.v[:, :, : n - 1], full.cache.v[:, :, : n - 1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(again.first_logits, full.first_logits, atol=1e-4, rtol=0)
+
+
+def test_offsets_are_estimated_not_copied_for_a_new_context(lm):
+    """A second upstream output in the same template: reuse differs from naive (offsets were added)."""
+    store = KVStore(1 << 30)
+    method = get_method("kvcomm[warmup=1]")
+    generate(lm, _downstream(lm, store, seed=0), method, store, ONE)
+    call = _downstream(lm, store, seed=1, up_name="up2")  # the same placeholder, another problem
+    out = generate(lm, call, method, store, ONE, keep_cache=True)
+    naive = generate(lm, call, "naive", store, ONE, keep_cache=True)
+    assert out.stats.fallback is None
+    assert not torch.allclose(out.cache.v[1:, :, 7:31], naive.cache.v[1:, :, 7:31])
+    torch.testing.assert_close(out.cache.v[0, :, 7:31], naive.cache.v[0, :, 7:31])  # layer 0: no offset
+
+
+def test_gate_fallback_is_counted_and_adds_one_anchor_per_placeholder(lm):
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, seed=0)
+    method = get_method("kvcomm[warmup=2,gamma=1]")  # two equal anchors: entropy 1, let it pass
+    outs = [generate(lm, call, method, store, ONE) for _ in range(3)]
+    assert [o.stats.fallback is not None for o in outs] == [True, True, False]
+    assert outs[0].stats.reuse_rate == 0.0 and outs[2].stats.reuse_rate > 0.9
+    assert len(method.pools["agent/up"].anchors) == 2  # the reused call added none
+    # learn=False: a fallback that does not learn leaves the pool as it was
+    fresh = get_method("kvcomm[warmup=1]")
+    generate(lm, call, fresh, store, ONE, learn=False)
+    assert fresh.pools == {}
+
+
+def test_entropy_gate_rejects_undecided_anchors(lm):
+    store = KVStore(1 << 30)
+    method = get_method("kvcomm[warmup=2,gamma=0,temperature=100]")  # flat weights: entropy ~1 > 0
+    for seed in (0, 1):
+        call = _downstream(lm, store, seed=seed, up_name=f"up{seed}")
+        generate(lm, call, method, store, ONE)
+    out = generate(lm, call, method, store, ONE)
+    assert "entropy" in out.stats.fallback
+
+
+def test_softmax_weights_on_a_hand_made_case():
+    v = torch.ones(2, 1, 3, 4)  # [L, Hkv, n, hd]; |v| = 2 per token and layer
+    same = Anchor(v.clone(), v, v)
+    double = Anchor(2 * v, v, v)  # |2v - v| / |v| = 1
+    longer = Anchor(torch.cat([3 * v, v], dim=2), v, v)  # first 3 tokens: |3v - v| / |v| = 2
+    d = value_distances(v, [same, double, longer])
+    torch.testing.assert_close(d, torch.tensor([0.0, 1.0, 2.0]))
+    w = torch.softmax(-d / 0.5, dim=0)
+    z = 1 + math.exp(-2) + math.exp(-4)
+    torch.testing.assert_close(w, torch.tensor([1 / z, math.exp(-2) / z, math.exp(-4) / z]))
+    torch.testing.assert_close(mix(w, [torch.full((2, 1, 4, 4), float(i)) for i in range(3)], 3),
+                               torch.full((2, 1, 3, 4), float(w[1] + 2 * w[2])))
+    assert normalized_entropy(torch.tensor([1.0, 0.0, 0.0])) == pytest.approx(0.0, abs=1e-9)
+    assert normalized_entropy(torch.full((4,), 0.25)) == pytest.approx(1.0)
+    assert normalized_entropy(torch.tensor([1.0])) == 0.0
+
+
+def test_pool_evicts_the_least_used_of_the_oldest():
+    def anchor(n=2):
+        return Anchor(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))
+
+    pool = AnchorPool(max_anchors=4, evict_window=2)
+    a = [anchor() for _ in range(4)]
+    for x, usage in zip(a, (5.0, 1.0, 0.0, 0.0), strict=True):
+        assert pool.add(x) is None
+        x.usage = usage
+    assert [x.anchor_id for x in pool.anchors] == [0, 1, 2, 3]
+    assert pool.add(anchor()) is a[1]  # oldest two: a0 (5.0), a1 (1.0) -> a1, though a2/a3 are unused
+    assert pool.add(anchor()) is a[2]  # oldest two now: a0 (5.0), a2 (0.0)
+    a[0].usage = 0.0
+    assert pool.add(anchor()) is a[0]  # a0 (0.0) vs a3 (0.0): tie -> the oldest
+    assert [x.anchor_id for x in pool.anchors] == [3, 4, 5, 6]
+    assert [x.anchor_id for x in pool.eligible(3)] == []
+    pool.add(anchor(5))
+    assert [x.anchor_id for x in pool.eligible(3)] == [7]
+
+
+def test_bad_parameters():
+    with pytest.raises(ConfigError, match="warmup"):
+        get_method("kvcomm[warmup=0]")
+    with pytest.raises(ConfigError, match="temperature"):
+        get_method("kvcomm[temperature=0]")
+    with pytest.raises(ConfigError, match="unknown parameter 'pools'"):
+        get_method("kvcomm[pools=1]")
+
+
+def test_bench_learns_once_per_call_and_reports_fallbacks():
+    """copy-agents:2 on 3 problems with warmup 2 (gate open): problems 1-2 fall back, problem 3 reuses,
+    whatever the number of timed repeats of each call."""
+    spec = "kvcomm[warmup=2,gamma=1]"
+    bench = Bench(BenchConfig(workload="copy-agents:2", methods=(spec,), limit=3, model="random:tiny",
+                              repeats=3, greedy_tokens=4))
+    data = bench.run(progress=False)
+    r = data["results"][spec]
+    assert r["n_calls"] == 3 and r["fallback_rate"] == pytest.approx(2 / 3)
+    assert r["reuse_rate_per_call"] == pytest.approx(1 / 3)
+    method = bench.methods[spec]
+    assert sorted(method.pools) == ["agent2/agent1", "agent2/context"]
+    assert [len(p.anchors) for p in method.pools.values()] == [2, 2]
