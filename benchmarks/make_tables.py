@@ -50,6 +50,65 @@ def copy_agents_table() -> str:
     return "\n".join(rows)
 
 
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def kvcomm_table(path: Path) -> str:
+    """Per method: reuse per call and per token, fallbacks, and fidelity/speed over all calls and over
+    the calls that reused (a fallback is a full prefill, exact by construction)."""
+    d = json.loads(path.read_text())
+    env = d["env"]
+    lines = [f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems; `{path.name}`, commit {env['commit']}, "
+             f"{env['machine']})", "",
+             "| method | reuse/call | reuse/token | fallback | speedup vs full (all / reused calls) | ideal | "
+             "1st-token agree (all / reused) | greedy@32 (all / reused) | KL(full‖m) | accuracy | calls |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m, s in d["results"].items():
+        calls = [c for c in d["calls"] if c["method"] == m]
+        reused = [c for c in calls if c["reused_token_layers"] > 0]
+        sp = _median([c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
+        agree = _mean([float(c["first_token_agree"]) for c in reused if c["first_token_agree"] is not None])
+        greedy = _mean([float(c["greedy_match"]) for c in reused if c["greedy_match"] is not None])
+        lines.append(
+            f"| {m} | {_f(s['reuse_rate_per_call'], '.2f')} | {_f(s['reuse_rate'], '.3f')} | "
+            f"{_f(s['fallback_rate'], '.2f')} | {_f(s['speedup_vs_full'], '.2f', '×')} / {_f(sp, '.2f', '×')} | "
+            f"{_f(s['ideal_speedup'], '.2f', '×')} | {_f(s['first_token_agreement'], '.2f')} / {_f(agree, '.2f')} | "
+            f"{_f(s['greedy_match_rate'], '.2f')} / {_f(greedy, '.2f')} | {_f(s['kl_first_token'], '.3f')} | "
+            f"{_f(s['accuracy'], '.2f')} | {s['n_calls']} ({len(reused)} reused) |")
+    return "\n".join(lines)
+
+
+def kvcomm_copy_agents_table() -> str:
+    """Last agent's TTFT speedup over full: kvcomm (median over all its calls and over reused ones) and relay."""
+    rows = ["| agents | last agent prompt tokens | full TTFT ms | relay | kvcomm (all calls) | kvcomm (reused calls) | "
+            "kvcomm reused / calls | ideal | 1st-token agree relay / kvcomm |", "|---:|" + "---:|" * 8]
+    for a in (2, 3, 4, 5):
+        path = RESULTS / f"kvcomm-copy-agents-{a}.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        res = d["results"]
+        last = max(res["full"]["by_agent"], key=lambda k: res["full"]["by_agent"][k]["position"])
+        kv = next(m for m in res if m.startswith("kvcomm"))
+        calls = [c for c in d["calls"] if c["method"] == kv and c["agent"] == last]
+        reused = [c for c in calls if c["reused_token_layers"] > 0]
+        sp = _median([c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
+        b = res["full"]["by_agent"][last]
+        rows.append(f"| {a} | {b['num_prompt_tokens_median']:.0f} | {b['ttft_ms_median']:.0f} | "
+                    f"{res['relay']['by_agent'][last]['speedup_vs_full']:.2f}× | "
+                    f"{res[kv]['by_agent'][last]['speedup_vs_full']:.2f}× | {_f(sp, '.2f', '×')} | "
+                    f"{len(reused)} / {len(calls)} | {b['ideal_speedup']:.2f}× | "
+                    f"{_f(res['relay']['first_token_agreement'], '.2f')} / "
+                    f"{_f(res[kv]['first_token_agreement'], '.2f')} |")
+    return "\n".join(rows)
+
+
 def engine_table() -> str:
     d = json.loads((RESULTS / "engine_cpu.json").read_text())
     p, dec, load = d["prefill"], d["decode"], d["load"]
@@ -72,4 +131,10 @@ if __name__ == "__main__":
         path = RESULTS / f"{name}.json"
         if path.exists():
             print(bench_table(path) + "\n")
-    print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table())
+    print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
+    print("## KVCOMM\n")
+    for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
+        path = RESULTS / f"{name}.json"
+        if path.exists():
+            print(kvcomm_table(path) + "\n")
+    print("### copy-agents: last agent's TTFT speedup over full, kvcomm and relay\n\n" + kvcomm_copy_agents_table())

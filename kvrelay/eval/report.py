@@ -86,16 +86,18 @@ def _fmt(value, spec: str, meaningful: bool = True) -> str:
 
 
 def format_table(results: dict[str, dict], fidelity_meaningful: bool = True) -> str:
-    cols = ("method", "TTFT ms", "vs full", "vs prefix", "ideal", "reuse", "recompute", "1st-tok", "KL", "greedy@G",
-            "acc", "calls")
-    lines = ["{:<10} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7} {:>9} {:>8} {:>5} {:>5}".format(*cols)]
+    width = max(10, *(len(m) for m in results))
+    row = f"{{:<{width}}}" + " {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>8} {:>7} {:>9} {:>8} {:>5} {:>5}"
+    cols = ("method", "TTFT ms", "vs full", "vs prefix", "ideal", "reuse", "recompute", "fallback", "1st-tok", "KL",
+            "greedy@G", "acc", "calls")
+    lines = [row.format(*cols)]
     lines.append("-" * len(lines[0]))
     for method, s in results.items():
-        lines.append("{:<10} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7} {:>9} {:>8} {:>5} {:>5}".format(
+        lines.append(row.format(
             method, _fmt(s["ttft_ms_median"], ".1f"), _fmt(s["speedup_vs_full"], ".2f") + "x",
             _fmt(s["speedup_vs_prefix"], ".2f") + ("x" if s["speedup_vs_prefix"] else ""),
             _fmt(s["ideal_speedup"], ".2f") + ("x" if s["ideal_speedup"] else ""),
-            _fmt(s["reuse_rate"], ".3f"), _fmt(s["recompute_frac"], ".3f"),
+            _fmt(s["reuse_rate"], ".3f"), _fmt(s["recompute_frac"], ".3f"), _fmt(s.get("fallback_rate"), ".2f"),
             _fmt(s["first_token_agreement"], ".2f", fidelity_meaningful),
             _fmt(s["kl_first_token"], ".1e", fidelity_meaningful),
             _fmt(s["greedy_match_rate"], ".2f", fidelity_meaningful),

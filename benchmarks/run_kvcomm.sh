@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# KVCOMM tables of BENCHMARKS.md (CPU, SmolLM2-135M). Two lanes of one torch thread each, run side by side
+# on the 2-core VM (timings are interleaved per call, so ratios stay fair; absolute ms are 1-thread numbers).
+# Usage: bash benchmarks/run_kvcomm.sh a|b
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1
+K=.venv/bin/kvrelay
+R=benchmarks/results
+BASE=naive,cacheblend,relay
+case "${1:-a}" in
+a)  # fc3 GSM8K, 50 problems, with the gamma sweep in the same run (same calls)
+    $K bench --workload gsm8k-fc3 --limit 50 --repeats 1 --json $R/kvcomm-gsm8k-fc3.json --plot $R \
+      --methods "$BASE,kvcomm,kvcomm[gamma=0.1],kvcomm[gamma=0.6],kvcomm[gamma=1]"
+    ;;
+b)  # TTFT microbenchmark (warmup=1: the outputs repeat across problems, so one anchor per placeholder is
+    # enough to start reusing), then MMLU fc3, end to end GSM8K fc3, HumanEval fc3
+    for a in 2 3 4 5; do
+      $K bench --workload copy-agents:$a --methods "relay,kvcomm[warmup=1]" --limit 3 --greedy-tokens 8 \
+        --json $R/kvcomm-copy-agents-$a.json
+    done
+    $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --methods "relay,kvcomm,kvcomm[gamma=1]" \
+      --json $R/kvcomm-gsm8k-fc3-e2e.json
+    $K bench --workload mmlu-fc3 --limit 12 --repeats 1 --json $R/kvcomm-mmlu-fc3.json --plot $R \
+      --methods "$BASE,kvcomm,kvcomm[gamma=1,rotate_offsets=false],kvcomm[gamma=1]"
+    ;;
+c)  # not run yet (session time): HumanEval fc3
+    $K bench --workload humaneval-fc3 --limit 50 --repeats 1 --json $R/kvcomm-humaneval-fc3.json --plot $R \
+      --methods "$BASE,kvcomm,kvcomm[gamma=1]"
+    ;;
+esac
