@@ -20,7 +20,8 @@ def test_demo_prints_its_table(tmp_path):
     rows = {line.split()[0]: line.split() for line in table}
     assert {"full", "prefix"} <= set(rows)
     assert rows["full"][2] == "1.00x" and float(rows["full"][5]) == 0.0  # vs full; reuse
-    assert float(rows["prefix"][7]) == 1.0  # exact reuse: the first token agrees
+    assert float(rows["prefix"][7]) == 0.0  # no fallback
+    assert float(rows["prefix"][8]) == 1.0  # exact reuse: the first token agrees
     assert (tmp_path / "demo.json").exists() and "wrote" in out.stdout
 
 
