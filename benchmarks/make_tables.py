@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvrelay.eval.stats import mean, median
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -15,11 +17,15 @@ def _f(v, spec: str, suffix: str = "") -> str:
     return "–" if v is None else format(v, spec) + suffix
 
 
+def _caption(d: dict, path: Path) -> str:
+    env = d["env"]
+    return (f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems, {d['model']}, {env['device']}; "
+            f"`{path.name}`, commit {env['commit']}, {env['machine']})")
+
+
 def bench_table(path: Path) -> str:
     d = json.loads(path.read_text())
-    env = d["env"]
-    lines = [f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems, {d['model']}, {env['device']}; "
-             f"`{path.name}`, commit {env['commit']}, {env['machine']})", "",
+    lines = [_caption(d, path), "",
              "| method | TTFT ms (median) | speedup vs full | vs prefix | ideal | reuse | recompute | "
              "1st-token agree | KL(full‖m) | greedy@32 | accuracy | calls |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -50,31 +56,24 @@ def copy_agents_table() -> str:
     return "\n".join(rows)
 
 
-def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
+def _or_none(stat, values: list[float]) -> float | None:
+    return stat(values) if values else None
 
 
 def kvcomm_table(path: Path) -> str:
     """Per method: reuse per call and per token, fallbacks, and fidelity/speed over all calls and over
     the calls that reused (a fallback is a full prefill, exact by construction)."""
     d = json.loads(path.read_text())
-    env = d["env"]
-    lines = [f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems; `{path.name}`, commit {env['commit']}, "
-             f"{env['machine']})", "",
+    lines = [_caption(d, path), "",
              "| method | reuse/call | reuse/token | fallback | speedup vs full (all / reused calls) | ideal | "
              "1st-token agree (all / reused) | greedy@32 (all / reused) | KL(full‖m) | accuracy | calls |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m, s in d["results"].items():
         calls = [c for c in d["calls"] if c["method"] == m]
         reused = [c for c in calls if c["reused_token_layers"] > 0]
-        sp = _median([c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
-        agree = _mean([float(c["first_token_agree"]) for c in reused if c["first_token_agree"] is not None])
-        greedy = _mean([float(c["greedy_match"]) for c in reused if c["greedy_match"] is not None])
+        sp = _or_none(median, [c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
+        agree = _or_none(mean, [float(c["first_token_agree"]) for c in reused if c["first_token_agree"] is not None])
+        greedy = _or_none(mean, [float(c["greedy_match"]) for c in reused if c["greedy_match"] is not None])
         lines.append(
             f"| {m} | {_f(s['reuse_rate_per_call'], '.2f')} | {_f(s['reuse_rate'], '.3f')} | "
             f"{_f(s['fallback_rate'], '.2f')} | {_f(s['speedup_vs_full'], '.2f', '×')} / {_f(sp, '.2f', '×')} | "
@@ -98,7 +97,7 @@ def kvcomm_copy_agents_table() -> str:
         kv = next(m for m in res if m.startswith("kvcomm"))
         calls = [c for c in d["calls"] if c["method"] == kv and c["agent"] == last]
         reused = [c for c in calls if c["reused_token_layers"] > 0]
-        sp = _median([c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
+        sp = _or_none(median, [c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
         b = res["full"]["by_agent"][last]
         rows.append(f"| {a} | {b['num_prompt_tokens_median']:.0f} | {b['ttft_ms_median']:.0f} | "
                     f"{res['relay']['by_agent'][last]['speedup_vs_full']:.2f}× | "

@@ -71,7 +71,8 @@ class KVCommMethod(ReuseMethod):
     gamma: float = 0.3  # reuse only when the anchors' weight entropy / log(#anchors) is at most this
     # softmax(-relative value distance / temperature). Distances between different texts cluster at
     # 1.2-1.4 (~sqrt 2: near-orthogonal values) with a spread of ~0.1 on SmolLM2, so 0.01 makes a gap
-    # of a few hundredths decisive; at 0.05 nearly every weight vector is flat (entropy > 0.8).
+    # of a few hundredths decisive; at 0.05 most weight vectors were near flat (entropy 0.7-1.0) in a
+    # 10-problem gsm8k-fc3 probe (not committed: chosen on benchmark data, BENCHMARKS.md says so).
     temperature: float = 0.01
     warmup: int = 3  # a placeholder with fewer eligible anchors forces a dense prefill
     max_anchors: int = 20  # per placeholder pool
@@ -103,7 +104,7 @@ class KVCommMethod(ReuseMethod):
         decisions, reason = self._gate(call, layout, store)
         if reason is not None:
             return Plan(Schedule(), fallback=f"kvcomm: {reason}; dense prefill (+1 anchor per placeholder)",
-                        state=("dense", layout))
+                        state=layout)
         n, rope = len(call.prompt_ids), lm.model.rope
         loads, patches = [], []
         covered = torch.zeros(n, dtype=torch.bool)
@@ -122,7 +123,7 @@ class KVCommMethod(ReuseMethod):
                 patches.append(patch)
                 covered[patch.dst_start : patch.dst_start + patch.num_tokens] = True
         active = (~covered).nonzero().flatten()
-        return Plan(StaticSchedule(active), loads, patches, state=("reuse", decisions))
+        return Plan(StaticSchedule(active), loads, patches, state=decisions)
 
     def _gate(self, call: CallInput, layout: _Layout, store: KVStore | None
               ) -> tuple[list[_Decision], str | None]:
@@ -175,15 +176,14 @@ class KVCommMethod(ReuseMethod):
 
     # ------------------------------------------------------------------ learning
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
-        if not isinstance(plan.state, tuple):
-            return
-        kind, data = plan.state
-        if kind == "reuse":
-            for d in data:
+        if isinstance(plan.state, list):  # a reuse: credit the anchors with the weight they had
+            for d in plan.state:
                 for a, w in zip(d.anchors, d.weights.tolist(), strict=True):
                     a.usage += w
             return
-        layout: _Layout = data
+        if not isinstance(plan.state, _Layout):  # not planned here (e.g. turned into a full prefill upstream)
+            return
+        layout = plan.state  # a dense prefill: one new anchor per placeholder
         rope = lm.model.rope
         if call.name not in self.templates:  # the agent's first dense prefill is its template base
             self.templates[call.name] = [
