@@ -38,19 +38,30 @@ def _parse_value(text: str):
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
+def _check_type(spec: str, key: str, value, annotation: str):
+    """``value`` as the field's annotated type (``float``, ``int | None``, ...), or a ConfigError."""
+    kinds = set(re.findall(r"\b(bool|int|float|str|None)\b", str(annotation)))
+    kind = "None" if value is None else type(value).__name__
+    if kind == "int" and "int" not in kinds and "float" in kinds:
+        return float(value)
+    if kind not in kinds:
+        raise ConfigError(f"method {spec!r}: {key}={value!r} is not a valid {annotation}")
+    return value
+
+
 def get_method(spec: str) -> ReuseMethod:
     """A method from its spec, e.g. ``relay[tau_dev=2,l_suf=5]``; unknown names or parameters are errors."""
     m = _SPEC.match(spec.strip())
     if not m or m.group(1) not in METHODS:
         raise ConfigError(f"unknown method {spec!r}; available: {', '.join(METHODS)} (parameters as name[k=v,...])")
     cls, params = METHODS[m.group(1)], {}
-    fields = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set()
+    fields = {f.name: f.type for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else {}
     for item in filter(None, (m.group(2) or "").split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in fields:
             raise ConfigError(f"method {spec!r}: unknown parameter {key!r}; parameters: {sorted(fields) or 'none'}")
-        params[key] = _parse_value(value.strip())
+        params[key] = _check_type(spec, key, _parse_value(value.strip()), fields[key])
     return cls(**params)
 
 

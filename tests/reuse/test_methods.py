@@ -122,6 +122,14 @@ def test_profiler_picks_a_known_band_and_detection_layer():
     assert det == 3 and scores[3] == pytest.approx(1.0)
 
 
+def test_method_parameter_types_are_checked():
+    with pytest.raises(ConfigError, match="gamma='x' is not a valid float"):
+        get_method("kvcomm[gamma=x]")
+    with pytest.raises(ConfigError, match="k=1.5 is not a valid int"):
+        get_method("epic[k=1.5]")
+    assert get_method("relay[tau_dev=2,l_start=none,band=false]").tau_dev == 2.0
+
+
 def test_bad_method_parameters():
     with pytest.raises(ConfigError, match="unknown parameter 'tau'"):
         get_method("relay[tau=1]")
