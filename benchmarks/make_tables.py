@@ -108,6 +108,74 @@ def kvcomm_copy_agents_table() -> str:
     return "\n".join(rows)
 
 
+def rksc_lanes(prefix: str = "rksc-gsm8k-branches") -> list[tuple[Path, dict]]:
+    return [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob(f"{prefix}-*.json"))]
+
+
+def rksc_tables() -> str:
+    """gsm8k-branches: the lanes' problems merged and summarized again; block replays summed over lanes."""
+    from kvrelay.eval.branch_bench import summarize_branches
+
+    lanes = rksc_lanes()
+    if not lanes:
+        return "(no rksc-gsm8k-branches-*.json yet)"
+    records = [r for _, d in lanes for r in d["problems"]]
+    methods = tuple(lanes[0][1]["results"])
+    res = summarize_branches(records, methods)
+    d0 = lanes[0][1]
+    cfg = d0["config"]
+    caption = (f"**gsm8k-branches** ({len(records)} GSM8K test problems, B={cfg['branches']} branches x "
+               f"T={cfg['branch_tokens']} tokens, {d0['model']}, {d0['env']['device']}; "
+               f"{', '.join(f'`{p.name}`' for p, _ in lanes)}, commit {d0['env']['commit']}, {d0['env']['machine']}; "
+               "lanes ran side by side, one torch thread each)")
+    out = [caption, "",
+           "| method | total ms (median) | branches ms | verify ms | speedup vs full | vs prefix | prompt tokens "
+           "computed | branch KV MiB | KV / (root + own) | pick accuracy | pick = full's | branches = full's |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m, x in res.items():
+        out.append(f"| {m} | {x['total_ms_median']:.0f} | {x['branch_ms_median']:.0f} | {x['verify_ms_median']:.0f} | "
+                   f"{x['speedup_vs_full']:.2f}× | {x['speedup_vs_prefix']:.2f}× | {x['computed_token_share']:.2f} | "
+                   f"{x['branch_kv_mb_mean']:.1f} | {x['kv_over_root_plus_own']:.2f} | {x['accuracy']:.2f} | "
+                   f"{x['pick_agrees_with_full']:.2f} | {x['branches_equal_full']:.3f} |")
+    out += ["", "CGEE error, two ways (never mixed): per problem = the pick differs from the same run without early "
+            "exit (every branch verified at full depth); per call = an exited verification's yes/no verdict differs "
+            "from full depth's.", "",
+            "| method | problems | pick = no-early-exit pick | verifier skipped | pick kept when skipped | "
+            "pick kept when verified | verify calls | layer exits | median exit layer | per-call error |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m, x in res.items():
+        if "cgee_call_error" not in x:
+            continue
+        out.append(f"| {m} | {x['n_problems']} | {x['pick_agrees_without_early_exit']:.3f} | "
+                   f"{x['verifier_skipped_share']:.2f} | {_f(x['pick_agrees_when_skipped'], '.2f')} | "
+                   f"{_f(x['pick_agrees_when_verified'], '.2f')} | {x['verify_calls']} | {x['layer_exits']} | "
+                   f"{_f(x['exit_layer_median'], '.0f')} | {_f(x['cgee_call_error'], '.3f')} |")
+    for m in methods:
+        if m not in d0.get("blocks", {}):
+            continue
+        rows: dict[tuple, dict] = {}
+        working = sum(d["blocks"][m]["working_set_bytes"]["total_bytes"] for _, d in lanes)
+        live = [d["blocks"][m]["live"] for _, d in lanes]
+        for _, d in lanes:
+            for r in d["blocks"][m]["replay"]:
+                acc = rows.setdefault((r["budget_mb"], r["policy"]), dict.fromkeys(
+                    ("num_lookup_blocks", "num_hit_blocks", "num_recomputed_tokens", "num_evicted_blocks",
+                     "num_rejected_blocks"), 0))
+                for k in acc:
+                    acc[k] += r[k]
+        out += ["", f"RSBCM vs LRU for `{m}`: its block-cache trace (lookups, inserts, attention-mass credits, pins) "
+                f"replayed under budgets below the working set ({working / 2**20:.0f} MiB of distinct 16-token blocks "
+                f"over the run, {working / 2**20 / len(records):.1f} MiB per problem); the live run used "
+                f"{live[0]['policy']} at {live[0]['budget_mb']:.0f} MiB "
+                f"(hit rate {sum(x['num_hit_blocks'] for x in live) / sum(x['num_lookup_blocks'] for x in live):.3f}).",
+                "", "| budget MiB | policy | block hit rate | recomputed tokens | evicted blocks | rejected blocks |",
+                "|---:|---|---:|---:|---:|---:|"]
+        for (budget, policy), acc in sorted(rows.items()):
+            out.append(f"| {budget:.0f} | {policy} | {acc['num_hit_blocks'] / acc['num_lookup_blocks']:.3f} | "
+                       f"{acc['num_recomputed_tokens']} | {acc['num_evicted_blocks']} | {acc['num_rejected_blocks']} |")
+    return "\n".join(out)
+
+
 def engine_table() -> str:
     d = json.loads((RESULTS / "engine_cpu.json").read_text())
     p, dec, load = d["prefill"], d["decode"], d["load"]
@@ -137,3 +205,4 @@ if __name__ == "__main__":
         if path.exists():
             print(kvcomm_table(path) + "\n")
     print("### copy-agents: last agent's TTFT speedup over full, kvcomm and relay\n\n" + kvcomm_copy_agents_table())
+    print("\n## RKSC (gsm8k-branches)\n\n" + rksc_tables())

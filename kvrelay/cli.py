@@ -18,8 +18,8 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, 
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, tuple):
-            parser.add_argument(flag, default=",".join(default),
-                                help=f"comma-separated (default: {','.join(default)})")
+            text = ",".join(str(x) for x in default)
+            parser.add_argument(flag, default=text, help=f"comma-separated (default: {text})")
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
@@ -56,6 +56,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from kvrelay.eval.plots import write_plots
     from kvrelay.eval.report import format_by_agent, format_table
 
+    if args.workload == "gsm8k-branches":
+        return _bench_branches(args)
     result = Bench(_dataclass_from_args(BenchConfig, args)).run()
     print(f"\n{result['workload']} ({result['mode']} mode), {result['n']} problems, model {result['model']} "
           f"on {result['env']['device']}")
@@ -70,6 +72,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         for path in write_plots(result, args.plot):
             print(f"wrote {path}")
+    return 0
+
+
+def _bench_branches(args: argparse.Namespace) -> int:
+    import json
+
+    from kvrelay.eval.branch_bench import BranchBenchConfig, format_branch_table, run_branch_bench
+    from kvrelay.reuse import PIPELINE_METHODS
+
+    if args.methods == ",".join(PIPELINE_METHODS):  # the pipeline default: use this workload's own
+        args.methods = ",".join(BranchBenchConfig.methods)
+    result = run_branch_bench(_dataclass_from_args(BranchBenchConfig, args))
+    print(f"\ngsm8k-branches, {result['n']} problems, model {result['model']} on {result['env']['device']} "
+          f"({result['env']['machine']})")
+    print(format_branch_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -153,8 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="gsm8k-chain3 on the default model, every method side by side")
     _add_dataclass_flags(demo, DemoConfig)
     demo.set_defaults(fn=_cmd_demo)
-    bench = sub.add_parser("bench", help="every method on a named workload: TTFT, reuse, fidelity; table + JSON")
+    bench = sub.add_parser("bench", help="every method on a named workload: TTFT, reuse, fidelity; table + JSON "
+                                         "(gsm8k-branches: full, prefix, rksc per problem)")
     _add_dataclass_flags(bench, BenchConfig)
+    from kvrelay.eval.branch_bench import BranchBenchConfig
+
+    bench_fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    _add_dataclass_flags(bench, BranchBenchConfig, skip=tuple(bench_fields))  # gsm8k-branches only
     bench.add_argument("--json", default=None, help="write the result JSON here")
     bench.add_argument("--plot", default=None, help="write PNG plots into this folder")
     bench.set_defaults(fn=_cmd_bench)

@@ -15,7 +15,7 @@ from kvrelay.eval.harness import Bench, BenchConfig
 from kvrelay.eval.plots import write_plots
 from kvrelay.eval.report import format_by_agent, format_table
 from kvrelay.model.loader import DEFAULT_MODEL
-from kvrelay.reuse import METHODS
+from kvrelay.reuse import PIPELINE_METHODS
 
 
 @dataclass
@@ -24,7 +24,7 @@ class DemoConfig:
     problems: int = 5
     # kvcomm learns its anchor pools online: 5 problems are all warm-up for it (every call a dense
     # prefill), so the demo leaves it to `kvrelay bench --methods kvcomm` on 50+ problems.
-    methods: tuple[str, ...] = tuple(m for m in METHODS if m != "kvcomm")
+    methods: tuple[str, ...] = tuple(m for m in PIPELINE_METHODS if m != "kvcomm")
     device: str = "cpu"
     repeats: int = 2
     data: str | None = None

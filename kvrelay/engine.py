@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.cache.kv import SequenceKV, StoredSpan
+from kvrelay.cache.shared import SharedPrefixKV
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ContextLengthError
 from kvrelay.model.loader import LoadedModel
@@ -33,6 +34,7 @@ class CallStats:
     num_generated_tokens: int = 0
     fallback: str | None = None
     note: str | None = None
+    exit_layer: int | None = None  # the layer a schedule's exit test stopped the prefill at, if it did
 
     @property
     def num_prompt_token_layers(self) -> int:
@@ -76,6 +78,12 @@ class GenerationOutput:
     decode_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_out, hidden]
     prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_prompt, hidden]
     cache: SequenceKV | None = None  # kept with keep_cache=True: every prompt and output token's KV
+    top1_probs: list[float] = field(default_factory=list)  # probability of the chosen-by-argmax token per step
+
+    @property
+    def confidence(self) -> float:
+        """Mean top-1 probability over the generated tokens (RKSC's branch confidence); 0 with none."""
+        return sum(self.top1_probs) / len(self.top1_probs) if self.top1_probs else 0.0
 
 
 def sync_device(device: torch.device) -> None:
@@ -102,7 +110,8 @@ def _shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
 def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod | str = "full",
              store: KVStore | None = None, sampling: SamplingConfig | None = None,
              capture_layers: tuple[int, ...] = (), keep_cache: bool = False,
-             forced_output_ids: list[int] | None = None, learn: bool = True) -> GenerationOutput:
+             forced_output_ids: list[int] | None = None, learn: bool = True,
+             feed_last: bool | None = None) -> GenerationOutput:
     """One agent call.
 
     With ``keep_cache``, the output keeps the sequence KV so that ``publish`` can store it. With
@@ -110,6 +119,8 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     prefill chunk, as decoding them would (up to float rounding), for deterministic workloads.
     With ``learn`` (default), a stateful method (KVCOMM's anchor pools) learns from this prefill
     after the first token; the bench turns it off for repeated timing runs of one call.
+    ``feed_last`` (default: ``keep_cache``) runs one more decode step when generation stops at
+    ``max_new_tokens``, so that the last output token has KV too (what ``publish`` stores).
     """
     sampling = sampling or SamplingConfig()
     call = call if isinstance(call, CallInput) else CallInput(list(call))
@@ -131,7 +142,10 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     sync_device(device)
     t0 = time.perf_counter()
     plan = _shiftable(method.plan(call, store, lm), store, model)
-    cache = SequenceKV(config, model.dtype, device, capacity=total + 1)
+    if plan.shared_prefix is not None:
+        cache = SharedPrefixKV(plan.shared_prefix, plan.shared_len, capacity=total + 1 - plan.shared_len)
+    else:
+        cache = SequenceKV(config, model.dtype, device, capacity=total + 1)
     num_shifted = 0
     for load in plan.loads:
         span = store.get(load.span_id)
@@ -146,28 +160,32 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
         method.observe(call, plan, cache, store, lm)
 
     t1 = time.perf_counter()
+    top1_probs: list[float] = []
     if forced_output_ids is not None:
         output, stop_reason, decode_hidden = _force(model, ids, cache, forced_output_ids, capture_layers)
     else:
         output, stop_reason, decode_hidden = _decode(lm, cache, result.logits, sampling, capture_layers,
-                                                     feed_last=keep_cache)
+                                                     feed_last=keep_cache if feed_last is None else feed_last,
+                                                     top1_probs=top1_probs)
     sync_device(device)
     decode_ms = (time.perf_counter() - t1) * 1e3
 
     prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(prompt_ids)}
     stats = CallStats(method.name, len(prompt_ids), config.num_layers, plan.num_reused_tokens,
                       result.num_computed_token_layers, num_shifted, ttft_ms, decode_ms, len(output),
-                      plan.fallback, plan.note)
+                      plan.fallback, plan.note, result.exit_layer)
     return GenerationOutput(prompt_ids, output, lm.tokenizer.decode(output), result.logits, stats, stop_reason,
-                            decode_hidden, prompt_hidden, cache if keep_cache else None)
+                            decode_hidden, prompt_hidden, cache if keep_cache else None, top1_probs)
 
 
 def _decode(lm: LoadedModel, cache: SequenceKV, logits: torch.Tensor, sampling: SamplingConfig,
-            capture_layers: tuple[int, ...], feed_last: bool) -> tuple[list[int], str, dict[int, torch.Tensor]]:
+            capture_layers: tuple[int, ...], feed_last: bool, top1_probs: list[float]
+            ) -> tuple[list[int], str, dict[int, torch.Tensor]]:
     model, sampler = lm.model, Sampler(sampling)
     captured: dict[int, list[torch.Tensor]] = {}
     output: list[int] = []
     next_id = sampler(logits)
+    top1_probs.append(float(torch.softmax(logits.float(), dim=-1).max()))
     stop_reason = "length"
     while True:
         if next_id in lm.tokenizer.stop_ids:
@@ -176,7 +194,9 @@ def _decode(lm: LoadedModel, cache: SequenceKV, logits: torch.Tensor, sampling: 
         output.append(next_id)
         if len(output) >= sampling.max_new_tokens:
             break
-        next_id = sampler(model.decode_step(next_id, cache, capture_layers, captured))
+        logits = model.decode_step(next_id, cache, capture_layers, captured)
+        next_id = sampler(logits)
+        top1_probs.append(float(torch.softmax(logits, dim=-1).max()))
     if stop_reason == "length" and feed_last:
         model.decode_step(output[-1], cache, capture_layers, captured)  # so every output token has KV
     return output, stop_reason, {layer: torch.stack(rows) for layer, rows in captured.items()}

@@ -53,12 +53,20 @@ def ours_from_hf(hf) -> Transformer:
     return model.eval()
 
 
-def tiny_lm(family: str = "llama2", seed: int = 0) -> LoadedModel:
-    """Our model wrapped as a LoadedModel, with a byte-level toy tokenizer (for engine tests)."""
+def tiny_lm(family: str = "llama2", seed: int = 0, yes_no: bool = False) -> LoadedModel:
+    """Our model wrapped as a LoadedModel, with a byte-level toy tokenizer (for engine tests).
+
+    ``yes_no``: the tokenizer also has single tokens for "Yes" and "No" (a verifier's answers).
+    """
     from kvrelay.model.tokenizer import Tokenizer
 
     model = ours_from_hf(hf_model(family, seed))
-    tok = Tokenizer.from_gguf_metadata(toy_tokenizer_metadata())
+    meta = toy_tokenizer_metadata()
+    if yes_no:
+        meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + ["Ye", "Yes", "No"]
+        meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [1, 1, 1]
+        meta["tokenizer.ggml.merges"] = meta["tokenizer.ggml.merges"] + ["Y e", "Ye s", "N o"]
+    tok = Tokenizer.from_gguf_metadata(meta)
     return LoadedModel(f"tiny-{family}", model, tok, model.config, f"fp-{family}-{seed}", "test")
 
 

@@ -51,3 +51,27 @@ def test_run_reports_bad_pipelines_clearly(tmp_path):
     out = _kvrelay("run", "examples/solve-and-check.yaml", "--model", "random:tiny")
     assert out.returncode == 2 and "missing input(s) ['question']" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_bench_gsm8k_branches_writes_its_table_and_json(tmp_path):
+    out_json = tmp_path / "br.json"
+    out = _kvrelay("bench", "--workload", "gsm8k-branches", "--model", "random:tiny", "--limit", "1",
+                   "--branches", "2", "--branch-tokens", "3", "--methods", "rksc[skip_top=1.0]",
+                   "--json", str(out_json))
+    assert out.returncode == 0, out.stderr
+    import json
+
+    result = json.loads(out_json.read_text())
+    assert set(result["results"]) == {"full", "prefix", "rksc[skip_top=1.0]"}
+    rksc = result["results"]["rksc[skip_top=1.0]"]
+    assert rksc["verify_calls"] == 2 and rksc["verifier_skipped_share"] == 0.0
+    assert rksc["kv_over_root_plus_own"] <= 1.2 < result["results"]["full"]["kv_over_root_plus_own"]
+    assert [r["policy"] for r in result["blocks"]["rksc[skip_top=1.0]"]["replay"]] == ["rsbcm", "lru"] * 2
+    assert "RSBCM" not in out.stderr and "rksc[skip_top=1.0]" in out.stdout
+
+
+def test_bench_refuses_rksc_on_a_pipeline_workload():
+    out = _kvrelay("bench", "--workload", "gsm8k-chain3", "--model", "random:tiny", "--methods", "rksc")
+    assert out.returncode == 2 and "gsm8k-branches" in out.stderr
+    out = _kvrelay("bench", "--workload", "gsm8k-branches", "--model", "random:tiny", "--methods", "relay")
+    assert out.returncode == 2 and "full, prefix and rksc" in out.stderr

@@ -31,7 +31,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import Entry, Schedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import Workload, get_workload
-from kvrelay.reuse import METHODS, CallInput, ReuseMethod, get_method, split_method_specs
+from kvrelay.reuse import PIPELINE_METHODS, CallInput, ReuseMethod, get_method, split_method_specs
 
 REFERENCES = ("full", "prefix")  # always measured: speedups and fidelity are relative to them
 
@@ -39,7 +39,7 @@ REFERENCES = ("full", "prefix")  # always measured: speedups and fidelity are re
 @dataclass
 class BenchConfig:
     workload: str = "gsm8k-chain3"
-    methods: tuple[str, ...] = tuple(METHODS)
+    methods: tuple[str, ...] = PIPELINE_METHODS
     limit: int = 5  # problems
     model: str = DEFAULT_MODEL
     device: str = "cpu"
@@ -54,7 +54,8 @@ class BenchConfig:
         if isinstance(self.methods, str):
             self.methods = split_method_specs(self.methods)
         for spec in self.methods:
-            get_method(spec)  # validates names and parameters
+            if get_method(spec).name not in PIPELINE_METHODS:  # also validates names and parameters
+                raise ConfigError(f"method {spec!r} runs on the gsm8k-branches workload only")
         if self.mode not in ("agent", "e2e"):
             raise ConfigError(f"mode must be 'agent' or 'e2e', got {self.mode!r}")
         for name in ("limit", "repeats", "greedy_tokens"):

@@ -183,14 +183,38 @@ class Transformer(nn.Module):
             mask &= (q_pos[:, None] - k_pos[None, :]) < window
         return mask
 
-    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+    def _attend(self, q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],
                 mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """q [H, n, hd], k_all/v_all [Hkv, m, hd] -> [n, H * hd]."""
-        out = F.scaled_dot_product_attention(
-            q[None], k_all[None], v_all[None], attn_mask=None if mask is None else mask[None, None],
-            is_causal=causal, enable_gqa=q.shape[0] != k_all.shape[0],
-        )  # [1, H, n, hd]
-        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+        """q [H, n, hd] against key/value segments ([Hkv, m_i, hd] each, position order) -> [n, H * hd].
+
+        ``mask``: bool [n, sum m_i], True = visible. One segment is the usual contiguous cache (SDPA);
+        several come from a shared-prefix cache, whose prefix is not copied next to the branch's rows.
+        """
+        if len(segments) == 1:
+            k_all, v_all = segments[0]
+            out = F.scaled_dot_product_attention(
+                q[None], k_all[None], v_all[None], attn_mask=None if mask is None else mask[None, None],
+                is_causal=causal, enable_gqa=q.shape[0] != k_all.shape[0],
+            )  # [1, H, n, hd]
+            return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+        num_heads, n, head_dim = q.shape
+        num_kv_heads = segments[0][0].shape[0]
+        group = num_heads // num_kv_heads
+        if causal and mask is None:
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        # query heads j*group .. j*group+group-1 read kv head j (HF's repeat_kv order)
+        qg = q.reshape(num_kv_heads, group * n, head_dim)  # [Hkv, g*n, hd]
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)  # softmax in at least fp32
+        scores = torch.cat([qg @ k.transpose(1, 2) for k, _ in segments], dim=-1).to(acc_dtype)  # [Hkv, g*n, m]
+        scores = scores * head_dim ** -0.5
+        if mask is not None:
+            scores = scores.view(num_kv_heads, group, n, -1).masked_fill(~mask, float("-inf"))
+            scores = scores.view(num_kv_heads, group * n, -1)
+        probs = scores.softmax(-1).to(q.dtype)
+        out = None
+        for p, (_, v) in zip(probs.split([k.shape[1] for k, _ in segments], dim=-1), segments, strict=True):
+            out = p @ v if out is None else out + p @ v  # [Hkv, g*n, hd]
+        return out.view(num_heads, n, head_dim).transpose(0, 1).reshape(n, -1)
 
     def check_length(self, num_positions: int) -> None:
         limit = self.config.max_position_embeddings
@@ -249,15 +273,14 @@ class Transformer(nn.Module):
             q, k, v = attn.qkv(x, cos, sin)
             prev_k = prev_v = None
             if schedule.has_layer_hook and schedule.needs_prev_kv(li):
-                prev_k = cache.k[li][:, active].clone()
-                prev_v = cache.v[li][:, active].clone()
+                prev_k, prev_v = cache.gather(li, active)
             cache.write(li, active, k, v)
-            k_all, v_all = cache.k[li, :, :n], cache.v[li, :, :n]  # [Hkv, n, hd]
-            h = h + attn.o_proj(self._attend(q, k_all, v_all, mask, causal))
+            segments = cache.kv(li, 0, n)  # [(Hkv, m, hd) K, V] covering positions 0..n-1
+            h = h + attn.o_proj(self._attend(q, segments, mask, causal))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if schedule.has_layer_hook:
                 view = LayerView(li, active, h, q, k, v, prev_k, prev_v,
-                                 _attention_probs=self._probs_fn(q, k_all, active, n))
+                                 _attention_probs=self._probs_fn(q, segments, active, n))
                 keep = schedule.after_layer(view)
                 if keep is not None and not bool(keep.all()):
                     active, h, mask_key = active[keep], h[keep], None
@@ -272,11 +295,14 @@ class Transformer(nn.Module):
         logits = self.logits_from_hidden(h if all_logits else h[-1])
         return PrefillResult(logits, computed, exit_layer, captured)
 
-    def _probs_fn(self, q: torch.Tensor, k_all: torch.Tensor, active: torch.Tensor, n: int):
+    def _probs_fn(self, q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], active: torch.Tensor,
+                  n: int):
         def probs(rows: torch.Tensor) -> torch.Tensor:
-            group = q.shape[0] // k_all.shape[0]
-            keys = k_all.repeat_interleave(group, dim=0)  # [H, n, hd]
-            scores = q[:, rows] @ keys.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, n_q, n]
+            group = q.shape[0] // segments[0][0].shape[0]
+            qr = q[:, rows]  # [H, n_q, hd]
+            # per segment, repeat kv heads for their query heads; scores (not keys) are concatenated
+            scores = torch.cat([qr @ k.repeat_interleave(group, dim=0).transpose(1, 2) for k, _ in segments],
+                               dim=-1) * q.shape[-1] ** -0.5  # [H, n_q, n]
             visible = self._mask(active[rows], n)
             return scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
 
@@ -307,8 +333,7 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
             cache.write_range(li, pos, k, v)
-            k_all, v_all = cache.k[li, :, start : pos + 1], cache.v[li, :, start : pos + 1]
-            h = h + attn.o_proj(self._attend(q, k_all, v_all, None, False))
+            h = h + attn.o_proj(self._attend(q, cache.kv(li, start, pos + 1), None, False))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         cache.length = pos + 1
         return self.logits_from_hidden(h[0])

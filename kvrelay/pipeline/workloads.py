@@ -185,8 +185,12 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
 def get_workload(name: str) -> Workload:
     """A workload by name; ``copy-agents:N`` sets the number of agents (default 5)."""
     base, _, arg = name.partition(":")
+    if base == "gsm8k-branches":
+        raise ConfigError("gsm8k-branches is not a pipeline: run it with `kvrelay bench --workload gsm8k-branches` "
+                          "(kvrelay.eval.branch_bench)")
     if base not in WORKLOADS:
-        raise ConfigError(f"unknown workload {name!r}; available: {', '.join(WORKLOADS)} (copy-agents:N)")
+        raise ConfigError(f"unknown workload {name!r}; available: {', '.join(WORKLOADS)}, gsm8k-branches "
+                          "(copy-agents:N)")
     if arg:
         if base != "copy-agents" or not arg.isdigit():
             raise ConfigError(f"bad workload parameter in {name!r}: only copy-agents:N takes one")

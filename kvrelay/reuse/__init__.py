@@ -18,13 +18,19 @@ from kvrelay.reuse.kvcomm import KVCommMethod
 from kvrelay.reuse.naive import NaiveMethod
 from kvrelay.reuse.prefix import PrefixMethod
 from kvrelay.reuse.relay import RelayMethod
+from kvrelay.reuse.rksc import RKSCMethod
 
 METHODS: dict[str, type[ReuseMethod]] = {
     "full": FullMethod, "prefix": PrefixMethod, "naive": NaiveMethod, "cacheblend": CacheBlendMethod,
     "epic": EpicMethod, "relay": RelayMethod, "kvcomm": KVCommMethod,
+    "rksc": RKSCMethod,
 }
 
-__all__ = ["METHODS", "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "split_method_specs"]
+#: methods that plan single agent calls of a pipeline; ``rksc`` plans branches (workload gsm8k-branches)
+PIPELINE_METHODS = tuple(m for m in METHODS if m != "rksc")
+
+__all__ = ["PIPELINE_METHODS", "METHODS",
+           "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "split_method_specs"]
 
 _SPEC = re.compile(r"^([a-z_]+)(?:\[(.*)\])?$")
 

@@ -88,10 +88,14 @@ class Plan:
     fallback: str | None = None  # why the method fell back to a full prefill, if it did
     note: str | None = None  # anything else the stats should say (e.g. tokens recomputed from layer 0)
     state: object = None  # the method's own record of this plan, handed back to ``observe``
+    # RKSC's ASKS: positions [0, shared_len) are read from this cache by reference, never copied
+    shared_prefix: SequenceKV | None = None
+    shared_len: int = 0
 
     @property
     def num_reused_tokens(self) -> int:
-        return sum(load.num_tokens for load in self.loads) + sum(p.num_tokens for p in self.patches if not p.add)
+        return (sum(load.num_tokens for load in self.loads) + sum(p.num_tokens for p in self.patches if not p.add)
+                + self.shared_len)
 
 
 class ReuseMethod(ABC):

@@ -1,0 +1,115 @@
+"""RKSC: layer exit rule, verifier skip, the verifier's read position, and the branch runner."""
+
+import pytest
+import torch
+
+from kvrelay.engine import generate
+from kvrelay.errors import ConfigError
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.pipeline.branches import BranchConfig, BranchPrompts, BranchRunner, answer_ids, pad, verify
+from kvrelay.reuse import get_method
+from kvrelay.reuse.rksc import RKSCMethod, RKSCSchedule, decisive, pick, yes_score
+from tests.helpers import tiny_lm
+
+QUESTION = "Tom has 3 apples and buys 4 more. How many?"
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm("llama3", yes_no=True)
+
+
+def test_layer_exit_never_triggers_when_theta_is_zero(lm):
+    method = RKSCMethod(exit_theta=0.0, exit_eps=1e9, exit_min_layer=1)
+    method.exiting = True
+    out = generate(lm, list(range(40, 70)), method, sampling=SamplingConfig(max_new_tokens=1))
+    assert out.stats.exit_layer is None and not method.last_schedule.has_exit_test
+    # the rule itself: entropy is never negative, so "entropy < 0" never holds, whatever the hidden state
+    sched = RKSCSchedule(0, lm.model.logits_from_hidden, theta=0.0, eps=1e9, min_layer=1)
+    with torch.inference_mode():
+        for layer in range(1, 50):
+            assert not sched.exit_after(layer, torch.randn(lm.config.hidden_size) * layer)
+
+
+def test_layer_exit_fires_at_the_first_allowed_layer_when_the_rule_holds(lm):
+    method = RKSCMethod(exit_theta=1e9, exit_eps=1e9, exit_min_layer=1)
+    method.exiting = True
+    prompt = list(range(40, 70))
+    out = generate(lm, prompt, method, sampling=SamplingConfig(max_new_tokens=1))
+    assert out.stats.exit_layer == 2  # layer 1 has no previous entropy to compare with
+    assert set(method.last_schedule.entropies) == {1, 2}
+    # the exit's logits are the final norm + LM head on the last token after that layer
+    full = generate(lm, prompt, "full", sampling=SamplingConfig(max_new_tokens=1))
+    assert not torch.allclose(out.first_logits, full.first_logits)
+    method.exiting = False  # branches (not verifying) never exit
+    assert generate(lm, prompt, method, sampling=SamplingConfig(max_new_tokens=1)).stats.exit_layer is None
+
+
+def test_verifier_skip_rule_and_pick():
+    assert decisive([0.72, 0.60, 0.65], 0.70, 0.06)
+    assert not decisive([0.71, 0.66, 0.1], 0.70, 0.06)  # gap 0.05
+    assert not decisive([0.69, 0.1], 0.70, 0.06)  # top too low
+    assert decisive([0.9], 0.70, 0.06)
+    assert pick(None, [0.2, 0.9, 0.5]) == 1
+    assert pick([0.9, 0.5, 0.5], [0.25, 1.0, 0.81]) == 1  # 0.45, 0.50, 0.45
+    assert pick([0.9, 0.5, 0.7], [0.25, 1.0, 0.81]) == 2  # 0.45, 0.50, 0.63
+
+
+def test_yes_score_reads_the_two_answers(lm):
+    yes_id, no_id = answer_ids(lm.tokenizer)
+    logits = torch.full((lm.config.vocab_size,), -5.0)
+    logits[yes_id], logits[no_id] = 2.0, 2.0 - torch.log(torch.tensor(3.0))
+    assert yes_score(logits, yes_id, no_id) == pytest.approx(0.75)
+
+
+def test_verifier_reads_yes_at_the_last_real_token_whatever_the_padding(lm):
+    rows = [list(range(30, 30 + n)) for n in (9, 14, 11)]
+    alone = [verify(lm, *pad([r], 0), "full")[0].score for r in rows]
+    for pad_id in (0, 7, 255):
+        for extra in (0, 5):
+            ids, lengths = pad(rows, pad_id)
+            ids = torch.cat([ids, torch.full((3, extra), pad_id)], dim=1)
+            scores = [r.score for r in verify(lm, ids, lengths, "full")]
+            assert scores == pytest.approx(alone, abs=1e-6)
+    # reading the padded row's end instead (the public code's bug) gives other numbers
+    ids, lengths = pad(rows, 7)
+    wrong = [r.score for r in verify(lm, ids, [ids.shape[1]] * 3, "full")]
+    assert wrong[0] != pytest.approx(alone[0], abs=1e-4)
+    with pytest.raises(ConfigError, match="length"):
+        verify(lm, ids, [0, 3, 3], "full")
+
+
+def test_branch_runner_rksc_shares_the_root_and_matches_full(lm):
+    cfg = BranchConfig(num_branches=3, branch_tokens=6)
+    method = RKSCMethod(skip_top=1.0, skip_gap=1.0, exit_theta=0.0, block_budget_mb=64)  # always verify, no exit
+    runner = BranchRunner(lm, cfg, method)
+    full, prefix, rksc = (runner.run(QUESTION, m) for m in ("full", "prefix", "rksc"))
+    assert rksc.output_ids == full.output_ids == prefix.output_ids
+    assert rksc.scores == pytest.approx(full.scores, abs=1e-5)
+    assert rksc.ref_scores == pytest.approx(full.scores, abs=1e-5)
+    assert rksc.pick == full.pick == rksc.ref_pick
+    prompts = BranchPrompts.build(lm.tokenizer, QUESTION, cfg)
+    root_len = len(prompts.root_ids)
+    assert all(ids[:root_len] == prompts.root_ids for ids in prompts.branch_ids)
+    # full computes the root in all six prompts; rksc once for the branches and, for the verifier,
+    # only what the block cache misses of it (its full 16-token blocks are held)
+    assert full.num_computed_tokens == full.num_prompt_tokens
+    verifier_root = root_len - min(16 * (root_len // 16), root_len - 1)
+    assert rksc.num_computed_tokens == full.num_prompt_tokens - 6 * root_len + root_len + verifier_root
+    # memory: B branch caches with one shared root vs one full copy each
+    assert rksc.branch_kv_bytes <= 1.2 * rksc.root_plus_own_bytes
+    row = 2 * 4 * 2 * 16 * 4  # K and V: layers x kv heads x head_dim x fp32
+    slots = [len(ids) + cfg.branch_tokens + 1 for ids in prompts.branch_ids]  # each cache's capacity
+    assert full.branch_kv_bytes == sum(slots) * row  # a root copy in every branch
+    assert rksc.branch_kv_bytes == (root_len + sum(n - root_len for n in slots)) * row  # the root once
+    # the second problem finds the system-prompt blocks in the block cache
+    again = runner.run("A different question about 5 pears?", "rksc")
+    assert again.block_hits >= 1 and runner.blocks.stats.num_hit_blocks >= 1
+
+
+def test_rksc_parameters_are_validated():
+    with pytest.raises(ConfigError, match="exit_theta"):
+        get_method("rksc[exit_theta=-1]")
+    with pytest.raises(ConfigError, match="policy"):
+        get_method("rksc[policy=fifo]")
+    assert get_method("rksc[skip_top=0.8,policy=lru]").policy == "lru"
