@@ -83,14 +83,18 @@ def _bench_branches(args: argparse.Namespace) -> int:
 
     if args.methods == ",".join(PIPELINE_METHODS):  # the pipeline default: use this workload's own
         args.methods = ",".join(BranchBenchConfig.methods)
-    result = run_branch_bench(_dataclass_from_args(BranchBenchConfig, args))
+    def save(result: dict) -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+    result = run_branch_bench(_dataclass_from_args(BranchBenchConfig, args), checkpoint=save)
+    save(result)
     print(f"\ngsm8k-branches, {result['n']} problems, model {result['model']} on {result['env']['device']} "
           f"({result['env']['machine']})")
     print(format_branch_table(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json} (also after every problem)")
     return 0
 
 

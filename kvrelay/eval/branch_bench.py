@@ -12,6 +12,7 @@ run's block-cache trace replayed under smaller budgets.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -55,7 +56,10 @@ class BranchBenchConfig:
         BranchConfig(self.branches, self.branch_tokens)  # validates
 
 
-def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True) -> dict:
+def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True,
+                     checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Run the bench; ``checkpoint`` receives the result so far after every problem (a long run that is
+    stopped keeps what it finished)."""
     lm = lm or load_model(cfg.model, device=cfg.device)
     bcfg = BranchConfig(cfg.branches, cfg.branch_tokens)
     runners = {m: BranchRunner(lm, bcfg, get_method(m) if m not in REFERENCES else None) for m in cfg.methods}
@@ -71,6 +75,12 @@ def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True) -> 
             d["correct"] = scoring.gsm8k_correct(d["texts"][run.pick], p.answer)
             row["runs"][m] = d
         records.append(row)
+        if checkpoint is not None and i + 1 < len(problems):
+            checkpoint(_result(cfg, lm, runners, records))
+    return _result(cfg, lm, runners, records)
+
+
+def _result(cfg: BranchBenchConfig, lm, runners: dict, records: list[dict]) -> dict:
     blocks = {}
     for m, runner in runners.items():
         if m in REFERENCES:
@@ -82,7 +92,7 @@ def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True) -> 
             for policy in POLICIES:
                 stats = replay(live.events, int(budget * 2**20), policy, live.block_len)
                 blocks[m]["replay"].append({"budget_mb": budget, "policy": policy, **stats.to_dict()})
-    return {"env": environment(cfg.device), "model": lm.name, "workload": "gsm8k-branches", "n": len(problems),
+    return {"env": environment(cfg.device), "model": lm.name, "workload": "gsm8k-branches", "n": len(records),
             "config": dict(cfg.__dict__), "results": summarize_branches(records, cfg.methods),
             "blocks": blocks, "problems": records}
 
