@@ -114,6 +114,12 @@ class VerifyResult:
     exit_layer: int | None
     computed_tokens: int
 
+    @classmethod
+    def of(cls, out: GenerationOutput, yes_id: int, no_id: int) -> VerifyResult:
+        s = out.stats
+        return cls(yes_score(out.first_logits, yes_id, no_id), s.exit_layer,
+                   s.num_computed_token_layers // s.num_layers)
+
 
 def verify(lm: LoadedModel, padded_ids: torch.Tensor, lengths: list[int], method, store: KVStore | None = None
            ) -> list[VerifyResult]:
@@ -127,9 +133,7 @@ def verify(lm: LoadedModel, padded_ids: torch.Tensor, lengths: list[int], method
         if not 0 < length <= len(row):
             raise ConfigError(f"verifier prompt length {length} outside 1..{len(row)}")
         out = generate(lm, row[:length], method, store, SamplingConfig(max_new_tokens=1))
-        s = out.stats
-        results.append(VerifyResult(yes_score(out.first_logits, yes_id, no_id), s.exit_layer,
-                                    s.num_computed_token_layers // s.num_layers))
+        results.append(VerifyResult.of(out, yes_id, no_id))
     return results
 
 
@@ -270,11 +274,10 @@ class BranchRunner:
             root, keys, more_hits, more_computed = self._root(prompts.root_ids)
             hits, root_computed = hits + more_hits, root_computed + more_computed
             method.root, method.exiting = root, True
+            yes_id, no_id = answer_ids(lm.tokenizer)
             for ids in v_ids:
                 out = self._generate_rksc(ids, SamplingConfig(max_new_tokens=1), keep=True)
-                s = out.stats
-                results.append(VerifyResult(yes_score(out.first_logits, *answer_ids(lm.tokenizer)), s.exit_layer,
-                                            s.num_computed_token_layers // s.num_layers))
+                results.append(VerifyResult.of(out, yes_id, no_id))
             scores = [r.score for r in results]
             self.blocks.unpin(keys)
         sync_device(lm.model.device)
