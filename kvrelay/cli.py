@@ -48,9 +48,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _json_saver(path: str | None):
+    """Writes a bench result to ``path`` (nothing when None); called after every problem too, so a stopped
+    long run keeps the problems it finished."""
     import json
-    from pathlib import Path
+
+    def save(result: dict) -> None:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+    return save
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
 
     from kvrelay.eval.harness import Bench, BenchConfig
     from kvrelay.eval.plots import write_plots
@@ -58,7 +69,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.workload == "gsm8k-branches":
         return _bench_branches(args)
-    result = Bench(_dataclass_from_args(BenchConfig, args)).run()
+    save = _json_saver(args.json)
+    result = Bench(_dataclass_from_args(BenchConfig, args)).run(checkpoint=save)
+    save(result)
     print(f"\n{result['workload']} ({result['mode']} mode), {result['n']} problems, model {result['model']} "
           f"on {result['env']['device']}")
     if not result["fidelity_meaningful"]:
@@ -66,9 +79,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(format_table(result["results"], result["fidelity_meaningful"]))
     print("\n" + format_by_agent(result["results"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json} (also after every problem)")
     if args.plot:
         for path in write_plots(result, args.plot):
             print(f"wrote {path}")
@@ -76,18 +87,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_branches(args: argparse.Namespace) -> int:
-    import json
 
     from kvrelay.eval.branch_bench import BranchBenchConfig, format_branch_table, run_branch_bench
     from kvrelay.reuse import PIPELINE_METHODS
 
     if args.methods == ",".join(PIPELINE_METHODS):  # the pipeline default: use this workload's own
         args.methods = ",".join(BranchBenchConfig.methods)
-    def save(result: dict) -> None:
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-
+    save = _json_saver(args.json)
     result = run_branch_bench(_dataclass_from_args(BranchBenchConfig, args), checkpoint=save)
     save(result)
     print(f"\ngsm8k-branches, {result['n']} problems, model {result['model']} on {result['env']['device']} "

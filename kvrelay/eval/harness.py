@@ -12,6 +12,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class BenchConfig:
     workload: str = "gsm8k-chain3"
     methods: tuple[str, ...] = PIPELINE_METHODS
     limit: int = 5  # problems
+    offset: int = 0  # first problem (a long run split into lanes; merge them with report.merge_results)
     model: str = DEFAULT_MODEL
     device: str = "cpu"
     mode: str = "agent"  # agent | e2e
@@ -61,6 +63,8 @@ class BenchConfig:
         for name in ("limit", "repeats", "greedy_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.offset < 0:
+            raise ConfigError(f"offset must be >= 0, got {self.offset}")
         # references first, then the requested methods in order, no duplicates
         self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
 
@@ -126,24 +130,35 @@ class Bench:
         self.capture_layers = tuple(sorted(layers))
         self.fidelity_meaningful = not self.lm.name.startswith("random:")
 
-    def run(self, progress: bool = True) -> dict:
+    def run(self, progress: bool = True, checkpoint: Callable[[dict], None] | None = None) -> dict:
+        """Every problem; ``checkpoint`` receives the result so far after each problem but the last (a long
+        run that is stopped keeps what it finished)."""
         torch.manual_seed(self.cfg.seed)
-        problems = self.workload.problems(self.cfg.data, self.cfg.limit)
+        problems = self.workload.problems(self.cfg.data, self.cfg.offset + self.cfg.limit)[self.cfg.offset:]
+        if not problems:
+            raise ConfigError(f"offset {self.cfg.offset} is past the last problem of {self.cfg.workload!r}")
         bar = tqdm(problems, desc=f"{self.cfg.workload} ({self.cfg.mode})", unit="problem", disable=not progress,
                    file=sys.stderr)
         rows: list[CallRow] = []
-        accuracy: dict[str, float] | None = None
+        scores: dict[str, list[float]] = {m: [] for m in self.methods}
         peak_bytes = 0
-        if self.cfg.mode == "agent":
-            for problem in bar:
+        for i, problem in enumerate(bar):
+            if self.cfg.mode == "agent":
                 peak_bytes = max(peak_bytes, self._agent_mode(problem, rows))
-        else:
-            accuracy, peak_bytes = self._e2e_mode(problems, rows, bar)
+            else:
+                peak_bytes = max(peak_bytes, self._e2e_problem(problem, rows, scores))
+            if checkpoint is not None and i + 1 < len(problems):
+                checkpoint(self._result(i + 1, rows, scores, peak_bytes))
+        return self._result(len(problems), rows, scores, peak_bytes)
+
+    def _result(self, num_problems: int, rows: list[CallRow], scores: dict[str, list[float]], peak_bytes: int
+                ) -> dict:
+        accuracy = {m: mean(v) for m, v in scores.items()} if self.cfg.mode == "e2e" else None
         results = summarize(rows, accuracy)
         for s in results.values():
             s["peak_store_bytes"] = peak_bytes
         return {"env": environment(self.cfg.device), "model": self.lm.name, "workload": self.cfg.workload,
-                "n": len(problems), "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
+                "n": num_problems, "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
                 "config": {k: v for k, v in self.cfg.__dict__.items()}, "results": results,
                 "calls": [r.__dict__ for r in rows]}
 
@@ -190,29 +205,28 @@ class Bench:
         return rows
 
     # ------------------------------------------------------------------ e2e mode
-    def _e2e_mode(self, problems, rows: list[CallRow], bar) -> tuple[dict[str, float], int]:
+    def _e2e_problem(self, problem, rows: list[CallRow], scores: dict[str, list[float]]) -> int:
+        """Each method runs the whole pipeline on one problem; its final output is scored."""
         if self.workload.score is None:
             raise ConfigError(f"workload {self.cfg.workload!r} has no task score: use --mode agent")
-        scores: dict[str, list[float]] = {m: [] for m in self.methods}
+        per_method = {}
         peak = 0
-        for problem in bar:
-            per_method = {}
-            for m, meth in self.methods.items():
-                store = KVStore(self.cfg.store_bytes)
-                runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
-                                        capture_layers=self.capture_layers)
-                per_method[m] = runner.run(problem.inputs, meth)
-                peak = max(peak, store.peak_bytes)
-                final = per_method[m][self.workload.spec.output].output.text
-                scores[m].append(self.workload.score(final, problem.reference))
-            for m in self.methods:
-                for name, res in per_method[m].items():
-                    if not res.call.refs:
-                        continue
-                    s, full_s = res.output.stats, per_method["full"][name].output.stats
-                    pre_s = per_method["prefix"][name].output.stats
-                    rows.append(CallRow(
-                        problem.problem_id, name, res.position, m, s.num_prompt_tokens, 0, s.ttft_ms,
-                        full_s.ttft_ms, pre_s.ttft_ms, None, s.num_prompt_token_layers, s.num_reused_token_layers,
-                        s.num_reused_tokens * s.num_layers, s.num_recomputed_token_layers, fallback=s.fallback))
-        return {m: mean(v) for m, v in scores.items()}, peak
+        for m, meth in self.methods.items():
+            store = KVStore(self.cfg.store_bytes)
+            runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
+                                    capture_layers=self.capture_layers)
+            per_method[m] = runner.run(problem.inputs, meth)
+            peak = max(peak, store.peak_bytes)
+            final = per_method[m][self.workload.spec.output].output.text
+            scores[m].append(self.workload.score(final, problem.reference))
+        for m in self.methods:
+            for name, res in per_method[m].items():
+                if not res.call.refs:
+                    continue
+                s, full_s = res.output.stats, per_method["full"][name].output.stats
+                pre_s = per_method["prefix"][name].output.stats
+                rows.append(CallRow(
+                    problem.problem_id, name, res.position, m, s.num_prompt_tokens, 0, s.ttft_ms,
+                    full_s.ttft_ms, pre_s.ttft_ms, None, s.num_prompt_token_layers, s.num_reused_token_layers,
+                    s.num_reused_tokens * s.num_layers, s.num_recomputed_token_layers, fallback=s.fallback))
+        return peak

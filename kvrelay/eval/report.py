@@ -118,5 +118,38 @@ def format_by_agent(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def merge_results(results: list[dict]) -> dict:
+    """Bench results of one agent-mode run split into lanes (``--offset``) -> one result, re-summarized
+    from the per-call rows. Lanes must share workload, model, mode and methods and hold disjoint problems.
+    (Stateful methods such as KVCOMM start each lane with an empty pool: a merged run is not the same as
+    one long run for them.)"""
+    if not results:
+        raise ValueError("merge_results: no results to merge")
+    first = results[0]
+    key = ("workload", "model", "mode")
+    for r in results[1:]:
+        for k in key:
+            if r[k] != first[k]:
+                raise ValueError(f"merge_results: lanes differ in {k}: {first[k]!r} vs {r[k]!r}")
+        if list(r["results"]) != list(first["results"]):
+            raise ValueError(f"merge_results: lanes ran different methods: {list(first['results'])} vs "
+                             f"{list(r['results'])}")
+    if first["mode"] != "agent":
+        raise ValueError("merge_results: only agent-mode results can be merged (e2e accuracy is per lane)")
+    rows: list[CallRow] = []
+    seen: dict[str, int] = {}
+    for lane, r in enumerate(results):
+        for problem_id in dict.fromkeys(c["problem_id"] for c in r["calls"]):
+            if seen.setdefault(problem_id, lane) != lane:
+                raise ValueError(f"merge_results: problem {problem_id!r} is in lanes {seen[problem_id]} and {lane}")
+        rows.extend(CallRow(**c) for c in r["calls"])
+    merged = summarize(rows)
+    peak = max(s.get("peak_store_bytes", 0) for r in results for s in r["results"].values())
+    for s in merged.values():
+        s["peak_store_bytes"] = peak
+    return {**first, "n": sum(r["n"] for r in results), "results": merged, "calls": rows_to_json(rows),
+            "lanes": [{"n": r["n"], "config": r.get("config"), "env": r.get("env")} for r in results]}
+
+
 def rows_to_json(rows: list[CallRow]) -> list[dict]:
     return [asdict(r) for r in rows]

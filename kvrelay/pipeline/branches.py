@@ -33,6 +33,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.pipeline.prompt import chat_prompt_ids, splice_marker
 from kvrelay.reuse import get_method
+from kvrelay.reuse.asks import AsksVerify, BranchSpan, verify_with_branch_span
 from kvrelay.reuse.rksc import RKSCMethod, SharedRoot, decisive, pick, yes_score
 
 SYSTEM = "You are a careful math solver."
@@ -79,24 +80,32 @@ class BranchPrompts:
     def build(cls, tokenizer, question: str, cfg: BranchConfig) -> BranchPrompts:
         branch_ids, root = [], None
         for hint in HINTS[: cfg.num_branches]:
-            ids, root_len = _split_prompt(tokenizer, question, f"{hint} {ANSWER_RULE}", {})
+            ids, root_len = _split_prompt(tokenizer, question, f"{hint} {ANSWER_RULE}")
             root = root or ids[:root_len]
             branch_ids.append(ids)
         return cls(root, branch_ids, question, tokenizer)
 
     def verifier_ids(self, output_ids: list[int]) -> list[int]:
+        return self.verifier_prompt(output_ids)[0]
+
+    def verifier_prompt(self, output_ids: list[int]) -> tuple[list[int], int]:
+        """The verifier prompt's ids and where the branch output starts in it."""
         rest = f"Proposed solution:\n{splice_marker('out')}\n\n{VERIFY_QUESTION}"
-        ids, root_len = _split_prompt(self.tokenizer, self.question, rest, {"out": output_ids})
-        if ids[:root_len] != self.root_ids:
+        prompt = chat_prompt_ids(self.tokenizer, _messages(self.question, rest), {"out": output_ids, "root": []})
+        if prompt.ids[: prompt.segments[0].end] != self.root_ids:
             raise AssertionError("verifier prompt does not start with the branches' root")
-        return ids
+        return prompt.ids, prompt.span_of("out").start
 
 
-def _split_prompt(tokenizer, question: str, rest: str, splices: dict[str, list[int]]) -> tuple[list[int], int]:
-    """Chat prompt ids with the root (system + problem) tokenized on its own, and the root's length."""
+def _messages(question: str, rest: str) -> list[dict[str, str]]:
+    """System + user message; the empty ⟦root⟧ splice makes the root (system + problem) tokenize on its own."""
     user = f"Problem:\n{question}\n\n{splice_marker('root')}{rest}"
-    prompt = chat_prompt_ids(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-                             {**splices, "root": []})
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def _split_prompt(tokenizer, question: str, rest: str) -> tuple[list[int], int]:
+    """Chat prompt ids with the root tokenized on its own, and the root's length."""
+    prompt = chat_prompt_ids(tokenizer, _messages(question, rest), {"root": []})
     return prompt.ids, prompt.segments[0].end
 
 
@@ -160,6 +169,9 @@ class ProblemRun:
     branch_kv_bytes: int  # K/V storage the B branch caches hold together
     root_plus_own_bytes: int  # one copy of the root + the branches' own rows (the ASKS memory bound)
     block_hits: int = 0  # root blocks found in the block cache (rksc)
+    # rksc[asks_approx=true]: per verification, the gate's cosine and the output tokens it reused
+    asks_cosines: list[float] | None = None
+    asks_reused_tokens: list[int] | None = None
     # rksc only, computed after the timed run: every branch verified at full depth, no skip
     ref_scores: list[float] | None = None
     ref_pick: int | None = None
@@ -241,16 +253,33 @@ class BranchRunner:
         mass = plan_state.position_mass() if plan_state is not None else None
         if mass is None:
             return
-        keys = self.blocks.keys(ids)
-        per_block = mass[: len(keys) * self.blocks.block_len].view(len(keys), -1).sum(-1)  # [num_blocks]
-        self.blocks.add_importance(keys, per_block.tolist())
+        self.blocks.add_importance(self.blocks.keys(ids), self._per_block(mass, ids))
+
+    def _per_block(self, mass: torch.Tensor, ids: list[int]) -> list[float]:
+        num_blocks = len(ids) // self.blocks.block_len
+        return mass[: num_blocks * self.blocks.block_len].view(num_blocks, -1).sum(-1).tolist()  # [num_blocks]
 
     def _generate_rksc(self, ids: list[int], sampling: SamplingConfig, keep: bool) -> GenerationOutput:
         out = generate(self.lm, ids, self.rksc, None, sampling, keep_cache=keep, feed_last=False)
         self._credit(ids, out, self.rksc.last_schedule)
-        if keep:  # store the sequence's full blocks (prompt + output with KV), as a serving cache would
+        if keep and out.stats.exit_layer is None:  # store the sequence's full blocks (prompt + output with
+            # KV), as a serving cache would; after a layer exit the upper layers hold no K/V
             self.blocks.insert(ids + out.output_ids, lambda i: self._block_payload(out.cache, i), out.cache.length)
         return out
+
+    def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan) -> tuple[VerifyResult, AsksVerify]:
+        """One verification with the branch's output K/V reused when ASKS's gate passes (reuse/asks.py)."""
+        lm, method = self.lm, self.rksc
+        res = verify_with_branch_span(lm, method.root.cache, method.shared_len(ids), ids, span_start, branch,
+                                      method.asks_tau, lambda start, record: method.schedule(start, lm, record))
+        mass = method.last_schedule.position_mass()
+        if mass is not None:
+            self.blocks.add_importance(self.blocks.keys(ids), self._per_block(mass, ids))
+        if res.exit_layer is None:  # exact blocks only: reused (approximate) K/V never enters the cache
+            exact_len = span_start if res.num_reused_tokens else len(ids)
+            self.blocks.insert(ids[:exact_len], lambda i: self._block_payload(res.cache, i), exact_len)
+        yes_id, no_id = answer_ids(lm.tokenizer)
+        return VerifyResult(yes_score(res.logits, yes_id, no_id), res.exit_layer, res.computed_tokens), res
 
     def _run_rksc(self, prompts: BranchPrompts) -> ProblemRun:
         lm, method, cfg = self.lm, self.rksc, self.cfg
@@ -258,32 +287,49 @@ class BranchRunner:
         sync_device(lm.model.device)
         t0 = time.perf_counter()
         root, keys, hits, root_computed = self._root(prompts.root_ids)
-        method.root, method.exiting = root, False
-        outs = [self._generate_rksc(ids, sampling, keep=True) for ids in prompts.branch_ids]
+        method.root, method.exiting, method.record_hidden = root, False, method.asks_approx
+        outs, spans = [], []
+        for ids in prompts.branch_ids:
+            out = self._generate_rksc(ids, sampling, keep=True)
+            outs.append(out)
+            if method.asks_approx:  # the branch's output K/V and the hidden state that entered it
+                spans.append(BranchSpan(out.cache, len(ids), out.cache.length - len(ids),
+                                        torch.stack(method.last_schedule.hidden)))
+        method.record_hidden = False
         t1 = time.perf_counter()
         kv_total = kv_bytes([o.cache for o in outs])
         self.blocks.unpin(keys)
         method.root = None
         for o in outs:
-            o.cache = None
+            o.cache = None  # the spans (asks_approx) keep what the verifier reuses
         confidences = [o.confidence for o in outs]
-        v_ids = [prompts.verifier_ids(o.output_ids) for o in outs]
-        results, scores = [], None
+        v_prompts = [prompts.verifier_prompt(o.output_ids) for o in outs]
+        v_ids = [ids for ids, _ in v_prompts]
+        results, scores, asks = [], None, []
         if not decisive(confidences, method.skip_top, method.skip_gap):
             # the verifier runs as later requests would: it finds the root through the block cache
             root, keys, more_hits, more_computed = self._root(prompts.root_ids)
             hits, root_computed = hits + more_hits, root_computed + more_computed
             method.root, method.exiting = root, True
             yes_id, no_id = answer_ids(lm.tokenizer)
-            for ids in v_ids:
-                out = self._generate_rksc(ids, SamplingConfig(max_new_tokens=1), keep=True)
-                results.append(VerifyResult.of(out, yes_id, no_id))
+            for b, (ids, span_start) in enumerate(v_prompts):
+                if method.asks_approx:
+                    result, res = self._verify_asks(ids, span_start, spans[b])
+                    asks.append(res)
+                else:
+                    out = self._generate_rksc(ids, SamplingConfig(max_new_tokens=1), keep=True)
+                    result = VerifyResult.of(out, yes_id, no_id)
+                results.append(result)
             scores = [r.score for r in results]
             self.blocks.unpin(keys)
+        spans.clear()
         sync_device(lm.model.device)
         t2 = time.perf_counter()
         run = self._result("rksc", prompts, outs, t0, t1, t2, confidences, scores, results, v_ids,
                            kv_total=kv_total, hits=hits, root_computed=root_computed)
+        if method.asks_approx:
+            run.asks_cosines = [a.cosine for a in asks]
+            run.asks_reused_tokens = [a.num_reused_tokens for a in asks]
         # untimed reference: the same branches, every one verified at full depth, no skip
         method.root, method.exiting = SharedRoot(tuple(prompts.root_ids), self._plain_root(prompts.root_ids)), False
         ref = verify(lm, *pad(v_ids, self.pad_id), method)

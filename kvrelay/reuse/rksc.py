@@ -60,17 +60,22 @@ class RKSCSchedule(SuffixSchedule):
     """Tokens [start, n) computed at every layer, with an optional layer exit and attention probe."""
 
     def __init__(self, start: int, logits_fn=None, theta: float = 0.0, eps: float = 0.0, min_layer: int = 0,
-                 probe_attention: bool = False) -> None:
+                 probe_attention: bool = False, record_hidden: bool = False) -> None:
         super().__init__(start)
         self.logits_fn, self.theta, self.eps, self.min_layer = logits_fn, theta, eps, min_layer
-        self.has_exit_test = logits_fn is not None and theta > 0
+        self.exit_enabled = logits_fn is not None and theta > 0
+        self.record_hidden = record_hidden
+        self.has_exit_test = self.exit_enabled or record_hidden
         self.has_layer_hook = probe_attention
+        self.hidden: list[torch.Tensor] = []  # with record_hidden: the last token's output of each layer
         self.entropies: dict[int, float] = {}  # layer -> next-token entropy where it was evaluated
         self.attention_mass: torch.Tensor | None = None  # [n] summed over probed layers
         self.num_probed_layers = 0
 
     def exit_after(self, layer: int, last_hidden: torch.Tensor) -> bool:
-        if layer < self.min_layer:
+        if self.record_hidden:
+            self.hidden.append(last_hidden.detach().clone())  # [hidden]; ASKS's gate compares these
+        if not self.exit_enabled or layer < self.min_layer:
             return False
         h = entropy(self.logits_fn(last_hidden))
         prev = self.entropies.get(layer - 1)
@@ -107,10 +112,15 @@ class RKSCMethod(ReuseMethod):
     policy: str = "rsbcm"  # or "lru"
     block_len: int = 16
     probe_attention: bool = True  # measure block importance (attention mass) for RSBCM
+    # ASKS, approximate part (opt-in): a verification reuses its branch's decode K/V for the output
+    # when the hidden states entering the output agree (mean cosine over layers >= asks_tau)
+    asks_approx: bool = False
+    asks_tau: float = 0.8
     # set by the branch runner while it runs a problem
     root: SharedRoot | None = field(default=None, init=False, repr=False)
     exiting: bool = field(default=False, init=False, repr=False)
     last_schedule: RKSCSchedule | None = field(default=None, init=False, repr=False)  # its probe, entropies
+    record_hidden: bool = field(default=False, init=False, repr=False)  # branches record the boundary state
 
     def __post_init__(self) -> None:
         for key in ("skip_top", "skip_gap"):
@@ -123,6 +133,8 @@ class RKSCMethod(ReuseMethod):
                               f"got {self.exit_min_layer}")
         if self.policy not in POLICIES:
             raise ConfigError(f"rksc: policy must be one of {POLICIES}, got {self.policy!r}")
+        if not -1 <= self.asks_tau <= 1:
+            raise ConfigError(f"rksc: asks_tau is a cosine, in [-1, 1], got {self.asks_tau}")
         if self.block_budget_mb <= 0 or self.block_len < 1:
             raise ConfigError("rksc: block_budget_mb and block_len must be positive")
 
@@ -140,12 +152,17 @@ class RKSCMethod(ReuseMethod):
             return 0
         return min(n, len(prompt_ids) - 1)  # the last prompt token is always computed
 
+    def schedule(self, start: int, lm, record_hidden: bool = False) -> RKSCSchedule:
+        """Tokens [start, n) computed; the layer exit while ``exiting``; the attention probe if asked."""
+        theta = self.exit_theta if self.exiting else 0.0
+        schedule = RKSCSchedule(start, lm.model.logits_from_hidden, theta, self.exit_eps, self.exit_min_layer,
+                                self.probe_attention, record_hidden)
+        self.last_schedule = schedule
+        return schedule
+
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         shared = self.shared_len(call.prompt_ids)
-        theta = self.exit_theta if self.exiting else 0.0
-        schedule = RKSCSchedule(shared, lm.model.logits_from_hidden, theta, self.exit_eps, self.exit_min_layer,
-                                self.probe_attention)
-        self.last_schedule = schedule
+        schedule = self.schedule(shared, lm, self.record_hidden)
         if not shared:
             return Plan(schedule, state=schedule)
         return Plan(schedule, shared_prefix=self.root.cache, shared_len=shared, state=schedule)

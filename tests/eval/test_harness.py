@@ -48,6 +48,20 @@ def test_prefix_is_exact_where_it_reuses():
     assert r["prefix"]["recompute_frac"] == 0.0
 
 
+def test_offset_and_checkpoints():
+    """--offset picks later problems (lanes); the checkpoint sees the result after each problem but the last."""
+    seen = []
+    bench = Bench(BenchConfig(workload="gsm8k-chain3", methods=("full", "naive"), limit=2, offset=3,
+                              model="random:tiny", repeats=1, greedy_tokens=2))
+    result = bench.run(progress=False, checkpoint=seen.append)
+    assert [r["n"] for r in seen] == [1] and result["n"] == 2
+    assert sorted({c["problem_id"] for c in seen[0]["calls"]}) == ["gsm8k-3"]
+    assert sorted({c["problem_id"] for c in result["calls"]}) == ["gsm8k-3", "gsm8k-4"]
+    assert result["results"]["naive"]["n_calls"] == 4 and seen[0]["results"]["naive"]["n_calls"] == 2
+    with pytest.raises(ConfigError, match="offset must be >= 0"):
+        BenchConfig(offset=-1)
+
+
 def test_e2e_mode_scores_accuracy():
     bench = Bench(BenchConfig(workload="gsm8k-chain3", methods=("full", "prefix"), limit=1, model="random:tiny",
                               mode="e2e"))

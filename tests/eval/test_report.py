@@ -1,8 +1,10 @@
 """Metric definitions on hand-made rows."""
 
+from dataclasses import asdict, replace
+
 import pytest
 
-from kvrelay.eval.report import CallRow, format_table, summarize
+from kvrelay.eval.report import CallRow, format_table, merge_results, summarize
 
 
 def _row(method, ttft, full, prefix, ideal, prompt_tl, reused_tl, span_tl, recomputed_tl, agree=True, kl=0.0,
@@ -32,3 +34,31 @@ def test_summary_definitions():
     assert s["accuracy"] == 0.5 and s["n_calls"] == 3
     assert s["by_agent"]["b"]["n_calls"] == 2 and s["by_agent"]["c"]["speedup_vs_full"] == 3.0
     assert "n/a" in format_table({"m": s}, fidelity_meaningful=False)
+
+
+def _lane(rows, n, peak):
+    results = summarize(rows)
+    for summary in results.values():
+        summary["peak_store_bytes"] = peak
+    return {"workload": "w", "model": "m", "mode": "agent", "n": n, "results": results,
+            "calls": [asdict(r) for r in rows]}
+
+
+def test_merge_results_equals_one_summary_over_all_rows():
+    a = [replace(_row("full", 10.0, 10.0, 10.0, 2.0, 100, 0, 0, 0), problem_id="p0"),
+         replace(_row("relay", 4.0, 10.0, 10.0, 2.0, 100, 70, 80, 10), problem_id="p0")]
+    b = [replace(_row("full", 30.0, 30.0, 30.0, 3.0, 50, 0, 0, 0), problem_id="p1"),
+         replace(_row("relay", 5.0, 30.0, 30.0, 3.0, 50, 20, 40, 20, agree=False), problem_id="p1")]
+    merged = merge_results([_lane(a, 1, 7), _lane(b, 1, 9)])
+    expected = summarize(a + b)
+    for m in ("full", "relay"):
+        assert merged["results"][m] == {**expected[m], "peak_store_bytes": 9}
+    assert merged["n"] == 2 and len(merged["calls"]) == 4
+    assert merged["results"]["relay"]["reuse_rate"] == pytest.approx(90 / 150)
+    assert merged["results"]["relay"]["speedup_vs_full"] == pytest.approx((2.5 + 6.0) / 2)
+    with pytest.raises(ValueError, match="problem 'p0' is in lanes 0 and 1"):
+        merge_results([_lane(a, 1, 7), _lane(a, 1, 7)])
+    with pytest.raises(ValueError, match="differ in workload"):
+        merge_results([_lane(a, 1, 7), {**_lane(b, 1, 9), "workload": "v"}])
+    with pytest.raises(ValueError, match="different methods"):
+        merge_results([_lane(a, 1, 7), _lane(b[:1], 1, 9)])
