@@ -24,8 +24,21 @@ def _caption(d: dict, path: Path) -> str:
 
 
 def bench_table(path: Path) -> str:
-    d = json.loads(path.read_text())
-    lines = [_caption(d, path), "",
+    """A workload's table; where ``NAME-lane*.json`` files exist (a run split with --offset), they are merged
+    from their per-call rows and replace ``NAME.json``."""
+    from kvrelay.eval.report import merge_results
+
+    lanes = sorted(path.parent.glob(f"{path.stem}-lane*.json"))
+    if lanes:
+        d = merge_results([json.loads(p.read_text()) for p in lanes])
+        env, cfg = d["env"], d["config"]
+        caption = (f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems, {d['model']}, {env['device']}; lanes "
+                   f"{', '.join(f'`{p.name}`' for p in lanes)} merged, run side by side at one torch thread each, "
+                   f"repeats {cfg['repeats']}; commit {env['commit']}, {env['machine']})")
+    else:
+        d = json.loads(path.read_text())
+        caption = _caption(d, path)
+    lines = [caption, "",
              "| method | TTFT ms (median) | speedup vs full | vs prefix | ideal | reuse | recompute | "
              "1st-token agree | KL(full‖m) | greedy@32 | accuracy | calls |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -126,7 +139,8 @@ def rksc_tables() -> str:
     cfg = d0["config"]
     caption = (f"**gsm8k-branches** ({len(records)} GSM8K test problems, B={cfg['branches']} branches x "
                f"T={cfg['branch_tokens']} tokens, {d0['model']}, {d0['env']['device']}; "
-               f"{', '.join(f'`{p.name}`' for p, _ in lanes)}, commit {d0['env']['commit']}, {d0['env']['machine']}; "
+               f"{', '.join(f'`{p.name}`' for p, _ in lanes)}, commits "
+               f"{', '.join(dict.fromkeys(d['env']['commit'] for _, d in lanes))}, {d0['env']['machine']}; "
                "lanes ran side by side, one torch thread each)")
     out = [caption, "",
            "| method | total ms (median) | branches ms | verify ms | speedup vs full | vs prefix | prompt tokens "
@@ -150,6 +164,7 @@ def rksc_tables() -> str:
                    f"{x['verifier_skipped_share']:.2f} | {_f(x['pick_agrees_when_skipped'], '.2f')} | "
                    f"{_f(x['pick_agrees_when_verified'], '.2f')} | {x['verify_calls']} | {x['layer_exits']} | "
                    f"{_f(x['exit_layer_median'], '.0f')} | {_f(x['cgee_call_error'], '.3f')} |")
+    out += ["", skip_threshold_table(records, methods)]
     for m in methods:
         if m not in d0.get("blocks", {}):
             continue
@@ -176,6 +191,69 @@ def rksc_tables() -> str:
     return "\n".join(out)
 
 
+def skip_threshold_table(records: list[dict], methods: tuple[str, ...]) -> str:
+    """CGEE (a) after the fact: for other (top, gap) thresholds, how often the verifier would be skipped and
+    how often the skip's pick (most confident branch) equals the verified pick. Read from the recorded
+    confidences and reference scores of the test problems, so it describes the rule; it sets no default."""
+    from kvrelay.reuse.rksc import decisive, pick
+
+    m = next(m for m in methods if m not in ("full", "prefix"))
+    runs = [r["runs"][m] for r in records]
+    out = [f"CGEE (a) skip thresholds after the fact, `{m}` on the same {len(runs)} problems (analysis on test "
+           "data: no default was set from it). Skip pick = the most confident branch; kept = it equals the pick "
+           "of the verified run.", "", "| top ≥ | gap ≥ | skipped | kept when skipped | pick = verified pick (all) |",
+           "|---:|---:|---:|---:|---:|"]
+    for top in (0.70, 0.75, 0.80, 0.85, 0.90):
+        for gap in (0.06, 0.10, 0.20):
+            skip = [x for x in runs if decisive(x["confidences"], top, gap)]
+            kept = [pick(None, x["confidences"]) == x["ref_pick"] for x in skip]
+            out.append(f"| {top:.2f} | {gap:.2f} | {len(skip)} / {len(runs)} | "
+                       f"{_f(mean(kept) if kept else None, '.2f')} | "
+                       f"{(len(runs) - len(skip) + sum(kept)) / len(runs):.3f} |")
+    return "\n".join(out)
+
+
+def asks_table() -> str:
+    """rksc with approximate ASKS on: the verifications that reused their branch's output K/V."""
+    from kvrelay.eval.branch_bench import summarize_branches
+
+    path = RESULTS / "rksc-asks-gsm8k-branches.json"
+    if not path.exists():
+        return "(no rksc-asks-gsm8k-branches.json yet)"
+    d = json.loads(path.read_text())
+    res = summarize_branches(d["problems"], tuple(d["results"]))
+    m = next(k for k in res if k.startswith("rksc"))
+    x, env = res[m], d["env"]
+    return "\n".join([
+        f"**gsm8k-branches, approximate ASKS** ({d['n']} problems, `{path.name}`, commit {env['commit']}, "
+        f"{env['machine']})", "",
+        "| method | total ms | verify ms | speedup vs full | vs prefix | prompt tokens computed | verifications "
+        "reusing their branch | median gate cosine | mean abs(score − full-depth score) | verdict flips | "
+        "pick = reference pick |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(f"| {k} | {r['total_ms_median']:.0f} | {r['verify_ms_median']:.0f} | {r['speedup_vs_full']:.2f}× | "
+          f"{r['speedup_vs_prefix']:.2f}× | {r['computed_token_share']:.3f} | "
+          + (f"{r['asks_reused_calls']} / {r['asks_reused_calls'] + r['verify_calls']} | "
+             f"{r['asks_cosine_median']:.3f} | {_f(r['asks_score_abs_diff_mean'], '.4f')} | "
+             f"{_f(r['asks_call_error'], '.3f')} | {r['pick_agrees_without_early_exit']:.2f} |"
+             if k == m else "– | – | – | – | – |")
+          for k, r in res.items()),
+    ]) if x.get("asks_reused_calls") is not None else "(the ASKS run verified no problem)"
+
+
+def verifier_overhead_table() -> str:
+    path = RESULTS / "rksc-verifier-overhead.json"
+    if not path.exists():
+        return "(no rksc-verifier-overhead.json yet)"
+    d = json.loads(path.read_text())
+    env = d["env"]
+    rows = [f"One verifier prompt ({d['prompt_tokens']} tokens, root {d['root_tokens']}), median of {d['repeats']} "
+            f"interleaved repeats (`{path.name}`, commit {env['commit']}, {env['machine']}):", "",
+            "| variant | ms |", "|---|---:|"]
+    rows += [f"| {name} | {ms:.0f} |" for name, ms in d["ms_median"].items()]
+    return "\n".join(rows)
+
+
 def engine_table() -> str:
     d = json.loads((RESULTS / "engine_cpu.json").read_text())
     p, dec, load = d["prefill"], d["decode"], d["load"]
@@ -196,7 +274,7 @@ if __name__ == "__main__":
     for name in ("gsm8k-chain3", "humaneval-adr", "gsm8k-fc3", "mmlu-fc3", "humaneval-fc3", "gsm8k-chain3-e2e",
                  "sweep-gsm8k-chain3"):
         path = RESULTS / f"{name}.json"
-        if path.exists():
+        if path.exists() or list(RESULTS.glob(f"{name}-lane*.json")):
             print(bench_table(path) + "\n")
     print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
     print("## KVCOMM\n")
@@ -206,3 +284,5 @@ if __name__ == "__main__":
             print(kvcomm_table(path) + "\n")
     print("### copy-agents: last agent's TTFT speedup over full, kvcomm and relay\n\n" + kvcomm_copy_agents_table())
     print("\n## RKSC (gsm8k-branches)\n\n" + rksc_tables())
+    print("\n### Approximate ASKS\n\n" + asks_table())
+    print("\n### Where a verification's time goes\n\n" + verifier_overhead_table())

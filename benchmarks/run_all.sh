@@ -11,6 +11,15 @@ $K profile --problems 16 --out $R/relay-profile-smollm2-135m.json --plot $R/rela
 cp "$(ls -t "${KVRELAY_CACHE:-$HOME/.cache/kvrelay}"/profiles/relay-*.json | head -1)" kvrelay/profiles/
 # 2. agent mode, every method on the same calls
 $K bench --workload gsm8k-chain3 --methods $ALL --limit 10 --json $R/gsm8k-chain3.json --plot $R
+# ... and at 50 problems (issue 4): two lanes of one torch thread side by side (--offset), merged by
+# make_tables.py from the per-call rows; prefix is measured anyway (it reuses nothing on these workloads)
+for w in gsm8k-chain3 humaneval-adr; do
+  for lane in 0 1; do
+    OMP_NUM_THREADS=1 $K bench --workload $w --limit 25 --offset $((25 * lane)) --repeats 1 \
+      --methods full,naive,cacheblend,epic,relay --json $R/$w-lane$lane.json &
+  done
+  wait
+done
 for a in 2 3 4 5; do
   $K bench --workload copy-agents:$a --methods $ALL --limit 2 --json $R/copy-agents-$a.json --plot $R
 done

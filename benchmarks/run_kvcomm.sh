@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # KVCOMM tables of BENCHMARKS.md (CPU, SmolLM2-135M). Two lanes of one torch thread each, run side by side
 # on the 2-core VM (timings are interleaved per call, so ratios stay fair; absolute ms are 1-thread numbers).
-# Usage: bash benchmarks/run_kvcomm.sh a|b
+# Usage: bash benchmarks/run_kvcomm.sh a|b|c
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -24,8 +24,11 @@ b)  # TTFT microbenchmark (warmup=1: the outputs repeat across problems, so one 
     $K bench --workload mmlu-fc3 --limit 12 --repeats 1 --json $R/kvcomm-mmlu-fc3.json --plot $R \
       --methods "$BASE,kvcomm,kvcomm[gamma=1,rotate_offsets=false],kvcomm[gamma=1]"
     ;;
-c)  # not run yet (session time): HumanEval fc3
+c)  # MMLU fc3 and HumanEval fc3 at 50 problems, one lane each (kvcomm's pools must see the problems in order)
+    $K bench --workload mmlu-fc3 --limit 50 --repeats 1 --json $R/kvcomm-mmlu-fc3.json --plot $R \
+      --methods "$BASE,kvcomm,kvcomm[gamma=1]" &
     $K bench --workload humaneval-fc3 --limit 50 --repeats 1 --json $R/kvcomm-humaneval-fc3.json --plot $R \
-      --methods "$BASE,kvcomm,kvcomm[gamma=1]"
+      --methods "$BASE,kvcomm,kvcomm[gamma=1]" &
+    wait
     ;;
 esac

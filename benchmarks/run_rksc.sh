@@ -1,15 +1,23 @@
 #!/bin/bash
-# RKSC on gsm8k-branches (issue 6). Two lanes of one torch thread each, side by side on the 2-core VM.
-# Each lane writes its JSON after every problem, so a stopped run keeps what it finished.
+# RKSC on gsm8k-branches (issue 6). Lanes of one torch thread each, two side by side on the 2-core VM.
+# Each lane writes its JSON after every problem, so a stopped run keeps what it finished; make_tables.py
+# merges every rksc-gsm8k-branches-*.json (problems 0-9 in a, 25-34 in b, 10-24 in c, 35-49 in d: the
+# first session stopped lanes a and b after 10 problems each).
 set -e
 cd "$(dirname "$0")/.."
-lane() {  # name offset limit
+lane() {  # name offset limit [methods]
   OMP_NUM_THREADS=1 .venv/bin/kvrelay bench --workload gsm8k-branches --offset "$2" --limit "$3" \
-    --methods "full,prefix,rksc" --json "benchmarks/results/rksc-gsm8k-branches-$1.json"
+    --methods "${4:-full,prefix,rksc}" --json "benchmarks/results/rksc-gsm8k-branches-$1.json"
 }
-lane a 0 25 &
-lane b 25 25 &
+lane a 0 10 &
+lane b 25 10 &
 wait
+lane c 10 15 &
+lane d 35 15 &
+wait
+# approximate ASKS (opt-in), 8 problems
+OMP_NUM_THREADS=1 .venv/bin/kvrelay bench --workload gsm8k-branches --offset 0 --limit 8 \
+  --methods "full,prefix,rksc[asks_approx=true]" --json benchmarks/results/rksc-asks-gsm8k-branches.json
 # CGEE layer-exit calibration on GSM8K train (sets the exit defaults in kvrelay/reuse/rksc.py)
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibrate_cgee.py --problems 8 \
   --json benchmarks/results/rksc-cgee-calibration.json

@@ -270,8 +270,11 @@ class BranchRunner:
     def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan) -> tuple[VerifyResult, AsksVerify]:
         """One verification with the branch's output K/V reused when ASKS's gate passes (reuse/asks.py)."""
         lm, method = self.lm, self.rksc
+        def make_schedule(start: int, first: bool):
+            return method.schedule(start, lm, record_hidden=first, final=not first)
+
         res = verify_with_branch_span(lm, method.root.cache, method.shared_len(ids), ids, span_start, branch,
-                                      method.asks_tau, lambda start, record: method.schedule(start, lm, record))
+                                      method.asks_tau, make_schedule)
         mass = method.last_schedule.position_mass()
         if mass is not None:
             self.blocks.add_importance(self.blocks.keys(ids), self._per_block(mass, ids))

@@ -68,8 +68,9 @@ def verify_with_branch_span(lm: LoadedModel, root_cache: SequenceKV, shared_len:
                             span_start: int, branch: BranchSpan, tau: float, make_schedule) -> AsksVerify:
     """Verify one branch: prefix [shared_len, span_start) computed, gate, then the rest.
 
-    ``make_schedule(start, record_hidden)`` builds the method's schedule computing [start, n) (with
-    its layer exit and attention probe); the first chunk records the last token's hidden states.
+    ``make_schedule(start, first)`` builds the method's schedule computing [start, n): the first chunk
+    (``first=True``) records the last token's hidden states and must not exit; the second has the
+    method's layer exit and attention probe.
     """
     model = lm.model
     n = len(ids)

@@ -152,11 +152,12 @@ class RKSCMethod(ReuseMethod):
             return 0
         return min(n, len(prompt_ids) - 1)  # the last prompt token is always computed
 
-    def schedule(self, start: int, lm, record_hidden: bool = False) -> RKSCSchedule:
-        """Tokens [start, n) computed; the layer exit while ``exiting``; the attention probe if asked."""
-        theta = self.exit_theta if self.exiting else 0.0
+    def schedule(self, start: int, lm, record_hidden: bool = False, final: bool = True) -> RKSCSchedule:
+        """Tokens [start, n) computed; the layer exit while ``exiting``; the attention probe if asked.
+        ``final=False``: a chunk before the prompt's end (ASKS's verifier prefix): no exit, no probe."""
+        theta = self.exit_theta if self.exiting and final else 0.0
         schedule = RKSCSchedule(start, lm.model.logits_from_hidden, theta, self.exit_eps, self.exit_min_layer,
-                                self.probe_attention, record_hidden)
+                                self.probe_attention and final, record_hidden)
         self.last_schedule = schedule
         return schedule
 

@@ -58,6 +58,15 @@ def test_layer_cosine_and_copy_span_roundtrip(lm):
         assert not torch.allclose(km, k0)  # the keys really were rotated
 
 
+def test_the_verifier_prefix_chunk_never_exits(lm):
+    method = RKSCMethod(exit_theta=5.0, exit_min_layer=1)
+    method.exiting = True
+    first, final = method.schedule(3, lm, record_hidden=True, final=False), method.schedule(3, lm)
+    assert not first.exit_enabled and not first.has_layer_hook and first.has_exit_test  # records only
+    assert not first.exit_after(2, torch.zeros(lm.config.hidden_size, dtype=torch.float64))
+    assert final.exit_enabled and final.has_layer_hook
+
+
 def test_same_context_reuse_is_exact_and_a_closed_gate_equals_full(lm):
     method = RKSCMethod(exit_theta=0.0, probe_attention=False)
     root_ids, prefix_ids = list(range(60, 80)), list(range(90, 97))
@@ -68,8 +77,8 @@ def test_same_context_reuse_is_exact_and_a_closed_gate_equals_full(lm):
     full_logits = _prefill(lm, ids, SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=len(ids))).logits
     span_start = len(root_ids) + len(prefix_ids)
 
-    def make(start, record):
-        return method.schedule(start, lm, record)
+    def make(start, first):
+        return method.schedule(start, lm, record_hidden=first, final=not first)
 
     # the same prefix before the output: the gate sees cosine 1, the K/V is the one full computes
     same = verify_with_branch_span(lm, root, len(root_ids), ids, span_start, branch, 0.99, make)
