@@ -14,14 +14,14 @@ a)  # fc3 GSM8K, 50 problems, with the gamma sweep in the same run (same calls)
       --methods "$BASE,kvcomm,kvcomm[gamma=0.1],kvcomm[gamma=0.6],kvcomm[gamma=1]"
     ;;
 b)  # TTFT microbenchmark (warmup=1: the outputs repeat across problems, so one anchor per placeholder is
-    # enough to start reusing), then MMLU fc3, end to end GSM8K fc3, HumanEval fc3
+    # enough to start reusing), end to end GSM8K fc3, and the rotate-vs-absolute offsets on 12 MMLU fc3 problems
     for a in 2 3 4 5; do
       $K bench --workload copy-agents:$a --methods "relay,kvcomm[warmup=1]" --limit 3 --greedy-tokens 8 \
         --json $R/kvcomm-copy-agents-$a.json
     done
     $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --methods "relay,kvcomm,kvcomm[gamma=1]" \
       --json $R/kvcomm-gsm8k-fc3-e2e.json
-    $K bench --workload mmlu-fc3 --limit 12 --repeats 1 --json $R/kvcomm-mmlu-fc3.json --plot $R \
+    $K bench --workload mmlu-fc3 --limit 12 --repeats 1 --json $R/kvcomm-mmlu-fc3-12problems-rotate.json \
       --methods "$BASE,kvcomm,kvcomm[gamma=1,rotate_offsets=false],kvcomm[gamma=1]"
     ;;
 c)  # MMLU fc3 and HumanEval fc3 at 50 problems, one lane each (kvcomm's pools must see the problems in order)

@@ -64,6 +64,7 @@ def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True,
     bcfg = BranchConfig(cfg.branches, cfg.branch_tokens)
     runners = {m: BranchRunner(lm, bcfg, get_method(m) if m not in REFERENCES else None) for m in cfg.methods}
     problems = load_gsm8k(cfg.data, limit=cfg.offset + cfg.limit)[cfg.offset:]
+    env = environment(cfg.device)  # taken once, at start: the commit whose code this run loaded
     records = []
     for i, p in enumerate(tqdm(problems, desc="gsm8k-branches", unit="problem", disable=not progress,
                                file=sys.stderr)):
@@ -76,11 +77,11 @@ def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True,
             row["runs"][m] = d
         records.append(row)
         if checkpoint is not None and i + 1 < len(problems):
-            checkpoint(_result(cfg, lm, runners, records))
-    return _result(cfg, lm, runners, records)
+            checkpoint(_result(cfg, lm, runners, records, env))
+    return _result(cfg, lm, runners, records, env)
 
 
-def _result(cfg: BranchBenchConfig, lm, runners: dict, records: list[dict]) -> dict:
+def _result(cfg: BranchBenchConfig, lm, runners: dict, records: list[dict], env: dict) -> dict:
     blocks = {}
     for m, runner in runners.items():
         if m in REFERENCES:
@@ -92,7 +93,7 @@ def _result(cfg: BranchBenchConfig, lm, runners: dict, records: list[dict]) -> d
             for policy in POLICIES:
                 stats = replay(live.events, int(budget * 2**20), policy, live.block_len)
                 blocks[m]["replay"].append({"budget_mb": budget, "policy": policy, **stats.to_dict()})
-    return {"env": environment(cfg.device), "model": lm.name, "workload": "gsm8k-branches", "n": len(records),
+    return {"env": env, "model": lm.name, "workload": "gsm8k-branches", "n": len(records),
             "config": dict(cfg.__dict__), "results": summarize_branches(records, cfg.methods),
             "blocks": blocks, "problems": records}
 

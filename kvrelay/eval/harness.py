@@ -129,6 +129,7 @@ class Bench:
             layers.update(m.capture_layers(self.lm))
         self.capture_layers = tuple(sorted(layers))
         self.fidelity_meaningful = not self.lm.name.startswith("random:")
+        self.env = environment(cfg.device)  # taken once, at start: the commit whose code this run loaded
 
     def run(self, progress: bool = True, checkpoint: Callable[[dict], None] | None = None) -> dict:
         """Every problem; ``checkpoint`` receives the result so far after each problem but the last (a long
@@ -157,7 +158,7 @@ class Bench:
         results = summarize(rows, accuracy)
         for s in results.values():
             s["peak_store_bytes"] = peak_bytes
-        return {"env": environment(self.cfg.device), "model": self.lm.name, "workload": self.cfg.workload,
+        return {"env": self.env, "model": self.lm.name, "workload": self.cfg.workload,
                 "n": num_problems, "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
                 "config": {k: v for k, v in self.cfg.__dict__.items()}, "results": results,
                 "calls": [r.__dict__ for r in rows]}
