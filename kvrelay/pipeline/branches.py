@@ -248,26 +248,25 @@ class BranchRunner:
         v = torch.cat([v for _, v in segments], dim=2)
         return (k, v), 2 * k.numel() * k.element_size()
 
-    def _credit(self, ids: list[int], out: GenerationOutput, plan_state) -> None:
+    def _credit(self, ids: list[int], schedule) -> None:
         """Add the call's attention mass (last prompt token, mean over heads and layers) to its blocks."""
-        mass = plan_state.position_mass() if plan_state is not None else None
+        mass = schedule.position_mass() if schedule is not None else None
         if mass is None:
             return
-        self.blocks.add_importance(self.blocks.keys(ids), self._per_block(mass, ids))
-
-    def _per_block(self, mass: torch.Tensor, ids: list[int]) -> list[float]:
         num_blocks = len(ids) // self.blocks.block_len
-        return mass[: num_blocks * self.blocks.block_len].view(num_blocks, -1).sum(-1).tolist()  # [num_blocks]
+        per_block = mass[: num_blocks * self.blocks.block_len].view(num_blocks, -1).sum(-1)  # [num_blocks]
+        self.blocks.add_importance(self.blocks.keys(ids), per_block.tolist())
 
     def _generate_rksc(self, ids: list[int], sampling: SamplingConfig, keep: bool) -> GenerationOutput:
         out = generate(self.lm, ids, self.rksc, None, sampling, keep_cache=keep, feed_last=False)
-        self._credit(ids, out, self.rksc.last_schedule)
+        self._credit(ids, self.rksc.last_schedule)
         if keep and out.stats.exit_layer is None:  # store the sequence's full blocks (prompt + output with
             # KV), as a serving cache would; after a layer exit the upper layers hold no K/V
             self.blocks.insert(ids + out.output_ids, lambda i: self._block_payload(out.cache, i), out.cache.length)
         return out
 
-    def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan) -> tuple[VerifyResult, AsksVerify]:
+    def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan, yes_no: tuple[int, int]
+                     ) -> tuple[VerifyResult, AsksVerify]:
         """One verification with the branch's output K/V reused when ASKS's gate passes (reuse/asks.py)."""
         lm, method = self.lm, self.rksc
         def make_schedule(start: int, first: bool):
@@ -275,14 +274,11 @@ class BranchRunner:
 
         res = verify_with_branch_span(lm, method.root.cache, method.shared_len(ids), ids, span_start, branch,
                                       method.asks_tau, make_schedule)
-        mass = method.last_schedule.position_mass()
-        if mass is not None:
-            self.blocks.add_importance(self.blocks.keys(ids), self._per_block(mass, ids))
+        self._credit(ids, method.last_schedule)
         if res.exit_layer is None:  # exact blocks only: reused (approximate) K/V never enters the cache
             exact_len = span_start if res.num_reused_tokens else len(ids)
             self.blocks.insert(ids[:exact_len], lambda i: self._block_payload(res.cache, i), exact_len)
-        yes_id, no_id = answer_ids(lm.tokenizer)
-        return VerifyResult(yes_score(res.logits, yes_id, no_id), res.exit_layer, res.computed_tokens), res
+        return VerifyResult(yes_score(res.logits, *yes_no), res.exit_layer, res.computed_tokens), res
 
     def _run_rksc(self, prompts: BranchPrompts) -> ProblemRun:
         lm, method, cfg = self.lm, self.rksc, self.cfg
@@ -317,7 +313,7 @@ class BranchRunner:
             yes_id, no_id = answer_ids(lm.tokenizer)
             for b, (ids, span_start) in enumerate(v_prompts):
                 if method.asks_approx:
-                    result, res = self._verify_asks(ids, span_start, spans[b])
+                    result, res = self._verify_asks(ids, span_start, spans[b], (yes_id, no_id))
                     asks.append(res)
                 else:
                     out = self._generate_rksc(ids, SamplingConfig(max_new_tokens=1), keep=True)
