@@ -18,6 +18,7 @@ from kvrelay.errors import ContextLengthError
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import Sampler, SamplingConfig
 from kvrelay.model.schedule import Schedule, SuffixSchedule
+from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method
 
 
@@ -92,7 +93,7 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
+def shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
     """A plan that moves reused keys under a RoPE whose rotations do not compose becomes a full
     prefill, and says so (counted as a fallback in the stats)."""
     if model.rope.can_shift:
@@ -127,33 +128,19 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     method = get_method(method) if isinstance(method, str) else method
     model, config = lm.model, lm.config
     prompt_ids = call.prompt_ids
-    if not prompt_ids:
-        raise ValueError("empty prompt: at least one token is needed")
     num_new = len(forced_output_ids) if forced_output_ids is not None else sampling.max_new_tokens
-    total = len(prompt_ids) + num_new
-    if total > config.max_position_embeddings:
-        raise ContextLengthError(
-            f"prompt of {len(prompt_ids)} tokens + {num_new} new tokens = {total} exceeds the context "
-            f"length of {lm.name} ({config.max_position_embeddings})"
-        )
+    total = check_fits(lm, prompt_ids, num_new)
     device = model.device
     ids = torch.tensor(prompt_ids, dtype=torch.long)
 
     sync_device(device)
     t0 = time.perf_counter()
-    plan = _shiftable(method.plan(call, store, lm), store, model)
+    plan = shiftable(method.plan(call, store, lm), store, model)
     if plan.shared_prefix is not None:
         cache = SharedPrefixKV(plan.shared_prefix, plan.shared_len, capacity=total + 1 - plan.shared_len)
     else:
         cache = SequenceKV(config, model.dtype, device, capacity=total + 1)
-    num_shifted = 0
-    for load in plan.loads:
-        span = store.get(load.span_id)
-        num_shifted += cache.load_span(span, load.dst_start, model.rope, load.src_start, load.src_end)
-    for patch in plan.patches:
-        cache.patch(patch.dst_start, patch.k, patch.v, patch.add)
-    plan.schedule.capture_layers = tuple(capture_layers)
-    result = model.prefill(ids, cache, plan.schedule)
+    result, num_shifted = run_plan(lm, ids, plan, cache, store, capture_layers)
     sync_device(device)
     ttft_ms = (time.perf_counter() - t0) * 1e3
     if learn:
@@ -170,12 +157,47 @@ def generate(lm: LoadedModel, call: CallInput | list[int], method: ReuseMethod |
     sync_device(device)
     decode_ms = (time.perf_counter() - t1) * 1e3
 
+    return make_output(lm, method, prompt_ids, plan, result, num_shifted, ttft_ms, decode_ms, output, stop_reason,
+                       decode_hidden, cache if keep_cache else None, top1_probs)
+
+
+def check_fits(lm: LoadedModel, prompt_ids: list[int], num_new: int) -> int:
+    """Prompt + new tokens, or a ContextLengthError naming the model's limit."""
+    if not prompt_ids:
+        raise ValueError("empty prompt: at least one token is needed")
+    total = len(prompt_ids) + num_new
+    if total > lm.config.max_position_embeddings:
+        raise ContextLengthError(
+            f"prompt of {len(prompt_ids)} tokens + {num_new} new tokens = {total} exceeds the context "
+            f"length of {lm.name} ({lm.config.max_position_embeddings})"
+        )
+    return total
+
+
+def run_plan(lm: LoadedModel, ids: torch.Tensor, plan: Plan, cache: SequenceKV, store: KVStore | None,
+             capture_layers: tuple[int, ...] = ()) -> tuple[PrefillResult, int]:
+    """Load and patch the plan's reused K/V into ``cache``, then the scheduled prefill of ``ids`` ([n]).
+    Returns the prefill's result and the number of reused tokens moved to a new position."""
+    num_shifted = 0
+    for load in plan.loads:
+        span = store.get(load.span_id)
+        num_shifted += cache.load_span(span, load.dst_start, lm.model.rope, load.src_start, load.src_end)
+    for patch in plan.patches:
+        cache.patch(patch.dst_start, patch.k, patch.v, patch.add)
+    plan.schedule.capture_layers = tuple(capture_layers)
+    return lm.model.prefill(ids, cache, plan.schedule), num_shifted
+
+
+def make_output(lm: LoadedModel, method: ReuseMethod, prompt_ids: list[int], plan: Plan, result: PrefillResult,
+                num_shifted: int, ttft_ms: float, decode_ms: float, output: list[int], stop_reason: str,
+                decode_hidden: dict[int, torch.Tensor], cache: SequenceKV | None, top1_probs: list[float]
+                ) -> GenerationOutput:
     prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(prompt_ids)}
-    stats = CallStats(method.name, len(prompt_ids), config.num_layers, plan.num_reused_tokens,
+    stats = CallStats(method.name, len(prompt_ids), lm.config.num_layers, plan.num_reused_tokens,
                       result.num_computed_token_layers, num_shifted, ttft_ms, decode_ms, len(output),
                       plan.fallback, plan.note, result.exit_layer)
     return GenerationOutput(prompt_ids, output, lm.tokenizer.decode(output), result.logits, stats, stop_reason,
-                            decode_hidden, prompt_hidden, cache if keep_cache else None, top1_probs)
+                            decode_hidden, prompt_hidden, cache, top1_probs)
 
 
 def _decode(lm: LoadedModel, cache: SequenceKV, logits: torch.Tensor, sampling: SamplingConfig,

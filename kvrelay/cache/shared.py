@@ -29,11 +29,39 @@ class SharedPrefixKV(SequenceKV):
         # own rows: row r holds position prefix_len + r
         self.k = self.v = torch.empty(0)
         self.filled = torch.empty(0, dtype=torch.bool)
+        # set by ``batch``: the common own-row storage [L, B, Hkv, cap, hd] and this cache's row in it
+        self.batch_k: torch.Tensor | None = None
+        self.batch_v: torch.Tensor | None = None
+        self.batch_filled: torch.Tensor | None = None
+        self.batch_row = 0
         self.ensure_capacity(prefix_len + max(1, capacity))
+
+    @classmethod
+    def batch(cls, prefix: SequenceKV, prefix_len: int, own_capacity: int, num: int) -> list[SharedPrefixKV]:
+        """``num`` caches over one prefix whose own rows are slots of one common tensor, so that
+        ``decode_step_batch`` reads them without gathering. Their capacity is fixed (a view cannot
+        grow): ``own_capacity`` positions past ``prefix_len`` each."""
+        if num < 1 or own_capacity < 1:
+            raise ScheduleError(f"a cache batch needs num >= 1 and own_capacity >= 1, got {num}, {own_capacity}")
+        h_kv, head_dim = prefix.shape_tail
+        big_k = torch.empty(prefix.num_layers, num, h_kv, own_capacity, head_dim, dtype=prefix.dtype,
+                            device=prefix.device)  # [L, B, Hkv, cap, hd]
+        big_v = torch.empty_like(big_k)
+        big_filled = torch.zeros(prefix.num_layers, num, own_capacity, dtype=torch.bool, device=prefix.device)
+        caches = []
+        for row in range(num):
+            cache = cls(prefix, prefix_len, capacity=1)
+            cache.k, cache.v, cache.filled = big_k[:, row], big_v[:, row], big_filled[:, row]  # views
+            cache.capacity = prefix_len + own_capacity
+            cache.batch_k, cache.batch_v, cache.batch_filled, cache.batch_row = big_k, big_v, big_filled, row
+            caches.append(cache)
+        return caches
 
     def ensure_capacity(self, num_positions: int) -> None:
         if num_positions <= self.capacity:
             return
+        if self.batch_k is not None:
+            raise ScheduleError(f"batched cache full: {num_positions} positions past its capacity of {self.capacity}")
         own_cap = max(num_positions - self.prefix_len, 2 * (self.capacity - self.prefix_len))
         h_kv, head_dim = self.shape_tail
         k = torch.empty(self.num_layers, h_kv, own_cap, head_dim, dtype=self.dtype, device=self.device)

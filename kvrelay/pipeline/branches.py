@@ -27,6 +27,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.shared import kv_bytes
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import GenerationOutput, generate, publish, sync_device
+from kvrelay.engine_batch import generate_batch
 from kvrelay.errors import ConfigError
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
@@ -260,10 +261,42 @@ class BranchRunner:
     def _generate_rksc(self, ids: list[int], sampling: SamplingConfig, keep: bool) -> GenerationOutput:
         out = generate(self.lm, ids, self.rksc, None, sampling, keep_cache=keep, feed_last=False)
         self._credit(ids, self.rksc.last_schedule)
-        if keep and out.stats.exit_layer is None:  # store the sequence's full blocks (prompt + output with
-            # KV), as a serving cache would; after a layer exit the upper layers hold no K/V
-            self.blocks.insert(ids + out.output_ids, lambda i: self._block_payload(out.cache, i), out.cache.length)
+        if keep:
+            self._keep_blocks(out)
         return out
+
+    def _keep_blocks(self, out: GenerationOutput) -> None:
+        """Store the sequence's full blocks (prompt + output with K/V), as a serving cache would;
+        after a layer exit the upper layers hold no K/V, so nothing is stored."""
+        if out.stats.exit_layer is None:
+            self.blocks.insert(out.prompt_ids + out.output_ids, lambda i: self._block_payload(out.cache, i),
+                               out.cache.length)
+
+    def _branches_rksc(self, prompts: BranchPrompts, sampling: SamplingConfig
+                       ) -> tuple[list[GenerationOutput], list[torch.Tensor]]:
+        """Every branch decoded (in one batch over the shared root when ``batch_decode``); with
+        ``record_hidden``, also the hidden states entering each branch's output (ASKS's gate)."""
+        method = self.rksc
+        if not (method.batch_decode and method.share_prefix):
+            outs = []
+            hidden = []
+            for ids in prompts.branch_ids:
+                outs.append(self._generate_rksc(ids, sampling, keep=True))
+                if method.record_hidden:
+                    hidden.append(torch.stack(method.last_schedule.hidden))
+            return outs, hidden
+        hidden_by_branch: dict[int, torch.Tensor] = {}
+
+        def on_prefill(i: int, plan) -> None:
+            self._credit(prompts.branch_ids[i], plan.state)
+            if method.record_hidden:
+                hidden_by_branch[i] = torch.stack(plan.state.hidden)
+
+        outs = generate_batch(self.lm, prompts.branch_ids, method, sampling, keep_cache=True, on_prefill=on_prefill,
+                              feed_last=False)
+        for out in outs:
+            self._keep_blocks(out)
+        return outs, [hidden_by_branch[i] for i in sorted(hidden_by_branch)]
 
     def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan, yes_no: tuple[int, int]
                      ) -> tuple[VerifyResult, AsksVerify]:
@@ -287,13 +320,10 @@ class BranchRunner:
         t0 = time.perf_counter()
         root, keys, hits, root_computed = self._root(prompts.root_ids)
         method.root, method.exiting, method.record_hidden = root, False, method.asks_approx
-        outs, spans = [], []
-        for ids in prompts.branch_ids:
-            out = self._generate_rksc(ids, sampling, keep=True)
-            outs.append(out)
-            if method.asks_approx:  # the branch's output K/V and the hidden state that entered it
-                spans.append(BranchSpan(out.cache, len(ids), out.cache.length - len(ids),
-                                        torch.stack(method.last_schedule.hidden)))
+        outs, hidden = self._branches_rksc(prompts, sampling)
+        # approximate ASKS: each branch's output K/V and the hidden state that entered it
+        spans = [BranchSpan(out.cache, len(out.prompt_ids), out.cache.length - len(out.prompt_ids), h)
+                 for out, h in zip(outs, hidden, strict=True)] if method.asks_approx else []
         method.record_hidden = False
         t1 = time.perf_counter()
         kv_total = kv_bytes([o.cache for o in outs])

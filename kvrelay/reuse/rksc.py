@@ -100,6 +100,8 @@ class RKSCSchedule(SuffixSchedule):
 class RKSCMethod(ReuseMethod):
     name: ClassVar[str] = "rksc"
     share_prefix: bool = True  # ASKS: read the shared root by reference (false: compute every prompt)
+    # decode the B branches in one batch over the shared root (false: one branch after another)
+    batch_decode: bool = True
     skip_top: float = 0.70  # CGEE (a): skip the verifier when the top branch confidence is >= this ...
     skip_gap: float = 0.06  # ... and leads the second by >= this
     # CGEE (b) defaults from benchmarks/calibrate_cgee.py on 8 GSM8K *train* problems (64 verifier calls):

@@ -101,7 +101,12 @@ def test_branch_runner_rksc_shares_the_root_and_matches_full(lm):
     row = 2 * 4 * 2 * 16 * 4  # K and V: layers x kv heads x head_dim x fp32
     slots = [len(ids) + cfg.branch_tokens + 1 for ids in prompts.branch_ids]  # each cache's capacity
     assert full.branch_kv_bytes == sum(slots) * row  # a root copy in every branch
-    assert rksc.branch_kv_bytes == (root_len + sum(n - root_len for n in slots)) * row  # the root once
+    # the root once; batched decode keeps the rows' own slots in one [B, longest] tensor
+    assert rksc.branch_kv_bytes == (root_len + 3 * max(n - root_len for n in slots)) * row
+    one_by_one = BranchRunner(lm, cfg, RKSCMethod(skip_top=1.0, skip_gap=1.0, exit_theta=0.0, batch_decode=False))
+    unbatched = one_by_one.run(QUESTION, "rksc")
+    assert unbatched.output_ids == rksc.output_ids and unbatched.scores == pytest.approx(rksc.scores, abs=1e-6)
+    assert unbatched.branch_kv_bytes == (root_len + sum(n - root_len for n in slots)) * row  # own rows, no padding
     # the second problem finds the system-prompt blocks in the block cache
     again = runner.run("A different question about 5 pears?", "rksc")
     assert again.block_hits >= 1 and runner.blocks.stats.num_hit_blocks >= 1
