@@ -125,13 +125,13 @@ def rksc_lanes(prefix: str = "rksc-gsm8k-branches") -> list[tuple[Path, dict]]:
     return [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob(f"{prefix}-*.json"))]
 
 
-def rksc_tables() -> str:
+def rksc_tables(prefix: str = "rksc-gsm8k-branches") -> str:
     """gsm8k-branches: the lanes' problems merged and summarized again; block replays summed over lanes."""
     from kvrelay.eval.branch_bench import summarize_branches
 
-    lanes = rksc_lanes()
+    lanes = rksc_lanes(prefix)
     if not lanes:
-        return "(no rksc-gsm8k-branches-*.json yet)"
+        return f"(no {prefix}-*.json yet)"
     records = [r for _, d in lanes for r in d["problems"]]
     methods = tuple(lanes[0][1]["results"])
     res = summarize_branches(records, methods)
@@ -164,7 +164,7 @@ def rksc_tables() -> str:
                    f"{x['verifier_skipped_share']:.2f} | {_f(x['pick_agrees_when_skipped'], '.2f')} | "
                    f"{_f(x['pick_agrees_when_verified'], '.2f')} | {x['verify_calls']} | {x['layer_exits']} | "
                    f"{_f(x['exit_layer_median'], '.0f')} | {_f(x['cgee_call_error'], '.3f')} |")
-    out += ["", skip_threshold_table(records, methods)]
+    out += ["", answer_agreement_table(records, methods), "", skip_threshold_table(records, methods)]
     for m in methods:
         if m not in d0.get("blocks", {}):
             continue
@@ -173,7 +173,7 @@ def rksc_tables() -> str:
         live = [d["blocks"][m]["live"] for _, d in lanes]
         for _, d in lanes:
             for r in d["blocks"][m]["replay"]:
-                acc = rows.setdefault((r["budget_mb"], r["policy"]), dict.fromkeys(
+                acc = rows.setdefault((r.get("concurrency", 1), r["budget_mb"], r["policy"]), dict.fromkeys(
                     ("num_lookup_blocks", "num_hit_blocks", "num_recomputed_tokens", "num_evicted_blocks",
                      "num_rejected_blocks"), 0))
                 for k in acc:
@@ -183,11 +183,29 @@ def rksc_tables() -> str:
                 f"over the run, {working / 2**20 / len(records):.1f} MiB per problem); the live run used "
                 f"{live[0]['policy']} at {live[0]['budget_mb']:.0f} MiB "
                 f"(hit rate {sum(x['num_hit_blocks'] for x in live) / sum(x['num_lookup_blocks'] for x in live):.3f}).",
-                "", "| budget MiB | policy | block hit rate | recomputed tokens | evicted blocks | rejected blocks |",
-                "|---:|---|---:|---:|---:|---:|"]
-        for (budget, policy), acc in sorted(rows.items()):
-            out.append(f"| {budget:.0f} | {policy} | {acc['num_hit_blocks'] / acc['num_lookup_blocks']:.3f} | "
+                "", "| problems in flight | budget MiB | policy | block hit rate | recomputed tokens | evicted "
+                "blocks | rejected blocks |", "|---:|---:|---|---:|---:|---:|---:|"]
+        for (conc, budget, policy), acc in sorted(rows.items()):
+            out.append(f"| {conc} | {budget:.0f} | {policy} | {acc['num_hit_blocks'] / acc['num_lookup_blocks']:.3f} | "
                        f"{acc['num_recomputed_tokens']} | {acc['num_evicted_blocks']} | {acc['num_rejected_blocks']} |")
+    return "\n".join(out)
+
+
+def answer_agreement_table(records: list[dict], methods: tuple[str, ...]) -> str:
+    """CGEE per problem, by branch and by answer: the picked branch vs the no-early-exit run's, and the
+    number its text ends on vs that branch's (different branches often reach the same number)."""
+    from kvrelay.eval.scoring import extract_number
+
+    out = ["| method | problems | pick = no-early-exit pick (branch) | picked answer = no-early-exit answer |",
+           "|---|---:|---:|---:|"]
+    for m in methods:
+        runs = [r["runs"][m] for r in records]
+        if not runs or runs[0].get("ref_pick") is None:
+            continue
+        same_branch = [x["pick"] == x["ref_pick"] for x in runs]
+        same_answer = [extract_number(x["texts"][x["pick"]]) == extract_number(x["texts"][x["ref_pick"]])
+                       for x in runs]
+        out.append(f"| {m} | {len(runs)} | {mean(same_branch):.3f} | {mean(same_answer):.3f} |")
     return "\n".join(out)
 
 
@@ -241,6 +259,25 @@ def asks_table() -> str:
     ]) if x.get("asks_reused_calls") is not None else "(the ASKS run verified no problem)"
 
 
+def interleaved_table() -> str:
+    path = RESULTS / "rksc-rsbcm-interleaved.json"
+    if not path.exists():
+        return "(no rksc-rsbcm-interleaved.json yet)"
+    d = json.loads(path.read_text())
+    env = d["env"]
+    rows = [f"`rksc`'s block-cache trace on {d['n']} problems (`{path.name}`, commit {env['commit']}, "
+            f"{env['machine']}; "
+            f"{d['problem_working_set_mb_mean']:.1f} MiB of distinct blocks per problem, "
+            f"{d['working_set_bytes']['total_bytes'] / 2**20:.0f} MiB over the run), replayed with several problems "
+            "in flight (round-robin, one cache operation each):", "",
+            "| problems in flight | budget MiB | policy | block hit rate | recomputed tokens | evicted blocks | "
+            "rejected blocks |", "|---:|---:|---|---:|---:|---:|---:|"]
+    rows += [f"| {r['concurrency']} | {r['budget_mb']:.0f} | {r['policy']} | {r['hit_rate']:.3f} | "
+             f"{r['num_recomputed_tokens']} | {r['num_evicted_blocks']} | {r['num_rejected_blocks']} |"
+             for r in d["replay"]]
+    return "\n".join(rows)
+
+
 def verifier_overhead_table() -> str:
     path = RESULTS / "rksc-verifier-overhead.json"
     if not path.exists():
@@ -283,6 +320,9 @@ if __name__ == "__main__":
         if path.exists():
             print(kvcomm_table(path) + "\n")
     print("### copy-agents: last agent's TTFT speedup over full, kvcomm and relay\n\n" + kvcomm_copy_agents_table())
-    print("\n## RKSC (gsm8k-branches)\n\n" + rksc_tables())
+    print("\n## RKSC (gsm8k-branches)\n\n### Branches decoded in one batch over the shared root (rksc's default)\n\n"
+          + rksc_tables("rksc-batch-gsm8k-branches"))
+    print("\n### RSBCM vs LRU with several problems in flight\n\n" + interleaved_table())
+    print("\n### Branches decoded one by one (sessions 1-2, before batched decode)\n\n" + rksc_tables())
     print("\n### Approximate ASKS\n\n" + asks_table())
     print("\n### Where a verification's time goes\n\n" + verifier_overhead_table())

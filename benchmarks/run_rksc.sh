@@ -15,6 +15,14 @@ wait
 lane c 10 15 &
 lane d 35 15 &
 wait
+# batched branch decode (rksc's default since 89e65ab) against one-by-one, same run: problems 0-24 and 25-49
+batch_lane() {  # lane offset
+  OMP_NUM_THREADS=1 .venv/bin/kvrelay bench --workload gsm8k-branches --offset "$2" --limit 25 \
+    --methods "full,prefix,rksc,rksc[batch_decode=false]" --json "benchmarks/results/rksc-batch-gsm8k-branches-lane$1.json"
+}
+batch_lane 0 0 &
+batch_lane 1 25 &
+wait
 # approximate ASKS (opt-in), 8 problems
 OMP_NUM_THREADS=1 .venv/bin/kvrelay bench --workload gsm8k-branches --offset 0 --limit 8 \
   --methods "full,prefix,rksc[asks_approx=true]" --json benchmarks/results/rksc-asks-gsm8k-branches.json

@@ -9,6 +9,10 @@ Eviction picks among unpinned blocks:
 - ``rsbcm``: the smallest importance / (depth + 1), where importance is the attention mass the
   block's tokens received (accumulated by ``add_importance``) and depth its index in the chain;
 - ``lru``: the least recently used.
+With ``half_life_ops`` > 0 (not in RKSC; ours), RSBCM's importance halves every that many cache
+operations (lookups and inserts), so the credit of blocks nobody reads any more fades: without it,
+blocks of finished requests keep their mass forever and a new request's blocks (no credit yet) go
+first.
 Ties go to the least recently used, then the deepest (a lookup touches a whole chain at once, so
 its deeper blocks go first, as vLLM frees a request's blocks tail first).
 
@@ -18,6 +22,7 @@ replayed under another policy or budget (``replay``) to compare them on the very
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +39,8 @@ class Block:
     depth: int  # index in its chain: the block covers tokens [depth * block_len, (depth + 1) * block_len)
     nbytes: int
     payload: Any
-    importance: float = 0.0
+    importance: float = 0.0  # as of importance_tick (decays from there with a half-life)
+    importance_tick: int = 0
     last_tick: int = 0
     pins: int = 0
 
@@ -62,12 +68,15 @@ class BlockCache:
     policy: str = "rsbcm"
     block_len: int = 16
     fingerprint: str = ""
+    half_life_ops: float = 0.0  # 0: importance never decays (RKSC's RSBCM)
     stats: BlockStats = field(default_factory=BlockStats)
     events: list[tuple] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"block cache policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.half_life_ops < 0:
+            raise ConfigError(f"block cache half_life_ops must be >= 0, got {self.half_life_ops}")
         if self.budget_bytes <= 0 or self.block_len <= 0:
             raise ConfigError(f"block cache needs a positive budget and block length, got "
                               f"{self.budget_bytes} bytes / {self.block_len} tokens")
@@ -137,7 +146,8 @@ class BlockCache:
         for key, mass in zip(keys, masses, strict=True):
             block = self.blocks.get(key)
             if block is not None:
-                block.importance += mass
+                block.importance = self._importance(block) + mass
+                block.importance_tick = self._tick
 
     def pin(self, keys: list[bytes]) -> None:
         self.events.append(("pin", tuple(keys)))
@@ -152,9 +162,15 @@ class BlockCache:
                 self.blocks[key].pins -= 1
 
     # ------------------------------------------------------------------ eviction
+    def _importance(self, block: Block) -> float:
+        """The block's importance now (decayed since its last credit when a half-life is set)."""
+        if not self.half_life_ops:
+            return block.importance
+        return block.importance * 0.5 ** ((self._tick - block.importance_tick) / self.half_life_ops)
+
     def _victim_order(self, block: Block) -> tuple:
         if self.policy == "rsbcm":
-            return (block.importance / (block.depth + 1), block.last_tick, -block.depth)
+            return (self._importance(block) / (block.depth + 1), block.last_tick, -block.depth)
         return (block.last_tick, -block.depth)
 
     def _make_room(self, nbytes: int, protected: set[bytes]) -> bool:
@@ -173,9 +189,10 @@ class BlockCache:
         return [b.key for b in sorted((b for b in self.blocks.values() if b.pins == 0), key=self._victim_order)]
 
 
-def replay(events: list[tuple], budget_bytes: int, policy: str, block_len: int = 16) -> BlockStats:
+def replay(events: list[tuple], budget_bytes: int, policy: str, block_len: int = 16,
+           half_life_ops: float = 0.0) -> BlockStats:
     """Run a recorded trace through a fresh cache (no payloads): same accesses, another policy/budget."""
-    cache = BlockCache(budget_bytes, policy, block_len)
+    cache = BlockCache(budget_bytes, policy, block_len, half_life_ops=half_life_ops)
     for event in events:
         kind = event[0]
         if kind == "lookup":
@@ -190,3 +207,25 @@ def replay(events: list[tuple], budget_bytes: int, policy: str, block_len: int =
         elif kind == "unpin":
             cache.unpin(list(event[1]))
     return cache.stats
+
+
+def interleave(segments: list[list[tuple]], concurrency: int) -> list[tuple]:
+    """Requests' event lists merged as a server running ``concurrency`` of them at once would: they
+    start in order, the in-flight ones take turns one event each, and a finished one's place goes to
+    the next. ``concurrency`` 1 = one after another. (A request's accesses do not depend on what the
+    cache holds, so a sequential run's per-request traces can be replayed in any such order.)"""
+    if concurrency < 1:
+        raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+    pending = deque(seg for seg in segments if seg)
+    in_flight: list[list] = []  # [events, next index]
+    merged: list[tuple] = []
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            in_flight.append([pending.popleft(), 0])
+        for slot in list(in_flight):
+            events, i = slot
+            merged.append(events[i])
+            slot[1] = i + 1
+            if slot[1] == len(events):
+                in_flight.remove(slot)
+    return merged

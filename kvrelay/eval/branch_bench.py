@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from kvrelay.cache.blocks import POLICIES, replay
+from kvrelay.cache.blocks import POLICIES, interleave, replay
 from kvrelay.errors import ConfigError
 from kvrelay.eval import scoring
 from kvrelay.eval.datasets import load_gsm8k
@@ -42,6 +42,9 @@ class BranchBenchConfig:
     branches: int = 8
     branch_tokens: int = 64
     compare_budgets_mb: tuple[float, ...] = (8.0, 24.0)  # block-cache budgets for RSBCM vs LRU
+    # requests in flight at once when the trace is replayed (1 = the run's own order; more: a server
+    # interleaving several problems' requests, so a problem's root must survive the others' blocks)
+    compare_concurrency: tuple[int, ...] = (1, 4)
 
     def __post_init__(self) -> None:
         if isinstance(self.methods, str):
@@ -51,6 +54,9 @@ class BranchBenchConfig:
                 raise ConfigError(f"gsm8k-branches runs full, prefix and rksc[...], not {spec!r}")
         self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
         self.compare_budgets_mb = tuple(float(b) for b in self.compare_budgets_mb)
+        self.compare_concurrency = tuple(int(c) for c in self.compare_concurrency)
+        if any(c < 1 for c in self.compare_concurrency):
+            raise ConfigError(f"compare_concurrency must be >= 1, got {self.compare_concurrency}")
         if self.limit < 1 or self.offset < 0:
             raise ConfigError(f"limit must be >= 1 and offset >= 0, got {self.limit} and {self.offset}")
         BranchConfig(self.branches, self.branch_tokens)  # validates
@@ -66,33 +72,52 @@ def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True,
     problems = load_gsm8k(cfg.data, limit=cfg.offset + cfg.limit)[cfg.offset:]
     env = environment(cfg.device)  # taken once, at start: the commit whose code this run loaded
     records = []
+    segments: dict[str, list[tuple[int, int]]] = {m: [] for m in runners}  # per problem: its block events
     for i, p in enumerate(tqdm(problems, desc="gsm8k-branches", unit="problem", disable=not progress,
                                file=sys.stderr)):
         row = {"problem_id": f"gsm8k-{cfg.offset + i}", "answer": p.answer, "runs": {}}
         for m, runner in runners.items():
+            start = len(runner.blocks.events)
             run = runner.run(p.question, "rksc" if m not in REFERENCES else m)
+            segments[m].append((start, len(runner.blocks.events)))
             d = run.to_dict()
             d["texts"] = [lm.tokenizer.decode(ids) for ids in run.output_ids]
             d["correct"] = scoring.gsm8k_correct(d["texts"][run.pick], p.answer)
             row["runs"][m] = d
         records.append(row)
         if checkpoint is not None and i + 1 < len(problems):
-            checkpoint(_result(cfg, lm, runners, records, env))
-    return _result(cfg, lm, runners, records, env)
+            checkpoint(_result(cfg, lm, runners, records, env, segments))
+    return _result(cfg, lm, runners, records, env, segments)
 
 
-def _result(cfg: BranchBenchConfig, lm, runners: dict, records: list[dict], env: dict) -> dict:
+def replay_table(events: list[tuple], segments: list[tuple[int, int]], budgets_mb: tuple[float, ...],
+                 concurrency: tuple[int, ...], block_len: int, half_lives_ops: tuple[float, ...] = ()) -> list[dict]:
+    """The trace replayed under each budget x policy x concurrency (``blocks.interleave``); RSBCM also
+    with each importance half-life in ``half_lives_ops``."""
+    per_problem = [events[a:b] for a, b in segments]
+    variants = [(policy, 0.0) for policy in POLICIES] + [("rsbcm", h) for h in half_lives_ops]
+    rows = []
+    for c in concurrency:
+        trace = interleave(per_problem, c) if c > 1 else events
+        for budget in budgets_mb:
+            for policy, half_life in variants:
+                stats = replay(trace, int(budget * 2**20), policy, block_len, half_life)
+                rows.append({"budget_mb": budget, "policy": policy, "half_life_ops": half_life, "concurrency": c,
+                             **stats.to_dict()})
+    return rows
+
+
+def _result(cfg: BranchBenchConfig, lm, runners: dict, records: list[dict], env: dict,
+            segments: dict[str, list[tuple[int, int]]]) -> dict:
     blocks = {}
     for m, runner in runners.items():
         if m in REFERENCES:
             continue
         live = runner.blocks
         blocks[m] = {"live": {"policy": live.policy, "budget_mb": live.budget_bytes / 2**20, **live.stats.to_dict()},
-                     "working_set_bytes": _working_set(live.events), "replay": []}
-        for budget in cfg.compare_budgets_mb:
-            for policy in POLICIES:
-                stats = replay(live.events, int(budget * 2**20), policy, live.block_len)
-                blocks[m]["replay"].append({"budget_mb": budget, "policy": policy, **stats.to_dict()})
+                     "working_set_bytes": _working_set(live.events),
+                     "replay": replay_table(live.events, segments[m], cfg.compare_budgets_mb,
+                                            cfg.compare_concurrency, live.block_len)}
     return {"env": env, "model": lm.name, "workload": "gsm8k-branches", "n": len(records),
             "config": dict(cfg.__dict__), "results": summarize_branches(records, cfg.methods),
             "blocks": blocks, "problems": records}
@@ -207,8 +232,10 @@ def format_branch_table(result: dict) -> str:
         live, working_mb = b["live"], b["working_set_bytes"]["total_bytes"] / 2**20
         lines.append(f"\n{m} block cache: live {live['policy']} at {live['budget_mb']:.0f} MiB, hit rate "
                      f"{live['hit_rate']:.3f}; {working_mb:.0f} MiB of distinct blocks over the run")
-        lines.append(f"{'budget MiB':>10s} {'policy':>6s} {'hit rate':>9s} {'recomputed tok':>15s} {'evicted':>8s}")
+        lines.append(f"{'in flight':>9s} {'budget MiB':>10s} {'policy':>6s} {'hit rate':>9s} {'recomputed tok':>15s} "
+                     f"{'evicted':>8s} {'rejected':>8s}")
         for r in b["replay"]:
-            lines.append(f"{r['budget_mb']:10.0f} {r['policy']:>6s} {r['hit_rate']:9.3f} "
-                         f"{r['num_recomputed_tokens']:15d} {r['num_evicted_blocks']:8d}")
+            lines.append(f"{r.get('concurrency', 1):9d} {r['budget_mb']:10.0f} {r['policy']:>6s} {r['hit_rate']:9.3f} "
+                         f"{r['num_recomputed_tokens']:15d} {r['num_evicted_blocks']:8d} "
+                         f"{r.get('num_rejected_blocks', 0):8d}")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from kvrelay.cache.blocks import BlockCache, replay
+from kvrelay.cache.blocks import BlockCache, interleave, replay
 from kvrelay.errors import ConfigError
 
 
@@ -101,3 +101,50 @@ def test_bad_configuration_is_refused():
         BlockCache(10, "fifo")
     with pytest.raises(ConfigError, match="positive"):
         BlockCache(0, "lru")
+
+
+def test_interleave_round_robin_order_and_refill():
+    a, b, c = [("a", i) for i in range(3)], [("b", i) for i in range(1)], [("c", i) for i in range(2)]
+    assert interleave([a, b, c], 1) == a + b + c
+    # a and b in flight; b ends after one event and c takes its place
+    assert interleave([a, b, c], 2) == [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("a", 2), ("c", 1)]
+    assert interleave([a, [], c], 5) == [("a", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2)]
+    with pytest.raises(ConfigError, match="concurrency"):
+        interleave([a], 0)
+
+
+def test_interleaved_requests_separate_rsbcm_from_lru():
+    ten = (10,)
+    req_a = [("insert", ("a0",), ten), ("importance", ("a0",), (5.0,)), ("lookup", ("a0",)), ("lookup", ("a0",))]
+    req_b = [("insert", ("b0",), ten), ("insert", ("d0",), ten), ("lookup", ("b0",))]
+    # two in flight, room for two blocks: inserting d0 evicts the important-but-older a0 under LRU and
+    # the unimportant-but-recent b0 under RSBCM
+    trace = interleave([req_a, req_b], 2)
+    rsbcm, lru = replay(trace, 20, "rsbcm", block_len=2), replay(trace, 20, "lru", block_len=2)
+    assert (rsbcm.num_lookup_blocks, rsbcm.num_hit_blocks, rsbcm.num_recomputed_tokens) == (3, 2, 2)
+    assert (lru.num_lookup_blocks, lru.num_hit_blocks, lru.num_recomputed_tokens) == (3, 1, 4)
+    # one after another: a is done before b arrives; then b0 goes under RSBCM, a0 under LRU
+    seq_rsbcm, seq_lru = (replay(interleave([req_a, req_b], 1), 20, p, block_len=2) for p in ("rsbcm", "lru"))
+    assert (seq_rsbcm.num_hit_blocks, seq_lru.num_hit_blocks) == (2, 3)
+
+
+def _fill_then_insert_c0(cache):
+    """a0 credited 8 early, b0 credited 1 late, then c0 needs one of their places (room for two)."""
+    size = lambda i: (None, 10)  # noqa: E731
+    cache.insert_keys(["a0"], size)
+    cache.add_importance(["a0"], [8.0])
+    cache.insert_keys(["b0"], size)
+    for _ in range(4):
+        cache.lookup_keys(["x"])
+    cache.add_importance(["b0"], [1.0])
+    cache.insert_keys(["c0"], size)  # the 7th operation
+    return set(cache.blocks)
+
+
+def test_importance_half_life_lets_stale_credit_fade():
+    # no decay (RKSC): a0's old credit of 8 outranks b0's fresh 1, so b0 goes
+    assert _fill_then_insert_c0(BlockCache(20, "rsbcm", 2)) == {"a0", "c0"}
+    # half-life of one operation: at c0's insert a0 holds 8 / 2**6, b0 1 / 2, so a0 goes
+    assert _fill_then_insert_c0(BlockCache(20, "rsbcm", 2, half_life_ops=1)) == {"b0", "c0"}
+    with pytest.raises(ConfigError, match="half_life_ops"):
+        BlockCache(20, "rsbcm", 2, half_life_ops=-1)
