@@ -187,7 +187,8 @@ class BranchRunner:
     def __init__(self, lm: LoadedModel, cfg: BranchConfig, rksc: RKSCMethod | None = None) -> None:
         self.lm, self.cfg = lm, cfg
         self.rksc = rksc or RKSCMethod()
-        self.blocks = BlockCache(self.rksc.block_budget_bytes, self.rksc.policy, self.rksc.block_len, lm.fingerprint)
+        self.blocks = BlockCache(self.rksc.block_budget_bytes, self.rksc.policy, self.rksc.block_len, lm.fingerprint,
+                                 self.rksc.block_half_life_ops)
         self.pad_id = 0  # any id: verify() reads each row up to its real length
 
     def _row_bytes(self) -> int:

@@ -112,6 +112,7 @@ class RKSCMethod(ReuseMethod):
     exit_min_layer: int = 25  # no exit test below this layer (each test costs an LM head)
     block_budget_mb: float = 64.0  # RSBCM byte budget for the runner's block cache
     policy: str = "rsbcm"  # or "lru"
+    block_half_life_ops: float = 0.0  # RSBCM importance half-life in cache operations (0: none, as in RKSC)
     block_len: int = 16
     probe_attention: bool = True  # measure block importance (attention mass) for RSBCM
     # ASKS, approximate part (opt-in): a verification reuses its branch's decode K/V for the output
@@ -137,6 +138,8 @@ class RKSCMethod(ReuseMethod):
             raise ConfigError(f"rksc: policy must be one of {POLICIES}, got {self.policy!r}")
         if not -1 <= self.asks_tau <= 1:
             raise ConfigError(f"rksc: asks_tau is a cosine, in [-1, 1], got {self.asks_tau}")
+        if self.block_half_life_ops < 0:
+            raise ConfigError(f"rksc: block_half_life_ops must be >= 0, got {self.block_half_life_ops}")
         if self.block_budget_mb <= 0 or self.block_len < 1:
             raise ConfigError("rksc: block_budget_mb and block_len must be positive")
 

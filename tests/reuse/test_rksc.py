@@ -118,3 +118,5 @@ def test_rksc_parameters_are_validated():
     with pytest.raises(ConfigError, match="policy"):
         get_method("rksc[policy=fifo]")
     assert get_method("rksc[skip_top=0.8,policy=lru]").policy == "lru"
+    with pytest.raises(ConfigError, match="block_half_life_ops"):
+        get_method("rksc[block_half_life_ops=-5]")
