@@ -270,9 +270,10 @@ def interleaved_table() -> str:
             f"{d['problem_working_set_mb_mean']:.1f} MiB of distinct blocks per problem, "
             f"{d['working_set_bytes']['total_bytes'] / 2**20:.0f} MiB over the run), replayed with several problems "
             "in flight (round-robin, one cache operation each):", "",
-            "| problems in flight | budget MiB | policy | block hit rate | recomputed tokens | evicted blocks | "
-            "rejected blocks |", "|---:|---:|---|---:|---:|---:|---:|"]
-    rows += [f"| {r['concurrency']} | {r['budget_mb']:.0f} | {r['policy']} | {r['hit_rate']:.3f} | "
+            "| problems in flight | budget MiB | policy | importance half-life (ops) | block hit rate | recomputed "
+            "tokens | evicted blocks | rejected blocks |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    rows += [f"| {r['concurrency']} | {r['budget_mb']:.0f} | {r['policy']} | "
+             f"{(r['half_life_ops'] or '–') if r['policy'] == 'rsbcm' else '–'} | {r['hit_rate']:.3f} | "
              f"{r['num_recomputed_tokens']} | {r['num_evicted_blocks']} | {r['num_rejected_blocks']} |"
              for r in d["replay"]]
     return "\n".join(rows)

@@ -23,6 +23,9 @@ batch_lane() {  # lane offset
 batch_lane 0 0 &
 batch_lane 1 25 &
 wait
+# RSBCM vs LRU with 1-8 problems in flight: rksc alone, its block trace replayed interleaved
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rsbcm_interleaved.py --limit 50 \
+  --json benchmarks/results/rksc-rsbcm-interleaved.json
 # approximate ASKS (opt-in), 8 problems
 OMP_NUM_THREADS=1 .venv/bin/kvrelay bench --workload gsm8k-branches --offset 0 --limit 8 \
   --methods "full,prefix,rksc[asks_approx=true]" --json benchmarks/results/rksc-asks-gsm8k-branches.json
