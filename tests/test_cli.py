@@ -66,7 +66,9 @@ def test_bench_gsm8k_branches_writes_its_table_and_json(tmp_path):
     rksc = result["results"]["rksc[skip_top=1.0]"]
     assert rksc["verify_calls"] == 2 and rksc["verifier_skipped_share"] == 0.0
     assert rksc["kv_over_root_plus_own"] <= 1.2 < result["results"]["full"]["kv_over_root_plus_own"]
-    assert [r["policy"] for r in result["blocks"]["rksc[skip_top=1.0]"]["replay"]] == ["rsbcm", "lru"] * 2
+    replays = result["blocks"]["rksc[skip_top=1.0]"]["replay"]  # concurrency x budget x policy
+    assert [(r["concurrency"], r["budget_mb"], r["policy"]) for r in replays] == [
+        (c, b, p) for c in (1, 4) for b in (8.0, 24.0) for p in ("rsbcm", "lru")]
     assert "RSBCM" not in out.stderr and "rksc[skip_top=1.0]" in out.stdout
 
 

@@ -44,9 +44,11 @@ class SharedPrefixKV(SequenceKV):
         if num < 1 or own_capacity < 1:
             raise ScheduleError(f"a cache batch needs num >= 1 and own_capacity >= 1, got {num}, {own_capacity}")
         h_kv, head_dim = prefix.shape_tail
-        big_k = torch.empty(prefix.num_layers, num, h_kv, own_capacity, head_dim, dtype=prefix.dtype,
+        # zeros, not empty: a batched step multiplies every row's padding slots by a zero probability,
+        # and 0 x (uninitialised NaN) would be NaN
+        big_k = torch.zeros(prefix.num_layers, num, h_kv, own_capacity, head_dim, dtype=prefix.dtype,
                             device=prefix.device)  # [L, B, Hkv, cap, hd]
-        big_v = torch.empty_like(big_k)
+        big_v = torch.zeros_like(big_k)
         big_filled = torch.zeros(prefix.num_layers, num, own_capacity, dtype=torch.bool, device=prefix.device)
         caches = []
         for row in range(num):

@@ -65,6 +65,8 @@ def test_batch_memory_counts_one_common_storage_and_cannot_grow(lm64):
     cfg = lm64.config
     row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 8  # K and V, fp64
     assert kv_bytes(batch) == (8 + 4 * 5) * row_bytes  # the root once + 4 rows x 5 own slots
+    # padding slots are read with probability 0: they must hold zeros, never uninitialised NaN
+    assert not batch[0].batch_k.any() and not batch[0].batch_v.any()
     with pytest.raises(ScheduleError, match="capacity"):
         batch[0].ensure_capacity(8 + 6)
     with pytest.raises(ScheduleError, match="made together"):
