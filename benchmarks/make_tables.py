@@ -231,14 +231,19 @@ def skip_threshold_table(records: list[dict], methods: tuple[str, ...]) -> str:
     return "\n".join(out)
 
 
+def _result_json(name: str) -> tuple[Path, dict | None]:
+    """A result file under benchmarks/results and its JSON (None when it has not been run yet)."""
+    path = RESULTS / name
+    return path, json.loads(path.read_text()) if path.exists() else None
+
+
 def asks_table() -> str:
     """rksc with approximate ASKS on: the verifications that reused their branch's output K/V."""
     from kvrelay.eval.branch_bench import summarize_branches
 
-    path = RESULTS / "rksc-asks-gsm8k-branches.json"
-    if not path.exists():
-        return "(no rksc-asks-gsm8k-branches.json yet)"
-    d = json.loads(path.read_text())
+    path, d = _result_json("rksc-asks-gsm8k-branches.json")
+    if d is None:
+        return f"(no {path.name} yet)"
     res = summarize_branches(d["problems"], tuple(d["results"]))
     m = next(k for k in res if k.startswith("rksc"))
     x, env = res[m], d["env"]
@@ -260,10 +265,9 @@ def asks_table() -> str:
 
 
 def interleaved_table() -> str:
-    path = RESULTS / "rksc-rsbcm-interleaved.json"
-    if not path.exists():
-        return "(no rksc-rsbcm-interleaved.json yet)"
-    d = json.loads(path.read_text())
+    path, d = _result_json("rksc-rsbcm-interleaved.json")
+    if d is None:
+        return f"(no {path.name} yet)"
     env = d["env"]
     rows = [f"`rksc`'s block-cache trace on {d['n']} problems (`{path.name}`, commit {env['commit']}, "
             f"{env['machine']}; "
@@ -280,10 +284,9 @@ def interleaved_table() -> str:
 
 
 def verifier_overhead_table() -> str:
-    path = RESULTS / "rksc-verifier-overhead.json"
-    if not path.exists():
-        return "(no rksc-verifier-overhead.json yet)"
-    d = json.loads(path.read_text())
+    path, d = _result_json("rksc-verifier-overhead.json")
+    if d is None:
+        return f"(no {path.name} yet)"
     env = d["env"]
     rows = [f"One verifier prompt ({d['prompt_tokens']} tokens, root {d['root_tokens']}), median of {d['repeats']} "
             f"interleaved repeats (`{path.name}`, commit {env['commit']}, {env['machine']}):", "",
