@@ -31,7 +31,7 @@ def compact_trace(events: list[tuple]) -> list[list]:
     out = []
     for event in events:
         keys = [ids.setdefault(k, len(ids)) for k in event[1]]
-        out.append([event[0], keys, *(list(x) for x in event[2:])])
+        out.append([event[0], keys, *(x if isinstance(x, bool) else list(x) for x in event[2:])])
     return out
 
 

@@ -16,6 +16,13 @@ first.
 Ties go to the least recently used, then the deepest (a lookup touches a whole chain at once, so
 its deeper blocks go first, as vLLM frees a request's blocks tail first).
 
+A request holds what it uses from the moment it gets it, as a serving engine's block refcount
+does: ``lookup(..., pin=True)`` pins the chain it hits in the same step, ``insert(..., pin=True)``
+pins the blocks it adds, and the request later unpins exactly those keys. (Session 3's first
+interleaved measurement looked up, inserted and pinned in three separate events; replayed with
+several problems in flight, other problems' inserts evicted a fresh root between its insert and
+its pin. That gap, not the policy, was all of RSBCM's loss to LRU there.)
+
 Bookkeeping only, no torch. Every operation is recorded as an event, so a run's trace can be
 replayed under another policy or budget (``replay``) to compare them on the very same accesses.
 """
@@ -89,20 +96,21 @@ class BlockCache:
     def keys(self, token_ids: list[int] | tuple[int, ...]) -> list[bytes]:
         return block_hashes(self.fingerprint, token_ids, self.block_len)
 
-    def lookup(self, token_ids: list[int] | tuple[int, ...]) -> list[Block]:
-        """The cached chain of full blocks from the start of ``token_ids`` (touched, counted)."""
-        return self.lookup_keys(self.keys(token_ids))
+    def lookup(self, token_ids: list[int] | tuple[int, ...], pin: bool = False) -> list[Block]:
+        """The cached chain of full blocks from the start of ``token_ids`` (touched, counted; pinned
+        in the same step with ``pin``)."""
+        return self.lookup_keys(self.keys(token_ids), pin)
 
     def insert(self, token_ids: list[int] | tuple[int, ...], payload: Callable[[int], tuple[Any, int]],
                num_tokens: int | None = None) -> int:
         """Add the missing full blocks of the first ``num_tokens`` tokens; ``payload(i)`` gives block i's
         (payload, nbytes). Returns how many were added."""
         ids = token_ids if num_tokens is None else token_ids[:num_tokens]
-        return self.insert_keys(self.keys(ids), payload)
+        return len(self.insert_keys(self.keys(ids), payload))
 
     # ------------------------------------------------------------------ by keys (what the trace records)
-    def lookup_keys(self, keys: list[bytes]) -> list[Block]:
-        self.events.append(("lookup", tuple(keys)))
+    def lookup_keys(self, keys: list[bytes], pin: bool = False) -> list[Block]:
+        self.events.append(("lookup", tuple(keys), pin))
         self._tick += 1
         chain: list[Block] = []
         for key in keys:
@@ -110,6 +118,7 @@ class BlockCache:
             if block is None:
                 break
             block.last_tick = self._tick
+            block.pins += int(pin)
             chain.append(block)
         missed = keys[len(chain):]
         self.stats.num_lookup_blocks += len(keys)
@@ -117,9 +126,13 @@ class BlockCache:
         self.stats.num_recomputed_tokens += self.block_len * sum(k in self._ever for k in missed)
         return chain
 
-    def insert_keys(self, keys: list[bytes], payload: Callable[[int], tuple[Any, int]]) -> int:
+    def insert_keys(self, keys: list[bytes], payload: Callable[[int], tuple[Any, int]], pin: bool = False
+                    ) -> list[bytes]:
+        """Add the missing blocks of a chain (pinned with ``pin``); returns the keys added. Blocks
+        already present are touched, not pinned: the caller computed its own copy of them."""
         self._tick += 1
-        added, sizes = 0, []
+        added: list[bytes] = []
+        sizes = []
         chain = set(keys)  # never evict a block of the chain being inserted
         for depth, key in enumerate(keys):
             block = self.blocks.get(key)
@@ -132,12 +145,12 @@ class BlockCache:
             if not self._make_room(nbytes, chain):
                 self.stats.num_rejected_blocks += len(keys) - depth
                 break  # deeper blocks are unreachable without this one
-            self.blocks[key] = Block(key, depth, nbytes, data, last_tick=self._tick)
+            self.blocks[key] = Block(key, depth, nbytes, data, last_tick=self._tick, pins=int(pin))
             self._ever.add(key)
             self.used_bytes += nbytes
-            added += 1
+            added.append(key)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.used_bytes)
-        self.events.append(("insert", tuple(keys[: len(sizes)]), tuple(sizes)))
+        self.events.append(("insert", tuple(keys[: len(sizes)]), tuple(sizes), pin))
         return added
 
     def add_importance(self, keys: list[bytes], masses: list[float]) -> None:
@@ -191,15 +204,17 @@ class BlockCache:
 
 def replay(events: list[tuple], budget_bytes: int, policy: str, block_len: int = 16,
            half_life_ops: float = 0.0) -> BlockStats:
-    """Run a recorded trace through a fresh cache (no payloads): same accesses, another policy/budget."""
+    """Run a recorded trace through a fresh cache (no payloads): same accesses, another policy/budget.
+    (Traces recorded before lookups and inserts could pin carry no pin flag: read as False.)"""
     cache = BlockCache(budget_bytes, policy, block_len, half_life_ops=half_life_ops)
     for event in events:
         kind = event[0]
         if kind == "lookup":
-            cache.lookup_keys(list(event[1]))
+            cache.lookup_keys(list(event[1]), bool(event[2]) if len(event) > 2 else False)
         elif kind == "insert":
             sizes = event[2]
-            cache.insert_keys(list(event[1]), lambda i, sizes=sizes: (None, sizes[i]))
+            cache.insert_keys(list(event[1]), lambda i, sizes=sizes: (None, sizes[i]),
+                              bool(event[3]) if len(event) > 3 else False)
         elif kind == "importance":
             cache.add_importance(list(event[1]), list(event[2]))
         elif kind == "pin":

@@ -227,10 +227,11 @@ class BranchRunner:
 
     # ------------------------------------------------------------------ rksc
     def _root(self, root_ids: list[int]) -> tuple[SharedRoot, list[bytes], int, int]:
-        """The root's cache: hit blocks copied from the block cache, the rest computed; blocks pinned.
+        """The root's cache: hit blocks copied from the block cache, the rest computed. The hit blocks
+        are pinned at lookup and the added ones at insert (returned: the keys to unpin when done).
         Also returns the number of hit blocks and of root tokens computed."""
         lm, n, blocks = self.lm, len(root_ids), self.blocks
-        chain = blocks.lookup(root_ids)
+        chain = blocks.lookup(root_ids, pin=True)
         cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n)
         hit = min(len(chain) * blocks.block_len, n - 1)
         for i, block in enumerate(chain):
@@ -238,10 +239,9 @@ class BranchRunner:
             cache.patch(i * blocks.block_len, k, v, add=False)
         cache.length = hit
         lm.model.prefill(torch.tensor(root_ids), cache, SuffixSchedule(hit) if hit else None)
-        keys = blocks.keys(root_ids)
-        blocks.insert_keys(keys, lambda i: self._block_payload(cache, i))
-        blocks.pin(keys)
-        return SharedRoot(tuple(root_ids), cache), keys, len(chain), n - hit
+        added = blocks.insert_keys(blocks.keys(root_ids), lambda i: self._block_payload(cache, i), pin=True)
+        pinned = [block.key for block in chain] + added
+        return SharedRoot(tuple(root_ids), cache), pinned, len(chain), n - hit
 
     def _block_payload(self, cache: SequenceKV, index: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """A copy of block ``index``'s K/V (the block cache owns its tensors) and its bytes."""

@@ -148,3 +148,36 @@ def test_importance_half_life_lets_stale_credit_fade():
     assert _fill_then_insert_c0(BlockCache(20, "rsbcm", 2, half_life_ops=1)) == {"b0", "c0"}
     with pytest.raises(ConfigError, match="half_life_ops"):
         BlockCache(20, "rsbcm", 2, half_life_ops=-1)
+
+
+def test_lookup_and_insert_pin_in_the_same_step_and_unpin_releases_exactly():
+    c = _cache("rsbcm", budget=30)  # room for three blocks
+    seq = [1, 1, 2, 2]
+    assert c.lookup(seq, pin=True) == []
+    added = c.insert_keys(c.keys(seq), _payload, pin=True)
+    assert added == c.keys(seq) and [c.blocks[k].pins for k in added] == [1, 1]
+    assert c.insert([5, 5, 6, 6], _payload) == 1 and c.stats.num_rejected_blocks == 1  # only one place is free
+    hits = c.lookup(seq, pin=True)  # a second request on the same prefix
+    assert [b.pins for b in hits] == [2, 2]
+    assert c.insert_keys(c.keys(seq), _payload, pin=True) == []  # present: touched, not pinned again
+    c.unpin(added)
+    assert [c.blocks[k].pins for k in added] == [1, 1]
+    assert replay(c.events, 30, "rsbcm", block_len=2).to_dict() == c.stats.to_dict()
+
+
+def test_pins_taken_at_lookup_and_insert_keep_a_fresh_root_through_other_requests():
+    ten = (10,)
+    req_a = [("lookup", ("a0", "a1"), True), ("insert", ("a0", "a1"), (10, 10), True),
+             ("lookup", ("z0",), False),  # the request computing (another access) before it reads its root
+             ("lookup", ("a0", "a1"), False), ("unpin", ("a0", "a1"))]
+    req_b = [("insert", ("b0",), ten, False), ("importance", ("b0",), (5.0,)), ("insert", ("c0",), ten, False)]
+    trace = interleave([req_a, req_b], 2)  # c0's insert falls between a's insert and a's read
+    for policy in ("rsbcm", "lru"):
+        stats = replay(trace, 30, policy, block_len=2)
+        assert (stats.num_hit_blocks, stats.num_recomputed_tokens) == (2, 0)
+    # the same trace with the pin flags dropped (lookup, insert and pin as separate steps, session 3's
+    # first interleaved measurement): RSBCM evicts the fresh uncredited root, LRU the older b0
+    unpinned = [e[:2] if e[0] == "lookup" else e[:3] if e[0] == "insert" else e for e in trace]
+    rsbcm, lru = (replay(unpinned, 30, p, block_len=2) for p in ("rsbcm", "lru"))
+    assert (rsbcm.num_hit_blocks, rsbcm.num_recomputed_tokens) == (1, 2)
+    assert (lru.num_hit_blocks, lru.num_recomputed_tokens) == (2, 0)

@@ -110,6 +110,9 @@ def test_branch_runner_rksc_shares_the_root_and_matches_full(lm):
     # the second problem finds the system-prompt blocks in the block cache
     again = runner.run("A different question about 5 pears?", "rksc")
     assert again.block_hits >= 1 and runner.blocks.stats.num_hit_blocks >= 1
+    # a finished problem holds no pins (pinned at lookup/insert, unpinned exactly)
+    assert all(block.pins == 0 for block in runner.blocks.blocks.values())
+    assert any(e[0] == "lookup" and e[2] for e in runner.blocks.events)
 
 
 def test_rksc_parameters_are_validated():
