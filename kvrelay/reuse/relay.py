@@ -9,7 +9,9 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   say how many tokens that was);
 - at ``L_det`` the selector keeps tokens whose value deviation ``1 - cos(v_reused, v_fresh)`` is at
   least ``tau_dev`` x the mean, or whose attention from the call's new tokens is at least ``tau_inf``
-  x the mean, plus the last ``l_suf`` tokens of every span; only those stay through ``L_end``.
+  x the mean, plus the last ``l_suf`` tokens of every span (and, with ``l_pre`` > 0, its first
+  ``l_pre``: EPIC's observation that a span's opening tokens carry most of the context change; our
+  addition, not in the RelayCaching paper, off by default); only those stay through ``L_end``.
 
 The layers come from the model's offline profile (``kvrelay profile``); when none exists, one is
 built on a small GSM8K-train calibration set, saying so.
@@ -47,14 +49,15 @@ def value_cos_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
     return torch.where(dev < DEVIATION_FLOOR, torch.zeros_like(dev), dev)
 
 
-def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None, is_suffix: torch.Tensor,
+def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,
                   tau_dev: float, tau_inf: float) -> torch.Tensor:
-    """Union of: deviation >= tau_dev x mean, influence >= tau_inf x mean, suffix tokens. Bool [n].
+    """Union of: deviation >= tau_dev x mean, influence >= tau_inf x mean, ``always_mask`` (the spans'
+    suffix and opening tokens). Bool [n].
 
     A zero score never selects: tokens entering at L_start from carried hidden states have fresh V
     equal to the reused V at that layer, so all deviations are 0 there and "0 >= tau x 0" would keep all.
     """
-    keep = is_suffix.clone()
+    keep = always_mask.clone()
     if deviation is not None and deviation.numel():
         keep |= (deviation >= tau_dev * deviation.mean()) & (deviation > 0)
     if influence is not None and influence.numel():
@@ -84,6 +87,7 @@ class RelayMethod(ReuseMethod):
     tau_dev: float = 1.5
     tau_inf: float = 1.45
     l_suf: int = 10
+    l_pre: int = 0  # also keep each span's first l_pre tokens (ours; EPIC's idea inside relay's band)
     selector: str = "both"  # both | deviation | influence (ablations)
     band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
     l_start: int | None = None  # override the profile's layers
@@ -94,8 +98,8 @@ class RelayMethod(ReuseMethod):
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
             raise ConfigError(f"relay: selector must be one of {SELECTORS}, got {self.selector!r}")
-        if self.l_suf < 0 or self.tau_dev < 0 or self.tau_inf < 0:
-            raise ConfigError("relay: l_suf, tau_dev and tau_inf must be >= 0")
+        if self.l_suf < 0 or self.l_pre < 0 or self.tau_dev < 0 or self.tau_inf < 0:
+            raise ConfigError("relay: l_suf, l_pre, tau_dev and tau_inf must be >= 0")
 
     def layers(self, lm) -> tuple[int, int, int]:
         """(L_start, L_det, L_end) for this model: overrides, else the profile."""
@@ -123,10 +127,10 @@ class RelayMethod(ReuseMethod):
         start, det, end = self.layers(lm)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
-        carried, carried_h, from_zero, suffix = [], [], [], []
+        carried, carried_h, from_zero, always = [], [], [], []
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
-            suffix.append(idx[-self.l_suf:] if self.l_suf else idx[:0])
+            always += [idx[-self.l_suf:] if self.l_suf else idx[:0], idx[: self.l_pre]]
             h = store.get(load.span_id).hidden_rows(start, load.src_start, load.src_end) if start > 0 else None
             if h is not None:
                 carried.append(idx)
@@ -138,7 +142,7 @@ class RelayMethod(ReuseMethod):
             entries[0] = Entry(torch.cat(from_zero + carried) if start == 0 else torch.cat(from_zero))
         if carried and start > 0:
             entries[start] = Entry(torch.cat(carried), torch.cat(carried_h))
-        suffix_idx = torch.cat(suffix) if suffix else torch.empty(0, dtype=torch.long)
+        always_idx = torch.cat(always) if always else torch.empty(0, dtype=torch.long)
 
         def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
             dev = value_cos_deviation(view, span_rows) if self.selector != "influence" else None
@@ -146,8 +150,8 @@ class RelayMethod(ReuseMethod):
             if self.selector != "deviation" and new_rows.numel():
                 probs = view.attention_probs(new_rows)  # [H, n_new, n_keys]
                 inf = probs.sum(dim=(0, 1))[view.active_idx[span_rows]]
-            is_suffix = torch.isin(view.active_idx[span_rows], suffix_idx.to(view.active_idx.device))
-            return select_tokens(dev, inf, is_suffix, self.tau_dev, self.tau_inf)
+            always_mask = torch.isin(view.active_idx[span_rows], always_idx.to(view.active_idx.device))
+            return select_tokens(dev, inf, always_mask, self.tau_dev, self.tau_inf)
 
         schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), entries, det, end, selector)
         num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0

@@ -82,6 +82,18 @@ def test_relay_recomputes_from_layer0_a_span_without_hidden_states_and_says_so(s
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 3  # layers 0, 1, 2
 
 
+def test_relay_l_pre_keeps_each_span_opening_through_the_band(setup):
+    # nothing selected but the first 5 span tokens: from layer 0 all 24 span tokens compute layer 0 (the
+    # select layer), then only those 5 stay to the top; this is epic[k=5] plus layer 0 of the other 19
+    out = _run(setup, f"relay[l_start=0,l_det=0,l_end={L - 1},l_pre=5,l_suf=0,tau_dev=1e9,tau_inf=1e9]")
+    epic = _run(setup, "epic[k=5]")
+    assert out.stats.num_computed_token_layers == epic.stats.num_computed_token_layers + 19
+    # layer 0's K/V depend on the token and its position only, so recomputing them changes nothing
+    torch.testing.assert_close(out.first_logits, epic.first_logits, atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="l_pre"):
+        get_method("relay[l_pre=-1]")
+
+
 def test_epic_recomputes_the_first_k_tokens_of_each_span(setup):
     out = _run(setup, "epic[k=5]")
     assert out.stats.num_computed_token_layers == (12 + 5) * L
