@@ -25,7 +25,9 @@ def _caption(d: dict, path: Path) -> str:
 
 def bench_table(path: Path) -> str:
     """A workload's table; where ``NAME-lane*.json`` files exist (a run split with --offset), they are merged
-    from their per-call rows and replace ``NAME.json``."""
+    from their per-call rows and replace ``NAME.json`` (and the merged run's plots are written to
+    ``results/lanes/``)."""
+    from kvrelay.eval.plots import write_plots
     from kvrelay.eval.report import merge_results
 
     lanes = sorted(path.parent.glob(f"{path.stem}-lane*.json"))
@@ -35,6 +37,7 @@ def bench_table(path: Path) -> str:
         caption = (f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems, {d['model']}, {env['device']}; lanes "
                    f"{', '.join(f'`{p.name}`' for p in lanes)} merged, run side by side at one torch thread each, "
                    f"repeats {cfg['repeats']}; commit {env['commit']}, {env['machine']})")
+        write_plots(d, RESULTS / "lanes")
     else:
         d = json.loads(path.read_text())
         caption = _caption(d, path)
@@ -46,7 +49,7 @@ def bench_table(path: Path) -> str:
         lines.append(f"| {m} | {_f(s['ttft_ms_median'], '.1f')} | {_f(s['speedup_vs_full'], '.2f', '×')} | "
                      f"{_f(s['speedup_vs_prefix'], '.2f', '×')} | {_f(s['ideal_speedup'], '.2f', '×')} | "
                      f"{_f(s['reuse_rate'], '.3f')} | {_f(s['recompute_frac'], '.3f')} | "
-                     f"{_f(s['first_token_agreement'], '.2f')} | {_f(s['kl_first_token'], '.3f')} | "
+                     f"{_f(s['first_token_agreement'], '.2f')} | {_f(s['kl_first_token'], '.4f')} | "
                      f"{_f(s['greedy_match_rate'], '.2f')} | {_f(s['accuracy'], '.2f')} | {s['n_calls']} |")
     return "\n".join(lines)
 
@@ -91,7 +94,7 @@ def kvcomm_table(path: Path) -> str:
             f"| {m} | {_f(s['reuse_rate_per_call'], '.2f')} | {_f(s['reuse_rate'], '.3f')} | "
             f"{_f(s['fallback_rate'], '.2f')} | {_f(s['speedup_vs_full'], '.2f', '×')} / {_f(sp, '.2f', '×')} | "
             f"{_f(s['ideal_speedup'], '.2f', '×')} | {_f(s['first_token_agreement'], '.2f')} / {_f(agree, '.2f')} | "
-            f"{_f(s['greedy_match_rate'], '.2f')} / {_f(greedy, '.2f')} | {_f(s['kl_first_token'], '.3f')} | "
+            f"{_f(s['greedy_match_rate'], '.2f')} / {_f(greedy, '.2f')} | {_f(s['kl_first_token'], '.4f')} | "
             f"{_f(s['accuracy'], '.2f')} | {s['n_calls']} ({len(reused)} reused) |")
     return "\n".join(lines)
 
@@ -310,6 +313,29 @@ def engine_table() -> str:
     ])
 
 
+def relay_selection_table() -> str:
+    """The relay variants tried on GSM8K train (``relay-select-train-*.json``, the same 10 problems in each
+    run), one row per method; full and prefix once."""
+    paths = sorted(RESULTS.glob("relay-select-train-*.json"))
+    if not paths:
+        return "(no relay-select-train-*.json)"
+    lines = ["`gsm8k-chain3` on GSM8K **train** problems 0-9 (20 downstream calls per method), repeats 1, "
+             "one torch thread; files " + ", ".join(f"`{p.name}`" for p in paths) + ":", "",
+             "| method | reuse | 1st-token agree | KL(full‖m) | greedy@32 | speedup vs full | file |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    seen = set()
+    for path in paths:
+        d = json.loads(path.read_text())
+        for m, st in d["results"].items():
+            if m in seen:
+                continue
+            seen.add(m)
+            lines.append(f"| {m} | {_f(st['reuse_rate'], '.3f')} | {_f(st['first_token_agreement'], '.2f')} | "
+                         f"{_f(st['kl_first_token'], '.4f')} | {_f(st['greedy_match_rate'], '.2f')} | "
+                         f"{_f(st['speedup_vs_full'], '.2f', '×')} | {path.name} (commit {d['env']['commit']}) |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print("## Engine\n\n" + engine_table() + "\n")
     for name in ("gsm8k-chain3", "humaneval-adr", "gsm8k-fc3", "mmlu-fc3", "humaneval-fc3", "gsm8k-chain3-e2e",
@@ -317,6 +343,8 @@ if __name__ == "__main__":
         path = RESULTS / f"{name}.json"
         if path.exists() or list(RESULTS.glob(f"{name}-lane*.json")):
             print(bench_table(path) + "\n")
+    print("### relay variants tried on GSM8K train (how the two in the 50-problem runs were chosen)\n\n"
+          + relay_selection_table() + "\n")
     print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
     print("## KVCOMM\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
