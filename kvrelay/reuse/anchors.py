@@ -85,6 +85,16 @@ def value_distances(new_v: torch.Tensor, anchors: list[Anchor]) -> torch.Tensor:
     return torch.stack(out)
 
 
+def l2_distances(new_v: torch.Tensor, anchors: list[Anchor]) -> torch.Tensor:
+    """L2 norm of ``v_new - v_anchor`` over the whole placeholder (every layer, head, token and channel
+    of its first n tokens): [num_anchors]. The scale KVCOMM's public code gates on (softmax at
+    temperature 1): it grows with the placeholder, so gaps between anchors are units, not hundredths.
+    """
+    n = new_v.shape[2]
+    new = new_v.float()
+    return torch.stack([(new - a.base_v[:, :, :n].float()).norm() for a in anchors])
+
+
 def normalized_entropy(weights: torch.Tensor) -> float:
     """Entropy of a weight vector over log(its length): 0 = one anchor takes all, 1 = uniform."""
     if weights.numel() <= 1:

@@ -4,10 +4,13 @@ A prompt is template segments and placeholders (a task input, an upstream agent'
 placeholder the method keeps an online anchor pool per agent (anchors.py). A call is planned
 all-or-nothing:
 
-- every placeholder needs ``warmup`` anchors at least as long as it, and the softmax(-distance /
-  ``temperature``) weights over them must be decisive: normalized entropy <= ``gamma``; otherwise
-  the call runs a dense (``full``) prefill, counted as a fallback, and ``observe`` turns that
-  prefill into one new anchor per placeholder (pools bounded by ``max_anchors``);
+- every placeholder needs ``warmup`` anchors at least as long as it, and the gate's softmax over
+  their value distances must be decisive: normalized entropy <= ``gamma``; otherwise the call runs
+  a dense (``full``) prefill, counted as a fallback, and ``observe`` turns that prefill into one new
+  anchor per placeholder (pools bounded by ``max_anchors``). ``gate_distance=l2`` (default) gates
+  on softmax(-L2 norm of the whole value difference), the scale of KVCOMM's public code;
+  ``relative`` gates on the mixing weights below (per-token relative distances / ``temperature``);
+- the offsets are mixed with softmax(-relative value distance / ``temperature``) weights;
 - when it passes, no span token is computed: each placeholder's stored KV is re-rotated to its
   new position and the weighted anchor offsets are added; the template segments (constant per
   agent) are taken from the agent's first dense prefill plus the offsets the anchors of the
@@ -31,7 +34,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import Schedule
-from kvrelay.reuse.anchors import Anchor, AnchorPool, mix, normalized_entropy, value_distances
+from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
 from kvrelay.reuse.naive import StaticSchedule
 
@@ -68,13 +71,20 @@ class _Decision:
 
 @dataclass
 class KVCommMethod(ReuseMethod):
-    gamma: float = 0.3  # reuse only when the anchors' weight entropy / log(#anchors) is at most this
+    gamma: float = 0.3  # reuse only when the gate weights' entropy / log(#anchors) is at most this
+    # The gate's distance. "l2": softmax(-|v_new - v_anchor|_2) over the whole placeholder at temperature 1,
+    # as KVCOMM's public code gates (its predict_as_anchor); the norm grows with the span, so the weights
+    # are near one-hot unless two anchors tie (e.g. the same text twice). "relative": the mixing weights
+    # below, whose entropy depends on `temperature` (this library's gate before session 5).
+    gate_distance: str = "l2"
     # softmax(-relative value distance / temperature). Distances between different texts cluster at
     # 1.2-1.4 (~sqrt 2: near-orthogonal values) with a spread of ~0.1 on SmolLM2, so 0.01 makes a gap
     # of a few hundredths decisive; at 0.05 most weight vectors were near flat (entropy 0.7-1.0) in a
     # 10-problem gsm8k-fc3 probe (not committed: chosen on benchmark data, BENCHMARKS.md says so).
     temperature: float = 0.01
-    warmup: int = 3  # a placeholder with fewer eligible anchors forces a dense prefill
+    # A placeholder with fewer eligible anchors forces a dense prefill. 2 as in the public code, which
+    # makes any placeholder with at most one anchor of its length a new anchor (3 before session 5).
+    warmup: int = 2
     max_anchors: int = 20  # per placeholder pool
     evict_window: int = 5  # a full pool evicts the least used of its this-many oldest anchors
     rotate_offsets: bool = True  # False: absolute key offsets, as the public code stores them
@@ -86,6 +96,8 @@ class KVCommMethod(ReuseMethod):
     def __post_init__(self) -> None:
         if self.gamma < 0 or self.temperature <= 0:
             raise ConfigError(f"kvcomm: need gamma >= 0 and temperature > 0, got {self.gamma}, {self.temperature}")
+        if self.gate_distance not in ("l2", "relative"):
+            raise ConfigError(f"kvcomm: gate_distance must be 'l2' or 'relative', got {self.gate_distance!r}")
         if self.warmup < 1 or self.max_anchors < self.warmup or not 1 <= self.evict_window <= self.max_anchors:
             raise ConfigError(f"kvcomm: need 1 <= warmup <= max_anchors and 1 <= evict_window <= max_anchors, got "
                               f"warmup={self.warmup}, max_anchors={self.max_anchors}, evict_window={self.evict_window}")
@@ -141,7 +153,9 @@ class KVCommMethod(ReuseMethod):
             span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
             weights = torch.softmax(-value_distances(base_v, anchors) / self.temperature, dim=0)
-            entropy = normalized_entropy(weights)
+            gate_weights = weights if self.gate_distance == "relative" else torch.softmax(
+                -l2_distances(base_v, anchors), dim=0)
+            entropy = normalized_entropy(gate_weights)
             if entropy > self.gamma:
                 return [], f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma}"
             decisions.append(_Decision(key, anchors, weights))

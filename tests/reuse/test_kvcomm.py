@@ -12,18 +12,21 @@ from kvrelay.errors import ConfigError
 from kvrelay.eval.harness import Bench, BenchConfig
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
-from kvrelay.reuse.anchors import Anchor, AnchorPool, mix, normalized_entropy, value_distances
+from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
 from kvrelay.reuse.base import CallInput, SpanRef
 from tests.helpers import tiny_lm
 
 ONE = SamplingConfig(max_new_tokens=1)
 
 
-def _downstream(lm, store, seed: int, head_len: int = 7, tail_len: int = 5, up_name: str = "up") -> CallInput:
-    """An upstream call (published as ``up_name``) and a downstream prompt: template head + its output + tail."""
+def _downstream(lm, store, seed: int, head_len: int = 7, tail_len: int = 5, up_name: str = "up",
+                temperature: float = 0.0) -> CallInput:
+    """An upstream call (published as ``up_name``) and a downstream prompt: template head + its output + tail.
+    The tiny random model's greedy outputs repeat one token; ``temperature`` > 0 samples distinct texts."""
     gen = torch.Generator().manual_seed(seed)
     up_prompt = torch.randint(0, 256, (20,), generator=gen).tolist()
-    up = generate(lm, up_prompt, "full", store, SamplingConfig(max_new_tokens=24), keep_cache=True)
+    sampling = SamplingConfig(max_new_tokens=24, temperature=temperature, seed=seed)
+    up = generate(lm, up_prompt, "full", store, sampling, keep_cache=True)
     publish(store, up_name, up, lm)
     head, tail = [1, 2, 3, 4, 5, 6, 7][:head_len], [9, 8, 7, 6, 5][:tail_len]  # the agent's constant template
     ids = head + up.output_ids + tail
@@ -81,14 +84,37 @@ def test_gate_fallback_is_counted_and_adds_one_anchor_per_placeholder(lm):
     assert fresh.pools == {}
 
 
-def test_entropy_gate_rejects_undecided_anchors(lm):
+def test_relative_gate_rejects_undecided_anchors(lm):
     store = KVStore(1 << 30)
-    method = get_method("kvcomm[warmup=2,gamma=0,temperature=100]")  # flat weights: entropy ~1 > 0
+    method = get_method("kvcomm[gate_distance=relative,warmup=2,gamma=0.5,temperature=100]")  # flat: entropy ~1
     for seed in (0, 1):
         call = _downstream(lm, store, seed=seed, up_name=f"up{seed}")
         generate(lm, call, method, store, ONE)
     out = generate(lm, call, method, store, ONE)
     assert "entropy" in out.stats.fallback
+
+
+def test_l2_gate_passes_a_nearest_anchor_and_rejects_a_tie(lm):
+    """The default gate (L2 over the whole placeholder, temperature 1): two different anchors give
+    near one-hot weights, so a context equal to one of them reuses; the same text anchored twice is an
+    exact tie (entropy 1), which gamma 0.3 rejects."""
+    store = KVStore(1 << 30)
+    method = get_method("kvcomm")
+    calls = [_downstream(lm, store, seed=seed, up_name=f"up{seed}", temperature=1.0) for seed in (0, 1)]
+    assert calls[0].prompt_ids != calls[1].prompt_ids
+    assert [generate(lm, c, method, store, ONE).stats.fallback is not None for c in calls] == [True, True]
+    assert generate(lm, calls[0], method, store, ONE).stats.fallback is None
+    tie = get_method("kvcomm")
+    for _ in range(2):
+        generate(lm, calls[0], tie, store, ONE)
+    assert "entropy 1.00 > gamma 0.3" in generate(lm, calls[0], tie, store, ONE).stats.fallback
+
+
+def test_l2_distances_on_a_hand_made_case():
+    v = torch.ones(2, 1, 3, 4)  # [L, Hkv, n, hd]: 24 elements
+    anchors = [Anchor(v.clone(), v, v), Anchor(2 * v, v, v), Anchor(torch.cat([3 * v, 9 * v], dim=2), v, v)]
+    # |v - a| over the first 3 tokens: 0, sqrt(24 * 1), sqrt(24 * 4); the 4th token of the last is not compared
+    torch.testing.assert_close(l2_distances(v, anchors), torch.tensor([0.0, 24 ** 0.5, 2 * 24 ** 0.5]))
 
 
 def test_softmax_weights_on_a_hand_made_case():
@@ -133,6 +159,8 @@ def test_bad_parameters():
         get_method("kvcomm[warmup=0]")
     with pytest.raises(ConfigError, match="temperature"):
         get_method("kvcomm[temperature=0]")
+    with pytest.raises(ConfigError, match="gate_distance must be 'l2' or 'relative', got 'cosine'"):
+        get_method("kvcomm[gate_distance=cosine]")
     with pytest.raises(ConfigError, match="unknown parameter 'pools'"):
         get_method("kvcomm[pools=1]")
 
