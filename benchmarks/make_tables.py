@@ -76,16 +76,33 @@ def _or_none(stat, values: list[float]) -> float | None:
     return stat(values) if values else None
 
 
-def kvcomm_table(path: Path) -> str:
+def _same_calls(a: dict, b: dict) -> bool:
+    """Two runs saw the same calls: equal (problem, agent) -> prompt length over their ``full`` rows."""
+    def key(d: dict) -> dict:
+        return {(c["problem_id"], c["agent"]): c["num_prompt_tokens"] for c in d["calls"] if c["method"] == "full"}
+    return key(a) == key(b)
+
+
+def kvcomm_table(path: Path, baselines: Path | None = None) -> str:
     """Per method: reuse per call and per token, fallbacks, and fidelity/speed over all calls and over
-    the calls that reused (a fallback is a full prefill, exact by construction)."""
+    the calls that reused (a fallback is a full prefill, exact by construction). ``baselines``: an earlier
+    run on the same calls (checked) whose naive / cacheblend / relay rows are appended, marked ¹."""
     d = json.loads(path.read_text())
-    lines = [_caption(d, path), "",
+    rows = [(m, s, d) for m, s in d["results"].items()]
+    caption = _caption(d, path)
+    if baselines is not None and baselines.exists():
+        old = json.loads(baselines.read_text())
+        if not _same_calls(d, old):
+            raise SystemExit(f"{baselines.name} and {path.name} did not run the same calls")
+        rows += [(m + " ¹", old["results"][m], old) for m in ("naive", "cacheblend", "relay") if m in old["results"]]
+        caption += (f"; ¹ rows from `{baselines.name}` (commit {old['env']['commit']}), the same calls (prompt "
+                    f"lengths of every call checked equal); speedups are against that run's own `full`")
+    lines = [caption, "",
              "| method | reuse/call | reuse/token | fallback | speedup vs full (all / reused calls) | ideal | "
              "1st-token agree (all / reused) | greedy@32 (all / reused) | KL(full‖m) | accuracy | calls |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for m, s in d["results"].items():
-        calls = [c for c in d["calls"] if c["method"] == m]
+    for m, s, run in rows:
+        calls = [c for c in run["calls"] if c["method"] == m.removesuffix(" ¹")]
         reused = [c for c in calls if c["reused_token_layers"] > 0]
         sp = _or_none(median, [c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
         agree = _or_none(mean, [float(c["first_token_agree"]) for c in reused if c["first_token_agree"] is not None])
@@ -346,7 +363,13 @@ if __name__ == "__main__":
     print("### relay variants tried on GSM8K train (how the two in the 50-problem runs were chosen)\n\n"
           + relay_selection_table() + "\n")
     print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
-    print("## KVCOMM\n")
+    print("## KVCOMM\n\n### Session 5: `kvcomm` = the L2 gate, warm-up 2 (the public code's); "
+          "`kvcomm[gate_distance=relative,warmup=3]` = the gate before\n")
+    for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
+        path = RESULTS / f"{name}-s5.json"
+        if path.exists():
+            print(kvcomm_table(path, RESULTS / f"{name}.json") + "\n")
+    print("### Sessions 1-2: `kvcomm` = the relative gate (temperature 0.01), warm-up 3\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}.json"
         if path.exists():

@@ -139,13 +139,17 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model, device=args.device)
     profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
-                            workload=args.workload)
+                            workload=args.workload, select=args.select, kl_tolerance=args.kl_tolerance)
     out = Path(args.out) if args.out else profile_path(lm.fingerprint)
     profile.save(out)
     if out != profile_path(lm.fingerprint):  # relay finds profiles by model fingerprint in the cache
         profile.save(profile_path(lm.fingerprint))
-    print(f"{lm.name}: L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end} "
-          f"(band holding {profile.band_mass:.0%} of the value deviation; {profile.calibration['tokens']} tokens)")
+    dev = profile.deviation_band
+    print(f"{lm.name}: band holding {profile.band_mass:.0%} of the value deviation: L_start={dev[0]} L_det={dev[1]} "
+          f"L_end={dev[2]} ({profile.calibration['tokens']} tokens)")
+    for band, score in profile.band_scores.items():
+        print(f"  relay band ({band}): first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
+    print(f"chosen ({profile.select}): L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end}")
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
     print(f"wrote {out} (and {profile_path(lm.fingerprint)})")
     if args.plot:
@@ -209,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--data", default=None, help="calibration data (default ../shared/data/gsm8k/train.jsonl)")
     prof.add_argument("--problems", type=int, default=20)
     prof.add_argument("--band-mass", type=float, default=0.5, help="share of deviation the band holds")
+    prof.add_argument("--select", choices=("fidelity", "deviation"), default="fidelity",
+                      help="fidelity (default): score candidate bands with relay on the calibration calls and "
+                           "keep the most reuse within --kl-tolerance of the lowest KL; deviation: the paper's band")
+    prof.add_argument("--kl-tolerance", type=float, default=0.1,
+                      help="relative KL slack when choosing by fidelity (default 0.1)")
     prof.add_argument("--out", default=None, help="PROFILE.json (default: the cache, keyed by model fingerprint)")
     prof.add_argument("--plot", default=None, help="PNG of the curves")
     prof.set_defaults(fn=_cmd_profile)

@@ -8,6 +8,13 @@ fresh prefill of the downstream prompt gives the same tokens: value cosine and k
   value deviation (1 - cos).
 - ``L_det``: the band layer whose per-token deviations best predict (Spearman) the tokens' mean
   deviation over the band layers after it.
+
+That is the paper's rule (``select="deviation"``). On SmolLM2 it gives [18, 29] with L_det 27, and
+relay there leaves the first-token KL at naive's level: deviation entering below L_start reaches the
+top unrepaired. So by default (``select="fidelity"``, ours) the profiler also runs ``relay`` on the
+same calibration calls with a few candidate bands (the deviation band, and bands from L_start = 1, 2,
+4, 8, ... to the top layer with L_det = L_start + 1) and keeps the one with the most reuse among
+those whose mean first-token KL(full || relay) is within ``kl_tolerance`` of the lowest.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ class LayerProfile:
     deviation: list[float]  # per layer, mean (1 - value cos)
     det_scores: dict[int, float] = field(default_factory=dict)  # candidate L_det -> Spearman score
     calibration: dict = field(default_factory=dict)
+    select: str = "deviation"  # how (l_start, l_det, l_end) was chosen: "deviation" or "fidelity"
+    deviation_band: list[int] = field(default_factory=list)  # the paper's (l_start, l_det, l_end)
+    # "l_start,l_det,l_end" -> {"kl": mean first-token KL(full || relay), "reuse": mean reuse} on calibration
+    band_scores: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -66,12 +77,15 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1)
 
 
-def measure_call(lm: LoadedModel, call: CallInput, store: KVStore) -> tuple[torch.Tensor, torch.Tensor]:
-    """(value cos, key cos), each [num_layers, n] over the tokens of the call's upstream outputs."""
+def measure_call(lm: LoadedModel, call: CallInput, store: KVStore
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(value cos, key cos), each [num_layers, n] over the tokens of the call's upstream outputs, and
+    ``full``'s first-token logits."""
     from kvrelay.engine import generate  # the profiler runs pipelines: engine and pipeline sit above reuse
     from kvrelay.model.sampling import SamplingConfig
 
-    fresh = generate(lm, call, "full", store, SamplingConfig(max_new_tokens=1), keep_cache=True).cache
+    out = generate(lm, call, "full", store, SamplingConfig(max_new_tokens=1), keep_cache=True)
+    fresh = out.cache
     v_cos, k_cos = [], []
     for ref in call.refs:
         if ref.kind != "output" or ref.span_id not in store:
@@ -83,8 +97,8 @@ def measure_call(lm: LoadedModel, call: CallInput, store: KVStore) -> tuple[torc
         k_cos.append(_cos(k_moved, fresh.k[:, :, ref.start : ref.end]))
     if not v_cos:
         empty = torch.empty(lm.config.num_layers, 0)
-        return empty, empty
-    return torch.cat(v_cos, dim=1), torch.cat(k_cos, dim=1)
+        return empty, empty, out.first_logits
+    return torch.cat(v_cos, dim=1), torch.cat(k_cos, dim=1), out.first_logits
 
 
 def choose_band(deviation: list[float], band_mass: float) -> tuple[int, int]:
@@ -127,30 +141,93 @@ def choose_detection_layer(token_dev: torch.Tensor, start: int, end: int) -> tup
     return best, scores
 
 
-def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.5, data: str | None = None,
-                  workload: str = "gsm8k-chain3", progress: bool = True) -> LayerProfile:
-    """Run calibration pipelines with ``full`` and profile every downstream call's upstream outputs."""
+Band = tuple[int, int, int]  # (L_start, L_det, L_end)
+
+
+def fidelity_candidates(num_layers: int, deviation_band: Band) -> list[Band]:
+    """The deviation band, then bands to the top layer entering at 1, 2, 4, 8, ... with L_det one
+    layer later (the first layer whose deviations carry the new context's attention)."""
+    top, out, start = num_layers - 1, [deviation_band], 1
+    while start < top:
+        if (start, start + 1, top) not in out:
+            out.append((start, start + 1, top))
+        start *= 2
+    return out
+
+
+def choose_by_fidelity(scores: dict[Band, tuple[float, float]], kl_tolerance: float = 0.1) -> Band:
+    """scores: band -> (mean first-token KL(full || relay), mean reuse). The most reuse among bands
+    whose KL is at most (1 + kl_tolerance) x the lowest; ties: the lower KL, then the earlier band."""
+    best_kl = min(kl for kl, _ in scores.values())
+    ok = [band for band, (kl, _) in scores.items() if kl <= (1 + kl_tolerance) * best_kl + 1e-12]
+    return max(ok, key=lambda band: (scores[band][1], -scores[band][0]))
+
+
+def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: int, capture: tuple[int, ...],
+                      on_call, desc: str, progress: bool) -> None:
+    """Run each calibration pipeline with ``full``; ``on_call(call, store)`` sees every call that reads an
+    upstream output, while the store holds the spans before it (carrying ``capture`` hidden states)."""
     from tqdm import tqdm
 
-    from kvrelay.eval.datasets import data_root
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.workloads import get_workload
 
     wl = get_workload(workload)
-    data = data or str(data_root() / "gsm8k" / "train.jsonl")  # calibration never touches the test data
-    v_all, k_all = [], []
-    for problem in tqdm(wl.problems(data, num_problems), desc="profiling", unit="problem", disable=not progress,
+    for problem in tqdm(wl.problems(data, num_problems), desc=desc, unit="problem", disable=not progress,
                         file=sys.stderr):
-        store = KVStore(4 << 30)
-        runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id)
+        store = KVStore(4 << 30)  # one problem's spans at a time: captured hidden states are large
+        runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id, capture_layers=capture)
 
         def probe(agent, call, position, store=store):
             if any(r.kind == "output" for r in call.refs):
-                v, k = measure_call(lm, call, store)
-                v_all.append(v)
-                k_all.append(k)
+                on_call(call, store)
 
         runner.run(problem.inputs, "full", before_call=probe)
+
+
+def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str, num_problems: int,
+                progress: bool = True) -> dict[Band, tuple[float, float]]:
+    """Band -> (mean first-token KL(full || relay), mean reuse) over the calibration calls."""
+    from kvrelay.engine import generate
+    from kvrelay.eval.fidelity import kl_first_token
+    from kvrelay.model.sampling import SamplingConfig
+    from kvrelay.reuse.relay import RelayMethod
+
+    one = SamplingConfig(max_new_tokens=1)
+    methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2]) for band in candidates}
+    kls: dict[Band, list[float]] = {band: [] for band in candidates}
+    reuses: dict[Band, list[float]] = {band: [] for band in candidates}
+
+    def on_call(call: CallInput, store: KVStore) -> None:
+        full = generate(lm, call, "full", store, one).first_logits
+        for band, method in methods.items():
+            out = generate(lm, call, method, store, one)
+            kls[band].append(kl_first_token(full, out.first_logits))
+            reuses[band].append(out.stats.reuse_rate)
+
+    capture = tuple(sorted({band[0] for band in candidates if 0 < band[0] < lm.config.num_layers}))
+    _downstream_calls(lm, workload, data, num_problems, capture, on_call, "scoring bands", progress)
+    return {band: (sum(kls[band]) / len(kls[band]), sum(reuses[band]) / len(reuses[band])) for band in candidates}
+
+
+def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.5, data: str | None = None,
+                  workload: str = "gsm8k-chain3", progress: bool = True, select: str = "fidelity",
+                  kl_tolerance: float = 0.1) -> LayerProfile:
+    """Profile every downstream call's upstream outputs on calibration pipelines run with ``full``;
+    with ``select="fidelity"``, a second pass over the same problems scores the candidate bands."""
+    from kvrelay.eval.datasets import data_root
+
+    if select not in ("deviation", "fidelity"):
+        raise KvRelayError(f"profile: select must be 'deviation' or 'fidelity', got {select!r}")
+    data = data or str(data_root() / "gsm8k" / "train.jsonl")  # calibration never touches the test data
+    v_all, k_all = [], []
+
+    def on_call(call: CallInput, store: KVStore) -> None:
+        v, k, _ = measure_call(lm, call, store)
+        v_all.append(v)
+        k_all.append(k)
+
+    _downstream_calls(lm, workload, data, num_problems, (), on_call, "profiling", progress)
     if not v_all:
         raise KvRelayError(f"workload {workload!r} has no downstream call with an upstream output to profile")
     v_cos, k_cos = torch.cat(v_all, dim=1), torch.cat(k_all, dim=1)  # [L, tokens]
@@ -158,10 +235,17 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
     deviation = token_dev.mean(1).tolist()
     l_start, l_end = choose_band(deviation, band_mass)
     l_det, scores = choose_detection_layer(token_dev, l_start, l_end)
-    return LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, l_start, l_det, l_end, band_mass,
+    chosen, band_scores = (l_start, l_det, l_end), {}
+    if select == "fidelity":
+        results = score_bands(lm, fidelity_candidates(lm.config.num_layers, chosen), workload, data, num_problems,
+                              progress)
+        chosen = choose_by_fidelity(results, kl_tolerance)
+        band_scores = {",".join(map(str, b)): {"kl": kl, "reuse": r} for b, (kl, r) in results.items()}
+    return LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
                         v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,
                         {"workload": workload, "data": data, "problems": num_problems,
-                         "tokens": int(v_cos.shape[1])})
+                         "tokens": int(v_cos.shape[1]), "kl_tolerance": kl_tolerance},
+                        select, [l_start, l_det, l_end], band_scores)
 
 
 def plot_profile(profile: LayerProfile, path: str | Path) -> None:
@@ -175,8 +259,12 @@ def plot_profile(profile: LayerProfile, path: str | Path) -> None:
     ax.plot(layers, profile.value_cos, marker="o", label="value cosine (relayed decode vs fresh)")
     ax.plot(layers, profile.key_cos, marker="s", label="key cosine (after re-rotation)")
     ax.axvspan(profile.l_start - 0.5, profile.l_end + 0.5, alpha=0.15, color="tab:red",
-               label=f"band [{profile.l_start}, {profile.l_end}]")
+               label=f"chosen band [{profile.l_start}, {profile.l_end}] ({profile.select})")
     ax.axvline(profile.l_det, color="tab:red", linestyle="--", label=f"L_det = {profile.l_det}")
+    if profile.deviation_band and tuple(profile.deviation_band) != (profile.l_start, profile.l_det, profile.l_end):
+        start, det, end = profile.deviation_band
+        ax.axvspan(start - 0.5, end + 0.5, alpha=0.12, color="tab:gray",
+                   label=f"deviation band [{start}, {end}], L_det {det} (paper's rule)")
     ax.set_xlabel("layer")
     ax.set_ylabel("cosine similarity")
     ax.set_title(f"RelayCaching layer profile: {profile.model} ({profile.calibration.get('tokens')} tokens)")
