@@ -72,6 +72,59 @@ def copy_agents_table() -> str:
     return "\n".join(rows)
 
 
+def relay_s5_table(name: str) -> str:
+    """Session 5's run of ``relay`` with the fidelity-chosen profile, beside the other methods' rows of the
+    earlier 50-problem lanes on the same calls (checked), marked ¹."""
+    from kvrelay.eval.report import merge_results
+
+    path = RESULTS / f"{name}-relay-s5.json"
+    lanes = sorted(RESULTS.glob(f"{name}-lane*.json"))
+    if not path.exists() or not lanes:
+        return ""
+    d = json.loads(path.read_text())
+    old = merge_results([json.loads(p.read_text()) for p in lanes])
+    if not _same_calls(d, old):
+        raise SystemExit(f"{path.name} and {name}-lane*.json did not run the same calls")
+    lines = [_caption(d, path) + f"; ¹ rows from the merged `{name}-lane*.json` (commit {old['env']['commit']}), "
+             "the same calls (prompt lengths of every call checked equal), speedups against that run's own `full`; "
+             "`relay ¹` there is the session-4 profile (18/27/29)", "",
+             "| method | reuse | 1st-token agree | KL(full‖m) | greedy@32 | speedup vs full | ideal | "
+             "speedup / ideal |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [(m, st) for m, st in d["results"].items()] + [(m + " ¹", st) for m, st in old["results"].items()
+                                                          if m not in ("full", "prefix")]
+    for m, st in rows:
+        frac = st["speedup_vs_full"] / st["ideal_speedup"] \
+            if st["speedup_vs_full"] and st["ideal_speedup"] and m not in ("full", "prefix") else None
+        lines.append(f"| {m} | {_f(st['reuse_rate'], '.3f')} | {_f(st['first_token_agreement'], '.2f')} | "
+                     f"{_f(st['kl_first_token'], '.4f')} | {_f(st['greedy_match_rate'], '.2f')} | "
+                     f"{_f(st['speedup_vs_full'], '.2f', '×')} | {_f(st['ideal_speedup'], '.2f', '×')} | "
+                     f"{_f(frac, '.2f')} |")
+    return "\n".join(lines)
+
+
+def relay_copy_agents_s5_table() -> str:
+    """Last agent's TTFT speedup of ``relay`` (fidelity-chosen profile) over full on copy-agents, with its ideal."""
+    rows = ["| agents | last agent prompt tokens | full TTFT ms | relay | ideal | relay / ideal | "
+            "1st-token agree (last agent) | reuse (last agent) |", "|---:|" + "---:|" * 7]
+    for a in (2, 3, 4, 5):
+        path = RESULTS / f"copy-agents-{a}-relay-s5.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        res = d["results"]
+        last = max(res["full"]["by_agent"], key=lambda k: res["full"]["by_agent"][k]["position"])
+        b, r = res["full"]["by_agent"][last], res["relay"]["by_agent"][last]
+        calls = [c for c in d["calls"] if c["method"] == "relay" and c["agent"] == last]
+        agree = mean([float(c["first_token_agree"]) for c in calls])
+        reuse = sum(c["reused_token_layers"] for c in calls) / sum(c["prompt_token_layers"] for c in calls)
+        rows.append(f"| {a} | {b['num_prompt_tokens_median']:.0f} | {b['ttft_ms_median']:.0f} | "
+                    f"{r['speedup_vs_full']:.2f}× | {b['ideal_speedup']:.2f}× | "
+                    f"{r['speedup_vs_full'] / b['ideal_speedup']:.2f} | {agree:.2f} | {reuse:.3f} |")
+    if len(rows) == 2:
+        return "\n".join(rows)
+    return "\n".join(rows) + f"\n\n(commit {d['env']['commit']}, {d['env']['machine']}; {d['n']} problems each)"
+
+
 def _or_none(stat, values: list[float]) -> float | None:
     return stat(values) if values else None
 
@@ -360,6 +413,12 @@ if __name__ == "__main__":
         path = RESULTS / f"{name}.json"
         if path.exists() or list(RESULTS.glob(f"{name}-lane*.json")):
             print(bench_table(path) + "\n")
+    print("### relay with the profile chosen by fidelity (session 5)\n")
+    for name in ("gsm8k-chain3", "humaneval-adr"):
+        table = relay_s5_table(name)
+        if table:
+            print(table + "\n")
+    print("copy-agents, last agent:\n\n" + relay_copy_agents_s5_table() + "\n")
     print("### relay variants tried on GSM8K train (how the two in the 50-problem runs were chosen)\n\n"
           + relay_selection_table() + "\n")
     print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
@@ -368,7 +427,7 @@ if __name__ == "__main__":
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}-s5.json"
         if path.exists():
-            print(kvcomm_table(path, RESULTS / f"{name}.json") + "\n")
+            print(kvcomm_table(path, None if name.endswith("e2e") else RESULTS / f"{name}.json") + "\n")
     print("### Sessions 1-2: `kvcomm` = the relative gate (temperature 0.01), warm-up 3\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}.json"

@@ -23,6 +23,16 @@ for lane in 0 1; do
   done &
 done
 wait
+# 2c. (session 5) relay with the profile chosen by fidelity, on the same 50 problems, and copy-agents' last agent.
+# The lanes above ran relay with session 4's profile (18/27/29); a re-run of them uses the shipped one.
+OMP_NUM_THREADS=1 $K bench --workload gsm8k-chain3 --limit 50 --repeats 1 --methods relay \
+  --json $R/gsm8k-chain3-relay-s5.json &
+OMP_NUM_THREADS=1 $K bench --workload humaneval-adr --limit 50 --repeats 1 --methods relay \
+  --json $R/humaneval-adr-relay-s5.json &
+wait
+for a in 2 3 4 5; do
+  $K bench --workload copy-agents:$a --methods relay --limit 3 --greedy-tokens 8 --json $R/copy-agents-$a-relay-s5.json
+done
 for a in 2 3 4 5; do
   $K bench --workload copy-agents:$a --methods $ALL --limit 2 --json $R/copy-agents-$a.json --plot $R
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # KVCOMM tables of BENCHMARKS.md (CPU, SmolLM2-135M). Two lanes of one torch thread each, run side by side
 # on the 2-core VM (timings are interleaved per call, so ratios stay fair; absolute ms are 1-thread numbers).
-# Usage: bash benchmarks/run_kvcomm.sh a|b|c
+# Usage: bash benchmarks/run_kvcomm.sh a|b|c (sessions 1-2: the relative gate), s5a|s5b (session 5: the L2 gate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -30,5 +30,16 @@ c)  # MMLU fc3 and HumanEval fc3 at 50 problems, one lane each (kvcomm's pools m
     $K bench --workload humaneval-fc3 --limit 50 --repeats 1 --json $R/kvcomm-humaneval-fc3.json --plot $R \
       --methods "$BASE,kvcomm,kvcomm[gamma=1]" &
     wait
+    ;;
+s5a)  # session 5, lane A: gsm8k-fc3 with the L2 gate, its gamma sweep and the old gate, same calls as "a"
+    $K bench --workload gsm8k-fc3 --limit 50 --repeats 1 --json $R/kvcomm-gsm8k-fc3-s5.json \
+      --methods "kvcomm,kvcomm[gamma=0.1],kvcomm[gamma=0.6],kvcomm[gamma=1],kvcomm[gate_distance=relative,warmup=3]"
+    ;;
+s5b)  # session 5, lane B: mmlu-fc3 and humaneval-fc3 (one after the other), then e2e gsm8k-fc3
+    for w in mmlu humaneval; do
+      $K bench --workload $w-fc3 --limit 50 --repeats 1 --json $R/kvcomm-$w-fc3-s5.json \
+        --methods "kvcomm,kvcomm[gate_distance=relative,warmup=3]"
+    done
+    $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --methods "relay,kvcomm" --json $R/kvcomm-gsm8k-fc3-e2e-s5.json
     ;;
 esac
