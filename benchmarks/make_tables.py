@@ -54,17 +54,23 @@ def bench_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _copy_agents_runs(name: str):
+    """(agents, run, last agent's name) for each ``name.format(a=agents)`` result file of copy-agents 2..5."""
+    for a in (2, 3, 4, 5):
+        path = RESULTS / name.format(a=a)
+        if path.exists():
+            d = json.loads(path.read_text())
+            by_agent = d["results"]["full"]["by_agent"]
+            yield a, d, max(by_agent, key=lambda k: by_agent[k]["position"])
+
+
 def copy_agents_table() -> str:
     methods = ("prefix", "naive", "cacheblend", "epic", "relay")
     rows = ["| agents | last agent prompt tokens | full TTFT ms | " + " | ".join(methods) + " | ideal speedup | "
             "1st-token agreement (all calls): " + " / ".join(methods) + " |", "|---:|" * 1 + "---:|" * 9]
-    for a in (2, 3, 4, 5):
-        path = RESULTS / f"copy-agents-{a}.json"
-        if not path.exists():
-            continue
-        res = json.loads(path.read_text())["results"]
-        last = max(res["full"]["by_agent"].values(), key=lambda b: b["position"])
-        name = next(k for k, v in res["full"]["by_agent"].items() if v is last)
+    for a, d, name in _copy_agents_runs("copy-agents-{a}.json"):
+        res = d["results"]
+        last = res["full"]["by_agent"][name]
         cells = [f"{res[m]['by_agent'][name]['speedup_vs_full']:.2f}×" if m in res else "–" for m in methods]
         agree = " / ".join(_f(res[m]["first_token_agreement"], ".2f") if m in res else "–" for m in methods)
         rows.append(f"| {a} | {last['num_prompt_tokens_median']:.0f} | {last['ttft_ms_median']:.0f} | "
@@ -106,13 +112,8 @@ def relay_copy_agents_s5_table() -> str:
     """Last agent's TTFT speedup of ``relay`` (fidelity-chosen profile) over full on copy-agents, with its ideal."""
     rows = ["| agents | last agent prompt tokens | full TTFT ms | relay | ideal | relay / ideal | "
             "1st-token agree (last agent) | reuse (last agent) |", "|---:|" + "---:|" * 7]
-    for a in (2, 3, 4, 5):
-        path = RESULTS / f"copy-agents-{a}-relay-s5.json"
-        if not path.exists():
-            continue
-        d = json.loads(path.read_text())
+    for a, d, last in _copy_agents_runs("copy-agents-{a}-relay-s5.json"):
         res = d["results"]
-        last = max(res["full"]["by_agent"], key=lambda k: res["full"]["by_agent"][k]["position"])
         b, r = res["full"]["by_agent"][last], res["relay"]["by_agent"][last]
         calls = [c for c in d["calls"] if c["method"] == "relay" and c["agent"] == last]
         agree = mean([float(c["first_token_agree"]) for c in calls])
@@ -173,13 +174,8 @@ def kvcomm_copy_agents_table() -> str:
     """Last agent's TTFT speedup over full: kvcomm (median over all its calls and over reused ones) and relay."""
     rows = ["| agents | last agent prompt tokens | full TTFT ms | relay | kvcomm (all calls) | kvcomm (reused calls) | "
             "kvcomm reused / calls | ideal | 1st-token agree relay / kvcomm |", "|---:|" + "---:|" * 8]
-    for a in (2, 3, 4, 5):
-        path = RESULTS / f"kvcomm-copy-agents-{a}.json"
-        if not path.exists():
-            continue
-        d = json.loads(path.read_text())
+    for a, d, last in _copy_agents_runs("kvcomm-copy-agents-{a}.json"):
         res = d["results"]
-        last = max(res["full"]["by_agent"], key=lambda k: res["full"]["by_agent"][k]["position"])
         kv = next(m for m in res if m.startswith("kvcomm"))
         calls = [c for c in d["calls"] if c["method"] == kv and c["agent"] == last]
         reused = [c for c in calls if c["reused_token_layers"] > 0]

@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.model.loader import DEFAULT_MODEL
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.reuse import METHODS
+    from kvrelay.reuse.profiler import SELECTS
 
     parser = argparse.ArgumentParser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--data", default=None, help="calibration data (default ../shared/data/gsm8k/train.jsonl)")
     prof.add_argument("--problems", type=int, default=20)
     prof.add_argument("--band-mass", type=float, default=0.5, help="share of deviation the band holds")
-    prof.add_argument("--select", choices=("fidelity", "deviation"), default="fidelity",
+    prof.add_argument("--select", choices=SELECTS, default=SELECTS[0],
                       help="fidelity (default): score candidate bands with relay on the calibration calls and "
                            "keep the most reuse within --kl-tolerance of the lowest KL; deviation: the paper's band")
     prof.add_argument("--kl-tolerance", type=float, default=0.1,

@@ -142,6 +142,7 @@ def choose_detection_layer(token_dev: torch.Tensor, start: int, end: int) -> tup
 
 
 Band = tuple[int, int, int]  # (L_start, L_det, L_end)
+SELECTS = ("fidelity", "deviation")  # how build_profile picks the band (the first is the default)
 
 
 def fidelity_candidates(num_layers: int, deviation_band: Band) -> list[Band]:
@@ -217,8 +218,8 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
     with ``select="fidelity"``, a second pass over the same problems scores the candidate bands."""
     from kvrelay.eval.datasets import data_root
 
-    if select not in ("deviation", "fidelity"):
-        raise KvRelayError(f"profile: select must be 'deviation' or 'fidelity', got {select!r}")
+    if select not in SELECTS:
+        raise KvRelayError(f"profile: select must be one of {SELECTS}, got {select!r}")
     data = data or str(data_root() / "gsm8k" / "train.jsonl")  # calibration never touches the test data
     v_all, k_all = [], []
 
