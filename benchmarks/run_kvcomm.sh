@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # KVCOMM tables of BENCHMARKS.md (CPU, SmolLM2-135M). Two lanes of one torch thread each, run side by side
 # on the 2-core VM (timings are interleaved per call, so ratios stay fair; absolute ms are 1-thread numbers).
-# Usage: bash benchmarks/run_kvcomm.sh a|b|c (sessions 1-2: the relative gate), s5a|s5b (session 5: the L2 gate)
+# Usage: bash benchmarks/run_kvcomm.sh a|b|c (sessions 1-2: the relative gate), s5a|s5b (session 5: the L2 gate),
+# s6a|s6b (session 6: the same calls measured with warm pools, after 50 unrecorded problems past the measured 50)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -41,5 +42,17 @@ s5b)  # session 5, lane B: mmlu-fc3 and humaneval-fc3 (one after the other), the
         --methods "kvcomm,kvcomm[gate_distance=relative,warmup=3]"
     done
     $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --methods "relay,kvcomm" --json $R/kvcomm-gsm8k-fc3-e2e-s5.json
+    ;;
+s6a)  # session 6, lane A: mmlu-fc3 then humaneval-fc3, pools warmed on problems 50-99 first
+    for w in mmlu humaneval; do
+      $K bench --workload $w-fc3 --limit 50 --warm-problems 50 --repeats 1 --methods kvcomm \
+        --json $R/kvcomm-$w-fc3-warm.json
+    done
+    ;;
+s6b)  # session 6, lane B: gsm8k-fc3 warmed the same way, then e2e gsm8k-fc3 (10 problems) warmed on 50
+    $K bench --workload gsm8k-fc3 --limit 50 --warm-problems 50 --repeats 1 --methods kvcomm \
+      --json $R/kvcomm-gsm8k-fc3-warm.json
+    $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --warm-problems 50 --methods "relay,kvcomm" \
+      --json $R/kvcomm-gsm8k-fc3-e2e-warm.json
     ;;
 esac

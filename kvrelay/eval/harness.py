@@ -51,6 +51,11 @@ class BenchConfig:
     greedy_tokens: int = 32  # G of greedy_match_rate
     seed: int = 0
     store_bytes: int = 4 << 30
+    # Problems run first and not recorded, so that stateful methods (KVCOMM's anchor pools) are measured
+    # warm, as in a server that has been running; 0 measures them from a cold start. They are the
+    # warm_problems after the measured ones (disjoint from them), or the first ones of warm_data.
+    warm_problems: int = 0
+    warm_data: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.methods, str):
@@ -65,6 +70,10 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.offset < 0:
             raise ConfigError(f"offset must be >= 0, got {self.offset}")
+        if self.warm_problems < 0:
+            raise ConfigError(f"warm_problems must be >= 0, got {self.warm_problems}")
+        if self.warm_data is not None and not self.warm_problems:
+            raise ConfigError("warm_data is given but warm_problems is 0")
         # references first, then the requested methods in order, no duplicates
         self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
 
@@ -138,6 +147,7 @@ class Bench:
         problems = self.workload.problems(self.cfg.data, self.cfg.offset + self.cfg.limit)[self.cfg.offset:]
         if not problems:
             raise ConfigError(f"offset {self.cfg.offset} is past the last problem of {self.cfg.workload!r}")
+        warm_ids = self._warm_up(progress) if self.cfg.warm_problems else []
         bar = tqdm(problems, desc=f"{self.cfg.workload} ({self.cfg.mode})", unit="problem", disable=not progress,
                    file=sys.stderr)
         rows: list[CallRow] = []
@@ -149,18 +159,54 @@ class Bench:
             else:
                 peak_bytes = max(peak_bytes, self._e2e_problem(problem, rows, scores))
             if checkpoint is not None and i + 1 < len(problems):
-                checkpoint(self._result(i + 1, rows, scores, peak_bytes))
-        return self._result(len(problems), rows, scores, peak_bytes)
+                checkpoint(self._result(i + 1, rows, scores, peak_bytes, warm_ids))
+        return self._result(len(problems), rows, scores, peak_bytes, warm_ids)
 
-    def _result(self, num_problems: int, rows: list[CallRow], scores: dict[str, list[float]], peak_bytes: int
-                ) -> dict:
+    def _warm_up(self, progress: bool) -> list[str]:
+        """Run ``warm_problems`` unrecorded problems through the stateful methods; return their ids."""
+        cfg = self.cfg
+        stateful = {m: meth for m, meth in self.methods.items() if meth.stateful}
+        if not stateful:
+            raise ConfigError(f"warm_problems={cfg.warm_problems} has nothing to warm: none of the methods "
+                              f"{', '.join(self.methods)} keeps state across calls (kvcomm does)")
+        if cfg.warm_data is not None:
+            warm = self.workload.problems(cfg.warm_data, cfg.warm_problems)
+        else:
+            end = cfg.offset + cfg.limit
+            warm = self.workload.problems(cfg.data, end + cfg.warm_problems)[end:]
+        if len(warm) < cfg.warm_problems:
+            where = cfg.warm_data or f"after problem {cfg.offset + cfg.limit - 1} of {cfg.workload!r}"
+            raise ConfigError(f"warm_problems={cfg.warm_problems}, but only {len(warm)} problems exist {where}; "
+                              "lower it or pass warm_data")
+        for problem in tqdm(warm, desc=f"warm-up ({', '.join(stateful)})", unit="problem", disable=not progress,
+                            file=sys.stderr):
+            if cfg.mode == "e2e":  # each stateful method runs the whole pipeline, learning from its own calls
+                for meth in stateful.values():
+                    PipelineRunner(self.lm, self.workload.spec, KVStore(cfg.store_bytes), run_id=problem.problem_id,
+                                   capture_layers=self.capture_layers).run(problem.inputs, meth)
+                continue
+            store = KVStore(cfg.store_bytes)
+            runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
+                                    capture_layers=self.capture_layers)
+
+            def learn(agent, call: CallInput, position: int, store: KVStore = store) -> None:
+                if call.refs:  # the calls the measured run probes: the methods learn from them as they would there
+                    for meth in stateful.values():
+                        generate(self.lm, call, meth, store, SamplingConfig(max_new_tokens=1), learn=True)
+
+            runner.run(problem.inputs, "full", before_call=learn)
+        return [p.problem_id for p in warm]
+
+    def _result(self, num_problems: int, rows: list[CallRow], scores: dict[str, list[float]], peak_bytes: int,
+                warm_ids: list[str]) -> dict:
         accuracy = {m: mean(v) for m, v in scores.items()} if self.cfg.mode == "e2e" else None
         results = summarize(rows, accuracy)
         for s in results.values():
             s["peak_store_bytes"] = peak_bytes
         return {"env": self.env, "model": self.lm.name, "workload": self.cfg.workload,
                 "n": num_problems, "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
-                "config": {k: v for k, v in self.cfg.__dict__.items()}, "results": results,
+                "config": {k: v for k, v in self.cfg.__dict__.items()}, "warm_problem_ids": warm_ids,
+                "results": results,
                 "calls": [r.__dict__ for r in rows]}
 
     # ------------------------------------------------------------------ agent mode

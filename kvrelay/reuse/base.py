@@ -100,6 +100,7 @@ class Plan:
 
 class ReuseMethod(ABC):
     name: ClassVar[str]
+    stateful: ClassVar[bool] = False  # learns across calls in ``observe`` (the bench can warm it up first)
 
     def capture_layers(self, lm: LoadedModel) -> tuple[int, ...]:
         """Layers whose input hidden states upstream calls must carry for this method."""

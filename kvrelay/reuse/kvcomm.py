@@ -90,6 +90,7 @@ class KVCommMethod(ReuseMethod):
     rotate_offsets: bool = True  # False: absolute key offsets, as the public code stores them
     reuse_template: bool = True  # also reuse template segments (base KV + the anchors' offsets)
     name = "kvcomm"
+    stateful = True  # anchor pools fill as calls fall back
     pools: dict[str, AnchorPool] = field(default_factory=dict, init=False, repr=False)
     templates: dict[str, list[TemplateSegment]] = field(default_factory=dict, init=False, repr=False)
 

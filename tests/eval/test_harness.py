@@ -77,3 +77,33 @@ def test_bad_bench_config():
         Bench(BenchConfig(workload="nope", model="random:tiny"))
     with pytest.raises(ConfigError, match="no task score"):
         Bench(BenchConfig(workload="copy-agents", model="random:tiny", mode="e2e", limit=1)).run(progress=False)
+
+
+def test_warm_problems_fill_kvcomm_pools_before_measuring():
+    """copy-agents repeats its template: one warm-up problem gives kvcomm[warmup=1] an anchor per placeholder,
+    so the measured problem reuses on every downstream call, where a cold run falls back on its first ones."""
+    def run(warm: int) -> dict:
+        cfg = BenchConfig(workload="copy-agents:3", methods=("kvcomm[warmup=1,gamma=1]",), limit=1,
+                          model="random:tiny", repeats=1, greedy_tokens=2, warm_problems=warm)
+        return Bench(cfg).run(progress=False)
+
+    cold, warm = run(0), run(1)
+    assert cold["warm_problem_ids"] == [] and warm["warm_problem_ids"] == ["copy-1"]  # after the measured one
+    assert {c["problem_id"] for c in warm["calls"]} == {"copy-0"}  # the warm-up is not recorded
+    name = "kvcomm[warmup=1,gamma=1]"
+    assert cold["results"][name]["fallback_rate"] > 0
+    assert warm["results"][name]["fallback_rate"] == 0.0
+    assert warm["results"][name]["n_calls"] == cold["results"][name]["n_calls"]
+
+
+def test_bad_warm_up():
+    with pytest.raises(ConfigError, match="warm_problems must be >= 0"):
+        BenchConfig(warm_problems=-1)
+    with pytest.raises(ConfigError, match="warm_data is given"):
+        BenchConfig(warm_data="x.jsonl")
+    with pytest.raises(ConfigError, match="nothing to warm"):
+        Bench(BenchConfig(workload="copy-agents:2", methods=("naive",), limit=1, model="random:tiny",
+                          warm_problems=1)).run(progress=False)
+    with pytest.raises(ConfigError, match="only 1 problems exist"):
+        Bench(BenchConfig(workload="gsm8k-chain3", methods=("kvcomm",), limit=1, offset=998, model="random:tiny",
+                          warm_problems=5)).run(progress=False)
