@@ -52,6 +52,10 @@ class LayerProfile:
     # "l_start,l_det,l_end" -> {"kl": mean first-token KL(full || relay), "reuse": mean reuse} on calibration
     band_scores: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    @property
+    def layers(self) -> tuple[int, int, int]:
+        return self.l_start, self.l_det, self.l_end
+
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")

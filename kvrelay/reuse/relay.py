@@ -65,14 +65,27 @@ def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None
     return keep
 
 
-def layer_profile(lm, calibration_problems: int = 8) -> LayerProfile:
-    """The model's saved profile, else one built now on a small calibration set (and saved)."""
+SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # measured for the embedded models
+
+
+def layer_profile(lm, calibration_problems: int = 8, shipped_dir: Path = SHIPPED_PROFILES) -> LayerProfile:
+    """The model's profile: yours (the cache dir, from ``kvrelay profile`` or an earlier automatic build),
+    else the one shipped with kvrelay, else one built now on a small calibration set (and saved).
+    When yours and the shipped one disagree on the layers, says which it uses (a profile cached by an
+    older kvrelay would otherwise silently outlive a better shipped one)."""
     if lm.fingerprint in _PROFILES:
         return _PROFILES[lm.fingerprint]
     path = profile_path(lm.fingerprint)
-    shipped = Path(__file__).resolve().parent.parent / "profiles" / path.name  # measured for the default model
-    if path.exists() or shipped.exists():
-        profile = LayerProfile.load(path if path.exists() else shipped)
+    shipped = shipped_dir / path.name
+    if path.exists():
+        profile = LayerProfile.load(path)
+        if shipped.exists():
+            other = LayerProfile.load(shipped)
+            if profile.layers != other.layers:
+                print(f"kvrelay: RelayCaching layers {_fmt_layers(profile)} from your profile {path}; the profile "
+                      f"shipped with kvrelay has {_fmt_layers(other)} - delete yours to use it", file=sys.stderr)
+    elif shipped.exists():
+        profile = LayerProfile.load(shipped)
     else:
         print(f"kvrelay: no RelayCaching profile for {lm.name}; building one on {calibration_problems} GSM8K "
               f"train problems (run `kvrelay profile --model {lm.name}` for a larger one)", file=sys.stderr)
@@ -80,6 +93,10 @@ def layer_profile(lm, calibration_problems: int = 8) -> LayerProfile:
         profile.save(path)
     _PROFILES[lm.fingerprint] = profile
     return profile
+
+
+def _fmt_layers(profile: LayerProfile) -> str:
+    return f"L_start {profile.l_start} / L_det {profile.l_det} / L_end {profile.l_end} (chosen by {profile.select})"
 
 
 @dataclass

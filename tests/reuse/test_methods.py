@@ -164,6 +164,31 @@ def test_build_profile_scores_every_candidate_band_on_train():
     assert [paper.l_start, paper.l_det, paper.l_end] == paper.deviation_band and paper.band_scores == {}
 
 
+def test_your_profile_wins_over_the_shipped_one_and_says_so(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from kvrelay.reuse import relay
+    from kvrelay.reuse.profiler import LayerProfile, profile_path
+
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(relay, "_PROFILES", {})
+    lm = SimpleNamespace(fingerprint="f00d", name="toy")
+    make = lambda *layers: LayerProfile("f00d", "toy", 4, *layers, 0.9, [], [], [])  # noqa: E731
+    shipped_dir = tmp_path / "shipped"
+    make(1, 2, 3).save(shipped_dir / profile_path("f00d").name)
+    assert relay.layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)  # only the shipped one
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(relay, "_PROFILES", {})
+    make(2, 3, 3).save(profile_path("f00d"))
+    assert relay.layer_profile(lm, shipped_dir=shipped_dir).layers == (2, 3, 3)
+    err = capsys.readouterr().err
+    assert "L_start 2 / L_det 3 / L_end 3" in err and "shipped with kvrelay has L_start 1 / L_det 2" in err
+    monkeypatch.setattr(relay, "_PROFILES", {})
+    make(1, 2, 3).save(profile_path("f00d"))  # the same layers: nothing to say
+    assert relay.layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)
+    assert capsys.readouterr().err == ""
+
+
 def test_method_parameter_types_are_checked():
     with pytest.raises(ConfigError, match="gamma='x' is not a valid float"):
         get_method("kvcomm[gamma=x]")
