@@ -7,6 +7,14 @@ problem's accesses do not depend on what the cache holds, so one sequential run 
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rsbcm_interleaved.py --limit 50 \
         --json benchmarks/results/rksc-rsbcm-interleaved.json
+
+With ``--few-shot K`` every problem's system prompt carries K worked GSM8K *train* examples, a deep
+prefix shared across problems; ``--families F --family-run R`` gives F different example sets, problem
+i using set (i // R) % F (two applications' templates taking turns), so a set's prefix sits unpinned
+while the other set's problems fill the cache:
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rsbcm_interleaved.py --limit 16 --few-shot 4 \
+        --families 2 --family-run 4 --budgets-mb 48,96 --json benchmarks/results/rksc-rsbcm-fewshot.json
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from kvrelay.eval.branch_bench import _working_set, replay_table
 from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
-from kvrelay.pipeline.branches import BranchConfig, BranchRunner
+from kvrelay.pipeline.branches import BranchConfig, BranchRunner, few_shot_system
 from kvrelay.reuse.rksc import RKSCMethod
 
 
@@ -43,8 +51,13 @@ def main() -> None:
     ap.add_argument("--budgets-mb", default="8,24,64")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--half-lives-ops", default="20,100", help="RSBCM importance half-lives to replay too")
+    ap.add_argument("--few-shot", type=int, default=0, help="worked train examples in every system prompt")
+    ap.add_argument("--families", type=int, default=1, help="example sets taking turns (with --few-shot)")
+    ap.add_argument("--family-run", type=int, default=1, help="problems in a row that use one example set")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.few_shot < 0 or args.families < 1 or args.family_run < 1:
+        ap.error("need --few-shot >= 0, --families >= 1 and --family-run >= 1")
     budgets = tuple(float(b) for b in args.budgets_mb.split(","))
     concurrency = tuple(int(c) for c in args.concurrency.split(","))
     half_lives = tuple(float(h) for h in args.half_lives_ops.split(",") if h)
@@ -53,14 +66,20 @@ def main() -> None:
     runner = BranchRunner(lm, BranchConfig(), RKSCMethod())
     segments = []
     problems = load_gsm8k(None, limit=args.offset + args.limit)[args.offset:]
-    for p in tqdm(problems, desc="rksc trace", unit="problem", file=sys.stderr):
+    examples = load_gsm8k(None, split="train", limit=args.few_shot * args.families)
+    systems = [few_shot_system(examples[f * args.few_shot : (f + 1) * args.few_shot]) for f in range(args.families)]
+    family_of = [(i // args.family_run) % args.families for i in range(len(problems))]
+    for p, f in tqdm(list(zip(problems, family_of, strict=True)), desc="rksc trace", unit="problem", file=sys.stderr):
         start = len(runner.blocks.events)
-        runner.run(p.question, "rksc")
+        runner.run(p.question, "rksc", systems[f])
         segments.append((start, len(runner.blocks.events)))
     events, block_len = runner.blocks.events, runner.blocks.block_len
     rows = replay_table(events, segments, budgets, concurrency, block_len, half_lives)
     per_problem = [_working_set(events[a:b])["total_bytes"] for a, b in segments]
     result = {"env": env, "model": lm.name, "n": len(problems), "offset": args.offset, "block_len": block_len,
+              "few_shot": args.few_shot, "families": args.families, "family_run": args.family_run,
+              "family_of_problem": family_of,
+              "system_prompt_tokens": [len(lm.tokenizer.encode(s)) for s in systems],
               "working_set_bytes": _working_set(events), "problem_working_set_mb_mean":
               sum(per_problem) / len(per_problem) / 2**20, "replay": rows,
               "trace": compact_trace(events), "segments": segments}

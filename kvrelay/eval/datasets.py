@@ -7,6 +7,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def data_root() -> Path:
 class GSM8KProblem:
     question: str
     answer: str  # the number after ####, commas removed
+    solution: str = ""  # the worked answer before ####, calculator annotations <<...>> removed
 
 
 def load_gsm8k(path: str | Path | None = None, split: str = "test_dev", limit: int | None = None
@@ -44,8 +46,9 @@ def load_gsm8k(path: str | Path | None = None, split: str = "test_dev", limit: i
                 continue
             try:
                 row = json.loads(line)
-                answer = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
-                problems.append(GSM8KProblem(row["question"], answer))
+                worked, final = row["answer"].rsplit("####", 1)
+                solution = re.sub(r"<<[^>]*>>", "", worked).strip()
+                problems.append(GSM8KProblem(row["question"], final.strip().replace(",", ""), solution))
             except (json.JSONDecodeError, KeyError, IndexError) as exc:
                 raise KvRelayError(f"{path}:{line_no}: not a GSM8K row with question and "
                                    f"'answer ... #### N' ({exc})") from exc

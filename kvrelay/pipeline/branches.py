@@ -18,6 +18,7 @@ Methods (every one on the same prompt ids, batch size 1, greedy):
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import GenerationOutput, generate, publish, sync_device
 from kvrelay.engine_batch import generate_batch
 from kvrelay.errors import ConfigError
+from kvrelay.eval.datasets import GSM8KProblem
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
@@ -76,15 +78,16 @@ class BranchPrompts:
     branch_ids: list[list[int]]
     question: str
     tokenizer: object = field(repr=False)
+    system: str = SYSTEM
 
     @classmethod
-    def build(cls, tokenizer, question: str, cfg: BranchConfig) -> BranchPrompts:
+    def build(cls, tokenizer, question: str, cfg: BranchConfig, system: str = SYSTEM) -> BranchPrompts:
         branch_ids, root = [], None
         for hint in HINTS[: cfg.num_branches]:
-            ids, root_len = _split_prompt(tokenizer, question, f"{hint} {ANSWER_RULE}")
+            ids, root_len = _split_prompt(tokenizer, question, f"{hint} {ANSWER_RULE}", system)
             root = root or ids[:root_len]
             branch_ids.append(ids)
-        return cls(root, branch_ids, question, tokenizer)
+        return cls(root, branch_ids, question, tokenizer, system)
 
     def verifier_ids(self, output_ids: list[int]) -> list[int]:
         return self.verifier_prompt(output_ids)[0]
@@ -92,21 +95,29 @@ class BranchPrompts:
     def verifier_prompt(self, output_ids: list[int]) -> tuple[list[int], int]:
         """The verifier prompt's ids and where the branch output starts in it."""
         rest = f"Proposed solution:\n{splice_marker('out')}\n\n{VERIFY_QUESTION}"
-        prompt = chat_prompt_ids(self.tokenizer, _messages(self.question, rest), {"out": output_ids, "root": []})
+        prompt = chat_prompt_ids(self.tokenizer, _messages(self.question, rest, self.system),
+                                 {"out": output_ids, "root": []})
         if prompt.ids[: prompt.segments[0].end] != self.root_ids:
             raise AssertionError("verifier prompt does not start with the branches' root")
         return prompt.ids, prompt.span_of("out").start
 
 
-def _messages(question: str, rest: str) -> list[dict[str, str]]:
+def few_shot_system(examples: Sequence[GSM8KProblem]) -> str:
+    """The system prompt followed by worked examples: a long prefix that every problem using the same
+    examples shares (GSM8K is often run 8-shot), where a block cache's ranking decides what stays."""
+    shots = "\n\n".join(f"Problem:\n{p.question}\nSolution:\n{p.solution}\nAnswer: {p.answer}" for p in examples)
+    return f"{SYSTEM}\n\nWorked examples:\n\n{shots}" if shots else SYSTEM
+
+
+def _messages(question: str, rest: str, system: str = SYSTEM) -> list[dict[str, str]]:
     """System + user message; the empty ⟦root⟧ splice makes the root (system + problem) tokenize on its own."""
     user = f"Problem:\n{question}\n\n{splice_marker('root')}{rest}"
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-def _split_prompt(tokenizer, question: str, rest: str) -> tuple[list[int], int]:
+def _split_prompt(tokenizer, question: str, rest: str, system: str = SYSTEM) -> tuple[list[int], int]:
     """Chat prompt ids with the root tokenized on its own, and the root's length."""
-    prompt = chat_prompt_ids(tokenizer, _messages(question, rest), {"root": []})
+    prompt = chat_prompt_ids(tokenizer, _messages(question, rest, system), {"root": []})
     return prompt.ids, prompt.segments[0].end
 
 
@@ -195,8 +206,8 @@ class BranchRunner:
         c = self.lm.config
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.lm.model.dtype.itemsize
 
-    def run(self, question: str, method: str) -> ProblemRun:
-        prompts = BranchPrompts.build(self.lm.tokenizer, question, self.cfg)
+    def run(self, question: str, method: str, system: str = SYSTEM) -> ProblemRun:
+        prompts = BranchPrompts.build(self.lm.tokenizer, question, self.cfg, system)
         if method == "rksc":
             return self._run_rksc(prompts)
         if method not in ("full", "prefix"):

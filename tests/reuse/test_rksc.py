@@ -123,3 +123,30 @@ def test_rksc_parameters_are_validated():
     assert get_method("rksc[skip_top=0.8,policy=lru]").policy == "lru"
     with pytest.raises(ConfigError, match="block_half_life_ops"):
         get_method("rksc[block_half_life_ops=-5]")
+
+
+def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):
+    from kvrelay.eval.datasets import GSM8KProblem
+    from kvrelay.pipeline.branches import SYSTEM, few_shot_system
+
+    assert few_shot_system([]) == SYSTEM
+    shots = [GSM8KProblem("Ann has 2 pens and buys 3. How many?", "5", "Ann has 2+3 = 5 pens."),
+             GSM8KProblem("A box holds 4 eggs. How many in 3 boxes?", "12", "3 boxes hold 3*4 = 12 eggs.")]
+    system = few_shot_system(shots)
+    assert system.startswith(SYSTEM) and "Solution:\nAnn has 2+3 = 5 pens.\nAnswer: 5" in system
+    cfg = BranchConfig(num_branches=2, branch_tokens=4)
+    a = BranchPrompts.build(lm.tokenizer, QUESTION, cfg, system)
+    b = BranchPrompts.build(lm.tokenizer, "Sue has 9 cards and gives away 2. How many are left?", cfg, system)
+    plain = BranchPrompts.build(lm.tokenizer, QUESTION, cfg)
+    shared = next(i for i, (x, y) in enumerate(zip(a.root_ids, b.root_ids, strict=False)) if x != y)
+    assert shared > len(lm.tokenizer.encode(system)) - 4  # the whole examples block (chat framing aside)
+    assert len(a.root_ids) > len(plain.root_ids) + shared // 2
+    ids, out_start = a.verifier_prompt([5, 6, 7])  # raises if it does not start with the root
+    assert ids[out_start : out_start + 3] == [5, 6, 7]
+
+
+def test_gsm8k_solution_drops_calculator_annotations():
+    from kvrelay.eval.datasets import load_gsm8k
+
+    first = load_gsm8k(split="train", limit=1)[0]
+    assert first.answer == "72" and "<<" not in first.solution and first.solution.endswith("in April and May.")
