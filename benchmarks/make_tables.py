@@ -18,8 +18,9 @@ def _f(v, spec: str, suffix: str = "") -> str:
 
 
 def _caption(d: dict, path: Path) -> str:
-    env = d["env"]
-    return (f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems, {d['model']}, {env['device']}; "
+    env, warm = d["env"], d.get("warm_problem_ids") or []
+    warmed = f", after {len(warm)} unrecorded warm-up problems ({warm[0]} to {warm[-1]})" if warm else ""
+    return (f"**{d['workload']}** ({d['mode']} mode, {d['n']} problems{warmed}, {d['model']}, {env['device']}; "
             f"`{path.name}`, commit {env['commit']}, {env['machine']})")
 
 
@@ -333,13 +334,18 @@ def asks_table() -> str:
     ]) if x.get("asks_reused_calls") is not None else "(the ASKS run verified no problem)"
 
 
-def interleaved_table() -> str:
-    path, d = _result_json("rksc-rsbcm-interleaved.json")
+def interleaved_table(name: str = "rksc-rsbcm-interleaved.json") -> str:
+    path, d = _result_json(name)
     if d is None:
         return f"(no {path.name} yet)"
     env = d["env"]
+    shots = ""
+    if d.get("few_shot"):
+        shots = (f"every system prompt with {d['few_shot']} worked GSM8K train examples "
+                 f"({'/'.join(map(str, d['system_prompt_tokens']))} tokens), {d['families']} example sets taking "
+                 f"turns every {d['family_run']} problems; ")
     rows = [f"`rksc`'s block-cache trace on {d['n']} problems (`{path.name}`, commit {env['commit']}, "
-            f"{env['machine']}; "
+            f"{env['machine']}; {shots}"
             f"{d['problem_working_set_mb_mean']:.1f} MiB of distinct blocks per problem, "
             f"{d['working_set_bytes']['total_bytes'] / 2**20:.0f} MiB over the run), replayed with several problems "
             "in flight (round-robin, one cache operation each):", "",
@@ -402,6 +408,14 @@ def relay_selection_table() -> str:
     return "\n".join(lines)
 
 
+def print_kvcomm_tables(suffix: str) -> None:
+    """The kvcomm runs named ``kvcomm-WORKLOAD{suffix}.json``, each with the session-2 baselines of the same calls."""
+    for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
+        path = RESULTS / f"{name}{suffix}.json"
+        if path.exists():
+            print(kvcomm_table(path, None if name.endswith("e2e") else RESULTS / f"{name}.json") + "\n")
+
+
 if __name__ == "__main__":
     print("## Engine\n\n" + engine_table() + "\n")
     for name in ("gsm8k-chain3", "humaneval-adr", "gsm8k-fc3", "mmlu-fc3", "humaneval-fc3", "gsm8k-chain3-e2e",
@@ -420,10 +434,10 @@ if __name__ == "__main__":
     print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
     print("## KVCOMM\n\n### Session 5: `kvcomm` = the L2 gate, warm-up 2 (the public code's); "
           "`kvcomm[gate_distance=relative,warmup=3]` = the gate before\n")
-    for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
-        path = RESULTS / f"{name}-s5.json"
-        if path.exists():
-            print(kvcomm_table(path, None if name.endswith("e2e") else RESULTS / f"{name}.json") + "\n")
+    print_kvcomm_tables("-s5")
+    print("### Session 6: the same calls with warm pools (50 unrecorded problems, 50-99, run through `kvcomm` "
+          "first: `--warm-problems 50`)\n")
+    print_kvcomm_tables("-warm")
     print("### Sessions 1-2: `kvcomm` = the relative gate (temperature 0.01), warm-up 3\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}.json"
@@ -433,6 +447,8 @@ if __name__ == "__main__":
     print("\n## RKSC (gsm8k-branches)\n\n### Branches decoded in one batch over the shared root (rksc's default)\n\n"
           + rksc_tables("rksc-batch-gsm8k-branches"))
     print("\n### RSBCM vs LRU with several problems in flight\n\n" + interleaved_table())
+    print("\n### RSBCM vs LRU with a deep shared prefix (few-shot system prompts, two example sets taking turns)\n\n"
+          + interleaved_table("rksc-rsbcm-fewshot.json"))
     print("\n### Branches decoded one by one (sessions 1-2, before batched decode)\n\n" + rksc_tables())
     print("\n### Approximate ASKS\n\n" + asks_table())
     print("\n### Where a verification's time goes\n\n" + verifier_overhead_table())
