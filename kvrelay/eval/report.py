@@ -119,10 +119,10 @@ def format_by_agent(results: dict[str, dict]) -> str:
 
 
 def merge_results(results: list[dict]) -> dict:
-    """Bench results of one agent-mode run split into lanes (``--offset``) -> one result, re-summarized
-    from the per-call rows. Lanes must share workload, model, mode and methods and hold disjoint problems.
-    (Stateful methods such as KVCOMM start each lane with an empty pool: a merged run is not the same as
-    one long run for them.)"""
+    """Bench results of one run split into lanes (``--offset``) -> one result, re-summarized from the
+    per-call rows (e2e accuracy: the lanes' accuracies weighted by their numbers of problems). Lanes
+    must share workload, model, mode and methods and hold disjoint problems. (Stateful methods such as
+    KVCOMM start each lane with an empty pool: a merged run is not the same as one long run for them.)"""
     if not results:
         raise ValueError("merge_results: no results to merge")
     first = results[0]
@@ -134,8 +134,6 @@ def merge_results(results: list[dict]) -> dict:
         if list(r["results"]) != list(first["results"]):
             raise ValueError(f"merge_results: lanes ran different methods: {list(first['results'])} vs "
                              f"{list(r['results'])}")
-    if first["mode"] != "agent":
-        raise ValueError("merge_results: only agent-mode results can be merged (e2e accuracy is per lane)")
     rows: list[CallRow] = []
     seen: dict[str, int] = {}
     for lane, r in enumerate(results):
@@ -143,7 +141,12 @@ def merge_results(results: list[dict]) -> dict:
             if seen.setdefault(problem_id, lane) != lane:
                 raise ValueError(f"merge_results: problem {problem_id!r} is in lanes {seen[problem_id]} and {lane}")
         rows.extend(CallRow(**c) for c in r["calls"])
-    merged = summarize(rows)
+    accuracy = None
+    if first["mode"] == "e2e":  # each lane's accuracy is a mean over its problems: weight it by their number
+        num_problems = sum(r["n"] for r in results)
+        accuracy = {m: sum(r["results"][m]["accuracy"] * r["n"] for r in results) / num_problems
+                    for m in first["results"]}
+    merged = summarize(rows, accuracy)
     peak = max(s.get("peak_store_bytes", 0) for r in results for s in r["results"].values())
     for s in merged.values():
         s["peak_store_bytes"] = peak

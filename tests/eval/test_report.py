@@ -36,12 +36,12 @@ def test_summary_definitions():
     assert "n/a" in format_table({"m": s}, fidelity_meaningful=False)
 
 
-def _lane(rows, n, peak):
-    results = summarize(rows)
+def _lane(rows, n, peak, accuracy=None):
+    results = summarize(rows, accuracy)
     for summary in results.values():
         summary["peak_store_bytes"] = peak
-    return {"workload": "w", "model": "m", "mode": "agent", "n": n, "results": results,
-            "calls": [asdict(r) for r in rows]}
+    return {"workload": "w", "model": "m", "mode": "agent" if accuracy is None else "e2e", "n": n,
+            "results": results, "calls": [asdict(r) for r in rows]}
 
 
 def test_merge_results_equals_one_summary_over_all_rows():
@@ -62,3 +62,13 @@ def test_merge_results_equals_one_summary_over_all_rows():
         merge_results([_lane(a, 1, 7), {**_lane(b, 1, 9), "workload": "v"}])
     with pytest.raises(ValueError, match="different methods"):
         merge_results([_lane(a, 1, 7), _lane(b[:1], 1, 9)])
+
+
+def test_merge_results_weights_e2e_accuracy_by_problems():
+    a = [replace(_row(m, 10.0, 10.0, 10.0, None, 100, 0, 0, 0), problem_id="p0") for m in ("full", "relay")]
+    b = [replace(_row(m, 10.0, 10.0, 10.0, None, 100, 0, 0, 0), problem_id=f"p{i}") for i in (1, 2, 3)
+         for m in ("full", "relay")]
+    merged = merge_results([_lane(a, 1, 0, {"full": 1.0, "relay": 0.0}), _lane(b, 3, 0, {"full": 0.0, "relay": 2 / 3})])
+    assert merged["n"] == 4 and merged["mode"] == "e2e"
+    assert merged["results"]["full"]["accuracy"] == pytest.approx(0.25)
+    assert merged["results"]["relay"]["accuracy"] == pytest.approx(0.5)
