@@ -37,8 +37,12 @@ for a in 2 3 4 5; do
   $K bench --workload copy-agents:$a --methods $ALL --limit 2 --json $R/copy-agents-$a.json --plot $R
 done
 $K bench --workload humaneval-adr --methods $ALL --limit 8 --json $R/humaneval-adr.json --plot $R
-# 3. end to end: task accuracy
-$K bench --workload gsm8k-chain3 --methods full,prefix,relay --mode e2e --limit 5 --json $R/gsm8k-chain3-e2e.json
+# 3. end to end: task accuracy (gsm8k-chain3: 50 problems in two lanes of one torch thread, merged by make_tables)
+for lane in 0 1; do
+  OMP_NUM_THREADS=1 $K bench --workload gsm8k-chain3 --methods full,prefix,relay --mode e2e --limit 25 \
+    --offset $((25 * lane)) --json $R/gsm8k-chain3-e2e-lane$lane.json &
+done
+wait
 for w in gsm8k-fc3 mmlu-fc3 humaneval-fc3; do
   $K bench --workload $w --methods $ALL --limit 5 --json $R/$w.json --plot $R
 done
