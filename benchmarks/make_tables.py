@@ -435,9 +435,14 @@ if __name__ == "__main__":
     print("## KVCOMM\n\n### Session 5: `kvcomm` = the L2 gate, warm-up 2 (the public code's); "
           "`kvcomm[gate_distance=relative,warmup=3]` = the gate before\n")
     print_kvcomm_tables("-s5")
-    print("### Session 6: the same calls with warm pools (50 unrecorded problems, 50-99, run through `kvcomm` "
-          "first: `--warm-problems 50`)\n")
+    print("### Session 6: the same calls with warm pools (the 50 problems after the measured ones run through "
+          "`kvcomm` unrecorded first: `--warm-problems 50`)\n")
     print_kvcomm_tables("-warm")
+    for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3"):
+        path = RESULTS / f"{name}-warm-gamma.json"
+        if path.exists():
+            print(f"γ below the default with warm pools, {name.removeprefix('kvcomm-')} (session 7)\n\n"
+                  + kvcomm_table(path) + "\n")
     print("### Sessions 1-2: `kvcomm` = the relative gate (temperature 0.01), warm-up 3\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}.json"

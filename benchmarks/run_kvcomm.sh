@@ -2,7 +2,8 @@
 # KVCOMM tables of BENCHMARKS.md (CPU, SmolLM2-135M). Two lanes of one torch thread each, run side by side
 # on the 2-core VM (timings are interleaved per call, so ratios stay fair; absolute ms are 1-thread numbers).
 # Usage: bash benchmarks/run_kvcomm.sh a|b|c (sessions 1-2: the relative gate), s5a|s5b (session 5: the L2 gate),
-# s6a|s6b (session 6: the same calls measured with warm pools, after 50 unrecorded problems past the measured 50)
+# s6a|s6b (session 6: the same calls measured with warm pools, after 50 unrecorded problems past the measured 50),
+# s7 W (session 7: the warm gamma sweep on workload W, e.g. gsm8k-fc3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -54,5 +55,10 @@ s6b)  # session 6, lane B: gsm8k-fc3 warmed the same way, then e2e gsm8k-fc3 (10
       --json $R/kvcomm-gsm8k-fc3-warm.json
     $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --warm-problems 50 --methods "relay,kvcomm" \
       --json $R/kvcomm-gsm8k-fc3-e2e-warm.json
+    ;;
+s7)  # session 7: warm pools, gamma below the default, on one workload (run once per workload)
+    w=${2:?usage: run_kvcomm.sh s7 WORKLOAD}
+    $K bench --workload $w --limit 50 --warm-problems 50 --repeats 1 \
+      --methods "kvcomm[gamma=0.1],kvcomm[gamma=0.2]" --json $R/kvcomm-$w-warm-gamma.json
     ;;
 esac
