@@ -3,7 +3,8 @@
 # on the 2-core VM (timings are interleaved per call, so ratios stay fair; absolute ms are 1-thread numbers).
 # Usage: bash benchmarks/run_kvcomm.sh a|b|c (sessions 1-2: the relative gate), s5a|s5b (session 5: the L2 gate),
 # s6a|s6b (session 6: the same calls measured with warm pools, after 50 unrecorded problems past the measured 50),
-# s7 W (session 7: the warm gamma sweep on workload W, e.g. gsm8k-fc3)
+# s7 W (session 7: the warm gamma sweep on workload W, e.g. gsm8k-fc3),
+# s9a|s9b (session 9: warm pools, the prompt's last 16/32 tokens computed instead of estimated)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -60,5 +61,15 @@ s7)  # session 7: warm pools, gamma below the default, on one workload (run once
     w=${2:?usage: run_kvcomm.sh s7 WORKLOAD}
     $K bench --workload $w --limit 50 --warm-problems 50 --repeats 1 \
       --methods "kvcomm[gamma=0.1],kvcomm[gamma=0.2]" --json $R/kvcomm-$w-warm-gamma.json
+    ;;
+s9a)  # session 9, lane A: gsm8k-fc3, tail_tokens 16 and 32 (tail_tokens=1 is s6b's kvcomm on the same calls)
+    $K bench --workload gsm8k-fc3 --limit 50 --warm-problems 50 --repeats 1 \
+      --methods "kvcomm[tail_tokens=16],kvcomm[tail_tokens=32]" --json $R/kvcomm-gsm8k-fc3-warm-tail.json
+    ;;
+s9b)  # session 9, lane B: mmlu-fc3 then humaneval-fc3, tail_tokens 32
+    for w in mmlu humaneval; do
+      $K bench --workload $w-fc3 --limit 50 --warm-problems 50 --repeats 1 --methods "kvcomm[tail_tokens=32]" \
+        --json $R/kvcomm-$w-fc3-warm-tail.json
+    done
     ;;
 esac

@@ -69,11 +69,13 @@ class AnchorPool:
         return sum(a.nbytes for a in self.anchors)
 
 
-def value_distances(new_v: torch.Tensor, anchors: list[Anchor]) -> torch.Tensor:
-    """Relative value distance of a placeholder's base values to each anchor's: [num_anchors].
+def value_distances(new_v: torch.Tensor, anchors: list[Anchor], per_layer: bool = False) -> torch.Tensor:
+    """Relative value distance of a placeholder's base values to each anchor's: [num_anchors], or
+    [num_anchors, L] with ``per_layer``.
 
-    Per layer and token, ``|v_new - v_anchor|`` over all KV heads divided by ``|v_new|``, averaged;
-    compared on the new placeholder's first n tokens (anchors are at least that long).
+    Per layer and token, ``|v_new - v_anchor|`` over all KV heads divided by ``|v_new|``, averaged over
+    tokens (and layers unless ``per_layer``); compared on the new placeholder's first n tokens (anchors
+    are at least that long).
     """
     n = new_v.shape[2]
     new = new_v.float().permute(0, 2, 1, 3).flatten(2)  # [L, n, Hkv * hd]
@@ -81,7 +83,8 @@ def value_distances(new_v: torch.Tensor, anchors: list[Anchor]) -> torch.Tensor:
     out = []
     for a in anchors:
         other = a.base_v[:, :, :n].float().permute(0, 2, 1, 3).flatten(2)  # [L, n, Hkv * hd]
-        out.append(((new - other).norm(dim=-1) / norm).mean())
+        rel = (new - other).norm(dim=-1) / norm  # [L, n]
+        out.append(rel.mean(dim=1) if per_layer else rel.mean())
     return torch.stack(out)
 
 
@@ -104,9 +107,14 @@ def normalized_entropy(weights: torch.Tensor) -> float:
 
 
 def mix(weights: torch.Tensor, tensors: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
-    """sum_a w_a * t_a[:, :, :num_tokens] for [L, Hkv, >=num_tokens, hd] tensors."""
+    """sum_a w_a * t_a[:, :, :num_tokens] for [L, Hkv, >=num_tokens, hd] tensors; ``weights`` is
+    [num_anchors] (one weight for all layers) or [num_anchors, L] (one per layer)."""
     out = torch.zeros_like(tensors[0][:, :, :num_tokens])
-    for w, t in zip(weights.tolist(), tensors, strict=True):
-        if w > 1e-6:  # negligible anchors cost a full tensor pass for nothing
-            out.add_(t[:, :, :num_tokens], alpha=w)
+    for w, t in zip(weights, tensors, strict=True):
+        if w.max() <= 1e-6:  # negligible anchors cost a full tensor pass for nothing
+            continue
+        if w.dim() == 0:
+            out.add_(t[:, :, :num_tokens], alpha=float(w))
+        else:
+            out.add_(t[:, :, :num_tokens] * w.to(t.dtype).view(-1, 1, 1, 1))  # [L] -> [L, 1, 1, 1]
     return out

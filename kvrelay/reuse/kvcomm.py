@@ -14,7 +14,8 @@ all-or-nothing:
 - when it passes, no span token is computed: each placeholder's stored KV is re-rotated to its
   new position and the weighted anchor offsets are added; the template segments (constant per
   agent) are taken from the agent's first dense prefill plus the offsets the anchors of the
-  placeholder before them recorded. Only tokens in neither, and the last prompt token, are computed.
+  placeholder before them recorded. Only tokens in neither, and the last ``tail_tokens`` prompt
+  tokens (default 1: the last one), are computed.
 
 Key offsets are kept position-free (both sides rotated back to position 0) and re-rotated to the
 new positions when applied. ``rotate_offsets=false`` keeps absolute offsets and adds them as they
@@ -66,7 +67,7 @@ class _Layout:
 class _Decision:
     key: str
     anchors: list[Anchor]
-    weights: torch.Tensor  # [len(anchors)]
+    weights: torch.Tensor  # [len(anchors)], or [len(anchors), L] per layer
 
 
 @dataclass
@@ -89,6 +90,13 @@ class KVCommMethod(ReuseMethod):
     evict_window: int = 5  # a full pool evicts the least used of its this-many oldest anchors
     rotate_offsets: bool = True  # False: absolute key offsets, as the public code stores them
     reuse_template: bool = True  # also reuse template segments (base KV + the anchors' offsets)
+    # The last this-many prompt tokens are computed, whatever covers them (1: only the last, as KVCOMM does).
+    # The tokens right before the answer get the most attention from it, and an estimate there is another
+    # problem's KV of the same template text; computing them costs little (they attend to the reused KV).
+    tail_tokens: int = 1
+    # Mixing weights per layer (softmax over each layer's relative distances) instead of one weight per anchor
+    # for all layers: an anchor close in the layers that matter for a token may be far in others.
+    per_layer: bool = False
     name = "kvcomm"
     stateful = True  # anchor pools fill as calls fall back
     pools: dict[str, AnchorPool] = field(default_factory=dict, init=False, repr=False)
@@ -99,6 +107,9 @@ class KVCommMethod(ReuseMethod):
             raise ConfigError(f"kvcomm: need gamma >= 0 and temperature > 0, got {self.gamma}, {self.temperature}")
         if self.gate_distance not in ("l2", "relative"):
             raise ConfigError(f"kvcomm: gate_distance must be 'l2' or 'relative', got {self.gate_distance!r}")
+        if self.tail_tokens < 1:
+            raise ConfigError(f"kvcomm: tail_tokens must be >= 1 (the last prompt token is computed), "
+                              f"got {self.tail_tokens}")
         if self.warmup < 1 or self.max_anchors < self.warmup or not 1 <= self.evict_window <= self.max_anchors:
             raise ConfigError(f"kvcomm: need 1 <= warmup <= max_anchors and 1 <= evict_window <= max_anchors, got "
                               f"warmup={self.warmup}, max_anchors={self.max_anchors}, evict_window={self.evict_window}")
@@ -119,10 +130,11 @@ class KVCommMethod(ReuseMethod):
             return Plan(Schedule(), fallback=f"kvcomm: {reason}; dense prefill (+1 anchor per placeholder)",
                         state=layout)
         n, rope = len(call.prompt_ids), lm.model.rope
+        computed_from = max(n - self.tail_tokens, 0)  # the prompt's tail is always computed
         loads, patches = [], []
         covered = torch.zeros(n, dtype=torch.bool)
         for ref, d in zip(layout.refs, decisions, strict=True):
-            m = min(ref.end, n - 1) - ref.start  # the last prompt token is always computed
+            m = min(ref.end, computed_from) - ref.start
             if m <= 0:
                 continue
             loads.append(SpanLoad(ref.span_id, ref.src_start, ref.src_start + m, ref.start))
@@ -132,7 +144,7 @@ class KVCommMethod(ReuseMethod):
             patches.append(KVPatch(ref.start, dk, mix(d.weights, [a.dv for a in d.anchors], m), add=True))
             covered[ref.start : ref.start + m] = True
         if self.reuse_template:
-            for patch in self._template_patches(call, layout, decisions, rope):
+            for patch in self._template_patches(call, layout, decisions, rope, computed_from):
                 patches.append(patch)
                 covered[patch.dst_start : patch.dst_start + patch.num_tokens] = True
         active = (~covered).nonzero().flatten()
@@ -153,9 +165,13 @@ class KVCommMethod(ReuseMethod):
                 return [], f"placeholder {key!r} has {len(anchors)} of {self.warmup} anchors >= {ref.num_tokens} tokens"
             span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
-            weights = torch.softmax(-value_distances(base_v, anchors) / self.temperature, dim=0)
-            gate_weights = weights if self.gate_distance == "relative" else torch.softmax(
-                -l2_distances(base_v, anchors), dim=0)
+            distances = value_distances(base_v, anchors, per_layer=self.per_layer)  # [A] or [A, L]
+            weights = torch.softmax(-distances / self.temperature, dim=0)
+            if self.gate_distance == "relative":
+                gate_weights = weights if not self.per_layer else torch.softmax(
+                    -distances.mean(dim=1) / self.temperature, dim=0)
+            else:
+                gate_weights = torch.softmax(-l2_distances(base_v, anchors), dim=0)
             entropy = normalized_entropy(gate_weights)
             if entropy > self.gamma:
                 return [], f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma}"
@@ -163,14 +179,14 @@ class KVCommMethod(ReuseMethod):
         return decisions, None
 
     def _template_patches(self, call: CallInput, layout: _Layout, decisions: list[_Decision],
-                          rope: RotaryEmbedding) -> list[KVPatch]:
+                          rope: RotaryEmbedding, computed_from: int) -> list[KVPatch]:
         template = self.templates.get(call.name)
         if template is None or len(template) != len(layout.segs):
             return []
-        n, patches = len(call.prompt_ids), []
+        patches = []
         for j, (start, end) in enumerate(layout.segs):
             base = template[j]
-            m = min(end, n - 1) - start
+            m = min(end, computed_from) - start
             if m <= 0 or tuple(call.prompt_ids[start:end]) != base.token_ids:
                 continue
             k_rel, v = base.k_rel[:, :, :m], base.v[:, :, :m]
@@ -179,7 +195,7 @@ class KVCommMethod(ReuseMethod):
                 have = [i for i, a in enumerate(d.anchors) if a.seg_ids == base.token_ids and a.seg_dk is not None]
                 if not have:
                     continue
-                w = d.weights[have] / d.weights[have].sum()
+                w = d.weights[have] / d.weights[have].sum(dim=0)
                 seg_dk = mix(w, [d.anchors[i].seg_dk for i in have], m)
                 seg_dv = mix(w, [d.anchors[i].seg_dv for i in have], m)
                 k_rel, v = (k_rel + seg_dk, v + seg_dv) if self.rotate_offsets else (k_rel, v + seg_dv)
@@ -193,7 +209,8 @@ class KVCommMethod(ReuseMethod):
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
         if isinstance(plan.state, list):  # a reuse: credit the anchors with the weight they had
             for d in plan.state:
-                for a, w in zip(d.anchors, d.weights.tolist(), strict=True):
+                per_anchor = d.weights if d.weights.dim() == 1 else d.weights.mean(dim=1)
+                for a, w in zip(d.anchors, per_anchor.tolist(), strict=True):
                     a.usage += w
             return
         if not isinstance(plan.state, _Layout):  # not planned here (e.g. turned into a full prefill upstream)

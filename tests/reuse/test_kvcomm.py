@@ -57,6 +57,37 @@ def test_single_anchor_from_the_same_context_reproduces_full(lm, rotate):
     torch.testing.assert_close(again.first_logits, full.first_logits, atol=1e-4, rtol=0)
 
 
+def test_tail_tokens_are_computed_and_still_reproduce_full(lm):
+    """tail_tokens=5: the last 5 prompt tokens (the template tail) are computed, the rest reused exactly."""
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, seed=0)
+    method = get_method("kvcomm[warmup=1,tail_tokens=5]")
+    generate(lm, call, method, store, ONE)
+    full = generate(lm, call, "full", store, ONE, keep_cache=True)
+    out = generate(lm, call, method, store, ONE, keep_cache=True)
+    n = len(call.prompt_ids)
+    assert out.stats.fallback is None
+    assert out.stats.num_reused_tokens == n - 5
+    assert out.stats.num_computed_token_layers == 5 * lm.config.num_layers
+    torch.testing.assert_close(out.cache.v[:, :, :n], full.cache.v[:, :, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-4, rtol=0)
+    # a tail longer than the template's: the span's last tokens are computed too
+    longer = get_method("kvcomm[warmup=1,tail_tokens=9]")
+    generate(lm, call, longer, store, ONE)
+    assert generate(lm, call, longer, store, ONE).stats.num_reused_tokens == n - 9
+
+
+def test_per_layer_weights_reproduce_full_with_one_anchor(lm):
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, seed=0)
+    method = get_method("kvcomm[warmup=1,per_layer=true]")
+    generate(lm, call, method, store, ONE)
+    full = generate(lm, call, "full", store, ONE)
+    out = generate(lm, call, method, store, ONE)
+    assert out.stats.fallback is None
+    torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-4, rtol=0)
+
+
 def test_offsets_are_estimated_not_copied_for_a_new_context(lm):
     """A second upstream output in the same template: reuse differs from naive (offsets were added)."""
     store = KVStore(1 << 30)
@@ -129,6 +160,14 @@ def test_softmax_weights_on_a_hand_made_case():
     torch.testing.assert_close(w, torch.tensor([1 / z, math.exp(-2) / z, math.exp(-4) / z]))
     torch.testing.assert_close(mix(w, [torch.full((2, 1, 4, 4), float(i)) for i in range(3)], 3),
                                torch.full((2, 1, 3, 4), float(w[1] + 2 * w[2])))
+    # per layer: layer 0 equal to `same`, layer 1 to `double` -> each layer picks its own anchor
+    v2 = torch.cat([v[:1], 2 * v[1:]])  # [L=2, 1, 3, 4]: ones at layer 0, twos at layer 1
+    d2 = value_distances(v2, [same, double], per_layer=True)  # [A, L]
+    torch.testing.assert_close(d2, torch.tensor([[0.0, 0.5], [1.0, 0.0]]))
+    w2 = torch.softmax(-d2 / 0.01, dim=0)
+    mixed = mix(w2, [torch.zeros(2, 1, 3, 4), torch.ones(2, 1, 3, 4)], 3)
+    torch.testing.assert_close(mixed[0], torch.zeros(1, 3, 4), atol=1e-6, rtol=0)
+    torch.testing.assert_close(mixed[1], torch.ones(1, 3, 4), atol=1e-6, rtol=0)
     assert normalized_entropy(torch.tensor([1.0, 0.0, 0.0])) == pytest.approx(0.0, abs=1e-9)
     assert normalized_entropy(torch.full((4,), 0.25)) == pytest.approx(1.0)
     assert normalized_entropy(torch.tensor([1.0])) == 0.0
@@ -157,6 +196,8 @@ def test_pool_evicts_the_least_used_of_the_oldest():
 def test_bad_parameters():
     with pytest.raises(ConfigError, match="warmup"):
         get_method("kvcomm[warmup=0]")
+    with pytest.raises(ConfigError, match="tail_tokens must be >= 1"):
+        get_method("kvcomm[tail_tokens=0]")
     with pytest.raises(ConfigError, match="temperature"):
         get_method("kvcomm[temperature=0]")
     with pytest.raises(ConfigError, match="gate_distance must be 'l2' or 'relative', got 'cosine'"):
