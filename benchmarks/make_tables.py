@@ -443,6 +443,12 @@ if __name__ == "__main__":
         if path.exists():
             print(f"γ below the default with warm pools, {name.removeprefix('kvcomm-')} (session 7)\n\n"
                   + kvcomm_table(path) + "\n")
+    print("### Session 9: the prompt's last tokens computed (`tail_tokens`), warm pools, γ = 0.3 "
+          "(`tail_tokens=1` is the session-6 `kvcomm` row above, the same calls)\n")
+    for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3"):
+        path = RESULTS / f"{name}-warm-tail.json"
+        if path.exists():
+            print(kvcomm_table(path) + "\n")
     print("### Sessions 1-2: `kvcomm` = the relative gate (temperature 0.01), warm-up 3\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}.json"
