@@ -10,7 +10,8 @@ all-or-nothing:
   anchor per placeholder (pools bounded by ``max_anchors``). ``gate_distance=l2`` (default) gates
   on softmax(-L2 norm of the whole value difference), the scale of KVCOMM's public code;
   ``relative`` gates on the mixing weights below (per-token relative distances / ``temperature``);
-- the offsets are mixed with softmax(-relative value distance / ``temperature``) weights;
+- the offsets are mixed with softmax(-relative value distance / ``temperature``) weights, one per
+  anchor (``per_layer=true``: one per anchor and layer);
 - when it passes, no span token is computed: each placeholder's stored KV is re-rotated to its
   new position and the weighted anchor offsets are added; the template segments (constant per
   agent) are taken from the agent's first dense prefill plus the offsets the anchors of the
@@ -91,8 +92,9 @@ class KVCommMethod(ReuseMethod):
     rotate_offsets: bool = True  # False: absolute key offsets, as the public code stores them
     reuse_template: bool = True  # also reuse template segments (base KV + the anchors' offsets)
     # The last this-many prompt tokens are computed, whatever covers them (1: only the last, as KVCOMM does).
-    # The tokens right before the answer get the most attention from it, and an estimate there is another
-    # problem's KV of the same template text; computing them costs little (they attend to the reused KV).
+    # Estimated, the template's closing text right before the answer is in effect another problem's KV of
+    # that text. 32 (covering it on the fc3 workloads) halved first-token KL and about halved the speedup
+    # (BENCHMARKS.md, session 9).
     tail_tokens: int = 1
     # Mixing weights per layer (softmax over each layer's relative distances) instead of one weight per anchor
     # for all layers: an anchor close in the layers that matter for a token may be far in others.
