@@ -24,7 +24,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import generate, sync_device
 from kvrelay.errors import ConfigError
-from kvrelay.eval.fidelity import first_token_agrees, greedy_match, kl_first_token
+from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, greedy_match, kl_first_token
 from kvrelay.eval.report import CallRow, summarize
 from kvrelay.eval.stats import mean, median
 from kvrelay.model.loader import DEFAULT_MODEL, LoadedModel, load_model
@@ -239,6 +239,7 @@ class Bench:
                 stats[m] = out.stats
             ttft["ideal"].append(ideal_ttft_ms(lm, call, new_mask))
         ref = greedy["full"]
+        margin = first_token_margin(ref.first_logits)
         rows = []
         for m in self.methods:
             s, out = stats[m], greedy[m]
@@ -248,7 +249,7 @@ class Bench:
                 s.num_reused_token_layers, s.num_reused_tokens * s.num_layers, s.num_recomputed_token_layers,
                 first_token_agrees(ref.first_logits, out.first_logits),
                 kl_first_token(ref.first_logits, out.first_logits),
-                greedy_match(ref.output_ids, out.output_ids, cfg.greedy_tokens), s.fallback))
+                greedy_match(ref.output_ids, out.output_ids, cfg.greedy_tokens), s.fallback, margin))
         return rows
 
     # ------------------------------------------------------------------ e2e mode

@@ -9,6 +9,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
+from kvrelay.eval.fidelity import NEAR_TIE_MARGIN
 from kvrelay.eval.stats import mean, median, median_ratio
 
 
@@ -34,6 +35,17 @@ class CallRow:
     kl_first_token: float | None = None
     greedy_match: bool | None = None
     fallback: str | None = None
+    full_first_margin: float | None = None  # `full`'s top-1 minus top-2 first-token probability (None: unknown)
+
+
+def _near_tie_stats(fidelity: list[CallRow]) -> tuple[float | None, float | None]:
+    """(share of calls whose `full` first token is a near-tie, first-token agreement on the other calls);
+    None where the rows carry no margin (results from before it was recorded)."""
+    if not fidelity or any(r.full_first_margin is None for r in fidelity):
+        return None, None
+    clear = [r for r in fidelity if r.full_first_margin >= NEAR_TIE_MARGIN]
+    near_tie_rate = 1 - len(clear) / len(fidelity)
+    return near_tie_rate, (mean([float(r.first_token_agree) for r in clear]) if clear else None)
 
 
 def summarize(rows: list[CallRow], accuracy: dict[str, float] | None = None) -> dict[str, dict]:
@@ -47,6 +59,7 @@ def summarize(rows: list[CallRow], accuracy: dict[str, float] | None = None) -> 
         prefix_pairs = [(r.prefix_ttft_ms, r.ttft_ms) for r in rs if r.prefix_ttft_ms is not None]
         ideal_pairs = [(r.full_ttft_ms, r.ideal_ttft_ms) for r in rs if r.ideal_ttft_ms is not None]
         fidelity = [r for r in rs if r.first_token_agree is not None]
+        near_tie_rate, clear_agreement = _near_tie_stats(fidelity)
         summary = {
             "ttft_ms_median": median([r.ttft_ms for r in rs]),
             "speedup_vs_full": median_ratio([r.full_ttft_ms for r in rs], [r.ttft_ms for r in rs]),
@@ -57,6 +70,9 @@ def summarize(rows: list[CallRow], accuracy: dict[str, float] | None = None) -> 
             "first_token_agreement": mean([float(r.first_token_agree) for r in fidelity]) if fidelity else None,
             "greedy_match_rate": mean([float(r.greedy_match) for r in fidelity]) if fidelity else None,
             "kl_first_token": mean([r.kl_first_token for r in fidelity]) if fidelity else None,
+            # calls where full's first token leads by < NEAR_TIE_MARGIN, and agreement on all the others
+            "near_tie_rate": near_tie_rate,
+            "first_token_agreement_clear": clear_agreement,
             "accuracy": (accuracy or {}).get(method),
             "n_calls": len(rs),
             "fallback_rate": sum(r.fallback is not None for r in rs) / len(rs),
@@ -87,9 +103,9 @@ def _fmt(value, spec: str, meaningful: bool = True) -> str:
 
 def format_table(results: dict[str, dict], fidelity_meaningful: bool = True) -> str:
     width = max(10, *(len(m) for m in results))
-    row = f"{{:<{width}}}" + " {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>8} {:>7} {:>9} {:>8} {:>5} {:>5}"
-    cols = ("method", "TTFT ms", "vs full", "vs prefix", "ideal", "reuse", "recompute", "fallback", "1st-tok", "KL",
-            "greedy@G", "acc", "calls")
+    row = f"{{:<{width}}}" + " {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>8} {:>7} {:>9} {:>9} {:>8} {:>5} {:>5}"
+    cols = ("method", "TTFT ms", "vs full", "vs prefix", "ideal", "reuse", "recompute", "fallback", "1st-tok",
+            "1st-clear", "KL", "greedy@G", "acc", "calls")
     lines = [row.format(*cols)]
     lines.append("-" * len(lines[0]))
     for method, s in results.items():
@@ -99,9 +115,14 @@ def format_table(results: dict[str, dict], fidelity_meaningful: bool = True) -> 
             _fmt(s["ideal_speedup"], ".2f") + ("x" if s["ideal_speedup"] else ""),
             _fmt(s["reuse_rate"], ".3f"), _fmt(s["recompute_frac"], ".3f"), _fmt(s.get("fallback_rate"), ".2f"),
             _fmt(s["first_token_agreement"], ".2f", fidelity_meaningful),
+            _fmt(s.get("first_token_agreement_clear"), ".2f", fidelity_meaningful),
             _fmt(s["kl_first_token"], ".1e", fidelity_meaningful),
             _fmt(s["greedy_match_rate"], ".2f", fidelity_meaningful),
             _fmt(s["accuracy"], ".2f"), s["n_calls"]))
+    near_tie = next((s.get("near_tie_rate") for s in results.values() if s.get("near_tie_rate") is not None), None)
+    if near_tie is not None and fidelity_meaningful:
+        lines.append(f"1st-clear: first-token agreement on the calls whose `full` first token leads by >= "
+                     f"{NEAR_TIE_MARGIN} in probability ({1 - near_tie:.0%} of calls; the rest are near-ties)")
     return "\n".join(lines)
 
 

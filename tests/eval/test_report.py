@@ -72,3 +72,18 @@ def test_merge_results_weights_e2e_accuracy_by_problems():
     assert merged["n"] == 4 and merged["mode"] == "e2e"
     assert merged["results"]["full"]["accuracy"] == pytest.approx(0.25)
     assert merged["results"]["relay"]["accuracy"] == pytest.approx(0.5)
+
+
+def test_near_tie_calls_are_counted_apart():
+    # margins 0.5 (clear, agrees), 0.01 (near-tie, flips), 0.02 (exactly the bound: clear, flips)
+    rows = [replace(_row("m", 1.0, 1.0, 1.0, 1.0, 10, 0, 0, 0), full_first_margin=0.5),
+            replace(_row("m", 1.0, 1.0, 1.0, 1.0, 10, 0, 0, 0, agree=False), full_first_margin=0.01),
+            replace(_row("m", 1.0, 1.0, 1.0, 1.0, 10, 0, 0, 0, agree=False), full_first_margin=0.02)]
+    s = summarize(rows)["m"]
+    assert s["first_token_agreement"] == pytest.approx(1 / 3)  # the plain metric is unchanged
+    assert s["near_tie_rate"] == pytest.approx(1 / 3)
+    assert s["first_token_agreement_clear"] == pytest.approx(1 / 2)
+    assert "1st-clear" in format_table({"m": s})
+    # rows from before the margin was recorded: unknown, not guessed
+    old = summarize([_row("m", 1.0, 1.0, 1.0, 1.0, 10, 0, 0, 0)])["m"]
+    assert old["near_tie_rate"] is None and old["first_token_agreement_clear"] is None
