@@ -4,7 +4,9 @@
 # Usage: bash benchmarks/run_kvcomm.sh a|b|c (sessions 1-2: the relative gate), s5a|s5b (session 5: the L2 gate),
 # s6a|s6b (session 6: the same calls measured with warm pools, after 50 unrecorded problems past the measured 50),
 # s7 W (session 7: the warm gamma sweep on workload W, e.g. gsm8k-fc3),
-# s9a|s9b (session 9: warm pools, the prompt's last 16/32 tokens computed instead of estimated)
+# s9a|s9b (session 9: warm pools, the prompt's last 16/32 tokens computed instead of estimated),
+# s10a|s10b (session 10: kvcomm[tail_tokens=32] with rotated vs absolute offsets and the baselines in one warm
+# gsm8k-fc3 run; copy-agents and e2e gsm8k-fc3 with tail_tokens=32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -71,5 +73,19 @@ s9b)  # session 9, lane B: mmlu-fc3 then humaneval-fc3, tail_tokens 32
       $K bench --workload $w-fc3 --limit 50 --warm-problems 50 --repeats 1 --methods "kvcomm[tail_tokens=32]" \
         --json $R/kvcomm-$w-fc3-warm-tail.json
     done
+    ;;
+s10a)  # session 10, lane A: one warm gsm8k-fc3 run holding the target configuration, its absolute-offset
+    # variant (the public code's) and the baselines, on the same 100 calls as sessions 6 and 9
+    $K bench --workload gsm8k-fc3 --limit 50 --warm-problems 50 --repeats 1 \
+      --methods "$BASE,kvcomm[tail_tokens=32],kvcomm[tail_tokens=32,rotate_offsets=false]" \
+      --json $R/kvcomm-gsm8k-fc3-warm-s10.json
+    ;;
+s10b)  # session 10, lane B: copy-agents 2-5 with tail_tokens=32 beside the published setting, then e2e
+    for a in 2 3 4 5; do
+      $K bench --workload copy-agents:$a --methods "relay,kvcomm[warmup=1],kvcomm[warmup=1,tail_tokens=32]" \
+        --limit 3 --greedy-tokens 8 --json $R/kvcomm-copy-agents-$a-s10.json
+    done
+    $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --warm-problems 50 --methods "relay,kvcomm[tail_tokens=32]" \
+      --json $R/kvcomm-gsm8k-fc3-e2e-warm-tail.json
     ;;
 esac
