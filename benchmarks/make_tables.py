@@ -127,6 +127,48 @@ def relay_copy_agents_s5_table() -> str:
     return "\n".join(rows) + f"\n\n(commit {d['env']['commit']}, {d['env']['machine']}; {d['n']} problems each)"
 
 
+def near_tie_table(workload: str = "gsm8k-chain3") -> str:
+    """First-token flips of each method on the 50-problem runs, split by `full`'s first-token margin
+    (``near-ties-WORKLOAD.json`` from near_ties.py, joined call by call; the calls are checked to be the same)."""
+    from kvrelay.eval.report import merge_results
+
+    path, lanes = RESULTS / f"near-ties-{workload}.json", sorted(RESULTS.glob(f"{workload}-lane*.json"))
+    if not path.exists() or not lanes:
+        return ""
+    nt = json.loads(path.read_text())
+    bound, margin = nt["near_tie_margin"], {(c["problem_id"], c["agent"]): c for c in nt["calls"]}
+    runs = [("¹", merge_results([json.loads(p.read_text()) for p in lanes]))]
+    s5 = RESULTS / f"{workload}-relay-s5.json"
+    if s5.exists():
+        runs.insert(0, ("", json.loads(s5.read_text())))
+    num_near = sum(c["margin"] < bound for c in nt["calls"])
+    lines = [f"**{workload}**, {len(nt['calls'])} downstream calls, of which {num_near} are near-ties (`full`'s "
+             f"top-1 first-token probability leads the top-2 by < {bound}; `{path.name}`, "
+             f"commit {nt['env']['commit']}). "
+             f"Rows: `{s5.name}` (shipped profile) and, marked ¹, the merged `{workload}-lane*.json` (session 4; "
+             "`relay ¹` there is the 18/27/29 profile).", "",
+             "| method | reuse | 1st-token agree | flips on near-ties | flips on clear calls | "
+             "1st-token agree, clear calls | KL(full‖m) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for mark, run in runs:
+        for c in run["calls"]:
+            m = margin.get((c["problem_id"], c["agent"]))
+            if m is None or m["num_prompt_tokens"] != c["num_prompt_tokens"]:
+                raise SystemExit(f"{path.name} does not hold the call {c['problem_id']}/{c['agent']} of that run")
+        for method, st in run["results"].items():
+            if method in ("full", "prefix"):
+                continue
+            calls = [c for c in run["calls"] if c["method"] == method]
+            near = [c for c in calls if margin[(c["problem_id"], c["agent"])]["margin"] < bound]
+            clear = [c for c in calls if c not in near]
+            flips_near = sum(not c["first_token_agree"] for c in near)
+            flips_clear = sum(not c["first_token_agree"] for c in clear)
+            lines.append(f"| {method}{' ' + mark if mark else ''} | {_f(st['reuse_rate'], '.3f')} | "
+                         f"{_f(st['first_token_agreement'], '.2f')} | {flips_near} / {len(near)} | "
+                         f"{flips_clear} / {len(clear)} | {1 - flips_clear / len(clear):.2f} | "
+                         f"{_f(st['kl_first_token'], '.4f')} |")
+    return "\n".join(lines)
+
+
 def _or_none(stat, values: list[float]) -> float | None:
     return stat(values) if values else None
 
@@ -138,6 +180,14 @@ def _same_calls(a: dict, b: dict) -> bool:
     return key(a) == key(b)
 
 
+def _clear_agreement(s: dict) -> str:
+    """First-token agreement on the calls that are not near-ties, with the near-tie share ("–" for runs made
+    before the bench recorded full's margin)."""
+    if s.get("near_tie_rate") is None:
+        return "–"
+    return f"{_f(s['first_token_agreement_clear'], '.2f')} ({s['near_tie_rate']:.0%})"
+
+
 def kvcomm_table(path: Path, baselines: Path | None = None) -> str:
     """Per method: reuse per call and per token, fallbacks, and fidelity/speed over all calls and over
     the calls that reused (a fallback is a full prefill, exact by construction). ``baselines``: an earlier
@@ -145,6 +195,7 @@ def kvcomm_table(path: Path, baselines: Path | None = None) -> str:
     d = json.loads(path.read_text())
     rows = [(m, s, d) for m, s in d["results"].items()]
     caption = _caption(d, path)
+    margins = any(s.get("near_tie_rate") is not None for s in d["results"].values())  # recorded since session 10
     if baselines is not None and baselines.exists():
         old = json.loads(baselines.read_text())
         if not _same_calls(d, old):
@@ -154,8 +205,9 @@ def kvcomm_table(path: Path, baselines: Path | None = None) -> str:
                     f"lengths of every call checked equal); speedups are against that run's own `full`")
     lines = [caption, "",
              "| method | reuse/call | reuse/token | fallback | speedup vs full (all / reused calls) | ideal | "
-             "1st-token agree (all / reused) | greedy@32 (all / reused) | KL(full‖m) | accuracy | calls |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "1st-token agree (all / reused) | " + ("1st-token agree, clear calls (near-ties) | " if margins else "")
+             + "greedy@32 (all / reused) | KL(full‖m) | accuracy | calls |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if margins else "")]
     for m, s, run in rows:
         calls = [c for c in run["calls"] if c["method"] == m.removesuffix(" ¹")]
         reused = [c for c in calls if c["reused_token_layers"] > 0]
@@ -166,28 +218,31 @@ def kvcomm_table(path: Path, baselines: Path | None = None) -> str:
             f"| {m} | {_f(s['reuse_rate_per_call'], '.2f')} | {_f(s['reuse_rate'], '.3f')} | "
             f"{_f(s['fallback_rate'], '.2f')} | {_f(s['speedup_vs_full'], '.2f', '×')} / {_f(sp, '.2f', '×')} | "
             f"{_f(s['ideal_speedup'], '.2f', '×')} | {_f(s['first_token_agreement'], '.2f')} / {_f(agree, '.2f')} | "
+            + (f"{_clear_agreement(s)} | " if margins else "") +
             f"{_f(s['greedy_match_rate'], '.2f')} / {_f(greedy, '.2f')} | {_f(s['kl_first_token'], '.4f')} | "
             f"{_f(s['accuracy'], '.2f')} | {s['n_calls']} ({len(reused)} reused) |")
     return "\n".join(lines)
 
 
-def kvcomm_copy_agents_table() -> str:
-    """Last agent's TTFT speedup over full: kvcomm (median over all its calls and over reused ones) and relay."""
-    rows = ["| agents | last agent prompt tokens | full TTFT ms | relay | kvcomm (all calls) | kvcomm (reused calls) | "
-            "kvcomm reused / calls | ideal | 1st-token agree relay / kvcomm |", "|---:|" + "---:|" * 8]
-    for a, d, last in _copy_agents_runs("kvcomm-copy-agents-{a}.json"):
+def kvcomm_copy_agents_table(name: str = "kvcomm-copy-agents-{a}.json") -> str:
+    """Last agent's TTFT speedup over full: each kvcomm variant of the run (median over all its calls and over
+    reused ones) and relay."""
+    rows = ["| agents | kvcomm variant | last agent prompt tokens | full TTFT ms | relay | kvcomm (all calls) | "
+            "kvcomm (reused calls) | kvcomm reused / calls | ideal | 1st-token agree relay / kvcomm |",
+            "|---:|---|" + "---:|" * 8]
+    for a, d, last in _copy_agents_runs(name):
         res = d["results"]
-        kv = next(m for m in res if m.startswith("kvcomm"))
-        calls = [c for c in d["calls"] if c["method"] == kv and c["agent"] == last]
-        reused = [c for c in calls if c["reused_token_layers"] > 0]
-        sp = _or_none(median, [c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
         b = res["full"]["by_agent"][last]
-        rows.append(f"| {a} | {b['num_prompt_tokens_median']:.0f} | {b['ttft_ms_median']:.0f} | "
-                    f"{res['relay']['by_agent'][last]['speedup_vs_full']:.2f}× | "
-                    f"{res[kv]['by_agent'][last]['speedup_vs_full']:.2f}× | {_f(sp, '.2f', '×')} | "
-                    f"{len(reused)} / {len(calls)} | {b['ideal_speedup']:.2f}× | "
-                    f"{_f(res['relay']['first_token_agreement'], '.2f')} / "
-                    f"{_f(res[kv]['first_token_agreement'], '.2f')} |")
+        for kv in (m for m in res if m.startswith("kvcomm")):
+            calls = [c for c in d["calls"] if c["method"] == kv and c["agent"] == last]
+            reused = [c for c in calls if c["reused_token_layers"] > 0]
+            sp = _or_none(median, [c["full_ttft_ms"] / c["ttft_ms"] for c in reused])
+            rows.append(f"| {a} | `{kv}` | {b['num_prompt_tokens_median']:.0f} | {b['ttft_ms_median']:.0f} | "
+                        f"{res['relay']['by_agent'][last]['speedup_vs_full']:.2f}× | "
+                        f"{res[kv]['by_agent'][last]['speedup_vs_full']:.2f}× | {_f(sp, '.2f', '×')} | "
+                        f"{len(reused)} / {len(calls)} | {b['ideal_speedup']:.2f}× | "
+                        f"{_f(res['relay']['first_token_agreement'], '.2f')} / "
+                        f"{_f(res[kv]['first_token_agreement'], '.2f')} |")
     return "\n".join(rows)
 
 
@@ -429,6 +484,9 @@ if __name__ == "__main__":
         if table:
             print(table + "\n")
     print("copy-agents, last agent:\n\n" + relay_copy_agents_s5_table() + "\n")
+    table = near_tie_table("gsm8k-chain3")
+    if table:
+        print("### First-token flips on near-ties and on clear calls (session 10)\n\n" + table + "\n")
     print("### relay variants tried on GSM8K train (how the two in the 50-problem runs were chosen)\n\n"
           + relay_selection_table() + "\n")
     print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
@@ -449,6 +507,16 @@ if __name__ == "__main__":
         path = RESULTS / f"{name}-warm-tail.json"
         if path.exists():
             print(kvcomm_table(path) + "\n")
+    path = RESULTS / "kvcomm-gsm8k-fc3-warm-s10.json"
+    if path.exists():
+        print("### Session 10: `kvcomm[tail_tokens=32]` with rotated and with absolute offsets, and the baselines, "
+              "in one warm run (the same calls as sessions 6 and 9)\n\n" + kvcomm_table(path) + "\n")
+    if (RESULTS / "kvcomm-copy-agents-2-s10.json").exists():
+        print("copy-agents, last agent, with `tail_tokens=32` (session 10):\n\n"
+              + kvcomm_copy_agents_table("kvcomm-copy-agents-{a}-s10.json") + "\n")
+    path = RESULTS / "kvcomm-gsm8k-fc3-e2e-warm-tail.json"
+    if path.exists():
+        print("End to end, gsm8k-fc3, `tail_tokens=32` (session 10)\n\n" + kvcomm_table(path) + "\n")
     print("### Sessions 1-2: `kvcomm` = the relative gate (temperature 0.01), warm-up 3\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}.json"

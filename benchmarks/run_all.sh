@@ -46,6 +46,7 @@ wait
 for w in gsm8k-fc3 mmlu-fc3 humaneval-fc3; do
   $K bench --workload $w --methods $ALL --limit 5 --json $R/$w.json --plot $R
 done
-# 4. sweep: fidelity against reuse for every method's knob (one figure)
-$K bench --workload gsm8k-chain3 --limit 4 --repeats 1 --json $R/sweep-gsm8k-chain3.json --plot $R/sweep \
-  --methods "naive,epic[k=4],epic[k=16],epic[k=48],cacheblend[ratio=0.05],cacheblend[ratio=0.15],cacheblend[ratio=0.4],relay[tau_dev=3,tau_inf=3],relay,relay[tau_dev=1,tau_inf=1],relay[band=false],relay[selector=deviation],relay[selector=influence]"
+# 4. sweep: fidelity against reuse for every method's knob (one figure); session 10: 12 problems with the shipped
+# (fidelity-chosen) profile, relay's l_pre variant beside its thresholds and ablations
+$K bench --workload gsm8k-chain3 --limit 12 --repeats 1 --json $R/sweep-gsm8k-chain3.json --plot $R/sweep \
+  --methods "naive,epic[k=4],epic[k=16],epic[k=48],cacheblend[ratio=0.05],cacheblend[ratio=0.15],cacheblend[ratio=0.4],relay[tau_dev=3,tau_inf=3],relay,relay[tau_dev=1,tau_inf=1],relay[selector=deviation],relay[selector=influence],relay[l_pre=4,l_suf=4,tau_dev=3,tau_inf=3],relay[l_pre=16]"

@@ -1,0 +1,148 @@
+"""How good could relay's token selection be? Oracle selections beside the real methods, on GSM8K *train*.
+
+For every downstream call of a workload (run with `full`), the fresh prefill's K/V says which reused tokens
+really deviate: per token, the L2 distance between the re-rotated reused keys and the fresh keys, averaged
+over layers 4..L-1. "oracle top r" recomputes the top r of the span tokens by that measure at every layer
+(the rest of the spans read the reused KV as is, as in `epic`); it is the best any selector of r of the
+tokens could do with that ranking, and no real method can know it before computing the fresh K/V. Beside
+it: `naive`, `epic`, `relay` (shipped profile), relay variants that keep the top r of span tokens at L_det
+by a deviation signal (a fixed budget instead of thresholds), and the share of near-tie calls. Only the
+first token is scored (KL and top-1 agreement against `full`).
+
+Usage: python benchmarks/relay_oracle.py --limit 10 --json benchmarks/results/relay-oracle-train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.store import KVStore
+from kvrelay.engine import generate, run_plan
+from kvrelay.eval.datasets import data_root
+from kvrelay.eval.fidelity import NEAR_TIE_MARGIN, first_token_agrees, first_token_margin, kl_first_token
+from kvrelay.eval.harness import environment
+from kvrelay.model.loader import DEFAULT_MODEL, load_model
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.model.schedule import LayerView
+from kvrelay.pipeline.runner import PipelineRunner
+from kvrelay.pipeline.workloads import get_workload
+from kvrelay.reuse.base import CallInput, Plan
+from kvrelay.reuse.naive import StaticSchedule
+from kvrelay.reuse.relay import RelayMethod, value_cos_deviation
+from kvrelay.reuse.spans import collect_reuse
+
+ORACLE_FROM_LAYER = 4  # the oracle ranks by deviation above the layers any band here recomputes for all
+
+
+@dataclass
+class TopRelay(RelayMethod):
+    """relay's band, but at L_det keep a fixed share ``ratio`` of span tokens, ranked by ``signal``
+    ("vcos": 1 - value cosine, "kvl2": key + value L2 distance), plus each span's first ``l_pre``."""
+
+    signal: str = "vcos"
+    ratio: float = 0.2
+
+    def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        plan = super().plan(call, store, lm)
+        reuse = collect_reuse(call, store, lm.fingerprint)
+        heads = [torch.arange(ld.dst_start, ld.dst_start + min(self.l_pre, ld.num_tokens)) for ld in reuse.approx]
+        head_idx = torch.cat(heads) if heads else torch.empty(0, dtype=torch.long)
+
+        def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+            if self.signal == "vcos":
+                dev = value_cos_deviation(view, span_rows)
+            else:
+                dv = (view.v[:, span_rows] - view.prev_v[:, span_rows]).float().pow(2).sum(dim=(0, 2))
+                dk = (view.k[:, span_rows] - view.prev_k[:, span_rows]).float().pow(2).sum(dim=(0, 2))
+                dev = (dv + dk).sqrt()
+            keep = torch.isin(view.active_idx[span_rows], head_idx)
+            budget = round(self.ratio * span_rows.numel()) - int(keep.sum())
+            if budget > 0:
+                keep[dev.masked_fill(keep, -1.0).topk(budget).indices] = True
+            return keep
+
+        plan.schedule.selector = selector
+        return plan
+
+
+def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float) -> tuple[torch.Tensor, float]:
+    """First-token logits and reuse of recomputing, at every layer, the top ``ratio`` of span tokens by their
+    true key deviation (reused vs fresh, layers ORACLE_FROM_LAYER..L-1)."""
+    n, num_layers = len(call.prompt_ids), lm.config.num_layers
+    reuse = collect_reuse(call, store, lm.fingerprint)
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
+    for ld in reuse.loads:
+        cache.load_span(store.get(ld.span_id), ld.dst_start, lm.model.rope, ld.src_start, ld.src_end)
+    span_idx = reuse.approx_idx()
+    upper = slice(ORACLE_FROM_LAYER, num_layers)
+    dk = (cache.k[upper][:, :, span_idx] - fresh.k[upper][:, :, span_idx]).float().pow(2).sum(dim=(1, 3))  # [L', m]
+    top = span_idx[dk.sqrt().mean(0).topk(max(1, round(ratio * span_idx.numel()))).indices]
+    active = torch.cat([reuse.new_idx(n), top]).unique()
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
+    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(active), reuse.loads), cache, store)
+    return result.logits, 1 - result.num_computed_token_layers / (n * num_layers)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="gsm8k-chain3")
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--data", default=str(data_root() / "gsm8k" / "train.jsonl"))
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    env = environment("cpu")
+    lm = load_model(args.model)
+    wl = get_workload(args.workload)
+    methods = {"naive": "naive", "epic[k=8]": "epic[k=8]", "epic": "epic", "relay": "relay",
+               "relay top 0.1 (vcos)": TopRelay(signal="vcos", ratio=0.1),
+               "relay top 0.2 (vcos)": TopRelay(signal="vcos", ratio=0.2),
+               "relay top 0.2 (vcos) + l_pre 4": TopRelay(signal="vcos", ratio=0.2, l_pre=4),
+               "relay top 0.2 (kvl2)": TopRelay(signal="kvl2", ratio=0.2)}
+    ratios = (0.05, 0.1, 0.2)
+    names = [*methods, *(f"oracle top {r}" for r in ratios)]
+    rows: dict[str, list[dict]] = {m: [] for m in names}
+    margins: list[float] = []
+    one = SamplingConfig(max_new_tokens=1)
+    capture = tuple(sorted({layer for m in methods.values() if not isinstance(m, str)
+                            for layer in m.capture_layers(lm)} | set(RelayMethod().capture_layers(lm))))
+    for problem in tqdm(wl.problems(args.data, args.limit), desc="calls", unit="problem", file=sys.stderr):
+        store = KVStore(4 << 30)
+        runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id, capture_layers=capture)
+
+        def probe(agent, call, position, store=store):
+            if not any(r.kind == "output" for r in call.refs):
+                return
+            full = generate(lm, call, "full", store, one, keep_cache=True, feed_last=False)
+            margins.append(first_token_margin(full.first_logits))
+            scored = {m: (o.first_logits, o.stats.reuse_rate)
+                      for m, o in ((m, generate(lm, call, meth, store, one)) for m, meth in methods.items())}
+            for r in ratios:
+                scored[f"oracle top {r}"] = oracle_logits(lm, call, store, full.cache, r)
+            for m, (logits, reuse) in scored.items():
+                rows[m].append({"kl": kl_first_token(full.first_logits, logits), "reuse": reuse,
+                                "agree": first_token_agrees(full.first_logits, logits)})
+
+        runner.run(problem.inputs, "full", before_call=probe)
+    summary = {m: {k: sum(float(r[k]) for r in rs) / len(rs) for k in ("reuse", "agree", "kl")}
+               for m, rs in rows.items()}
+    near_tie_rate = sum(m < NEAR_TIE_MARGIN for m in margins) / len(margins)
+    Path(args.json).write_text(json.dumps({"env": env, "workload": args.workload, "data": args.data,
+                                           "n": args.limit, "n_calls": len(margins), "near_tie_rate": near_tie_rate,
+                                           "results": summary, "margins": margins}, indent=1) + "\n")
+    print(f"{len(margins)} calls, {near_tie_rate:.0%} near-ties (full's first token leads by < {NEAR_TIE_MARGIN})")
+    for m, s in summary.items():
+        print(f"{m:32s} reuse {s['reuse']:.3f}  1st-token agree {s['agree']:.2f}  KL {s['kl']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
