@@ -169,6 +169,19 @@ def near_tie_table(workload: str = "gsm8k-chain3") -> str:
     return "\n".join(lines)
 
 
+def relay_oracle_table(name: str = "relay-oracle-train.json") -> str:
+    """Oracle token selection beside relay, epic and naive on GSM8K train (relay_oracle.py)."""
+    path, d = _result_json(name)
+    if d is None:
+        return ""
+    lines = [f"`{path.name}` ({d['workload']}, GSM8K *train* problems 0–{d['n'] - 1}, {d['n_calls']} downstream "
+             f"calls, {d['near_tie_rate']:.0%} of them near-ties; commit {d['env']['commit']}, {d['env']['machine']})",
+             "", "| method | reuse | 1st-token agree | KL(full‖m) |", "|---|---:|---:|---:|"]
+    for m, st in d["results"].items():
+        lines.append(f"| {m} | {st['reuse']:.3f} | {st['agree']:.2f} | {st['kl']:.4f} |")
+    return "\n".join(lines)
+
+
 def _or_none(stat, values: list[float]) -> float | None:
     return stat(values) if values else None
 
@@ -487,6 +500,9 @@ if __name__ == "__main__":
     table = near_tie_table("gsm8k-chain3")
     if table:
         print("### First-token flips on near-ties and on clear calls (session 10)\n\n" + table + "\n")
+    table = relay_oracle_table()
+    if table:
+        print("### Oracle token selection on GSM8K train (session 10)\n\n" + table + "\n")
     print("### relay variants tried on GSM8K train (how the two in the 50-problem runs were chosen)\n\n"
           + relay_selection_table() + "\n")
     print("## copy-agents: last agent's TTFT speedup over full\n\n" + copy_agents_table() + "\n")
@@ -514,9 +530,6 @@ if __name__ == "__main__":
     if (RESULTS / "kvcomm-copy-agents-2-s10.json").exists():
         print("copy-agents, last agent, with `tail_tokens=32` (session 10):\n\n"
               + kvcomm_copy_agents_table("kvcomm-copy-agents-{a}-s10.json") + "\n")
-    path = RESULTS / "kvcomm-gsm8k-fc3-e2e-warm-tail.json"
-    if path.exists():
-        print("End to end, gsm8k-fc3, `tail_tokens=32` (session 10)\n\n" + kvcomm_table(path) + "\n")
     print("### Sessions 1-2: `kvcomm` = the relative gate (temperature 0.01), warm-up 3\n")
     for name in ("kvcomm-gsm8k-fc3", "kvcomm-mmlu-fc3", "kvcomm-humaneval-fc3", "kvcomm-gsm8k-fc3-e2e"):
         path = RESULTS / f"{name}.json"

@@ -6,7 +6,7 @@
 # s7 W (session 7: the warm gamma sweep on workload W, e.g. gsm8k-fc3),
 # s9a|s9b (session 9: warm pools, the prompt's last 16/32 tokens computed instead of estimated),
 # s10a|s10b (session 10: kvcomm[tail_tokens=32] with rotated vs absolute offsets and the baselines in one warm
-# gsm8k-fc3 run; copy-agents and e2e gsm8k-fc3 with tail_tokens=32)
+# gsm8k-fc3 run; copy-agents with tail_tokens=32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -80,12 +80,10 @@ s10a)  # session 10, lane A: one warm gsm8k-fc3 run holding the target configura
       --methods "$BASE,kvcomm[tail_tokens=32],kvcomm[tail_tokens=32,rotate_offsets=false]" \
       --json $R/kvcomm-gsm8k-fc3-warm-s10.json
     ;;
-s10b)  # session 10, lane B: copy-agents 2-5 with tail_tokens=32 beside the published setting, then e2e
+s10b)  # session 10, lane B: copy-agents 2-5 with tail_tokens=32 beside the published setting
     for a in 2 3 4 5; do
       $K bench --workload copy-agents:$a --methods "relay,kvcomm[warmup=1],kvcomm[warmup=1,tail_tokens=32]" \
         --limit 3 --greedy-tokens 8 --json $R/kvcomm-copy-agents-$a-s10.json
     done
-    $K bench --workload gsm8k-fc3 --mode e2e --limit 10 --warm-problems 50 --methods "relay,kvcomm[tail_tokens=32]" \
-      --json $R/kvcomm-gsm8k-fc3-e2e-warm-tail.json
     ;;
 esac

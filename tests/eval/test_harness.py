@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from kvrelay.errors import ConfigError
+from kvrelay.eval.fidelity import NEAR_TIE_MARGIN
 from kvrelay.eval.harness import Bench, BenchConfig
 
 CONTRACT_KEYS = {"ttft_ms_median", "speedup_vs_full", "speedup_vs_prefix", "ideal_speedup", "reuse_rate",
@@ -38,8 +39,16 @@ def test_prefix_is_exact_where_it_reuses():
     """copy-agents: every agent's prompt starts with the same system prompt + context, so prefix reuses."""
     bench = Bench(BenchConfig(workload="copy-agents:3", methods=("full", "prefix"), limit=1, model="random:tiny",
                               repeats=1, greedy_tokens=8))
-    r = bench.run(progress=False)["results"]
+    result = bench.run(progress=False)
+    r = result["results"]
     assert r["prefix"]["reuse_rate"] > 0.3
+    # full's first-token margin: one number per call, the same on every method's row, counted as a near-tie or not
+    margins = {}
+    for c in result["calls"]:
+        assert 0.0 <= c["full_first_margin"] <= 1.0
+        assert margins.setdefault((c["problem_id"], c["agent"]), c["full_first_margin"]) == c["full_first_margin"]
+    near = sum(m < NEAR_TIE_MARGIN for m in margins.values()) / len(margins)
+    assert r["prefix"]["near_tie_rate"] == pytest.approx(near)
     for method in ("full", "prefix"):
         assert r[method]["first_token_agreement"] == 1.0
         assert r[method]["greedy_match_rate"] == 1.0
