@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import generate
-from kvrelay.eval.fidelity import NEAR_TIE_MARGIN, first_token_margin
+from kvrelay.eval.fidelity import first_token_margin
 from kvrelay.eval.harness import environment
+from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
@@ -64,7 +65,7 @@ def main() -> int:
     rows = margins(args.workload, args.limit, args.offset, args.data, args.model)
     Path(args.json).write_text(json.dumps({"env": env, "workload": args.workload, "model": args.model,
                                            "near_tie_margin": NEAR_TIE_MARGIN, "calls": rows}, indent=1) + "\n")
-    near = sum(r["margin"] < NEAR_TIE_MARGIN for r in rows)
+    near = sum(is_near_tie(r["margin"]) for r in rows)
     print(f"{args.workload}: {near} of {len(rows)} downstream calls are near-ties (margin < {NEAR_TIE_MARGIN})")
     return 0
 

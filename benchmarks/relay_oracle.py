@@ -27,8 +27,9 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import generate, run_plan
 from kvrelay.eval.datasets import data_root
-from kvrelay.eval.fidelity import NEAR_TIE_MARGIN, first_token_agrees, first_token_margin, kl_first_token
+from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, kl_first_token
 from kvrelay.eval.harness import environment
+from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import LayerView
@@ -134,7 +135,7 @@ def main() -> int:
         runner.run(problem.inputs, "full", before_call=probe)
     summary = {m: {k: sum(float(r[k]) for r in rs) / len(rs) for k in ("reuse", "agree", "kl")}
                for m, rs in rows.items()}
-    near_tie_rate = sum(m < NEAR_TIE_MARGIN for m in margins) / len(margins)
+    near_tie_rate = sum(is_near_tie(m) for m in margins) / len(margins)
     Path(args.json).write_text(json.dumps({"env": env, "workload": args.workload, "data": args.data,
                                            "n": args.limit, "n_calls": len(margins), "near_tie_rate": near_tie_rate,
                                            "results": summary, "margins": margins}, indent=1) + "\n")

@@ -9,8 +9,18 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-from kvrelay.eval.fidelity import NEAR_TIE_MARGIN
 from kvrelay.eval.stats import mean, median, median_ratio
+
+# `full`'s top-1 first-token probability leads its top-2 by less than this: a near-tie. On SmolLM2-135M
+# 20 of the 100 gsm8k-chain3 downstream calls start this way ("The" 0.127 vs "To" 0.117), and any
+# approximate KV flips such a call's first token at random; the bench reports agreement on the other
+# calls beside the plain one.
+NEAR_TIE_MARGIN = 0.02
+
+
+def is_near_tie(margin: float) -> bool:
+    """``margin``: `full`'s top-1 minus top-2 first-token probability (fidelity.first_token_margin)."""
+    return margin < NEAR_TIE_MARGIN
 
 
 @dataclass
@@ -43,7 +53,7 @@ def _near_tie_stats(fidelity: list[CallRow]) -> tuple[float | None, float | None
     None where the rows carry no margin (results from before it was recorded)."""
     if not fidelity or any(r.full_first_margin is None for r in fidelity):
         return None, None
-    clear = [r for r in fidelity if r.full_first_margin >= NEAR_TIE_MARGIN]
+    clear = [r for r in fidelity if not is_near_tie(r.full_first_margin)]
     near_tie_rate = 1 - len(clear) / len(fidelity)
     return near_tie_rate, (mean([float(r.first_token_agree) for r in clear]) if clear else None)
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from kvrelay.errors import ConfigError
-from kvrelay.eval.fidelity import NEAR_TIE_MARGIN
 from kvrelay.eval.harness import Bench, BenchConfig
+from kvrelay.eval.report import NEAR_TIE_MARGIN
 
 CONTRACT_KEYS = {"ttft_ms_median", "speedup_vs_full", "speedup_vs_prefix", "ideal_speedup", "reuse_rate",
                  "recompute_frac", "first_token_agreement", "greedy_match_rate", "kl_first_token", "accuracy",

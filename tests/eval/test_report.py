@@ -1,5 +1,7 @@
 """Metric definitions on hand-made rows."""
 
+import subprocess
+import sys
 from dataclasses import asdict, replace
 
 import pytest
@@ -87,3 +89,10 @@ def test_near_tie_calls_are_counted_apart():
     # rows from before the margin was recorded: unknown, not guessed
     old = summarize([_row("m", 1.0, 1.0, 1.0, 1.0, 10, 0, 0, 0)])["m"]
     assert old["near_tie_rate"] is None and old["first_token_agreement_clear"] is None
+
+
+def test_report_bookkeeping_does_not_import_torch():
+    # a fresh interpreter: this test session has torch loaded already
+    code = "import sys, kvrelay.eval.report; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
