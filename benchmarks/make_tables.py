@@ -130,20 +130,20 @@ def relay_copy_agents_s5_table() -> str:
 def near_tie_table(workload: str = "gsm8k-chain3") -> str:
     """First-token flips of each method on the 50-problem runs, split by `full`'s first-token margin
     (``near-ties-WORKLOAD.json`` from near_ties.py, joined call by call; the calls are checked to be the same)."""
-    from kvrelay.eval.report import merge_results
+    from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie, merge_results
 
     path, lanes = RESULTS / f"near-ties-{workload}.json", sorted(RESULTS.glob(f"{workload}-lane*.json"))
     if not path.exists() or not lanes:
         return ""
     nt = json.loads(path.read_text())
-    bound, margin = nt["near_tie_margin"], {(c["problem_id"], c["agent"]): c for c in nt["calls"]}
+    margin = {(c["problem_id"], c["agent"]): c for c in nt["calls"]}
     runs = [("¹", merge_results([json.loads(p.read_text()) for p in lanes]))]
     s5 = RESULTS / f"{workload}-relay-s5.json"
     if s5.exists():
         runs.insert(0, ("", json.loads(s5.read_text())))
-    num_near = sum(c["margin"] < bound for c in nt["calls"])
+    num_near = sum(is_near_tie(c["margin"]) for c in nt["calls"])
     lines = [f"**{workload}**, {len(nt['calls'])} downstream calls, of which {num_near} are near-ties (`full`'s "
-             f"top-1 first-token probability leads the top-2 by < {bound}; `{path.name}`, "
+             f"top-1 first-token probability leads the top-2 by < {NEAR_TIE_MARGIN}; `{path.name}`, "
              f"commit {nt['env']['commit']}). "
              f"Rows: `{s5.name}` (shipped profile) and, marked ¹, the merged `{workload}-lane*.json` (session 4; "
              "`relay ¹` there is the 18/27/29 profile).", "",
@@ -157,9 +157,9 @@ def near_tie_table(workload: str = "gsm8k-chain3") -> str:
         for method, st in run["results"].items():
             if method in ("full", "prefix"):
                 continue
-            calls = [c for c in run["calls"] if c["method"] == method]
-            near = [c for c in calls if margin[(c["problem_id"], c["agent"])]["margin"] < bound]
-            clear = [c for c in calls if c not in near]
+            near, clear = [], []
+            for c in (c for c in run["calls"] if c["method"] == method):
+                (near if is_near_tie(margin[(c["problem_id"], c["agent"])]["margin"]) else clear).append(c)
             flips_near = sum(not c["first_token_agree"] for c in near)
             flips_clear = sum(not c["first_token_agree"] for c in clear)
             lines.append(f"| {method}{' ' + mark if mark else ''} | {_f(st['reuse_rate'], '.3f')} | "

@@ -20,35 +20,34 @@ import torch
 from tqdm import tqdm
 
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import generate
+from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.eval.fidelity import first_token_margin
 from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
-from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 
 
 def margins(workload: str, limit: int, offset: int = 0, data: str | None = None, model: str = DEFAULT_MODEL
             ) -> list[dict]:
+    """Per downstream call: `full`'s first-token margin, from the reference pipeline's own calls."""
     lm = load_model(model)
     wl = get_workload(workload)
+    problems = wl.problems(data, offset + limit)[offset:]
+    if not problems:
+        raise ConfigError(f"offset {offset} is past the last problem of {workload!r}")
     rows: list[dict] = []
-    for problem in tqdm(wl.problems(data, offset + limit)[offset:], desc=workload, unit="problem", file=sys.stderr):
-        store = KVStore(4 << 30)
-        runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id)
-
-        def probe(agent, call, position, store=store, problem_id=problem.problem_id):
-            if not call.refs:
-                return
-            logits = generate(lm, call, "full", store, SamplingConfig(max_new_tokens=1)).first_logits
+    for problem in tqdm(problems, desc=workload, unit="problem", file=sys.stderr):
+        runner = PipelineRunner(lm, wl.spec, KVStore(4 << 30), run_id=problem.problem_id)
+        for name, res in runner.run(problem.inputs, "full").items():
+            if not res.call.refs:  # not a downstream call: the bench does not probe it
+                continue
+            logits = res.output.first_logits
             top = torch.softmax(logits.float(), -1).topk(2)
-            rows.append({"problem_id": problem_id, "agent": agent.name, "num_prompt_tokens": len(call.prompt_ids),
+            rows.append({"problem_id": problem.problem_id, "agent": name, "num_prompt_tokens": len(res.call.prompt_ids),
                          "margin": first_token_margin(logits), "top_probs": top.values.tolist(),
                          "top_tokens": [lm.tokenizer.decode([int(t)]) for t in top.indices]})
-
-        runner.run(problem.inputs, "full", before_call=probe)
     return rows
 
 
@@ -62,7 +61,11 @@ def main() -> int:
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     env = environment("cpu")
-    rows = margins(args.workload, args.limit, args.offset, args.data, args.model)
+    try:
+        rows = margins(args.workload, args.limit, args.offset, args.data, args.model)
+    except KvRelayError as exc:
+        print(f"near_ties: {exc}", file=sys.stderr)
+        return 2
     Path(args.json).write_text(json.dumps({"env": env, "workload": args.workload, "model": args.model,
                                            "near_tie_margin": NEAR_TIE_MARGIN, "calls": rows}, indent=1) + "\n")
     near = sum(is_near_tie(r["margin"]) for r in rows)

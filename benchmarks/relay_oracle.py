@@ -26,6 +26,7 @@ from tqdm import tqdm
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import generate, run_plan
+from kvrelay.errors import KvRelayError
 from kvrelay.eval.datasets import data_root
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, kl_first_token
 from kvrelay.eval.harness import environment
@@ -101,8 +102,12 @@ def main() -> int:
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     env = environment("cpu")
-    lm = load_model(args.model)
-    wl = get_workload(args.workload)
+    try:
+        lm, wl = load_model(args.model), get_workload(args.workload)
+        problems = wl.problems(args.data, args.limit)
+    except KvRelayError as exc:
+        print(f"relay_oracle: {exc}", file=sys.stderr)
+        return 2
     methods = {"naive": "naive", "epic[k=8]": "epic[k=8]", "epic": "epic", "relay": "relay",
                "relay top 0.1 (vcos)": TopRelay(signal="vcos", ratio=0.1),
                "relay top 0.2 (vcos)": TopRelay(signal="vcos", ratio=0.2),
@@ -115,7 +120,7 @@ def main() -> int:
     one = SamplingConfig(max_new_tokens=1)
     capture = tuple(sorted({layer for m in methods.values() if not isinstance(m, str)
                             for layer in m.capture_layers(lm)} | set(RelayMethod().capture_layers(lm))))
-    for problem in tqdm(wl.problems(args.data, args.limit), desc="calls", unit="problem", file=sys.stderr):
+    for problem in tqdm(problems, desc="calls", unit="problem", file=sys.stderr):
         store = KVStore(4 << 30)
         runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id, capture_layers=capture)
 
