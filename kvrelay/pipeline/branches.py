@@ -28,7 +28,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.shared import kv_bytes
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import GenerationOutput, generate, publish, sync_device
-from kvrelay.engine_batch import generate_batch
+from kvrelay.engine.batch import generate_batch
 from kvrelay.errors import ConfigError
 from kvrelay.eval.datasets import GSM8KProblem
 from kvrelay.model.loader import LoadedModel

@@ -8,6 +8,7 @@ the forward loop (DESIGN.md: if it must, the schedule interface is wrong).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -91,11 +92,15 @@ class Plan:
     # RKSC's ASKS: positions [0, shared_len) are read from this cache by reference, never copied
     shared_prefix: SequenceKV | None = None
     shared_len: int = 0
+    # the sequence cache to run on, given its capacity in positions (None: a fresh SequenceKV); a cache
+    # that already holds positions counts them in ``num_preloaded``
+    make_cache: Callable[[int], SequenceKV] | None = None
+    num_preloaded: int = 0
 
     @property
     def num_reused_tokens(self) -> int:
         return (sum(load.num_tokens for load in self.loads) + sum(p.num_tokens for p in self.patches if not p.add)
-                + self.shared_len)
+                + self.shared_len + self.num_preloaded)
 
 
 class ReuseMethod(ABC):

@@ -6,7 +6,7 @@ import torch
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.shared import SharedPrefixKV, kv_bytes
 from kvrelay.engine import generate
-from kvrelay.engine_batch import generate_batch
+from kvrelay.engine.batch import generate_batch
 from kvrelay.errors import ScheduleError
 from kvrelay.model.batch_decode import decode_step_batch
 from kvrelay.model.sampling import SamplingConfig

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from kvrelay.cache.shared import SharedPrefixKV
-from kvrelay.engine import GenerationOutput, check_fits, make_output, run_plan, shiftable, sync_device
+from kvrelay.engine.core import GenerationOutput, check_fits, make_output, run_plan, shiftable, sync_device
 from kvrelay.errors import ScheduleError
 from kvrelay.model.batch_decode import decode_step_batch
 from kvrelay.model.loader import LoadedModel

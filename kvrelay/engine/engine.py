@@ -1,0 +1,264 @@
+"""``Engine(lm, store)``: the one object that owns a model, a span store and the reuse methods.
+
+Every caller (the pipeline runner, the bench, the server, the Python API) drives a call the same
+way, nano-vllm style:
+
+- ``start(call, method)``: plan, load reused KV, scheduled prefill, first token (the TTFT window);
+- ``step(sequences)``: one decode step for every running sequence, batched into one forward;
+- ``finish(sequence)``: the ``GenerationOutput`` (and the sequence's KV, with ``keep_cache``).
+
+``generate`` and ``generate_batch`` are those three in a loop. The engine asks every method it
+may run for its capture layers, so an upstream call always carries the hidden states a downstream
+relay needs, whoever drives it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.cache.kv import SequenceKV, StoredSpan
+from kvrelay.cache.store import KVStore
+from kvrelay.engine.core import (
+    CallStats,
+    GenerationOutput,
+    check_fits,
+    run_plan,
+    shiftable,
+    sync_device,
+)
+from kvrelay.errors import ConfigError
+from kvrelay.model.loader import LoadedModel
+from kvrelay.model.sampling import Sampler, SamplingConfig
+from kvrelay.model.schedule import SuffixSchedule
+from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How one call runs (the method is chosen separately)."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    keep_cache: bool = False  # keep the sequence KV in the output, so that ``publish`` can store it
+    # the output is these ids (not sampled); their KV is computed as one more prefill chunk
+    forced_output_ids: tuple[int, ...] | None = None
+    learn: bool = True  # a stateful method (KVCOMM's anchor pools) learns from this prefill
+    # one more decode step when generation stops at max_new_tokens, so the last output token has KV
+    # too (what ``publish`` stores); None: as keep_cache
+    feed_last: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.forced_output_ids is not None:
+            object.__setattr__(self, "forced_output_ids", tuple(int(t) for t in self.forced_output_ids))
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.forced_output_ids) if self.forced_output_ids is not None else self.sampling.max_new_tokens
+
+
+@dataclass
+class Sequence:
+    """One running call: its prompt, plan, KV and the tokens generated so far."""
+
+    call: CallInput
+    method: ReuseMethod
+    options: GenerateOptions
+    plan: Plan
+    cache: SequenceKV
+    sampler: Sampler
+    first_logits: torch.Tensor  # [vocab] fp32
+    stats: CallStats
+    output_ids: list[int] = field(default_factory=list)
+    top1_probs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None  # set when the sequence is done: "stop", "length", "forced", "cancelled"
+    prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode_rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [hidden] per step
+    decode_ms: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.call.prompt_ids
+
+    def cancel(self) -> None:
+        """Stop now (a client went away, a stop string matched); the KV is freed at ``finish``."""
+        if self.stop_reason is None:
+            self.stop_reason = "cancelled"
+
+
+class Engine:
+    """A model, a span store and the methods that may run on them."""
+
+    def __init__(self, lm: LoadedModel, store: KVStore | None = None,
+                 methods: Iterable[str | ReuseMethod] = ("full",)) -> None:
+        self.lm = lm
+        self.store = store
+        self._methods: dict[str, ReuseMethod] = {}
+        self._capture: set[int] = set()
+        for spec in methods:
+            self.method(spec)
+
+    # ------------------------------------------------------------------ methods
+    def method(self, spec: str | ReuseMethod) -> ReuseMethod:
+        """The engine's method for ``spec`` (one object per spec string, so stateful methods keep their
+        state across calls); its capture layers join the engine's."""
+        if isinstance(spec, ReuseMethod):
+            method, key = spec, f"{spec.name}@{id(spec)}"
+        else:
+            key = spec.strip()
+            method = self._methods.get(key) or get_method(key)
+        if key not in self._methods:
+            self._methods[key] = method
+            self._capture.update(method.capture_layers(self.lm))
+        return self._methods[key]
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Layers whose input hidden states every call carries (union over the engine's methods)."""
+        return tuple(sorted(self._capture))
+
+    # ------------------------------------------------------------------ one call, step by step
+    def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
+              options: GenerateOptions | None = None) -> Sequence:
+        """Plan, load reused KV, scheduled prefill and first token. ``stats.ttft_ms`` covers all of it."""
+        options = options or GenerateOptions()
+        call = call if isinstance(call, CallInput) else CallInput(list(call))
+        method = self.method(method)
+        lm, model = self.lm, self.lm.model
+        total = check_fits(lm, call.prompt_ids, options.num_new_tokens)
+        ids = torch.tensor(call.prompt_ids, dtype=torch.long)
+        capture = self.capture_layers
+
+        sync_device(model.device)
+        t0 = time.perf_counter()
+        plan = shiftable(method.plan(call, self.store, lm), self.store, model)
+        cache = plan.make_cache(total + 1) if plan.make_cache is not None else \
+            SequenceKV(lm.config, model.dtype, model.device, capacity=total + 1)
+        result, num_shifted = run_plan(lm, ids, plan, cache, self.store, capture)
+        sync_device(model.device)
+        ttft_ms = (time.perf_counter() - t0) * 1e3
+        if options.learn:
+            method.observe(call, plan, cache, self.store, lm)
+
+        stats = CallStats(method.name, len(call.prompt_ids), lm.config.num_layers, plan.num_reused_tokens,
+                          result.num_computed_token_layers, num_shifted, ttft_ms, fallback=plan.fallback,
+                          note=plan.note, exit_layer=result.exit_layer)
+        prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(ids)}
+        seq = Sequence(call, method, options, plan, cache, Sampler(options.sampling), result.logits, stats,
+                       prompt_hidden=prompt_hidden)
+        if options.forced_output_ids is not None:
+            self._force(seq)
+        else:
+            self._accept(seq, result.logits)
+        return seq
+
+    def step(self, sequences: list[Sequence]) -> list[int | None]:
+        """One decode step for every sequence not done: feed its last token, sample the next.
+
+        Returns, per sequence, the token it appended this step (None when it stopped or was done).
+        """
+        live = [s for s in sequences if not s.done]
+        out: dict[int, int | None] = {}
+        if live:
+            t0 = time.perf_counter()
+            logits = self._decode([s.output_ids[-1] for s in live], live)  # [B, vocab]
+            sync_device(self.lm.model.device)
+            elapsed_ms = (time.perf_counter() - t0) * 1e3
+            for row, seq in enumerate(live):
+                seq.decode_ms += elapsed_ms  # every row waits for the whole batch
+                before = len(seq.output_ids)
+                self._accept(seq, logits[row])
+                out[id(seq)] = seq.output_ids[-1] if len(seq.output_ids) > before else None
+        return [out.get(id(s)) for s in sequences]
+
+    def finish(self, seq: Sequence) -> GenerationOutput:
+        """The call's output. With ``keep_cache`` the output keeps the sequence KV (for ``publish``)."""
+        if not seq.done:
+            seq.cancel()
+        feed_last = seq.options.keep_cache if seq.options.feed_last is None else seq.options.feed_last
+        if seq.stop_reason == "length" and feed_last and seq.output_ids:
+            t0 = time.perf_counter()
+            self._decode([seq.output_ids[-1]], [seq])  # so every output token has KV
+            seq.decode_ms += (time.perf_counter() - t0) * 1e3
+        stats = seq.stats
+        stats.decode_ms, stats.num_generated_tokens = seq.decode_ms, len(seq.output_ids)
+        decode_hidden = {layer: torch.stack(rows) for layer, rows in seq.decode_rows.items()}
+        output = GenerationOutput(seq.prompt_ids, list(seq.output_ids), self.lm.tokenizer.decode(seq.output_ids),
+                                  seq.first_logits, stats, seq.stop_reason, decode_hidden, seq.prompt_hidden,
+                                  seq.cache if seq.options.keep_cache else None, list(seq.top1_probs))
+        seq.cache = None  # the engine holds no reference: the KV is freed unless the output keeps it
+        return output
+
+    # ------------------------------------------------------------------ whole calls
+    def generate(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
+                 options: GenerateOptions | None = None) -> GenerationOutput:
+        """One agent call: ``start``, ``step`` until done, ``finish``."""
+        seq = self.start(call, method, options)
+        while not seq.done:
+            self.step([seq])
+        return self.finish(seq)
+
+    def generate_batch(self, calls: list[CallInput | list[int]], method: str | ReuseMethod = "full",
+                       options: GenerateOptions | None = None) -> list[GenerationOutput]:
+        """Several calls: prefilled one by one (each with its own TTFT), decoded in one batch."""
+        seqs = [self.start(call, method, options) for call in calls]
+        while not all(s.done for s in seqs):
+            self.step(seqs)
+        return [self.finish(s) for s in seqs]
+
+    def publish(self, span_id: str, out: GenerationOutput, pin: bool = False) -> StoredSpan:
+        """Store a call's prompt KV + decode KV (+ captured hidden states) as one span at position 0."""
+        if self.store is None:
+            raise ConfigError("publish needs an engine with a store")
+        if out.cache is None:
+            raise ConfigError("publish needs the call's KV: run it with GenerateOptions(keep_cache=True)")
+        seq_ids = out.prompt_ids + out.output_ids
+        layers = sorted(out.decode_hidden)
+        if layers and all(layer in out.prompt_hidden for layer in layers):
+            hidden = {layer: torch.cat([out.prompt_hidden[layer], out.decode_hidden[layer]]) for layer in layers}
+            hidden_from = 0
+        else:  # the prompt's rows are not all known (reused tokens): carry the output's rows only
+            hidden, hidden_from = dict(out.decode_hidden), len(out.prompt_ids)
+        span = out.cache.export(0, len(seq_ids), seq_ids, self.lm.fingerprint, hidden, hidden_from)
+        self.store.put(span_id, span, pin=pin)
+        return span
+
+    # ------------------------------------------------------------------ internals
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample from ``logits`` ([vocab]) and append, or mark the sequence done."""
+        next_id = seq.sampler(logits)
+        seq.top1_probs.append(float(torch.softmax(logits.float(), dim=-1).max()))
+        if next_id in self.lm.tokenizer.stop_ids:
+            seq.stop_reason = "stop"
+            return
+        seq.output_ids.append(next_id)
+        if len(seq.output_ids) >= seq.options.sampling.max_new_tokens:
+            seq.stop_reason = "length"
+
+    def _force(self, seq: Sequence) -> None:
+        """The forced output's KV (and captured hidden states) by one more prefill chunk."""
+        forced = list(seq.options.forced_output_ids or ())
+        seq.stop_reason = "forced"
+        if not forced:
+            return
+        t0 = time.perf_counter()
+        schedule = SuffixSchedule(len(seq.prompt_ids))
+        schedule.capture_layers = self.capture_layers
+        ids = torch.tensor(seq.prompt_ids + forced, dtype=torch.long)
+        result = self.lm.model.prefill(ids, seq.cache, schedule)
+        seq.output_ids = forced
+        seq.decode_rows = {layer: list(h.unbind(0)) for layer, (_, h) in result.captured.items()}
+        seq.decode_ms += (time.perf_counter() - t0) * 1e3
+
+    def _decode(self, token_ids: list[int], seqs: list[Sequence]) -> torch.Tensor:
+        """Feed ``token_ids[b]`` to ``seqs[b]``; logits [B, vocab]. Captures decode-phase hidden states."""
+        rows = []
+        for token_id, seq in zip(token_ids, seqs, strict=True):
+            rows.append(self.lm.model.decode_step(token_id, seq.cache, self.capture_layers, seq.decode_rows))
+        return torch.stack(rows)
