@@ -12,7 +12,7 @@ Methods (every one on the same prompt ids, batch size 1, greedy):
   the longest exact prefix it finds there into its own cache;
 - ``rksc``: the root is computed once (from the RSBCM block cache where it holds the blocks) and
   shared by reference; the verifier is skipped when branch confidence is decisive, and exits at an
-  intermediate layer when its next-token entropy is low and stable (reuse/rksc.py).
+  intermediate layer when its next-token entropy is low and stable (branches/rksc.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.cache.blocks import BlockCache
+from kvrelay.branches.asks import AsksVerify, BranchSpan, verify_with_branch_span
+from kvrelay.branches.blocks import BlockCache
+from kvrelay.branches.rksc import RKSCMethod, SharedRoot, decisive, pick, yes_score
+from kvrelay.branches.shared_kv import kv_bytes
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.cache.shared import kv_bytes
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import GenerationOutput, generate, publish, sync_device
-from kvrelay.engine.batch import generate_batch
+from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, sync_device
 from kvrelay.errors import ConfigError
 from kvrelay.eval.datasets import GSM8KProblem
 from kvrelay.model.loader import LoadedModel
@@ -36,8 +37,6 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.pipeline.prompt import chat_prompt_ids, splice_marker
 from kvrelay.reuse import get_method
-from kvrelay.reuse.asks import AsksVerify, BranchSpan, verify_with_branch_span
-from kvrelay.reuse.rksc import RKSCMethod, SharedRoot, decisive, pick, yes_score
 
 SYSTEM = "You are a careful math solver."
 HINTS = (
@@ -153,7 +152,7 @@ def verify(lm: LoadedModel, padded_ids: torch.Tensor, lengths: list[int], method
     for row, length in zip(padded_ids.tolist(), lengths, strict=True):
         if not 0 < length <= len(row):
             raise ConfigError(f"verifier prompt length {length} outside 1..{len(row)}")
-        out = generate(lm, row[:length], method, store, SamplingConfig(max_new_tokens=1))
+        out = Engine(lm, store).generate(row[:length], method, GenerateOptions(SamplingConfig(max_new_tokens=1)))
         results.append(VerifyResult.of(out, yes_id, no_id))
     return results
 
@@ -221,11 +220,13 @@ class BranchRunner:
         sampling = SamplingConfig(max_new_tokens=self.cfg.branch_tokens)
         sync_device(lm.model.device)
         t0 = time.perf_counter()
+        engine = Engine(lm, store)
         outs: list[GenerationOutput] = []
         for b, ids in enumerate(prompts.branch_ids):
-            out = generate(lm, ids, meth, store, sampling, keep_cache=True, feed_last=method == "prefix" and b == 0)
+            out = engine.generate(ids, meth, GenerateOptions(sampling, keep_cache=True,
+                                                             feed_last=method == "prefix" and b == 0))
             if method == "prefix" and b == 0:
-                publish(store, "branch0", out, lm)
+                engine.publish("branch0", out)
             outs.append(out)
         t1 = time.perf_counter()
         confidences = [o.confidence for o in outs]
@@ -256,9 +257,8 @@ class BranchRunner:
 
     def _block_payload(self, cache: SequenceKV, index: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """A copy of block ``index``'s K/V (the block cache owns its tensors) and its bytes."""
-        segments = cache.kv_all(index * self.blocks.block_len, (index + 1) * self.blocks.block_len)
-        k = torch.cat([k for k, _ in segments], dim=2)  # [L, Hkv, block_len, hd]
-        v = torch.cat([v for _, v in segments], dim=2)
+        k, v = cache.kv_all(index * self.blocks.block_len, (index + 1) * self.blocks.block_len)
+        k, v = k.clone(), v.clone()  # [L, Hkv, block_len, hd] each
         return (k, v), 2 * k.numel() * k.element_size()
 
     def _credit(self, ids: list[int], schedule) -> None:
@@ -271,7 +271,7 @@ class BranchRunner:
         self.blocks.add_importance(self.blocks.keys(ids), per_block.tolist())
 
     def _generate_rksc(self, ids: list[int], sampling: SamplingConfig, keep: bool) -> GenerationOutput:
-        out = generate(self.lm, ids, self.rksc, None, sampling, keep_cache=keep, feed_last=False)
+        out = Engine(self.lm).generate(ids, self.rksc, GenerateOptions(sampling, keep_cache=keep, feed_last=False))
         self._credit(ids, self.rksc.last_schedule)
         if keep:
             self._keep_blocks(out)
@@ -297,18 +297,19 @@ class BranchRunner:
                 if method.record_hidden:
                     hidden.append(torch.stack(method.last_schedule.hidden))
             return outs, hidden
-        hidden_by_branch: dict[int, torch.Tensor] = {}
-
-        def on_prefill(i: int, plan) -> None:
-            self._credit(prompts.branch_ids[i], plan.state)
+        engine, options = Engine(self.lm), GenerateOptions(sampling, keep_cache=True, feed_last=False)
+        seqs, hidden = [], []
+        for ids in prompts.branch_ids:  # prefilled one by one, then decoded in one batch
+            seqs.append(engine.start(ids, method, options))
+            self._credit(ids, seqs[-1].plan.state)
             if method.record_hidden:
-                hidden_by_branch[i] = torch.stack(plan.state.hidden)
-
-        outs = generate_batch(self.lm, prompts.branch_ids, method, sampling, keep_cache=True, on_prefill=on_prefill,
-                              feed_last=False)
+                hidden.append(torch.stack(seqs[-1].plan.state.hidden))
+        while not all(seq.done for seq in seqs):
+            engine.step(seqs)
+        outs = [engine.finish(seq) for seq in seqs]
         for out in outs:
             self._keep_blocks(out)
-        return outs, [hidden_by_branch[i] for i in sorted(hidden_by_branch)]
+        return outs, hidden
 
     def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan, yes_no: tuple[int, int]
                      ) -> tuple[VerifyResult, AsksVerify]:
