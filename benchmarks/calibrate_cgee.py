@@ -17,8 +17,9 @@ import sys
 import torch
 from tqdm import tqdm
 
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts, answer_ids
 from kvrelay.branches.rksc import entropy, yes_score
-from kvrelay.branches.runner import BranchConfig, BranchPrompts, BranchRunner, answer_ids
+from kvrelay.branches.runner import BranchRunner
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.model.loader import DEFAULT_MODEL, load_model

@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts
 from kvrelay.branches.rksc import RKSCMethod, SharedRoot
-from kvrelay.branches.runner import BranchConfig, BranchPrompts
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.datasets import load_gsm8k

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from kvrelay.branches.blocks import POLICIES, interleave, replay
+from kvrelay.branches.prompts import BranchConfig
 from kvrelay.branches.rksc import RKSCMethod
-from kvrelay.branches.runner import BranchConfig, BranchRunner
+from kvrelay.branches.runner import BranchRunner
 from kvrelay.errors import ConfigError
 from kvrelay.eval import scoring
 from kvrelay.eval.datasets import load_gsm8k

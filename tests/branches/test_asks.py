@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from kvrelay.branches.asks import BranchSpan, copy_span, layer_cosine, verify_with_branch_span
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts
 from kvrelay.branches.rksc import RKSCMethod
-from kvrelay.branches.runner import BranchConfig, BranchPrompts, BranchRunner
+from kvrelay.branches.runner import BranchRunner
 from kvrelay.branches.shared_kv import SharedPrefixKV
 from kvrelay.cache.kv import SequenceKV
 from tests.helpers import tiny_lm

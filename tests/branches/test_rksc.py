@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts, answer_ids
 from kvrelay.branches.rksc import RKSCMethod, RKSCSchedule, decisive, pick, yes_score
-from kvrelay.branches.runner import BranchConfig, BranchPrompts, BranchRunner, answer_ids, pad, verify
+from kvrelay.branches.runner import BranchRunner, pad, verify
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
@@ -125,7 +126,7 @@ def test_rksc_parameters_are_validated():
 
 
 def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):
-    from kvrelay.branches.runner import SYSTEM, few_shot_system
+    from kvrelay.branches.prompts import SYSTEM, few_shot_system
     from kvrelay.eval.datasets import GSM8KProblem
 
     assert few_shot_system([]) == SYSTEM
