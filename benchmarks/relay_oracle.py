@@ -34,11 +34,10 @@ from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.model.schedule import LayerView
+from kvrelay.model.schedule import LayerView, StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput, Plan
-from kvrelay.reuse.naive import StaticSchedule
 from kvrelay.reuse.relay import RelayMethod, value_cos_deviation
 from kvrelay.reuse.spans import collect_reuse
 

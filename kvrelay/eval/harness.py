@@ -29,7 +29,7 @@ from kvrelay.eval.report import CallRow, summarize
 from kvrelay.eval.stats import mean, median
 from kvrelay.model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.model.schedule import Entry, Schedule
+from kvrelay.model.schedule import StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import Workload, get_workload
 from kvrelay.reuse import PIPELINE_METHODS, CallInput, ReuseMethod, get_method, split_method_specs
@@ -78,16 +78,6 @@ class BenchConfig:
         self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
 
 
-class _ActiveOnly(Schedule):
-    """Only the given tokens are computed (the rest marked as cached): the ideal-reuse probe."""
-
-    def __init__(self, token_idx: torch.Tensor) -> None:
-        self.token_idx = token_idx
-
-    def entries(self, num_tokens: int) -> dict[int, Entry]:
-        return {0: Entry(self.token_idx)}
-
-
 def new_token_mask(call: CallInput, store: KVStore, lm: LoadedModel) -> list[bool]:
     """Prompt tokens with no KV anywhere: not in a ref, not in the longest exact stored prefix."""
     new = [True] * len(call.prompt_ids)
@@ -108,7 +98,7 @@ def ideal_ttft_ms(lm: LoadedModel, call: CallInput, new_mask: list[bool]) -> flo
     t0 = time.perf_counter()
     cache = SequenceKV(lm.config, model.dtype, model.device, capacity=n + 1)
     cache.filled[:, :n] = True  # stands for reused KV; its values do not matter for timing
-    model.prefill(torch.tensor(call.prompt_ids), cache, _ActiveOnly(idx))
+    model.prefill(torch.tensor(call.prompt_ids), cache, StaticSchedule(idx))
     sync_device(model.device)
     return (time.perf_counter() - t0) * 1e3
 

@@ -35,10 +35,9 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
-from kvrelay.model.schedule import Schedule
+from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
-from kvrelay.reuse.naive import StaticSchedule
 
 
 @dataclass
