@@ -280,6 +280,26 @@ class KVStore:
                     best = PrefixMatch(span_id, n)
             return best
 
+    # ------------------------------------------------------------------ the shared tier's hooks
+    # A memory-only store has no tier: these keep one calling code for every store (see cache.tier).
+    def set_compute_rate(self, token_layers_per_s: float | None) -> None:
+        """The engine's prefill rate, for the fetch-or-recompute decision (no tier: nothing to decide)."""
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """The model whose spans this process looks up in a shared tier."""
+
+    def take_decisions(self) -> list:
+        """Fetch/recompute decisions of this thread since its last call (none without a tier)."""
+        return []
+
+    def poll_published(self, namespace: str = DEFAULT_NAMESPACE, fingerprint: str | None = None,
+                       include_own: bool = False) -> list:
+        """Spans other processes published (none without a shared tier)."""
+        return []
+
+    def sync(self) -> int:
+        return 0
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the byte counters equal the live spans' sizes (for tests)."""
         with self._lock:
