@@ -72,7 +72,33 @@ def test_disk_span_survives_a_restart(tmp_path):
     assert [p.span_id for p in fresh.poll_published()] == ["a"]
 
 
-def test_disk_write_is_atomic(tmp_path, monkeypatch):
+def test_disk_readers_never_see_a_partial_write(tmp_path):
+    spans = [span(4000), span(3000)]  # ~0.4 and ~0.3 MB values, rewritten under one key
+    writer = TieredStore(1 << 24, DiskBackend(tmp_path), "fp")
+    reader = TieredStore(1 << 24, DiskBackend(tmp_path), "fp")
+    writer.put("a", spans[0])
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            writer.put("a", spans[i % 2])
+
+    t = threading.Thread(target=rewrite)
+    t.start()
+    try:
+        for _ in range(60):
+            got = reader.get("a")
+            assert any(torch.equal(got.k, s.k) for s in spans)
+            reader.remove("a")
+    finally:
+        stop.set()
+        t.join()
+    assert all(d.action == "fetch" for d in reader.take_decisions())
+
+
+def test_disk_failed_write_leaves_no_file(tmp_path, monkeypatch):
     backend = DiskBackend(tmp_path)
     store = TieredStore(1 << 20, backend, "fp")
     store.put("old", span(8))
