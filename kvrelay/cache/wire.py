@@ -83,8 +83,11 @@ def encode_span(span: StoredSpan, span_id: str, namespace: str) -> tuple[bytes, 
         "token_ids": list(span.token_ids), "start_pos": span.start_pos, "hidden_from": span.hidden_from,
         "tensors": tensors, "payload_bytes": offset,
     }, separators=(",", ":")).encode()
-    body = b"".join([MAGIC, struct.pack("<I", len(header)), header, *parts])
-    value = body + hashlib.sha256(body).digest()
+    head = [MAGIC, struct.pack("<I", len(header)), header]
+    digest = hashlib.sha256()
+    for part in (*head, *parts):  # hash the parts, then join once: a span can be hundreds of MB
+        digest.update(part)
+    value = b"".join([*head, *parts, digest.digest()])
     meta = SpanMeta(span_id, namespace, span.fingerprint, len(span.token_ids), int(span.k.shape[0]),
                     span.start_pos, len(value))
     return value, meta
