@@ -152,6 +152,28 @@ def test_redis_killed_mid_run_then_restarted_empty(own_redis, caplog):
     assert store.health.down_since is None
 
 
+def test_a_hung_redis_costs_one_timeout_then_nothing(own_redis):
+    import signal
+    import time
+
+    store = TieredStore(1 << 24, RedisBackend(own_redis.url, timeout_s=0.3), "fp-toy", min_backoff_s=5.0)
+    store.put("a", _toy_span(16))
+    store.remove("a")
+    own_redis.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        t0 = time.perf_counter()
+        assert "a" not in store  # one timeout
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(20):
+            assert "a" not in store  # backing off: the tier is skipped
+        rest_s = time.perf_counter() - t0
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+    assert 0.2 < first_s < 2.0 and rest_s < 0.1
+    assert {d.reason for d in store.take_decisions()} == {"tier unavailable"}
+
+
 def test_maxmemory_bounds_the_tier_and_the_memory_budget_holds(own_redis):
     own_redis.stop()
     own_redis.maxmemory = "3mb"
