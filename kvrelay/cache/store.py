@@ -346,6 +346,22 @@ class StoreView:
     def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...]) -> PrefixMatch | None:
         return self.store.match_prefix(fingerprint, token_ids, self.namespace)
 
+    def poll_published(self, fingerprint: str | None = None, include_own: bool = False) -> list:
+        return self.store.poll_published(self.namespace, fingerprint, include_own)
+
+    def set_compute_rate(self, token_layers_per_s: float | None) -> None:
+        self.store.set_compute_rate(token_layers_per_s)
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        self.store.set_fingerprint(fingerprint)
+
+    def take_decisions(self) -> list:
+        return self.store.take_decisions()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.store.budget_bytes
+
     @property
     def peak_bytes(self) -> int:
         return self.store.peak_bytes

@@ -223,3 +223,13 @@ def test_redact():
     assert redact("redis://:pw@host/0") == "redis://***@host/0"
     assert redact("redis://host:6379/0?password=pw&db=1") == "redis://host:6379/0?password=***&db=1"
     assert redact("disk:/tmp/x") == "disk:/tmp/x" and redact(None) == "memory"
+
+
+def test_a_namespace_view_reaches_the_tier_and_its_decisions():
+    backend = fake_backend()
+    TieredStore(1 << 24, backend, "fp").view("t").put("a", span())
+    view = TieredStore(1 << 24, backend, "fp").view("t")
+    view.set_compute_rate(1.0)
+    assert "a" in view and [p.span_id for p in view.poll_published()] == ["a"]
+    assert [(d.span_id, d.namespace, d.action) for d in view.take_decisions()] == [("a", "t", "fetch")]
+    assert KVStore(10).view("t").take_decisions() == []
