@@ -94,7 +94,10 @@ def encode_span(span: StoredSpan, span_id: str, namespace: str) -> tuple[bytes, 
 
 
 def decode_span(value: bytes | bytearray | memoryview, span_id: str, namespace: str, fingerprint: str) -> StoredSpan:
-    """The span in ``value``; WireError unless it is intact and is ``span_id`` of this namespace and model."""
+    """The span in ``value``; WireError unless it is intact and is ``span_id`` of this namespace and model.
+
+    A ``bytearray`` is taken over (the tensors are views of it, no copy); other buffers are copied.
+    """
     view = memoryview(value).cast("B")
     prefix = len(MAGIC) + 4
     if view.nbytes < prefix + _DIGEST_BYTES or bytes(view[: len(MAGIC)]) != MAGIC:
@@ -116,13 +119,19 @@ def decode_span(value: bytes | bytearray | memoryview, span_id: str, namespace: 
     if body.nbytes - payload_start != h["payload_bytes"]:
         raise WireError(f"span {span_id!r}: payload has {body.nbytes - payload_start} bytes, header says "
                         f"{h['payload_bytes']}")
-    payload = bytearray(body[payload_start:])  # one copy, so the tensors own writable memory
+    if isinstance(value, bytearray):  # writable already (a backend read into it): tensors share it
+        payload, base = value, payload_start
+    else:  # one copy, so the tensors own writable memory
+        payload, base = bytearray(body[payload_start:]), 0
     tensors = {}
     for t in h["tensors"]:
         dtype = _DTYPES.get(t["dtype"])
-        if dtype is None or t["offset"] + t["nbytes"] > len(payload):
+        if dtype is None or t["offset"] + t["nbytes"] > h["payload_bytes"]:
             raise WireError(f"span {span_id!r}: tensor {t['name']!r} has dtype {t['dtype']!r} or lies past the payload")
-        flat = torch.frombuffer(payload, dtype=torch.uint8, count=t["nbytes"], offset=t["offset"])
+        if not t["nbytes"]:
+            tensors[t["name"]] = torch.empty(t["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(payload, dtype=torch.uint8, count=t["nbytes"], offset=base + t["offset"])
         tensors[t["name"]] = flat.view(dtype).reshape(t["shape"])
     hidden = {int(name.split(".", 1)[1]): x for name, x in tensors.items() if name.startswith("hidden.")}
     try:

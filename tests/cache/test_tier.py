@@ -34,27 +34,29 @@ def fake_backend() -> RedisBackend:
 
 
 # ---------------------------------------------------------------------- wire
+@pytest.mark.parametrize("buffer", [bytes, bytearray])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_wire_round_trip_is_exact(dtype):
+def test_wire_round_trip_is_exact(dtype, buffer):
     s = span(dtype=dtype, start_pos=5)
     value, meta = encode_span(s, "a", "ns")
-    back = decode_span(value, "a", "ns", "fp")
+    back = decode_span(buffer(value), "a", "ns", "fp")
     assert back.token_ids == s.token_ids and back.start_pos == 5 and back.hidden_from == 4
     assert back.k.dtype == dtype and torch.equal(back.k, s.k) and torch.equal(back.v, s.v)
     assert torch.equal(back.hidden[1], s.hidden[1])
     assert (meta.num_tokens, meta.num_layers, meta.value_bytes) == (20, 3, len(value))
 
 
-def test_wire_rejects_every_truncation_and_bit_flip():
+@pytest.mark.parametrize("buffer", [bytes, bytearray])
+def test_wire_rejects_every_truncation_and_bit_flip(buffer):
     value, _ = encode_span(span(6), "a", "")
     for cut in range(0, len(value), 7):
         with pytest.raises(WireError):
-            decode_span(value[:cut], "a", "", "fp")
+            decode_span(buffer(value[:cut]), "a", "", "fp")
     for pos in range(0, len(value), 11):
         bad = bytearray(value)
         bad[pos] ^= 0x40
         with pytest.raises(WireError):
-            decode_span(bytes(bad), "a", "", "fp")
+            decode_span(buffer(bad), "a", "", "fp")
 
 
 @pytest.mark.parametrize("asked", [("b", "", "fp"), ("a", "other", "fp"), ("a", "", "other-model")])

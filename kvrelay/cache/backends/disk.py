@@ -46,11 +46,15 @@ class DiskBackend:
         self._write_atomic(key + ".v", value)
         self._write_atomic(key + ".m", meta)
 
-    def _read(self, name: str) -> bytes | None:
+    def _read(self, name: str) -> bytearray | None:
         try:
-            return (self.root / name).read_bytes()
+            with open(self.root / name, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)  # read straight into a writable buffer: decoding then copies nothing
+                num_read = f.readinto(buf)
         except FileNotFoundError:
             return None
+        return buf if num_read == size else buf[:num_read]
 
     def get_meta(self, key: str) -> bytes | None:
         return self._read(key + ".m")
