@@ -123,6 +123,8 @@ def hammer(store: KVStore, num_threads: int, num_ops_per_thread: int, seed: int)
                 store.check_invariants()
             except AssertionError:
                 violations[0] += 1
+            except Exception as e:  # noqa: BLE001 - e.g. a dict mutated while the check reads it
+                errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(num_threads)]
     watch = threading.Thread(target=watcher)
