@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -235,3 +236,49 @@ def test_a_namespace_view_reaches_the_tier_and_its_decisions():
     assert "a" in view and [p.span_id for p in view.poll_published()] == ["a"]
     assert [(d.span_id, d.namespace, d.action) for d in view.take_decisions()] == [("a", "t", "fetch")]
     assert KVStore(10).view("t").take_decisions() == []
+
+
+def test_threads_on_one_tiered_store(tmp_path):
+    """The memory tier's guarantees hold with the tier behind it: budget, pins, no stray errors."""
+    import random
+
+    from kvrelay.errors import KvRelayError
+
+    spans = [span(n) for n in range(4, 12)]
+    budget_bytes = 3 * max(s.nbytes for s in spans)
+    store = TieredStore(budget_bytes, DiskBackend(tmp_path), "fp")
+    store.put("pinned", spans[0], pin=True)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(500):
+            sid, ns = f"s{rng.randrange(6)}", rng.choice(["", "t"])
+            try:
+                kind = rng.randrange(4)
+                if kind == 0:
+                    store.put(sid, rng.choice(spans), namespace=ns)
+                elif kind == 1:
+                    store.contains(sid, ns)
+                elif kind == 2:
+                    store.get(sid, ns)
+                else:
+                    store.remove(sid, ns)
+                assert store.used_bytes <= budget_bytes
+            except KvRelayError:
+                pass
+            except BaseException as e:  # noqa: BLE001 - what the test looks for
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up quickly
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert errors == [] and store.is_pinned("pinned")
+    store.check_invariants()
