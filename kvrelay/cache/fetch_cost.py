@@ -115,6 +115,11 @@ class DecisionLog:
         self._local.items.append(decision)
         self.recent.append(decision)
 
+    def last(self) -> FetchDecision | None:
+        """This thread's latest decision not yet taken."""
+        items = getattr(self._local, "items", None)
+        return items[-1] if items else None
+
     def take(self) -> list[FetchDecision]:
         """This thread's decisions since the last ``take``, oldest first."""
         items = getattr(self._local, "items", [])

@@ -14,35 +14,23 @@ Spans published elsewhere are announced in the tier; ``poll_published`` and ``on
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from kvrelay.cache.announce import PublishedSpan, RemoteSpans, announcement
 from kvrelay.cache.backends.base import TierBackend, channel_key, redact, span_key
 from kvrelay.cache.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
-from kvrelay.cache.store import DEFAULT_NAMESPACE, KVStore, SpanLike, SpanNotFoundError
+from kvrelay.cache.store import DEFAULT_NAMESPACE, KVStore, PrefixMatch, SpanLike, SpanNotFoundError
 from kvrelay.cache.wire import SpanMeta, WireError, decode_span, encode_span
 from kvrelay.errors import ConfigError, StoreFullError
 
 log = logging.getLogger("kvrelay.tier")
-
-
-@dataclass(frozen=True)
-class PublishedSpan:
-    """A span some process put into the shared tier (what an index needs to find it by content)."""
-
-    span_id: str
-    namespace: str
-    fingerprint: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    origin: str  # the publishing store's id (``TieredStore.origin``)
 
 
 class _TierDown(Exception):
@@ -90,7 +78,8 @@ class TieredStore(KVStore):
     def __init__(self, budget_bytes: int, backend: TierBackend, fingerprint: str | None = None,
                  block_len: int = 16, namespace_budget_bytes: int | None = None,
                  compute_token_layers_per_s: float | None = None,
-                 min_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+                 min_backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 remote_prefix_poll_s: float | None = 1.0) -> None:
         super().__init__(budget_bytes, block_len, namespace_budget_bytes)
         self.backend = backend
         self.url = backend.url
@@ -100,6 +89,10 @@ class TieredStore(KVStore):
         self.health = TierHealth(backend.url, min_backoff_s, max_backoff_s)
         self.origin = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._cursors: dict[tuple[str, str], str | None] = {}
+        self._last_pull: dict[tuple[str, str], float] = {}
+        self.remote = RemoteSpans(self._hashes, block_len)
+        # match_prefix reads new announcements at most this often (None: never, memory prefixes only)
+        self.remote_prefix_poll_s = remote_prefix_poll_s
         self._listeners: list[tuple[str, Callable[[PublishedSpan], Any]]] = []
         self._poll_lock = threading.Lock()
 
@@ -218,8 +211,7 @@ class TieredStore(KVStore):
         except (WireError, AttributeError, TypeError) as e:  # not a tensor span: it stays in memory only
             log.warning("span %r is kept in memory only: %s", span_id, e)
             return evicted
-        message = json.dumps({"span_id": span_id, "token_ids": list(span.token_ids), "start_pos": span.start_pos,
-                              "origin": self.origin}).encode()
+        message = announcement(span_id, span.token_ids, span.start_pos, self.origin)
         try:
             self._tier("write", self.backend.put, span_key(namespace, span.fingerprint, span_id), value,
                        meta.to_bytes())
@@ -249,25 +241,40 @@ class TieredStore(KVStore):
         fp = fingerprint or self.fingerprint
         if fp is None:
             return []
+        self._pull(namespace, fp)
+        return [p for p in self.remote.take(namespace, fp) if include_own or p.origin != self.origin]
+
+    def _pull(self, namespace: str, fingerprint: str) -> None:
+        """Read new announcements into ``self.remote`` (queued for ``poll_published``, prefix-indexed)."""
         with self._poll_lock:
-            cursor = self._cursors.get((namespace, fp))
+            key = (namespace, fingerprint)
+            self._last_pull[key] = time.monotonic()
             try:
-                messages, cursor = self._tier("poll", self.backend.poll, channel_key(namespace, fp), cursor)
+                messages, cursor = self._tier("poll", self.backend.poll, channel_key(namespace, fingerprint),
+                                              self._cursors.get(key))
             except _TierDown:
-                return []
-            self._cursors[(namespace, fp)] = cursor
-        out = []
-        for raw in messages:
-            try:
-                m = json.loads(raw)
-                span = PublishedSpan(str(m["span_id"]), namespace, fp, tuple(int(t) for t in m["token_ids"]),
-                                     int(m["start_pos"]), str(m["origin"]))
-            except (ValueError, KeyError, TypeError):
-                log.warning("shared tier %s: unreadable announcement skipped", self.url)
-                continue
-            if include_own or span.origin != self.origin:
-                out.append(span)
-        return out
+                return
+            self._cursors[key] = cursor
+            self.remote.add(namespace, fingerprint, messages)
+
+    def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...],
+                     namespace: str = DEFAULT_NAMESPACE) -> PrefixMatch | None:
+        """The longest exact prefix in memory, or a longer one another process announced (fetched now,
+        if the cost model agrees)."""
+        best = super().match_prefix(fingerprint, token_ids, namespace)
+        if self.remote_prefix_poll_s is None or fingerprint != self.fingerprint:
+            return best
+        if time.monotonic() - self._last_pull.get((namespace, fingerprint), float("-inf")) >= self.remote_prefix_poll_s:
+            self._pull(namespace, fingerprint)
+        remote = self.remote.match(fingerprint, token_ids, namespace)
+        if remote is None or (best is not None and remote.num_tokens <= best.num_tokens):
+            return best
+        if self.contains(remote.span_id, namespace):
+            return remote
+        last = self.decisions.last()
+        if last is not None and last.action == "miss":
+            self.remote.forget(namespace, remote.span_id)  # gone from the tier: stop offering it
+        return best
 
     def on_published(self, callback: Callable[[PublishedSpan], Any], namespace: str = DEFAULT_NAMESPACE) -> None:
         """Call ``callback`` for each span of ``namespace`` published elsewhere, at every ``sync``."""

@@ -282,3 +282,27 @@ def test_threads_on_one_tiered_store(tmp_path):
         sys.setswitchinterval(old_interval)
     assert errors == [] and store.is_pinned("pinned")
     store.check_invariants()
+
+
+def test_match_prefix_finds_a_prefix_another_process_published():
+    backend = fake_backend()
+    TieredStore(1 << 24, backend, "fp").put("p", span(20))  # tokens 100..119 at position 0
+    b = TieredStore(1 << 24, backend, "fp", remote_prefix_poll_s=0.0)
+    query = list(range(100, 117)) + [1, 2]
+    m = b.match_prefix("fp", query)
+    assert (m.span_id, m.num_tokens) == ("p", 17) and "p" in b.ids()  # fetched into memory
+    assert [d.action for d in b.take_decisions()] == ["fetch"]
+    assert [p.span_id for p in b.poll_published()] == ["p"]  # the index still gets the announcement
+    assert b.match_prefix("fp", query, namespace="t") is None and b.match_prefix("other", query) is None
+    assert TieredStore(1 << 24, backend, "fp", remote_prefix_poll_s=None).match_prefix("fp", query) is None
+
+
+def test_a_remote_prefix_gone_from_the_tier_is_forgotten():
+    backend = fake_backend()
+    a = TieredStore(1 << 24, backend, "fp")
+    a.put("p", span(20))
+    a.delete_from_tier("p")
+    b = TieredStore(1 << 24, backend, "fp", remote_prefix_poll_s=0.0)
+    query = list(range(100, 120))
+    assert b.match_prefix("fp", query) is None and b.remote.match("fp", query, "") is None
+    assert b.take_decisions()[0].reason == "not in the tier"

@@ -34,7 +34,7 @@ def _engine(url: str | None, namespace: str):
 
     lm = tiny_lm("llama2")
     store = open_store(url, 1 << 26, fingerprint=lm.fingerprint)
-    return Engine(lm, store.view(namespace), methods=("full", *METHODS)), store
+    return Engine(lm, store.view(namespace), methods=("full", "prefix", *METHODS)), store
 
 
 def _upstream(engine):
@@ -46,15 +46,20 @@ def _upstream(engine):
     return out.output_ids
 
 
-def _downstream(engine, up_output_ids: list[int]) -> dict[str, torch.Tensor]:
+def _downstream(engine, up_output_ids: list[int]) -> tuple[dict[str, torch.Tensor], int]:
+    """First-token logits of the downstream calls, and how many tokens the prefix call reused."""
     from kvrelay.engine.engine import GenerateOptions
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.reuse.base import CallInput, SpanRef
 
+    opts = GenerateOptions(SamplingConfig(max_new_tokens=1))
+    # first, so that the span is found through the tier's announcements (not already in memory)
+    continued = engine.generate(UP_PROMPT + list(up_output_ids) + [10, 11, 12], "prefix", opts)
     prompt = [7, 8, 9] + list(up_output_ids) + [10, 11, 12]
     ref = SpanRef(3, 3 + len(up_output_ids), "agent-a", len(UP_PROMPT), "output")
-    opts = GenerateOptions(SamplingConfig(max_new_tokens=1))
-    return {m: engine.generate(CallInput(prompt, [ref]), m, opts).first_logits for m in ("full", *METHODS)}
+    logits = {m: engine.generate(CallInput(prompt, [ref]), m, opts).first_logits for m in ("full", *METHODS)}
+    logits["prefix"] = continued.first_logits
+    return logits, continued.stats.num_reused_tokens
 
 
 def _run_agent(*args: str) -> str:
@@ -74,17 +79,18 @@ def _toy_span(n: int, fingerprint: str = "fp-toy", num_layers: int = 2) -> Store
 def test_two_processes_relay_decode_kv_through_redis(redis_url, tmp_path):
     logits_path = tmp_path / "b.pt"
     up_ids = json.loads(_run_agent("upstream", redis_url, "team"))
-    decisions = json.loads(_run_agent("downstream", redis_url, "team", json.dumps(up_ids), str(logits_path)))
+    report = json.loads(_run_agent("downstream", redis_url, "team", json.dumps(up_ids), str(logits_path)))
     got = torch.load(logits_path)
 
-    engine, _ = _engine(None, "team")  # the same two calls in one process, on a memory store
+    engine, _ = _engine(None, "team")  # the same calls in one process, on a memory store
     assert _upstream(engine) == up_ids
-    want = _downstream(engine, up_ids)
-    assert decisions and decisions[0]["action"] == "fetch" and decisions[0]["span_id"] == "agent-a"
+    want, prefix_reused = _downstream(engine, up_ids)
+    assert [(d["span_id"], d["action"]) for d in report["decisions"]] == [("agent-a", "fetch")]
+    assert report["prefix_reused"] == prefix_reused == len(UP_PROMPT) + len(up_ids)
     for m in METHODS:
         assert not torch.equal(want[m], want["full"])  # reuse changes the logits: a miss would show
+    for m in ("full", "prefix", *METHODS):
         assert torch.equal(got[m], want[m]), m
-    assert torch.equal(got["full"], want["full"])
 
 
 def test_namespaces_and_models_are_isolated_across_processes(redis_url):
@@ -135,7 +141,7 @@ def test_redis_killed_mid_run_then_restarted_empty(own_redis, caplog):
     own_redis.stop()
     with caplog.at_level(logging.WARNING, logger="kvrelay.tier"):
         for _ in range(3):  # answered as if nothing were stored: every reuse method falls back to new tokens
-            out = _downstream(engine, up_ids)
+            out, _ = _downstream(engine, up_ids)
             assert all(torch.equal(out[m], out["full"]) for m in METHODS)
         _upstream(engine)  # a publish while the tier is down keeps the span in memory
     assert "agent-a" in store and store.used_bytes <= store.budget_bytes
@@ -212,5 +218,6 @@ if __name__ == "__main__":
         print(json.dumps(_upstream(_engine(url, namespace)[0])))
     else:
         engine, store = _engine(url, namespace)
-        torch.save(_downstream(engine, json.loads(rest[0])), rest[1])
-        print(json.dumps([d.__dict__ for d in store.take_decisions()]))
+        logits, prefix_reused = _downstream(engine, json.loads(rest[0]))
+        torch.save(logits, rest[1])
+        print(json.dumps({"decisions": [d.__dict__ for d in store.take_decisions()], "prefix_reused": prefix_reused}))
