@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvrelay.cache.announce import PublishedSpan, RemoteSpans, announcement
-from kvrelay.cache.backends.base import TierBackend, channel_key, redact, span_key
+from kvrelay.cache.backends.base import TierBackend, TierRefusedError, channel_key, redact, span_key
 from kvrelay.cache.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
 from kvrelay.cache.store import DEFAULT_NAMESPACE, KVStore, PrefixMatch, SpanLike, SpanNotFoundError
 from kvrelay.cache.wire import SpanMeta, WireError, decode_span, encode_span
@@ -114,6 +114,9 @@ class TieredStore(KVStore):
             raise _TierDown
         try:
             out = fn(*args)
+        except TierRefusedError as e:  # the tier is up: this operation alone failed
+            log.warning("shared tier %s: %s", self.url, e)
+            raise _TierDown("tier refused") from None
         except Exception as e:  # any failure of the tier is a miss, never a failed request
             self.health.failure(what, e)
             raise _TierDown from None
@@ -134,8 +137,8 @@ class TieredStore(KVStore):
             t0 = time.perf_counter()
             raw_meta = self._tier("read metadata", self.backend.get_meta, key)
             self.cost.observe_latency(time.perf_counter() - t0)
-        except _TierDown:
-            self._miss(span_id, namespace, "tier unavailable")
+        except _TierDown as e:
+            self._miss(span_id, namespace, str(e) or "tier unavailable")
             return None
         if raw_meta is None:
             self._miss(span_id, namespace, "not in the tier")
@@ -160,8 +163,8 @@ class TieredStore(KVStore):
         t0 = time.perf_counter()
         try:
             value = self._tier("read value", self.backend.get_value, key)
-        except _TierDown:
-            self.decisions.record(replace(decision, action="miss", reason="tier unavailable"))
+        except _TierDown as e:
+            self.decisions.record(replace(decision, action="miss", reason=str(e) or "tier unavailable"))
             return None
         if value is None:
             self.decisions.record(replace(decision, action="miss", reason="value gone from the tier (evicted)"))

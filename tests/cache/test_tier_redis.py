@@ -197,6 +197,45 @@ def test_maxmemory_bounds_the_tier_and_the_memory_budget_holds(own_redis):
     assert store.health.num_failures == 0 and reader.health.num_failures == 0
 
 
+def test_large_values_go_in_chunks_and_a_lost_chunk_is_a_miss(redis_url):
+    writer = TieredStore(1 << 24, RedisBackend(redis_url, chunk_bytes=4096), "fp-toy")
+    writer.put("big", _toy_span(64))  # ~22 KB: 6 chunks
+    raw = RedisBackend(redis_url).client
+    vkey = PREFIX + span_key("", "fp-toy", "big") + ":v"
+    head = raw.get(vkey)
+    assert head.startswith(b"KVRCHUNK") and int(head[8:]) >= 3
+    assert raw.exists(f"{vkey}:{int(head[8:]) - 1}") and not raw.exists(f"{vkey}:{int(head[8:])}")
+    reader = TieredStore(1 << 24, RedisBackend(redis_url), "fp-toy")  # any chunk size reads it
+    assert torch.equal(reader.get("big").v, _toy_span(64).v)
+    reader.remove("big")
+    raw.delete(vkey + ":2")  # as if the LRU had evicted one chunk
+    assert "big" not in reader
+    assert reader.take_decisions()[-1].reason == "value gone from the tier (evicted)"
+    assert writer.delete_from_tier("big") and not raw.keys(PREFIX + span_key("", "fp-toy", "big") + "*")
+
+
+def test_a_refused_write_is_a_warning_not_an_outage(redis_url, caplog):
+    import redis
+
+    class RefusingPipeline:
+        def set(self, *_args, **_kwargs) -> None:
+            pass
+
+        def execute(self) -> None:
+            raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+
+    backend = RedisBackend(redis_url)
+    store = TieredStore(1 << 24, backend, "fp-toy")
+    real_pipeline = backend.client.pipeline
+    backend.client.pipeline = lambda **_kwargs: RefusingPipeline()
+    with caplog.at_level(logging.WARNING, logger="kvrelay.tier"):
+        store.put("a", _toy_span(8))
+    backend.client.pipeline = real_pipeline
+    assert "refused" in caplog.text and store.health.down_since is None
+    store.put("b", _toy_span(9))  # no backoff: the next write goes through
+    assert TieredStore(1 << 24, RedisBackend(redis_url), "fp-toy").contains("b")
+
+
 def test_bad_urls_never_print_credentials(caplog):
     from kvrelay.errors import ConfigError
 

@@ -6,6 +6,8 @@ import hashlib
 import re
 from typing import Protocol
 
+from kvrelay.errors import KvRelayError
+
 KEY_VERSION = "v1"
 
 
@@ -35,11 +37,16 @@ def redact(url: str | None) -> str:
     return re.sub(r"(?i)([?&](?:password|pass|pwd|token)=)[^&]*", r"\1***", out)
 
 
+class TierRefusedError(KvRelayError):
+    """The tier answered but refused one operation (out of memory, a value too large): it is not down."""
+
+
 class TierBackend(Protocol):
     """Bytes under keys, shared by every process that opens the same URL.
 
     Every method may raise (OSError, a client's error): the tiered store turns that into a miss,
-    logs it once and backs off; a backend never has to be defensive itself.
+    logs it once and backs off; a backend never has to be defensive itself. ``TierRefusedError``
+    says the tier is up but refused this one operation: a warning, no backoff.
     """
 
     url: str  # redacted
