@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -31,6 +32,7 @@ from kvrelay.cache.wire import SpanMeta, WireError, decode_span, encode_span
 from kvrelay.errors import ConfigError, StoreFullError
 
 log = logging.getLogger("kvrelay.tier")
+_MAX_UNWRITTEN = 100_000  # spans remembered for writing once the tier is back (oldest forgotten first)
 
 
 class _TierDown(Exception):
@@ -90,6 +92,7 @@ class TieredStore(KVStore):
         self.origin = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._cursors: dict[tuple[str, str], str | None] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
+        self._unwritten: OrderedDict[tuple[str, str], None] = OrderedDict()  # put while the tier was down
         self.remote = RemoteSpans(self._hashes, block_len)
         # match_prefix reads new announcements at most this often (None: never, memory prefixes only)
         self.remote_prefix_poll_s = remote_prefix_poll_s
@@ -209,19 +212,55 @@ class TieredStore(KVStore):
         evicted = super().put(span_id, span, pin, namespace)
         if self.fingerprint is None:
             self.fingerprint = span.fingerprint
+        if self._write_through(span_id, span, namespace):
+            self.flush_unwritten()
+        return evicted
+
+    def _write_through(self, span_id: str, span: SpanLike, namespace: str) -> bool:
+        """Write and announce ``span`` in the tier; False (and remembered for later) when the tier is down."""
         try:
             value, meta = encode_span(span, span_id, namespace)
         except (WireError, AttributeError, TypeError) as e:  # not a tensor span: it stays in memory only
             log.warning("span %r is kept in memory only: %s", span_id, e)
-            return evicted
+            return True
         message = announcement(span_id, span.token_ids, span.start_pos, self.origin)
         try:
             self._tier("write", self.backend.put, span_key(namespace, span.fingerprint, span_id), value,
                        meta.to_bytes())
             self._tier("announce", self.backend.announce, channel_key(namespace, span.fingerprint), message)
-        except _TierDown:
-            pass  # logged by the health tracker; the span still serves this process from memory
-        return evicted
+        except _TierDown as e:
+            with self._lock:
+                if str(e) == "tier refused":  # this span will not fit: give up on it
+                    self._unwritten.pop((namespace, span_id), None)
+                else:  # down: write it when the tier is back, if it is still in memory then
+                    self._unwritten[(namespace, span_id)] = None
+                    while len(self._unwritten) > _MAX_UNWRITTEN:
+                        self._unwritten.popitem(last=False)
+            return False
+        with self._lock:
+            self._unwritten.pop((namespace, span_id), None)
+        return True
+
+    def flush_unwritten(self) -> int:
+        """Write the spans published while the tier was down (those still in memory); returns how many.
+
+        Runs after every successful write-through and at ``sync``, so a tier that comes back (or a
+        Redis restarted empty) gets them without anyone asking.
+        """
+        written = 0
+        while True:
+            with self._lock:
+                if not self._unwritten:
+                    return written
+                namespace, span_id = next(iter(self._unwritten))
+                rec = self._spaces.get(namespace, {}).get(span_id)
+                if rec is None:  # evicted or removed meanwhile: nothing to write
+                    del self._unwritten[(namespace, span_id)]
+                    continue
+            if self._write_through(span_id, rec.span, namespace):
+                written += 1
+            elif (namespace, span_id) in self._unwritten:  # the tier is down again: later
+                return written
 
     def delete_from_tier(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         """Remove a span from the shared tier (``remove`` only frees this process's memory copy)."""
@@ -284,7 +323,9 @@ class TieredStore(KVStore):
         self._listeners.append((namespace, callback))
 
     def sync(self) -> int:
-        """Poll the announcements of every namespace with a listener; returns how many were delivered."""
+        """Write what waits for the tier, then poll the announcements of every namespace with a listener;
+        returns how many announcements were delivered."""
+        self.flush_unwritten()
         delivered = 0
         for namespace in dict.fromkeys(ns for ns, _ in self._listeners):
             for span in self.poll_published(namespace):

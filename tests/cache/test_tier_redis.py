@@ -148,14 +148,17 @@ def test_redis_killed_mid_run_then_restarted_empty(own_redis, caplog):
     assert {d.reason for d in store.take_decisions()} == {"tier unavailable"}
     down = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(down) == 1  # logged once, not per request
-    store.remove("agent-a")
     own_redis.start()  # same port, empty
     import time
 
     time.sleep(0.2)  # past the backoff
-    assert "agent-a" not in store  # reconnects; a miss, no error
+    assert "never-published" not in store  # reconnects; a miss, no error
     assert [d.reason for d in store.take_decisions()][-1] == "not in the tier"
     assert store.health.down_since is None
+    fresh = TieredStore(1 << 26, RedisBackend(own_redis.url), lm.fingerprint)
+    assert "agent-a" not in fresh
+    store.sync()  # the span published while the tier was down reaches it now
+    assert "agent-a" in fresh
 
 
 def test_a_hung_redis_costs_one_timeout_then_nothing(own_redis):
