@@ -119,6 +119,15 @@ def test_disk_failed_write_leaves_no_file(tmp_path, monkeypatch):
     assert "new" not in reader and "old" in reader
 
 
+def test_disk_removes_temporaries_of_killed_writers_only(tmp_path):
+    stale, live = tmp_path / ".tmp-stale", tmp_path / ".tmp-live"
+    stale.write_bytes(b"half a span")
+    live.write_bytes(b"being written")
+    os.utime(stale, (0, 0))
+    DiskBackend(tmp_path)
+    assert not stale.exists() and live.exists()
+
+
 def test_disk_corrupt_file_is_a_miss_with_a_warning(tmp_path, caplog):
     TieredStore(1 << 20, DiskBackend(tmp_path), "fp").put("a", span())
     path = tmp_path / (span_key("", "fp", "a") + ".v")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from kvrelay.errors import ConfigError
@@ -28,6 +29,17 @@ class DiskBackend:
             raise ConfigError(f"disk store directory {str(self.root)!r} is not writable")
         self.url = f"disk:{self.root}"
         self.fsync = fsync  # durable across power loss too (slower puts); a process restart needs none
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self, min_age_s: float = 600.0) -> None:
+        """Temporary files of writers killed mid-write (a live writer renames its file within seconds)."""
+        now = time.time()
+        for tmp in self.root.glob(".tmp-*"):
+            try:
+                if now - tmp.stat().st_mtime > min_age_s:
+                    tmp.unlink()
+            except OSError:  # another process removed or renamed it first
+                pass
 
     def _write_atomic(self, name: str, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
