@@ -281,7 +281,7 @@ class KVStore:
             return best
 
     # ------------------------------------------------------------------ the shared tier's hooks
-    # A memory-only store has no tier: these keep one calling code for every store (see cache.tier).
+    # A memory-only store has no tier: these keep one calling code for every store (see kvrelay.tier).
     def set_compute_rate(self, token_layers_per_s: float | None) -> None:
         """The engine's prefill rate, for the fetch-or-recompute decision (no tier: nothing to decide)."""
 

@@ -12,15 +12,15 @@ import fakeredis
 import pytest
 import torch
 
-from kvrelay.cache.backends.base import redact, span_key
-from kvrelay.cache.backends.disk import DiskBackend
-from kvrelay.cache.backends.redis import RedisBackend
-from kvrelay.cache.fetch_cost import FetchCostModel
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
-from kvrelay.cache.tier import TieredStore, open_store
-from kvrelay.cache.wire import WireError, decode_span, encode_span
 from kvrelay.errors import ConfigError
+from kvrelay.tier.backends.base import redact, span_key
+from kvrelay.tier.backends.disk import DiskBackend
+from kvrelay.tier.backends.redis import RedisBackend
+from kvrelay.tier.fetch_cost import FetchCostModel
+from kvrelay.tier.tiered import TieredStore, open_store
+from kvrelay.tier.wire import WireError, decode_span, encode_span
 
 
 def span(n: int = 20, fp: str = "fp", dtype: torch.dtype = torch.float32, start_pos: int = 0) -> StoredSpan:

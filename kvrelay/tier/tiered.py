@@ -24,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvrelay.cache.announce import PublishedSpan, RemoteSpans, announcement
-from kvrelay.cache.backends.base import TierBackend, TierRefusedError, channel_key, redact, span_key
-from kvrelay.cache.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
 from kvrelay.cache.store import DEFAULT_NAMESPACE, KVStore, PrefixMatch, SpanLike, SpanNotFoundError
-from kvrelay.cache.wire import SpanMeta, WireError, decode_span, encode_span
 from kvrelay.errors import ConfigError, StoreFullError
+from kvrelay.tier.announce import PublishedSpan, RemoteSpans, announcement
+from kvrelay.tier.backends.base import TierBackend, TierRefusedError, channel_key, redact, span_key
+from kvrelay.tier.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
+from kvrelay.tier.wire import SpanMeta, WireError, decode_span, encode_span
 
 log = logging.getLogger("kvrelay.tier")
 _MAX_UNWRITTEN = 100_000  # spans remembered for writing once the tier is back (oldest forgotten first)
@@ -354,14 +354,14 @@ def open_store(url: str | None, budget_bytes: int, *, fingerprint: str | None = 
         return KVStore(budget_bytes, block_len, namespace_budget_bytes)
     url = url.strip()
     if url.startswith("disk:"):
-        from kvrelay.cache.backends.disk import DiskBackend
+        from kvrelay.tier.backends.disk import DiskBackend
 
         path = url[len("disk:"):]
         if not path:
             raise ConfigError("store URL 'disk:' needs a directory: disk:PATH")
         backend: TierBackend = DiskBackend(path)
     elif url.startswith(("redis://", "rediss://", "unix://")):
-        from kvrelay.cache.backends.redis import RedisBackend
+        from kvrelay.tier.backends.redis import RedisBackend
 
         backend = RedisBackend(url, timeout_s=timeout_s)
     else:

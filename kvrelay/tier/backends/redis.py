@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import redis
 
-from kvrelay.cache.backends.base import TierRefusedError, redact
 from kvrelay.errors import ConfigError
+from kvrelay.tier.backends.base import TierRefusedError, redact
 
 PREFIX = "kvrelay:"
 CHUNKED = b"KVRCHUNK"  # a value stored in chunks: this marker and the chunk count (a span starts "KVRSPAN1")

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.cache.backends.base import span_key
-from kvrelay.cache.backends.redis import PREFIX, RedisBackend
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
-from kvrelay.cache.tier import TieredStore, open_store
+from kvrelay.tier.backends.base import span_key
+from kvrelay.tier.backends.redis import PREFIX, RedisBackend
+from kvrelay.tier.tiered import TieredStore, open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 UP_PROMPT = list(range(40, 80))
