@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
@@ -33,9 +34,21 @@ def setup():
     return lm, store, call, full
 
 
-def _run(setup, spec):
+ONE = SamplingConfig(max_new_tokens=1)
+SPAN = slice(7, 31)  # the span's prompt rows in the setup's call
+SRC = slice(20, 44)  # the same tokens' rows in the upstream span
+
+
+def _run(setup, spec, keep_cache=False):
     lm, store, call, _ = setup
-    return generate(lm, call, get_method(spec), store, SamplingConfig(max_new_tokens=1))
+    return generate(lm, call, get_method(spec), store, ONE, keep_cache=keep_cache)
+
+
+def _recomputed_rows(out_v: torch.Tensor, span_v: torch.Tensor, layer: int) -> set[int]:
+    """Span rows (0-based) whose V at ``layer`` is not the stored span's: the forward computed them there.
+    out_v: [num_layers, Hkv, n, hd] over the span's prompt rows; span_v: the same rows of the stored span.
+    V carries no position, so a row only loaded is bit-equal to the stored one."""
+    return {i for i in range(out_v.shape[2]) if not torch.equal(out_v[layer, :, i], span_v[layer, :, i])}
 
 
 def test_naive_reuses_every_span_token_and_recomputes_nothing(setup):
@@ -52,18 +65,44 @@ def test_relay_with_every_token_selected_reproduces_full(setup):
     assert out.stats.recompute_frac == 1.0
 
 
-def test_relay_with_empty_band_and_no_selection_equals_naive(setup):
-    naive = _run(setup, "naive")
-    out = _run(setup, f"relay[l_start={L},l_det={L},l_end={L},tau_dev=1e9,tau_inf=1e9,l_suf=0]")
-    torch.testing.assert_close(out.first_logits, naive.first_logits, atol=0, rtol=0)
-    assert out.stats.num_computed_token_layers == naive.stats.num_computed_token_layers
+def test_relay_from_l_start_with_the_prompts_own_carried_state_reproduces_full(setup):
+    """The carried-hidden-state path: every span token enters at L_start = 2 and stays to the top. Given the
+    K/V (layers 0-1) and layer-2 input that this very prompt gives the span, stored 13 positions away (so
+    the keys are re-rotated on load), relay is full up to float rounding."""
+    lm, _, call, full = setup
+    own = generate(lm, call, "full", None, ONE, capture_layers=(2,), keep_cache=True)
+    shift = 13
+    span = StoredSpan(tuple(call.prompt_ids[SPAN]), SPAN.start + shift,
+                      lm.model.rope.shift_keys(own.cache.k[:, :, SPAN], shift), own.cache.v[:, :, SPAN].clone(),
+                      lm.fingerprint, {2: own.prompt_hidden[2][SPAN].clone()})
+    store = KVStore(1 << 30)
+    store.put("own", span)
+    oracle = CallInput(call.prompt_ids, [SpanRef(SPAN.start, SPAN.stop, "own", 0, "output")])
+    every = get_method(f"relay[l_start=2,l_det=2,l_end={L - 1},tau_dev=1e9,tau_inf=1e9,l_suf=1000]")
+    out = generate(lm, oracle, every, store, ONE)
+    assert out.stats.note is None and out.stats.num_shifted_tokens == 24
+    assert out.stats.num_computed_token_layers == 12 * L + 24 * (L - 2)  # every span token at layers 2-3
+    torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-5, rtol=0)
+    # with the state the *upstream* carried (its context, not this prompt's), layers 0-1 of the span and its
+    # layer-2 input are the upstream's: relay is not full, by what those layers leave unrepaired
+    upstream = _run(setup, f"relay[l_start=2,l_det=2,l_end={L - 1},tau_dev=1e9,tau_inf=1e9,l_suf=1000]")
+    assert upstream.stats.num_computed_token_layers == out.stats.num_computed_token_layers
+    assert (upstream.first_logits - full.first_logits).abs().max() > 1e-3
 
 
 def test_relay_enters_at_l_start_from_carried_hidden_states(setup):
-    # band [2, 2]: nothing selected, so span tokens are computed at layer 2 only (entering from hidden states)
-    out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]")
+    """Band [2, 2], nothing selected: span tokens are computed at layer 2 only, from the hidden state the
+    upstream carried into layer 2. That recomputes exactly the K/V the upstream had there, so the call is
+    naive's, token for token."""
+    lm, store, _, _ = setup
+    out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]", keep_cache=True)
+    naive = _run(setup, "naive", keep_cache=True)
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 1
     assert out.stats.note is None
+    assert _recomputed_rows(out.cache.v[:, :, SPAN], store.get("up").v[:, :, SRC], 2) == set(range(24))
+    torch.testing.assert_close(out.cache.k[:, :, SPAN], naive.cache.k[:, :, SPAN], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.cache.v[:, :, SPAN], naive.cache.v[:, :, SPAN], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.first_logits, naive.first_logits, atol=1e-5, rtol=0)
     # with everything selected from layer 2 on, layers 2-3 of the span are recomputed: 2 of 4 layers
     out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=0,tau_inf=0]")
     assert out.stats.recompute_frac == 0.5
@@ -92,16 +131,41 @@ def test_relay_l_pre_keeps_each_span_opening_through_the_band(setup):
         get_method("relay[l_pre=-1]")
 
 
-def test_epic_recomputes_the_first_k_tokens_of_each_span(setup):
-    out = _run(setup, "epic[k=5]")
-    assert out.stats.num_computed_token_layers == (12 + 5) * L
-    assert out.stats.recompute_frac == pytest.approx(5 / 24)
+def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup):
+    """Two spans (an upstream prompt piece and its output): the rows epic computed, at every layer above 0,
+    are the first k = 5 of each span and no other."""
+    lm, store, call, _ = setup
+    up = store.get("up")
+    head, mid, tail = call.prompt_ids[:7], [250, 251, 252, 253], call.prompt_ids[31:]
+    ids = head + list(up.token_ids[3:13]) + mid + call.prompt_ids[SPAN] + tail  # spans at [7, 17) and [21, 45)
+    two = CallInput(ids, [SpanRef(7, 17, "up", 3, "input"), SpanRef(21, 45, "up", 20, "output")])
+    out = generate(lm, two, get_method("epic[k=5]"), store, ONE, keep_cache=True)
+    assert out.stats.num_reused_tokens == 34
+    assert out.stats.num_computed_token_layers == (16 + 5 + 5) * L
+    assert out.stats.recompute_frac == pytest.approx(10 / 34)
+    rows = torch.cat([torch.arange(7, 17), torch.arange(21, 45)])
+    stored = torch.cat([up.v[:, :, 3:13], up.v[:, :, SRC]], dim=2)
+    heads = set(range(5)) | {10 + i for i in range(5)}  # span rows, in the order of ``rows``
+    for layer in range(1, L):  # layer 0's V depends on the token only: recomputed or not, it is the same
+        assert _recomputed_rows(out.cache.v[:, :, rows], stored, layer) == heads
 
 
-def test_cacheblend_keeps_the_top_r_after_the_check_layer(setup):
-    out = _run(setup, "cacheblend[check_layer=1,ratio=0.25]")
+def test_cacheblend_keeps_exactly_the_most_deviating_tokens(setup):
+    """At the check layer (1) every token is computed, so the fresh V is full's; the deviation of each span
+    token is ||V_full - V_upstream|| there. The tokens recomputed above it must be the top 25% of those."""
+    lm, store, call, _ = setup
+    up = store.get("up")
+    full = generate(lm, call, "full", store, ONE, keep_cache=True)
+    dev = (full.cache.v[1, :, SPAN] - up.v[1, :, SRC]).pow(2).sum(dim=(0, 2)).sqrt()  # [24]
+    ranked = dev.sort(descending=True).values
+    assert ranked[5] - ranked[6] > 1e-4  # the 6th and 7th are far apart: float noise cannot swap them
+    top = set(dev.topk(6).indices.tolist())
+    out = _run(setup, "cacheblend[check_layer=1,ratio=0.25]", keep_cache=True)
     # all 24 span tokens at layers 0-1, then 6 (25%) at layers 2-3
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 2 + 6 * 2
+    torch.testing.assert_close(out.cache.v[1, :, SPAN], full.cache.v[1, :, SPAN], atol=1e-6, rtol=0)
+    for layer in (2, 3):
+        assert _recomputed_rows(out.cache.v[:, :, SPAN], up.v[:, :, SRC], layer) == top
 
 
 def test_cacheblend_with_full_ratio_reproduces_full(setup):
