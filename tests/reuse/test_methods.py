@@ -203,3 +203,63 @@ def test_bad_method_parameters():
 def test_zero_deviation_selects_nothing():
     zeros = torch.zeros(4)
     assert not select_tokens(zeros, zeros, torch.zeros(4, dtype=torch.bool), 1.5, 1.45).any()
+
+
+KVCOMM_XFAIL = pytest.mark.xfail(strict=True, reason=(
+    "measured on these calls: kvcomm reuses on the last problem's 2 calls only (cold pools: 2 anchors per "
+    "placeholder first), with KL 0.073 and 0.038 against naive's 0.020 and 0.025"))
+REPAIRING = ("cacheblend", "epic", "relay", pytest.param("kvcomm", marks=KVCOMM_XFAIL))
+NUM_PROBLEMS = 4  # kvcomm needs 2 anchors per placeholder before its gate lets it reuse
+
+
+@pytest.fixture(scope="module")
+def smollm2_kls() -> tuple[dict[str, list[float]], list[bool]]:
+    """First-token KL(full || method) on the downstream calls of 4 gsm8k-chain3 problems (GSM8K test_dev,
+    outputs capped at 64 tokens), on the real model, and which calls kvcomm reused on (it learns from its own
+    dense prefills: its first problems' calls fall back to full, later ones reuse where its gate lets them)."""
+    from dataclasses import replace
+
+    from kvrelay.eval.fidelity import kl_first_token
+    from kvrelay.model.loader import load_model
+    from kvrelay.pipeline.runner import PipelineRunner
+    from kvrelay.pipeline.workloads import get_workload
+
+    lm = load_model("smollm2-135m")
+    wl = get_workload("gsm8k-chain3")
+    spec = replace(wl.spec, agents=tuple(replace(a, max_new_tokens=64) for a in wl.spec.agents))
+    methods = {name: get_method(name) for name in ("cacheblend", "epic", "relay", "kvcomm", "naive")}
+    capture = tuple(sorted({layer for m in methods.values() for layer in m.capture_layers(lm)}))
+    kls: dict[str, list[float]] = {name: [] for name in methods}
+    kvcomm_reused: list[bool] = []
+    for problem in wl.problems(None, NUM_PROBLEMS):
+        store = KVStore(4 << 30)
+
+        def probe(agent, call, position, store=store):
+            if not any(r.kind == "output" for r in call.refs):
+                return
+            full = generate(lm, call, "full", store, ONE).first_logits
+            for name, method in methods.items():
+                out = generate(lm, call, method, store, ONE)
+                assert out.stats.note is None  # relay's spans carry their hidden state at L_start
+                kls[name].append(kl_first_token(full, out.first_logits))
+                if name == "kvcomm":
+                    kvcomm_reused.append(out.stats.fallback is None)
+
+        PipelineRunner(lm, spec, store, run_id=problem.problem_id, capture_layers=capture).run(
+            problem.inputs, "full", before_call=probe)
+    print({name: [f"{kl:.2e}" for kl in values] for name, values in kls.items()}, kvcomm_reused)
+    assert len(kls["naive"]) == 2 * NUM_PROBLEMS and min(kls["naive"]) > 1e-3  # naive is off on every call
+    assert any(kvcomm_reused)
+    return kls, kvcomm_reused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", REPAIRING)
+def test_every_repairing_method_is_at_least_as_faithful_as_naive_on_smollm2(smollm2_kls, method):
+    """The fidelity claim on the real model, as the bench measures it: the mean first-token KL against full
+    over a fixed set of calls is no higher than naive's (per call it does not hold for every method). For
+    kvcomm, over the calls it reused on: its fallbacks are full prefills (KL 0) and would hide its error."""
+    kls, kvcomm_reused = smollm2_kls
+    calls = [i for i, reused in enumerate(kvcomm_reused) if reused or method != "kvcomm"]
+    kl, naive = [kls[method][i] for i in calls], [kls["naive"][i] for i in calls]
+    assert sum(kl) / len(kl) <= sum(naive) / len(naive), f"{method}: {kl} vs naive {naive}"
