@@ -20,7 +20,7 @@ import torch
 
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import generate
+from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingConfig
@@ -31,6 +31,12 @@ from kvrelay.reuse.relay import RelayMethod
 from kvrelay.reuse.spans import collect_reuse
 
 ONE = SamplingConfig(max_new_tokens=1)
+
+
+def generate(lm, call, method, store, sampling, capture_layers=(), keep_cache=False):
+    """One call on a fresh engine carrying ``capture_layers`` (besides what the method asks for)."""
+    options = GenerateOptions(sampling, keep_cache=keep_cache)
+    return Engine(lm, store, capture_layers=capture_layers).generate(call, method, options)
 SHIFT = 37  # positions the shifted oracle span is stored at, away from where it is loaded
 
 
@@ -89,8 +95,8 @@ def main() -> None:
 
     for problem in wl.problems(None, args.problems):  # the default data: GSM8K test_dev
         store = KVStore(8 << 30)
-        runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id,
-                                capture_layers=tuple(x for x in layers if x > 0))
+        runner = PipelineRunner(Engine(lm, store, capture_layers=tuple(x for x in layers if x > 0)), wl.spec,
+                                run_id=problem.problem_id)
 
         def probe(agent, call, position, store=store, pid=problem.problem_id):
             if not any(r.kind == "output" for r in call.refs):

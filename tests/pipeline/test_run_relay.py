@@ -6,7 +6,6 @@ spans without those states, so relay silently recomputes them from layer 0 (``st
 tokens): correct output, but the reuse the method exists for is lost.
 """
 
-import pytest
 
 from kvrelay import cli
 from kvrelay.pipeline import runner as runner_module
@@ -30,7 +29,6 @@ agents:
 RELAY = "relay[l_start=1,l_det=2,l_end=3]"  # random:tiny has 4 layers and no profile: the layers are given
 
 
-@pytest.mark.xfail(strict=True, reason="runner capture layers: fixed by the Engine migration")
 def test_kvrelay_run_with_relay_recomputes_nothing_from_layer_0(tmp_path, monkeypatch, capsys):
     path = tmp_path / "chain3.yaml"
     path.write_text(PIPELINE)

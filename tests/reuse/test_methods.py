@@ -219,6 +219,7 @@ def smollm2_kls() -> tuple[dict[str, list[float]], list[bool]]:
     dense prefills: its first problems' calls fall back to full, later ones reuse where its gate lets them)."""
     from dataclasses import replace
 
+    from kvrelay.engine import Engine
     from kvrelay.eval.fidelity import kl_first_token
     from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
@@ -245,7 +246,7 @@ def smollm2_kls() -> tuple[dict[str, list[float]], list[bool]]:
                 if name == "kvcomm":
                     kvcomm_reused.append(out.stats.fallback is None)
 
-        PipelineRunner(lm, spec, store, run_id=problem.problem_id, capture_layers=capture).run(
+        PipelineRunner(Engine(lm, store, capture_layers=capture), spec, run_id=problem.problem_id).run(
             problem.inputs, "full", before_call=probe)
     print({name: [f"{kl:.2e}" for kl in values] for name, values in kls.items()}, kvcomm_reused)
     assert len(kls["naive"]) == 2 * NUM_PROBLEMS and min(kls["naive"]) > 1e-3  # naive is off on every call
