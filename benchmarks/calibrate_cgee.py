@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.eval.datasets import load_gsm8k
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.schedule import Schedule
 from kvrelay.pipeline.branches import BranchConfig, BranchPrompts, BranchRunner, answer_ids

@@ -16,8 +16,8 @@ import time
 import torch
 
 from kvrelay.cache.kv import SequenceKV
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.engine import generate
-from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import median
 from kvrelay.model.loader import DEFAULT_MODEL, load_model

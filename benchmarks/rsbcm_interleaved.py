@@ -25,8 +25,8 @@ import sys
 
 from tqdm import tqdm
 
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.eval.branch_bench import _working_set, replay_table
-from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.pipeline.branches import BranchConfig, BranchRunner, few_shot_system

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from kvrelay.cache.blocks import POLICIES, interleave, replay
+from kvrelay.data import scoring
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.errors import ConfigError
-from kvrelay.eval import scoring
-from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import mean, median, median_ratio
 from kvrelay.model.loader import DEFAULT_MODEL, load_model

@@ -27,10 +27,10 @@ from kvrelay.cache.blocks import BlockCache
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.shared import kv_bytes
 from kvrelay.cache.store import KVStore
+from kvrelay.data.datasets import GSM8KProblem
 from kvrelay.engine import GenerationOutput, generate, publish, sync_device
 from kvrelay.engine.batch import generate_batch
 from kvrelay.errors import ConfigError
-from kvrelay.eval.datasets import GSM8KProblem
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule

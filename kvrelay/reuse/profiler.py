@@ -220,7 +220,7 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
                   kl_tolerance: float = 0.1) -> LayerProfile:
     """Profile every downstream call's upstream outputs on calibration pipelines run with ``full``;
     with ``select="fidelity"``, a second pass over the same problems scores the candidate bands."""
-    from kvrelay.eval.datasets import data_root
+    from kvrelay.data.datasets import data_root
 
     if select not in SELECTS:
         raise KvRelayError(f"profile: select must be one of {SELECTS}, got {select!r}")

@@ -126,7 +126,7 @@ def test_rksc_parameters_are_validated():
 
 
 def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):
-    from kvrelay.eval.datasets import GSM8KProblem
+    from kvrelay.data.datasets import GSM8KProblem
     from kvrelay.pipeline.branches import SYSTEM, few_shot_system
 
     assert few_shot_system([]) == SYSTEM
@@ -146,7 +146,7 @@ def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):
 
 
 def test_gsm8k_solution_drops_calculator_annotations():
-    from kvrelay.eval.datasets import load_gsm8k
+    from kvrelay.data.datasets import load_gsm8k
 
     first = load_gsm8k(split="train", limit=1)[0]
     assert first.answer == "72" and "<<" not in first.solution and first.solution.endswith("in April and May.")
