@@ -35,7 +35,8 @@ def first_error(exc: ValidationError, where: str, names: dict[int, str] | None =
     label = location(loc, names)
     if err.get("type") == "missing":
         return f"{where}: {label}: required field is missing"
-    msg = " ".join(str(err.get("msg", "invalid")).replace("Input should be", "must be").split())
+    msg = str(err.get("msg", "invalid")).replace("Input should be", "must be").removeprefix("Value error, ")
+    msg = " ".join(msg.split())
     got = short_repr(err.get("input"))
     return f"{where}: {label}: {msg}, got {got}" if label else f"{where}: {msg}, got {got}"
 
