@@ -162,8 +162,8 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
         if isinstance(default, tuple) and isinstance(value, str):
             flag = "--" + f.name.replace("_", "-")
             items = split_method_specs(value)
-            if not items:
-                raise ConfigError(f"{flag}: empty list; give at least one value")
+            if not items or not all(items):
+                raise ConfigError(f"{flag}: empty list or empty item in {value!r}; give comma-separated values")
             parse = _SCALARS[_scalar_kind(f, default)]
             try:
                 value = tuple(parse(item) for item in items)
