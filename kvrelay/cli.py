@@ -16,7 +16,8 @@ from kvrelay.flags import (
     dataclass_from_args,
     device_arg,
     finite_float,
-    integer,
+    positive_integer,
+    workload_arg,
 )
 
 # the names commands added elsewhere (serve) use
@@ -159,6 +160,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     check_output_file(args.out, "--out")
     check_output_file(args.plot, "--plot")
+    if not 0 < args.band_mass <= 1:
+        raise ConfigError(f"--band-mass must be in (0, 1], got {args.band_mass}")
+    if args.kl_tolerance < 0:
+        raise ConfigError(f"--kl-tolerance must be >= 0, got {args.kl_tolerance}")
+    if args.workload == "gsm8k-branches":
+        raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
+    _check_data(args.workload, args.data)
     lm = load_model(args.model, device=args.device, verify=args.verify)
     profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
                             workload=args.workload, select=args.select, kl_tolerance=args.kl_tolerance)
@@ -240,14 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--input", action="append", default=[],
                      help="a task input as NAME=TEXT or NAME=@FILE (UTF-8 text); repeatable")
     _model_flags(run, DEFAULT_MODEL)
-    run.add_argument("--store-bytes", type=integer, default=4 << 30, help="KV store budget in bytes (default: 4 GiB)")
+    run.add_argument("--store-bytes", type=positive_integer, default=4 << 30,
+                     help="KV store budget in bytes (default: 4 GiB)")
     run.set_defaults(fn=_cmd_run)
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
     _model_flags(prof, DEFAULT_MODEL)
-    prof.add_argument("--workload", default="gsm8k-chain3",
+    prof.add_argument("--workload", type=workload_arg, default="gsm8k-chain3",
                       help="calibration pipelines, a workload name (default: gsm8k-chain3)")
     prof.add_argument("--data", default=None, help="calibration data file (default: ../shared/data/gsm8k/train.jsonl)")
-    prof.add_argument("--problems", type=integer, default=20, help="calibration problems (default: 20)")
+    prof.add_argument("--problems", type=positive_integer, default=20, help="calibration problems (default: 20)")
     prof.add_argument("--band-mass", type=finite_float, default=0.5,
                       help="share of the value deviation the band holds, in (0, 1] (default: 0.5)")
     prof.add_argument("--select", choices=SELECTS, default=SELECTS[0],

@@ -88,6 +88,13 @@ def integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+def positive_integer(text: str) -> int:
+    value = integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
+    return value
+
+
 def device_arg(text: str) -> str:
     from kvrelay.model.devices import check_device
 
@@ -109,7 +116,7 @@ def workload_arg(text: str) -> str:
     return text
 
 
-_PARSERS = {"device": device_arg, "workload": workload_arg}
+_PARSERS = {"device": device_arg, "workload": workload_arg, "store_bytes": positive_integer}
 _SCALARS = {"int": integer, "float": finite_float, "str": str}
 
 
