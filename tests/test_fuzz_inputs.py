@@ -14,6 +14,7 @@ import io
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from kvrelay.pipeline.prompt import chat_prompt_ids
 from kvrelay.pipeline.runner import render_messages
 from kvrelay.pipeline.spec import PipelineSpec
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "solve-and-check.yaml"
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 YAML_BASE = "inputs: [question]\nagents:\n  - name: a\n    user: \"{question}\"\n"
 YAML_OK = YAML_BASE + "    max_new_tokens: 2\n"
@@ -71,8 +73,9 @@ def _assert_one_line_error(rc, err: str, pattern: str | None = None) -> None:
 
 
 @pytest.fixture
-def stub_loader(monkeypatch):
+def stub_loader(monkeypatch, tmp_path):
     _stub_loader(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # default output folders (kvrelay-demo) land here
 
 
 @pytest.fixture
@@ -174,7 +177,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path, stub_loader):
     (["generate", "hi", "--device", "cuda"], r"--device: device 'cuda': CUDA is not available"),
     (["generate", "hi", "--device", "mps"], r"--device: device 'mps': MPS .* is not available"),
     (["generate", "hi", "--device", "bogus"], r"--device: device 'bogus': unknown device"),
-    (["run", "examples/solve-and-check.yaml", "--method", "rksc", "--input", "question=x"],
+    (["run", str(EXAMPLE), "--method", "rksc", "--input", "question=x"],
      r"--method rksc: runs on the gsm8k-branches workload only"),
     (["bench", "--methods", ""], r"--methods: empty list"),
     (["bench", "--methods", ","], r"--methods: empty list or empty item in ','"),
@@ -301,6 +304,7 @@ def test_fuzz_cli_arguments(tmp_path_factory, command, data):
     with pytest.MonkeyPatch.context() as mp:
         _stub_loader(mp)
         mp.setattr(torch.cuda, "is_available", lambda: False)
+        mp.chdir(folder)  # output folders named by the fuzzed values are created here
         rc, err = _cli(argv)
     if rc != "model":
         _assert_one_line_error(rc, err)

@@ -191,10 +191,21 @@ def _overwrite(path, offset, data, keep_mtime=False):
 NAN_BYTES = struct.pack("<f", float("nan")) * 64
 
 
+def sampled(monkeypatch):
+    """Treat the tiny weights file as a large one: fast path = 6 sampled 256-byte blocks (of ~540 KB)."""
+    monkeypatch.setattr(integrity, "SMALL_FILE_BYTES", 0)
+    monkeypatch.setattr(integrity, "SAMPLE_BLOCK_BYTES", 256)
+    monkeypatch.setattr(integrity, "SAMPLE_BLOCKS", 4)
+
+
+@pytest.mark.parametrize("file_size", ["small", "large"])
 @pytest.mark.parametrize("where,data", [
     ("header", b"\x00" * 16), ("first tensor", b"\xff" * 7), ("middle", NAN_BYTES), ("middle", b"\0" * 4096),
     ("last byte", b"\x01"), ("random", bytes(range(256)) * 8)])
-def test_corrupt_weights_are_detected_and_rebuilt(tiny_gguf, cache_env, capsys, where, data):
+def test_corrupt_weights_are_detected_and_rebuilt(tiny_gguf, cache_env, capsys, monkeypatch, where, data,
+                                                  file_size):
+    if file_size == "large":
+        sampled(monkeypatch)
     path, _ = tiny_gguf
     first = load_model(str(path), progress=False)
     ids = torch.arange(12)
@@ -215,9 +226,7 @@ def test_corrupt_weights_are_detected_and_rebuilt(tiny_gguf, cache_env, capsys, 
 def test_bit_rot_with_unchanged_mtime(tiny_gguf, cache_env, capsys, monkeypatch):
     """The fast path hashes sampled blocks; --verify hashes everything."""
     path, _ = tiny_gguf
-    monkeypatch.setattr(integrity, "SMALL_FILE_BYTES", 0)
-    monkeypatch.setattr(integrity, "SAMPLE_BLOCK_BYTES", 256)
-    monkeypatch.setattr(integrity, "SAMPLE_BLOCKS", 4)
+    sampled(monkeypatch)
     load_model(str(path), progress=False)
     weights = _converted(cache_env) / "model.safetensors"
     size = weights.stat().st_size
@@ -234,6 +243,7 @@ def test_bit_rot_with_unchanged_mtime(tiny_gguf, cache_env, capsys, monkeypatch)
 
 def test_touched_weights_are_verified_in_full_once(tiny_gguf, cache_env, capsys, monkeypatch):
     path, _ = tiny_gguf
+    sampled(monkeypatch)
     load_model(str(path), progress=False)
     weights = _converted(cache_env) / "model.safetensors"
     os.utime(weights, ns=(0, 10**18))  # same content, new mtime: hashed in full, then recorded
