@@ -278,8 +278,29 @@ def test_partial_cache_folder_is_repaired(tiny_gguf, cache_env, capsys, missing)
     for _ in range(2):  # repaired once, then loaded from the cache
         again = load_model(str(path), progress=False)
         assert again.fingerprint == first.fingerprint
-    assert capsys.readouterr().err.count("converting again") == 1
+    err = capsys.readouterr().err
+    assert err.count("converting again") == 1 and f"({missing} is missing" in err
     assert (_converted(cache_env) / missing).exists()
+
+
+def test_folder_written_meanwhile_is_replaced(tiny_gguf, cache_env, monkeypatch):
+    """Another process leaves a partial folder at the target while this one converts: ours replaces it."""
+    from kvrelay.model import gguf
+
+    path, _ = tiny_gguf
+    real_read = gguf.read_gguf
+
+    def read_and_race(p, progress=True):
+        out = loader._conversion_dir(p)
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"half")
+        return real_read(p, progress=progress)
+
+    monkeypatch.setattr(gguf, "read_gguf", read_and_race)
+    first = load_model(str(path), progress=False)
+    monkeypatch.setattr(gguf, "read_gguf", real_read)
+    assert load_model(str(path), progress=False).fingerprint == first.fingerprint
+    assert (_converted(cache_env) / "meta.json").exists()
 
 
 @pytest.mark.parametrize("device,match", [
