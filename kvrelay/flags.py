@@ -67,7 +67,8 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``kvrelay: error: ...`` on stderr, exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"kvrelay: error: {self.prog.removeprefix('kvrelay ')}: {' '.join(message.split())}", file=sys.stderr)
+        command = self.prog.removeprefix("kvrelay").strip()
+        print(f"kvrelay: error: {command + ': ' if command else ''}{' '.join(message.split())}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -191,6 +191,11 @@ def test_flag_errors(stub_loader, no_gpu, argv, rule):
     _assert_one_line_error(*_cli([*argv, "--model", "random:tiny"]), rule)
 
 
+def test_command_errors():
+    _assert_one_line_error(*_cli(["nope"]), r"^kvrelay: error: argument command: invalid choice: 'nope'")
+    _assert_one_line_error(*_cli([]), r"^kvrelay: error: the following arguments are required: command")
+
+
 def test_text_that_looks_like_a_splice_marker_is_generated_from(capsys):
     assert main(["generate", "What does \u27e6x\u27e7 mean?", "--model", "random:tiny", "--max-new-tokens", "2"]) == 0
     assert "2 tokens" in capsys.readouterr().err
