@@ -6,6 +6,7 @@ GGUF files are dequantized once and cached (fp32 safetensors + config + tokenize
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -13,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,6 +244,7 @@ def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, di
     tokenizer = Tokenizer.from_gguf_metadata(gguf_meta)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp(out.parent)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     except OSError as exc:
         raise ConfigError(f"cache folder {out.parent} is not writable ({exc.strerror}); set KVRELAY_CACHE "
@@ -258,6 +261,18 @@ def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, di
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta, tokenizer, state
+
+
+STALE_TEMP_S = 6 * 3600  # older than any conversion takes: a killed one's leftover, not one in progress
+
+
+def _remove_stale_temp(models: Path) -> None:
+    """Drop the temp folders of conversions that were killed (each holds a whole model's weights)."""
+    now = time.time()
+    for tmp in models.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _install(tmp: Path, out: Path) -> None:

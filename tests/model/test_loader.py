@@ -283,6 +283,18 @@ def test_partial_cache_folder_is_repaired(tiny_gguf, cache_env, capsys, missing)
     assert (_converted(cache_env) / missing).exists()
 
 
+def test_killed_conversions_leftovers_are_removed(tiny_gguf, cache_env):
+    path, _ = tiny_gguf
+    models = cache_env / "models"
+    stale, fresh = models / ".tmp-killed", models / ".tmp-running"
+    for folder in (stale, fresh):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+    os.utime(stale, (0, 0))
+    load_model(str(path), progress=False)
+    assert not stale.exists() and fresh.exists()  # a conversion in progress elsewhere is left alone
+
+
 def test_folder_written_meanwhile_is_replaced(tiny_gguf, cache_env, monkeypatch):
     """Another process leaves a partial folder at the target while this one converts: ours replaces it."""
     from kvrelay.model import gguf
