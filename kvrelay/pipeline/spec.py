@@ -153,6 +153,8 @@ class PipelineSpec:
         import yaml
 
         path = Path(path)
+        if path.is_dir():
+            raise PipelineError(f"{path}: is a folder; give the pipeline's YAML file")
         if not path.is_file():
             raise PipelineError(f"pipeline file not found: {path}")
         try:

@@ -61,6 +61,8 @@ def test_malformed_yaml_and_fields(tmp_path):
         PipelineSpec.from_yaml(bad)
     with pytest.raises(PipelineError, match="not found"):
         PipelineSpec.from_yaml(tmp_path / "none.yaml")
+    with pytest.raises(PipelineError, match="is a folder; give the pipeline's YAML file"):
+        PipelineSpec.from_yaml(tmp_path)
     with pytest.raises(PipelineError, match="bad template"):
         _spec({"name": "a", "user": "{q"})
     with pytest.raises(PipelineError, match=r"max_new_tokens: must be greater than or equal to 1, got 0"):
