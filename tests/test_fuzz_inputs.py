@@ -203,13 +203,15 @@ def test_text_that_looks_like_a_splice_marker_is_generated_from(capsys):
 
 def test_marker_in_a_template_is_not_spliced():
     from kvrelay.cache.store import KVStore
+    from kvrelay.engine import Engine
     from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
 
     spec = PipelineSpec.from_dict({"inputs": ["question"], "agents": [
         {"name": "a", "user": "literal \u27e6question\u27e7 then {question}"}]})
     lm = load_model("random:tiny")
-    call, prompt = PipelineRunner(lm, spec, KVStore(1 << 20)).prepare(spec.agent("a"), {"question": [5, 6]}, {})
+    runner = PipelineRunner(Engine(lm, KVStore(1 << 20)), spec)
+    call, prompt = runner.prepare(spec.agent("a"), {"question": [5, 6]}, {})
     assert [s.ref for s in prompt.segments if s.ref] == ["question"]  # only the placeholder is spliced
     assert "\u27e6question\u27e7" in lm.tokenizer.decode(prompt.ids)
 
