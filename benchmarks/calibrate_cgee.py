@@ -21,7 +21,7 @@ from kvrelay.branches.prompts import BranchConfig, BranchPrompts, answer_ids
 from kvrelay.branches.rksc import entropy, yes_score
 from kvrelay.branches.runner import BranchRunner
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.eval.datasets import load_gsm8k
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.schedule import Schedule
 

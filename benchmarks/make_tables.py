@@ -332,7 +332,7 @@ def rksc_tables(prefix: str = "rksc-gsm8k-branches") -> str:
 def answer_agreement_table(records: list[dict], methods: tuple[str, ...]) -> str:
     """CGEE per problem, by branch and by answer: the picked branch vs the no-early-exit run's, and the
     number its text ends on vs that branch's (different branches often reach the same number)."""
-    from kvrelay.eval.scoring import extract_number
+    from kvrelay.data.scoring import extract_number
 
     out = ["| method | problems | pick = no-early-exit pick (branch) | picked answer = no-early-exit answer |",
            "|---|---:|---:|---:|"]

@@ -25,10 +25,10 @@ from tqdm import tqdm
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
+from kvrelay.data.datasets import data_root
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.engine.call import run_plan
 from kvrelay.errors import KvRelayError
-from kvrelay.eval.datasets import data_root
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie

@@ -18,8 +18,8 @@ import torch
 from kvrelay.branches.prompts import BranchConfig, BranchPrompts
 from kvrelay.branches.rksc import RKSCMethod, SharedRoot
 from kvrelay.cache.kv import SequenceKV
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.engine import Engine, GenerateOptions
-from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import median
 from kvrelay.model.loader import DEFAULT_MODEL, load_model

@@ -28,8 +28,8 @@ from tqdm import tqdm
 from kvrelay.branches.prompts import BranchConfig, few_shot_system
 from kvrelay.branches.rksc import RKSCMethod
 from kvrelay.branches.runner import BranchRunner
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.eval.branch_bench import _working_set, replay_table
-from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 

@@ -7,44 +7,30 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kvrelay.errors import KvRelayError
+from kvrelay.errors import ConfigError, DataFileError, KvRelayError
+from kvrelay.flags import (
+    Parser,
+    add_dataclass_flags,
+    check_output_dir,
+    check_output_file,
+    dataclass_from_args,
+    device_arg,
+    finite_float,
+    positive_integer,
+    workload_arg,
+)
 
-
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """One flag per dataclass field (defaults and types come from the dataclass, not repeated here)."""
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, tuple):
-            text = ",".join(str(x) for x in default)
-            parser.add_argument(flag, default=text, help=f"comma-separated (default: {text})")
-        elif isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = type(default) if default is not None else str
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
-
-
-def _dataclass_from_args(cls, args: argparse.Namespace):
-    values = {}
-    for f in dataclasses.fields(cls):
-        if hasattr(args, f.name):
-            value = getattr(args, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if isinstance(default, tuple) and isinstance(value, str):
-                from kvrelay.reuse import split_method_specs
-
-                value = split_method_specs(value)
-            values[f.name] = value
-    return cls(**values)
+# the names commands added elsewhere (serve) use
+_add_dataclass_flags = add_dataclass_flags
+_dataclass_from_args = dataclass_from_args
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvrelay.demo import DemoConfig, run_demo
 
-    run_demo(_dataclass_from_args(DemoConfig, args))
+    cfg = dataclass_from_args(DemoConfig, args)
+    check_output_dir(cfg.out, "--out")
+    run_demo(cfg)
     return 0
 
 
@@ -67,10 +53,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from kvrelay.eval.plots import write_plots
     from kvrelay.eval.report import format_by_agent, format_table
 
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plot, "--plot")
     if args.workload == "gsm8k-branches":
         return _bench_branches(args)
+    cfg = dataclass_from_args(BenchConfig, args)
+    _check_data(cfg.workload, cfg.data, cfg.warm_data)
     save = _json_saver(args.json)
-    result = Bench(_dataclass_from_args(BenchConfig, args)).run(checkpoint=save)
+    result = Bench(cfg).run(checkpoint=save)
     save(result)
     print(f"\n{result['workload']} ({result['mode']} mode), {result['n']} problems, model {result['model']} "
           f"on {result['env']['device']}")
@@ -86,6 +76,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_data(workload: str, *paths: str | None) -> None:
+    """Read the data files once before the model loads: a bad line fails in a second, not after a run."""
+    from kvrelay.pipeline.workloads import get_workload
+
+    for path in paths:
+        if path is not None:
+            get_workload(workload).problems(path, None)
+
+
+def _read_input(name: str, text: str) -> str:
+    """An --input value: TEXT, or @FILE read as UTF-8."""
+    if not text.startswith("@"):
+        return text
+    path = Path(text[1:])
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataFileError(f"--input {name}=@{path}: file not found") from None
+    except UnicodeDecodeError as exc:
+        raise DataFileError(f"--input {name}=@{path}: not a UTF-8 text file (byte {exc.start})") from None
+    except OSError as exc:
+        raise DataFileError(f"--input {name}=@{path}: cannot read ({exc.strerror or exc})") from None
+
+
 def _bench_branches(args: argparse.Namespace) -> int:
 
     from kvrelay.eval.branch_bench import BranchBenchConfig, format_branch_table, run_branch_bench
@@ -93,8 +107,10 @@ def _bench_branches(args: argparse.Namespace) -> int:
 
     if args.methods == ",".join(PIPELINE_METHODS):  # the pipeline default: use this workload's own
         args.methods = ",".join(BranchBenchConfig.methods)
+    cfg = dataclass_from_args(BranchBenchConfig, args)
+    _check_data("gsm8k-chain3", cfg.data)  # the branches read GSM8K problems
     save = _json_saver(args.json)
-    result = run_branch_bench(_dataclass_from_args(BranchBenchConfig, args), checkpoint=save)
+    result = run_branch_bench(cfg, checkpoint=save)
     save(result)
     print(f"\ngsm8k-branches, {result['n']} problems, model {result['model']} on {result['env']['device']} "
           f"({result['env']['machine']})")
@@ -110,19 +126,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.spec import PipelineSpec
+    from kvrelay.reuse import PIPELINE_METHODS, get_method
 
     spec = PipelineSpec.from_yaml(args.pipeline)
+    if get_method(args.method).name not in PIPELINE_METHODS:
+        raise ConfigError(f"--method {args.method}: runs on the gsm8k-branches workload only "
+                          f"(kvrelay bench --workload gsm8k-branches); pipelines take {', '.join(PIPELINE_METHODS)}")
     inputs = {}
     for item in args.input:
         name, sep, text = item.partition("=")
         if not sep:
             if len(spec.inputs) != 1:
-                raise KvRelayError(f"--input {item!r}: write NAME=TEXT (inputs: {list(spec.inputs)})")
+                raise ConfigError(f"--input {item!r}: write NAME=TEXT (inputs: {list(spec.inputs)})")
             name, text = spec.inputs[0], item
-        if text.startswith("@"):
-            text = Path(text[1:]).read_text()
-        inputs[name] = text
-    lm = load_model(args.model, device=args.device)
+        if name in inputs:
+            raise ConfigError(f"--input {name}: given twice")
+        inputs[name] = _read_input(name, text)
+    spec.check_inputs(inputs)
+    lm = load_model(args.model, device=args.device, verify=args.verify)
     engine = Engine(lm, KVStore(args.store_bytes), methods=(args.method,))  # carries what the method needs
     results = PipelineRunner(engine, spec).run(inputs, args.method)
     for name, res in results.items():
@@ -138,7 +159,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
     from kvrelay.model.loader import load_model
 
-    lm = load_model(args.model, device=args.device)
+    check_output_file(args.out, "--out")
+    check_output_file(args.plot, "--plot")
+    if not 0 < args.band_mass <= 1:
+        raise ConfigError(f"--band-mass must be in (0, 1], got {args.band_mass}")
+    if args.kl_tolerance < 0:
+        raise ConfigError(f"--kl-tolerance must be >= 0, got {args.kl_tolerance}")
+    if args.workload == "gsm8k-branches":
+        raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
+    _check_data(args.workload, args.data)
+    lm = load_model(args.model, device=args.device, verify=args.verify)
     profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
                             workload=args.workload, select=args.select, kl_tolerance=args.kl_tolerance)
     out = Path(args.out) if args.out else profile_path(lm.fingerprint)
@@ -165,11 +195,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.pipeline.prompt import chat_prompt_ids
 
-    lm = load_model(args.model, device=args.device)
+    sampling = dataclass_from_args(SamplingConfig, args)
+    lm = load_model(args.model, device=args.device, verify=args.verify)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = chat_prompt_ids(lm.tokenizer, messages).ids
-    out = Engine(lm).generate(ids, "full", GenerateOptions(_dataclass_from_args(SamplingConfig, args)))
+    out = Engine(lm).generate(ids, "full", GenerateOptions(sampling))
     print(out.text)
     s = out.stats
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
@@ -177,58 +208,72 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
+    parser.add_argument("--model", default=default_model,
+                        help="model: an alias, a .gguf file, a Hugging Face folder or random:<preset> "
+                             f"(default: {default_model})")
+    parser.add_argument("--device", type=device_arg, default="cpu",
+                        help="torch device; choices: cpu, cuda, cuda:N, mps (default: cpu)")
+    parser.add_argument("--verify", action="store_true",
+                        help="hash the whole converted weights file instead of a sample of it (slower, thorough)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvrelay.demo import DemoConfig
+    from kvrelay.eval.branch_bench import BranchBenchConfig
     from kvrelay.eval.harness import BenchConfig
     from kvrelay.eval.profiler import SELECTS
     from kvrelay.model.loader import DEFAULT_MODEL
     from kvrelay.model.sampling import SamplingConfig
-    from kvrelay.reuse import METHODS
+    from kvrelay.reuse import PIPELINE_METHODS
 
-    parser = argparse.ArgumentParser(prog="kvrelay", description="KV-cache reuse across LLM agents")
+    parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="gsm8k-chain3 on the default model, every method side by side")
-    _add_dataclass_flags(demo, DemoConfig)
+    add_dataclass_flags(demo, DemoConfig)
     demo.set_defaults(fn=_cmd_demo)
     bench = sub.add_parser("bench", help="every method on a named workload: TTFT, reuse, fidelity; table + JSON "
                                          "(gsm8k-branches: full, prefix, rksc per problem)")
-    _add_dataclass_flags(bench, BenchConfig)
-    from kvrelay.eval.branch_bench import BranchBenchConfig
-
+    add_dataclass_flags(bench, BenchConfig)
     bench_fields = {f.name for f in dataclasses.fields(BenchConfig)}
-    _add_dataclass_flags(bench, BranchBenchConfig, skip=tuple(bench_fields))  # gsm8k-branches only
-    bench.add_argument("--json", default=None, help="write the result JSON here")
-    bench.add_argument("--plot", default=None, help="write PNG plots into this folder")
+    add_dataclass_flags(bench, BranchBenchConfig, skip=tuple(bench_fields))  # gsm8k-branches only
+    bench.add_argument("--json", default=None,
+                       help="result JSON file, rewritten after every problem (checked before the run starts)")
+    bench.add_argument("--plot", default=None, help="folder for the PNG plots (created; checked before the run)")
     bench.set_defaults(fn=_cmd_bench)
     run = sub.add_parser("run", help="run one pipeline (YAML) with a method; print outputs and stats")
-    run.add_argument("pipeline", help="PIPELINE.yaml")
-    run.add_argument("--method", default="full", help=f"one of: {', '.join(METHODS)}")
-    run.add_argument("--input", action="append", default=[], help="NAME=TEXT (or NAME=@file); repeatable")
-    run.add_argument("--model", default=DEFAULT_MODEL)
-    run.add_argument("--device", default="cpu")
-    run.add_argument("--store-bytes", type=int, default=4 << 30)
+    run.add_argument("pipeline", help="pipeline file (YAML): inputs, agents with {name} placeholders")
+    run.add_argument("--method", default="full",
+                     help=f"reuse method spec NAME or NAME[k=v,...]; choices: {', '.join(PIPELINE_METHODS)} "
+                          "(default: full)")
+    run.add_argument("--input", action="append", default=[],
+                     help="a task input as NAME=TEXT or NAME=@FILE (UTF-8 text); repeatable")
+    _model_flags(run, DEFAULT_MODEL)
+    run.add_argument("--store-bytes", type=positive_integer, default=4 << 30,
+                     help="KV store budget in bytes (default: 4 GiB)")
     run.set_defaults(fn=_cmd_run)
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
-    prof.add_argument("--model", default=DEFAULT_MODEL)
-    prof.add_argument("--device", default="cpu")
-    prof.add_argument("--workload", default="gsm8k-chain3", help="calibration pipelines (default gsm8k-chain3)")
-    prof.add_argument("--data", default=None, help="calibration data (default ../shared/data/gsm8k/train.jsonl)")
-    prof.add_argument("--problems", type=int, default=20)
-    prof.add_argument("--band-mass", type=float, default=0.5, help="share of deviation the band holds")
+    _model_flags(prof, DEFAULT_MODEL)
+    prof.add_argument("--workload", type=workload_arg, default="gsm8k-chain3",
+                      help="calibration pipelines, a workload name (default: gsm8k-chain3)")
+    prof.add_argument("--data", default=None, help="calibration data file (default: ../shared/data/gsm8k/train.jsonl)")
+    prof.add_argument("--problems", type=positive_integer, default=20, help="calibration problems (default: 20)")
+    prof.add_argument("--band-mass", type=finite_float, default=0.5,
+                      help="share of the value deviation the band holds, in (0, 1] (default: 0.5)")
     prof.add_argument("--select", choices=SELECTS, default=SELECTS[0],
-                      help="fidelity (default): score candidate bands with relay on the calibration calls and "
-                           "keep the most reuse within --kl-tolerance of the lowest KL; deviation: the paper's band")
-    prof.add_argument("--kl-tolerance", type=float, default=0.1,
-                      help="relative KL slack when choosing by fidelity (default 0.1)")
-    prof.add_argument("--out", default=None, help="PROFILE.json (default: the cache, keyed by model fingerprint)")
-    prof.add_argument("--plot", default=None, help="PNG of the curves")
+                      help="fidelity: score candidate bands with relay on the calibration calls and keep the most "
+                           "reuse within --kl-tolerance of the lowest KL; deviation: the paper's band; choices: "
+                           f"{', '.join(SELECTS)} (default: {SELECTS[0]})")
+    prof.add_argument("--kl-tolerance", type=finite_float, default=0.1,
+                      help="relative KL slack when choosing by fidelity, >= 0 (default: 0.1)")
+    prof.add_argument("--out", default=None, help="profile JSON file (default: the cache, keyed by model fingerprint)")
+    prof.add_argument("--plot", default=None, help="PNG file of the curves")
     prof.set_defaults(fn=_cmd_profile)
     gen = sub.add_parser("generate", help="one chat completion with the engine")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default=DEFAULT_MODEL)
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--system", default=None)
-    _add_dataclass_flags(gen, SamplingConfig)
+    gen.add_argument("prompt", help="the user message (text, taken literally)")
+    _model_flags(gen, DEFAULT_MODEL)
+    gen.add_argument("--system", default=None, help="a system message (default: none)")
+    add_dataclass_flags(gen, SamplingConfig)
     gen.set_defaults(fn=_cmd_generate)
     return parser
 
@@ -237,11 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except KvRelayError as exc:
-        print(f"kvrelay: error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, KeyError) as exc:
-        print(f"kvrelay: error: {exc}", file=sys.stderr)
+    except (KvRelayError, ValueError, KeyError, OSError) as exc:
+        message = str(exc) if not isinstance(exc, KeyError) else str(exc.args[0] if exc.args else exc)
+        print(f"kvrelay: error: {' '.join(message.split()) or type(exc).__name__}", file=sys.stderr)
         return 2
 
 

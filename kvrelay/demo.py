@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.eval.harness import Bench, BenchConfig
@@ -20,15 +20,18 @@ from kvrelay.reuse import PIPELINE_METHODS
 
 @dataclass
 class DemoConfig:
-    model: str = DEFAULT_MODEL
-    problems: int = 5
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "model: an alias, a .gguf file, a Hugging Face folder or random:<preset>"})
+    problems: int = field(default=5, metadata={"help": "GSM8K problems to run (>= 1)"})
     # kvcomm learns its anchor pools online: 5 problems are all warm-up for it (every call a dense
     # prefill), so the demo leaves it to `kvrelay bench --methods kvcomm` on 50+ problems.
-    methods: tuple[str, ...] = tuple(m for m in PIPELINE_METHODS if m != "kvcomm")
-    device: str = "cpu"
-    repeats: int = 2
-    data: str | None = None
-    out: str = "kvrelay-demo"  # folder for the JSON and the plots
+    methods: tuple[str, ...] = field(default=tuple(m for m in PIPELINE_METHODS if m != "kvcomm"), metadata={
+        "help": "comma-separated reuse method specs, each NAME or NAME[k=v,...]"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    repeats: int = field(default=2, metadata={"help": "timed runs per method and call, median kept (>= 1)"})
+    data: str | None = field(default=None, metadata={
+        "help": "GSM8K JSON-lines file (default: ../shared/data/gsm8k/test_dev.jsonl)"})
+    out: str = field(default="kvrelay-demo", metadata={"help": "folder for the JSON and the plots (created)"})
 
 
 def run_demo(cfg: DemoConfig, out=sys.stdout) -> dict:

@@ -31,3 +31,15 @@ class ScheduleError(KvRelayError):
 
 class StoreFullError(KvRelayError):
     """A span that cannot fit the store's byte budget even after evicting every unpinned span."""
+
+
+class DeviceError(KvRelayError):
+    """A device that does not exist or is not available on this machine (cuda without CUDA, mps without MPS)."""
+
+
+class DataFileError(KvRelayError):
+    """A data file (--data, --input @file) that is missing, unreadable, or has a malformed line."""
+
+
+class OutputPathError(KvRelayError):
+    """An output path (--json, --plot, --out) that cannot be written; checked before any work starts."""

@@ -77,3 +77,17 @@ def test_bench_refuses_rksc_on_a_pipeline_workload():
     assert out.returncode == 2 and "gsm8k-branches" in out.stderr
     out = _kvrelay("bench", "--workload", "gsm8k-branches", "--model", "random:tiny", "--methods", "relay")
     assert out.returncode == 2 and "full, prefix and rksc" in out.stderr
+
+
+def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
+    """The console entry point, not just main(): exit 2, one stderr line, no traceback."""
+    bad = tmp_path / "p.yaml"
+    bad.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: ten}\n")
+    for args, text in ((["run", str(bad), "--model", "random:tiny", "--input", "q=x"],
+                        "p.yaml:3: agents[0] ('a').max_new_tokens: must be a valid integer, got 'ten'"),
+                       (["generate", "hi", "--model", "random:tiny", "--temperature", "nan"],
+                        "--temperature: 'nan': must be a finite number"),
+                       (["generate", "hi", "--model", "random:tiny", "--device", "bogus"], "unknown device")):
+        out = _kvrelay(*args)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr

@@ -21,9 +21,9 @@ from kvrelay.branches.blocks import POLICIES, interleave, replay
 from kvrelay.branches.prompts import BranchConfig
 from kvrelay.branches.rksc import RKSCMethod
 from kvrelay.branches.runner import BranchRunner
+from kvrelay.data import scoring
+from kvrelay.data.datasets import load_gsm8k
 from kvrelay.errors import ConfigError
-from kvrelay.eval import scoring
-from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import mean, median, median_ratio
 from kvrelay.model.loader import DEFAULT_MODEL, load_model

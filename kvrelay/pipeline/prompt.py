@@ -8,17 +8,21 @@ same ids, so comparisons are fair.
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 
 from kvrelay.model.tokenizer import Tokenizer
 
-_MARK = "\u27e6{}\u27e7"  # ⟦name⟧: a placeholder that no chat template or tokenizer alters
-_MARK_RE = re.compile("\u27e6([^\u27e7]+)\u27e7")
+# ⟦<nonce>:name⟧ marks where an output is spliced in: no chat template or tokenizer alters it, and
+# the per-process random nonce means no user text can produce or trigger one. Text that merely
+# looks like a marker (``What does ⟦x⟧ mean?``) is ordinary text, tokenized as written.
+_NONCE = secrets.token_hex(8)
+_MARK_RE = re.compile(f"\u27e6{_NONCE}:([^\u27e7]+)\u27e7")
 
 
 def splice_marker(name: str) -> str:
     """Text to put in a message where the output ``name`` should be spliced in as token ids."""
-    return _MARK.format(name)
+    return f"\u27e6{_NONCE}:{name}\u27e7"
 
 
 @dataclass(frozen=True)

@@ -4,25 +4,61 @@ inputs or upstream agents. Edges follow from the placeholders. Loaded from YAML,
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrelay.pipeline.dag import PipelineError, topological_order
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-_AGENT_KEYS = {"name", "system", "user", "max_new_tokens", "temperature", "top_p", "forced_output"}
+from kvrelay.pipeline.dag import PipelineError, topological_order
+from kvrelay.validation import first_error
 
 
 def placeholders(template: str, where: str) -> list[str]:
-    """Field names in a ``str.format`` template (``{{`` / ``}}`` are literal braces)."""
+    """Names of the ``{name}`` placeholders of a template.
+
+    Only plain ``{name}`` is a placeholder; ``{{`` and ``}}`` are literal braces. Format specs
+    (``{a:>40}``) and conversions (``{a!r}``) are errors: a spliced output is token ids, not text
+    that could be padded or quoted."""
     try:
-        names = [f for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+        parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
         raise PipelineError(f"{where}: bad template ({exc}); write literal braces as {{{{ and }}}}") from exc
-    for name in names:
+    names = []
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
         if not name.isidentifier():
-            raise PipelineError(f"{where}: placeholder {{{name}}} is not a plain name")
+            raise PipelineError(f"{where}: placeholder {{{name}}} is not a plain name (write {{name}}; literal "
+                                "braces as {{{{ and }}}})")
+        if spec or conversion:
+            shown = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise PipelineError(f"{where}: placeholder {{{shown}}} has a format spec or conversion; only plain "
+                                f"{{{name}}} is allowed")
+        names.append(name)
     return names
+
+
+class _AgentModel(BaseModel):
+    """One agent of a pipeline file: types are strict (no "ten", no true for a count, no .nan)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    user: str
+    system: str = ""
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    forced_output: str | None = None
+
+
+class _PipelineModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str | None = None
+    inputs: list[str] = []
+    agents: list[_AgentModel] = Field(min_length=1)
+    output: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,41 +131,62 @@ class PipelineSpec:
             raise PipelineError(f"pipeline {self.name!r}: unknown input(s) {extra}; inputs are {list(self.inputs)}")
 
     @classmethod
-    def from_dict(cls, d: Any, where: str = "pipeline") -> PipelineSpec:
+    def from_dict(cls, d: Any, where: str = "pipeline", line_of: Callable[[tuple], int | None] | None = None
+                  ) -> PipelineSpec:
+        """Validate a parsed pipeline file; ``line_of`` maps a field's location to its line in the file."""
         if not isinstance(d, dict):
             raise PipelineError(f"{where}: expected a mapping with 'agents', got {type(d).__name__}")
-        agents_raw = d.get("agents")
-        if not isinstance(agents_raw, list) or not agents_raw:
-            raise PipelineError(f"{where}: 'agents' must be a non-empty list")
-        agents = []
-        for i, a in enumerate(agents_raw):
-            if not isinstance(a, dict):
-                raise PipelineError(f"{where}: agents[{i}] must be a mapping")
-            unknown = set(a) - _AGENT_KEYS
-            if unknown:
-                raise PipelineError(f"{where}: agents[{i}] ({a.get('name')!r}) has unknown key(s) {sorted(unknown)}")
-            for key in ("name", "user"):
-                if not isinstance(a.get(key), str):
-                    raise PipelineError(f"{where}: agents[{i}] needs a string {key!r}")
-            try:
-                agents.append(AgentSpec(**{k: v for k, v in a.items()}))
-            except TypeError as exc:
-                raise PipelineError(f"{where}: agents[{i}] ({a.get('name')!r}): {exc}") from exc
-        inputs = d.get("inputs", [])
-        if not isinstance(inputs, list) or not all(isinstance(x, str) for x in inputs):
-            raise PipelineError(f"{where}: 'inputs' must be a list of names")
-        return cls(name=str(d.get("name", where)), inputs=tuple(inputs), agents=tuple(agents),
-                   output=str(d.get("output", "")))
+        raw = d.get("agents")
+        names = {i: a["name"] for i, a in enumerate(raw) if isinstance(a, dict) and isinstance(a.get("name"), str)
+                 } if isinstance(raw, list) else {}
+        try:
+            model = _PipelineModel.model_validate(d)
+        except ValidationError as exc:
+            line = line_of(tuple(exc.errors()[0]["loc"])) if line_of else None
+            raise PipelineError(first_error(exc, f"{where}:{line}" if line else where, names)) from None
+        agents = tuple(AgentSpec(**a.model_dump()) for a in model.agents)
+        return cls(name=model.name if model.name is not None else where, inputs=tuple(model.inputs),
+                   agents=agents, output=model.output)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> PipelineSpec:
         import yaml
 
         path = Path(path)
+        if path.is_dir():
+            raise PipelineError(f"{path}: is a folder; give the pipeline's YAML file")
         if not path.is_file():
             raise PipelineError(f"pipeline file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise PipelineError(f"{path}: malformed YAML ({exc})") from exc
-        return cls.from_dict(data, where=str(path))
+            raise PipelineError(f"{path}: malformed YAML ({' '.join(str(exc).split())})") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PipelineError(f"{path}: cannot read the pipeline file ({exc})") from None
+        return cls.from_dict(data, where=str(path), line_of=lambda loc: _yaml_line(path, loc))
+
+
+def _yaml_line(path: Path, loc: tuple) -> int | None:
+    """1-based line of the YAML node at ``loc`` (keys and list indices), or of its nearest parent."""
+    import yaml
+
+    try:
+        node = yaml.compose(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    line = None
+    for part in loc:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            hit = next(((k, v) for k, v in node.value if getattr(k, "value", None) == part), None)
+            node = None if hit is None else hit[1]
+            if hit is not None:
+                line = hit[0].start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            node = None
+    return line

@@ -9,8 +9,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrelay.data import datasets, scoring
 from kvrelay.errors import ConfigError
-from kvrelay.eval import datasets, scoring
 from kvrelay.pipeline.spec import AgentSpec, PipelineSpec
 
 

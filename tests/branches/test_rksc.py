@@ -137,7 +137,7 @@ def test_rksc_parameters_are_validated():
 
 def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):
     from kvrelay.branches.prompts import SYSTEM, few_shot_system
-    from kvrelay.eval.datasets import GSM8KProblem
+    from kvrelay.data.datasets import GSM8KProblem
 
     assert few_shot_system([]) == SYSTEM
     shots = [GSM8KProblem("Ann has 2 pens and buys 3. How many?", "5", "Ann has 2+3 = 5 pens."),
@@ -156,7 +156,7 @@ def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):
 
 
 def test_gsm8k_solution_drops_calculator_annotations():
-    from kvrelay.eval.datasets import load_gsm8k
+    from kvrelay.data.datasets import load_gsm8k
 
     first = load_gsm8k(split="train", limit=1)[0]
     assert first.answer == "72" and "<<" not in first.solution and first.solution.endswith("in April and May.")

@@ -1,13 +1,21 @@
 """Model loading: GGUF conversion (on a tiny GGUF written here), HF folders, the cache, bad input."""
 
 import json
+import os
+import struct
 
 import pytest
 import torch
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.errors import ContextLengthError, CorruptModelError, ModelNotFoundError, UnsupportedModelError
-from kvrelay.model import loader
+from kvrelay.errors import (
+    ContextLengthError,
+    CorruptModelError,
+    DeviceError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from kvrelay.model import integrity, loader
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.loader import load_model
 from tests.helpers import hf_model, toy_tokenizer_metadata, write_tiny_gguf
@@ -60,7 +68,7 @@ def test_damaged_conversion_cache_is_rebuilt(tiny_gguf, cache_env, capsys):
     first = load_model(str(path), progress=False)
     (next((cache_env / "models").iterdir()) / "model.safetensors").write_bytes(b"garbage")
     again = load_model(str(path), progress=False)
-    assert "unreadable" in capsys.readouterr().err
+    assert "model.safetensors: size 7 bytes" in capsys.readouterr().err
     assert again.fingerprint == first.fingerprint
 
 
@@ -161,3 +169,177 @@ def test_prompt_longer_than_context_is_refused():
 def test_random_preset_builds():
     lm = load_model("random:tiny")
     assert lm.config.num_layers == 4 and len(lm.fingerprint) == 16
+
+
+# ---------------------------------------------------------------- converted-cache integrity
+
+
+def _converted(cache_env):
+    (folder,) = (cache_env / "models").iterdir()
+    return folder
+
+
+def _overwrite(path, offset, data, keep_mtime=False):
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    if keep_mtime:  # bit rot: the content changes, the mtime does not
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+NAN_BYTES = struct.pack("<f", float("nan")) * 64
+
+
+def sampled(monkeypatch):
+    """Treat the tiny weights file as a large one: fast path = 6 sampled 256-byte blocks (of ~540 KB)."""
+    monkeypatch.setattr(integrity, "SMALL_FILE_BYTES", 0)
+    monkeypatch.setattr(integrity, "SAMPLE_BLOCK_BYTES", 256)
+    monkeypatch.setattr(integrity, "SAMPLE_BLOCKS", 4)
+
+
+@pytest.mark.parametrize("file_size", ["small", "large"])
+@pytest.mark.parametrize("where,data", [
+    ("header", b"\x00" * 16), ("first tensor", b"\xff" * 7), ("middle", NAN_BYTES), ("middle", b"\0" * 4096),
+    ("last byte", b"\x01"), ("random", bytes(range(256)) * 8)])
+def test_corrupt_weights_are_detected_and_rebuilt(tiny_gguf, cache_env, capsys, monkeypatch, where, data,
+                                                  file_size):
+    if file_size == "large":
+        sampled(monkeypatch)
+    path, _ = tiny_gguf
+    first = load_model(str(path), progress=False)
+    ids = torch.arange(12)
+    want = _logits(first.model, ids)
+    weights = _converted(cache_env) / "model.safetensors"
+    size = weights.stat().st_size
+    offset = {"header": 8, "first tensor": 4096, "middle": size // 2, "last byte": size - 1,
+              "random": size // 3 + 77}[where]
+    original = weights.read_bytes()[offset: offset + len(data)]
+    assert original != data[: len(original)]  # the write really changes the file
+    _overwrite(weights, offset, data)
+    again = load_model(str(path), progress=False)
+    err = capsys.readouterr().err
+    assert "failed its check (model.safetensors" in err and "converting again" in err
+    torch.testing.assert_close(_logits(again.model, ids), want, atol=0, rtol=0)
+
+
+def test_bit_rot_with_unchanged_mtime(tiny_gguf, cache_env, capsys, monkeypatch):
+    """The fast path hashes sampled blocks; --verify hashes everything."""
+    path, _ = tiny_gguf
+    sampled(monkeypatch)
+    load_model(str(path), progress=False)
+    weights = _converted(cache_env) / "model.safetensors"
+    size = weights.stat().st_size
+    unsampled = size // 10 + 1000  # between the first sampled block and the next
+    _overwrite(weights, unsampled, NAN_BYTES, keep_mtime=True)
+    load_model(str(path), progress=False)  # missed by the sample: the cost of the fast path
+    assert capsys.readouterr().err == ""
+    load_model(str(path), progress=False, verify=True)
+    assert "model.safetensors: sha256 differs" in capsys.readouterr().err
+    _overwrite(weights, size - 100, NAN_BYTES[:8], keep_mtime=True)  # inside the last sampled block
+    load_model(str(path), progress=False)
+    assert "model.safetensors: sampled blocks differ" in capsys.readouterr().err
+
+
+def test_touched_weights_are_verified_in_full_once(tiny_gguf, cache_env, capsys, monkeypatch):
+    path, _ = tiny_gguf
+    sampled(monkeypatch)
+    load_model(str(path), progress=False)
+    weights = _converted(cache_env) / "model.safetensors"
+    os.utime(weights, ns=(0, 10**18))  # same content, new mtime: hashed in full, then recorded
+    calls = []
+    monkeypatch.setattr(integrity, "file_sha256", lambda p, *a: calls.append(p.name) or real_sha(p))
+    load_model(str(path), progress=False)
+    assert "model.safetensors" in calls and capsys.readouterr().err == ""
+    meta = json.loads((_converted(cache_env) / "meta.json").read_text())
+    assert meta["integrity"]["files"]["model.safetensors"]["mtime_ns"] == 10**18
+
+
+real_sha = integrity.file_sha256
+
+
+def test_edited_config_in_meta_is_detected(tiny_gguf, cache_env, capsys):
+    path, _ = tiny_gguf
+    first = load_model(str(path), progress=False)
+    meta_file = _converted(cache_env) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["rope_theta"] *= 2
+    meta_file.write_text(json.dumps(meta))
+    again = load_model(str(path), progress=False)
+    assert "the model config differs" in capsys.readouterr().err
+    assert again.config.rope_theta == first.config.rope_theta
+
+
+@pytest.mark.parametrize("missing", ["meta.json", "tokenizer.json", "model.safetensors"])
+def test_partial_cache_folder_is_repaired(tiny_gguf, cache_env, capsys, missing):
+    path, _ = tiny_gguf
+    first = load_model(str(path), progress=False)
+    (_converted(cache_env) / missing).unlink()
+    for _ in range(2):  # repaired once, then loaded from the cache
+        again = load_model(str(path), progress=False)
+        assert again.fingerprint == first.fingerprint
+    err = capsys.readouterr().err
+    assert err.count("converting again") == 1 and f"({missing} is missing" in err
+    assert (_converted(cache_env) / missing).exists()
+
+
+def test_killed_conversions_leftovers_are_removed(tiny_gguf, cache_env):
+    path, _ = tiny_gguf
+    models = cache_env / "models"
+    stale, fresh = models / ".tmp-killed", models / ".tmp-running"
+    for folder in (stale, fresh):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+    os.utime(stale, (0, 0))
+    load_model(str(path), progress=False)
+    assert not stale.exists() and fresh.exists()  # a conversion in progress elsewhere is left alone
+
+
+def test_folder_written_meanwhile_is_replaced(tiny_gguf, cache_env, monkeypatch):
+    """Another process leaves a partial folder at the target while this one converts: ours replaces it."""
+    from kvrelay.model import gguf
+
+    path, _ = tiny_gguf
+    real_read = gguf.read_gguf
+
+    def read_and_race(p, progress=True):
+        out = loader._conversion_dir(p)
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"half")
+        return real_read(p, progress=progress)
+
+    monkeypatch.setattr(gguf, "read_gguf", read_and_race)
+    first = load_model(str(path), progress=False)
+    monkeypatch.setattr(gguf, "read_gguf", real_read)
+    assert load_model(str(path), progress=False).fingerprint == first.fingerprint
+    assert (_converted(cache_env) / "meta.json").exists()
+
+
+@pytest.mark.parametrize("device,match", [
+    ("cuda", "CUDA is not available"), ("cuda:0", "CUDA is not available"), ("mps", "MPS"),
+    ("bogus", "unknown device"), ("cpu:3", "no index 3"), ("meta", "unsupported device type")])
+def test_unavailable_device_is_refused_before_the_cache_is_touched(tiny_gguf, cache_env, device, match,
+                                                                   monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    path, _ = tiny_gguf
+    load_model(str(path), progress=False)
+    folder = _converted(cache_env)
+    before = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
+    for ref in (str(path), "random:tiny"):
+        with pytest.raises(DeviceError, match=match):
+            load_model(ref, device=device, progress=False)
+    assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == before
+
+
+def test_presets_do_not_import_the_loader():
+    """One-way dependency: loader -> presets (no import cycle, not even a lazy one)."""
+    import ast
+    import inspect
+
+    from kvrelay.model import presets
+
+    tree = ast.parse(inspect.getsource(presets))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any("loader" in (m or "") for m in imported), imported

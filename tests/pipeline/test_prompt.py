@@ -30,3 +30,20 @@ def test_spliced_ids_and_positions(tok):
 def test_missing_splice_names_the_output(tok):
     with pytest.raises(KeyError, match="'solver'"):
         chat_prompt_ids(tok, [{"role": "user", "content": splice_marker("solver")}], {})
+
+
+@pytest.mark.parametrize("text", ["What does \u27e6x\u27e7 mean?", "\u27e6a\u27e7",
+                                  "\u27e6\u27e6a\u27e7\u27e7 and \u27e6"])
+def test_user_text_that_looks_like_a_marker_is_kept_literally(tok, text):
+    messages = [{"role": "user", "content": text}]
+    p = chat_prompt_ids(tok, messages, {"a": [7, 7, 7]})
+    assert p.ids == tok.encode(tok.apply_chat_template(messages))
+    assert all(s.ref is None for s in p.segments)
+
+
+def test_marker_cannot_be_forged_from_text(tok):
+    real = splice_marker("a")
+    assert "\u27e6a\u27e7" != real and "a" in real
+    forged = real.replace(real[1:-3], "0" * (len(real) - 4))  # right shape, wrong nonce
+    p = chat_prompt_ids(tok, [{"role": "user", "content": forged + real}], {"a": [5]})
+    assert [s.ref for s in p.segments if s.ref] == ["a"]

@@ -1,5 +1,7 @@
 """Pipeline specs: validation errors name the agent and the problem; DAG order, cycles, consumers."""
 
+import re
+
 import pytest
 
 from kvrelay.pipeline.dag import PipelineError, consumers, topological_order
@@ -55,13 +57,15 @@ def test_malformed_yaml_and_fields(tmp_path):
     with pytest.raises(PipelineError, match=r"unknown key\(s\) \['colour'\]"):
         PipelineSpec.from_yaml(bad)
     bad.write_text("agents:\n  - {name: a}\n")
-    with pytest.raises(PipelineError, match="needs a string 'user'"):
+    with pytest.raises(PipelineError, match=r"p.yaml:2: agents\[0\] \('a'\).user: required field is missing"):
         PipelineSpec.from_yaml(bad)
     with pytest.raises(PipelineError, match="not found"):
         PipelineSpec.from_yaml(tmp_path / "none.yaml")
+    with pytest.raises(PipelineError, match="is a folder; give the pipeline's YAML file"):
+        PipelineSpec.from_yaml(tmp_path)
     with pytest.raises(PipelineError, match="bad template"):
         _spec({"name": "a", "user": "{q"})
-    with pytest.raises(PipelineError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(PipelineError, match=r"max_new_tokens: must be greater than or equal to 1, got 0"):
         _spec({"name": "a", "user": "{q}", "max_new_tokens": 0})
 
 
@@ -74,3 +78,46 @@ def test_dag_helpers():
     deps = {"a": [], "b": ["a"], "c": ["a", "b"]}
     assert topological_order(["c", "b", "a"], deps) == ["a", "b", "c"]
     assert consumers(["a", "b", "c"], deps) == {"a": ["b", "c"], "b": ["c"], "c": []}
+
+
+@pytest.mark.parametrize("field,value,rule", [
+    ("max_new_tokens", "ten", "must be a valid integer, got 'ten'"),
+    ("max_new_tokens", None, "must be a valid integer, got None"),
+    ("max_new_tokens", 1.5, "must be a valid integer, got 1.5"),
+    ("max_new_tokens", True, "must be a valid integer, got True"),
+    ("temperature", "hot", "must be a valid number, got 'hot'"),
+    ("temperature", float("nan"), "must be a finite number, got nan"),
+    ("temperature", float("inf"), "must be a finite number, got inf"),
+    ("temperature", -1, "must be greater than or equal to 0"),
+    ("top_p", 0, "must be greater than 0"),
+    ("system", 123, "must be a valid string, got 123"),
+    ("forced_output", 123, "must be a valid string, got 123"),
+])
+def test_agent_field_types_and_ranges(field, value, rule):
+    with pytest.raises(PipelineError, match=rf"agents\[0\] \('a'\)\.{field}: {re.escape(rule)}"):
+        _spec({"name": "a", "user": "{q}", field: value})
+
+
+def test_yaml_errors_name_the_line(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("inputs: [q]\nagents:\n  - name: a\n    user: '{q}'\n    temperature: .nan\n")
+    with pytest.raises(PipelineError, match=r"p.yaml:5: agents\[0\] \('a'\).temperature: must be a finite number"):
+        PipelineSpec.from_yaml(bad)
+    bad.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}'}\nmodel: x\n")
+    with pytest.raises(PipelineError, match=r"p.yaml:4: top level has unknown key\(s\) \['model'\]"):
+        PipelineSpec.from_yaml(bad)
+    bad.write_bytes(b"agents: \xc3\x28\n")
+    with pytest.raises(PipelineError, match="p.yaml: cannot read the pipeline file"):
+        PipelineSpec.from_yaml(bad)
+
+
+@pytest.mark.parametrize("template,shown", [("{q!r}", "{q!r}"), ("{q:>40}", "{q:>40}"), ("{q!s:x}", "{q!s:x}")])
+def test_format_specs_and_conversions_are_errors(template, shown):
+    with pytest.raises(PipelineError, match=re.escape(f"placeholder {shown} has a format spec or conversion")):
+        _spec({"name": "a", "user": template})
+
+
+@pytest.mark.parametrize("template", ["{0}", "{}", "{q.x}", "{q[0]}"])
+def test_only_plain_names_are_placeholders(template):
+    with pytest.raises(PipelineError, match="is not a plain name"):
+        _spec({"name": "a", "user": template})

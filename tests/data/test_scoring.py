@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvrelay.eval.scoring import extract_code, extract_letter, extract_number, gsm8k_correct, run_humaneval
+from kvrelay.data.scoring import extract_code, extract_letter, extract_number, gsm8k_correct, run_humaneval
 
 
 @pytest.mark.parametrize("text, expected", [
