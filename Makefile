@@ -23,10 +23,12 @@ demo: install
 
 test: install
 	$(PY) -m ruff check kvrelay tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: install
 	$(PY) -m ruff check kvrelay tests benchmarks
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(PY) benchmarks/bench_engine.py --json benchmarks/results/engine_cpu.json

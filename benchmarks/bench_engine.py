@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.engine import generate
+from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.harness import environment
 from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingConfig
@@ -93,7 +93,7 @@ def main() -> None:
     new = args.new_tokens
 
     def ours_decode():
-        out = generate(lm, decode_prompt, "full", sampling=SamplingConfig(max_new_tokens=new))
+        out = Engine(lm).generate(decode_prompt, "full", GenerateOptions(SamplingConfig(max_new_tokens=new)))
         assert len(out.output_ids) == new or out.stop_reason == "stop"
         return out.stats.decode_ms, len(out.output_ids)
 

@@ -2,7 +2,7 @@
 
 Chooses nothing by itself: it prints, for candidate (theta, eps, min_layer) settings of RKSC's
 layer exit, how many calls would exit and how many of those would flip their yes/no verdict
-against the full-depth forward. Used once to set the defaults in kvrelay/reuse/rksc.py.
+against the full-depth forward. Used once to set the defaults in kvrelay/branches/rksc.py.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibrate_cgee.py --problems 8 \
         --json benchmarks/results/rksc-cgee-calibration.json
@@ -17,12 +17,13 @@ import sys
 import torch
 from tqdm import tqdm
 
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts, answer_ids
+from kvrelay.branches.rksc import entropy, yes_score
+from kvrelay.branches.runner import BranchRunner
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.schedule import Schedule
-from kvrelay.pipeline.branches import BranchConfig, BranchPrompts, BranchRunner, answer_ids
-from kvrelay.reuse.rksc import entropy, yes_score
 
 
 class _Probe(Schedule):

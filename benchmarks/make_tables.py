@@ -351,7 +351,7 @@ def skip_threshold_table(records: list[dict], methods: tuple[str, ...]) -> str:
     """CGEE (a) after the fact: for other (top, gap) thresholds, how often the verifier would be skipped and
     how often the skip's pick (most confident branch) equals the verified pick. Read from the recorded
     confidences and reference scores of the test problems, so it describes the rule; it sets no default."""
-    from kvrelay.reuse.rksc import decisive, pick
+    from kvrelay.branches.rksc import decisive, pick
 
     m = next(m for m in methods if m not in ("full", "prefix"))
     runs = [r["runs"][m] for r in records]

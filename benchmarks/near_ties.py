@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from kvrelay.cache.store import KVStore
+from kvrelay.engine import Engine
 from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.eval.fidelity import first_token_margin
 from kvrelay.eval.harness import environment
@@ -39,7 +40,7 @@ def margins(workload: str, limit: int, offset: int = 0, data: str | None = None,
         raise ConfigError(f"offset {offset} is past the last problem of {workload!r}")
     rows: list[dict] = []
     for problem in tqdm(problems, desc=workload, unit="problem", file=sys.stderr):
-        runner = PipelineRunner(lm, wl.spec, KVStore(4 << 30), run_id=problem.problem_id)
+        runner = PipelineRunner(Engine(lm, KVStore(4 << 30)), wl.spec, run_id=problem.problem_id)
         for name, res in runner.run(problem.inputs, "full").items():
             if not res.call.refs:  # not a downstream call: the bench does not probe it
                 continue

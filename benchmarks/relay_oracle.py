@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import generate, run_plan
+from kvrelay.engine import Engine, GenerateOptions
+from kvrelay.engine.call import run_plan
 from kvrelay.errors import KvRelayError
 from kvrelay.eval.datasets import data_root
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, kl_first_token
@@ -33,11 +34,10 @@ from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.model.schedule import LayerView
+from kvrelay.model.schedule import LayerView, StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput, Plan
-from kvrelay.reuse.naive import StaticSchedule
 from kvrelay.reuse.relay import RelayMethod, value_cos_deviation
 from kvrelay.reuse.spans import collect_reuse
 
@@ -122,15 +122,16 @@ def main() -> int:
                             for layer in m.capture_layers(lm)} | set(RelayMethod().capture_layers(lm))))
     for problem in tqdm(problems, desc="calls", unit="problem", file=sys.stderr):
         store = KVStore(4 << 30)
-        runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id, capture_layers=capture)
+        engine = Engine(lm, store, capture_layers=capture)
+        runner = PipelineRunner(engine, wl.spec, run_id=problem.problem_id)
 
-        def probe(agent, call, position, store=store):
+        def probe(agent, call, position, store=store, engine=engine):
             if not any(r.kind == "output" for r in call.refs):
                 return
-            full = generate(lm, call, "full", store, one, keep_cache=True, feed_last=False)
+            full = engine.generate(call, "full", GenerateOptions(one, keep_cache=True, feed_last=False))
             margins.append(first_token_margin(full.first_logits))
-            scored = {m: (o.first_logits, o.stats.reuse_rate)
-                      for m, o in ((m, generate(lm, call, meth, store, one)) for m, meth in methods.items())}
+            outs = {m: engine.generate(call, meth, GenerateOptions(one)) for m, meth in methods.items()}
+            scored = {m: (o.first_logits, o.stats.reuse_rate) for m, o in outs.items()}
             for r in ratios:
                 scored[f"oracle top {r}"] = oracle_logits(lm, call, store, full.cache, r)
             for m, (logits, reuse) in scored.items():

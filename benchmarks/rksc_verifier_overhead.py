@@ -15,16 +15,16 @@ import time
 
 import torch
 
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts
+from kvrelay.branches.rksc import RKSCMethod, SharedRoot
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.engine import generate
+from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import median
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
-from kvrelay.pipeline.branches import BranchConfig, BranchPrompts
-from kvrelay.reuse.rksc import RKSCMethod, SharedRoot
 
 # a plausible 64-token branch output (the timing does not depend on its content)
 OUTPUT = ("Janet's ducks lay 16 eggs per day. She eats 3 and bakes with 4, so 16 - 3 - 4 = 9 eggs remain. "
@@ -48,7 +48,7 @@ def main() -> None:
     def rksc(**params):
         method = RKSCMethod(**params)
         method.root, method.exiting = SharedRoot(tuple(prompts.root_ids), root), True
-        return lambda: generate(lm, ids, method, None, SamplingConfig(max_new_tokens=1))
+        return lambda: Engine(lm).generate(ids, method, GenerateOptions(SamplingConfig(max_new_tokens=1)))
 
     def contiguous():
         cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=len(ids) + 1)
@@ -62,7 +62,7 @@ def main() -> None:
         "rksc, no attention probe": rksc(probe_attention=False),
         "rksc, neither": rksc(exit_theta=0.0, probe_attention=False),
         "root copied into a contiguous cache + one SDPA (as prefix)": contiguous,
-        "full prefill": lambda: generate(lm, ids, "full", None, SamplingConfig(max_new_tokens=1)),
+        "full prefill": lambda: Engine(lm).generate(ids, "full", GenerateOptions(SamplingConfig(max_new_tokens=1))),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.repeats + 1):  # the first round warms up and is dropped

@@ -25,12 +25,13 @@ import sys
 
 from tqdm import tqdm
 
+from kvrelay.branches.prompts import BranchConfig, few_shot_system
+from kvrelay.branches.rksc import RKSCMethod
+from kvrelay.branches.runner import BranchRunner
 from kvrelay.eval.branch_bench import _working_set, replay_table
 from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
-from kvrelay.pipeline.branches import BranchConfig, BranchRunner, few_shot_system
-from kvrelay.reuse.rksc import RKSCMethod
 
 
 def compact_trace(events: list[tuple]) -> list[list]:

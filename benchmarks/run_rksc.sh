@@ -29,7 +29,7 @@ OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rsbcm_interleaved.py --limit 50 \
 # approximate ASKS (opt-in), 8 problems
 OMP_NUM_THREADS=1 .venv/bin/kvrelay bench --workload gsm8k-branches --offset 0 --limit 8 \
   --methods "full,prefix,rksc[asks_approx=true]" --json benchmarks/results/rksc-asks-gsm8k-branches.json
-# CGEE layer-exit calibration on GSM8K train (sets the exit defaults in kvrelay/reuse/rksc.py)
+# CGEE layer-exit calibration on GSM8K train (sets the exit defaults in kvrelay/branches/rksc.py)
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibrate_cgee.py --problems 8 \
   --json benchmarks/results/rksc-cgee-calibration.json
 .venv/bin/python benchmarks/make_tables.py > /tmp/tables.md

@@ -106,6 +106,7 @@ def _bench_branches(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from kvrelay.cache.store import KVStore
+    from kvrelay.engine import Engine
     from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.spec import PipelineSpec
@@ -122,8 +123,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             text = Path(text[1:]).read_text()
         inputs[name] = text
     lm = load_model(args.model, device=args.device)
-    runner = PipelineRunner(lm, spec, KVStore(args.store_bytes))
-    results = runner.run(inputs, args.method)
+    engine = Engine(lm, KVStore(args.store_bytes), methods=(args.method,))  # carries what the method needs
+    results = PipelineRunner(engine, spec).run(inputs, args.method)
     for name, res in results.items():
         s = res.output.stats
         print(f"=== {name} [{args.method}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
@@ -159,7 +160,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from kvrelay.engine import generate
+    from kvrelay.engine import Engine, GenerateOptions
     from kvrelay.model.loader import load_model
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.pipeline.prompt import chat_prompt_ids
@@ -168,7 +169,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = chat_prompt_ids(lm.tokenizer, messages).ids
-    out = generate(lm, ids, "full", sampling=_dataclass_from_args(SamplingConfig, args))
+    out = Engine(lm).generate(ids, "full", GenerateOptions(_dataclass_from_args(SamplingConfig, args)))
     print(out.text)
     s = out.stats
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "

@@ -141,3 +141,19 @@ def write_tiny_gguf(path: Path, hf) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def generate(lm: LoadedModel, call, method="full", store=None, sampling=None, capture_layers: tuple[int, ...] = (),
+             keep_cache: bool = False, forced_output_ids=None, learn: bool = True, feed_last: bool | None = None):
+    """One call on a fresh ``Engine`` (the tests' shorthand; the engine carries ``capture_layers`` too)."""
+    from kvrelay.engine import Engine, GenerateOptions
+    from kvrelay.model.sampling import SamplingConfig
+
+    options = GenerateOptions(sampling or SamplingConfig(), keep_cache, forced_output_ids, learn, feed_last)
+    return Engine(lm, store, capture_layers=capture_layers).generate(call, method, options)
+
+
+def publish(store, span_id: str, out, lm: LoadedModel, pin: bool = False):
+    from kvrelay.engine import Engine
+
+    return Engine(lm, store).publish(span_id, out, pin)

@@ -96,14 +96,13 @@ class SequenceKV:
         self.v[layer, :, start : start + n] = v
         self.filled[layer, start : start + n] = True
 
-    def kv(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of positions [start, end) at ``layer`` as segments in position order, each
-        ([num_kv_heads, m, head_dim], same): one segment here, views (no copy)."""
-        return [(self.k[layer, :, start:end], self.v[layer, :, start:end])]
+    def kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [start, end) at ``layer``: [num_kv_heads, m, head_dim] each, views (no copy)."""
+        return self.k[layer, :, start:end], self.v[layer, :, start:end]
 
-    def kv_all(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's K/V of positions [start, end) as segments ([L, Hkv, m, hd] each), views."""
-        return [(self.k[:, :, start:end], self.v[:, :, start:end])]
+    def kv_all(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's K, V of positions [start, end): [L, Hkv, m, hd] each, views."""
+        return self.k[:, :, start:end], self.v[:, :, start:end]
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the K/V at positions ``slots`` ([n]) of one layer: [num_kv_heads, n, head_dim] each."""

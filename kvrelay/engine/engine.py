@@ -22,7 +22,7 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
-from kvrelay.engine.core import (
+from kvrelay.engine.call import (
     CallStats,
     GenerationOutput,
     check_fits,
@@ -96,11 +96,13 @@ class Engine:
     """A model, a span store and the methods that may run on them."""
 
     def __init__(self, lm: LoadedModel, store: KVStore | None = None,
-                 methods: Iterable[str | ReuseMethod] = ("full",)) -> None:
+                 methods: Iterable[str | ReuseMethod] = ("full",), capture_layers: Iterable[int] = ()) -> None:
+        """``methods``: those that may run here (more join on first use); ``capture_layers``: layers to
+        carry beyond what the methods ask for (e.g. a profiler's)."""
         self.lm = lm
         self.store = store
         self._methods: dict[str, ReuseMethod] = {}
-        self._capture: set[int] = set()
+        self._capture: set[int] = {int(layer) for layer in capture_layers}
         for spec in methods:
             self.method(spec)
 
@@ -258,7 +260,5 @@ class Engine:
 
     def _decode(self, token_ids: list[int], seqs: list[Sequence]) -> torch.Tensor:
         """Feed ``token_ids[b]`` to ``seqs[b]``; logits [B, vocab]. Captures decode-phase hidden states."""
-        rows = []
-        for token_id, seq in zip(token_ids, seqs, strict=True):
-            rows.append(self.lm.model.decode_step(token_id, seq.cache, self.capture_layers, seq.decode_rows))
-        return torch.stack(rows)
+        return self.lm.model.decode(token_ids, [s.cache for s in seqs], self.capture_layers,
+                                    [s.decode_rows for s in seqs])

@@ -17,16 +17,17 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from kvrelay.cache.blocks import POLICIES, interleave, replay
+from kvrelay.branches.blocks import POLICIES, interleave, replay
+from kvrelay.branches.prompts import BranchConfig
+from kvrelay.branches.rksc import RKSCMethod
+from kvrelay.branches.runner import BranchRunner
 from kvrelay.errors import ConfigError
 from kvrelay.eval import scoring
 from kvrelay.eval.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import mean, median, median_ratio
 from kvrelay.model.loader import DEFAULT_MODEL, load_model
-from kvrelay.pipeline.branches import BranchConfig, BranchRunner
 from kvrelay.reuse import get_method, split_method_specs
-from kvrelay.reuse.rksc import RKSCMethod
 
 REFERENCES = ("full", "prefix")
 

@@ -22,14 +22,14 @@ from tqdm import tqdm
 import kvrelay
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import generate, sync_device
+from kvrelay.engine import Engine, GenerateOptions, sync_device
 from kvrelay.errors import ConfigError
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, greedy_match, kl_first_token
 from kvrelay.eval.report import CallRow, summarize
 from kvrelay.eval.stats import mean, median
 from kvrelay.model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.model.schedule import Entry, Schedule
+from kvrelay.model.schedule import StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import Workload, get_workload
 from kvrelay.reuse import PIPELINE_METHODS, CallInput, ReuseMethod, get_method, split_method_specs
@@ -78,16 +78,6 @@ class BenchConfig:
         self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
 
 
-class _ActiveOnly(Schedule):
-    """Only the given tokens are computed (the rest marked as cached): the ideal-reuse probe."""
-
-    def __init__(self, token_idx: torch.Tensor) -> None:
-        self.token_idx = token_idx
-
-    def entries(self, num_tokens: int) -> dict[int, Entry]:
-        return {0: Entry(self.token_idx)}
-
-
 def new_token_mask(call: CallInput, store: KVStore, lm: LoadedModel) -> list[bool]:
     """Prompt tokens with no KV anywhere: not in a ref, not in the longest exact stored prefix."""
     new = [True] * len(call.prompt_ids)
@@ -108,7 +98,7 @@ def ideal_ttft_ms(lm: LoadedModel, call: CallInput, new_mask: list[bool]) -> flo
     t0 = time.perf_counter()
     cache = SequenceKV(lm.config, model.dtype, model.device, capacity=n + 1)
     cache.filled[:, :n] = True  # stands for reused KV; its values do not matter for timing
-    model.prefill(torch.tensor(call.prompt_ids), cache, _ActiveOnly(idx))
+    model.prefill(torch.tensor(call.prompt_ids), cache, StaticSchedule(idx))
     sync_device(model.device)
     return (time.perf_counter() - t0) * 1e3
 
@@ -133,10 +123,6 @@ class Bench:
         self.lm = lm or load_model(cfg.model, device=cfg.device)
         self.workload: Workload = get_workload(cfg.workload)
         self.methods: dict[str, ReuseMethod] = {m: get_method(m) for m in cfg.methods}
-        layers = set()
-        for m in self.methods.values():
-            layers.update(m.capture_layers(self.lm))
-        self.capture_layers = tuple(sorted(layers))
         self.fidelity_meaningful = not self.lm.name.startswith("random:")
         self.env = environment(cfg.device)  # taken once, at start: the commit whose code this run loaded
 
@@ -182,20 +168,23 @@ class Bench:
                             file=sys.stderr):
             if cfg.mode == "e2e":  # each stateful method runs the whole pipeline, learning from its own calls
                 for meth in stateful.values():
-                    PipelineRunner(self.lm, self.workload.spec, KVStore(cfg.store_bytes), run_id=problem.problem_id,
-                                   capture_layers=self.capture_layers).run(problem.inputs, meth)
+                    PipelineRunner(self._engine(KVStore(cfg.store_bytes)), self.workload.spec,
+                                   run_id=problem.problem_id).run(problem.inputs, meth)
                 continue
-            store = KVStore(cfg.store_bytes)
-            runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
-                                    capture_layers=self.capture_layers)
+            engine = self._engine(KVStore(cfg.store_bytes))
+            runner = PipelineRunner(engine, self.workload.spec, run_id=problem.problem_id)
 
-            def learn(agent, call: CallInput, position: int, store: KVStore = store) -> None:
+            def learn(agent, call: CallInput, position: int, engine: Engine = engine) -> None:
                 if call.refs:  # the calls the measured run probes: the methods learn from them as they would there
                     for meth in stateful.values():
-                        generate(self.lm, call, meth, store, SamplingConfig(max_new_tokens=1), learn=True)
+                        engine.generate(call, meth, GenerateOptions(SamplingConfig(max_new_tokens=1), learn=True))
 
             runner.run(problem.inputs, "full", before_call=learn)
         return [p.problem_id for p in warm]
+
+    def _engine(self, store: KVStore) -> Engine:
+        """An engine on ``store`` that runs this bench's method objects (stateful ones keep their state)."""
+        return Engine(self.lm, store, self.methods.values())
 
     def _result(self, num_problems: int, rows: list[CallRow], scores: dict[str, list[float]], peak_bytes: int,
                 warm_ids: list[str]) -> dict:
@@ -211,30 +200,31 @@ class Bench:
 
     # ------------------------------------------------------------------ agent mode
     def _agent_mode(self, problem, rows: list[CallRow]) -> int:
-        store = KVStore(self.cfg.store_bytes)
-        runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
-                                capture_layers=self.capture_layers)
+        engine = self._engine(KVStore(self.cfg.store_bytes))
+        store = engine.store
+        runner = PipelineRunner(engine, self.workload.spec, run_id=problem.problem_id)
 
         def probe(agent, call: CallInput, position: int) -> None:
             if call.refs:  # a downstream call: it has something to reuse
-                rows.extend(self._probe_call(problem.problem_id, agent.name, position, call, store))
+                rows.extend(self._probe_call(problem.problem_id, agent.name, position, call, engine))
 
         runner.run(problem.inputs, "full", before_call=probe)
         return store.peak_bytes
 
-    def _probe_call(self, problem_id: str, agent: str, position: int, call: CallInput, store: KVStore
+    def _probe_call(self, problem_id: str, agent: str, position: int, call: CallInput, engine: Engine
                     ) -> list[CallRow]:
-        lm, cfg = self.lm, self.cfg
+        lm, cfg, store = self.lm, self.cfg, engine.store
         # Stateful methods (KVCOMM's anchor pools) learn from this call once, in its last timed run,
         # so that every run of it (fidelity and timing) plans from the same state.
-        greedy = {m: generate(lm, call, meth, store, SamplingConfig(cfg.greedy_tokens), learn=False)
+        greedy = {m: engine.generate(call, meth, GenerateOptions(SamplingConfig(cfg.greedy_tokens), learn=False))
                   for m, meth in self.methods.items()}  # fidelity outputs; also the warm-up
         new_mask = new_token_mask(call, store, lm)
         ttft: dict[str, list[float]] = {m: [] for m in (*self.methods, "ideal")}
         stats = {}
         for rep in range(cfg.repeats):  # interleaved, so machine noise hits every method alike
             for m, meth in self.methods.items():
-                out = generate(lm, call, meth, store, SamplingConfig(max_new_tokens=1), learn=rep == cfg.repeats - 1)
+                one = GenerateOptions(SamplingConfig(max_new_tokens=1), learn=rep == cfg.repeats - 1)
+                out = engine.generate(call, meth, one)
                 ttft[m].append(out.stats.ttft_ms)
                 stats[m] = out.stats
             ttft["ideal"].append(ideal_ttft_ms(lm, call, new_mask))
@@ -260,10 +250,10 @@ class Bench:
         per_method = {}
         peak = 0
         for m, meth in self.methods.items():
-            store = KVStore(self.cfg.store_bytes)
-            runner = PipelineRunner(self.lm, self.workload.spec, store, run_id=problem.problem_id,
-                                    capture_layers=self.capture_layers)
-            per_method[m] = runner.run(problem.inputs, meth)
+            engine = self._engine(KVStore(self.cfg.store_bytes))
+            store = engine.store
+            per_method[m] = PipelineRunner(engine, self.workload.spec, run_id=problem.problem_id).run(problem.inputs,
+                                                                                                    meth)
             peak = max(peak, store.peak_bytes)
             final = per_method[m][self.workload.spec.output].output.text
             scores[m].append(self.workload.score(final, problem.reference))

@@ -72,7 +72,17 @@ class Schedule:
         return False
 
 
-class SuffixSchedule(Schedule):
+class StaticSchedule(Schedule):
+    """The given prompt indices are computed at every layer; every other token reads the cache."""
+
+    def __init__(self, active_idx: torch.Tensor) -> None:
+        self.active_idx = active_idx
+
+    def entries(self, num_tokens: int) -> dict[int, Entry]:
+        return {0: Entry(self.active_idx)}
+
+
+class SuffixSchedule(StaticSchedule):
     """Tokens ``[start, n)`` active at every layer; ``[0, start)`` read from the cache."""
 
     def __init__(self, start: int) -> None:

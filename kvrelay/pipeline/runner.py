@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrelay.cache.store import KVStore
-from kvrelay.engine import GenerationOutput, generate, publish
-from kvrelay.model.loader import LoadedModel
+from kvrelay.engine import Engine, GenerateOptions, GenerationOutput
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.dag import consumers
 from kvrelay.pipeline.prompt import PromptIds, chat_prompt_ids, splice_marker
 from kvrelay.pipeline.spec import AgentSpec, PipelineSpec
-from kvrelay.reuse import CallInput, ReuseMethod, SpanRef, get_method
+from kvrelay.reuse import CallInput, ReuseMethod, SpanRef
 
 
 @dataclass
@@ -53,10 +51,13 @@ def span_consumers(spec: PipelineSpec) -> dict[str, list[str]]:
 
 
 class PipelineRunner:
-    def __init__(self, lm: LoadedModel, spec: PipelineSpec, store: KVStore, run_id: str = "run",
-                 capture_layers: tuple[int, ...] = ()) -> None:
-        self.lm, self.spec, self.store, self.run_id = lm, spec, store, run_id
-        self.capture_layers = capture_layers
+    """Runs a pipeline on an engine (which owns the model, the store and the capture layers)."""
+
+    def __init__(self, engine: Engine, spec: PipelineSpec, run_id: str = "run") -> None:
+        if engine.store is None:
+            raise ValueError("a pipeline publishes every call's KV: its engine needs a store")
+        self.engine, self.spec, self.run_id = engine, spec, run_id
+        self.lm, self.store = engine.lm, engine.store
         self.readers = span_consumers(spec)
 
     def span_id(self, agent: str) -> str:
@@ -87,7 +88,7 @@ class PipelineRunner:
         """Run every agent with ``method``; ``before_call`` sees each call while the store holds
         only the spans of the calls before it."""
         self.spec.check_inputs(inputs)
-        method = get_method(method) if isinstance(method, str) else method
+        method = self.engine.method(method)
         input_ids = {name: self.lm.tokenizer.encode(text) for name, text in inputs.items()}
         pending = {name: len(readers) for name, readers in self.readers.items()}
         done: dict[str, AgentResult] = {}
@@ -98,10 +99,10 @@ class PipelineRunner:
                 before_call(agent, call, position)
             sampling = SamplingConfig(agent.max_new_tokens, agent.temperature, agent.top_p)
             forced = None if agent.forced_output is None else self.lm.tokenizer.encode(agent.forced_output)
-            out = generate(self.lm, call, method, self.store, sampling, self.capture_layers, keep_cache=True,
-                           forced_output_ids=forced)
+            out = self.engine.generate(call, method, GenerateOptions(sampling, keep_cache=True,
+                                                                     forced_output_ids=forced))
             span_id = self.span_id(name)
-            publish(self.store, span_id, out, self.lm, pin=pending[name] > 0)
+            self.engine.publish(span_id, out, pin=pending[name] > 0)
             out.cache = None  # the store has its own copy
             done[name] = AgentResult(name, position, call, prompt, out, span_id)
             for holder, readers in self.readers.items():  # a span is unpinned after its last reader

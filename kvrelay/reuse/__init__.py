@@ -1,5 +1,8 @@
 """Reuse methods by name. A new method is a new file here plus one line in ``METHODS``.
 
+Methods are imported on first use, by path: ``rksc`` plans the branches of one problem and lives in
+its own wing (``kvrelay.branches``), above the engine.
+
 A method spec is a name with optional parameters: ``relay``, ``relay[tau_dev=2,l_suf=5]``,
 ``cacheblend[ratio=0.3]``, ``epic[k=8]``.
 """
@@ -7,30 +10,31 @@ A method spec is a name with optional parameters: ``relay``, ``relay[tau_dev=2,l
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 
 from kvrelay.errors import ConfigError
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef
-from kvrelay.reuse.cacheblend import CacheBlendMethod
-from kvrelay.reuse.epic import EpicMethod
-from kvrelay.reuse.full import FullMethod
-from kvrelay.reuse.kvcomm import KVCommMethod
-from kvrelay.reuse.naive import NaiveMethod
-from kvrelay.reuse.prefix import PrefixMethod
-from kvrelay.reuse.relay import RelayMethod
-from kvrelay.reuse.rksc import RKSCMethod
 
-METHODS: dict[str, type[ReuseMethod]] = {
-    "full": FullMethod, "prefix": PrefixMethod, "naive": NaiveMethod, "cacheblend": CacheBlendMethod,
-    "epic": EpicMethod, "relay": RelayMethod, "kvcomm": KVCommMethod,
-    "rksc": RKSCMethod,
+METHODS: dict[str, str] = {
+    "full": "kvrelay.reuse.full:FullMethod", "prefix": "kvrelay.reuse.prefix:PrefixMethod",
+    "naive": "kvrelay.reuse.naive:NaiveMethod", "cacheblend": "kvrelay.reuse.cacheblend:CacheBlendMethod",
+    "epic": "kvrelay.reuse.epic:EpicMethod", "relay": "kvrelay.reuse.relay:RelayMethod",
+    "kvcomm": "kvrelay.reuse.kvcomm:KVCommMethod", "rksc": "kvrelay.branches.rksc:RKSCMethod",
 }
 
 #: methods that plan single agent calls of a pipeline; ``rksc`` plans branches (workload gsm8k-branches)
 PIPELINE_METHODS = tuple(m for m in METHODS if m != "rksc")
 
 __all__ = ["PIPELINE_METHODS", "METHODS",
-           "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "split_method_specs"]
+           "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "method_class",
+           "split_method_specs"]
+
+
+def method_class(name: str) -> type[ReuseMethod]:
+    """The class of a registered method name (imported on first use)."""
+    module, _, attr = METHODS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 _SPEC = re.compile(r"^([a-z_]+)(?:\[(.*)\])?$")
 
@@ -60,7 +64,7 @@ def get_method(spec: str) -> ReuseMethod:
     m = _SPEC.match(spec.strip())
     if not m or m.group(1) not in METHODS:
         raise ConfigError(f"unknown method {spec!r}; available: {', '.join(METHODS)} (parameters as name[k=v,...])")
-    cls, params = METHODS[m.group(1)], {}
+    cls, params = method_class(m.group(1)), {}
     fields = {f.name: f.type for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else {}
     for item in filter(None, (m.group(2) or "").split(",")):
         key, sep, value = item.partition("=")

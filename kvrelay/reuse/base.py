@@ -89,9 +89,6 @@ class Plan:
     fallback: str | None = None  # why the method fell back to a full prefill, if it did
     note: str | None = None  # anything else the stats should say (e.g. tokens recomputed from layer 0)
     state: object = None  # the method's own record of this plan, handed back to ``observe``
-    # RKSC's ASKS: positions [0, shared_len) are read from this cache by reference, never copied
-    shared_prefix: SequenceKV | None = None
-    shared_len: int = 0
     # the sequence cache to run on, given its capacity in positions (None: a fresh SequenceKV); a cache
     # that already holds positions counts them in ``num_preloaded``
     make_cache: Callable[[int], SequenceKV] | None = None
@@ -100,7 +97,7 @@ class Plan:
     @property
     def num_reused_tokens(self) -> int:
         return (sum(load.num_tokens for load in self.loads) + sum(p.num_tokens for p in self.patches if not p.add)
-                + self.shared_len + self.num_preloaded)
+                + self.num_preloaded)
 
 
 class ReuseMethod(ABC):

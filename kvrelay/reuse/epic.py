@@ -12,8 +12,8 @@ import torch
 
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
+from kvrelay.model.schedule import StaticSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
-from kvrelay.reuse.naive import StaticSchedule
 from kvrelay.reuse.spans import collect_reuse
 
 

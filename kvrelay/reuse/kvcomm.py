@@ -35,10 +35,9 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
-from kvrelay.model.schedule import Schedule
+from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
-from kvrelay.reuse.naive import StaticSchedule
 
 
 @dataclass
@@ -77,15 +76,14 @@ class KVCommMethod(ReuseMethod):
     # The gate's distance. "l2": softmax(-|v_new - v_anchor|_2) over the whole placeholder at temperature 1,
     # as KVCOMM's public code gates (its predict_as_anchor); the norm grows with the span, so the weights
     # are near one-hot unless two anchors tie (e.g. the same text twice). "relative": the mixing weights
-    # below, whose entropy depends on `temperature` (this library's gate before session 5).
+    # below, whose entropy depends on `temperature`.
     gate_distance: str = "l2"
     # softmax(-relative value distance / temperature). Distances between different texts cluster at
     # 1.2-1.4 (~sqrt 2: near-orthogonal values) with a spread of ~0.1 on SmolLM2, so 0.01 makes a gap
-    # of a few hundredths decisive; at 0.05 most weight vectors were near flat (entropy 0.7-1.0) in a
-    # 10-problem gsm8k-fc3 probe (not committed: chosen on benchmark data, BENCHMARKS.md says so).
+    # of a few hundredths decisive; 0.05 leaves most weight vectors near flat (BENCHMARKS.md, "KVCOMM").
     temperature: float = 0.01
     # A placeholder with fewer eligible anchors forces a dense prefill. 2 as in the public code, which
-    # makes any placeholder with at most one anchor of its length a new anchor (3 before session 5).
+    # makes any placeholder with at most one anchor of its length a new anchor.
     warmup: int = 2
     max_anchors: int = 20  # per placeholder pool
     evict_window: int = 5  # a full pool evicts the least used of its this-many oldest anchors
@@ -93,8 +91,7 @@ class KVCommMethod(ReuseMethod):
     reuse_template: bool = True  # also reuse template segments (base KV + the anchors' offsets)
     # The last this-many prompt tokens are computed, whatever covers them (1: only the last, as KVCOMM does).
     # Estimated, the template's closing text right before the answer is in effect another problem's KV of
-    # that text. 32 (covering it on the fc3 workloads) halved first-token KL and about halved the speedup
-    # (BENCHMARKS.md, session 9).
+    # that text; 32 covers it on the fc3 workloads, at about half the speedup (BENCHMARKS.md, "KVCOMM").
     tail_tokens: int = 1
     # Mixing weights per layer (softmax over each layer's relative distances) instead of one weight per anchor
     # for all layers: an anchor close in the layers that matter for a token may be far in others.

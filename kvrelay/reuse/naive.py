@@ -6,19 +6,9 @@ The lower bound of quality: spans computed in another context are taken as they 
 from __future__ import annotations
 
 from kvrelay.cache.store import KVStore
-from kvrelay.model.schedule import Entry, Schedule
+from kvrelay.model.schedule import StaticSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 from kvrelay.reuse.spans import collect_reuse
-
-
-class StaticSchedule(Schedule):
-    """The given tokens are computed at every layer; all others read the cache."""
-
-    def __init__(self, active_idx) -> None:
-        self.active_idx = active_idx
-
-    def entries(self, num_tokens: int) -> dict[int, Entry]:
-        return {0: Entry(self.active_idx)}
 
 
 class NaiveMethod(ReuseMethod):

@@ -85,10 +85,10 @@ def measure_call(lm: LoadedModel, call: CallInput, store: KVStore
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(value cos, key cos), each [num_layers, n] over the tokens of the call's upstream outputs, and
     ``full``'s first-token logits."""
-    from kvrelay.engine import generate  # the profiler runs pipelines: engine and pipeline sit above reuse
+    from kvrelay.engine import Engine, GenerateOptions  # the profiler runs pipelines: engine sits above reuse
     from kvrelay.model.sampling import SamplingConfig
 
-    out = generate(lm, call, "full", store, SamplingConfig(max_new_tokens=1), keep_cache=True)
+    out = Engine(lm, store).generate(call, "full", GenerateOptions(SamplingConfig(max_new_tokens=1), keep_cache=True))
     fresh = out.cache
     v_cos, k_cos = [], []
     for ref in call.refs:
@@ -174,6 +174,7 @@ def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: i
     upstream output, while the store holds the spans before it (carrying ``capture`` hidden states)."""
     from tqdm import tqdm
 
+    from kvrelay.engine import Engine
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.workloads import get_workload
 
@@ -181,7 +182,7 @@ def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: i
     for problem in tqdm(wl.problems(data, num_problems), desc=desc, unit="problem", disable=not progress,
                         file=sys.stderr):
         store = KVStore(4 << 30)  # one problem's spans at a time: captured hidden states are large
-        runner = PipelineRunner(lm, wl.spec, store, run_id=problem.problem_id, capture_layers=capture)
+        runner = PipelineRunner(Engine(lm, store, capture_layers=capture), wl.spec, run_id=problem.problem_id)
 
         def probe(agent, call, position, store=store):
             if any(r.kind == "output" for r in call.refs):
@@ -193,20 +194,21 @@ def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: i
 def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str, num_problems: int,
                 progress: bool = True) -> dict[Band, tuple[float, float]]:
     """Band -> (mean first-token KL(full || relay), mean reuse) over the calibration calls."""
-    from kvrelay.engine import generate
+    from kvrelay.engine import Engine, GenerateOptions
     from kvrelay.eval.fidelity import kl_first_token
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.reuse.relay import RelayMethod
 
-    one = SamplingConfig(max_new_tokens=1)
+    one = GenerateOptions(SamplingConfig(max_new_tokens=1))
     methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2]) for band in candidates}
     kls: dict[Band, list[float]] = {band: [] for band in candidates}
     reuses: dict[Band, list[float]] = {band: [] for band in candidates}
 
     def on_call(call: CallInput, store: KVStore) -> None:
-        full = generate(lm, call, "full", store, one).first_logits
+        engine = Engine(lm, store)
+        full = engine.generate(call, "full", one).first_logits
         for band, method in methods.items():
-            out = generate(lm, call, method, store, one)
+            out = engine.generate(call, method, one)
             kls[band].append(kl_first_token(full, out.first_logits))
             reuses[band].append(out.stats.reuse_rate)
 

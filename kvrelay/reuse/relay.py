@@ -27,10 +27,9 @@ import torch
 
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
-from kvrelay.model.schedule import Entry, LayerView
+from kvrelay.model.schedule import Entry, LayerView, StaticSchedule
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
-from kvrelay.reuse.naive import StaticSchedule
 from kvrelay.reuse.profiler import LayerProfile, build_profile, profile_path
 from kvrelay.reuse.spans import collect_reuse
 

@@ -150,8 +150,8 @@ def test_prompt_longer_than_context_is_refused():
 
     lm = tiny_lm()
     with pytest.raises(ContextLengthError, match="exceeds the context length"):
-        from kvrelay.engine import generate
         from kvrelay.model.sampling import SamplingConfig
+        from tests.helpers import generate
 
         generate(lm, [1] * 500, sampling=SamplingConfig(max_new_tokens=20))
     with pytest.raises(ContextLengthError, match="do not fit the model's context length of 512"):

@@ -3,6 +3,7 @@
 import pytest
 
 from kvrelay.cache.store import KVStore
+from kvrelay.engine import Engine
 from kvrelay.pipeline.runner import PipelineRunner, span_consumers
 from kvrelay.pipeline.spec import PipelineSpec
 from tests.helpers import tiny_lm
@@ -25,7 +26,7 @@ def test_span_consumers_include_input_readers():
 
 def test_refs_point_at_the_exact_ids_in_upstream_spans(lm):
     store = KVStore(1 << 30)
-    runner = PipelineRunner(lm, SPEC, store)
+    runner = PipelineRunner(Engine(lm, store), SPEC)
     pins = {}
 
     def before(agent, call, position):

@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import generate, publish
 from kvrelay.errors import ConfigError
 from kvrelay.eval.harness import Bench, BenchConfig
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
 from kvrelay.reuse.base import CallInput, SpanRef
-from tests.helpers import tiny_lm
+from tests.helpers import generate, publish, tiny_lm
 
 ONE = SamplingConfig(max_new_tokens=1)
 

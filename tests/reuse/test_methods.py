@@ -4,14 +4,13 @@ import pytest
 import torch
 
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import generate, publish
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
 from kvrelay.reuse.profiler import choose_band, choose_by_fidelity, choose_detection_layer, fidelity_candidates
 from kvrelay.reuse.relay import select_tokens
-from tests.helpers import tiny_lm
+from tests.helpers import generate, publish, tiny_lm
 
 L = 4  # layers of the tiny model
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import CallStats, generate, publish
+from kvrelay.engine import CallStats
 from kvrelay.errors import ConfigError
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.model.sampling import Sampler, SamplingConfig
-from tests.helpers import tiny_lm
+from tests.helpers import generate, publish, tiny_lm
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvrelay.branches.shared_kv import SharedPrefixKV, kv_bytes
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.cache.shared import SharedPrefixKV, kv_bytes
 from kvrelay.errors import ScheduleError
 from kvrelay.model.schedule import SuffixSchedule
 from tests.helpers import tiny_lm

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from kvrelay.engine import generate
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts, answer_ids
+from kvrelay.branches.rksc import RKSCMethod, RKSCSchedule, decisive, pick, yes_score
+from kvrelay.branches.runner import BranchRunner, pad, verify
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.pipeline.branches import BranchConfig, BranchPrompts, BranchRunner, answer_ids, pad, verify
 from kvrelay.reuse import get_method
-from kvrelay.reuse.rksc import RKSCMethod, RKSCSchedule, decisive, pick, yes_score
-from tests.helpers import tiny_lm
+from tests.helpers import generate, tiny_lm
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many?"
 
@@ -101,8 +101,8 @@ def test_branch_runner_rksc_shares_the_root_and_matches_full(lm):
     row = 2 * 4 * 2 * 16 * 4  # K and V: layers x kv heads x head_dim x fp32
     slots = [len(ids) + cfg.branch_tokens + 1 for ids in prompts.branch_ids]  # each cache's capacity
     assert full.branch_kv_bytes == sum(slots) * row  # a root copy in every branch
-    # the root once; batched decode keeps the rows' own slots in one [B, longest] tensor
-    assert rksc.branch_kv_bytes == (root_len + 3 * max(n - root_len for n in slots)) * row
+    # the root once, plus each branch's own rows (batched decode reads every row's own cache: no padding)
+    assert rksc.branch_kv_bytes == (root_len + sum(n - root_len for n in slots)) * row
     one_by_one = BranchRunner(lm, cfg, RKSCMethod(skip_top=1.0, skip_gap=1.0, exit_theta=0.0, batch_decode=False))
     unbatched = one_by_one.run(QUESTION, "rksc")
     assert unbatched.output_ids == rksc.output_ids and unbatched.scores == pytest.approx(rksc.scores, abs=1e-6)
@@ -126,8 +126,8 @@ def test_rksc_parameters_are_validated():
 
 
 def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):
+    from kvrelay.branches.prompts import SYSTEM, few_shot_system
     from kvrelay.eval.datasets import GSM8KProblem
-    from kvrelay.pipeline.branches import SYSTEM, few_shot_system
 
     assert few_shot_system([]) == SYSTEM
     shots = [GSM8KProblem("Ann has 2 pens and buys 3. How many?", "5", "Ann has 2+3 = 5 pens."),

@@ -2,8 +2,8 @@
 
 RKSC's ASKS: the prompt prefix that every branch shares is computed once into one cache; each
 branch's cache reads positions [0, prefix_len) from it and keeps only its own tokens, from
-``prefix_len`` on. Attention then runs over two key segments (see ``Transformer._attend``), so
-no branch ever holds a copy of the prefix.
+``prefix_len`` on, so no branch ever holds a copy of the prefix. An RKSC plan supplies such a
+cache to the engine (``Plan.make_cache``); the forward sees an ordinary ``SequenceKV``.
 """
 
 from __future__ import annotations
@@ -29,41 +29,11 @@ class SharedPrefixKV(SequenceKV):
         # own rows: row r holds position prefix_len + r
         self.k = self.v = torch.empty(0)
         self.filled = torch.empty(0, dtype=torch.bool)
-        # set by ``batch``: the common own-row storage [L, B, Hkv, cap, hd] and this cache's row in it
-        self.batch_k: torch.Tensor | None = None
-        self.batch_v: torch.Tensor | None = None
-        self.batch_filled: torch.Tensor | None = None
-        self.batch_row = 0
         self.ensure_capacity(prefix_len + max(1, capacity))
-
-    @classmethod
-    def batch(cls, prefix: SequenceKV, prefix_len: int, own_capacity: int, num: int) -> list[SharedPrefixKV]:
-        """``num`` caches over one prefix whose own rows are slots of one common tensor, so that
-        ``decode_step_batch`` reads them without gathering. Their capacity is fixed (a view cannot
-        grow): ``own_capacity`` positions past ``prefix_len`` each."""
-        if num < 1 or own_capacity < 1:
-            raise ScheduleError(f"a cache batch needs num >= 1 and own_capacity >= 1, got {num}, {own_capacity}")
-        h_kv, head_dim = prefix.shape_tail
-        # zeros, not empty: a batched step multiplies every row's padding slots by a zero probability,
-        # and 0 x (uninitialised NaN) would be NaN
-        big_k = torch.zeros(prefix.num_layers, num, h_kv, own_capacity, head_dim, dtype=prefix.dtype,
-                            device=prefix.device)  # [L, B, Hkv, cap, hd]
-        big_v = torch.zeros_like(big_k)
-        big_filled = torch.zeros(prefix.num_layers, num, own_capacity, dtype=torch.bool, device=prefix.device)
-        caches = []
-        for row in range(num):
-            cache = cls(prefix, prefix_len, capacity=1)
-            cache.k, cache.v, cache.filled = big_k[:, row], big_v[:, row], big_filled[:, row]  # views
-            cache.capacity = prefix_len + own_capacity
-            cache.batch_k, cache.batch_v, cache.batch_filled, cache.batch_row = big_k, big_v, big_filled, row
-            caches.append(cache)
-        return caches
 
     def ensure_capacity(self, num_positions: int) -> None:
         if num_positions <= self.capacity:
             return
-        if self.batch_k is not None:
-            raise ScheduleError(f"batched cache full: {num_positions} positions past its capacity of {self.capacity}")
         own_cap = max(num_positions - self.prefix_len, 2 * (self.capacity - self.prefix_len))
         h_kv, head_dim = self.shape_tail
         k = torch.empty(self.num_layers, h_kv, own_cap, head_dim, dtype=self.dtype, device=self.device)
@@ -87,14 +57,17 @@ class SharedPrefixKV(SequenceKV):
             raise ScheduleError(f"positions below {self.prefix_len} belong to the shared prefix and are read-only")
         super().write_range(layer, start - self.prefix_len, k, v)
 
-    def kv(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [start, end) at ``layer`` ([Hkv, m, hd] each): a view when the range lies on
+        one side of ``prefix_len``, else a transient concatenation (the cache itself holds no copy)."""
         p = self.prefix_len
-        segs = []
-        if start < p:
-            segs += self.prefix.kv(layer, start, min(end, p))
-        if end > p:
-            segs += super().kv(layer, max(start, p) - p, end - p)
-        return segs
+        if end <= p:
+            return self.prefix.kv(layer, start, end)
+        own_k, own_v = super().kv(layer, max(start, p) - p, end - p)
+        if start >= p:
+            return own_k, own_v
+        pre_k, pre_v = self.prefix.kv(layer, start, p)
+        return torch.cat([pre_k, own_k], dim=1), torch.cat([pre_v, own_v], dim=1)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return super().gather(layer, self._own(slots))
@@ -120,20 +93,23 @@ class SharedPrefixKV(SequenceKV):
         """A contiguous copy of positions [start, end) (prefix rows included) as a span."""
         if end > self.length:
             raise ValueError(f"export [{start}, {end}) past the sequence length {self.length}")
-        segments = self.kv_all(start, end)
-        k = torch.cat([k for k, _ in segments], dim=2)  # [L, Hkv, end - start, hd]
-        v = torch.cat([v for _, v in segments], dim=2)
-        return StoredSpan(tuple(int(t) for t in token_ids), start, k, v,
+        k, v = self.kv_all(start, end)
+        return StoredSpan(tuple(int(t) for t in token_ids), start, k.clone(), v.clone(),
                           fingerprint, dict(hidden or {}), hidden_from)
 
-    def kv_all(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's K/V of positions [start, end) as segments ([L, Hkv, m, hd] each)."""
-        p, segs = self.prefix_len, []
+    def kv_all(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's K, V of positions [start, end) ([L, Hkv, m, hd] each), concatenated across the prefix."""
+        p = self.prefix_len
+        parts_k, parts_v = [], []
         if start < p:
-            segs.append((self.prefix.k[:, :, start : min(end, p)], self.prefix.v[:, :, start : min(end, p)]))
+            parts_k.append(self.prefix.k[:, :, start : min(end, p)])
+            parts_v.append(self.prefix.v[:, :, start : min(end, p)])
         if end > p:
-            segs.append((self.k[:, :, max(start, p) - p : end - p], self.v[:, :, max(start, p) - p : end - p]))
-        return segs
+            parts_k.append(self.k[:, :, max(start, p) - p : end - p])
+            parts_v.append(self.v[:, :, max(start, p) - p : end - p])
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
 
 def kv_bytes(caches: list[SequenceKV]) -> int:

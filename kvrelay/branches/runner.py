@@ -12,121 +12,29 @@ Methods (every one on the same prompt ids, batch size 1, greedy):
   the longest exact prefix it finds there into its own cache;
 - ``rksc``: the root is computed once (from the RSBCM block cache where it holds the blocks) and
   shared by reference; the verifier is skipped when branch confidence is decisive, and exits at an
-  intermediate layer when its next-token entropy is low and stable (reuse/rksc.py).
+  intermediate layer when its next-token entropy is low and stable (branches/rksc.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.blocks import BlockCache
+from kvrelay.branches.asks import AsksVerify, BranchSpan, verify_with_branch_span
+from kvrelay.branches.blocks import BlockCache
+from kvrelay.branches.prompts import SYSTEM, BranchConfig, BranchPrompts, answer_ids
+from kvrelay.branches.rksc import RKSCMethod, SharedRoot, decisive, pick, yes_score
+from kvrelay.branches.shared_kv import kv_bytes
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.cache.shared import kv_bytes
 from kvrelay.cache.store import KVStore
-from kvrelay.engine import GenerationOutput, generate, publish, sync_device
-from kvrelay.engine.batch import generate_batch
+from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, sync_device
 from kvrelay.errors import ConfigError
-from kvrelay.eval.datasets import GSM8KProblem
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
-from kvrelay.pipeline.prompt import chat_prompt_ids, splice_marker
 from kvrelay.reuse import get_method
-from kvrelay.reuse.asks import AsksVerify, BranchSpan, verify_with_branch_span
-from kvrelay.reuse.rksc import RKSCMethod, SharedRoot, decisive, pick, yes_score
-
-SYSTEM = "You are a careful math solver."
-HINTS = (
-    "Solve it step by step.",
-    "First list the known quantities, then compute the answer.",
-    "Write an equation for the unknown and solve it.",
-    "Work backwards from what is asked.",
-    "Break the problem into small parts and solve each part.",
-    "Think about the units of every quantity, then compute.",
-    "Explain your reasoning briefly, then compute.",
-    "Check each calculation as you go.",
-    "Use the simplest method you can find.",
-    "Start with what changes and what stays the same.",
-    "Compute the intermediate totals first.",
-    "Restate the question in your own words, then solve it.",
-)
-ANSWER_RULE = "End with 'Answer: <number>'."
-VERIFY_QUESTION = "Is the proposed solution correct? Answer Yes or No."
-
-
-@dataclass(frozen=True)
-class BranchConfig:
-    num_branches: int = 8  # B
-    branch_tokens: int = 64  # T: tokens each branch decodes at most
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_branches <= len(HINTS):
-            raise ConfigError(f"num_branches must be in 1..{len(HINTS)} (one hint each), got {self.num_branches}")
-        if self.branch_tokens < 1:
-            raise ConfigError(f"branch_tokens must be >= 1, got {self.branch_tokens}")
-
-
-@dataclass
-class BranchPrompts:
-    """Token ids of one problem's prompts; every prompt starts with ``root_ids``."""
-
-    root_ids: list[int]
-    branch_ids: list[list[int]]
-    question: str
-    tokenizer: object = field(repr=False)
-    system: str = SYSTEM
-
-    @classmethod
-    def build(cls, tokenizer, question: str, cfg: BranchConfig, system: str = SYSTEM) -> BranchPrompts:
-        branch_ids, root = [], None
-        for hint in HINTS[: cfg.num_branches]:
-            ids, root_len = _split_prompt(tokenizer, question, f"{hint} {ANSWER_RULE}", system)
-            root = root or ids[:root_len]
-            branch_ids.append(ids)
-        return cls(root, branch_ids, question, tokenizer, system)
-
-    def verifier_ids(self, output_ids: list[int]) -> list[int]:
-        return self.verifier_prompt(output_ids)[0]
-
-    def verifier_prompt(self, output_ids: list[int]) -> tuple[list[int], int]:
-        """The verifier prompt's ids and where the branch output starts in it."""
-        rest = f"Proposed solution:\n{splice_marker('out')}\n\n{VERIFY_QUESTION}"
-        prompt = chat_prompt_ids(self.tokenizer, _messages(self.question, rest, self.system),
-                                 {"out": output_ids, "root": []})
-        if prompt.ids[: prompt.segments[0].end] != self.root_ids:
-            raise AssertionError("verifier prompt does not start with the branches' root")
-        return prompt.ids, prompt.span_of("out").start
-
-
-def few_shot_system(examples: Sequence[GSM8KProblem]) -> str:
-    """The system prompt followed by worked examples: a long prefix that every problem using the same
-    examples shares (GSM8K is often run 8-shot), where a block cache's ranking decides what stays."""
-    shots = "\n\n".join(f"Problem:\n{p.question}\nSolution:\n{p.solution}\nAnswer: {p.answer}" for p in examples)
-    return f"{SYSTEM}\n\nWorked examples:\n\n{shots}" if shots else SYSTEM
-
-
-def _messages(question: str, rest: str, system: str = SYSTEM) -> list[dict[str, str]]:
-    """System + user message; the empty ⟦root⟧ splice makes the root (system + problem) tokenize on its own."""
-    user = f"Problem:\n{question}\n\n{splice_marker('root')}{rest}"
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-
-def _split_prompt(tokenizer, question: str, rest: str, system: str = SYSTEM) -> tuple[list[int], int]:
-    """Chat prompt ids with the root tokenized on its own, and the root's length."""
-    prompt = chat_prompt_ids(tokenizer, _messages(question, rest, system), {"root": []})
-    return prompt.ids, prompt.segments[0].end
-
-
-def answer_ids(tokenizer) -> tuple[int, int]:
-    """The single-token ids of the verifier's "Yes" and "No"."""
-    ids = [tokenizer.encode(word) for word in ("Yes", "No")]
-    if any(len(i) != 1 for i in ids):
-        raise ConfigError(f"the verifier needs 'Yes' and 'No' to be single tokens; this tokenizer gives {ids}")
-    return ids[0][0], ids[1][0]
 
 
 @dataclass
@@ -153,7 +61,7 @@ def verify(lm: LoadedModel, padded_ids: torch.Tensor, lengths: list[int], method
     for row, length in zip(padded_ids.tolist(), lengths, strict=True):
         if not 0 < length <= len(row):
             raise ConfigError(f"verifier prompt length {length} outside 1..{len(row)}")
-        out = generate(lm, row[:length], method, store, SamplingConfig(max_new_tokens=1))
+        out = Engine(lm, store).generate(row[:length], method, GenerateOptions(SamplingConfig(max_new_tokens=1)))
         results.append(VerifyResult.of(out, yes_id, no_id))
     return results
 
@@ -221,11 +129,13 @@ class BranchRunner:
         sampling = SamplingConfig(max_new_tokens=self.cfg.branch_tokens)
         sync_device(lm.model.device)
         t0 = time.perf_counter()
+        engine = Engine(lm, store)
         outs: list[GenerationOutput] = []
         for b, ids in enumerate(prompts.branch_ids):
-            out = generate(lm, ids, meth, store, sampling, keep_cache=True, feed_last=method == "prefix" and b == 0)
+            out = engine.generate(ids, meth, GenerateOptions(sampling, keep_cache=True,
+                                                             feed_last=method == "prefix" and b == 0))
             if method == "prefix" and b == 0:
-                publish(store, "branch0", out, lm)
+                engine.publish("branch0", out)
             outs.append(out)
         t1 = time.perf_counter()
         confidences = [o.confidence for o in outs]
@@ -256,9 +166,8 @@ class BranchRunner:
 
     def _block_payload(self, cache: SequenceKV, index: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """A copy of block ``index``'s K/V (the block cache owns its tensors) and its bytes."""
-        segments = cache.kv_all(index * self.blocks.block_len, (index + 1) * self.blocks.block_len)
-        k = torch.cat([k for k, _ in segments], dim=2)  # [L, Hkv, block_len, hd]
-        v = torch.cat([v for _, v in segments], dim=2)
+        k, v = cache.kv_all(index * self.blocks.block_len, (index + 1) * self.blocks.block_len)
+        k, v = k.clone(), v.clone()  # [L, Hkv, block_len, hd] each
         return (k, v), 2 * k.numel() * k.element_size()
 
     def _credit(self, ids: list[int], schedule) -> None:
@@ -271,7 +180,7 @@ class BranchRunner:
         self.blocks.add_importance(self.blocks.keys(ids), per_block.tolist())
 
     def _generate_rksc(self, ids: list[int], sampling: SamplingConfig, keep: bool) -> GenerationOutput:
-        out = generate(self.lm, ids, self.rksc, None, sampling, keep_cache=keep, feed_last=False)
+        out = Engine(self.lm).generate(ids, self.rksc, GenerateOptions(sampling, keep_cache=keep, feed_last=False))
         self._credit(ids, self.rksc.last_schedule)
         if keep:
             self._keep_blocks(out)
@@ -297,18 +206,19 @@ class BranchRunner:
                 if method.record_hidden:
                     hidden.append(torch.stack(method.last_schedule.hidden))
             return outs, hidden
-        hidden_by_branch: dict[int, torch.Tensor] = {}
-
-        def on_prefill(i: int, plan) -> None:
-            self._credit(prompts.branch_ids[i], plan.state)
+        engine, options = Engine(self.lm), GenerateOptions(sampling, keep_cache=True, feed_last=False)
+        seqs, hidden = [], []
+        for ids in prompts.branch_ids:  # prefilled one by one, then decoded in one batch
+            seqs.append(engine.start(ids, method, options))
+            self._credit(ids, seqs[-1].plan.state)
             if method.record_hidden:
-                hidden_by_branch[i] = torch.stack(plan.state.hidden)
-
-        outs = generate_batch(self.lm, prompts.branch_ids, method, sampling, keep_cache=True, on_prefill=on_prefill,
-                              feed_last=False)
+                hidden.append(torch.stack(seqs[-1].plan.state.hidden))
+        while not all(seq.done for seq in seqs):
+            engine.step(seqs)
+        outs = [engine.finish(seq) for seq in seqs]
         for out in outs:
             self._keep_blocks(out)
-        return outs, [hidden_by_branch[i] for i in sorted(hidden_by_branch)]
+        return outs, hidden
 
     def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan, yes_no: tuple[int, int]
                      ) -> tuple[VerifyResult, AsksVerify]:

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+from kvrelay.branches.asks import BranchSpan, copy_span, layer_cosine, verify_with_branch_span
+from kvrelay.branches.prompts import BranchConfig, BranchPrompts
+from kvrelay.branches.rksc import RKSCMethod
+from kvrelay.branches.runner import BranchRunner
+from kvrelay.branches.shared_kv import SharedPrefixKV
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.cache.shared import SharedPrefixKV
-from kvrelay.pipeline.branches import BranchConfig, BranchPrompts, BranchRunner
-from kvrelay.reuse.asks import BranchSpan, copy_span, layer_cosine, verify_with_branch_span
-from kvrelay.reuse.rksc import RKSCMethod
 from tests.helpers import tiny_lm
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many?"
@@ -51,10 +52,10 @@ def test_layer_cosine_and_copy_span_roundtrip(lm):
     copy_span(src, 5, mid, 30, 10, lm.model.rope)  # moved by +25 ...
     copy_span(mid, 30, back, 5, 10, lm.model.rope)  # ... and back
     for layer in range(lm.config.num_layers):
-        (k0, v0), = src.kv(layer, 5, 15)
-        (k1, v1), = back.kv(layer, 5, 15)
+        k0, v0 = src.kv(layer, 5, 15)
+        k1, v1 = back.kv(layer, 5, 15)
         assert torch.allclose(k0, k1, atol=1e-10) and torch.equal(v0, v1)
-        (km, _), = mid.kv(layer, 30, 40)
+        km, _ = mid.kv(layer, 30, 40)
         assert not torch.allclose(km, k0)  # the keys really were rotated
 
 

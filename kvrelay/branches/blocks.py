@@ -18,10 +18,8 @@ its deeper blocks go first, as vLLM frees a request's blocks tail first).
 
 A request holds what it uses from the moment it gets it, as a serving engine's block refcount
 does: ``lookup(..., pin=True)`` pins the chain it hits in the same step, ``insert(..., pin=True)``
-pins the blocks it adds, and the request later unpins exactly those keys. (Session 3's first
-interleaved measurement looked up, inserted and pinned in three separate events; replayed with
-several problems in flight, other problems' inserts evicted a fresh root between its insert and
-its pin. That gap, not the policy, was all of RSBCM's loss to LRU there.)
+pins the blocks it adds, and the request later unpins exactly those keys: with several requests in
+flight, a gap between insert and pin lets another request's insert evict a fresh root.
 
 Bookkeeping only, no torch. Every operation is recorded as an event, so a run's trace can be
 replayed under another policy or budget (``replay``) to compare them on the very same accesses.

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.branches.shared_kv import SharedPrefixKV
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.cache.shared import SharedPrefixKV
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.rope import RotaryEmbedding
 
@@ -58,9 +58,7 @@ def copy_span(src: SequenceKV, src_start: int, dst: SequenceKV, dst_start: int, 
     delta = dst_start - src_start
     dst.ensure_capacity(dst_start + num_tokens)
     for layer in range(src.num_layers):
-        segments = src.kv(layer, src_start, src_start + num_tokens)
-        k = torch.cat([k for k, _ in segments], dim=1)  # [Hkv, num_tokens, hd]
-        v = torch.cat([v for _, v in segments], dim=1)
+        k, v = src.kv(layer, src_start, src_start + num_tokens)  # [Hkv, num_tokens, hd] each
         dst.write_range(layer, dst_start, rope.shift_keys(k, delta) if delta else k, v)
 
 

@@ -1,10 +1,11 @@
 """``rksc`` (RKSC, arXiv 2606.09937): shared branch prefixes and confidence-gated early exit.
 
-The method plans single calls of a multi-branch problem (pipeline/branches.py runs the problem):
+The method plans single calls of a multi-branch problem (branches/runner.py runs the problem):
 
 - ASKS: when the branch runner has computed the problem's shared root (the prompt prefix every
   branch and every verification starts with), a call whose prompt starts with it reads those
-  positions from the root's cache by reference (``Plan.shared_prefix``): no branch holds a copy,
+  positions from the root's cache by reference (the plan supplies a ``SharedPrefixKV`` as the
+  call's cache, ``Plan.make_cache``): no branch holds a copy,
   and only its own tokens are computed.
 - CGEE (b), the layer exit: while ``exiting`` (the verifier pass), after each layer from
   ``exit_min_layer`` the final norm + LM head run on the last token; the forward stops once the
@@ -12,7 +13,7 @@ The method plans single calls of a multi-branch problem (pipeline/branches.py ru
   previous layer. ``exit_theta = 0`` never exits (an entropy is never negative).
 - CGEE (a), the verifier skip, is ``decisive()``: the runner skips verification when the top
   branch confidence is >= ``skip_top`` and leads the next by >= ``skip_gap``.
-- RSBCM is the runner's block cache (cache/blocks.py, ``policy`` and ``block_budget_mb`` here);
+- RSBCM is the runner's block cache (branches/blocks.py, ``policy`` and ``block_budget_mb`` here);
   this file's schedule measures what it ranks blocks by: the attention mass the last prompt token
   gives every position (mean over heads and computed layers).
 """
@@ -25,7 +26,8 @@ from typing import ClassVar
 
 import torch
 
-from kvrelay.cache.blocks import POLICIES
+from kvrelay.branches.blocks import POLICIES
+from kvrelay.branches.shared_kv import SharedPrefixKV
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
@@ -171,7 +173,12 @@ class RKSCMethod(ReuseMethod):
         schedule = self.schedule(shared, lm, self.record_hidden)
         if not shared:
             return Plan(schedule, state=schedule)
-        return Plan(schedule, shared_prefix=self.root.cache, shared_len=shared, state=schedule)
+        root = self.root.cache
+
+        def make_cache(capacity: int) -> SharedPrefixKV:
+            return SharedPrefixKV(root, shared, capacity=capacity - shared)
+
+        return Plan(schedule, make_cache=make_cache, num_preloaded=shared, state=schedule)
 
 
 def yes_score(logits: torch.Tensor, yes_id: int, no_id: int) -> float:

@@ -1,0 +1,1 @@
+"""RKSC's wing: branches over a shared root, batched decode over it, the block cache, ASKS."""

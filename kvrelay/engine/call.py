@@ -1,0 +1,132 @@
+"""One call's pieces: its stats and output, and running a plan (loads, patches, scheduled prefill).
+
+TTFT runs from call start (planning, store lookups, loading and re-rotating reused KV, the
+scheduled prefill) to the first-token logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.store import KVStore
+from kvrelay.errors import ContextLengthError
+from kvrelay.model.loader import LoadedModel
+from kvrelay.model.schedule import Schedule
+from kvrelay.model.transformer import PrefillResult
+from kvrelay.reuse import Plan
+
+
+@dataclass
+class CallStats:
+    method: str
+    num_prompt_tokens: int
+    num_layers: int
+    num_reused_tokens: int  # prompt tokens whose KV was loaded from the store
+    num_computed_token_layers: int  # prompt token-layers the forward computed
+    num_shifted_tokens: int  # reused tokens moved to a new position (keys re-rotated)
+    ttft_ms: float
+    decode_ms: float = 0.0
+    num_generated_tokens: int = 0
+    fallback: str | None = None
+    note: str | None = None
+    exit_layer: int | None = None  # the layer a schedule's exit test stopped the prefill at, if it did
+
+    @property
+    def num_prompt_token_layers(self) -> int:
+        return self.num_prompt_tokens * self.num_layers
+
+    @property
+    def num_reused_token_layers(self) -> int:
+        return self.num_prompt_token_layers - self.num_computed_token_layers
+
+    @property
+    def num_recomputed_token_layers(self) -> int:
+        """Token-layers of reused spans that were computed again."""
+        new_token_layers = (self.num_prompt_tokens - self.num_reused_tokens) * self.num_layers
+        return self.num_computed_token_layers - new_token_layers
+
+    @property
+    def reuse_rate(self) -> float:
+        """Reused token-layers / prompt token-layers (DESIGN.md)."""
+        return self.num_reused_token_layers / self.num_prompt_token_layers
+
+    @property
+    def recompute_frac(self) -> float:
+        """Recomputed token-layers of reused spans / their token-layers (0 with nothing reused)."""
+        reused_token_layers = self.num_reused_tokens * self.num_layers
+        return self.num_recomputed_token_layers / reused_token_layers if reused_token_layers else 0.0
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(reuse_rate=self.reuse_rate, recompute_frac=self.recompute_frac)
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated tokens, without the stop token
+    text: str
+    first_logits: torch.Tensor  # [vocab] fp32, the first-token distribution's logits
+    stats: CallStats
+    stop_reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "forced"
+    decode_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_out, hidden]
+    prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_prompt, hidden]
+    cache: SequenceKV | None = None  # kept with keep_cache=True: every prompt and output token's KV
+    top1_probs: list[float] = field(default_factory=list)  # probability of the chosen-by-argmax token per step
+
+    @property
+    def confidence(self) -> float:
+        """Mean top-1 probability over the generated tokens (RKSC's branch confidence); 0 with none."""
+        return sum(self.top1_probs) / len(self.top1_probs) if self.top1_probs else 0.0
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings cover it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
+    """A plan that moves reused keys under a RoPE whose rotations do not compose becomes a full
+    prefill, and says so (counted as a fallback in the stats)."""
+    if model.rope.can_shift:
+        return plan
+    if plan.patches:  # patched keys were rotated for their positions by the method
+        return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot rotate patched keys; "
+                                         "recomputed with a full prefill")
+    for load in plan.loads:
+        if store.get(load.span_id).start_pos + load.src_start != load.dst_start:
+            return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot move keys "
+                                             f"(span {load.span_id!r}); recomputed with a full prefill")
+    return plan
+
+
+def check_fits(lm: LoadedModel, prompt_ids: list[int], num_new: int) -> int:
+    """Prompt + new tokens, or a ContextLengthError naming the model's limit."""
+    if not prompt_ids:
+        raise ValueError("empty prompt: at least one token is needed")
+    total = len(prompt_ids) + num_new
+    if total > lm.config.max_position_embeddings:
+        raise ContextLengthError(
+            f"prompt of {len(prompt_ids)} tokens + {num_new} new tokens = {total} exceeds the context "
+            f"length of {lm.name} ({lm.config.max_position_embeddings})"
+        )
+    return total
+
+
+def run_plan(lm: LoadedModel, ids: torch.Tensor, plan: Plan, cache: SequenceKV, store: KVStore | None,
+             capture_layers: tuple[int, ...] = ()) -> tuple[PrefillResult, int]:
+    """Load and patch the plan's reused K/V into ``cache``, then the scheduled prefill of ``ids`` ([n]).
+    Returns the prefill's result and the number of reused tokens moved to a new position."""
+    num_shifted = 0
+    for load in plan.loads:
+        span = store.get(load.span_id)
+        num_shifted += cache.load_span(span, load.dst_start, lm.model.rope, load.src_start, load.src_end)
+    for patch in plan.patches:
+        cache.patch(patch.dst_start, patch.k, patch.v, patch.add)
+    plan.schedule.capture_layers = tuple(capture_layers)
+    return lm.model.prefill(ids, cache, plan.schedule), num_shifted
