@@ -21,6 +21,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"reuse method for requests that name none (default {DEFAULT_METHOD}); "
                         "a request picks its own with {\"kvrelay\": {\"method\": ...}}")
+    p.add_argument("--methods", default="",
+                   help="more methods requests may ask for, set up at start so that every stored span carries "
+                        "the hidden states they need (e.g. relay); comma-separated specs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv-budget-gb", type=float, default=2.0, help="byte budget of the KV span store (GiB)")
@@ -53,7 +56,7 @@ def build_app(args: argparse.Namespace):
     from kvrelay.cache.store import KVStore
     from kvrelay.engine import Engine
     from kvrelay.model.loader import load_model
-    from kvrelay.reuse import get_method
+    from kvrelay.reuse import get_method, split_method_specs
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import SpanCatalog
 
@@ -63,11 +66,13 @@ def build_app(args: argparse.Namespace):
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
     if args.max_queue < 1 or args.max_running < 1:
         raise ConfigError("--max-queue and --max-running must be >= 1")
-    get_method(args.method)  # a bad spec fails here, before the model loads
+    extra_methods = split_method_specs(args.methods)
+    for spec in (args.method, *extra_methods):
+        get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
     lm = load_model(args.model, args.device)
     store = KVStore(int(args.kv_budget_gb * (1 << 30)))
-    engine = Engine(lm, store, methods=(args.method, "full"))
+    engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running)

@@ -37,6 +37,7 @@ class _Body(BaseModel):
 class KvrelayOptions(_Body):
     method: str | None = None  # a reuse method spec, e.g. "epic" or "relay[l_pre=4]"
     debug: bool = False  # add prompt ids, refs, output ids and the span id to the kvrelay object
+    cache_output: bool = True  # False: this completion is not stored for later requests (probes, one-offs)
 
 
 class StreamOptions(_Body):

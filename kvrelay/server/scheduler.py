@@ -47,6 +47,7 @@ class Job:
     num_top_logprobs: int | None  # None: no logprobs
     debug: bool
     emit: Callable[[dict], None]  # thread-safe: delivers an event to the request's asyncio side
+    cache_output: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)
     # worker state
@@ -228,7 +229,7 @@ class EngineWorker:
             self.metrics.cancelled.inc()
             return
         text = job.matcher.final_text(self.tokenizer.decode(out.output_ids))
-        span_id = self._publish(job, out, text)
+        span_id = self._publish(job, out, text) if job.cache_output else None
         out.cache = None
         delta = job.matcher.flush(text)
         if delta:

@@ -131,3 +131,13 @@ def test_disconnect_mid_stream_cancels_and_frees(server):
     assert server.metric("kvrelay_store_spans") == before_spans  # and nothing of it was published
     assert server.alive()
 
+
+
+def test_cache_output_false_stores_nothing(server):
+    ns = uuid.uuid4().hex
+    before = server.metric("kvrelay_store_spans")
+    messages = [{"role": "user", "content": "A probe whose output must not be cached for anyone later."}]
+    extra = {"cache_salt": ns, "kvrelay": {"cache_output": False}}
+    server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=3, extra_body=extra)
+    assert server.metric("kvrelay_store_spans") == before
+    assert ask(server, messages, ns, "x").usage.prompt_tokens_details.cached_tokens == 0
