@@ -51,6 +51,10 @@ class BenchConfig:
     greedy_tokens: int = 32  # G of greedy_match_rate
     seed: int = 0
     store_bytes: int = 4 << 30
+    # One store across the problems of the run, as a serving engine keeps its cache: every method then
+    # also reuses the exact cross-request prefix (an agent's system prompt) before its own approximation.
+    # Off: a fresh store per problem (method-only comparisons).
+    keep_store: bool = False
     # Problems run first and not recorded, so that stateful methods (KVCOMM's anchor pools) are measured
     # warm, as in a server that has been running; 0 measures them from a cold start. They are the
     # warm_problems after the measured ones (disjoint from them), or the first ones of warm_data.
@@ -123,6 +127,7 @@ class Bench:
         self.lm = lm or load_model(cfg.model, device=cfg.device)
         self.workload: Workload = get_workload(cfg.workload)
         self.methods: dict[str, ReuseMethod] = {m: get_method(m) for m in cfg.methods}
+        self._kept: dict[str, KVStore] = {}  # keep_store: one store per method (e2e) or for the run ("")
         self.fidelity_meaningful = not self.lm.name.startswith("random:")
         self.env = environment(cfg.device)  # taken once, at start: the commit whose code this run loaded
 
@@ -186,6 +191,14 @@ class Bench:
         """An engine on ``store`` that runs this bench's method objects (stateful ones keep their state)."""
         return Engine(self.lm, store, self.methods.values())
 
+    def _store(self, key: str = "") -> KVStore:
+        """A fresh store per problem, or with ``keep_store`` the run's store (one per ``key``)."""
+        if not self.cfg.keep_store:
+            return KVStore(self.cfg.store_bytes)
+        if key not in self._kept:
+            self._kept[key] = KVStore(self.cfg.store_bytes)
+        return self._kept[key]
+
     def _result(self, num_problems: int, rows: list[CallRow], scores: dict[str, list[float]], peak_bytes: int,
                 warm_ids: list[str]) -> dict:
         accuracy = {m: mean(v) for m, v in scores.items()} if self.cfg.mode == "e2e" else None
@@ -200,7 +213,7 @@ class Bench:
 
     # ------------------------------------------------------------------ agent mode
     def _agent_mode(self, problem, rows: list[CallRow]) -> int:
-        engine = self._engine(KVStore(self.cfg.store_bytes))
+        engine = self._engine(self._store())
         store = engine.store
         runner = PipelineRunner(engine, self.workload.spec, run_id=problem.problem_id)
 
@@ -250,7 +263,7 @@ class Bench:
         per_method = {}
         peak = 0
         for m, meth in self.methods.items():
-            engine = self._engine(KVStore(self.cfg.store_bytes))
+            engine = self._engine(self._store(m))
             store = engine.store
             per_method[m] = PipelineRunner(engine, self.workload.spec, run_id=problem.problem_id).run(problem.inputs,
                                                                                                     meth)

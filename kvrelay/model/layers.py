@@ -152,11 +152,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's first half: h [n, hidden] -> q [H, n, hd], k, v [Hkv, n, hd] (rotated)."""
+        return self.self_attn.qkv(self.input_layernorm(h), cos, sin)
+
+    def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer's second half: residual + output projection, then the MLP block. h [n, hidden]."""
+        h = h + self.self_attn.o_proj(attn_out)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [n, hidden] -> (output [n, hidden], q, fresh k, fresh v). Prefill, decode and batched decode
-        all run this body; ``attend`` stores the fresh K/V and attends over the right keys."""
-        attn = self.self_attn
-        q, k, v = attn.qkv(self.input_layernorm(h), cos, sin)
-        h = h + attn.o_proj(attend(q, k, v))
-        return h + self.mlp(self.post_attention_layernorm(h)), q, k, v
+        all run this body; ``attend`` stores the fresh K/V and attends over the right keys. (A schedule
+        that selects tokens from their Q/K/V runs ``project``, selects, then ``finish`` on the rest.)"""
+        q, k, v = self.project(h, cos, sin)
+        return self.finish(h, attend(q, k, v)), q, k, v

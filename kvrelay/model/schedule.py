@@ -7,6 +7,9 @@ Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
 - After each layer, ``after_layer(view)`` may drop tokens from the active set (never add: a
   dropped token's hidden state is gone). It sees the fresh K/V of the active tokens, the K/V the
   cache held for them before (if ``needs_prev_kv``), and can ask for attention probabilities.
+- At a layer where ``selects_before_attention(layer)``, the hook runs as ``before_attention(view)``
+  instead: right after the active tokens' Q/K/V (written to the cache), before attention and MLP,
+  so that the tokens it drops cost only their Q/K/V projection there (``view.hidden_out`` is None).
 - ``exit_after(layer, last_hidden)`` may stop the forward early (RKSC's layer exit).
 
 Tokens that are not active at a layer must already have K/V there in the sequence cache: the
@@ -35,7 +38,7 @@ class LayerView:
 
     layer: int
     active_idx: torch.Tensor  # [n_act] prompt indices, ascending
-    hidden_out: torch.Tensor  # [n_act, hidden_size] output of this layer
+    hidden_out: torch.Tensor | None  # [n_act, hidden_size] output of this layer (None before attention)
     q: torch.Tensor  # [num_heads, n_act, head_dim] post-RoPE queries
     k: torch.Tensor  # [num_kv_heads, n_act, head_dim] fresh post-RoPE keys
     v: torch.Tensor  # [num_kv_heads, n_act, head_dim] fresh values
@@ -66,6 +69,14 @@ class Schedule:
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
         """Return a bool keep-mask over ``view.active_idx`` (None keeps every token)."""
+        return None
+
+    def selects_before_attention(self, layer: int) -> bool:
+        """Whether ``before_attention`` (not ``after_layer``) runs at ``layer``."""
+        return False
+
+    def before_attention(self, view: LayerView) -> torch.Tensor | None:
+        """A keep-mask over ``view.active_idx`` from the fresh Q/K/V; dropped tokens skip attention and MLP."""
         return None
 
     def exit_after(self, layer: int, last_hidden: torch.Tensor) -> bool:

@@ -123,20 +123,24 @@ class Transformer(nn.Module):
             prev_k = prev_v = None
             if schedule.has_layer_hook and schedule.needs_prev_kv(li):
                 prev_k, prev_v = cache.gather(li, active)
+            if schedule.has_layer_hook and schedule.selects_before_attention(li):
+                h, active, changed = self._select_then_finish(layer, li, h, active, cos, sin, cache, schedule,
+                                                              prev_k, prev_v, n)
+            else:
+                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li,
+                           active: torch.Tensor = active, mask: torch.Tensor | None = mask,
+                           causal: bool = causal) -> torch.Tensor:
+                    cache.write(li, active, k, v)
+                    k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
+                    return attention(q, k_all, v_all, mask, causal)
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li, active: torch.Tensor = active,
-                       mask: torch.Tensor | None = mask, causal: bool = causal) -> torch.Tensor:
-                cache.write(li, active, k, v)
-                k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
-                return attention(q, k_all, v_all, mask, causal)
-
-            h, q, k, v = layer(h, cos, sin, attend)
-            if schedule.has_layer_hook:
-                view = LayerView(li, active, h, q, k, v, prev_k, prev_v,
-                                 _attention_probs=self._probs_fn(q, cache, li, active, n))
-                keep = schedule.after_layer(view)
-                if keep is not None and not bool(keep.all()):
-                    active, h, changed = active[keep], h[keep], True
+                h, q, k, v = layer(h, cos, sin, attend)
+                if schedule.has_layer_hook:
+                    view = LayerView(li, active, h, q, k, v, prev_k, prev_v,
+                                     _attention_probs=self._probs_fn(q, cache, li, active, n))
+                    keep = schedule.after_layer(view)
+                    if keep is not None and not bool(keep.all()):
+                        active, h, changed = active[keep], h[keep], True
             if schedule.has_exit_test and active.numel() and active[-1] == n - 1 and schedule.exit_after(li, h[-1]):
                 exit_layer = li
                 break
@@ -147,6 +151,25 @@ class Transformer(nn.Module):
             raise ScheduleError("the last prompt token must stay active to the top layer to give logits")
         logits = self.logits_from_hidden(h if all_logits else h[-1])
         return PrefillResult(logits, computed, exit_layer, captured)
+
+    def _select_then_finish(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, cache: SequenceKV, schedule: Schedule, prev_k: torch.Tensor | None,
+                            prev_v: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """A selecting layer: every active token's Q/K/V (its fresh K/V go to the cache), the schedule
+        keeps some, and only those run attention and the MLP. Returns (h, active, whether it changed)."""
+        q, k, v = layer.project(h, cos, sin)
+        cache.write(li, active, k, v)
+        view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
+                         _attention_probs=self._probs_fn(q, cache, li, active, n))
+        keep = schedule.before_attention(view)
+        changed = keep is not None and not bool(keep.all())
+        if changed:
+            active, h, q = active[keep], h[keep], q[:, keep]
+        window = self.config.sliding_window
+        causal = active.numel() == n and (window is None or n <= window)
+        mask = None if causal else visible_mask(active, n, window)
+        k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
+        return layer.finish(h, attention(q, k_all, v_all, mask, causal)), active, changed
 
     def _probs_fn(self, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int):
         def probs(rows: torch.Tensor) -> torch.Tensor:

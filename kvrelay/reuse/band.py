@@ -3,9 +3,11 @@
 - ``new_idx`` tokens are computed at every layer.
 - span tokens (reused, approximate) enter as ``span_entries`` say: at layer 0 from the embedding,
   or at a higher layer from carried hidden states (below it they read the reused KV as is). They
-  are all computed through ``select_layer`` (inclusive: its fresh V is the deviation signal), then
-  only the tokens the selector keeps stay through ``end_layer`` (inclusive); above it, all read the
-  reused KV as is.
+  are all computed below ``select_layer``. There every one gets its fresh Q/K/V (the fresh V is the
+  deviation signal, the fresh K what the influence attention reads), the selector keeps some, and
+  only those run that layer's attention and MLP (a dropped token costs its Q/K/V projection there,
+  not a whole layer) and stay through ``end_layer`` (inclusive); above it, all read the reused KV as
+  is. Every span token's K/V at ``select_layer`` is fresh, so it counts as computed there.
 """
 
 from __future__ import annotations
@@ -51,16 +53,24 @@ class BandSchedule(Schedule):
     def needs_prev_kv(self, layer: int) -> bool:
         return layer == self.select_layer
 
+    def selects_before_attention(self, layer: int) -> bool:
+        return layer == self.select_layer != self.end_layer  # at the band's top everyone is dropped anyway
+
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
-        if view.layer not in (self.select_layer, self.end_layer):
+        if view.layer != self.end_layer:
             return None
         is_span = torch.isin(view.active_idx, self.span_idx.to(view.active_idx.device))
         if not bool(is_span.any()):
             return None
         keep = torch.ones_like(is_span)
-        if view.layer == self.end_layer:
-            keep[is_span] = False  # above the band: reuse as is
-            return keep
+        keep[is_span] = False  # above the band: reuse as is
+        return keep
+
+    def before_attention(self, view: LayerView) -> torch.Tensor | None:
+        is_span = torch.isin(view.active_idx, self.span_idx.to(view.active_idx.device))
+        if not bool(is_span.any()):
+            return None
+        keep = torch.ones_like(is_span)
         span_rows, new_rows = is_span.nonzero().flatten(), (~is_span).nonzero().flatten()
         chosen = self.selector(view, span_rows, new_rows)
         keep[span_rows] = chosen
