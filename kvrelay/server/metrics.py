@@ -27,6 +27,8 @@ class ServerMetrics:
                                              registry=r)
         self.recomputed_token_layers = Counter("kvrelay_recomputed_token_layers",
                                                "token-layers of reused spans computed again (repair)", registry=r)
+        self.decode_batch = Histogram("kvrelay_decode_batch_size", "sequences decoded per batched step",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.generated_tokens = Counter("kvrelay_generated_tokens", "completion tokens generated", registry=r)
         self.queue_depth = Gauge("kvrelay_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("kvrelay_running_requests", "requests prefilled and decoding", registry=r)

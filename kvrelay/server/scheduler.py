@@ -150,6 +150,7 @@ class EngineWorker:
         live = [j for j in self._running if not j.seq.done]
         if live:
             tokens = self.engine.step([j.seq for j in live])
+            self.metrics.decode_batch.observe(len(live))
             for j, token in zip(live, tokens, strict=True):
                 if token is not None:
                     self._emit_text(j)

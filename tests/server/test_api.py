@@ -96,4 +96,7 @@ def test_concurrent_clients_all_complete(server):
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(one, range(6)))
     assert all(r.usage.completion_tokens == 16 for r in results)
+    # their decode steps were batched: some steps ran more than one sequence
+    single_steps = server.metric('kvrelay_decode_batch_size_bucket{le="1.0"}')
+    assert single_steps < server.metric("kvrelay_decode_batch_size_count")
     assert server.alive()
