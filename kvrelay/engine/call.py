@@ -33,6 +33,8 @@ class CallStats:
     fallback: str | None = None
     note: str | None = None
     exit_layer: int | None = None  # the layer a schedule's exit test stopped the prefill at, if it did
+    # a shared tier's fetch-or-recompute decisions for this call's lookups, with their inputs
+    tier_decisions: list[dict] = field(default_factory=list)
 
     @property
     def num_prompt_token_layers(self) -> int:

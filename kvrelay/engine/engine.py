@@ -14,6 +14,7 @@ relay needs, whoever drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -103,6 +104,11 @@ class Engine:
         self.store = store
         self._methods: dict[str, ReuseMethod] = {}
         self._capture: set[int] = {int(layer) for layer in capture_layers}
+        # measured prefill token-layers/s on this device (a running mean): a shared tier weighs a fetch
+        # against recomputing with it
+        self.compute_token_layers_per_s: float | None = None
+        if store is not None:
+            store.set_fingerprint(lm.fingerprint)
         for spec in methods:
             self.method(spec)
 
@@ -137,6 +143,8 @@ class Engine:
         ids = torch.tensor(call.prompt_ids, dtype=torch.long)
         capture = self.capture_layers
 
+        if self.store is not None:
+            self.store.take_decisions()  # drop lookups made outside this call
         sync_device(model.device)
         t0 = time.perf_counter()
         plan = shiftable(method.plan(call, self.store, lm), self.store, model)
@@ -148,9 +156,12 @@ class Engine:
         if options.learn:
             method.observe(call, plan, cache, self.store, lm)
 
+        decisions = self.store.take_decisions() if self.store is not None else []
         stats = CallStats(method.name, len(call.prompt_ids), lm.config.num_layers, plan.num_reused_tokens,
                           result.num_computed_token_layers, num_shifted, ttft_ms, fallback=plan.fallback,
-                          note=plan.note, exit_layer=result.exit_layer)
+                          note=plan.note, exit_layer=result.exit_layer,
+                          tier_decisions=[dataclasses.asdict(d) for d in decisions])
+        self._observe_rate(result.num_computed_token_layers, ttft_ms)
         prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(ids)}
         seq = Sequence(call, method, options, plan, cache, Sampler(options.sampling), result.logits, stats,
                        prompt_hidden=prompt_hidden)
@@ -232,6 +243,16 @@ class Engine:
         return span
 
     # ------------------------------------------------------------------ internals
+    def _observe_rate(self, num_token_layers: int, elapsed_ms: float) -> None:
+        """Fold one prefill into the measured compute rate and hand it to the store's cost model."""
+        if num_token_layers < self.lm.config.num_layers * 16 or elapsed_ms <= 0:
+            return  # too small a prefill to say much about throughput
+        rate = num_token_layers / (elapsed_ms / 1e3)
+        prev = self.compute_token_layers_per_s
+        self.compute_token_layers_per_s = rate if prev is None else 0.8 * prev + 0.2 * rate
+        if self.store is not None:
+            self.store.set_compute_rate(self.compute_token_layers_per_s)
+
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample from ``logits`` ([vocab]) and append, or mark the sequence done."""
         next_id = seq.sampler(logits)

@@ -1,0 +1,90 @@
+"""A Redis server as the shared tier (redis-py).
+
+A span is two keys, ``<key>:v`` (the encoded span) and ``<key>:m`` (its metadata), written in one
+MULTI/EXEC so a reader sees both or neither. Announcements go to a Redis stream per namespace and
+model (XADD, capped by MAXLEN), which readers poll with XREAD from their last entry id: unlike
+pub/sub, nothing is lost while a reader is busy or reconnecting. The server bounds the tier itself
+(``maxmemory`` with an LRU policy); an evicted part of a span (value, metadata, a chunk) is a miss.
+Values over ``chunk_bytes`` are split into chunk keys: Redis caps one value (512 MB by default)
+and serves one client at a time, so one huge value would stall every other client meanwhile.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from kvrelay.errors import ConfigError
+from kvrelay.tier.backends.base import TierRefusedError, redact
+
+PREFIX = "kvrelay:"
+CHUNKED = b"KVRCHUNK"  # a value stored in chunks: this marker and the chunk count (a span starts "KVRSPAN1")
+
+
+class RedisBackend:
+    def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
+                 max_announcements: int = 100_000, chunk_bytes: int = 16 << 20, client=None) -> None:
+        self.url = redact(url)
+        self.ttl_s, self.max_announcements, self.chunk_bytes = ttl_s, max_announcements, chunk_bytes
+        if client is None:
+            try:
+                client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            except ValueError as e:
+                raise ConfigError(f"bad Redis URL {self.url!r}: {redact(str(e))}") from None
+        self.client = client
+
+    def put(self, key: str, value: bytes, meta: bytes) -> None:
+        vkey = PREFIX + key + ":v"
+        pipe = self.client.pipeline(transaction=True)
+        if len(value) <= self.chunk_bytes:
+            pipe.set(vkey, value, ex=self.ttl_s)
+        else:
+            view = memoryview(value)
+            num_chunks = -(-len(value) // self.chunk_bytes)
+            for i in range(num_chunks):
+                pipe.set(f"{vkey}:{i}", view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes], ex=self.ttl_s)
+            pipe.set(vkey, CHUNKED + str(num_chunks).encode(), ex=self.ttl_s)
+        pipe.set(PREFIX + key + ":m", meta, ex=self.ttl_s)
+        try:
+            pipe.execute()
+        except redis.ResponseError as e:  # the server is up but refuses (out of memory, value too large)
+            raise TierRefusedError(f"Redis refused to store a {len(value)}-byte span: {e}") from None
+
+    def get_meta(self, key: str) -> bytes | None:
+        return self.client.get(PREFIX + key + ":m")
+
+    @staticmethod
+    def _num_chunks(head: bytes | None) -> int | None:
+        if head is None or not head.startswith(CHUNKED) or not head[len(CHUNKED):].isdigit():
+            return None
+        return int(head[len(CHUNKED):])
+
+    def get_value(self, key: str) -> bytes | bytearray | None:
+        vkey = PREFIX + key + ":v"
+        head = self.client.get(vkey)
+        num_chunks = self._num_chunks(head)
+        if num_chunks is None:
+            return head
+        parts = self.client.mget([f"{vkey}:{i}" for i in range(num_chunks)])
+        if any(p is None for p in parts):
+            return None  # a chunk was evicted
+        return bytearray().join(parts)  # a bytearray: decoding takes it over without another copy
+
+    def delete(self, key: str) -> None:
+        vkey = PREFIX + key + ":v"
+        num_chunks = self._num_chunks(self.client.get(vkey)) or 0
+        self.client.delete(PREFIX + key + ":m", vkey, *(f"{vkey}:{i}" for i in range(num_chunks)))
+
+    def announce(self, channel: str, message: bytes) -> None:
+        self.client.xadd(PREFIX + channel, {b"m": message}, maxlen=self.max_announcements, approximate=True)
+
+    def poll(self, channel: str, cursor: str | None) -> tuple[list[bytes], str | None]:
+        reply = self.client.xread({PREFIX + channel: cursor or "0-0"}, count=10_000)
+        messages = []
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                messages.append(fields[b"m"])
+                cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return messages, cursor
+
+    def close(self) -> None:
+        self.client.close()
