@@ -1,9 +1,8 @@
 """The server's spans: the store, the token index and the output registry, kept in step, per namespace.
 
-Until the store scopes spans by namespace itself, span ids carry their namespace and the engine
-sees the store through a ``NamespaceStore`` view: lookups, reads and writes of one namespace never
-see another's spans, and a put evicts only spans of its own namespace (a tenant can never push
-another tenant's KV out, which would also be observable through timing).
+The store scopes spans by namespace (a tenant's spans are never matched, read or evicted through
+another namespace); the engine sees it through a ``CatalogView`` of the request's namespace, which
+also tells the index and the registry about every span the store evicts.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from kvrelay.cache.index import TokenIndex
-from kvrelay.cache.store import KVStore, PrefixMatch, SpanLike
-from kvrelay.errors import StoreFullError
+from kvrelay.cache.store import KVStore, SpanLike, StoreView
 from kvrelay.reuse.base import CallInput, SpanRef
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
@@ -24,6 +22,7 @@ class CallBuild:
     call: CallInput
     num_prefix_tokens: int  # exact stored prefix
     pinned: list[str]  # span ids pinned for this call (unpin when it ends)
+    namespace: str = ""
 
 
 class SpanCatalog:
@@ -33,65 +32,40 @@ class SpanCatalog:
         self.index = TokenIndex(block_len=block_len)
         self.registry = OutputRegistry()
         self.min_match_tokens = min_match_tokens
-        self._namespace_of: dict[str, str] = {}
-        self._nbytes_of: dict[str, int] = {}
         self._counter = itertools.count()
-        self.num_publish_skipped = 0  # spans that did not fit the namespace's share of the budget
 
-    def new_span_id(self, namespace: str) -> str:
-        return f"{namespace}#{next(self._counter)}"
+    def new_span_id(self) -> str:
+        return f"span-{next(self._counter)}"
 
     def owns(self, namespace: str, span_id: str) -> bool:
-        return self._namespace_of.get(span_id) == namespace and span_id in self.store
+        return self.store.contains(span_id, namespace)
 
-    def view(self, namespace: str) -> NamespaceStore:
-        return NamespaceStore(self, namespace)
+    def view(self, namespace: str) -> CatalogView:
+        return CatalogView(self, namespace)
 
     # ------------------------------------------------------------------ writes
-    def put(self, namespace: str, span_id: str, span: SpanLike, pin: bool = False) -> None:
-        """Store ``span`` for ``namespace``, evicting only that namespace's least recent unpinned spans.
-        Raises StoreFullError (storing nothing) when they cannot make room."""
-        need = int(span.nbytes) - (self.store.budget_bytes - self.store.used_bytes)
-        own = [sid for sid in self.store.ids() if self._namespace_of.get(sid) == namespace
-               and not self.store.is_pinned(sid)]
-        if need > 0 and sum(self._nbytes(sid) for sid in own) < need:
-            raise StoreFullError(f"span of {span.nbytes} bytes does not fit namespace {namespace!r}'s evictable "
-                                 f"spans and the free budget")
-        for sid in own:
-            if need <= 0:
-                break
-            need -= self._nbytes(sid)
-            self.drop(sid)
-        for victim in self.store.put(span_id, span, pin=pin):  # nothing, since room was made above
+    def put(self, namespace: str, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
+        """Store ``span`` in ``namespace`` (the store evicts only that namespace's spans to fit; a
+        StoreFullError stores nothing) and index its tokens."""
+        evicted = self.store.put(span_id, span, pin, namespace)
+        for victim in evicted:
             self._forget(victim)
-        self._namespace_of[span_id] = namespace
-        self._nbytes_of[span_id] = int(span.nbytes)
         self.index.add(span_id, span.token_ids, namespace)
+        return evicted
 
     def register(self, output: RegisteredOutput) -> bool:
         return self.registry.add(output)
 
-    def drop(self, span_id: str) -> None:
-        if span_id in self.store:
-            self.store.remove(span_id)
+    def drop(self, namespace: str, span_id: str) -> None:
+        if self.store.contains(span_id, namespace):
+            self.store.remove(span_id, namespace)
         self._forget(span_id)
 
     def _forget(self, span_id: str) -> None:
         self.index.remove(span_id)
         self.registry.remove_span(span_id)
-        self._namespace_of.pop(span_id, None)
-        self._nbytes_of.pop(span_id, None)
-
-    def _nbytes(self, span_id: str) -> int:
-        return self._nbytes_of.get(span_id, 0)
 
     # ------------------------------------------------------------------ lookups
-    def match_prefix(self, namespace: str, token_ids: list[int]) -> PrefixMatch | None:
-        m = self.index.match_prefix(token_ids, namespace)
-        if m is None or not self.owns(namespace, m.span_id):
-            return None
-        return PrefixMatch(m.span_id, m.num_tokens)
-
     def build_call(self, prompt: PromptBuild, namespace: str, agent: str) -> CallBuild:
         """The call with its SpanRefs: quoted outputs (kind "output"), then the exact prefix, then the
         longest runs shared with stored spans (kind "input"); the spans they read are pinned."""
@@ -103,48 +77,32 @@ class SpanCatalog:
             if self.owns(namespace, out.span_id):
                 refs.append(SpanRef(splice.start, splice.end, out.span_id, out.src_start, "output", f"output{k}"))
                 covered.append((splice.start, splice.end))
-        prefix = self.match_prefix(namespace, ids)
+        prefix = self.store.match_prefix(self.fingerprint, ids, namespace)
         num_prefix = 0 if prefix is None else min(prefix.num_tokens, len(ids) - 1)
         if num_prefix > 0:
             covered.append((0, num_prefix))
         for k, m in enumerate(self.index.find(ids, namespace, self.min_match_tokens, covered)):
-            if self.owns(namespace, m.span_id):
+            if self.owns(namespace, m.span_id):  # an index entry outliving its span is never used
                 refs.append(SpanRef(m.start, m.end, m.span_id, m.src_start, "input", f"input{k}"))
         refs.sort(key=lambda r: r.start)
         pinned = sorted({r.span_id for r in refs} | ({prefix.span_id} if num_prefix > 0 else set()))
         for span_id in pinned:
-            self.store.pin(span_id)
-        return CallBuild(CallInput(ids, refs, agent), num_prefix, pinned)
+            self.store.pin(span_id, namespace)
+        return CallBuild(CallInput(ids, refs, agent), num_prefix, pinned, namespace)
 
-    def unpin(self, span_ids: list[str]) -> None:
-        for span_id in span_ids:
-            if span_id in self.store and self.store.is_pinned(span_id):
-                self.store.unpin(span_id)
+    def unpin(self, built: CallBuild) -> None:
+        for span_id in built.pinned:
+            if self.store.contains(span_id, built.namespace) and self.store.is_pinned(span_id, built.namespace):
+                self.store.unpin(span_id, built.namespace)
+        built.pinned = []
 
 
-class NamespaceStore:
-    """The store as one namespace sees it: what the engine and the methods are handed."""
+class CatalogView(StoreView):
+    """One namespace of the store, as the engine and the methods see it; puts go through the catalog."""
 
     def __init__(self, catalog: SpanCatalog, namespace: str) -> None:
-        self.catalog, self.namespace = catalog, namespace
-
-    @property
-    def block_len(self) -> int:
-        return self.catalog.store.block_len
-
-    def __contains__(self, span_id: str) -> bool:
-        return self.catalog.owns(self.namespace, span_id)
-
-    def get(self, span_id: str):
-        if not self.catalog.owns(self.namespace, span_id):
-            raise KeyError(f"span {span_id!r} is not in this namespace's store")
-        return self.catalog.store.get(span_id)
-
-    def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...]) -> PrefixMatch | None:
-        if fingerprint != self.catalog.fingerprint:
-            return None
-        return self.catalog.match_prefix(self.namespace, list(token_ids))
+        super().__init__(catalog.store, namespace)
+        self.catalog = catalog
 
     def put(self, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
-        self.catalog.put(self.namespace, span_id, span, pin)
-        return []
+        return self.catalog.put(self.namespace, span_id, span, pin)

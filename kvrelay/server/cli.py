@@ -27,6 +27,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv-budget-gb", type=float, default=2.0, help="byte budget of the KV span store (GiB)")
+    p.add_argument("--kv-namespace-budget-gb", type=float, default=None,
+                   help="cap on what one namespace (API key / cache_salt) may hold, so one tenant cannot fill the "
+                        "store for all (default: no cap)")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="one API key per line; requests then need 'Authorization: Bearer <key>', and each key "
                         "gets its own cache namespace")
@@ -71,7 +74,11 @@ def build_app(args: argparse.Namespace):
         get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
     lm = load_model(args.model, args.device)
-    store = KVStore(int(args.kv_budget_gb * (1 << 30)))
+    ns_budget = args.kv_namespace_budget_gb
+    if ns_budget is not None and ns_budget <= 0:
+        raise ConfigError(f"--kv-namespace-budget-gb must be positive, got {ns_budget}")
+    store = KVStore(int(args.kv_budget_gb * (1 << 30)),
+                    namespace_budget_bytes=None if ns_budget is None else int(ns_budget * (1 << 30)))
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,

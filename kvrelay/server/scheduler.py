@@ -261,12 +261,11 @@ class EngineWorker:
         published = out
         if out.stop_reason == "cancelled" and out.output_ids:  # the last sampled token was never fed: no KV
             published = replace(out, output_ids=out.output_ids[:-1])
-        span_id = self.catalog.new_span_id(job.namespace)
+        span_id = self.catalog.new_span_id()
         try:
             self.engine.store = self.catalog.view(job.namespace)
             self.engine.publish(span_id, published)
         except StoreFullError:
-            self.catalog.num_publish_skipped += 1
             self.metrics.publish_skipped.inc()
             return None
         ids = _ids_of_text(self.tokenizer, published.output_ids, text)
@@ -276,8 +275,7 @@ class EngineWorker:
 
     def _release(self, job: Job) -> None:
         if job.built is not None:
-            self.catalog.unpin(job.built.pinned)
-            job.built.pinned = []
+            self.catalog.unpin(job.built)
 
     def _fail(self, job: Job, status: int, message: str, code: str) -> None:
         if job in self._running:

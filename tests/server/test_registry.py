@@ -84,12 +84,12 @@ def test_catalog_evicts_only_within_the_namespace():
     cat.put("b", "b#0", ToySpan(tuple(range(8)), 100))
     cat.put("a", "a#1", ToySpan(tuple(range(100, 108)), 100))
     cat.put("a", "a#2", ToySpan(tuple(range(200, 208)), 100))  # full: a evicts its own oldest, never b's
-    assert sorted(cat.store.ids()) == ["a#1", "a#2", "b#0"]
-    assert "a#0" not in cat.index and cat.match_prefix("a", list(range(8))) is None
-    assert cat.match_prefix("b", list(range(8))).span_id == "b#0"
+    assert cat.store.ids("a") == ["a#1", "a#2"] and cat.store.ids("b") == ["b#0"]
+    assert "a#0" not in cat.index and cat.index.match_prefix(list(range(8)), "a") is None
+    assert cat.index.match_prefix(list(range(8)), "b").span_id == "b#0"
     with pytest.raises(StoreFullError):  # b cannot push a's spans out, and has nothing else to evict
         cat.put("b", "b#1", ToySpan(tuple(range(8)), 250))
-    assert sorted(cat.store.ids()) == ["a#1", "a#2", "b#0"]
+    assert cat.store.ids("a") == ["a#1", "a#2"] and cat.store.ids("b") == ["b#0"]
 
 
 def test_catalog_views_hide_other_namespaces_and_calls_pin_what_they_read():
@@ -105,9 +105,9 @@ def test_catalog_views_hide_other_namespaces_and_calls_pin_what_they_read():
 
     built = cat.build_call(PromptBuild([50, 51] + list(range(2, 12)) + [60], []), "a", "agent")
     assert [(r.start, r.end, r.span_id, r.src_start, r.kind) for r in built.call.refs] == [(2, 12, "a#0", 2, "input")]
-    assert cat.store.is_pinned("a#0")
-    cat.unpin(built.pinned)
-    assert not cat.store.is_pinned("a#0")
+    assert cat.store.is_pinned("a#0", "a")
+    cat.unpin(built)
+    assert not cat.store.is_pinned("a#0", "a")
     assert cat.build_call(PromptBuild(list(range(12)), []), "b", "agent").call.refs == []
 
 
