@@ -109,6 +109,8 @@ def test_catalog_views_hide_other_namespaces_and_calls_pin_what_they_read():
     cat.unpin(built)
     assert not cat.store.is_pinned("a#0", "a")
     assert cat.build_call(PromptBuild(list(range(12)), []), "b", "agent").call.refs == []
+    cat.store.remove("a#0", "a")  # gone from the store behind the catalog's back: its index entry is not used
+    assert cat.build_call(PromptBuild([50, 51] + list(range(2, 12)) + [60], []), "a", "agent").call.refs == []
 
 
 def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
