@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -39,6 +40,25 @@ from kvrelay.server.scheduler import EngineWorker, Job
 
 log = logging.getLogger("kvrelay.server")
 _DISCONNECT_POLL_S = 0.1
+
+
+class BodyLimit:
+    """413 for a request whose Content-Length is over the limit. Plain ASGI, not ``@app.middleware``:
+    that wrapper hides the client's disconnect from the handlers, which must see it to cancel."""
+
+    def __init__(self, app, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            size = dict(scope["headers"]).get(b"content-length", b"")
+            if size.isdigit() and int(size) > self.max_bytes:
+                self.metrics.errors.labels("413").inc()
+                response = error_response(413, f"request body of {int(size)} bytes is over the limit of "
+                                               f"{self.max_bytes} bytes", code="request_too_large")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 @dataclass
@@ -97,14 +117,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         metrics.errors.labels("500").inc()
         return error_response(500, "internal server error", "server_error", code="internal_error")
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
-            metrics.errors.labels("413").inc()
-            return error_response(413, f"request body of {size} bytes is over the limit of "
-                                       f"{settings.max_body_bytes} bytes", code="request_too_large")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
 
     # ------------------------------------------------------------------ helpers
     def namespace_of(request: Request, cache_salt: str | None) -> str:
@@ -157,14 +170,22 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         return job, events
 
     async def next_event(request: Request, job: Job, events: asyncio.Queue) -> dict | None:
-        """The job's next event, or None when the client disconnected first (the job is then cancelled)."""
+        """The job's next event, or None when the client disconnected (the job is then cancelled).
+
+        The connection is checked every ``_DISCONNECT_POLL_S`` whether or not events keep coming, since
+        a decoding job emits faster than that.
+        """
         while True:
-            try:
-                return await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now - job.disconnect_checked_s >= _DISCONNECT_POLL_S:
+                job.disconnect_checked_s = now
                 if await request.is_disconnected():
                     worker.cancel(job)
                     return None
+            try:
+                return await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
 
     async def respond(request: Request, body, job: Job, events: asyncio.Queue, reply: Reply) -> Response:
         worker.submit(job)

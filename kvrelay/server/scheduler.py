@@ -50,6 +50,7 @@ class Job:
     cache_output: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)
+    disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked
     # worker state
     seq: Sequence | None = None
     built: CallBuild | None = None

@@ -141,3 +141,16 @@ def test_cache_output_false_stores_nothing(server):
     server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=3, extra_body=extra)
     assert server.metric("kvrelay_store_spans") == before
     assert ask(server, messages, ns, "x").usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_disconnect_while_waiting_for_a_whole_response_cancels(server):
+    before = server.metric("kvrelay_cancelled_total")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A long answer, not streamed."}],
+            "max_tokens": 8000, "temperature": 0, "cache_salt": uuid.uuid4().hex}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and server.metric("kvrelay_cancelled_total") < before + 1:
+        time.sleep(0.1)
+    assert server.metric("kvrelay_cancelled_total") == before + 1
+    assert server.alive()
