@@ -26,7 +26,7 @@ from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
-from kvrelay.server.textstream import StopMatcher, token_logprobs
+from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, token_logprobs
 
 log = logging.getLogger("kvrelay.server")
 
@@ -55,6 +55,7 @@ class Job:
     seq: Sequence | None = None
     built: CallBuild | None = None
     matcher: StopMatcher | None = None
+    decoder: IncrementalDecoder | None = None
     logprobs: list[dict] = field(default_factory=list)
     num_logprobs_sent: int = 0
     first_token_s: float | None = None
@@ -192,6 +193,7 @@ class EngineWorker:
         self.metrics.ttft.observe(job.first_token_s - job.created_s)
         self.metrics.engine_ttft.observe(job.seq.stats.ttft_ms / 1e3)
         job.matcher = StopMatcher(job.stop)
+        job.decoder = IncrementalDecoder(self.tokenizer)
         if job.num_top_logprobs is not None:
             if job.seq.output_ids:
                 job.logprobs.append(token_logprobs(job.seq.first_logits, job.seq.output_ids[0], job.num_top_logprobs,
@@ -203,8 +205,7 @@ class EngineWorker:
 
     def _emit_text(self, job: Job) -> None:
         """Send the text that is final so far (held back: a possible stop-string start, a split character)."""
-        text = self.tokenizer.decode(job.seq.output_ids)
-        delta, hit = job.matcher.feed(text)
+        delta, hit = job.matcher.feed(job.decoder.feed(job.seq.output_ids))
         if hit:
             job.seq.cancel()
         if delta:

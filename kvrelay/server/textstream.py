@@ -7,6 +7,25 @@ import torch
 _REPLACEMENT = "\ufffd"  # what a decoder shows for a character whose bytes are not all generated yet
 
 
+class IncrementalDecoder:
+    """The output's text, decoding only the tokens since the last complete character each step
+    (decoding the whole output every step would cost O(n) per token)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the end of ``text``
+        self.read_offset = 0
+        self.text = ""
+
+    def feed(self, ids: list[int]) -> str:
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        new = self.tokenizer.decode(ids[self.prefix_offset :])
+        if len(new) > len(prefix) and not new.endswith(_REPLACEMENT):  # a split character waits for its bytes
+            self.text += new[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return self.text
+
+
 class StopMatcher:
     """Cuts the output at the first stop string and says which text is safe to send so far."""
 
@@ -20,7 +39,8 @@ class StopMatcher:
         """The new text to send, given the whole decoded output so far; True once a stop string matched."""
         if self.hit:
             return "", True
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        start = max(0, self.num_sent_chars - max((len(s) for s in self.stops), default=0))
+        found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         if found:
             self.hit, self._cut = True, min(found)
             delta = text[self.num_sent_chars : self._cut]

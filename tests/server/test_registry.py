@@ -121,3 +121,15 @@ def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
     assert m.feed("Hello ENX and END more") == (" and ", True)
     assert m.final_text("Hello ENX and END more!") == "Hello ENX and "
     assert StopMatcher([]).feed("abc\ufffd") == ("abc", False)  # a split character waits for its bytes
+
+
+def test_incremental_decoder_equals_whole_decode_and_waits_for_split_characters():
+    from kvrelay.server.textstream import IncrementalDecoder
+
+    tok = tiny_lm().tokenizer
+    ids = tok.encode("Grüße, 世界! naïve café ☕ done.")
+    dec = IncrementalDecoder(tok)
+    for k in range(1, len(ids) + 1):
+        text = dec.feed(ids[:k])
+        assert "\ufffd" not in text and tok.decode(ids[:k]).startswith(text)
+    assert text == tok.decode(ids)
