@@ -24,8 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.tier.conftest import RedisServer  # noqa: E402
-
 from kvrelay.cache.kv import SequenceKV, StoredSpan  # noqa: E402
 from kvrelay.cache.store import KVStore  # noqa: E402
 from kvrelay.engine.engine import Engine, GenerateOptions  # noqa: E402
@@ -35,6 +33,7 @@ from kvrelay.model.sampling import SamplingConfig  # noqa: E402
 from kvrelay.tier.backends.disk import DiskBackend  # noqa: E402
 from kvrelay.tier.backends.redis import PREFIX, RedisBackend  # noqa: E402
 from kvrelay.tier.tiered import TieredStore  # noqa: E402
+from tests.tier.conftest import RedisServer  # noqa: E402
 
 BIG_BYTES = 1 << 34
 

@@ -135,8 +135,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
     from kvrelay.model.loader import load_model
-    from kvrelay.reuse.profiler import build_profile, plot_profile, profile_path
 
     lm = load_model(args.model, device=args.device)
     profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
@@ -180,10 +180,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvrelay.demo import DemoConfig
     from kvrelay.eval.harness import BenchConfig
+    from kvrelay.eval.profiler import SELECTS
     from kvrelay.model.loader import DEFAULT_MODEL
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.reuse import METHODS
-    from kvrelay.reuse.profiler import SELECTS
 
     parser = argparse.ArgumentParser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)

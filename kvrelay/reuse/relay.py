@@ -13,15 +13,13 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   ``l_pre``: EPIC's observation that a span's opening tokens carry most of the context change; our
   addition, not in the RelayCaching paper, off by default); only those stay through ``L_end``.
 
-The layers come from the model's offline profile (``kvrelay profile``); when none exists, one is
-built on a small GSM8K-train calibration set, saying so.
+The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
+yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -30,14 +28,13 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import Entry, LayerView, StaticSchedule
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
-from kvrelay.reuse.profiler import LayerProfile, build_profile, profile_path
+from kvrelay.reuse.profile import layer_profile
 from kvrelay.reuse.spans import collect_reuse
 
 SELECTORS = ("both", "deviation", "influence")
 # 1 - cos below this is float noise (fresh vs reused V of the same input through different matmul
 # shapes), not a deviation; SmolLM2's real mid-layer deviations average ~1e-2.
 DEVIATION_FLOOR = 1e-4
-_PROFILES: dict[str, LayerProfile] = {}
 
 
 def value_cos_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
@@ -64,40 +61,6 @@ def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None
     return keep
 
 
-SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # measured for the embedded models
-
-
-def layer_profile(lm, calibration_problems: int = 8, shipped_dir: Path = SHIPPED_PROFILES) -> LayerProfile:
-    """The model's profile: yours (the cache dir, from ``kvrelay profile`` or an earlier automatic build),
-    else the one shipped with kvrelay, else one built now on a small calibration set (and saved).
-    When yours and the shipped one disagree on the layers, says which it uses (a profile cached by an
-    older kvrelay would otherwise silently outlive a better shipped one)."""
-    if lm.fingerprint in _PROFILES:
-        return _PROFILES[lm.fingerprint]
-    path = profile_path(lm.fingerprint)
-    shipped = shipped_dir / path.name
-    if path.exists():
-        profile = LayerProfile.load(path)
-        if shipped.exists():
-            other = LayerProfile.load(shipped)
-            if profile.layers != other.layers:
-                print(f"kvrelay: RelayCaching layers {_fmt_layers(profile)} from your profile {path}; the profile "
-                      f"shipped with kvrelay has {_fmt_layers(other)} - delete yours to use it", file=sys.stderr)
-    elif shipped.exists():
-        profile = LayerProfile.load(shipped)
-    else:
-        print(f"kvrelay: no RelayCaching profile for {lm.name}; building one on {calibration_problems} GSM8K "
-              f"train problems (run `kvrelay profile --model {lm.name}` for a larger one)", file=sys.stderr)
-        profile = build_profile(lm, num_problems=calibration_problems)
-        profile.save(path)
-    _PROFILES[lm.fingerprint] = profile
-    return profile
-
-
-def _fmt_layers(profile: LayerProfile) -> str:
-    return f"L_start {profile.l_start} / L_det {profile.l_det} / L_end {profile.l_end} (chosen by {profile.select})"
-
-
 @dataclass
 class RelayMethod(ReuseMethod):
     tau_dev: float = 1.5
@@ -118,7 +81,8 @@ class RelayMethod(ReuseMethod):
             raise ConfigError("relay: l_suf, l_pre, tau_dev and tau_inf must be >= 0")
 
     def layers(self, lm) -> tuple[int, int, int]:
-        """(L_start, L_det, L_end) for this model: overrides, else the profile."""
+        """(L_start, L_det, L_end) for this model: overrides, else the profile (a ConfigError says how to get
+        one when the model has none)."""
         num_layers = lm.config.num_layers
         if None in (self.l_start, self.l_det, self.l_end):
             profile = layer_profile(lm)

@@ -1,10 +1,12 @@
 """RKSC: layer exit rule, verifier skip, the verifier's read position, and the branch runner."""
 
+import math
+
 import pytest
 import torch
 
 from kvrelay.branches.prompts import BranchConfig, BranchPrompts, answer_ids
-from kvrelay.branches.rksc import RKSCMethod, RKSCSchedule, decisive, pick, yes_score
+from kvrelay.branches.rksc import RKSCMethod, decisive, entropy, pick, yes_score
 from kvrelay.branches.runner import BranchRunner, pad, verify
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
@@ -24,11 +26,19 @@ def test_layer_exit_never_triggers_when_theta_is_zero(lm):
     method.exiting = True
     out = generate(lm, list(range(40, 70)), method, sampling=SamplingConfig(max_new_tokens=1))
     assert out.stats.exit_layer is None and not method.last_schedule.has_exit_test
-    # the rule itself: entropy is never negative, so "entropy < 0" never holds, whatever the hidden state
-    sched = RKSCSchedule(0, lm.model.logits_from_hidden, theta=0.0, eps=1e9, min_layer=1)
-    with torch.inference_mode():
-        for layer in range(1, 50):
-            assert not sched.exit_after(layer, torch.randn(lm.config.hidden_size) * layer)
+
+
+def test_entropy_matches_a_hand_computation():
+    vocab = 300
+    assert entropy(torch.zeros(vocab)) == pytest.approx(math.log(vocab), abs=1e-5)  # uniform: log V nats
+    assert entropy(torch.full((vocab,), 3.0)) == pytest.approx(math.log(vocab), abs=1e-5)  # shift-invariant
+    one_hot = torch.full((vocab,), -1e4)
+    one_hot[7] = 0.0
+    assert entropy(one_hot) == pytest.approx(0.0, abs=1e-6)
+    quarters = torch.full((vocab,), -1e4)
+    quarters[[2, 5, 11]] = torch.tensor([0.5, 0.25, 0.25]).log()  # H = -(.5 ln .5 + 2 x .25 ln .25) = 1.5 ln 2
+    assert entropy(quarters) == pytest.approx(1.5 * math.log(2), abs=1e-5)
+    assert entropy(quarters.double()) == pytest.approx(1.5 * math.log(2), abs=1e-5)
 
 
 def test_layer_exit_fires_at_the_first_allowed_layer_when_the_rule_holds(lm):

@@ -1,14 +1,14 @@
-"""Reuse methods on a tiny model: exactness limits, schedules' token counts, selector, profiler."""
+"""Reuse methods on a tiny model: exactness limits, the tokens each method recomputes, the selector."""
 
 import pytest
 import torch
 
+from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.profiler import choose_band, choose_by_fidelity, choose_detection_layer, fidelity_candidates
 from kvrelay.reuse.relay import select_tokens
 from tests.helpers import generate, publish, tiny_lm
 
@@ -34,9 +34,21 @@ def setup():
     return lm, store, call, full
 
 
-def _run(setup, spec):
+ONE = SamplingConfig(max_new_tokens=1)
+SPAN = slice(7, 31)  # the span's prompt rows in the setup's call
+SRC = slice(20, 44)  # the same tokens' rows in the upstream span
+
+
+def _run(setup, spec, keep_cache=False):
     lm, store, call, _ = setup
-    return generate(lm, call, get_method(spec), store, SamplingConfig(max_new_tokens=1))
+    return generate(lm, call, get_method(spec), store, ONE, keep_cache=keep_cache)
+
+
+def _recomputed_rows(out_v: torch.Tensor, span_v: torch.Tensor, layer: int) -> set[int]:
+    """Span rows (0-based) whose V at ``layer`` is not the stored span's: the forward computed them there.
+    out_v: [num_layers, Hkv, n, hd] over the span's prompt rows; span_v: the same rows of the stored span.
+    V carries no position, so a row only loaded is bit-equal to the stored one."""
+    return {i for i in range(out_v.shape[2]) if not torch.equal(out_v[layer, :, i], span_v[layer, :, i])}
 
 
 def test_naive_reuses_every_span_token_and_recomputes_nothing(setup):
@@ -53,18 +65,44 @@ def test_relay_with_every_token_selected_reproduces_full(setup):
     assert out.stats.recompute_frac == 1.0
 
 
-def test_relay_with_empty_band_and_no_selection_equals_naive(setup):
-    naive = _run(setup, "naive")
-    out = _run(setup, f"relay[l_start={L},l_det={L},l_end={L},tau_dev=1e9,tau_inf=1e9,l_suf=0]")
-    torch.testing.assert_close(out.first_logits, naive.first_logits, atol=0, rtol=0)
-    assert out.stats.num_computed_token_layers == naive.stats.num_computed_token_layers
+def test_relay_from_l_start_with_the_prompts_own_carried_state_reproduces_full(setup):
+    """The carried-hidden-state path: every span token enters at L_start = 2 and stays to the top. Given the
+    K/V (layers 0-1) and layer-2 input that this very prompt gives the span, stored 13 positions away (so
+    the keys are re-rotated on load), relay is full up to float rounding."""
+    lm, _, call, full = setup
+    own = generate(lm, call, "full", None, ONE, capture_layers=(2,), keep_cache=True)
+    shift = 13
+    span = StoredSpan(tuple(call.prompt_ids[SPAN]), SPAN.start + shift,
+                      lm.model.rope.shift_keys(own.cache.k[:, :, SPAN], shift), own.cache.v[:, :, SPAN].clone(),
+                      lm.fingerprint, {2: own.prompt_hidden[2][SPAN].clone()})
+    store = KVStore(1 << 30)
+    store.put("own", span)
+    oracle = CallInput(call.prompt_ids, [SpanRef(SPAN.start, SPAN.stop, "own", 0, "output")])
+    every = get_method(f"relay[l_start=2,l_det=2,l_end={L - 1},tau_dev=1e9,tau_inf=1e9,l_suf=1000]")
+    out = generate(lm, oracle, every, store, ONE)
+    assert out.stats.note is None and out.stats.num_shifted_tokens == 24
+    assert out.stats.num_computed_token_layers == 12 * L + 24 * (L - 2)  # every span token at layers 2-3
+    torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-5, rtol=0)
+    # with the state the *upstream* carried (its context, not this prompt's), layers 0-1 of the span and its
+    # layer-2 input are the upstream's: relay is not full, by what those layers leave unrepaired
+    upstream = _run(setup, f"relay[l_start=2,l_det=2,l_end={L - 1},tau_dev=1e9,tau_inf=1e9,l_suf=1000]")
+    assert upstream.stats.num_computed_token_layers == out.stats.num_computed_token_layers
+    assert (upstream.first_logits - full.first_logits).abs().max() > 1e-3
 
 
 def test_relay_enters_at_l_start_from_carried_hidden_states(setup):
-    # band [2, 2]: nothing selected, so span tokens are computed at layer 2 only (entering from hidden states)
-    out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]")
+    """Band [2, 2], nothing selected: span tokens are computed at layer 2 only, from the hidden state the
+    upstream carried into layer 2. That recomputes exactly the K/V the upstream had there, so the call is
+    naive's, token for token."""
+    lm, store, _, _ = setup
+    out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]", keep_cache=True)
+    naive = _run(setup, "naive", keep_cache=True)
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 1
     assert out.stats.note is None
+    assert _recomputed_rows(out.cache.v[:, :, SPAN], store.get("up").v[:, :, SRC], 2) == set(range(24))
+    torch.testing.assert_close(out.cache.k[:, :, SPAN], naive.cache.k[:, :, SPAN], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.cache.v[:, :, SPAN], naive.cache.v[:, :, SPAN], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.first_logits, naive.first_logits, atol=1e-5, rtol=0)
     # with everything selected from layer 2 on, layers 2-3 of the span are recomputed: 2 of 4 layers
     out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=0,tau_inf=0]")
     assert out.stats.recompute_frac == 0.5
@@ -93,16 +131,41 @@ def test_relay_l_pre_keeps_each_span_opening_through_the_band(setup):
         get_method("relay[l_pre=-1]")
 
 
-def test_epic_recomputes_the_first_k_tokens_of_each_span(setup):
-    out = _run(setup, "epic[k=5]")
-    assert out.stats.num_computed_token_layers == (12 + 5) * L
-    assert out.stats.recompute_frac == pytest.approx(5 / 24)
+def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup):
+    """Two spans (an upstream prompt piece and its output): the rows epic computed, at every layer above 0,
+    are the first k = 5 of each span and no other."""
+    lm, store, call, _ = setup
+    up = store.get("up")
+    head, mid, tail = call.prompt_ids[:7], [250, 251, 252, 253], call.prompt_ids[31:]
+    ids = head + list(up.token_ids[3:13]) + mid + call.prompt_ids[SPAN] + tail  # spans at [7, 17) and [21, 45)
+    two = CallInput(ids, [SpanRef(7, 17, "up", 3, "input"), SpanRef(21, 45, "up", 20, "output")])
+    out = generate(lm, two, get_method("epic[k=5]"), store, ONE, keep_cache=True)
+    assert out.stats.num_reused_tokens == 34
+    assert out.stats.num_computed_token_layers == (16 + 5 + 5) * L
+    assert out.stats.recompute_frac == pytest.approx(10 / 34)
+    rows = torch.cat([torch.arange(7, 17), torch.arange(21, 45)])
+    stored = torch.cat([up.v[:, :, 3:13], up.v[:, :, SRC]], dim=2)
+    heads = set(range(5)) | {10 + i for i in range(5)}  # span rows, in the order of ``rows``
+    for layer in range(1, L):  # layer 0's V depends on the token only: recomputed or not, it is the same
+        assert _recomputed_rows(out.cache.v[:, :, rows], stored, layer) == heads
 
 
-def test_cacheblend_keeps_the_top_r_after_the_check_layer(setup):
-    out = _run(setup, "cacheblend[check_layer=1,ratio=0.25]")
+def test_cacheblend_keeps_exactly_the_most_deviating_tokens(setup):
+    """At the check layer (1) every token is computed, so the fresh V is full's; the deviation of each span
+    token is ||V_full - V_upstream|| there. The tokens recomputed above it must be the top 25% of those."""
+    lm, store, call, _ = setup
+    up = store.get("up")
+    full = generate(lm, call, "full", store, ONE, keep_cache=True)
+    dev = (full.cache.v[1, :, SPAN] - up.v[1, :, SRC]).pow(2).sum(dim=(0, 2)).sqrt()  # [24]
+    ranked = dev.sort(descending=True).values
+    assert ranked[5] - ranked[6] > 1e-4  # the 6th and 7th are far apart: float noise cannot swap them
+    top = set(dev.topk(6).indices.tolist())
+    out = _run(setup, "cacheblend[check_layer=1,ratio=0.25]", keep_cache=True)
     # all 24 span tokens at layers 0-1, then 6 (25%) at layers 2-3
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 2 + 6 * 2
+    torch.testing.assert_close(out.cache.v[1, :, SPAN], full.cache.v[1, :, SPAN], atol=1e-6, rtol=0)
+    for layer in (2, 3):
+        assert _recomputed_rows(out.cache.v[:, :, SPAN], up.v[:, :, SRC], layer) == top
 
 
 def test_cacheblend_with_full_ratio_reproduces_full(setup):
@@ -118,74 +181,6 @@ def test_selector_sets_on_hand_made_vectors():
     assert keep.tolist() == [False, False, True, True, False, True]
     assert select_tokens(dev, None, torch.zeros(6, dtype=torch.bool), 1.5, 1.45).nonzero().flatten().tolist() == [3]
     assert select_tokens(None, inf, torch.zeros(6, dtype=torch.bool), 1.5, 1.45).nonzero().flatten().tolist() == [2]
-
-
-def test_profiler_picks_a_known_band_and_detection_layer():
-    curve = [0.0, 0.0, 1.0, 5.0, 5.0, 1.0, 0.0, 0.0]
-    assert choose_band(curve, 0.8) == (3, 4)  # 10 of 12
-    assert choose_band(curve, 0.95) == (2, 5)
-    gen = torch.Generator().manual_seed(0)
-    later = torch.rand(50, generator=gen)
-    token_dev = torch.rand(8, 50, generator=gen)
-    token_dev[3] = later * 2 + 0.01  # layer 3 ranks tokens exactly as the later layers' mean does
-    token_dev[4:7] = later
-    det, scores = choose_detection_layer(token_dev, 2, 6)
-    assert det == 3 and scores[3] == pytest.approx(1.0)
-
-
-def test_profiler_fidelity_candidates_and_choice():
-    assert fidelity_candidates(30, (18, 27, 29)) == [(18, 27, 29), (1, 2, 29), (2, 3, 29), (4, 5, 29), (8, 9, 29),
-                                                     (16, 17, 29)]
-    assert fidelity_candidates(4, (1, 2, 3)) == [(1, 2, 3), (2, 3, 3)]  # no duplicate of the deviation band
-    scores = {(18, 27, 29): (0.030, 0.51), (1, 2, 29): (0.010, 0.50), (2, 3, 29): (0.0105, 0.52),
-              (4, 5, 29): (0.012, 0.60)}
-    assert choose_by_fidelity(scores) == (2, 3, 29)  # within 10% of the lowest KL, the most reuse
-    assert choose_by_fidelity(scores, kl_tolerance=0.0) == (1, 2, 29)
-    assert choose_by_fidelity(scores, kl_tolerance=0.25) == (4, 5, 29)
-    assert choose_by_fidelity({(1, 2, 3): (0.0, 0.4), (2, 3, 3): (0.0, 0.4)}) == (1, 2, 3)  # full tie: the earlier
-
-
-def test_build_profile_scores_every_candidate_band_on_train():
-    from kvrelay.model.loader import load_model
-    from kvrelay.reuse.profiler import build_profile
-
-    lm = load_model("random:tiny")
-    profile = build_profile(lm, num_problems=2, progress=False)
-    top = lm.config.num_layers - 1
-    bands = fidelity_candidates(lm.config.num_layers, tuple(profile.deviation_band))
-    assert sorted(profile.band_scores) == sorted(",".join(map(str, b)) for b in bands)
-    scores = {tuple(map(int, k.split(","))): (v["kl"], v["reuse"]) for k, v in profile.band_scores.items()}
-    assert (profile.l_start, profile.l_det, profile.l_end) == choose_by_fidelity(scores)
-    assert profile.select == "fidelity" and "train" in profile.calibration["data"]
-    assert all(0.0 < reuse < 1.0 and kl >= 0.0 for kl, reuse in scores.values())
-    assert scores[(1, 2, top)][1] != scores[(2, 3, top)][1] or top == 2  # different bands recompute differently
-    paper = build_profile(lm, num_problems=2, progress=False, select="deviation")
-    assert [paper.l_start, paper.l_det, paper.l_end] == paper.deviation_band and paper.band_scores == {}
-
-
-def test_your_profile_wins_over_the_shipped_one_and_says_so(tmp_path, monkeypatch, capsys):
-    from types import SimpleNamespace
-
-    from kvrelay.reuse import relay
-    from kvrelay.reuse.profiler import LayerProfile, profile_path
-
-    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(relay, "_PROFILES", {})
-    lm = SimpleNamespace(fingerprint="f00d", name="toy")
-    make = lambda *layers: LayerProfile("f00d", "toy", 4, *layers, 0.9, [], [], [])  # noqa: E731
-    shipped_dir = tmp_path / "shipped"
-    make(1, 2, 3).save(shipped_dir / profile_path("f00d").name)
-    assert relay.layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)  # only the shipped one
-    assert capsys.readouterr().err == ""
-    monkeypatch.setattr(relay, "_PROFILES", {})
-    make(2, 3, 3).save(profile_path("f00d"))
-    assert relay.layer_profile(lm, shipped_dir=shipped_dir).layers == (2, 3, 3)
-    err = capsys.readouterr().err
-    assert "L_start 2 / L_det 3 / L_end 3" in err and "shipped with kvrelay has L_start 1 / L_det 2" in err
-    monkeypatch.setattr(relay, "_PROFILES", {})
-    make(1, 2, 3).save(profile_path("f00d"))  # the same layers: nothing to say
-    assert relay.layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)
-    assert capsys.readouterr().err == ""
 
 
 def test_method_parameter_types_are_checked():
@@ -208,3 +203,64 @@ def test_bad_method_parameters():
 def test_zero_deviation_selects_nothing():
     zeros = torch.zeros(4)
     assert not select_tokens(zeros, zeros, torch.zeros(4, dtype=torch.bool), 1.5, 1.45).any()
+
+
+KVCOMM_XFAIL = pytest.mark.xfail(strict=True, reason=(
+    "measured on these calls: kvcomm reuses on the last problem's 2 calls only (cold pools: 2 anchors per "
+    "placeholder first), with KL 0.073 and 0.038 against naive's 0.020 and 0.025"))
+REPAIRING = ("cacheblend", "epic", "relay", pytest.param("kvcomm", marks=KVCOMM_XFAIL))
+NUM_PROBLEMS = 4  # kvcomm needs 2 anchors per placeholder before its gate lets it reuse
+
+
+@pytest.fixture(scope="module")
+def smollm2_kls() -> tuple[dict[str, list[float]], list[bool]]:
+    """First-token KL(full || method) on the downstream calls of 4 gsm8k-chain3 problems (GSM8K test_dev,
+    outputs capped at 64 tokens), on the real model, and which calls kvcomm reused on (it learns from its own
+    dense prefills: its first problems' calls fall back to full, later ones reuse where its gate lets them)."""
+    from dataclasses import replace
+
+    from kvrelay.engine import Engine
+    from kvrelay.eval.fidelity import kl_first_token
+    from kvrelay.model.loader import load_model
+    from kvrelay.pipeline.runner import PipelineRunner
+    from kvrelay.pipeline.workloads import get_workload
+
+    lm = load_model("smollm2-135m")
+    wl = get_workload("gsm8k-chain3")
+    spec = replace(wl.spec, agents=tuple(replace(a, max_new_tokens=64) for a in wl.spec.agents))
+    methods = {name: get_method(name) for name in ("cacheblend", "epic", "relay", "kvcomm", "naive")}
+    capture = tuple(sorted({layer for m in methods.values() for layer in m.capture_layers(lm)}))
+    kls: dict[str, list[float]] = {name: [] for name in methods}
+    kvcomm_reused: list[bool] = []
+    for problem in wl.problems(None, NUM_PROBLEMS):
+        store = KVStore(4 << 30)
+
+        def probe(agent, call, position, store=store):
+            if not any(r.kind == "output" for r in call.refs):
+                return
+            full = generate(lm, call, "full", store, ONE).first_logits
+            for name, method in methods.items():
+                out = generate(lm, call, method, store, ONE)
+                assert out.stats.note is None  # relay's spans carry their hidden state at L_start
+                kls[name].append(kl_first_token(full, out.first_logits))
+                if name == "kvcomm":
+                    kvcomm_reused.append(out.stats.fallback is None)
+
+        PipelineRunner(Engine(lm, store, capture_layers=capture), spec, run_id=problem.problem_id).run(
+            problem.inputs, "full", before_call=probe)
+    print({name: [f"{kl:.2e}" for kl in values] for name, values in kls.items()}, kvcomm_reused)
+    assert len(kls["naive"]) == 2 * NUM_PROBLEMS and min(kls["naive"]) > 1e-3  # naive is off on every call
+    assert any(kvcomm_reused)
+    return kls, kvcomm_reused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", REPAIRING)
+def test_every_repairing_method_is_at_least_as_faithful_as_naive_on_smollm2(smollm2_kls, method):
+    """The fidelity claim on the real model, as the bench measures it: the mean first-token KL against full
+    over a fixed set of calls is no higher than naive's (per call it does not hold for every method). For
+    kvcomm, over the calls it reused on: its fallbacks are full prefills (KL 0) and would hide its error."""
+    kls, kvcomm_reused = smollm2_kls
+    calls = [i for i, reused in enumerate(kvcomm_reused) if reused or method != "kvcomm"]
+    kl, naive = [kls[method][i] for i in calls], [kls["naive"][i] for i in calls]
+    assert sum(kl) / len(kl) <= sum(naive) / len(naive), f"{method}: {kl} vs naive {naive}"

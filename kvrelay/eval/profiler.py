@@ -1,4 +1,4 @@
-"""RelayCaching's offline layer-range profile: where relayed decode KV deviates, and where to look.
+"""RelayCaching's offline layer-range profiler (``kvrelay profile``): build, score and plot a profile.
 
 On calibration pipelines (GSM8K *train*), for every upstream output spliced into a downstream
 prompt, compare per layer the relayed decode KV (re-rotated to its new position) with the KV a
@@ -15,63 +15,34 @@ top unrepaired. So by default (``select="fidelity"``, ours) the profiler also ru
 same calibration calls with a few candidate bands (the deviation band, and bands from L_start = 1, 2,
 4, 8, ... to the top layer with L_det = L_start + 1) and keeps the one with the most reuse among
 those whose mean first-token KL(full || relay) is within ``kl_tolerance`` of the lowest.
+
+The profile itself (data, load/save, lookup) is ``kvrelay.reuse.profile``; this module runs pipelines,
+so it sits in ``eval``, above the engine and the pipeline runner.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
+from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.errors import KvRelayError
-from kvrelay.model.loader import LoadedModel, cache_dir
+from kvrelay.eval.datasets import data_root
+from kvrelay.eval.fidelity import kl_first_token
+from kvrelay.model.loader import LoadedModel
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.pipeline.runner import PipelineRunner
+from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput
+from kvrelay.reuse.profile import LayerProfile, profile_path
+from kvrelay.reuse.relay import RelayMethod
 
-
-@dataclass
-class LayerProfile:
-    fingerprint: str
-    model: str
-    num_layers: int
-    l_start: int
-    l_det: int
-    l_end: int
-    band_mass: float
-    value_cos: list[float]  # per layer, mean over relayed tokens
-    key_cos: list[float]
-    deviation: list[float]  # per layer, mean (1 - value cos)
-    det_scores: dict[int, float] = field(default_factory=dict)  # candidate L_det -> Spearman score
-    calibration: dict = field(default_factory=dict)
-    select: str = "deviation"  # how (l_start, l_det, l_end) was chosen: "deviation" or "fidelity"
-    deviation_band: list[int] = field(default_factory=list)  # the paper's (l_start, l_det, l_end)
-    # "l_start,l_det,l_end" -> {"kl": mean first-token KL(full || relay), "reuse": mean reuse} on calibration
-    band_scores: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def layers(self) -> tuple[int, int, int]:
-        return self.l_start, self.l_det, self.l_end
-
-    def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> LayerProfile:
-        try:
-            d = json.loads(Path(path).read_text())
-            d["det_scores"] = {int(k): v for k, v in d.get("det_scores", {}).items()}
-            return cls(**d)
-        except (OSError, json.JSONDecodeError, TypeError) as exc:
-            raise KvRelayError(f"{path}: not a readable RelayCaching profile ({exc})") from exc
-
-
-def profile_path(fingerprint: str) -> Path:
-    return cache_dir() / "profiles" / f"relay-{fingerprint}.json"
+__all__ = ["SELECTS", "LayerProfile", "build_profile", "choose_band", "choose_by_fidelity", "choose_detection_layer",
+           "fidelity_candidates", "measure_call", "plot_profile", "profile_path", "score_bands"]
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -85,9 +56,6 @@ def measure_call(lm: LoadedModel, call: CallInput, store: KVStore
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(value cos, key cos), each [num_layers, n] over the tokens of the call's upstream outputs, and
     ``full``'s first-token logits."""
-    from kvrelay.engine import Engine, GenerateOptions  # the profiler runs pipelines: engine sits above reuse
-    from kvrelay.model.sampling import SamplingConfig
-
     out = Engine(lm, store).generate(call, "full", GenerateOptions(SamplingConfig(max_new_tokens=1), keep_cache=True))
     fresh = out.cache
     v_cos, k_cos = [], []
@@ -174,10 +142,6 @@ def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: i
     upstream output, while the store holds the spans before it (carrying ``capture`` hidden states)."""
     from tqdm import tqdm
 
-    from kvrelay.engine import Engine
-    from kvrelay.pipeline.runner import PipelineRunner
-    from kvrelay.pipeline.workloads import get_workload
-
     wl = get_workload(workload)
     for problem in tqdm(wl.problems(data, num_problems), desc=desc, unit="problem", disable=not progress,
                         file=sys.stderr):
@@ -194,11 +158,6 @@ def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: i
 def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str, num_problems: int,
                 progress: bool = True) -> dict[Band, tuple[float, float]]:
     """Band -> (mean first-token KL(full || relay), mean reuse) over the calibration calls."""
-    from kvrelay.engine import Engine, GenerateOptions
-    from kvrelay.eval.fidelity import kl_first_token
-    from kvrelay.model.sampling import SamplingConfig
-    from kvrelay.reuse.relay import RelayMethod
-
     one = GenerateOptions(SamplingConfig(max_new_tokens=1))
     methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2]) for band in candidates}
     kls: dict[Band, list[float]] = {band: [] for band in candidates}
@@ -222,8 +181,6 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
                   kl_tolerance: float = 0.1) -> LayerProfile:
     """Profile every downstream call's upstream outputs on calibration pipelines run with ``full``;
     with ``select="fidelity"``, a second pass over the same problems scores the candidate bands."""
-    from kvrelay.eval.datasets import data_root
-
     if select not in SELECTS:
         raise KvRelayError(f"profile: select must be one of {SELECTS}, got {select!r}")
     data = data or str(data_root() / "gsm8k" / "train.jsonl")  # calibration never touches the test data

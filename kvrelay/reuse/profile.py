@@ -1,0 +1,104 @@
+"""RelayCaching's layer profile as plain data: the dataclass, load/save, and where a model's profile is found.
+
+A profile says which layers ``relay`` repairs on one model: ``L_start``/``L_det``/``L_end``, with the
+per-layer curves they were chosen from. Building one runs calibration pipelines, which sits above
+``reuse`` (``kvrelay.eval.profiler``, ``kvrelay profile``); this module only reads and writes them, so
+planning a call never runs a pipeline.
+
+Lookup (``layer_profile``): yours in the cache dir (``kvrelay profile`` writes it there, keyed by model
+fingerprint), else the one shipped with kvrelay (``kvrelay/profiles/``), else a ``ConfigError`` saying
+how to get one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvrelay.errors import ConfigError, KvRelayError
+from kvrelay.model.loader import cache_dir
+
+if TYPE_CHECKING:
+    from kvrelay.model.loader import LoadedModel
+
+SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # measured for the embedded models
+
+
+@dataclass
+class LayerProfile:
+    fingerprint: str
+    model: str
+    num_layers: int
+    l_start: int
+    l_det: int
+    l_end: int
+    band_mass: float
+    value_cos: list[float]  # per layer, mean over relayed tokens
+    key_cos: list[float]
+    deviation: list[float]  # per layer, mean (1 - value cos)
+    det_scores: dict[int, float] = field(default_factory=dict)  # candidate L_det -> Spearman score
+    calibration: dict = field(default_factory=dict)
+    select: str = "deviation"  # how (l_start, l_det, l_end) was chosen: "deviation" or "fidelity"
+    deviation_band: list[int] = field(default_factory=list)  # the paper's (l_start, l_det, l_end)
+    # "l_start,l_det,l_end" -> {"kl": mean first-token KL(full || relay), "reuse": mean reuse} on calibration
+    band_scores: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> tuple[int, int, int]:
+        return self.l_start, self.l_det, self.l_end
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> LayerProfile:
+        try:
+            d = json.loads(Path(path).read_text())
+            d["det_scores"] = {int(k): v for k, v in d.get("det_scores", {}).items()}
+            return cls(**d)
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            raise KvRelayError(f"{path}: not a readable RelayCaching profile ({exc})") from exc
+
+
+def profile_path(fingerprint: str) -> Path:
+    """Where ``kvrelay profile`` writes a model's profile (and where ``layer_profile`` looks first)."""
+    return cache_dir() / "profiles" / f"relay-{fingerprint}.json"
+
+
+_PROFILES: dict[str, LayerProfile] = {}  # fingerprint -> profile, read once per process
+
+
+def layer_profile(lm: LoadedModel, shipped_dir: Path = SHIPPED_PROFILES) -> LayerProfile:
+    """The model's profile: yours (the cache dir), else the one shipped with kvrelay, else a ConfigError.
+
+    When yours and the shipped one disagree on the layers, says which it uses (a profile cached by an
+    older kvrelay would otherwise silently outlive a better shipped one).
+    """
+    if lm.fingerprint in _PROFILES:
+        return _PROFILES[lm.fingerprint]
+    path = profile_path(lm.fingerprint)
+    shipped = shipped_dir / path.name
+    if path.exists():
+        profile = LayerProfile.load(path)
+        if shipped.exists():
+            other = LayerProfile.load(shipped)
+            if profile.layers != other.layers:
+                print(f"kvrelay: RelayCaching layers {_fmt_layers(profile)} from your profile {path}; the profile "
+                      f"shipped with kvrelay has {_fmt_layers(other)} - delete yours to use it", file=sys.stderr)
+    elif shipped.exists():
+        profile = LayerProfile.load(shipped)
+    else:
+        raise ConfigError(
+            f"relay: no RelayCaching layer profile for model {lm.name!r} (fingerprint {lm.fingerprint}; looked in "
+            f"{path} and {shipped}). Build one with `kvrelay profile --model {lm.name}`, or give the layers: "
+            f"relay[l_start=..,l_det=..,l_end=..]")
+    _PROFILES[lm.fingerprint] = profile
+    return profile
+
+
+def _fmt_layers(profile: LayerProfile) -> str:
+    return f"L_start {profile.l_start} / L_det {profile.l_det} / L_end {profile.l_end} (chosen by {profile.select})"

@@ -1,0 +1,53 @@
+"""The layer profiler (``kvrelay profile``): band and detection-layer rules, candidate bands, a build."""
+
+import pytest
+import torch
+
+from kvrelay.eval.profiler import (
+    build_profile,
+    choose_band,
+    choose_by_fidelity,
+    choose_detection_layer,
+    fidelity_candidates,
+)
+from kvrelay.model.loader import load_model
+
+
+def test_profiler_picks_a_known_band_and_detection_layer():
+    curve = [0.0, 0.0, 1.0, 5.0, 5.0, 1.0, 0.0, 0.0]
+    assert choose_band(curve, 0.8) == (3, 4)  # 10 of 12
+    assert choose_band(curve, 0.95) == (2, 5)
+    gen = torch.Generator().manual_seed(0)
+    later = torch.rand(50, generator=gen)
+    token_dev = torch.rand(8, 50, generator=gen)
+    token_dev[3] = later * 2 + 0.01  # layer 3 ranks tokens exactly as the later layers' mean does
+    token_dev[4:7] = later
+    det, scores = choose_detection_layer(token_dev, 2, 6)
+    assert det == 3 and scores[3] == pytest.approx(1.0)
+
+
+def test_profiler_fidelity_candidates_and_choice():
+    assert fidelity_candidates(30, (18, 27, 29)) == [(18, 27, 29), (1, 2, 29), (2, 3, 29), (4, 5, 29), (8, 9, 29),
+                                                     (16, 17, 29)]
+    assert fidelity_candidates(4, (1, 2, 3)) == [(1, 2, 3), (2, 3, 3)]  # no duplicate of the deviation band
+    scores = {(18, 27, 29): (0.030, 0.51), (1, 2, 29): (0.010, 0.50), (2, 3, 29): (0.0105, 0.52),
+              (4, 5, 29): (0.012, 0.60)}
+    assert choose_by_fidelity(scores) == (2, 3, 29)  # within 10% of the lowest KL, the most reuse
+    assert choose_by_fidelity(scores, kl_tolerance=0.0) == (1, 2, 29)
+    assert choose_by_fidelity(scores, kl_tolerance=0.25) == (4, 5, 29)
+    assert choose_by_fidelity({(1, 2, 3): (0.0, 0.4), (2, 3, 3): (0.0, 0.4)}) == (1, 2, 3)  # full tie: the earlier
+
+
+def test_build_profile_scores_every_candidate_band_on_train():
+    lm = load_model("random:tiny")
+    profile = build_profile(lm, num_problems=2, progress=False)
+    top = lm.config.num_layers - 1
+    bands = fidelity_candidates(lm.config.num_layers, tuple(profile.deviation_band))
+    assert sorted(profile.band_scores) == sorted(",".join(map(str, b)) for b in bands)
+    scores = {tuple(map(int, k.split(","))): (v["kl"], v["reuse"]) for k, v in profile.band_scores.items()}
+    assert (profile.l_start, profile.l_det, profile.l_end) == choose_by_fidelity(scores)
+    assert profile.select == "fidelity" and "train" in profile.calibration["data"]
+    assert all(0.0 < reuse < 1.0 and kl >= 0.0 for kl, reuse in scores.values())
+    assert scores[(1, 2, top)][1] != scores[(2, 3, top)][1] or top == 2  # different bands recompute differently
+    paper = build_profile(lm, num_problems=2, progress=False, select="deviation")
+    assert [paper.l_start, paper.l_det, paper.l_end] == paper.deviation_band and paper.band_scores == {}

@@ -1,0 +1,101 @@
+"""RelayCaching's layer profile as data: save/load, where it is found, and no pipeline run at planning."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from kvrelay.cache.store import KVStore
+from kvrelay.errors import ConfigError, KvRelayError
+from kvrelay.reuse import get_method, profile
+from kvrelay.reuse.base import CallInput
+from kvrelay.reuse.profile import SHIPPED_PROFILES, LayerProfile, layer_profile, profile_path
+from tests.helpers import tiny_lm
+
+
+def _make(fingerprint: str, *layers: int) -> LayerProfile:
+    return LayerProfile(fingerprint, "toy", 4, *layers, 0.9, [1.0] * 4, [1.0] * 4, [0.0] * 4)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache dir and an empty in-process memo of read profiles."""
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile, "_PROFILES", {})
+    return tmp_path
+
+
+def test_save_load_round_trip_keeps_every_field(tmp_path):
+    p = _make("f00d", 1, 2, 3)
+    p.det_scores = {2: 0.5, 3: 0.25}
+    p.band_scores = {"1,2,3": {"kl": 0.01, "reuse": 0.6}}
+    p.save(tmp_path / "p.json")
+    back = LayerProfile.load(tmp_path / "p.json")
+    assert back == p and back.det_scores == {2: 0.5, 3: 0.25}  # JSON's string keys become ints again
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(KvRelayError, match="not a readable RelayCaching profile"):
+        LayerProfile.load(tmp_path / "bad.json")
+
+
+def test_your_profile_wins_over_the_shipped_one_and_says_so(cache, monkeypatch, capsys):
+    lm = SimpleNamespace(fingerprint="f00d", name="toy")
+    shipped_dir = cache / "shipped"
+    _make("f00d", 1, 2, 3).save(shipped_dir / profile_path("f00d").name)
+    assert layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)  # only the shipped one
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(profile, "_PROFILES", {})
+    _make("f00d", 2, 3, 3).save(profile_path("f00d"))
+    assert layer_profile(lm, shipped_dir=shipped_dir).layers == (2, 3, 3)
+    err = capsys.readouterr().err
+    assert "L_start 2 / L_det 3 / L_end 3" in err and "shipped with kvrelay has L_start 1 / L_det 2" in err
+    monkeypatch.setattr(profile, "_PROFILES", {})
+    _make("f00d", 1, 2, 3).save(profile_path("f00d"))  # the same layers: nothing to say
+    assert layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_model_without_a_profile_is_a_config_error_saying_how_to_get_one(cache):
+    lm = SimpleNamespace(fingerprint="beef", name="toy-model")
+    with pytest.raises(ConfigError) as err:
+        layer_profile(lm, shipped_dir=cache / "shipped")
+    assert "kvrelay profile --model toy-model" in str(err.value)
+    assert "relay[l_start=..,l_det=..,l_end=..]" in str(err.value)
+    assert not profile_path("beef").exists()  # nothing was built or written
+
+
+def test_relay_plans_from_the_layers_given_and_never_builds_a_profile(cache):
+    lm = tiny_lm("llama2")  # a fingerprint no profile exists for
+    call = CallInput(list(range(40, 60)))
+    with pytest.raises(ConfigError, match="kvrelay profile --model tiny-llama2"):
+        get_method("relay").plan(call, KVStore(1 << 20), lm)
+    with pytest.raises(ConfigError, match="no RelayCaching layer profile"):
+        get_method("relay").capture_layers(lm)
+    method = get_method("relay[l_start=1,l_det=2,l_end=3]")
+    assert method.capture_layers(lm) == (1,)
+    assert method.plan(call, KVStore(1 << 20), lm).fallback is None
+    # a profile in the cache dir is used for the layers not given
+    _make(lm.fingerprint, 2, 2, 3).save(profile_path(lm.fingerprint))
+    assert get_method("relay").layers(lm) == (2, 2, 3)
+
+
+def test_the_shipped_profiles_are_readable_and_in_range():
+    paths = sorted(SHIPPED_PROFILES.glob("relay-*.json"))
+    assert paths, "kvrelay ships at least the default model's profile"
+    for path in paths:
+        p = LayerProfile.load(path)
+        assert path.name == profile_path(p.fingerprint).name
+        assert 0 <= p.l_start <= p.l_det <= p.l_end < p.num_layers
+        assert len(p.value_cos) == len(p.key_cos) == len(p.deviation) == p.num_layers
+        assert json.loads(path.read_text())["fingerprint"] == p.fingerprint
+
+
+def test_planning_relay_imports_nothing_above_reuse():
+    """``reuse`` sits below engine, pipeline and eval (DESIGN.md): relay's profile lookup must not reach up."""
+    code = ("import sys; import kvrelay.reuse, kvrelay.reuse.relay, kvrelay.reuse.profile; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['kvrelay', 'engine'], ['kvrelay', 'pipeline'], ['kvrelay', 'eval'], ['kvrelay', 'server'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
