@@ -1,0 +1,104 @@
+"""gsm8k-chain3 over HTTP as plain chat requests: reuse and fidelity per method against ``full``.
+
+    kvrelay serve --model smollm2-135m --methods relay,prefix,naive --port 8011 &
+    python benchmarks/serve_chain.py --base-url http://127.0.0.1:8011/v1 --limit 10 \
+        --methods prefix,naive,epic,relay --json benchmarks/results/serve-chain.json
+
+The agent-mode protocol of ``kvrelay bench``, through the API: per problem, a fresh namespace
+(``cache_salt``); each agent's messages are the workload's templates with the question and the
+upstream answers pasted in as *text*. For every downstream agent, each method first runs a probe
+on those messages (greedy, 32 tokens, ``cache_output: false`` so the probe is not stored), then
+``full`` runs the call for real (its output is stored and quoted by the next agent). So every
+method sees exactly the upstream spans, as in the in-process bench. Fidelity is against that
+``full`` call: first token equal, first 32 greedy tokens equal. Reuse is the server's reuse_rate
+(token-layers), speedup the median of per-call server TTFT ratios full / method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import uuid
+
+from openai import OpenAI
+
+from kvrelay.pipeline.workloads import gsm8k_chain3
+
+GREEDY_TOKENS = 32
+
+
+def call(client: OpenAI, model: str, messages: list[dict], method: str, max_tokens: int, salt: str,
+         cache_output: bool) -> dict:
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+        extra_body={"cache_salt": salt, "kvrelay": {"method": method, "debug": True, "cache_output": cache_output}})
+    ext = r.model_extra["kvrelay"]
+    return {"text": r.choices[0].message.content, "output_ids": ext["debug"]["output_ids"],
+            "prompt_tokens": r.usage.prompt_tokens, "cached_tokens": r.usage.prompt_tokens_details.cached_tokens,
+            "reuse_rate": ext["reuse_rate"], "ttft_ms": ext["ttft_ms"], "fallback": ext["fallback"],
+            "recomputed_token_layers": ext["num_recomputed_token_layers"]}
+
+
+def summarize(rows: list[dict], method: str) -> dict:
+    mine = [r for r in rows if r["method"] == method]
+    tokens = sum(r["prompt_tokens"] for r in mine)
+    return {"n_calls": len(mine),
+            "reuse_rate": sum(r["reuse_rate"] * r["prompt_tokens"] for r in mine) / tokens,
+            "cached_tokens_mean": statistics.mean(r["cached_tokens"] for r in mine),
+            "first_token_agreement": statistics.mean(r["first_token_agree"] for r in mine),
+            "greedy_match_rate": statistics.mean(r["greedy_match"] for r in mine),
+            "speedup_vs_full": statistics.median(r["full_ttft_ms"] / r["ttft_ms"] for r in mine),
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in mine)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--methods", default="prefix,naive,epic,relay")
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    client = OpenAI(base_url=args.base_url, api_key="none", timeout=600, max_retries=0)
+    model = client.models.list().data[0].id
+    methods = [m for m in args.methods.split(",") if m]
+    workload = gsm8k_chain3()
+    spec = workload.spec
+    rows: list[dict] = []
+    for problem in workload.problems(args.data, args.limit):
+        salt = uuid.uuid4().hex
+        values = dict(problem.inputs)
+        for position, name in enumerate(spec.order):
+            agent = spec.agent(name)
+            messages = [{"role": "system", "content": agent.system},
+                        {"role": "user", "content": agent.user.format(**values)}]
+            probes = {}
+            if position > 0:
+                for method in methods:
+                    probes[method] = call(client, model, messages, method, GREEDY_TOKENS, salt, cache_output=False)
+            ref = call(client, model, messages, "full", agent.max_new_tokens, salt, cache_output=True)
+            values[name] = ref["text"]
+            for method, p in probes.items():
+                rows.append({"problem_id": problem.problem_id, "agent": name, "method": method, **p,
+                             "full_ttft_ms": ref["ttft_ms"],
+                             "first_token_agree": p["output_ids"][:1] == ref["output_ids"][:1],
+                             "greedy_match": p["output_ids"] == ref["output_ids"][:GREEDY_TOKENS]})
+            if probes:
+                line = "  ".join(f"{m} reuse {p['reuse_rate']:.2f} x{ref['ttft_ms'] / p['ttft_ms']:.2f}"
+                                 for m, p in probes.items())
+                print(f"{problem.problem_id} {name:9s} full {ref['ttft_ms']:6.0f} ms  {line}", flush=True)
+    results = {m: summarize(rows, m) for m in methods}
+    for m, s in results.items():
+        print(f"{m:28s} reuse {s['reuse_rate']:.3f}  1st {s['first_token_agreement']:.2f}  "
+              f"greedy@32 {s['greedy_match_rate']:.2f}  speedup {s['speedup_vs_full']:.2f}x  "
+              f"cached {s['cached_tokens_mean']:.0f} tok")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": {"machine": platform.machine(), "transport": "HTTP (kvrelay serve)"}, "model": model,
+                       "workload": "gsm8k-chain3", "n": args.limit, "results": results, "calls": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

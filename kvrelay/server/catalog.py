@@ -1,0 +1,108 @@
+"""The server's spans: the store, the token index and the output registry, kept in step, per namespace.
+
+The store scopes spans by namespace (a tenant's spans are never matched, read or evicted through
+another namespace); the engine sees it through a ``CatalogView`` of the request's namespace, which
+also tells the index and the registry about every span the store evicts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from kvrelay.cache.index import TokenIndex
+from kvrelay.cache.store import KVStore, SpanLike, StoreView
+from kvrelay.reuse.base import CallInput, SpanRef
+from kvrelay.server.prompting import PromptBuild
+from kvrelay.server.registry import OutputRegistry, RegisteredOutput
+
+
+@dataclass
+class CallBuild:
+    call: CallInput
+    num_prefix_tokens: int  # exact stored prefix
+    pinned: list[str]  # span ids pinned for this call (unpin when it ends)
+    namespace: str = ""
+
+
+class SpanCatalog:
+    def __init__(self, store: KVStore, fingerprint: str, block_len: int = 16, min_match_tokens: int = 16) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.index = TokenIndex(block_len=block_len)
+        self.registry = OutputRegistry()
+        self.min_match_tokens = min_match_tokens
+        self._counter = itertools.count()
+
+    def new_span_id(self) -> str:
+        return f"span-{next(self._counter)}"
+
+    def owns(self, namespace: str, span_id: str) -> bool:
+        return self.store.contains(span_id, namespace)
+
+    def view(self, namespace: str) -> CatalogView:
+        return CatalogView(self, namespace)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, namespace: str, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
+        """Store ``span`` in ``namespace`` (the store evicts only that namespace's spans to fit; a
+        StoreFullError stores nothing) and index its tokens."""
+        evicted = self.store.put(span_id, span, pin, namespace)
+        for victim in evicted:
+            self._forget(victim)
+        self.index.add(span_id, span.token_ids, namespace)
+        return evicted
+
+    def register(self, output: RegisteredOutput) -> bool:
+        return self.registry.add(output)
+
+    def drop(self, namespace: str, span_id: str) -> None:
+        if self.store.contains(span_id, namespace):
+            self.store.remove(span_id, namespace)
+        self._forget(span_id)
+
+    def _forget(self, span_id: str) -> None:
+        self.index.remove(span_id)
+        self.registry.remove_span(span_id)
+
+    # ------------------------------------------------------------------ lookups
+    def build_call(self, prompt: PromptBuild, namespace: str, agent: str) -> CallBuild:
+        """The call with its SpanRefs: quoted outputs (kind "output"), then the exact prefix, then the
+        longest runs shared with stored spans (kind "input"); the spans they read are pinned."""
+        ids = prompt.ids
+        refs: list[SpanRef] = []
+        covered: list[tuple[int, int]] = []
+        for k, splice in enumerate(prompt.splices):
+            out = splice.output
+            if self.owns(namespace, out.span_id):
+                refs.append(SpanRef(splice.start, splice.end, out.span_id, out.src_start, "output", f"output{k}"))
+                covered.append((splice.start, splice.end))
+        prefix = self.store.match_prefix(self.fingerprint, ids, namespace)
+        num_prefix = 0 if prefix is None else min(prefix.num_tokens, len(ids) - 1)
+        if num_prefix > 0:
+            covered.append((0, num_prefix))
+        for k, m in enumerate(self.index.find(ids, namespace, self.min_match_tokens, covered)):
+            if self.owns(namespace, m.span_id):  # an index entry outliving its span is never used
+                refs.append(SpanRef(m.start, m.end, m.span_id, m.src_start, "input", f"input{k}"))
+        refs.sort(key=lambda r: r.start)
+        pinned = sorted({r.span_id for r in refs} | ({prefix.span_id} if num_prefix > 0 else set()))
+        for span_id in pinned:
+            self.store.pin(span_id, namespace)
+        return CallBuild(CallInput(ids, refs, agent), num_prefix, pinned, namespace)
+
+    def unpin(self, built: CallBuild) -> None:
+        for span_id in built.pinned:
+            if self.store.contains(span_id, built.namespace) and self.store.is_pinned(span_id, built.namespace):
+                self.store.unpin(span_id, built.namespace)
+        built.pinned = []
+
+
+class CatalogView(StoreView):
+    """One namespace of the store, as the engine and the methods see it; puts go through the catalog."""
+
+    def __init__(self, catalog: SpanCatalog, namespace: str) -> None:
+        super().__init__(catalog.store, namespace)
+        self.catalog = catalog
+
+    def put(self, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
+        return self.catalog.put(self.namespace, span_id, span, pin)

@@ -1,0 +1,103 @@
+"""``kvrelay serve``: flags and the command (hooked into ``kvrelay/cli.py`` by ``add_serve_parser``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from kvrelay.errors import ConfigError
+
+DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads (README, "Point your agent...")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``serve`` sub-command to an argparse sub-parser set."""
+    from kvrelay.model.loader import DEFAULT_MODEL
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default {DEFAULT_MODEL})")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"reuse method for requests that name none (default {DEFAULT_METHOD}); "
+                        "a request picks its own with {\"kvrelay\": {\"method\": ...}}")
+    p.add_argument("--methods", default="",
+                   help="more methods requests may ask for, set up at start so that every stored span carries "
+                        "the hidden states they need (e.g. relay); comma-separated specs")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv-budget-gb", type=float, default=2.0, help="byte budget of the KV span store (GiB)")
+    p.add_argument("--kv-namespace-budget-gb", type=float, default=None,
+                   help="cap on what one namespace (API key / cache_salt) may hold, so one tenant cannot fill the "
+                        "store for all (default: no cap)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="one API key per line; requests then need 'Authorization: Bearer <key>', and each key "
+                        "gets its own cache namespace")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
+    p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--store", default="memory", help="span store backend (only 'memory' for now)")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(fn=cmd_serve)
+    return p
+
+
+def read_api_keys(path: str | None) -> frozenset[str]:
+    if path is None:
+        return frozenset()
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--api-keys {path}: no such file")
+    keys = frozenset(line.strip() for line in file.read_text().splitlines() if line.strip())
+    if not keys:
+        raise ConfigError(f"--api-keys {path}: the file holds no key")
+    return keys
+
+
+def build_app(args: argparse.Namespace):
+    """Model, store, engine and the FastAPI app for ``args``."""
+    from kvrelay.cache.store import KVStore
+    from kvrelay.engine import Engine
+    from kvrelay.model.loader import load_model
+    from kvrelay.reuse import get_method, split_method_specs
+    from kvrelay.server.app import ServerSettings, create_app
+    from kvrelay.server.catalog import SpanCatalog
+
+    if args.store != "memory":
+        raise ConfigError(f"--store {args.store!r}: only 'memory' is implemented so far")
+    if args.kv_budget_gb <= 0:
+        raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
+    if args.max_queue < 1 or args.max_running < 1:
+        raise ConfigError("--max-queue and --max-running must be >= 1")
+    extra_methods = split_method_specs(args.methods)
+    for spec in (args.method, *extra_methods):
+        get_method(spec)  # a bad spec fails here, before the model loads
+    keys = read_api_keys(args.api_keys)
+    lm = load_model(args.model, args.device)
+    ns_budget = args.kv_namespace_budget_gb
+    if ns_budget is not None and ns_budget <= 0:
+        raise ConfigError(f"--kv-namespace-budget-gb must be positive, got {ns_budget}")
+    store = KVStore(int(args.kv_budget_gb * (1 << 30)),
+                    namespace_budget_bytes=None if ns_budget is None else int(ns_budget * (1 << 30)))
+    engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
+    catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len)
+    settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
+                              max_running=args.max_running)
+    return create_app(engine, catalog, settings)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvrelay.errors import KvRelayError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        app = build_app(args)
+    except KvRelayError as exc:
+        print(f"kvrelay serve: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"kvrelay serve: {args.model} with method {args.method} on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

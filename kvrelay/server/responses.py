@@ -1,0 +1,98 @@
+"""OpenAI response bodies and SSE chunks from the worker's events (``delta``, ``done``, ``error``)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from kvrelay.server.protocol import ApiError
+
+
+class Reply:
+    """Builds one request's response objects; ``chat`` selects chat.completion vs text_completion."""
+
+    def __init__(self, model: str, chat: bool, logprobs: bool) -> None:
+        self.model, self.chat, self.logprobs = model, chat, logprobs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.num_text_chars = 0  # text offsets for completion logprobs
+
+    @staticmethod
+    def usage(done: dict) -> dict:
+        return {"prompt_tokens": done["num_prompt_tokens"], "completion_tokens": done["num_completion_tokens"],
+                "total_tokens": done["num_prompt_tokens"] + done["num_completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": done["num_cached_tokens"]}}
+
+    def _logprobs(self, entries: list[dict] | None) -> dict | None:
+        if not self.logprobs or entries is None:
+            return None
+        if self.chat:
+            return {"content": entries}
+        offsets = []
+        for e in entries:
+            offsets.append(self.num_text_chars)
+            self.num_text_chars += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    # ------------------------------------------------------------------ whole response
+    def full(self, deltas: list[dict], done: dict) -> dict:
+        entries = None
+        if self.logprobs:
+            entries = [e for d in deltas for e in (d.get("logprobs") or [])]
+        choice: dict = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": self._logprobs(entries)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": done["text"]}
+        else:
+            choice["text"] = done["text"]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(done),
+                "kvrelay": done["kvrelay"]}
+
+    # ------------------------------------------------------------------ stream
+    def _chunk(self, choices: list[dict], usage: dict | None = None, kvrelay: dict | None = None) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        if kvrelay is not None:
+            body["kvrelay"] = kvrelay
+        return f"data: {json.dumps(body)}\n\n"
+
+    def first_chunk(self) -> str | None:
+        if not self.chat:
+            return None
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def delta_chunk(self, event: dict) -> str:
+        choice: dict = {"index": 0, "logprobs": self._logprobs(event.get("logprobs")), "finish_reason": None}
+        if self.chat:
+            choice["delta"] = {"content": event["text"]}
+        else:
+            choice["text"] = event["text"]
+        return self._chunk([choice])
+
+    def final_chunks(self, done: dict, include_usage: bool) -> list[str]:
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": done["finish_reason"]}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        chunks = [self._chunk([choice], kvrelay=done["kvrelay"])]
+        if include_usage:
+            chunks.append(self._chunk([], usage=self.usage(done), kvrelay=done["kvrelay"]))
+        return chunks + ["data: [DONE]\n\n"]
+
+
+def error_of(event: dict) -> ApiError:
+    return ApiError(event["status"], event["message"],
+                    "invalid_request_error" if event["status"] < 500 else "server_error",
+                    event.get("param"), event.get("code"))
+
+
+def stream_error_chunk(err: ApiError) -> str:
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return f"data: {json.dumps(body)}\n\n"

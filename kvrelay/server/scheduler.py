@@ -1,0 +1,303 @@
+"""The engine worker: one thread owns the engine and runs schedule -> run -> postprocess.
+
+Each turn it (1) drops requests whose clients went away, (2) admits the oldest waiting request
+(tokenize, match against the store, plan, reused-KV load, prefill, first token: one prefill between
+decode steps, so running streams never stall for long), (3) runs one batched ``engine.step`` for all
+running requests, and (4) hands tokens back to the asyncio side through the request's ``emit``
+callback (``loop.call_soon_threadsafe``). The queue is FIFO and bounded; a full queue is a 429.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, Sequence
+from kvrelay.errors import KvRelayError, StoreFullError
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.server.catalog import CallBuild, SpanCatalog
+from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.prompting import PromptBuild
+from kvrelay.server.protocol import ApiError
+from kvrelay.server.registry import RegisteredOutput
+from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, token_logprobs
+
+log = logging.getLogger("kvrelay.server")
+
+
+@dataclass
+class Job:
+    """One request, from the queue to its last token."""
+
+    build: Callable[[], tuple[PromptBuild, str]]  # prompt ids + agent name; runs on the worker (registry access)
+    namespace: str
+    method: str
+    max_tokens: int | None
+    default_max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list[str]
+    num_top_logprobs: int | None  # None: no logprobs
+    debug: bool
+    emit: Callable[[dict], None]  # thread-safe: delivers an event to the request's asyncio side
+    cache_output: bool = True
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    created_s: float = field(default_factory=time.perf_counter)
+    disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked
+    # worker state
+    seq: Sequence | None = None
+    built: CallBuild | None = None
+    matcher: StopMatcher | None = None
+    decoder: IncrementalDecoder | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    num_logprobs_sent: int = 0
+    first_token_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _RecordingSampler:
+    """Wraps a sequence's sampler to keep each step's logprobs (OpenAI ``logprobs``)."""
+
+    def __init__(self, inner, job: Job, tokenizer) -> None:
+        self.inner, self.job, self.tokenizer = inner, job, tokenizer
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        token_id = self.inner(logits)
+        self.job.logprobs.append(token_logprobs(logits, token_id, self.job.num_top_logprobs or 0, self.tokenizer))
+        return token_id
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, catalog: SpanCatalog, metrics: ServerMetrics, max_queue: int = 64,
+                 max_running: int = 8) -> None:
+        self.engine, self.catalog, self.metrics = engine, catalog, metrics
+        self.max_queue, self.max_running = max_queue, max_running
+        self.tokenizer = engine.lm.tokenizer
+        self.context_tokens = engine.lm.config.max_position_embeddings
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kvrelay-engine", daemon=True)
+
+    # ------------------------------------------------------------------ asyncio side
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (FIFO); a full queue is an ApiError 429."""
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.rejected.inc()
+                raise ApiError(429, f"the server queue is full ({self.max_queue} waiting requests); retry later",
+                               "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop it from the queue, or stop it at the next step (its KV is freed)."""
+        job.cancel()
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.metrics.queue_depth.set(len(self._waiting))
+                self.metrics.cancelled.inc()
+            self._cond.notify_all()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ the worker thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                job = self._waiting.popleft() if self._waiting and len(self._running) < self.max_running else None
+                self.metrics.queue_depth.set(len(self._waiting))
+            try:
+                self._turn(job)
+            except Exception:  # a bug must not kill the worker: fail what is running, keep serving
+                log.exception("engine worker turn failed")
+                for failed in list(self._running) + ([job] if job is not None and job not in self._running else []):
+                    self._fail(failed, 500, "internal error in the engine worker", "internal_error")
+        for job in list(self._running) + list(self._waiting):
+            self._fail(job, 503, "the server is shutting down", "shutting_down")
+
+    def _turn(self, job: Job | None) -> None:
+        for running in list(self._running):
+            if running.cancelled.is_set():
+                self._finish(running, client_gone=True)
+        if job is not None and not job.cancelled.is_set():
+            self._admit(job)
+        live = [j for j in self._running if not j.seq.done]
+        if live:
+            tokens = self.engine.step([j.seq for j in live])
+            self.metrics.decode_batch.observe(len(live))
+            for j, token in zip(live, tokens, strict=True):
+                if token is not None:
+                    self._emit_text(j)
+        for j in list(self._running):
+            if j.seq.done:
+                self._finish(j)
+        self.metrics.running.set(len(self._running))
+        self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running))
+        self.metrics.store_bytes.set(self.catalog.store.used_bytes)
+        self.metrics.store_spans.set(len(self.catalog.store))
+
+    def _admit(self, job: Job) -> None:
+        try:
+            prompt, agent = job.build()
+            n = len(prompt.ids)
+            room = self.context_tokens - n
+            if n == 0:
+                raise ApiError(400, "the prompt is empty", param="messages", code="empty_prompt")
+            if room < 1 or (job.max_tokens is not None and job.max_tokens > room):
+                raise ApiError(400, f"the prompt has {n} tokens and asks for up to {job.max_tokens or 1} new ones, "
+                               f"over the model's context of {self.context_tokens} tokens",
+                               param="messages", code="context_length_exceeded")
+            max_tokens = job.max_tokens or min(job.default_max_tokens, room)
+            sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
+            job.built = self.catalog.build_call(prompt, job.namespace, agent)
+            self.engine.store = self.catalog.view(job.namespace)
+            job.seq = self.engine.start(job.built.call, job.method, GenerateOptions(sampling, keep_cache=True))
+        except ApiError as exc:
+            self._release(job)
+            job.emit({"type": "error", "status": exc.status, "message": exc.message, "param": exc.param,
+                      "code": exc.code})
+            return
+        except KvRelayError as exc:
+            self._release(job)
+            job.emit({"type": "error", "status": 400, "message": str(exc), "param": None, "code": "invalid_value"})
+            return
+        job.first_token_s = time.perf_counter()
+        self.metrics.ttft.observe(job.first_token_s - job.created_s)
+        self.metrics.engine_ttft.observe(job.seq.stats.ttft_ms / 1e3)
+        job.matcher = StopMatcher(job.stop)
+        job.decoder = IncrementalDecoder(self.tokenizer)
+        if job.num_top_logprobs is not None:
+            if job.seq.output_ids:
+                job.logprobs.append(token_logprobs(job.seq.first_logits, job.seq.output_ids[0], job.num_top_logprobs,
+                                                   self.tokenizer))
+            job.seq.sampler = _RecordingSampler(job.seq.sampler, job, self.tokenizer)
+        self._running.append(job)
+        if job.seq.output_ids:
+            self._emit_text(job)
+
+    def _emit_text(self, job: Job) -> None:
+        """Send the text that is final so far (held back: a possible stop-string start, a split character)."""
+        delta, hit = job.matcher.feed(job.decoder.feed(job.seq.output_ids))
+        if hit:
+            job.seq.cancel()
+        if delta:
+            job.emit({"type": "delta", "text": delta, "logprobs": self._logprobs_upto(job)})
+
+    def _logprobs_upto(self, job: Job) -> list[dict] | None:
+        if job.num_top_logprobs is None:
+            return None
+        count = len(job.seq.output_ids)
+        new = job.logprobs[job.num_logprobs_sent : count]
+        job.num_logprobs_sent = count
+        return new
+
+    def _finish(self, job: Job, client_gone: bool = False) -> None:
+        seq = job.seq
+        if client_gone:
+            seq.cancel()
+        stop_string = job.matcher.hit if job.matcher else False
+        out = self.engine.finish(seq)
+        self._running.remove(job)
+        self._release(job)
+        if client_gone:
+            out.cache = None
+            self.metrics.cancelled.inc()
+            return
+        text = job.matcher.final_text(self.tokenizer.decode(out.output_ids))
+        span_id = self._publish(job, out, text) if job.cache_output else None
+        out.cache = None
+        delta = job.matcher.flush(text)
+        if delta:
+            job.emit({"type": "delta", "text": delta, "logprobs": self._logprobs_upto(job)})
+        stats = out.stats
+        ext = {"method": stats.method, "reuse_rate": stats.reuse_rate,
+               "num_reused_tokens": stats.num_reused_tokens,
+               "num_computed_token_layers": stats.num_computed_token_layers,
+               "num_recomputed_token_layers": stats.num_recomputed_token_layers,
+               "fallback": stats.fallback, "ttft_ms": stats.ttft_ms,
+               "queue_ms": (job.first_token_s - job.created_s) * 1e3 - stats.ttft_ms}
+        if job.debug:
+            call = job.built.call
+            ext["debug"] = {"prompt_ids": call.prompt_ids, "output_ids": out.output_ids, "span_id": span_id,
+                            "refs": [r.__dict__ for r in call.refs], "agent": call.name}
+        self.metrics.requests_done.labels(stats.method).inc()
+        self.metrics.reused_token_layers.inc(stats.num_reused_token_layers)
+        self.metrics.computed_token_layers.inc(stats.num_computed_token_layers)
+        self.metrics.recomputed_token_layers.inc(max(stats.num_recomputed_token_layers, 0))
+        self.metrics.generated_tokens.inc(len(out.output_ids))
+        job.emit({"type": "done", "finish_reason": "stop" if stop_string or out.stop_reason == "stop" else "length",
+                  "text": text, "num_prompt_tokens": stats.num_prompt_tokens,
+                  "num_completion_tokens": len(out.output_ids),
+                  "num_cached_tokens": stats.num_reused_tokens, "kvrelay": ext})
+
+    def _publish(self, job: Job, out: GenerationOutput, text: str) -> str | None:
+        """Store the call's prompt + decode KV and register its returned text; the span id, or None."""
+        published = out
+        if out.stop_reason == "cancelled" and out.output_ids:  # the last sampled token was never fed: no KV
+            published = replace(out, output_ids=out.output_ids[:-1])
+        span_id = self.catalog.new_span_id()
+        try:
+            self.engine.store = self.catalog.view(job.namespace)
+            self.engine.publish(span_id, published)
+        except StoreFullError:
+            self.metrics.publish_skipped.inc()
+            return None
+        ids = _ids_of_text(self.tokenizer, published.output_ids, text)
+        if ids is not None:
+            self.catalog.register(RegisteredOutput(text, tuple(ids), span_id, len(out.prompt_ids), job.namespace))
+        return span_id
+
+    def _release(self, job: Job) -> None:
+        if job.built is not None:
+            self.catalog.unpin(job.built)
+
+    def _fail(self, job: Job, status: int, message: str, code: str) -> None:
+        if job in self._running:
+            self._running.remove(job)
+            if job.seq is not None:
+                job.seq.cancel()
+                self.engine.finish(job.seq).cache = None
+        self._release(job)
+        job.emit({"type": "error", "status": status, "message": message, "param": None, "code": code})
+
+
+def _ids_of_text(tokenizer, output_ids: list[int], text: str) -> list[int] | None:
+    """The leading output ids whose decoded text is exactly ``text`` (what a client will quote back)."""
+    for k in range(len(output_ids), max(len(output_ids) - 8, 0) - 1, -1):
+        if tokenizer.decode(output_ids[:k]) == text:
+            return output_ids[:k]
+    return None
+
+
+def _cache_bytes(seq: Sequence | None) -> int:
+    if seq is None or seq.cache is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in seq.cache.storages)

@@ -1,0 +1,89 @@
+"""Streaming text out of token ids: stop strings, held-back partial text, per-token logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+_REPLACEMENT = "\ufffd"  # what a decoder shows for a character whose bytes are not all generated yet
+
+
+class IncrementalDecoder:
+    """The output's text, decoding only the tokens since the last complete character each step
+    (decoding the whole output every step would cost O(n) per token)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the end of ``text``
+        self.read_offset = 0
+        self.text = ""
+
+    def feed(self, ids: list[int]) -> str:
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        new = self.tokenizer.decode(ids[self.prefix_offset :])
+        if len(new) > len(prefix) and not new.endswith(_REPLACEMENT):  # a split character waits for its bytes
+            self.text += new[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return self.text
+
+
+class StopMatcher:
+    """Cuts the output at the first stop string and says which text is safe to send so far."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.num_sent_chars = 0
+        self.hit = False
+        self._cut = 0
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """The new text to send, given the whole decoded output so far; True once a stop string matched."""
+        if self.hit:
+            return "", True
+        start = max(0, self.num_sent_chars - max((len(s) for s in self.stops), default=0))
+        found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            self.hit, self._cut = True, min(found)
+            delta = text[self.num_sent_chars : self._cut]
+            self.num_sent_chars = max(self.num_sent_chars, self._cut)
+            return delta, True
+        safe = len(text)
+        while safe > self.num_sent_chars and text[safe - 1] == _REPLACEMENT:
+            safe -= 1
+        safe -= self._held_back(text[:safe])
+        delta = text[self.num_sent_chars : safe] if safe > self.num_sent_chars else ""
+        self.num_sent_chars = max(self.num_sent_chars, safe)
+        return delta, False
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that could be the start of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def final_text(self, text: str) -> str:
+        return text[: self._cut] if self.hit else text
+
+    def flush(self, final_text: str) -> str:
+        """Whatever of the final text was not sent yet."""
+        delta = final_text[self.num_sent_chars :]
+        self.num_sent_chars = len(final_text)
+        return delta
+
+
+def _entry(tokenizer, token_id: int, logprob: float) -> dict:
+    token = tokenizer.decode([token_id], skip_special_tokens=False)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "id": token_id}
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int, tokenizer) -> dict:
+    """OpenAI's logprobs entry of one token: its log-probability and the ``num_top`` most likely."""
+    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+    entry = _entry(tokenizer, token_id, float(logprobs[token_id]))
+    top = torch.topk(logprobs, num_top) if num_top > 0 else None
+    entry["top_logprobs"] = [] if top is None else [
+        _entry(tokenizer, int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+    return entry

@@ -1,0 +1,108 @@
+"""TokenIndex: exact positions of shared runs on toy token lists (no torch, no model)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+from kvrelay.cache.index import TokenIndex, TokenMatch, _block_hash, rolling_hashes
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_rolling_hash_equals_block_hash_at_every_offset():
+    rng = random.Random(0)
+    ids = [rng.randrange(50000) for _ in range(200)]
+    assert rolling_hashes(ids, 16) == [_block_hash(ids, i, 16) for i in range(200 - 16 + 1)]
+    assert rolling_hashes(ids[:10], 16) == []
+
+
+def test_prefix_is_exact_to_the_token():
+    idx = TokenIndex(block_len=4)
+    idx.add("a", seq(0, 10))
+    idx.add("b", seq(0, 6) + [99, 98])
+    assert idx.match_prefix(seq(0, 9) + [7]) == TokenMatch(0, 9, "a", 0)
+    assert idx.match_prefix(seq(0, 6) + [99, 1]) == TokenMatch(0, 7, "b", 0)
+    assert idx.match_prefix(seq(0, 3)) is None  # shorter than one block
+    assert idx.match_prefix([5] + seq(1, 9)) is None
+
+
+def test_run_found_at_any_offset_and_extended_both_ways():
+    idx = TokenIndex(block_len=4)
+    span = [900, 901] + seq(100, 20) + [902]
+    idx.add("s", span)
+    query = [1, 2, 3, 4, 5] + seq(100, 20) + [7]  # the shared run sits at query offset 5, span offset 2
+    assert idx.find(query, min_tokens=4) == [TokenMatch(5, 25, "s", 2)]
+    # a piece shorter than the span, unaligned on both sides
+    query2 = [7, 7, 7] + seq(103, 9) + [8]
+    assert idx.find(query2, min_tokens=4) == [TokenMatch(3, 12, "s", 5)]
+
+
+def test_runs_of_two_blocks_minus_one_are_always_found():
+    rng = random.Random(1)
+    span = [rng.randrange(1000, 2000) for _ in range(64)]
+    idx = TokenIndex(block_len=8)
+    idx.add("s", span)
+    for src_start in range(0, 64 - 15):
+        run = span[src_start : src_start + 15]
+        query = [1, 2, 3] + run + [4]
+        assert idx.find(query, min_tokens=8) == [TokenMatch(3, 18, "s", src_start)], src_start
+
+
+def test_longest_non_overlapping_with_trimming():
+    idx = TokenIndex(block_len=4)
+    idx.add("long", seq(0, 30))
+    idx.add("other", seq(20, 20))  # overlaps the end of "long" and continues
+    query = seq(0, 40)
+    # "long" [0, 30) is longest; "other" [20, 40) keeps its free piece [30, 40) at src offset 10
+    assert idx.find(query, min_tokens=4) == [TokenMatch(0, 30, "long", 0), TokenMatch(30, 40, "other", 10)]
+    # a covered prefix is skipped and the remaining piece keeps its source offset
+    assert idx.find(query, min_tokens=4, covered=[(0, 12)]) == [
+        TokenMatch(12, 30, "long", 12), TokenMatch(30, 40, "other", 10)]
+    # pieces under min_tokens are dropped
+    assert idx.find(query, min_tokens=12) == [TokenMatch(0, 30, "long", 0)]
+
+
+def test_two_runs_from_different_spans_in_one_prompt():
+    idx = TokenIndex(block_len=4)
+    idx.add("sys", seq(500, 12))
+    idx.add("doc", seq(800, 16))
+    query = seq(500, 12) + [1, 2] + seq(804, 8) + [3]
+    assert idx.find(query, min_tokens=4) == [TokenMatch(0, 12, "sys", 0), TokenMatch(14, 22, "doc", 4)]
+
+
+def test_namespaces_never_see_each_other():
+    idx = TokenIndex(block_len=4)
+    idx.add("a", seq(0, 12), namespace="tenant-a")
+    assert idx.find(seq(0, 12), namespace="tenant-b", min_tokens=4) == []
+    assert idx.match_prefix(seq(0, 12), namespace="tenant-b") is None
+    assert idx.find(seq(0, 12), namespace="tenant-a", min_tokens=4) == [TokenMatch(0, 12, "a", 0)]
+
+
+def test_removed_spans_leave_the_index():
+    idx = TokenIndex(block_len=4)
+    idx.add("a", seq(0, 12))
+    idx.add("b", seq(0, 12))
+    idx.remove("b")
+    assert idx.find(seq(0, 12), min_tokens=4) == [TokenMatch(0, 12, "a", 0)]
+    assert idx.match_prefix(seq(0, 12)) == TokenMatch(0, 12, "a", 0)
+    idx.remove("a")
+    idx.remove("a")  # unknown ids are ignored
+    assert idx.find(seq(0, 12), min_tokens=4) == [] and idx.match_prefix(seq(0, 12)) is None
+    assert not idx._blocks and not idx._chains and len(idx) == 0
+
+
+def test_newest_span_wins_among_equals():
+    idx = TokenIndex(block_len=4)
+    idx.add("old", seq(0, 8))
+    idx.add("new", seq(0, 8))
+    assert idx.find([9] + seq(0, 8), min_tokens=4) == [TokenMatch(1, 9, "new", 0)]
+    assert idx.match_prefix(seq(0, 8)).span_id == "new"
+
+
+def test_no_torch_import():
+    code = "import sys, kvrelay.cache.index; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

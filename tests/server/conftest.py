@@ -1,0 +1,98 @@
+"""A real ``python -m kvrelay.server`` process on 127.0.0.1 (free port, random:tiny), always stopped."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "random:tiny"
+START_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvrelay-serve-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.server", "--model", MODEL, "--port", str(self.port), *flags],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{self.output()}")
+
+    def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled sample from /metrics."""
+        for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    srv = Server("--kv-budget-gb", "0.25")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory) -> Iterator[Server]:
+    """API keys configured, one request decoded at a time and a queue of one: 401 and 429 paths."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("key-a\nkey-b\n")
+    srv = Server("--api-keys", str(keys), "--max-queue", "1", "--max-running", "1")
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -1,0 +1,135 @@
+"""Output registry, prompt splicing, the namespaced span catalog and stop strings (no server process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kvrelay.cache.store import KVStore
+from kvrelay.errors import StoreFullError
+from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.prompting import chat_ids, completion_ids
+from kvrelay.server.registry import OutputRegistry, RegisteredOutput
+from kvrelay.server.textstream import StopMatcher
+from tests.helpers import tiny_lm
+
+ANSWER = "The answer is 42 because six times seven."
+
+
+def out(text: str, span: str = "s1", ns: str = "", ids=(1, 2, 3, 4, 5)) -> RegisteredOutput:
+    return RegisteredOutput(text, tuple(ids), span, 10, ns)
+
+
+def test_registry_finds_texts_at_their_offsets_longest_first():
+    reg = OutputRegistry()
+    a, b = out(ANSWER, "a"), out(ANSWER + " Really sure.", "b")
+    reg.add(a)
+    reg.add(b)
+    content = "Solution:\n" + ANSWER + " Really sure.\nOther: " + ANSWER
+    hits = reg.find(content)
+    assert [(h.start, h.end, h.output.span_id) for h in hits] == [
+        (10, 10 + len(b.text), "b"), (len(content) - len(ANSWER), len(content), "a")]
+
+
+def test_registry_skips_short_texts_other_namespaces_and_evicted_spans():
+    reg = OutputRegistry()
+    assert not reg.add(out("Yes."))
+    assert not reg.add(out(ANSWER, ids=(1, 2)))  # too few tokens to be worth a splice
+    reg.add(out(ANSWER, "a", ns="t1"))
+    assert reg.find(ANSWER, "t2") == [] and len(reg.find(ANSWER, "t1")) == 1
+    reg.remove_span("a")
+    assert reg.find(ANSWER, "t1") == [] and len(reg) == 0
+
+
+def test_registry_newest_registration_of_a_text_wins():
+    reg = OutputRegistry()
+    reg.add(out(ANSWER, "old"))
+    reg.add(out(ANSWER, "new"))
+    assert [h.output.span_id for h in reg.find(ANSWER)] == ["new"]
+    reg.remove_span("old")  # evicting the old span leaves the new registration
+    assert [h.output.span_id for h in reg.find(ANSWER)] == ["new"]
+
+
+def test_chat_ids_splice_generated_ids_for_the_quoted_text():
+    lm = tiny_lm()
+    tok = lm.tokenizer
+    generated = tok.encode(ANSWER)[::-1]  # ids that are not the re-tokenization of the text
+    reg = OutputRegistry()
+    reg.add(RegisteredOutput(ANSWER, tuple(generated), "s", 7))
+    messages = [{"role": "user", "content": f"Check this: {ANSWER} Is it right?"}]
+    build = chat_ids(tok, messages, reg)
+    (splice,) = build.splices
+    assert build.ids[splice.start : splice.end] == generated
+    before = tok.apply_chat_template([{"role": "user", "content": "Check this: "}])
+    before = before[: before.index("Check this: ") + len("Check this: ")]
+    assert build.ids[: splice.start] == tok.encode(before)
+    plain = chat_ids(tok, messages, None)
+    assert plain.splices == [] and plain.ids == tok.encode(tok.apply_chat_template(messages))
+    comp = completion_ids(tok, f"Q: {ANSWER}", reg)
+    assert comp.ids == tok.encode("Q: ") + generated
+
+
+@dataclass
+class ToySpan:
+    token_ids: tuple[int, ...]
+    nbytes: int
+    start_pos: int = 0
+    fingerprint: str = "fp"
+
+
+def test_catalog_evicts_only_within_the_namespace():
+    cat = SpanCatalog(KVStore(300, block_len=4), "fp", block_len=4, min_match_tokens=4)
+    cat.put("a", "a#0", ToySpan(tuple(range(8)), 100))
+    cat.put("b", "b#0", ToySpan(tuple(range(8)), 100))
+    cat.put("a", "a#1", ToySpan(tuple(range(100, 108)), 100))
+    cat.put("a", "a#2", ToySpan(tuple(range(200, 208)), 100))  # full: a evicts its own oldest, never b's
+    assert cat.store.ids("a") == ["a#1", "a#2"] and cat.store.ids("b") == ["b#0"]
+    assert "a#0" not in cat.index and cat.index.match_prefix(list(range(8)), "a") is None
+    assert cat.index.match_prefix(list(range(8)), "b").span_id == "b#0"
+    with pytest.raises(StoreFullError):  # b cannot push a's spans out, and has nothing else to evict
+        cat.put("b", "b#1", ToySpan(tuple(range(8)), 250))
+    assert cat.store.ids("a") == ["a#1", "a#2"] and cat.store.ids("b") == ["b#0"]
+
+
+def test_catalog_views_hide_other_namespaces_and_calls_pin_what_they_read():
+    cat = SpanCatalog(KVStore(10_000, block_len=4), "fp", block_len=4, min_match_tokens=4)
+    cat.put("a", "a#0", ToySpan(tuple(range(12)), 10))
+    view_a, view_b = cat.view("a"), cat.view("b")
+    assert "a#0" in view_a and "a#0" not in view_b
+    with pytest.raises(KeyError):
+        view_b.get("a#0")
+    assert view_b.match_prefix("fp", list(range(12))) is None
+    assert view_a.match_prefix("other-model", list(range(12))) is None
+    from kvrelay.server.prompting import PromptBuild
+
+    built = cat.build_call(PromptBuild([50, 51] + list(range(2, 12)) + [60], []), "a", "agent")
+    assert [(r.start, r.end, r.span_id, r.src_start, r.kind) for r in built.call.refs] == [(2, 12, "a#0", 2, "input")]
+    assert cat.store.is_pinned("a#0", "a")
+    cat.unpin(built)
+    assert not cat.store.is_pinned("a#0", "a")
+    assert cat.build_call(PromptBuild(list(range(12)), []), "b", "agent").call.refs == []
+    cat.store.remove("a#0", "a")  # gone from the store behind the catalog's back: its index entry is not used
+    assert cat.build_call(PromptBuild([50, 51] + list(range(2, 12)) + [60], []), "a", "agent").call.refs == []
+
+
+def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
+    m = StopMatcher(["END"])
+    assert m.feed("Hello E") == ("Hello ", False)  # "E" may start "END"
+    assert m.feed("Hello EN") == ("", False)
+    assert m.feed("Hello ENX") == ("ENX", False)
+    assert m.feed("Hello ENX and END more") == (" and ", True)
+    assert m.final_text("Hello ENX and END more!") == "Hello ENX and "
+    assert StopMatcher([]).feed("abc\ufffd") == ("abc", False)  # a split character waits for its bytes
+
+
+def test_incremental_decoder_equals_whole_decode_and_waits_for_split_characters():
+    from kvrelay.server.textstream import IncrementalDecoder
+
+    tok = tiny_lm().tokenizer
+    ids = tok.encode("Grüße, 世界! naïve café ☕ done.")
+    dec = IncrementalDecoder(tok)
+    for k in range(1, len(ids) + 1):
+        text = dec.feed(ids[:k])
+        assert "\ufffd" not in text and tok.decode(ids[:k]).startswith(text)
+    assert text == tok.decode(ids)
