@@ -121,12 +121,12 @@ def _bench_branches(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from kvrelay.cache.store import KVStore
     from kvrelay.engine import Engine
     from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.spec import PipelineSpec
     from kvrelay.reuse import PIPELINE_METHODS, get_method
+    from kvrelay.tier.tiered import open_store
 
     spec = PipelineSpec.from_yaml(args.pipeline)
     if get_method(args.method).name not in PIPELINE_METHODS:
@@ -144,7 +144,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         inputs[name] = _read_input(name, text)
     spec.check_inputs(inputs)
     lm = load_model(args.model, device=args.device, verify=args.verify)
-    engine = Engine(lm, KVStore(args.store_bytes), methods=(args.method,))  # carries what the method needs
+    store = open_store(args.store, args.store_bytes, fingerprint=lm.fingerprint)
+    engine = Engine(lm, store, methods=(args.method,))  # carries what the method needs
     results = PipelineRunner(engine, spec).run(inputs, args.method)
     for name, res in results.items():
         s = res.output.stats
@@ -226,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.model.loader import DEFAULT_MODEL
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.reuse import PIPELINE_METHODS
+    from kvrelay.server.cli import add_serve_parser
 
     parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(run, DEFAULT_MODEL)
     run.add_argument("--store-bytes", type=positive_integer, default=4 << 30,
                      help="KV store budget in bytes (default: 4 GiB)")
+    run.add_argument("--store", default="memory",
+                     help="span store: memory (default), disk:PATH or redis://host:port/db (a shared tier behind "
+                          "the memory store; credentials are never printed)")
     run.set_defaults(fn=_cmd_run)
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
     _model_flags(prof, DEFAULT_MODEL)
@@ -275,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="a system message (default: none)")
     add_dataclass_flags(gen, SamplingConfig)
     gen.set_defaults(fn=_cmd_generate)
+    add_serve_parser(sub)
     return parser
 
 

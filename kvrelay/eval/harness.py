@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from kvrelay.model.schedule import StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import Workload, get_workload
 from kvrelay.reuse import PIPELINE_METHODS, CallInput, ReuseMethod, get_method, split_method_specs
+from kvrelay.tier.tiered import open_store
 
 REFERENCES = ("full", "prefix")  # always measured: speedups and fidelity are relative to them
 
@@ -51,10 +52,14 @@ class BenchConfig:
     greedy_tokens: int = 32  # G of greedy_match_rate
     seed: int = 0
     store_bytes: int = 4 << 30
+    store: str = field(default="memory", metadata={"help": "span store: memory, disk:PATH or redis://host:port/db "
+                                                           "(a shared tier behind the memory store)"})
     # One store across the problems of the run, as a serving engine keeps its cache: every method then
     # also reuses the exact cross-request prefix (an agent's system prompt) before its own approximation.
     # Off: a fresh store per problem (method-only comparisons).
-    keep_store: bool = False
+    keep_store: bool = field(default=False, metadata={
+        "help": "keep one store across the problems of the run, so every method also reuses the exact "
+                "cross-request prefix (off: a fresh store per problem, for method-only comparisons)"})
     # Problems run first and not recorded, so that stateful methods (KVCOMM's anchor pools) are measured
     # warm, as in a server that has been running; 0 measures them from a cold start. They are the
     # warm_problems after the measured ones (disjoint from them), or the first ones of warm_data.
@@ -194,9 +199,9 @@ class Bench:
     def _store(self, key: str = "") -> KVStore:
         """A fresh store per problem, or with ``keep_store`` the run's store (one per ``key``)."""
         if not self.cfg.keep_store:
-            return KVStore(self.cfg.store_bytes)
+            return open_store(self.cfg.store, self.cfg.store_bytes, fingerprint=self.lm.fingerprint)
         if key not in self._kept:
-            self._kept[key] = KVStore(self.cfg.store_bytes)
+            self._kept[key] = open_store(self.cfg.store, self.cfg.store_bytes, fingerprint=self.lm.fingerprint)
         return self._kept[key]
 
     def _result(self, num_problems: int, rows: list[CallRow], scores: dict[str, list[float]], peak_bytes: int,

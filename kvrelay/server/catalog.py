@@ -8,6 +8,7 @@ also tells the index and the registry about every span the store evicts.
 from __future__ import annotations
 
 import itertools
+import uuid
 from dataclasses import dataclass
 
 from kvrelay.cache.index import TokenIndex
@@ -33,9 +34,11 @@ class SpanCatalog:
         self.registry = OutputRegistry()
         self.min_match_tokens = min_match_tokens
         self._counter = itertools.count()
+        # span ids are unique across processes: replicas on one shared tier must never overwrite each other
+        self._origin = uuid.uuid4().hex[:12]
 
     def new_span_id(self) -> str:
-        return f"span-{next(self._counter)}"
+        return f"span-{self._origin}-{next(self._counter)}"
 
     def owns(self, namespace: str, span_id: str) -> bool:
         return self.store.contains(span_id, namespace)
@@ -69,6 +72,7 @@ class SpanCatalog:
     def build_call(self, prompt: PromptBuild, namespace: str, agent: str) -> CallBuild:
         """The call with its SpanRefs: quoted outputs (kind "output"), then the exact prefix, then the
         longest runs shared with stored spans (kind "input"); the spans they read are pinned."""
+        self.learn_published(namespace)
         ids = prompt.ids
         refs: list[SpanRef] = []
         covered: list[tuple[int, int]] = []
@@ -89,6 +93,15 @@ class SpanCatalog:
         for span_id in pinned:
             self.store.pin(span_id, namespace)
         return CallBuild(CallInput(ids, refs, agent), num_prefix, pinned, namespace)
+
+    def learn_published(self, namespace: str) -> int:
+        """Index the spans other processes published to the shared tier in ``namespace`` since the last
+        call (none without a tier); a hit on one is fetched when the tier's cost model says it pays."""
+        published = self.store.poll_published(namespace, self.fingerprint)
+        for p in published:
+            if p.start_pos == 0:
+                self.index.add(p.span_id, p.token_ids, namespace)
+        return len(published)
 
     def unpin(self, built: CallBuild) -> None:
         for span_id in built.pinned:

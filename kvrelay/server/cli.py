@@ -36,7 +36,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
     p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--store", default="memory", help="span store backend (only 'memory' for now)")
+    p.add_argument("--store", default="memory",
+                   help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
+                        "replicas on the same tier reuse each other's spans (credentials are never printed)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(fn=cmd_serve)
     return p
@@ -56,15 +58,13 @@ def read_api_keys(path: str | None) -> frozenset[str]:
 
 def build_app(args: argparse.Namespace):
     """Model, store, engine and the FastAPI app for ``args``."""
-    from kvrelay.cache.store import KVStore
     from kvrelay.engine import Engine
     from kvrelay.model.loader import load_model
     from kvrelay.reuse import get_method, split_method_specs
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import SpanCatalog
+    from kvrelay.tier.tiered import open_store
 
-    if args.store != "memory":
-        raise ConfigError(f"--store {args.store!r}: only 'memory' is implemented so far")
     if args.kv_budget_gb <= 0:
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
     if args.max_queue < 1 or args.max_running < 1:
@@ -77,8 +77,8 @@ def build_app(args: argparse.Namespace):
     ns_budget = args.kv_namespace_budget_gb
     if ns_budget is not None and ns_budget <= 0:
         raise ConfigError(f"--kv-namespace-budget-gb must be positive, got {ns_budget}")
-    store = KVStore(int(args.kv_budget_gb * (1 << 30)),
-                    namespace_budget_bytes=None if ns_budget is None else int(ns_budget * (1 << 30)))
+    store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
+                       namespace_budget_bytes=None if ns_budget is None else int(ns_budget * (1 << 30)))
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
@@ -97,7 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KvRelayError as exc:
         print(f"kvrelay serve: error: {exc}", file=sys.stderr)
         return 2
-    print(f"kvrelay serve: {args.model} with method {args.method} on http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
+    from kvrelay.tier.backends.base import redact
+
+    print(f"kvrelay serve: {args.model} with method {args.method} on http://{args.host}:{args.port}/v1 "
+          f"(store: {redact(args.store)})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
