@@ -133,9 +133,13 @@ class Engine:
 
     # ------------------------------------------------------------------ one call, step by step
     def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
-              options: GenerateOptions | None = None) -> Sequence:
-        """Plan, load reused KV, scheduled prefill and first token. ``stats.ttft_ms`` covers all of it."""
+              options: GenerateOptions | None = None, store: KVStore | None = None) -> Sequence:
+        """Plan, load reused KV, scheduled prefill and first token. ``stats.ttft_ms`` covers all of it.
+
+        ``store``: the store this call plans from instead of the engine's (e.g. one tenant's namespace view).
+        """
         options = options or GenerateOptions()
+        store = self.store if store is None else store
         call = call if isinstance(call, CallInput) else CallInput(list(call))
         method = self.method(method)
         lm, model = self.lm, self.lm.model
@@ -143,25 +147,25 @@ class Engine:
         ids = torch.tensor(call.prompt_ids, dtype=torch.long)
         capture = self.capture_layers
 
-        if self.store is not None:
-            self.store.take_decisions()  # drop lookups made outside this call
+        if store is not None:
+            store.take_decisions()  # drop lookups made outside this call
         sync_device(model.device)
         t0 = time.perf_counter()
-        plan = shiftable(method.plan(call, self.store, lm), self.store, model)
+        plan = shiftable(method.plan(call, store, lm), store, model)
         cache = plan.make_cache(total + 1) if plan.make_cache is not None else \
             SequenceKV(lm.config, model.dtype, model.device, capacity=total + 1)
-        result, num_shifted = run_plan(lm, ids, plan, cache, self.store, capture)
+        result, num_shifted = run_plan(lm, ids, plan, cache, store, capture)
         sync_device(model.device)
         ttft_ms = (time.perf_counter() - t0) * 1e3
         if options.learn:
-            method.observe(call, plan, cache, self.store, lm)
+            method.observe(call, plan, cache, store, lm)
 
-        decisions = self.store.take_decisions() if self.store is not None else []
+        decisions = store.take_decisions() if store is not None else []
         stats = CallStats(method.name, len(call.prompt_ids), lm.config.num_layers, plan.num_reused_tokens,
                           result.num_computed_token_layers, num_shifted, ttft_ms, fallback=plan.fallback,
                           note=plan.note, exit_layer=result.exit_layer,
                           tier_decisions=[dataclasses.asdict(d) for d in decisions])
-        self._observe_rate(result.num_computed_token_layers, ttft_ms)
+        self._observe_rate(result.num_computed_token_layers, ttft_ms, store)
         prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(ids)}
         seq = Sequence(call, method, options, plan, cache, Sampler(options.sampling), result.logits, stats,
                        prompt_hidden=prompt_hidden)
@@ -225,9 +229,12 @@ class Engine:
             self.step(seqs)
         return [self.finish(s) for s in seqs]
 
-    def publish(self, span_id: str, out: GenerationOutput, pin: bool = False) -> StoredSpan:
-        """Store a call's prompt KV + decode KV (+ captured hidden states) as one span at position 0."""
-        if self.store is None:
+    def publish(self, span_id: str, out: GenerationOutput, pin: bool = False, store: KVStore | None = None
+                ) -> StoredSpan:
+        """Store a call's prompt KV + decode KV (+ captured hidden states) as one span at position 0, in
+        ``store`` (default: the engine's)."""
+        store = self.store if store is None else store
+        if store is None:
             raise ConfigError("publish needs an engine with a store")
         if out.cache is None:
             raise ConfigError("publish needs the call's KV: run it with GenerateOptions(keep_cache=True)")
@@ -239,19 +246,19 @@ class Engine:
         else:  # the prompt's rows are not all known (reused tokens): carry the output's rows only
             hidden, hidden_from = dict(out.decode_hidden), len(out.prompt_ids)
         span = out.cache.export(0, len(seq_ids), seq_ids, self.lm.fingerprint, hidden, hidden_from)
-        self.store.put(span_id, span, pin=pin)
+        store.put(span_id, span, pin=pin)
         return span
 
     # ------------------------------------------------------------------ internals
-    def _observe_rate(self, num_token_layers: int, elapsed_ms: float) -> None:
+    def _observe_rate(self, num_token_layers: int, elapsed_ms: float, store: KVStore | None) -> None:
         """Fold one prefill into the measured compute rate and hand it to the store's cost model."""
         if num_token_layers < self.lm.config.num_layers * 16 or elapsed_ms <= 0:
             return  # too small a prefill to say much about throughput
         rate = num_token_layers / (elapsed_ms / 1e3)
         prev = self.compute_token_layers_per_s
         self.compute_token_layers_per_s = rate if prev is None else 0.8 * prev + 0.2 * rate
-        if self.store is not None:
-            self.store.set_compute_rate(self.compute_token_layers_per_s)
+        if store is not None:
+            store.set_compute_rate(self.compute_token_layers_per_s)
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample from ``logits`` ([vocab]) and append, or mark the sequence done."""

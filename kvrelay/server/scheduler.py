@@ -178,8 +178,8 @@ class EngineWorker:
             max_tokens = job.max_tokens or min(job.default_max_tokens, room)
             sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
             job.built = self.catalog.build_call(prompt, job.namespace, agent)
-            self.engine.store = self.catalog.view(job.namespace)
-            job.seq = self.engine.start(job.built.call, job.method, GenerateOptions(sampling, keep_cache=True))
+            job.seq = self.engine.start(job.built.call, job.method, GenerateOptions(sampling, keep_cache=True),
+                                        store=self.catalog.view(job.namespace))
         except ApiError as exc:
             self._release(job)
             job.emit({"type": "error", "status": exc.status, "message": exc.message, "param": exc.param,
@@ -265,8 +265,7 @@ class EngineWorker:
             published = replace(out, output_ids=out.output_ids[:-1])
         span_id = self.catalog.new_span_id()
         try:
-            self.engine.store = self.catalog.view(job.namespace)
-            self.engine.publish(span_id, published)
+            self.engine.publish(span_id, published, store=self.catalog.view(job.namespace))
         except StoreFullError:
             self.metrics.publish_skipped.inc()
             return None

@@ -46,8 +46,9 @@ def _upstream(engine):
     return out.output_ids
 
 
-def _downstream(engine, up_output_ids: list[int]) -> tuple[dict[str, torch.Tensor], int]:
-    """First-token logits of the downstream calls, and how many tokens the prefix call reused."""
+def _downstream(engine, up_output_ids: list[int]) -> tuple[dict[str, torch.Tensor], int, list[dict]]:
+    """First-token logits of the downstream calls, how many tokens the prefix call reused, and the tier's
+    fetch decisions the calls' stats recorded."""
     from kvrelay.engine.engine import GenerateOptions
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.reuse.base import CallInput, SpanRef
@@ -57,9 +58,11 @@ def _downstream(engine, up_output_ids: list[int]) -> tuple[dict[str, torch.Tenso
     continued = engine.generate(UP_PROMPT + list(up_output_ids) + [10, 11, 12], "prefix", opts)
     prompt = [7, 8, 9] + list(up_output_ids) + [10, 11, 12]
     ref = SpanRef(3, 3 + len(up_output_ids), "agent-a", len(UP_PROMPT), "output")
-    logits = {m: engine.generate(CallInput(prompt, [ref]), m, opts).first_logits for m in ("full", *METHODS)}
+    outs = {m: engine.generate(CallInput(prompt, [ref]), m, opts) for m in ("full", *METHODS)}
+    logits = {m: out.first_logits for m, out in outs.items()}
     logits["prefix"] = continued.first_logits
-    return logits, continued.stats.num_reused_tokens
+    decisions = [d for out in (continued, *outs.values()) for d in out.stats.tier_decisions]
+    return logits, continued.stats.num_reused_tokens, decisions
 
 
 def _run_agent(*args: str) -> str:
@@ -82,9 +85,14 @@ def test_two_processes_relay_decode_kv_through_redis(redis_url, tmp_path):
     report = json.loads(_run_agent("downstream", redis_url, "team", json.dumps(up_ids), str(logits_path)))
     got = torch.load(logits_path)
 
-    engine, _ = _engine(None, "team")  # the same calls in one process, on a memory store
-    assert _upstream(engine) == up_ids
-    want, prefix_reused = _downstream(engine, up_ids)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the agents' processes: another thread count sums in another order
+    try:
+        engine, _ = _engine(None, "team")  # the same calls in one process, on a memory store
+        assert _upstream(engine) == up_ids
+        want, prefix_reused, _ = _downstream(engine, up_ids)
+    finally:
+        torch.set_num_threads(threads)
     assert [(d["span_id"], d["action"]) for d in report["decisions"]] == [("agent-a", "fetch")]
     assert report["prefix_reused"] == prefix_reused == len(UP_PROMPT) + len(up_ids)
     for m in METHODS:
@@ -139,13 +147,15 @@ def test_redis_killed_mid_run_then_restarted_empty(own_redis, caplog):
     up_ids = _upstream(engine)
     store.remove("agent-a")  # only the tier has it now
     own_redis.stop()
+    decisions = []
     with caplog.at_level(logging.WARNING, logger="kvrelay.tier"):
         for _ in range(3):  # answered as if nothing were stored: every reuse method falls back to new tokens
-            out, _ = _downstream(engine, up_ids)
+            out, _, made = _downstream(engine, up_ids)
+            decisions += made
             assert all(torch.equal(out[m], out["full"]) for m in METHODS)
         _upstream(engine)  # a publish while the tier is down keeps the span in memory
     assert "agent-a" in store and store.used_bytes <= store.budget_bytes
-    assert {d.reason for d in store.take_decisions()} == {"tier unavailable"}
+    assert decisions and {d["reason"] for d in decisions} == {"tier unavailable"}
     down = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(down) == 1  # logged once, not per request
     own_redis.start()  # same port, empty
@@ -260,6 +270,6 @@ if __name__ == "__main__":
         print(json.dumps(_upstream(_engine(url, namespace)[0])))
     else:
         engine, store = _engine(url, namespace)
-        logits, prefix_reused = _downstream(engine, json.loads(rest[0]))
+        logits, prefix_reused, decisions = _downstream(engine, json.loads(rest[0]))
         torch.save(logits, rest[1])
-        print(json.dumps({"decisions": [d.__dict__ for d in store.take_decisions()], "prefix_reused": prefix_reused}))
+        print(json.dumps({"decisions": decisions, "prefix_reused": prefix_reused}))
