@@ -8,7 +8,9 @@ also tells the index and the registry about every span the store evicts.
 from __future__ import annotations
 
 import itertools
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.cache.index import TokenIndex
@@ -26,9 +28,17 @@ class CallBuild:
     namespace: str = ""
 
 
+# a published completion's span id says where its output starts: "span-<origin>-<n>-p<prompt tokens>"
+_OUTPUT_SPAN = re.compile(r"^span-[0-9a-f]+-\d+-p(\d+)$")
+
+
 class SpanCatalog:
-    def __init__(self, store: KVStore, fingerprint: str, block_len: int = 16, min_match_tokens: int = 16) -> None:
+    def __init__(self, store: KVStore, fingerprint: str, block_len: int = 16, min_match_tokens: int = 16,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        """``decode``: the tokenizer's, so that completions other processes published to a shared tier
+        join this process's output registry (without it, only their token runs are indexed)."""
         self.store = store
+        self.decode = decode
         self.fingerprint = fingerprint
         self.index = TokenIndex(block_len=block_len)
         self.registry = OutputRegistry()
@@ -37,8 +47,10 @@ class SpanCatalog:
         # span ids are unique across processes: replicas on one shared tier must never overwrite each other
         self._origin = uuid.uuid4().hex[:12]
 
-    def new_span_id(self) -> str:
-        return f"span-{self._origin}-{next(self._counter)}"
+    def new_span_id(self, num_prompt_tokens: int | None = None) -> str:
+        """A span id unique across processes; a completion's says where its output starts."""
+        span_id = f"span-{self._origin}-{next(self._counter)}"
+        return span_id if num_prompt_tokens is None else f"{span_id}-p{num_prompt_tokens}"
 
     def owns(self, namespace: str, span_id: str) -> bool:
         return self.store.contains(span_id, namespace)
@@ -99,8 +111,14 @@ class SpanCatalog:
         call (none without a tier); a hit on one is fetched when the tier's cost model says it pays."""
         published = self.store.poll_published(namespace, self.fingerprint)
         for p in published:
-            if p.start_pos == 0:
-                self.index.add(p.span_id, p.token_ids, namespace)
+            if p.start_pos != 0:
+                continue
+            self.index.add(p.span_id, p.token_ids, namespace)
+            m = _OUTPUT_SPAN.match(p.span_id)
+            if m is not None and self.decode is not None and int(m[1]) < len(p.token_ids):
+                output_ids = tuple(p.token_ids[int(m[1]):])
+                self.registry.add(RegisteredOutput(self.decode(list(output_ids)), output_ids, p.span_id, int(m[1]),
+                                                   namespace))
         return len(published)
 
     def unpin(self, built: CallBuild) -> None:

@@ -80,7 +80,7 @@ def build_app(args: argparse.Namespace):
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
                        namespace_budget_bytes=None if ns_budget is None else int(ns_budget * (1 << 30)))
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
-    catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len)
+    catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, decode=lm.tokenizer.decode)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running)
     return create_app(engine, catalog, settings)

@@ -263,7 +263,7 @@ class EngineWorker:
         published = out
         if out.stop_reason == "cancelled" and out.output_ids:  # the last sampled token was never fed: no KV
             published = replace(out, output_ids=out.output_ids[:-1])
-        span_id = self.catalog.new_span_id()
+        span_id = self.catalog.new_span_id(len(out.prompt_ids))
         try:
             self.engine.publish(span_id, published, store=self.catalog.view(job.namespace))
         except StoreFullError:
