@@ -23,6 +23,7 @@ import torch
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.harness import environment
+from kvrelay.eval.stats import timed_median_ms
 from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingConfig
 
@@ -43,16 +44,6 @@ def _hf_twin(lm):
     if c.tie_word_embeddings:
         hf.tie_weights()
     return hf
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -83,8 +74,8 @@ def main() -> None:
     # alternate the two so machine noise hits both alike
     ours_ms, hf_ms = [], []
     for _ in range(args.repeats):
-        ours_ms.append(_median_ms(ours_prefill, 1))
-        hf_ms.append(_median_ms(hf_prefill, 1))
+        ours_ms.append(timed_median_ms(ours_prefill, 1, warmup=1))
+        hf_ms.append(timed_median_ms(hf_prefill, 1, warmup=1))
     prefill = {"prompt_tokens": args.prompt_tokens, "ours_ms_median": statistics.median(ours_ms),
                "transformers_ms_median": statistics.median(hf_ms), "max_abs_logit_diff": max_diff}
     prefill["ratio_ours_over_transformers"] = prefill["ours_ms_median"] / prefill["transformers_ms_median"]
@@ -112,7 +103,7 @@ def main() -> None:
         ours_tps.append((n - 1) / (ms / 1e3))  # the decode loop feeds n-1 tokens after the prefill's first
         # transformers' generate time includes its prefill: subtract a prefill of the same prompt
         hf_total = hf_decode()
-        hf_pre = _median_ms(lambda: hf(torch.tensor([decode_prompt]), logits_to_keep=1), 1)
+        hf_pre = timed_median_ms(lambda: hf(torch.tensor([decode_prompt]), logits_to_keep=1), 1, warmup=1)
         hf_tps.append((new - 1) / ((hf_total - hf_pre) / 1e3))
     decode = {"prompt_tokens": 128, "new_tokens": new, "ours_tokens_per_s_median": statistics.median(ours_tps),
               "transformers_tokens_per_s_median": statistics.median(hf_tps)}

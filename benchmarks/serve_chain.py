@@ -12,6 +12,11 @@ on those messages (greedy, 32 tokens, ``cache_output: false`` so the probe is no
 method sees exactly the upstream spans, as in the in-process bench. Fidelity is against that
 ``full`` call: first token equal, first 32 greedy tokens equal. Reuse is the server's reuse_rate
 (token-layers), speedup the median of per-call server TTFT ratios full / method.
+
+Several servers (``--base-url URL1,URL2``, e.g. replicas on one ``--store redis://...`` tier): the
+agents go round-robin across them by position (solver on the first, critic on the second, ...), each
+agent's probes on the server its real call goes to, so every downstream agent reads what an agent on
+another process published.
 """
 
 from __future__ import annotations
@@ -55,14 +60,15 @@ def summarize(rows: list[dict], method: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                        help="one server, or several comma-separated (agents round-robin across them)")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--methods", default="prefix,naive,epic,relay")
     parser.add_argument("--data", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    client = OpenAI(base_url=args.base_url, api_key="none", timeout=600, max_retries=0)
-    model = client.models.list().data[0].id
+    clients = [OpenAI(base_url=url, api_key="none", timeout=600, max_retries=0) for url in args.base_url.split(",")]
+    model = clients[0].models.list().data[0].id
     methods = [m for m in args.methods.split(",") if m]
     workload = gsm8k_chain3()
     spec = workload.spec
@@ -71,7 +77,7 @@ def main() -> None:
         salt = uuid.uuid4().hex
         values = dict(problem.inputs)
         for position, name in enumerate(spec.order):
-            agent = spec.agent(name)
+            agent, client = spec.agent(name), clients[position % len(clients)]
             messages = [{"role": "system", "content": agent.system},
                         {"role": "user", "content": agent.user.format(**values)}]
             probes = {}
@@ -96,7 +102,8 @@ def main() -> None:
               f"cached {s['cached_tokens_mean']:.0f} tok")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": {"machine": platform.machine(), "transport": "HTTP (kvrelay serve)"}, "model": model,
+            json.dump({"env": {"machine": platform.machine(), "transport": "HTTP (kvrelay serve)",
+                               "servers": len(clients)}, "model": model,
                        "workload": "gsm8k-chain3", "n": args.limit, "results": results, "calls": rows}, f, indent=1)
 
 

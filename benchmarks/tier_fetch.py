@@ -28,6 +28,7 @@ from kvrelay.cache.kv import SequenceKV, StoredSpan  # noqa: E402
 from kvrelay.cache.store import KVStore  # noqa: E402
 from kvrelay.engine.engine import Engine, GenerateOptions  # noqa: E402
 from kvrelay.eval.harness import environment  # noqa: E402
+from kvrelay.eval.stats import timed_median_ms  # noqa: E402
 from kvrelay.model.loader import load_model  # noqa: E402
 from kvrelay.model.sampling import SamplingConfig  # noqa: E402
 from kvrelay.tier.backends.disk import DiskBackend  # noqa: E402
@@ -36,15 +37,6 @@ from kvrelay.tier.tiered import TieredStore  # noqa: E402
 from tests.tier.conftest import RedisServer  # noqa: E402
 
 BIG_BYTES = 1 << 34
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def prefill_ms(engine: Engine, ids: list[int], repeats: int) -> tuple[float, StoredSpan]:
@@ -62,14 +54,14 @@ def prefill_ms(engine: Engine, ids: list[int], repeats: int) -> tuple[float, Sto
 def fetch_ms(make_backend, span: StoredSpan, repeats: int) -> tuple[float, float]:
     """(put ms, fetch ms) of ``span`` through a tier: written by one store, fetched by another."""
     writer = TieredStore(BIG_BYTES, make_backend(), span.fingerprint)
-    put_ms = median_ms(lambda: writer.put("s", span), max(1, repeats // 2))
+    put_ms = timed_median_ms(lambda: writer.put("s", span), max(1, repeats // 2))
     reader = TieredStore(BIG_BYTES, make_backend(), span.fingerprint)
 
     def fetch() -> None:
         assert "s" in reader
         reader.remove("s")
 
-    return put_ms, median_ms(fetch, repeats)
+    return put_ms, timed_median_ms(fetch, repeats)
 
 
 def announcements(make_backend, num_spans: int) -> dict:
@@ -84,7 +76,7 @@ def announcements(make_backend, num_spans: int) -> dict:
     got = reader.poll_published()
     first_ms = (time.perf_counter() - t0) * 1e3
     assert len(got) == num_spans
-    idle_ms = median_ms(reader.poll_published, 20)
+    idle_ms = timed_median_ms(reader.poll_published, 20)
     t0 = time.perf_counter()
     if isinstance(backend, RedisBackend):  # the alternative: scan the keys, read every metadata value
         keys = list(backend.client.scan_iter(match=PREFIX + "*:m", count=1000))
@@ -122,10 +114,10 @@ def main() -> None:
                    "token_layers_per_s": round(n * num_layers / recompute * 1e3)}
             mem = KVStore(BIG_BYTES)
             mem.put("s", span)
-            row["memory_fetch_ms"] = round(median_ms(lambda m=mem: m.get("s"), 100), 4)
+            row["memory_fetch_ms"] = round(timed_median_ms(lambda m=mem: m.get("s"), 100), 4)
             cache = SequenceKV(lm.config, lm.model.dtype, "cpu", capacity=n)
-            row["load_into_sequence_ms"] = round(median_ms(lambda c=cache, s=span: c.load_span(s, 0, lm.model.rope),
-                                                           repeats), 2)
+            load = lambda c=cache, s=span: c.load_span(s, 0, lm.model.rope)  # noqa: E731
+            row["load_into_sequence_ms"] = round(timed_median_ms(load, repeats), 2)
             for name, make in tiers.items():
                 put, fetch = fetch_ms(make, span, repeats)
                 row[f"{name}_put_ms"], row[f"{name}_fetch_ms"] = round(put, 1), round(fetch, 1)

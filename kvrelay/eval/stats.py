@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 
 def median(values: Sequence[float]) -> float:
@@ -23,3 +24,15 @@ def mean(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("mean of no values")
     return float(sum(values) / len(values))
+
+
+def timed_median_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` (after ``warmup`` untimed ones), in ms."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return median(times)
