@@ -14,6 +14,7 @@ DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
+    from kvrelay.flags import device_arg
     from kvrelay.model.loader import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
@@ -24,8 +25,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default="",
                    help="more methods requests may ask for, set up at start so that every stored span carries "
                         "the hidden states they need (e.g. relay); comma-separated specs")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     p.add_argument("--kv-budget-gb", type=float, default=2.0, help="byte budget of the KV span store (GiB)")
     p.add_argument("--kv-namespace-budget-gb", type=float, default=None,
                    help="cap on what one namespace (API key / cache_salt) may hold, so one tenant cannot fill the "
@@ -35,11 +36,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "gets its own cache namespace")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
     p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu",
+                   help="torch device; choices: cpu, cuda, cuda:N, mps (default: cpu)")
     p.add_argument("--store", default="memory",
                    help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
                         "replicas on the same tier reuse each other's spans (credentials are never printed)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="server log level (default: warning)")
     p.set_defaults(fn=cmd_serve)
     return p
 
