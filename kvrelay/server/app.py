@@ -267,6 +267,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         agent = request.headers.get("x-kvrelay-agent") or "sys-" + _digest(system)
 
         def build():
+            catalog.learn_published(namespace)  # completions other replicas returned: splice them as generated
             try:
                 return chat_ids(tokenizer, messages, catalog.registry, namespace), agent
             except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)
@@ -302,6 +303,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         def build():
             if isinstance(prompt, list):
                 return PromptBuild(list(prompt), []), agent
+            catalog.learn_published(namespace)  # completions other replicas returned: splice them as generated
             return completion_ids(tokenizer, prompt, catalog.registry, namespace), agent
 
         job, events = make_job(body, namespace, method, build, body.max_tokens, 16, body.logprobs)
