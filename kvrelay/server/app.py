@@ -301,9 +301,9 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         agent = request.headers.get("x-kvrelay-agent") or "completion"
 
         def build():
+            catalog.learn_published(namespace)  # spans and completions other replicas published to the tier
             if isinstance(prompt, list):
                 return PromptBuild(list(prompt), []), agent
-            catalog.learn_published(namespace)  # completions other replicas returned: splice them as generated
             return completion_ids(tokenizer, prompt, catalog.registry, namespace), agent
 
         job, events = make_job(body, namespace, method, build, body.max_tokens, 16, body.logprobs)

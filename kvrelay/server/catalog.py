@@ -84,7 +84,6 @@ class SpanCatalog:
     def build_call(self, prompt: PromptBuild, namespace: str, agent: str) -> CallBuild:
         """The call with its SpanRefs: quoted outputs (kind "output"), then the exact prefix, then the
         longest runs shared with stored spans (kind "input"); the spans they read are pinned."""
-        self.learn_published(namespace)
         ids = prompt.ids
         refs: list[SpanRef] = []
         covered: list[tuple[int, int]] = []
@@ -108,7 +107,8 @@ class SpanCatalog:
 
     def learn_published(self, namespace: str) -> int:
         """Index the spans other processes published to the shared tier in ``namespace`` since the last
-        call (none without a tier); a hit on one is fetched when the tier's cost model says it pays."""
+        call (none without a tier), and register their completions; a hit on one is fetched when the
+        tier's cost model says it pays. The server calls it once per request, before building the prompt."""
         published = self.store.poll_published(namespace, self.fingerprint)
         for p in published:
             if p.start_pos != 0:
