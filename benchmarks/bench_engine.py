@@ -24,8 +24,8 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import timed_median_ms
-from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingConfig
+from kvrelay.weights.loader import load_model
 
 
 def _hf_twin(lm):
@@ -110,7 +110,7 @@ def main() -> None:
     decode["ratio_ours_over_transformers"] = (decode["ours_tokens_per_s_median"]
                                               / decode["transformers_tokens_per_s_median"])
 
-    code = f"import time; t=time.perf_counter(); from kvrelay.model.loader import load_model; " \
+    code = f"import time; t=time.perf_counter(); from kvrelay.weights.loader import load_model; " \
            f"load_model({args.model!r}); print(time.perf_counter()-t)"
     load_s = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                    check=True).stdout.split()[-1]) for _ in range(3)]

@@ -22,8 +22,8 @@ from kvrelay.branches.rksc import entropy, yes_score
 from kvrelay.branches.runner import BranchRunner
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.data.datasets import load_gsm8k
-from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.schedule import Schedule
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 
 class _Probe(Schedule):

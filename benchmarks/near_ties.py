@@ -25,9 +25,9 @@ from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.eval.fidelity import first_token_margin
 from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
-from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 
 def margins(workload: str, limit: int, offset: int = 0, data: str | None = None, model: str = DEFAULT_MODEL

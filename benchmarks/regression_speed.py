@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.model.loader import load_model
+from kvrelay.weights.loader import load_model
 
 
 def main() -> None:

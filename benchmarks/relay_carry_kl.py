@@ -22,13 +22,13 @@ from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.fidelity import kl_first_token
-from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput, SpanRef
 from kvrelay.reuse.relay import RelayMethod
 from kvrelay.reuse.spans import collect_reuse
+from kvrelay.weights.loader import load_model
 
 ONE = SamplingConfig(max_new_tokens=1)
 

@@ -32,7 +32,6 @@ from kvrelay.errors import KvRelayError
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
-from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import LayerView, StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
@@ -40,6 +39,7 @@ from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput, Plan
 from kvrelay.reuse.relay import RelayMethod, value_cos_deviation
 from kvrelay.reuse.spans import collect_reuse
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 ORACLE_FROM_LAYER = 4  # the oracle ranks by deviation above the layers any band here recomputes for all
 

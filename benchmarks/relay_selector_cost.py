@@ -31,12 +31,12 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.engine.call import run_plan
 from kvrelay.eval.harness import environment
-from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.schedule import LayerView
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.relay import RelayMethod
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 
 class WholeDetectionLayer(BandSchedule):

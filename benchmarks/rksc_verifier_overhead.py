@@ -22,9 +22,9 @@ from kvrelay.data.datasets import load_gsm8k
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import median
-from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 # a plausible 64-token branch output (the timing does not depend on its content)
 OUTPUT = ("Janet's ducks lay 16 eggs per day. She eats 3 and bakes with 4, so 16 - 3 - 4 = 9 eggs remain. "

@@ -31,7 +31,7 @@ from kvrelay.branches.runner import BranchRunner
 from kvrelay.data.datasets import load_gsm8k
 from kvrelay.eval.branch_bench import _working_set, replay_table
 from kvrelay.eval.harness import environment
-from kvrelay.model.loader import DEFAULT_MODEL, load_model
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 
 def compact_trace(events: list[tuple]) -> list[list]:

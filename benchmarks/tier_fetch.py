@@ -29,11 +29,11 @@ from kvrelay.cache.store import KVStore  # noqa: E402
 from kvrelay.engine.engine import Engine, GenerateOptions  # noqa: E402
 from kvrelay.eval.harness import environment  # noqa: E402
 from kvrelay.eval.stats import timed_median_ms  # noqa: E402
-from kvrelay.model.loader import load_model  # noqa: E402
 from kvrelay.model.sampling import SamplingConfig  # noqa: E402
 from kvrelay.tier.backends.disk import DiskBackend  # noqa: E402
 from kvrelay.tier.backends.redis import PREFIX, RedisBackend  # noqa: E402
 from kvrelay.tier.tiered import TieredStore  # noqa: E402
+from kvrelay.weights.loader import load_model  # noqa: E402
 from tests.tier.conftest import RedisServer  # noqa: E402
 
 BIG_BYTES = 1 << 34

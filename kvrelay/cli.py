@@ -122,11 +122,11 @@ def _bench_branches(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from kvrelay.engine import Engine
-    from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.spec import PipelineSpec
     from kvrelay.reuse import PIPELINE_METHODS, get_method
     from kvrelay.tier.tiered import open_store
+    from kvrelay.weights.loader import load_model
 
     spec = PipelineSpec.from_yaml(args.pipeline)
     if get_method(args.method).name not in PIPELINE_METHODS:
@@ -158,7 +158,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
-    from kvrelay.model.loader import load_model
+    from kvrelay.weights.loader import load_model
 
     check_output_file(args.out, "--out")
     check_output_file(args.plot, "--plot")
@@ -192,9 +192,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvrelay.engine import Engine, GenerateOptions
-    from kvrelay.model.loader import load_model
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.pipeline.prompt import chat_prompt_ids
+    from kvrelay.weights.loader import load_model
 
     sampling = dataclass_from_args(SamplingConfig, args)
     lm = load_model(args.model, device=args.device, verify=args.verify)
@@ -224,10 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.eval.branch_bench import BranchBenchConfig
     from kvrelay.eval.harness import BenchConfig
     from kvrelay.eval.profiler import SELECTS
-    from kvrelay.model.loader import DEFAULT_MODEL
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.reuse import PIPELINE_METHODS
     from kvrelay.server.cli import add_serve_parser
+    from kvrelay.weights.loader import DEFAULT_MODEL
 
     parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)

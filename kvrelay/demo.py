@@ -14,8 +14,8 @@ from pathlib import Path
 from kvrelay.eval.harness import Bench, BenchConfig
 from kvrelay.eval.plots import write_plots
 from kvrelay.eval.report import format_by_agent, format_table
-from kvrelay.model.loader import DEFAULT_MODEL
 from kvrelay.reuse import PIPELINE_METHODS
+from kvrelay.weights.loader import DEFAULT_MODEL
 
 
 @dataclass

@@ -57,7 +57,7 @@ def _field_choices(name: str) -> str | None:
     if name == "mode":
         return "agent, e2e"
     if name == "device":
-        from kvrelay.model.devices import DEVICE_TYPES
+        from kvrelay.weights.devices import DEVICE_TYPES
 
         return ", ".join(DEVICE_TYPES) + ", cuda:N"
     return None
@@ -97,7 +97,7 @@ def positive_integer(text: str) -> int:
 
 
 def device_arg(text: str) -> str:
-    from kvrelay.model.devices import check_device
+    from kvrelay.weights.devices import check_device
 
     try:
         check_device(text)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.loader import LoadedModel
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.transformer import Transformer
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

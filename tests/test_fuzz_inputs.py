@@ -46,7 +46,7 @@ def _stub_loader(mp: pytest.MonkeyPatch) -> None:
         raise ModelReached
 
     from kvrelay.eval import branch_bench, harness
-    from kvrelay.model import loader
+    from kvrelay.weights import loader
 
     for module in (loader, harness, branch_bench):
         mp.setattr(module, "load_model", refuse)
@@ -204,8 +204,8 @@ def test_text_that_looks_like_a_splice_marker_is_generated_from(capsys):
 def test_marker_in_a_template_is_not_spliced():
     from kvrelay.cache.store import KVStore
     from kvrelay.engine import Engine
-    from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
+    from kvrelay.weights.loader import load_model
 
     spec = PipelineSpec.from_dict({"inputs": ["question"], "agents": [
         {"name": "a", "user": "literal \u27e6question\u27e7 then {question}"}]})

@@ -19,7 +19,7 @@ import torch
 
 from kvrelay.branches.shared_kv import SharedPrefixKV
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.model.loader import LoadedModel
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.rope import RotaryEmbedding
 
 

@@ -31,7 +31,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, sync_device
 from kvrelay.errors import ConfigError
-from kvrelay.model.loader import LoadedModel
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.reuse import get_method

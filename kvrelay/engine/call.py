@@ -13,7 +13,7 @@ import torch
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ContextLengthError
-from kvrelay.model.loader import LoadedModel
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.schedule import Schedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import Plan

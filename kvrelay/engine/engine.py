@@ -32,7 +32,7 @@ from kvrelay.engine.call import (
     sync_device,
 )
 from kvrelay.errors import ConfigError
-from kvrelay.model.loader import LoadedModel
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import Sampler, SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method

@@ -26,8 +26,8 @@ from kvrelay.data.datasets import load_gsm8k
 from kvrelay.errors import ConfigError
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import mean, median, median_ratio
-from kvrelay.model.loader import DEFAULT_MODEL, load_model
 from kvrelay.reuse import get_method, split_method_specs
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 REFERENCES = ("full", "prefix")
 

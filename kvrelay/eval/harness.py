@@ -27,13 +27,14 @@ from kvrelay.errors import ConfigError
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, greedy_match, kl_first_token
 from kvrelay.eval.report import CallRow, summarize
 from kvrelay.eval.stats import mean, median
-from kvrelay.model.loader import DEFAULT_MODEL, LoadedModel, load_model
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import Workload, get_workload
 from kvrelay.reuse import PIPELINE_METHODS, CallInput, ReuseMethod, get_method, split_method_specs
 from kvrelay.tier.tiered import open_store
+from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
 REFERENCES = ("full", "prefix")  # always measured: speedups and fidelity are relative to them
 

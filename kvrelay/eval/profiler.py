@@ -33,7 +33,7 @@ from kvrelay.data.datasets import data_root
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.errors import KvRelayError
 from kvrelay.eval.fidelity import kl_first_token
-from kvrelay.model.loader import LoadedModel
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload

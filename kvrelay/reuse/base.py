@@ -19,7 +19,7 @@ from kvrelay.model.schedule import Schedule
 
 if TYPE_CHECKING:
     from kvrelay.cache.kv import SequenceKV
-    from kvrelay.model.loader import LoadedModel
+    from kvrelay.model.lm import LoadedModel
 
 
 @dataclass(frozen=True)

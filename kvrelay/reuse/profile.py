@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrelay.errors import ConfigError, KvRelayError
-from kvrelay.model.loader import cache_dir
+from kvrelay.weights.loader import cache_dir
 
 if TYPE_CHECKING:
-    from kvrelay.model.loader import LoadedModel
+    from kvrelay.model.lm import LoadedModel
 
 SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # measured for the embedded models
 

@@ -15,7 +15,7 @@ DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
     from kvrelay.flags import device_arg
-    from kvrelay.model.loader import DEFAULT_MODEL
+    from kvrelay.weights.loader import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default {DEFAULT_MODEL})")
@@ -62,11 +62,11 @@ def read_api_keys(path: str | None) -> frozenset[str]:
 def build_app(args: argparse.Namespace):
     """Model, store, engine and the FastAPI app for ``args``."""
     from kvrelay.engine import Engine
-    from kvrelay.model.loader import load_model
     from kvrelay.reuse import get_method, split_method_specs
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import SpanCatalog
     from kvrelay.tier.tiered import open_store
+    from kvrelay.weights.loader import load_model
 
     if args.kv_budget_gb <= 0:
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")

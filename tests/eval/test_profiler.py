@@ -10,7 +10,7 @@ from kvrelay.eval.profiler import (
     choose_detection_layer,
     fidelity_candidates,
 )
-from kvrelay.model.loader import load_model
+from kvrelay.weights.loader import load_model
 
 
 def test_profiler_picks_a_known_band_and_detection_layer():

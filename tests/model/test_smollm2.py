@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.model.loader import _alias_path, load_model
+from kvrelay.weights.loader import _alias_path, load_model
 
 pytestmark = pytest.mark.slow
 

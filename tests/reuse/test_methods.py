@@ -221,9 +221,9 @@ def smollm2_kls() -> tuple[dict[str, list[float]], list[bool]]:
 
     from kvrelay.engine import Engine
     from kvrelay.eval.fidelity import kl_first_token
-    from kvrelay.model.loader import load_model
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.workloads import get_workload
+    from kvrelay.weights.loader import load_model
 
     lm = load_model("smollm2-135m")
     wl = get_workload("gsm8k-chain3")

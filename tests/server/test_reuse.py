@@ -11,9 +11,9 @@ import torch
 
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions
-from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import CallInput, SpanRef
+from kvrelay.weights.loader import load_model
 from tests.server.conftest import MODEL
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

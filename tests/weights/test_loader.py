@@ -15,9 +15,9 @@ from kvrelay.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from kvrelay.model import integrity, loader
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.loader import load_model
+from kvrelay.weights import integrity, loader
+from kvrelay.weights.loader import load_model
 from tests.helpers import hf_model, toy_tokenizer_metadata, write_tiny_gguf
 
 
@@ -297,7 +297,7 @@ def test_killed_conversions_leftovers_are_removed(tiny_gguf, cache_env):
 
 def test_folder_written_meanwhile_is_replaced(tiny_gguf, cache_env, monkeypatch):
     """Another process leaves a partial folder at the target while this one converts: ours replaces it."""
-    from kvrelay.model import gguf
+    from kvrelay.weights import gguf
 
     path, _ = tiny_gguf
     real_read = gguf.read_gguf
@@ -337,7 +337,7 @@ def test_presets_do_not_import_the_loader():
     import ast
     import inspect
 
-    from kvrelay.model import presets
+    from kvrelay.weights import presets
 
     tree = ast.parse(inspect.getsource(presets))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
