@@ -266,8 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--band-mass", type=finite_float, default=0.5,
                       help="share of the value deviation the band holds, in (0, 1] (default: 0.5)")
     prof.add_argument("--select", choices=SELECTS, default=SELECTS[0],
-                      help="fidelity: score candidate bands with relay on the calibration calls and keep the most "
-                           "reuse within --kl-tolerance of the lowest KL; deviation: the paper's band; choices: "
+                      help="search: score bands with L_start, L_det and L_end all free (L_end below the top too) "
+                           "with relay on the calibration calls and keep the most reuse within --kl-tolerance of "
+                           "the lowest KL; fidelity: the same over bands that end at the top layer; deviation: "
+                           "the paper's band; choices: "
                            f"{', '.join(SELECTS)} (default: {SELECTS[0]})")
     prof.add_argument("--kl-tolerance", type=finite_float, default=0.1,
                       help="relative KL slack when choosing by fidelity, >= 0 (default: 0.1)")

@@ -11,10 +11,15 @@ fresh prefill of the downstream prompt gives the same tokens: value cosine and k
 
 That is the paper's rule (``select="deviation"``). On SmolLM2 it gives [18, 29] with L_det 27, and
 relay there leaves the first-token KL at naive's level: deviation entering below L_start reaches the
-top unrepaired. So by default (``select="fidelity"``, ours) the profiler also runs ``relay`` on the
-same calibration calls with a few candidate bands (the deviation band, and bands from L_start = 1, 2,
-4, 8, ... to the top layer with L_det = L_start + 1) and keeps the one with the most reuse among
-those whose mean first-token KL(full || relay) is within ``kl_tolerance`` of the lowest.
+top unrepaired. So the profiler can also run ``relay`` on the same calibration calls with candidate
+bands and keep the one with the most reuse among those whose mean first-token KL(full || relay) is
+within ``kl_tolerance`` of the lowest (the fidelity-for-cost rule):
+
+- ``select="search"`` (default): all three layers free. A first pass scores bands entering at
+  L_start = 1, 2, 4, 8, ... with L_det = L_start + 1 and ending at the top or 2, 4, 8, ... layers
+  below it (plus the deviation band); a second pass tries later detection layers inside the best
+  band's range (L_start + 2, + 4, ...). Both passes score on the same calibration calls.
+- ``select="fidelity"``: the first pass only, with every band ending at the top layer.
 
 The profile itself (data, load/save, lookup) is ``kvrelay.reuse.profile``; this module runs pipelines,
 so it sits in ``eval``, above the engine and the pipeline runner.
@@ -42,7 +47,8 @@ from kvrelay.reuse.profile import LayerProfile, profile_path
 from kvrelay.reuse.relay import RelayMethod
 
 __all__ = ["SELECTS", "LayerProfile", "build_profile", "choose_band", "choose_by_fidelity", "choose_detection_layer",
-           "fidelity_candidates", "measure_call", "plot_profile", "profile_path", "score_bands"]
+           "detection_candidates", "fidelity_candidates", "measure_call", "plot_profile", "profile_path", "score_bands",
+           "search_candidates"]
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -114,7 +120,7 @@ def choose_detection_layer(token_dev: torch.Tensor, start: int, end: int) -> tup
 
 
 Band = tuple[int, int, int]  # (L_start, L_det, L_end)
-SELECTS = ("fidelity", "deviation")  # how build_profile picks the band (the first is the default)
+SELECTS = ("search", "fidelity", "deviation")  # how build_profile picks the band (the first is the default)
 
 
 def fidelity_candidates(num_layers: int, deviation_band: Band) -> list[Band]:
@@ -126,6 +132,33 @@ def fidelity_candidates(num_layers: int, deviation_band: Band) -> list[Band]:
             out.append((start, start + 1, top))
         start *= 2
     return out
+
+
+def _powers_of_two_below(limit: int) -> list[int]:
+    out, step = [], 1
+    while step < limit:
+        out.append(step)
+        step *= 2
+    return out
+
+
+def search_candidates(num_layers: int, deviation_band: Band) -> list[Band]:
+    """First pass of the search: the deviation band, then (L_start, L_start + 1, L_end) for L_start =
+    1, 2, 4, ... and L_end = the top layer or 2, 4, 8, ... layers below it (L_end >= L_start + 2, so
+    a selected token keeps at least one layer after detection)."""
+    top, out = num_layers - 1, [deviation_band]
+    ends = [top] + [top - gap for gap in _powers_of_two_below(top) if gap >= 2]
+    for start in _powers_of_two_below(top - 1):
+        for end in ends:
+            if end >= start + 2 and (start, start + 1, end) not in out:
+                out.append((start, start + 1, end))
+    return out
+
+
+def detection_candidates(band: Band) -> list[Band]:
+    """Second pass: later detection layers inside ``band``'s range (L_start + 2, + 4, ... below L_end)."""
+    start, _, end = band
+    return [(start, start + gap, end) for gap in _powers_of_two_below(end - start) if gap >= 2]
 
 
 def choose_by_fidelity(scores: dict[Band, tuple[float, float]], kl_tolerance: float = 0.1) -> Band:
@@ -177,10 +210,10 @@ def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: st
 
 
 def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.5, data: str | None = None,
-                  workload: str = "gsm8k-chain3", progress: bool = True, select: str = "fidelity",
+                  workload: str = "gsm8k-chain3", progress: bool = True, select: str = "search",
                   kl_tolerance: float = 0.1) -> LayerProfile:
     """Profile every downstream call's upstream outputs on calibration pipelines run with ``full``;
-    with ``select="fidelity"``, a second pass over the same problems scores the candidate bands."""
+    unless ``select="deviation"``, later passes over the same problems score candidate bands."""
     if select not in SELECTS:
         raise KvRelayError(f"profile: select must be one of {SELECTS}, got {select!r}")
     data = data or str(data_root() / "gsm8k" / "train.jsonl")  # calibration never touches the test data
@@ -200,10 +233,15 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
     l_start, l_end = choose_band(deviation, band_mass)
     l_det, scores = choose_detection_layer(token_dev, l_start, l_end)
     chosen, band_scores = (l_start, l_det, l_end), {}
-    if select == "fidelity":
-        results = score_bands(lm, fidelity_candidates(lm.config.num_layers, chosen), workload, data, num_problems,
-                              progress)
+    if select != "deviation":
+        num_layers = lm.config.num_layers
+        first = search_candidates if select == "search" else fidelity_candidates
+        results = score_bands(lm, first(num_layers, chosen), workload, data, num_problems, progress)
         chosen = choose_by_fidelity(results, kl_tolerance)
+        later = [b for b in detection_candidates(chosen) if b not in results] if select == "search" else []
+        if later:
+            results |= score_bands(lm, later, workload, data, num_problems, progress)
+            chosen = choose_by_fidelity(results, kl_tolerance)
         band_scores = {",".join(map(str, b)): {"kl": kl, "reuse": r} for b, (kl, r) in results.items()}
     return LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
                         v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,

@@ -1,5 +1,7 @@
 """The layer profiler (``kvrelay profile``): band and detection-layer rules, candidate bands, a build."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -8,8 +10,11 @@ from kvrelay.eval.profiler import (
     choose_band,
     choose_by_fidelity,
     choose_detection_layer,
+    detection_candidates,
     fidelity_candidates,
+    search_candidates,
 )
+from kvrelay.weights import presets
 from kvrelay.weights.loader import load_model
 
 
@@ -38,9 +43,32 @@ def test_profiler_fidelity_candidates_and_choice():
     assert choose_by_fidelity({(1, 2, 3): (0.0, 0.4), (2, 3, 3): (0.0, 0.4)}) == (1, 2, 3)  # full tie: the earlier
 
 
+def test_search_candidates_free_every_layer_of_the_band():
+    bands = search_candidates(12, (6, 9, 11))
+    assert bands == [(6, 9, 11), (1, 2, 11), (1, 2, 9), (1, 2, 7), (1, 2, 3), (2, 3, 11), (2, 3, 9), (2, 3, 7),
+                     (4, 5, 11), (4, 5, 9), (4, 5, 7), (8, 9, 11)]
+    assert all(end >= start + 2 for start, _, end in bands[1:])  # a kept token runs past detection
+    assert search_candidates(12, (2, 3, 11))[0] == (2, 3, 11) and len(search_candidates(12, (2, 3, 11))) == 11
+    assert detection_candidates((2, 3, 21)) == [(2, 4, 21), (2, 6, 21), (2, 10, 21), (2, 18, 21)]
+    assert detection_candidates((4, 5, 6)) == []
+
+
+def test_build_profile_searches_bands_that_end_below_the_top(monkeypatch):
+    monkeypatch.setitem(presets.PRESETS, "tiny8", replace(presets.PRESETS["tiny"], num_layers=8))
+    lm = load_model("random:tiny8")
+    profile = build_profile(lm, num_problems=1, progress=False)
+    assert profile.select == "search"
+    scores = {tuple(map(int, k.split(","))): (v["kl"], v["reuse"]) for k, v in profile.band_scores.items()}
+    first = search_candidates(lm.config.num_layers, tuple(profile.deviation_band))
+    best_first = choose_by_fidelity({b: scores[b] for b in first})
+    assert set(scores) == set(first) | set(detection_candidates(best_first))
+    assert (profile.l_start, profile.l_det, profile.l_end) == choose_by_fidelity(scores)
+    assert any(end < lm.config.num_layers - 1 for _, _, end in scores)
+
+
 def test_build_profile_scores_every_candidate_band_on_train():
     lm = load_model("random:tiny")
-    profile = build_profile(lm, num_problems=2, progress=False)
+    profile = build_profile(lm, num_problems=2, progress=False, select="fidelity")
     top = lm.config.num_layers - 1
     bands = fidelity_candidates(lm.config.num_layers, tuple(profile.deviation_band))
     assert sorted(profile.band_scores) == sorted(",".join(map(str, b)) for b in bands)
