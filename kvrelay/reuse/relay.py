@@ -12,6 +12,9 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   x the mean, plus the last ``l_suf`` tokens of every span (and, with ``l_pre`` > 0, its first
   ``l_pre``: EPIC's observation that a span's opening tokens carry most of the context change; our
   addition, not in the RelayCaching paper, off by default); only those stay through ``L_end``.
+  With ``top_r`` set (the budget form) the thresholds give way to a fixed share: the ``top_r`` x n
+  span tokens with the highest score (deviation / its mean + influence / its mean, or the one the
+  ``selector`` names), plus the suffix and opening tokens.
 
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one.
@@ -61,6 +64,21 @@ def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None
     return keep
 
 
+def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,
+               top_r: float) -> torch.Tensor:
+    """Budget form: ``always_mask`` plus the round(top_r x n) tokens with the highest mean-normalized
+    deviation + influence (a missing or all-zero score adds nothing). Bool [n]."""
+    score = torch.zeros(always_mask.shape, dtype=torch.float32, device=always_mask.device)
+    for part in (deviation, influence):
+        if part is not None and part.numel() and float(part.mean()) > 0:
+            score += part.float() / part.float().mean()
+    keep = always_mask.clone()
+    num_keep = min(round(top_r * score.numel()), int((score > 0).sum()))
+    if num_keep:
+        keep[score.topk(num_keep).indices] = True
+    return keep
+
+
 @dataclass
 class RelayMethod(ReuseMethod):
     tau_dev: float = 1.5
@@ -68,6 +86,7 @@ class RelayMethod(ReuseMethod):
     l_suf: int = 10
     l_pre: int = 0  # also keep each span's first l_pre tokens (ours; EPIC's idea inside relay's band)
     selector: str = "both"  # both | deviation | influence (ablations)
+    top_r: float | None = None  # budget form: keep this share of span tokens by score (None: the tau_* thresholds)
     band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
@@ -79,6 +98,8 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: selector must be one of {SELECTORS}, got {self.selector!r}")
         if self.l_suf < 0 or self.l_pre < 0 or self.tau_dev < 0 or self.tau_inf < 0:
             raise ConfigError("relay: l_suf, l_pre, tau_dev and tau_inf must be >= 0")
+        if self.top_r is not None and not 0 <= self.top_r <= 1:
+            raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
 
     def layers(self, lm) -> tuple[int, int, int]:
         """(L_start, L_det, L_end) for this model: overrides, else the profile (a ConfigError says how to get
@@ -131,6 +152,8 @@ class RelayMethod(ReuseMethod):
                 probs = view.attention_probs(new_rows)  # [H, n_new, n_keys]
                 inf = probs.sum(dim=(0, 1))[view.active_idx[span_rows]]
             always_mask = torch.isin(view.active_idx[span_rows], always_idx.to(view.active_idx.device))
+            if self.top_r is not None:
+                return select_top(dev, inf, always_mask, self.top_r)
             return select_tokens(dev, inf, always_mask, self.tau_dev, self.tau_inf)
 
         schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), entries, det, end, selector)

@@ -9,7 +9,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.relay import select_tokens
+from kvrelay.reuse.relay import select_tokens, select_top
 from tests.helpers import generate, publish, tiny_lm
 
 L = 4  # layers of the tiny model
@@ -181,6 +181,39 @@ def test_selector_sets_on_hand_made_vectors():
     assert keep.tolist() == [False, False, True, True, False, True]
     assert select_tokens(dev, None, torch.zeros(6, dtype=torch.bool), 1.5, 1.45).nonzero().flatten().tolist() == [3]
     assert select_tokens(None, inf, torch.zeros(6, dtype=torch.bool), 1.5, 1.45).nonzero().flatten().tolist() == [2]
+
+
+def test_budget_selector_keeps_the_top_share_by_normalized_score():
+    dev = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.3, 0.1])  # / mean 0.267: 0.375 ... 3.375, 1.125
+    inf = torch.tensor([1.0, 1.0, 4.0, 1.0, 1.0, 1.0])  # / mean 1.5: 0.667 ... 2.667
+    none = torch.zeros(6, dtype=torch.bool)
+    suffix = torch.tensor([False, False, False, False, False, True])
+    assert select_top(dev, inf, none, 2 / 6).nonzero().flatten().tolist() == [2, 3]  # 3.04 and 4.04
+    big_inf = torch.tensor([10.0, 10.0, 40.0, 10.0, 25.0, 10.0])  # raw sums would pick 2 and 4
+    assert select_top(dev, big_inf, none, 2 / 6).nonzero().flatten().tolist() == [2, 3]  # 2.66 and 3.95
+    assert select_top(dev, inf, none, 3 / 6).nonzero().flatten().tolist() == [2, 3, 4]  # then 1.79
+    assert select_top(dev, None, suffix, 1 / 6).nonzero().flatten().tolist() == [3, 5]  # ablated influence
+    assert select_top(None, inf, none, 1 / 6).nonzero().flatten().tolist() == [2]
+    assert not select_top(torch.zeros(6), None, none, 0.5).any()  # zero scores select nothing
+    assert get_method("relay[top_r=0.25]").top_r == 0.25
+    with pytest.raises(ConfigError, match="top_r must be in"):
+        get_method("relay[top_r=1.5]")
+
+
+def test_relay_budget_form_recomputes_its_share_above_detection(setup):
+    lm, store, call, ref = setup
+    L = lm.config.num_layers
+    span_len = sum(r.num_tokens for r in call.refs)
+    counts = {}
+    for r in (0.0, 0.5, 1.0):
+        out = _run(setup, f"relay[l_start=0,l_det=0,l_end={L - 1},l_suf=0,top_r={r}]")
+        counts[r] = out.stats.num_recomputed_token_layers
+    kept_half = round(0.5 * span_len)
+    assert counts[0.0] == span_len  # only the detection layer's Q/K/V of every span token
+    assert counts[1.0] == span_len * L  # everything kept: every layer
+    assert counts[0.5] == span_len + kept_half * (L - 1)
+    out = _run(setup, f"relay[l_start=0,l_det=0,l_end={L - 1},l_suf=0,top_r=1.0]")
+    torch.testing.assert_close(out.first_logits, ref.first_logits, atol=1e-4, rtol=0)
 
 
 def test_method_parameter_types_are_checked():
