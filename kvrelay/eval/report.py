@@ -86,7 +86,8 @@ def summarize(rows: list[CallRow], accuracy: dict[str, float] | None = None) -> 
             "accuracy": (accuracy or {}).get(method),
             "n_calls": len(rs),
             "fallback_rate": sum(r.fallback is not None for r in rs) / len(rs),
-            "reuse_rate_per_call": mean([float(r.reused_token_layers > 0) for r in rs]),
+            # calls the method itself reused on: a fallback that loaded only the exact prefix does not count
+            "reuse_rate_per_call": mean([float(r.reused_token_layers > 0 and r.fallback is None) for r in rs]),
             "by_agent": {},
         }
         for agent in dict.fromkeys(r.agent for r in rs):

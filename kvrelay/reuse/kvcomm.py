@@ -6,9 +6,10 @@ all-or-nothing:
 
 - every placeholder needs ``warmup`` anchors at least as long as it, and the gate's softmax over
   their value distances must be decisive: normalized entropy <= ``gamma``; otherwise the call runs
-  a dense (``full``) prefill, counted as a fallback, and ``observe`` turns that prefill into one new
-  anchor per placeholder (pools bounded by ``max_anchors``). ``gate_distance=l2`` (default) gates
-  on softmax(-L2 norm of the whole value difference), the scale of KVCOMM's public code;
+  a dense prefill (after the store's exact prefix, as ``prefix`` does), counted as a fallback, and
+  ``observe`` turns that prefill into one new anchor per placeholder (pools bounded by
+  ``max_anchors``). ``gate_distance=l2`` (default) gates on softmax(-L2 norm of the whole value
+  difference), the scale of KVCOMM's public code;
   ``relative`` gates on the mixing weights below (per-token relative distances / ``temperature``);
 - the offsets are mixed with softmax(-relative value distance / ``temperature``) weights, one per
   anchor (``per_layer=true``: one per anchor and layer);
@@ -21,8 +22,8 @@ all-or-nothing:
 Key offsets are kept position-free (both sides rotated back to position 0) and re-rotated to the
 new positions when applied. ``rotate_offsets=false`` keeps absolute offsets and adds them as they
 are, as the public KVCOMM code does. Layer 0 offsets are zero (K/V there depend on token and
-position only). Placeholders come from the call's refs; the store's exact prefix is not used (the
-first template segment covers it).
+position only). Placeholders come from the call's refs; when the gate passes, the store's exact prefix
+is not needed (the first template segment covers it).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
-from kvrelay.model.schedule import Schedule, StaticSchedule
+from kvrelay.model.schedule import StaticSchedule
 from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
+from kvrelay.reuse.prefix import PrefixMethod
 
 
 @dataclass
@@ -125,9 +127,10 @@ class KVCommMethod(ReuseMethod):
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         layout = _Layout.of(call)
         decisions, reason = self._gate(call, layout, store)
-        if reason is not None:
-            return Plan(Schedule(), fallback=f"kvcomm: {reason}; dense prefill (+1 anchor per placeholder)",
-                        state=layout)
+        if reason is not None:  # the exact prefix is exact KV, so the anchors learned from it are too
+            exact = PrefixMethod().plan(call, store, lm)
+            return Plan(exact.schedule, exact.loads, state=layout,
+                        fallback=f"kvcomm: {reason}; dense prefill (+1 anchor per placeholder)")
         n, rope = len(call.prompt_ids), lm.model.rope
         computed_from = max(n - self.tail_tokens, 0)  # the prompt's tail is always computed
         loads, patches = [], []

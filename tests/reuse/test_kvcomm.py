@@ -131,6 +131,23 @@ def test_gate_fallback_is_counted_and_adds_one_anchor_per_placeholder(lm):
     assert fresh.pools == {}
 
 
+def test_fallback_loads_the_exact_stored_prefix_and_learns_the_same_anchor(lm):
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, seed=0)
+    dense = get_method("kvcomm[warmup=2]")
+    dense_out = generate(lm, call, dense, store, ONE)  # nothing stored starts like this prompt
+    assert dense_out.stats.num_reused_tokens == 0
+    earlier = generate(lm, call.prompt_ids, "full", store, SamplingConfig(max_new_tokens=2), keep_cache=True)
+    publish(store, "earlier", earlier, lm)  # a stored prefix: the whole prompt but its last token
+    method = get_method("kvcomm[warmup=2]")
+    out = generate(lm, call, method, store, ONE)
+    assert out.stats.fallback is not None and out.stats.num_reused_tokens == len(call.prompt_ids) - 1
+    torch.testing.assert_close(out.first_logits, dense_out.first_logits, atol=1e-4, rtol=0)
+    (learned,), (reference,) = method.pools["agent/up"].anchors, dense.pools["agent/up"].anchors
+    torch.testing.assert_close(learned.dk, reference.dk, atol=1e-4, rtol=0)
+    torch.testing.assert_close(learned.dv, reference.dv, atol=1e-4, rtol=0)
+
+
 def test_relative_gate_rejects_undecided_anchors(lm):
     store = KVStore(1 << 30)
     method = get_method("kvcomm[gate_distance=relative,warmup=2,gamma=0.5,temperature=100]")  # flat: entropy ~1
