@@ -18,7 +18,8 @@ within ``kl_tolerance`` of the lowest (the fidelity-for-cost rule):
 - ``select="search"`` (default): all three layers free. A first pass scores bands entering at
   L_start = 1, 2, 4, 8, ... with L_det = L_start + 1 and ending at the top or 2, 4, 8, ... layers
   below it (plus the deviation band); a second pass tries later detection layers inside the best
-  band's range (L_start + 2, + 4, ...). Both passes score on the same calibration calls.
+  band's range (L_start + 2, + 4, ...), held to the first pass's KL bar (a later L_det lowers KL but
+  recomputes more, so the bar must not move with it). Both passes score on the same calibration calls.
 - ``select="fidelity"``: the first pass only, with every band ending at the top layer.
 
 The profile itself (data, load/save, lookup) is ``kvrelay.reuse.profile``; this module runs pipelines,
@@ -161,11 +162,13 @@ def detection_candidates(band: Band) -> list[Band]:
     return [(start, start + gap, end) for gap in _powers_of_two_below(end - start) if gap >= 2]
 
 
-def choose_by_fidelity(scores: dict[Band, tuple[float, float]], kl_tolerance: float = 0.1) -> Band:
+def choose_by_fidelity(scores: dict[Band, tuple[float, float]], kl_tolerance: float = 0.1,
+                       kl_bar: float | None = None) -> Band:
     """scores: band -> (mean first-token KL(full || relay), mean reuse). The most reuse among bands
-    whose KL is at most (1 + kl_tolerance) x the lowest; ties: the lower KL, then the earlier band."""
-    best_kl = min(kl for kl, _ in scores.values())
-    ok = [band for band, (kl, _) in scores.items() if kl <= (1 + kl_tolerance) * best_kl + 1e-12]
+    whose KL is at most ``kl_bar`` (default: (1 + kl_tolerance) x the lowest); ties: the lower KL,
+    then the earlier band."""
+    bar = (1 + kl_tolerance) * min(kl for kl, _ in scores.values()) if kl_bar is None else kl_bar
+    ok = [band for band, (kl, _) in scores.items() if kl <= bar + 1e-12] or [min(scores, key=lambda b: scores[b][0])]
     return max(ok, key=lambda band: (scores[band][1], -scores[band][0]))
 
 
@@ -239,9 +242,10 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
         results = score_bands(lm, first(num_layers, chosen), workload, data, num_problems, progress)
         chosen = choose_by_fidelity(results, kl_tolerance)
         later = [b for b in detection_candidates(chosen) if b not in results] if select == "search" else []
-        if later:
+        if later:  # the first pass sets the KL bar: a costlier detection layer must buy reuse under it
+            kl_bar = (1 + kl_tolerance) * min(kl for kl, _ in results.values())
             results |= score_bands(lm, later, workload, data, num_problems, progress)
-            chosen = choose_by_fidelity(results, kl_tolerance)
+            chosen = choose_by_fidelity(results, kl_tolerance, kl_bar)
         band_scores = {",".join(map(str, b)): {"kl": kl, "reuse": r} for b, (kl, r) in results.items()}
     return LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
                         v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,

@@ -41,6 +41,10 @@ def test_profiler_fidelity_candidates_and_choice():
     assert choose_by_fidelity(scores, kl_tolerance=0.0) == (1, 2, 29)
     assert choose_by_fidelity(scores, kl_tolerance=0.25) == (4, 5, 29)
     assert choose_by_fidelity({(1, 2, 3): (0.0, 0.4), (2, 3, 3): (0.0, 0.4)}) == (1, 2, 3)  # full tie: the earlier
+    # a costlier detection layer lowers the lowest KL; with the first pass's bar it cannot win on KL alone
+    later = scores | {(1, 9, 29): (0.002, 0.30)}
+    assert choose_by_fidelity(later) == (1, 9, 29)
+    assert choose_by_fidelity(later, kl_bar=0.011) == (2, 3, 29)
 
 
 def test_search_candidates_free_every_layer_of_the_band():
@@ -62,7 +66,8 @@ def test_build_profile_searches_bands_that_end_below_the_top(monkeypatch):
     first = search_candidates(lm.config.num_layers, tuple(profile.deviation_band))
     best_first = choose_by_fidelity({b: scores[b] for b in first})
     assert set(scores) == set(first) | set(detection_candidates(best_first))
-    assert (profile.l_start, profile.l_det, profile.l_end) == choose_by_fidelity(scores)
+    bar = 1.1 * min(scores[b][0] for b in first)  # the first pass's bar holds for the second
+    assert (profile.l_start, profile.l_det, profile.l_end) == choose_by_fidelity(scores, kl_bar=bar)
     assert any(end < lm.config.num_layers - 1 for _, _, end in scores)
 
 
