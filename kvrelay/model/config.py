@@ -18,9 +18,10 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar")
 
 
-def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
-    """Every ``pattern``-th layer global, the rest sliding (Gemma 3's default, and llama.cpp's fixed rule)."""
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+def gemma3_layer_types(num_layers: int, pattern: int | list[bool] = 6) -> tuple[str, ...]:
+    """Every ``pattern``-th layer global, the rest sliding (Gemma 3's default), or per layer True = sliding."""
+    sliding = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
@@ -207,9 +208,10 @@ class ModelConfig:
             sliding_window=get("attention.sliding_window"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
-            # what a Gemma 3 GGUF leaves out, llama.cpp fixes: 1-in-6 global layers, local base 10k, and
-            # scores scaled by head_dim ** -0.5 (all sizes but 27B, which is not supported here)
-            layer_types=gemma3_layer_types(int(get("block_count"))) if gemma else (),
-            rope_local_theta=10000.0 if gemma else None,
+            # what a Gemma 3 GGUF may leave out, llama.cpp fixes: 1-in-6 global layers, local base 10k,
+            # scores scaled by head_dim ** -0.5 (all sizes but 27B, whose scale differs)
+            layer_types=gemma3_layer_types(int(get("block_count")), get("attention.sliding_window_pattern", 6))
+            if gemma else (),
+            rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if gemma else None,
             query_pre_attn_scalar=float(head_dim) if gemma else None,
         )
