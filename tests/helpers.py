@@ -24,6 +24,13 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # local layers with an 8-token window and their own RoPE base, globals between; scores not scaled
+    # by head_dim; sequences in the tests are longer than the window
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24, "max_position_embeddings": 512,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
 }
 
 

@@ -49,16 +49,17 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tor
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.eps, self.gemma = eps, gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale after casting back, as transformers does (bitwise parity).
+        # Normalise in fp32 and scale after casting back, as transformers does (bitwise parity);
+        # Gemma scales by (1 + w) before the cast.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype) if self.gemma else self.weight * xf.to(x.dtype)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,9 +105,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
         self.qk_norm = cfg.qk_norm
+        # Gemma 3 scales scores by query_pre_attn_scalar ** -0.5: folded into q, so every attention
+        # (SDPA's default head_dim ** -0.5, attention_probs) sees the same scores
+        self.q_scale = (cfg.head_dim / (cfg.query_pre_attn_scalar or cfg.head_dim)) ** 0.5
         self._qkv_w: torch.Tensor | None = None
         self._qkv_b: torch.Tensor | None = None
 
@@ -125,7 +129,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(0, 1), cos, sin)  # [H, n, hd]
         k = apply_rotary(k.transpose(0, 1), cos, sin)  # [Hkv, n, hd]
-        return q, k, v
+        return (q * self.q_scale if self.q_scale != 1.0 else q), k, v
 
 
 class MLP(nn.Module):
@@ -135,22 +139,28 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self._gate_up_w: torch.Tensor | None = None
+        self.gelu = cfg.gemma  # Gemma: GELU (tanh approximation) instead of SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linears = [self.gate_proj, self.up_proj]
         if not _still_fused(self._gate_up_w, linears):
             self._gate_up_w, _ = fuse_linears(linears)
         gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)  # [n, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.mlp = MLP(cfg)
+        self.gemma = cfg.gemma
+        if cfg.gemma:  # Gemma normalises each block's output too (HF's post_attention_layernorm is that one)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,6 +169,9 @@ class DecoderLayer(nn.Module):
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer's second half: residual + output projection, then the MLP block. h [n, hidden]."""
+        if self.gemma:
+            h = h + self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = h + self.self_attn.o_proj(attn_out)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -40,11 +40,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """cos/sin tables for positions, plus exact key shifts."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", theta: float | None = None) -> None:
         self.head_dim = config.head_dim
-        self.theta = config.rope_theta
-        self.rope_type = config.rope_type
-        self.params = dict(config.rope_scaling)
+        self.theta = theta or config.rope_theta  # ``theta``: a plain RoPE with that base (Gemma's local layers)
+        self.rope_type = "default" if theta else config.rope_type
+        self.params = {} if theta else dict(config.rope_scaling)
         self.max_position_embeddings = int(
             self.params.get("original_max_position_embeddings", config.max_position_embeddings)
         )
@@ -53,6 +53,13 @@ class RotaryEmbedding:
         self._table_len = 0
         self._cos = self._sin = torch.empty(0)
         self._can_shift: bool | None = None
+        # Gemma 3: sliding layers rotate with their own base (``local``'s tables); a shift of every
+        # layer's keys [L, Hkv, n, hd] uses each layer's frequencies ([L, 1, 1, hd / 2])
+        self.local = None if theta or not config.rope_local_theta else RotaryEmbedding(
+            config, device, config.rope_local_theta)
+        per_layer = [self.local.inv_freq if config.is_local(i) else self.inv_freq
+                     for i in range(config.num_layers)] if self.local else []
+        self.layer_inv_freq = torch.stack(per_layer)[:, None, None] if per_layer else None
 
     def _inv_freq(self, theta: float) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=self.device) / self.head_dim
@@ -91,11 +98,21 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
         self._cos, self._sin, self._table_len = emb.cos(), emb.sin(), length
 
-    def shift_keys(self, keys: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-        """Rotate post-RoPE keys by a position delta (per token). keys: [..., n, head_dim]; delta: [n]."""
+    def shift_keys(self, keys: torch.Tensor, delta: torch.Tensor | int, layer: int | None = None) -> torch.Tensor:
+        """Rotate post-RoPE keys by a position delta (per token). keys: [..., n, head_dim]; delta: [n].
+
+        With per-layer bases, ``keys`` are every layer's [L, Hkv, n, hd], or one ``layer``'s."""
+        inv = self.inv_freq if self.layer_inv_freq is None else (
+            self.layer_inv_freq if layer is None else self.layer_inv_freq[layer, 0, 0])
+        if inv.dim() > 1 and (keys.dim() != 4 or keys.shape[0] != inv.shape[0]):
+            raise ValueError(f"per-layer RoPE bases: shift keys of shape [L, Hkv, n, hd] or pass layer=, "
+                             f"got {tuple(keys.shape)}")
+        return self._rotate(keys, delta, inv)
+
+    def _rotate(self, keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
         n = keys.shape[-2]
         delta_t = torch.as_tensor(delta, device=keys.device, dtype=torch.float32).expand(n)
-        freqs = delta_t[:, None] * self.inv_freq.to(keys.device)[None, :]  # [n, head_dim / 2]
+        freqs = delta_t[:, None] * inv_freq.to(keys.device)  # [n, head_dim / 2] (or [L, 1, n, hd / 2])
         emb = torch.cat((freqs, freqs), dim=-1)
         return apply_rotary(keys.float(), emb.cos(), emb.sin()).to(keys.dtype)
 
@@ -111,8 +128,8 @@ class RotaryEmbedding:
             seq_p, seq_q = int(p.max()) + 1, int(q.max()) + 1
             at_p = apply_rotary(k, *self.cos_sin(p, torch.float32, seq_p))
             at_q = apply_rotary(k, *self.cos_sin(q, torch.float32, seq_q))
-            moved = self.shift_keys(at_p, q - p)
-            back = self.shift_keys(moved, p - q)
+            moved = self._rotate(at_p, q - p, self.inv_freq)
+            back = self._rotate(moved, p - q, self.inv_freq)
             tol = 1e-2  # fp32 angles at ~8k positions carry ~1e-3 error; a failure is O(1)
             self._can_shift = bool(
                 torch.allclose(moved, at_q, atol=tol) and torch.allclose(back, at_p, atol=tol)

