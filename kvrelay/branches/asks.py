@@ -59,7 +59,7 @@ def copy_span(src: SequenceKV, src_start: int, dst: SequenceKV, dst_start: int, 
     dst.ensure_capacity(dst_start + num_tokens)
     for layer in range(src.num_layers):
         k, v = src.kv(layer, src_start, src_start + num_tokens)  # [Hkv, num_tokens, hd] each
-        dst.write_range(layer, dst_start, rope.shift_keys(k, delta) if delta else k, v)
+        dst.write_range(layer, dst_start, rope.shift_keys(k, delta, layer=layer) if delta else k, v)
 
 
 def verify_with_branch_span(lm: LoadedModel, root_cache: SequenceKV, shared_len: int, ids: list[int],
