@@ -134,14 +134,15 @@ class SequenceKV:
         k = span.k[:, :, src_start:src_end].to(self.device, self.dtype)  # [L, Hkv, n, hd]
         v = span.v[:, :, src_start:src_end].to(self.device, self.dtype)
         delta = dst_start - (span.start_pos + src_start)
-        if delta:
-            if not rope.can_shift:
-                raise ScheduleError(
-                    f"RoPE type {rope.rope_type!r} does not compose, so keys cannot move by {delta} "
-                    "positions; recompute this span instead"
-                )
-            k = rope.shift_keys(k, delta)
-        self.k[:, :, dst_start : dst_start + n] = k
+        if delta and not rope.can_shift:
+            raise ScheduleError(
+                f"RoPE type {rope.rope_type!r} does not compose, so keys cannot move by {delta} "
+                "positions; recompute this span instead"
+            )
+        if delta:  # rotated straight into the cache: no temporaries of the keys' size
+            rope.shift_keys_into(k, delta, self.k[:, :, dst_start : dst_start + n])
+        else:
+            self.k[:, :, dst_start : dst_start + n] = k
         self.v[:, :, dst_start : dst_start + n] = v
         self.filled[:, dst_start : dst_start + n] = True
         return n if delta else 0

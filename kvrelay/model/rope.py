@@ -102,12 +102,29 @@ class RotaryEmbedding:
         """Rotate post-RoPE keys by a position delta (per token). keys: [..., n, head_dim]; delta: [n].
 
         With per-layer bases, ``keys`` are every layer's [L, Hkv, n, hd], or one ``layer``'s."""
+        return self._rotate(keys, delta, self._inv_for(keys, layer))
+
+    def shift_keys_into(self, keys: torch.Tensor, delta: int, out: torch.Tensor, layer: int | None = None) -> None:
+        """``out[:] = shift_keys(keys, delta)`` for one delta, written in place with no temporaries of the
+        keys' size (loading a span is a copy plus this rotation). fp32 only; other dtypes go via fp32."""
+        inv = self._inv_for(keys, layer).to(keys.device)
+        if keys.dtype != torch.float32 or out.dtype != torch.float32:
+            out.copy_(self._rotate(keys, delta, inv))
+            return
+        angle = inv * float(delta)  # [hd / 2], or [L, 1, 1, hd / 2] with per-layer bases
+        cos, sin = angle.cos(), angle.sin()
+        half = keys.shape[-1] // 2
+        x1, x2, o1, o2 = keys[..., :half], keys[..., half:], out[..., :half], out[..., half:]
+        torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+        torch.mul(x2, cos, out=o2).addcmul_(x1, sin)  # x2 cos + x1 sin
+
+    def _inv_for(self, keys: torch.Tensor, layer: int | None) -> torch.Tensor:
         inv = self.inv_freq if self.layer_inv_freq is None else (
             self.layer_inv_freq if layer is None else self.layer_inv_freq[layer, 0, 0])
         if inv.dim() > 1 and (keys.dim() != 4 or keys.shape[0] != inv.shape[0]):
             raise ValueError(f"per-layer RoPE bases: shift keys of shape [L, Hkv, n, hd] or pass layer=, "
                              f"got {tuple(keys.shape)}")
-        return self._rotate(keys, delta, inv)
+        return inv
 
     def _rotate(self, keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
         n = keys.shape[-2]

@@ -31,6 +31,19 @@ def test_shifted_keys_equal_keys_computed_at_new_position():
     torch.testing.assert_close(rope.shift_keys(at_p, q - p), at_q, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "gemma3-tiny"])  # one RoPE base; a base per layer
+def test_shift_into_a_cache_slice_equals_the_shift(preset):
+    from kvrelay.weights.presets import PRESETS
+
+    config = PRESETS[preset]
+    rope = RotaryEmbedding(config)
+    keys = torch.randn(config.num_layers, config.num_kv_heads, 9, config.head_dim)  # [L, Hkv, n, hd]
+    cache = torch.zeros(config.num_layers, config.num_kv_heads, 20, config.head_dim)
+    rope.shift_keys_into(keys, 37, cache[:, :, 4:13])  # a strided slice, as SequenceKV.load_span passes
+    torch.testing.assert_close(cache[:, :, 4:13], rope.shift_keys(keys, 37), atol=1e-5, rtol=0)
+    assert not cache[:, :, :4].any() and not cache[:, :, 13:].any()  # nothing written outside the slice
+
+
 def test_layer0_keys_moved_from_p_to_p_prime_equal_fresh_keys():
     lm = tiny_lm("llama3")  # llama3 frequency scaling: still a pure rotation
     model, n_pad = lm.model, 9
