@@ -149,12 +149,14 @@ class SideBySide:
         restore: dict[str, list[float]] = {}
         first: dict[str, int] = {}
         reused: dict[str, int] = {}
+        computed: dict[str, float] = {}  # share of the prompt's token-layers the forward computed
         for rep in range(reps):  # interleaved: machine noise hits every variant alike
             for m, meth in self.methods.items():
                 one = GenerateOptions(SamplingConfig(max_new_tokens=1), learn=rep == reps - 1)
                 out = engine.generate(call, meth, one)
                 times[m].append(out.stats.ttft_ms)
                 first[m], reused[m] = out.output_ids[0] if out.output_ids else -1, out.stats.num_reused_tokens
+                computed[m] = out.stats.num_computed_token_layers / out.stats.num_prompt_token_layers
             for fmt, llama in self.llamas.items():
                 for v in self.llama_variants(fmt):
                     key = f"llama.cpp {fmt} {v}"
@@ -171,7 +173,7 @@ class SideBySide:
         return {"workload": workload, "problem_id": problem_id, "agent": agent,
                 "num_prompt_tokens": len(call.prompt_ids), "ttft_ms": med,
                 "restore_ms": {k: statistics.median(v) for k, v in restore.items() if any(v)},
-                "num_reused_tokens": reused, "first_token": first}
+                "num_reused_tokens": reused, "computed_token_layer_fraction": computed, "first_token": first}
 
 
 def _median_ratio(rows: list[dict], variant: str, base_ms: list[float]) -> float:
@@ -205,6 +207,9 @@ def summarize(rows: list[dict], formats: list[str], peer_formats: list[str]) -> 
                  v: statistics.mean(r["first_token"][v] == r["first_token"][
                      "full" if not v.startswith("llama.cpp") else v.rsplit(" ", 1)[0] + " full"] for r in rs)
                  for v in variants},
+             "median_computed_token_layer_fraction": {
+                 m: statistics.median(r["computed_token_layer_fraction"][m] for r in rs)
+                 for m in rs[0].get("computed_token_layer_fraction", {})},
              "median_num_reused_tokens": {v: statistics.median(r["num_reused_tokens"][v] for r in rs)
                                           for v in variants}}
         out.setdefault(wl, {})[agent] = s
