@@ -18,6 +18,7 @@ import platform
 import statistics
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -33,6 +34,23 @@ def rss_mb(pid: int | None) -> float | None:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return None
+
+
+def store_metrics(base_url: str) -> dict:
+    """The server's store gauges and counters from /metrics (cumulative since the server started)."""
+    wanted = {"kvrelay_store_bytes": "store_bytes", "kvrelay_store_peak_bytes": "store_peak_bytes",
+              "kvrelay_store_budget_bytes": "store_budget_bytes", "kvrelay_store_namespaces": "namespaces",
+              "kvrelay_store_namespaces_reclaimed_total": "namespaces_reclaimed",
+              'kvrelay_store_puts_refused_total{reason="quota"}': "puts_refused_quota",
+              'kvrelay_store_puts_refused_total{reason="store_full"}': "puts_refused_store_full",
+              "kvrelay_publish_skipped_total": "publish_skipped", "kvrelay_rejected_queue_full_total": "rejected_429"}
+    text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            out[wanted[name]] = int(float(value))
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -103,7 +121,7 @@ def phase(base_url: str, model: str, questions: list[str], clients: int, seconds
            "failed": sum(w.failed for w in workers), "ttft_ms_p50": percentile(ttft, 0.5),
            "ttft_ms_p99": percentile(ttft, 0.99), "tokens_per_s": sum(w.tokens for w in workers) / elapsed,
            "cached_tokens_mean": statistics.mean(c for w in workers for c in w.cached) if ttft else 0.0,
-           "rss_mb_start": rss_start, "rss_mb_end": rss_mb(pid)}
+           "rss_mb_start": rss_start, "rss_mb_end": rss_mb(pid), "store_at_end": store_metrics(base_url)}
     print(json.dumps(row), flush=True)
     return row
 

@@ -9,7 +9,8 @@ the model fingerprint, so equal hashes mean equal prefixes of the same model (ne
 
 Namespaces partition the store (tenants of a server): a span put in one namespace is never
 matched, read, pinned or evicted through another, because a shared cache leaks through timing.
-The default namespace ``""`` is what every caller that names none gets. One re-entrant lock guards
+An idle namespace expires whole after ``namespace_idle_s`` (see ``cache.tenancy`` for why by time
+only). The default namespace ``""`` is what every caller that names none gets. One re-entrant lock guards
 every operation, so one store may be shared by threads (a server's request handlers).
 """
 
@@ -17,11 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvrelay.cache.tenancy import NamespaceLedger, check_idle_s
+from kvrelay.cache.view import StoreView
 from kvrelay.errors import KvRelayError, StoreFullError
 
 DEFAULT_NAMESPACE = ""
@@ -97,10 +102,12 @@ class KVStore:
     """Spans by id under a byte budget. Pinned spans are never evicted; others go least recent first.
 
     Eviction only takes spans of the namespace being put into; ``namespace_budget_bytes`` (optional)
-    caps what one namespace may hold, so one tenant cannot fill the store for all.
+    caps what one namespace may hold, so one tenant cannot fill the store for all; a namespace with no
+    pinned span, unused for ``namespace_idle_s`` (optional), is dropped whole.
     """
 
-    def __init__(self, budget_bytes: int, block_len: int = 16, namespace_budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int, block_len: int = 16, namespace_budget_bytes: int | None = None,
+                 namespace_idle_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if not _is_int(budget_bytes) or budget_bytes <= 0:
             raise KvRelayError(f"store budget must be a positive int, got {budget_bytes!r} bytes")
         if not _is_int(block_len) or block_len <= 0:
@@ -116,9 +123,32 @@ class KVStore:
         self._lock = threading.RLock()
         # namespace -> span id -> record, oldest use first; eviction never looks past one namespace
         self._spaces: dict[str, OrderedDict[str, _Record]] = {DEFAULT_NAMESPACE: OrderedDict()}
-        self._ns_bytes: dict[str, int] = {}
+        self.tenants = NamespaceLedger(namespace_idle_s, clock)
+        self._ns_bytes = self.tenants.bytes
+        self._reclaimed: list[str] = []  # ids dropped with their idle namespace, until take_reclaimed
         # block hash -> span ids; hashes are seeded with the namespace too, so they never cross
         self._prefix_index: dict[bytes, OrderedDict[str, None]] = {}
+
+    def set_namespace_idle_s(self, idle_s: float | None) -> None:
+        with self._lock:
+            self.tenants.idle_s = check_idle_s(idle_s)
+
+    def _enter(self, namespace: str | None = None) -> None:
+        """Drop the namespaces that have expired, then mark ``namespace`` (if it holds spans) as used."""
+        for ns in self.tenants.idle():
+            self._reclaimed.extend(self._spaces[ns])
+            for span_id in list(self._spaces[ns]):
+                self._drop(span_id, ns)
+            self.tenants.num_reclaimed += 1
+        if namespace is not None:
+            self.tenants.touch(namespace)
+
+    def take_reclaimed(self) -> list[str]:
+        """Ids of the spans dropped with an expired namespace since the last call (for indexes to forget)."""
+        with self._lock:
+            self._enter()
+            out, self._reclaimed = self._reclaimed, []
+            return out
 
     @property
     def _records(self) -> OrderedDict[str, _Record]:
@@ -135,24 +165,29 @@ class KVStore:
 
     def contains(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         with self._lock:
+            self._enter(namespace)
             space = self._spaces.get(namespace)
             return space is not None and span_id in space
 
     def __len__(self) -> int:
         with self._lock:
+            self._enter()
             return sum(len(space) for space in self._spaces.values())
 
     def ids(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
         """Span ids of ``namespace``, least recently used first."""
         with self._lock:
+            self._enter()
             return list(self._spaces.get(namespace, ()))
 
     def namespaces(self) -> list[str]:
         with self._lock:
+            self._enter()
             return [ns for ns, space in self._spaces.items() if space]
 
     def namespace_bytes(self, namespace: str = DEFAULT_NAMESPACE) -> int:
         with self._lock:
+            self._enter()
             return self._ns_bytes.get(namespace, 0)
 
     def view(self, namespace: str) -> StoreView:
@@ -168,6 +203,7 @@ class KVStore:
     def get(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> Any:
         """The span, marked as just used."""
         with self._lock:
+            self._enter(namespace)
             rec = self._record(span_id, namespace, "cannot get span")
             self._spaces[namespace].move_to_end(span_id)
             return rec.span
@@ -182,6 +218,7 @@ class KVStore:
         check_name("namespace", namespace)
         hashes = self._hashes(span.fingerprint, namespace, span.token_ids) if span.start_pos == 0 else []
         with self._lock:
+            self._enter(namespace)
             space = self._spaces.setdefault(namespace, OrderedDict())
             old = space.get(span_id)
             pins = old.pins if old else 0
@@ -189,6 +226,8 @@ class KVStore:
             evictable = sum(r.nbytes for sid, r in space.items() if r.pins == 0 and sid != span_id)
             if self._overflow(namespace, nbytes - freed_by_replace) > evictable:
                 others = self.used_bytes - self._ns_bytes.get(namespace, 0)
+                full = self._overflow(namespace, nbytes - freed_by_replace, quota=False) > evictable
+                self.tenants.num_refused["store_full" if full else "quota"] += 1
                 raise StoreFullError(
                     f"span {span_id!r} needs {nbytes} bytes; the store has {self.budget_bytes - self.used_bytes} "
                     f"free of {self.budget_bytes} and only {evictable} bytes of unpinned spans to evict"
@@ -206,28 +245,29 @@ class KVStore:
                 self._prefix_index.setdefault(h, OrderedDict())[span_id] = None
             space[span_id] = _Record(span, nbytes, pins + (1 if pin else 0), hashes)
             self.used_bytes += nbytes
-            self._ns_bytes[namespace] = self._ns_bytes.get(namespace, 0) + nbytes
+            self.tenants.add(namespace, nbytes, pins + (1 if pin else 0))
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
             return evicted
 
-    def _overflow(self, namespace: str, extra_bytes: int) -> int:
+    def _overflow(self, namespace: str, extra_bytes: int, quota: bool = True) -> int:
         """Bytes to free so that ``extra_bytes`` more fit both the store and the namespace budget."""
         over = self.used_bytes + extra_bytes - self.budget_bytes
-        if self.namespace_budget_bytes is not None:
+        if quota and self.namespace_budget_bytes is not None:
             over = max(over, self._ns_bytes.get(namespace, 0) + extra_bytes - self.namespace_budget_bytes)
         return over
 
     def remove(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         with self._lock:
+            self._enter()
             self._record(span_id, namespace, "cannot remove span")
             self._drop(span_id, namespace)
 
     def _drop(self, span_id: str, namespace: str) -> None:
         rec = self._spaces[namespace].pop(span_id)
         self.used_bytes -= rec.nbytes
-        self._ns_bytes[namespace] -= rec.nbytes
+        self.tenants.sub(namespace, rec.nbytes, rec.pins)
         if not self._spaces[namespace]:  # the empty dict stays: put() holds a reference to it
-            del self._ns_bytes[namespace]
+            self.tenants.forget(namespace)
         for h in rec.block_hashes:
             ids = self._prefix_index[h]
             del ids[span_id]
@@ -237,17 +277,22 @@ class KVStore:
     # ------------------------------------------------------------------ pins
     def pin(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         with self._lock:
+            self._enter(namespace)
             self._record(span_id, namespace, "cannot pin").pins += 1
+            self.tenants.pins[namespace] += 1
 
     def unpin(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         with self._lock:
+            self._enter(namespace)  # its idle time starts when its last request ends
             rec = self._spaces.get(namespace, {}).get(span_id)
             if rec is None or rec.pins == 0:
                 raise KvRelayError(f"cannot unpin {span_id!r}: it is not pinned")
             rec.pins -= 1
+            self.tenants.pins[namespace] -= 1
 
     def is_pinned(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         with self._lock:
+            self._enter()
             return self._record(span_id, namespace, "cannot tell whether it is pinned:").pins > 0
 
     # ------------------------------------------------------------------ lookup
@@ -260,6 +305,7 @@ class KVStore:
         """
         hashes = self._hashes(fingerprint, namespace, token_ids)
         with self._lock:
+            self._enter(namespace)
             candidates: OrderedDict[str, None] | None = None
             num_blocks = 0
             for h in hashes:
@@ -306,66 +352,7 @@ class KVStore:
             live = {ns: sum(r.nbytes for r in space.values()) for ns, space in self._spaces.items() if space}
             assert self.used_bytes == sum(live.values()) <= self.budget_bytes, (self.used_bytes, live)
             assert self._ns_bytes == live, (self._ns_bytes, live)
+            pins = {ns: sum(r.pins for r in space.values()) for ns, space in self._spaces.items() if space}
+            assert self.tenants.pins == pins and len(self.tenants) == len(live), (self.tenants.pins, pins)
             if self.namespace_budget_bytes is not None:
                 assert all(n <= self.namespace_budget_bytes for n in live.values())
-
-
-class StoreView:
-    """A store bound to one namespace: the ``KVStore`` interface without the ``namespace`` arguments."""
-
-    def __init__(self, store: KVStore, namespace: str) -> None:
-        self.store, self.namespace = store, namespace
-
-    def __contains__(self, span_id: str) -> bool:
-        return self.store.contains(span_id, self.namespace)
-
-    def __len__(self) -> int:
-        return len(self.store.ids(self.namespace))
-
-    def ids(self) -> list[str]:
-        return self.store.ids(self.namespace)
-
-    def get(self, span_id: str) -> Any:
-        return self.store.get(span_id, self.namespace)
-
-    def put(self, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
-        return self.store.put(span_id, span, pin, self.namespace)
-
-    def remove(self, span_id: str) -> None:
-        self.store.remove(span_id, self.namespace)
-
-    def pin(self, span_id: str) -> None:
-        self.store.pin(span_id, self.namespace)
-
-    def unpin(self, span_id: str) -> None:
-        self.store.unpin(span_id, self.namespace)
-
-    def is_pinned(self, span_id: str) -> bool:
-        return self.store.is_pinned(span_id, self.namespace)
-
-    def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...]) -> PrefixMatch | None:
-        return self.store.match_prefix(fingerprint, token_ids, self.namespace)
-
-    def poll_published(self, fingerprint: str | None = None, include_own: bool = False) -> list:
-        return self.store.poll_published(self.namespace, fingerprint, include_own)
-
-    def set_compute_rate(self, token_layers_per_s: float | None) -> None:
-        self.store.set_compute_rate(token_layers_per_s)
-
-    def set_fingerprint(self, fingerprint: str) -> None:
-        self.store.set_fingerprint(fingerprint)
-
-    def take_decisions(self) -> list:
-        return self.store.take_decisions()
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.store.budget_bytes
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.store.peak_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.store.namespace_bytes(self.namespace)

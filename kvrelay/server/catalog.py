@@ -63,7 +63,7 @@ class SpanCatalog:
         """Store ``span`` in ``namespace`` (the store evicts only that namespace's spans to fit; a
         StoreFullError stores nothing) and index its tokens."""
         evicted = self.store.put(span_id, span, pin, namespace)
-        for victim in evicted:
+        for victim in (*evicted, *self.store.take_reclaimed()):  # expired namespaces' spans too
             self._forget(victim)
         self.index.add(span_id, span.token_ids, namespace)
         return evicted

@@ -14,7 +14,8 @@ DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
-    from kvrelay.flags import device_arg
+    from kvrelay.cache.tenancy import TenancyConfig
+    from kvrelay.flags import add_dataclass_flags, device_arg
     from kvrelay.weights.loader import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
@@ -28,9 +29,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     p.add_argument("--kv-budget-gb", type=float, default=2.0, help="byte budget of the KV span store (GiB)")
-    p.add_argument("--kv-namespace-budget-gb", type=float, default=None,
-                   help="cap on what one namespace (API key / cache_salt) may hold, so one tenant cannot fill the "
-                        "store for all (default: no cap)")
+    add_dataclass_flags(p, TenancyConfig)
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="one API key per line; requests then need 'Authorization: Bearer <key>', and each key "
                         "gets its own cache namespace")
@@ -61,7 +60,9 @@ def read_api_keys(path: str | None) -> frozenset[str]:
 
 def build_app(args: argparse.Namespace):
     """Model, store, engine and the FastAPI app for ``args``."""
+    from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.engine import Engine
+    from kvrelay.flags import dataclass_from_args
     from kvrelay.reuse import get_method, split_method_specs
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import SpanCatalog
@@ -76,12 +77,11 @@ def build_app(args: argparse.Namespace):
     for spec in (args.method, *extra_methods):
         get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
+    tenancy = dataclass_from_args(TenancyConfig, args)
     lm = load_model(args.model, args.device)
-    ns_budget = args.kv_namespace_budget_gb
-    if ns_budget is not None and ns_budget <= 0:
-        raise ConfigError(f"--kv-namespace-budget-gb must be positive, got {ns_budget}")
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
-                       namespace_budget_bytes=None if ns_budget is None else int(ns_budget * (1 << 30)))
+                       namespace_budget_bytes=tenancy.namespace_budget_bytes)
+    store.set_namespace_idle_s(tenancy.idle_s)
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, decode=lm.tokenizer.decode)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,

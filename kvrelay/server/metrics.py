@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from kvrelay.cache.store import KVStore
 
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -36,6 +41,27 @@ class ServerMetrics:
         self.store_bytes = Gauge("kvrelay_store_bytes", "bytes of KV in the span store", registry=r)
         self.store_spans = Gauge("kvrelay_store_spans", "spans in the store", registry=r)
         self.store_budget_bytes = Gauge("kvrelay_store_budget_bytes", "the store's byte budget", registry=r)
+        self.store_peak_bytes = Gauge("kvrelay_store_peak_bytes", "most bytes the span store ever held", registry=r)
+        self.namespaces = Gauge("kvrelay_store_namespaces", "namespaces holding spans", registry=r)
+        self.namespaces_reclaimed = Counter("kvrelay_store_namespaces_reclaimed",
+                                            "namespaces dropped whole after being idle", registry=r)
+        self.puts_refused = Counter("kvrelay_store_puts_refused",
+                                    "spans not stored: the namespace's quota (pinned) or the store (other "
+                                    "namespaces' live spans) was full", ["reason"], registry=r)
+        self._seen: dict[str, int] = {}
+
+    def observe_store(self, store: KVStore) -> None:
+        """Store gauges now; the store's cumulative counts become counter increments."""
+        self.store_bytes.set(store.used_bytes)
+        self.store_spans.set(len(store))
+        self.store_peak_bytes.set(store.peak_bytes)
+        tenants = store.tenants
+        self.namespaces.set(len(tenants))
+        for key, total, counter in (("reclaimed", tenants.num_reclaimed, self.namespaces_reclaimed),
+                                    *((reason, n, self.puts_refused.labels(reason))
+                                      for reason, n in tenants.num_refused.items())):
+            counter.inc(total - self._seen.get(key, 0))
+            self._seen[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

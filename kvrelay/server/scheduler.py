@@ -161,8 +161,7 @@ class EngineWorker:
                 self._finish(j)
         self.metrics.running.set(len(self._running))
         self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running))
-        self.metrics.store_bytes.set(self.catalog.store.used_bytes)
-        self.metrics.store_spans.set(len(self.catalog.store))
+        self.metrics.observe_store(self.catalog.store)
 
     def _admit(self, job: Job) -> None:
         try:

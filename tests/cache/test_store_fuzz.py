@@ -37,7 +37,16 @@ ops = st.one_of(
     st.tuples(st.just("put"), namespaces, span_ids, st.integers(0, 600), st.booleans()),
     st.tuples(st.sampled_from(["get", "remove", "pin", "unpin", "contains"]), namespaces, span_ids),
     st.tuples(st.just("match"), namespaces, st.lists(st.integers(0, 5), max_size=10)),
+    st.tuples(st.just("tick"), namespaces, st.integers(0, 3)),  # the clock moves on (namespace expiry)
 )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
 
 
 def apply(store: KVStore, op: tuple) -> list[str]:
@@ -46,7 +55,10 @@ def apply(store: KVStore, op: tuple) -> list[str]:
     if kind == "put":
         _, _, sid, nbytes, pin = op
         return store.put(sid, Toy(nbytes, tuple(range(nbytes % 7 + 4))), pin, namespace=ns)
-    if kind == "match":
+    if kind == "tick":
+        if isinstance(store.tenants.clock, Clock):  # a store on the real clock just goes on
+            store.tenants.clock.now_s += op[2]
+    elif kind == "match":
         store.match_prefix("fp", op[2], namespace=ns)
     elif kind == "contains":
         store.contains(op[2], ns)
@@ -56,9 +68,10 @@ def apply(store: KVStore, op: tuple) -> list[str]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(ops, max_size=60), st.sampled_from([None, 600]))
-def test_random_sequences_keep_every_invariant(sequence, namespace_budget_bytes):
-    store = KVStore(BUDGET_BYTES, block_len=2, namespace_budget_bytes=namespace_budget_bytes)
+@given(st.lists(ops, max_size=60), st.sampled_from([None, 600]), st.sampled_from([None, 2.0]))
+def test_random_sequences_keep_every_invariant(sequence, namespace_budget_bytes, idle_s):
+    store = KVStore(BUDGET_BYTES, block_len=2, namespace_budget_bytes=namespace_budget_bytes,
+                    namespace_idle_s=idle_s, clock=Clock())
     pins: dict[tuple[str, str], int] = {}  # the model: pin counts of live spans
     for op in sequence:
         before = {ns: set(store.ids(ns)) for ns in NAMESPACES}
@@ -84,8 +97,11 @@ def test_random_sequences_keep_every_invariant(sequence, namespace_budget_bytes)
                 assert set(store.ids(ns)) == before[ns]  # another namespace's put never evicts here
         for sid in evicted or ():
             assert pins.pop((op[1], sid)) == 0  # never a pinned span
-        for (ns, sid), n in pins.items():
-            assert store.contains(sid, ns) and store.is_pinned(sid, ns) == (n > 0)
+        reclaimed = store.take_reclaimed()
+        for ns, sid in [key for key in pins if key[1] not in store.ids(key[0])]:  # gone with an expired namespace
+            assert idle_s is not None and sid in reclaimed and store.ids(ns) == [] and pins.pop((ns, sid)) == 0
+        for (ns, sid), n in pins.items():  # ids() and is_pinned() never count as a use of the namespace
+            assert sid in store.ids(ns) and store.is_pinned(sid, ns) == (n > 0)
         store.check_invariants()
         assert store.peak_bytes <= BUDGET_BYTES
 
@@ -145,9 +161,10 @@ def hammer(store: KVStore, num_threads: int, num_ops_per_thread: int, seed: int)
     return errors, violations[0]
 
 
+@pytest.mark.parametrize("idle_s", [None, 1e-4])  # 1e-4 s: namespaces expire all the time
 @pytest.mark.parametrize("num_threads", [2, 8])
-def test_threads_hammering_one_store(num_threads):
-    store = KVStore(BUDGET_BYTES, block_len=2)
+def test_threads_hammering_one_store(num_threads, idle_s):
+    store = KVStore(BUDGET_BYTES, block_len=2, namespace_idle_s=idle_s)
     errors, violations = hammer(store, num_threads, 16_000 // num_threads, seed=num_threads)
     assert errors == [] and violations == 0
     store.check_invariants()
