@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from kvrelay.cache.index import TokenIndex
+from kvrelay.server.index import TokenIndex
 
 SPAN_TOKENS = 512
 

@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrelay.cache.index import TokenIndex
 from kvrelay.cache.store import KVStore, SpanLike, StoreView
 from kvrelay.reuse.base import CallInput, SpanRef
+from kvrelay.server.index import TokenIndex
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
 

@@ -6,7 +6,7 @@ import random
 import subprocess
 import sys
 
-from kvrelay.cache.index import TokenIndex, TokenMatch, _block_hash, rolling_hashes
+from kvrelay.server.index import TokenIndex, TokenMatch, _block_hash, rolling_hashes
 
 
 def seq(start: int, n: int) -> list[int]:
@@ -104,5 +104,5 @@ def test_newest_span_wins_among_equals():
 
 
 def test_no_torch_import():
-    code = "import sys, kvrelay.cache.index; assert 'torch' not in sys.modules"
+    code = "import sys, kvrelay.server.index; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
