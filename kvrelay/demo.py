@@ -140,17 +140,20 @@ def _num_converted() -> int:
     return len(list(models.iterdir())) if models.is_dir() else 0
 
 
-def _install_s() -> float | None:
-    """Seconds the Makefile spent installing in this `make` run; None when nothing was installed (or
-    the demo was not started by `make`)."""
+def _make_stages(now_epoch_s: float) -> list[tuple[str, float]]:
+    """Under `make demo`: the install (when this `make` run did one) and Python's start up to the demo
+    (interpreter, imports: their first run also compiles the modules), from the Makefile's timestamps."""
     try:
         start, installed = float(os.environ[MAKE_START_ENV]), float(os.environ[INSTALLED_AT_ENV])
     except (KeyError, ValueError):
-        return None
-    return installed - start if installed >= start else None
+        return []
+    if installed < start:  # installed by an earlier `make`
+        return [("python start + imports", now_epoch_s - start)]
+    return [("install (make: venv + pip)", installed - start), ("python start + imports", now_epoch_s - installed)]
 
 
 def run_demo(cfg: DemoConfig, out=sys.stdout) -> dict:
+    make_stages = _make_stages(time.time())
     t_start = time.perf_counter()
     converted_before = _num_converted()
     bench_cfg = cfg.bench_config()
@@ -175,11 +178,11 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> dict:
     (folder / "demo.json").write_text(json.dumps(result, indent=1) + "\n")
     plots = write_plots(result, folder)
     print(f"\nwrote {folder / 'demo.json'} and plots: {', '.join(str(p) for p in plots)}", file=out)
-    stages = [("install (make: venv + pip)", _install_s()), (load_label, load_s)]
+    stages = [*make_stages, (load_label, load_s)]
     stages += sorted(bench.clock.seconds.items(), key=lambda kv: -kv[1])
     stages.append(("other (data, reports, plots)", time.perf_counter() - t_start - load_s - sum(
         bench.clock.seconds.values())))
-    print("\n" + format_time_split([(k, s) for k, s in stages if s is not None]), file=out)
+    print("\n" + format_time_split(stages), file=out)
     if MAKE_START_ENV in os.environ:
         total_s = time.time() - float(os.environ[MAKE_START_ENV])
         print(f"make demo, start to end: {total_s:.0f} s. The full six-method run: kvrelay bench.", file=out)
