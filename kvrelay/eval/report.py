@@ -188,3 +188,14 @@ def merge_results(results: list[dict]) -> dict:
 
 def rows_to_json(rows: list[CallRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def format_time_split(stages: list[tuple[str, float]]) -> str:
+    """Where the time went: one line per (stage, seconds), its share of the total, and the total."""
+    total_s = sum(s for _, s in stages)
+    width = max(len("where the time went"), *(len(name) for name, _ in stages))
+    lines = [f"{'where the time went':<{width}} {'s':>7} {'share':>6}", "-" * (width + 15)]
+    for name, seconds in stages:
+        lines.append(f"{name:<{width}} {seconds:>7.1f} {seconds / total_s if total_s else 0:>6.0%}")
+    lines.append(f"{'total':<{width}} {total_s:>7.1f}")
+    return "\n".join(lines)
