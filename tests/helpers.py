@@ -98,20 +98,38 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, hf) -> None:
-    """Write ``hf`` (a Llama) as a GGUF file the way llama.cpp's converter lays it out (F32)."""
+def gguf_writer(path: Path, arch: str, cfg):
+    """A GGUFWriter for ``arch`` with the shape keys every family has, from a transformers config."""
     import gguf
 
-    cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return w
+
+
+def hf_from_alias(alias: str):
+    """transformers' model and tokenizer reading the same GGUF file as ``load_model(alias)``: an
+    independent dequantization, config and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvrelay.weights.loader import _alias_path
+
+    path = _alias_path(alias)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def write_tiny_gguf(path: Path, hf) -> None:
+    """Write ``hf`` (a Llama) as a GGUF file the way llama.cpp's converter lays it out (F32)."""
+    cfg = hf.config
+    w = gguf_writer(path, "llama", cfg)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_vocab_size(cfg.vocab_size)
     meta = toy_tokenizer_metadata()
     w.add_tokenizer_model("gpt2")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import sys
 import threading
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,17 +17,12 @@ from hypothesis import strategies as st
 
 from kvrelay.cache.store import KVStore, SpanNotFoundError
 from kvrelay.errors import KvRelayError, StoreFullError
+from tests.cache.toys import Toy
 
 BUDGET_BYTES = 1000
 NAMESPACES = ("", "t1", "t2")
 
 
-@dataclass
-class Toy:
-    nbytes: int
-    token_ids: tuple = (1, 2, 3, 4)
-    start_pos: int = 0
-    fingerprint: str = "fp"
 
 
 span_ids = st.sampled_from([f"s{i}" for i in range(8)])

@@ -1,20 +1,12 @@
 """Tenants sharing one store: idle namespaces expire by time, never for another's put; quotas; pins."""
 
-from dataclasses import dataclass
 
 import pytest
 
 from kvrelay.cache.store import KVStore
 from kvrelay.cache.tenancy import TenancyConfig
 from kvrelay.errors import ConfigError, KvRelayError, StoreFullError
-
-
-@dataclass
-class Toy:
-    nbytes: int
-    token_ids: tuple = (1, 2, 3, 4)
-    start_pos: int = 0
-    fingerprint: str = "fp"
+from tests.cache.toys import Toy
 
 
 class Clock:

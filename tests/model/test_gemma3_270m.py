@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.weights.loader import ALIASES, _alias_path, load_model
+from kvrelay.weights.loader import ALIASES, load_model
+from tests.helpers import hf_from_alias
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +27,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def hf_pair():
-    """transformers reading the same GGUF file: an independent dequantization, norm offset and config."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = _alias_path("gemma3-270m")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return hf_from_alias("gemma3-270m")
 
 
 TEXTS = ["Natalia sold 48 clips, 12,345.67 + $678 = ?", "<start_of_turn>user\nHi!<end_of_turn>\n",

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.weights.loader import _alias_path, load_model
+from kvrelay.weights.loader import load_model
+from tests.helpers import hf_from_alias
 
 pytestmark = pytest.mark.slow
 
@@ -16,12 +17,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def hf_pair():
-    """transformers reading the same GGUF file: an independent dequantization and Q/K un-permute."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = _alias_path("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return hf_from_alias("smollm2-135m")
 
 
 PROMPT = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold "

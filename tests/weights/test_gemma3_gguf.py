@@ -13,6 +13,7 @@ from kvrelay.weights import loader
 from kvrelay.weights.chunked import assembled
 from kvrelay.weights.loader import load_model
 from kvrelay.weights.spm import tokenizer_from_gguf
+from tests.helpers import gguf_writer
 
 SPACE = "\u2581"
 # llama.cpp's names for Gemma 3's tensors (its ffn_norm is the MLP's input norm)
@@ -88,21 +89,12 @@ def _tiny_gemma3():
 
 def write_gemma3_gguf(path, hf) -> None:
     """``hf`` as llama.cpp's converter writes Gemma 3 (F32): norm weights stored as 1 + w, no Q/K permute."""
-    import gguf
-
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer(path, "gemma3", cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
     w.add_sliding_window(cfg.sliding_window)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     meta = toy_spm_metadata(cfg.vocab_size)
     w.add_tokenizer_model("llama")
     w.add_token_list(meta["tokenizer.ggml.tokens"])
