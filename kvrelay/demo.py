@@ -1,4 +1,5 @@
-"""``kvrelay demo``: the main job on the default model, in about three minutes on 2 CPU cores.
+"""``kvrelay demo``: the main job on the default model, sized for three minutes on 2 free CPU cores
+(BENCHMARKS.md has what it took on a loaded machine: more).
 
 ``gsm8k-chain3`` (solver -> critic -> finalizer) on a few GSM8K problems: ``full``, ``prefix`` and the
 best repair methods side by side on the same downstream calls: TTFT by agent, speedups, reuse,
