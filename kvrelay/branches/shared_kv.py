@@ -113,9 +113,11 @@ class SharedPrefixKV(SequenceKV):
 
 
 def kv_bytes(caches: list[SequenceKV]) -> int:
-    """Bytes of K/V storage the caches hold together, each tensor counted once however many share it."""
+    """Bytes of K/V the caches hold together, each tensor counted once however many share it (a
+    cache's tensor may be a view of a larger pooled buffer: its own bytes are counted, not the pool's)."""
     seen: dict[int, int] = {}
     for cache in caches:
         for t in cache.storages:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            ptr = t.untyped_storage().data_ptr()
+            seen[ptr] = max(seen.get(ptr, 0), t.nbytes)
     return sum(seen.values())

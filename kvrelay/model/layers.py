@@ -145,9 +145,10 @@ class MLP(nn.Module):
         linears = [self.gate_proj, self.up_proj]
         if not _still_fused(self._gate_up_w, linears):
             self._gate_up_w, _ = fuse_linears(linears)
-        gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)  # [n, inter] each
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)  # [n, inter] each, views of one product
+        # in place: the product is a temporary, and two fewer [n, inter] allocations pay on CPU prefill
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate, inplace=True)
+        return self.down_proj(act.mul_(up))
 
 
 class DecoderLayer(nn.Module):

@@ -145,7 +145,10 @@ class Transformer(nn.Module):
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li,
                            active: torch.Tensor = active, mask: torch.Tensor | None = mask,
                            causal: bool = causal) -> torch.Tensor:
-                    cache.write(li, active, k, v)
+                    if causal:  # every position 0..n-1 active: a slice copy, not an indexed one
+                        cache.write_range(li, 0, k, v)
+                    else:
+                        cache.write(li, active, k, v)
                     k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
                     return attention(q, k_all, v_all, mask, causal)
 

@@ -14,7 +14,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -62,10 +64,29 @@ def _default_dtype(device: str | torch.device, dtype: torch.dtype | str | None) 
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+_INIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Construct Linear and Embedding modules without their random init (the weights are loaded next).
+
+    Building on the meta device instead runs the init through ``torch._refs``, whose first use imports
+    ``torch._dynamo``: over a second on every load on a quiet 2-core machine (benchmarks: make demo)."""
+    from torch import nn
+
+    with _INIT_LOCK:
+        saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+        nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+        try:
+            yield
+        finally:
+            nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 def _build(config: ModelConfig, state: dict[str, torch.Tensor], device, dtype, source: str) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to_empty(device=device)
+    with _no_init(), torch.device(device):
+        model = Transformer(config)  # parameters allocated, not initialised: every one is loaded below
     missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

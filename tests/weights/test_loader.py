@@ -343,3 +343,31 @@ def test_presets_do_not_import_the_loader():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any("loader" in (m or "") for m in imported), imported
+
+
+def test_loading_restores_module_init(tiny_gguf, cache_env):
+    """The weights skip their random init while the model is built; modules built afterwards get it."""
+    path, _ = tiny_gguf
+
+    def fresh() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        return [torch.nn.Linear(8, 8).weight.detach(), torch.nn.Embedding(8, 8).weight.detach()]
+
+    before = fresh()
+    load_model(str(path), progress=False)
+    for a, b in zip(before, fresh(), strict=True):
+        assert torch.equal(a, b)  # the seeded init ran, not left as allocated
+
+
+def test_loading_a_converted_model_does_not_import_dynamo(tiny_gguf, cache_env):
+    """Building on the meta device imported torch._dynamo (over a second per load): the build must not."""
+    import subprocess
+    import sys
+
+    path, _ = tiny_gguf
+    load_model(str(path), progress=False)  # convert once in this process
+    code = ("import sys; from kvrelay.weights.loader import load_model; "
+            f"load_model({str(path)!r}, progress=False); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "KVRELAY_CACHE": str(cache_env)})
+    assert out.stdout.split()[-1] == "False"
