@@ -49,3 +49,43 @@ def test_export_then_load_round_trip_at_same_position():
     assert span.k.abs().sum() > 0  # the export is a copy
     with pytest.raises(ValueError, match="past the sequence length"):
         a.export(0, 7, list(range(7)), "fp")
+
+
+def _span_at_zero(n: int, seed: int = 0) -> StoredSpan:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(CFG.num_layers, CFG.num_kv_heads, n, CFG.head_dim, generator=g)
+    return StoredSpan(tuple(range(n)), 0, k, torch.randn(k.shape, generator=g), "fp")
+
+
+def test_an_unmoved_prefix_is_read_in_place_not_copied():
+    span, rope = _span_at_zero(6), RotaryEmbedding(CFG)
+    cache = SequenceKV(CFG, torch.float32, "cpu", capacity=10)
+    assert cache.load_span(span, 0, rope, 0, 5) == 0
+    runs = cache.kv_runs(1, 0, 8)  # the prefix's rows, then the cache's own
+    assert [k.shape[1] for k, _ in runs] == [5, 3]
+    assert runs[0][0].data_ptr() == span.k[1].data_ptr()  # a view of the stored span
+    assert bool(cache.filled[:, :5].all()) and not bool(cache.filled[:, 5:].any())
+
+
+def test_a_write_or_one_run_read_inside_the_shared_prefix_copies_it_first():
+    span, rope = _span_at_zero(6), RotaryEmbedding(CFG)
+    before = span.k.clone()
+    cache = SequenceKV(CFG, torch.float32, "cpu", capacity=10)
+    cache.load_span(span, 0, rope)
+    k_all, _ = cache.kv(2, 0, 6)  # a method reading the layer as one run: the prefix is copied in
+    torch.testing.assert_close(k_all, span.k[2])
+    assert cache.shared is None and k_all.data_ptr() == cache.k[2].data_ptr()
+    cache.write_range(0, 1, torch.zeros(CFG.num_kv_heads, 1, CFG.head_dim), torch.zeros(CFG.num_kv_heads, 1, 4))
+    assert torch.equal(span.k, before)  # the stored span is never written
+
+
+def test_a_moved_span_or_a_nonempty_cache_is_copied():
+    span, rope = _span_at_zero(6), RotaryEmbedding(CFG)
+    moved = SequenceKV(CFG, torch.float32, "cpu", capacity=10)
+    moved.load_span(span, 2, rope)
+    assert moved.shared is None and len(moved.kv_runs(0, 0, 8)) == 1
+    busy = SequenceKV(CFG, torch.float32, "cpu", capacity=20)
+    busy.load_span(_span_at_zero(3, seed=1), 10, rope, 0, 3)
+    busy.load_span(span, 0, rope)
+    assert busy.shared is None
+    torch.testing.assert_close(busy.kv(0, 0, 6)[1], span.v[0])
