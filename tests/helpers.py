@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvrelay.model.config import ModelConfig
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.transformer import Transformer
+from kvrelay.weights.configs import config_from_hf
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -51,7 +51,7 @@ def hf_model(family: str, seed: int = 0):
 
 
 def ours_from_hf(hf) -> Transformer:
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    cfg = config_from_hf(hf.config.to_dict())
     model = Transformer(cfg)
     missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
     assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)

@@ -10,6 +10,7 @@ import torch
 
 from kvrelay.errors import CorruptModelError, UnsupportedModelError
 from kvrelay.model.config import ModelConfig
+from kvrelay.weights.configs import config_from_gguf
 
 GGUF_MAGIC = b"GGUF"
 
@@ -74,7 +75,7 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], ModelC
     reader = _open(path)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(meta, has_output_weight="output.weight" in names)
+    config = config_from_gguf(meta, has_output_weight="output.weight" in names)
     state: dict[str, torch.Tensor] = {}
     tensors = tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", disable=not progress,
                    leave=False)

@@ -27,6 +27,7 @@ from kvrelay.model.lm import LoadedModel, fingerprint_of
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.model.transformer import Transformer
 from kvrelay.weights.chunked import assembled, chunk_files
+from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.devices import check_device
 from kvrelay.weights.integrity import IntegrityError, file_sha256, record_folder, verify_folder
 from kvrelay.weights.presets import PRESETS
@@ -304,7 +305,7 @@ def _load_hf_dir(path: Path, device, dtype: torch.dtype) -> LoadedModel:
         hf_cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise CorruptModelError(f"{cfg_file}: invalid JSON ({exc})") from exc
-    config = ModelConfig.from_hf(hf_cfg)
+    config = config_from_hf(hf_cfg)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ModelNotFoundError(f"{path}: no *.safetensors weights")
