@@ -69,13 +69,6 @@ class SharedPrefixKV(SequenceKV):
         pre_k, pre_v = self.prefix.kv(layer, start, p)
         return torch.cat([pre_k, own_k], dim=1), torch.cat([pre_v, own_v], dim=1)
 
-    def kv_runs(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The prefix cache's runs, then this cache's own rows: attention reads both without a copy."""
-        p = self.prefix_len
-        if start >= p or end <= p:
-            return [self.kv(layer, start, end)]
-        return [*self.prefix.kv_runs(layer, start, p), super().kv(layer, 0, end - p)]
-
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return super().gather(layer, self._own(slots))
 

@@ -103,9 +103,6 @@ BUFFERS = BufferPool()
 class SequenceKV:
     """The K/V of one sequence, by position, for every layer."""
 
-    # [L, Hkv, P, hd] views of a stored span, read in place for positions [0, P) (an exact prefix)
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None
-
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  capacity: int = 256) -> None:
         self.num_layers = config.num_layers
@@ -132,15 +129,8 @@ class SequenceKV:
             filled[:, : self.capacity] = self.filled
         self.k, self.v, self.filled, self.capacity = k, v, filled, new_cap
 
-    def _own_prefix(self, start: int) -> None:
-        """Copy the shared prefix in before positions from ``start`` on are written, or read as one run."""
-        if self.shared is not None and start < self.shared[0].shape[2]:
-            (k, v), self.shared = self.shared, None
-            self.k[:, :, : k.shape[2]], self.v[:, :, : k.shape[2]] = k, v
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_kv_heads, n, head_dim] for positions ``slots`` ([n])."""
-        self._own_prefix(int(slots.min()) if slots.numel() else self.capacity)
         self.k[layer].index_copy_(1, slots, k)
         self.v[layer].index_copy_(1, slots, v)
         self.filled[layer].index_fill_(0, slots, True)
@@ -148,40 +138,26 @@ class SequenceKV:
     def write_range(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Contiguous write (the decode hot path): k, v: [num_kv_heads, n, head_dim]."""
         n = k.shape[1]
-        self._own_prefix(start)
         self.k[layer, :, start : start + n] = k
         self.v[layer, :, start : start + n] = v
         self.filled[layer, start : start + n] = True
 
     def kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [start, end) at ``layer``: [num_kv_heads, m, head_dim] each, views (no copy)."""
-        self._own_prefix(start)
         return self.k[layer, :, start:end], self.v[layer, :, start:end]
-
-    def kv_runs(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K, V of positions [start, end) at ``layer`` as consecutive runs of views: the shared prefix's
-        rows, then this cache's ([num_kv_heads, m_i, head_dim] each). Attention reads them without a copy."""
-        p = 0 if self.shared is None else self.shared[0].shape[2]
-        if start >= p:
-            return [self.kv(layer, start, end)]
-        sk, sv = self.shared
-        runs = [(sk[layer, :, start : min(end, p)], sv[layer, :, start : min(end, p)])]
-        return runs + [(self.k[layer, :, p:end], self.v[layer, :, p:end])] if end > p else runs
 
     def kv_all(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K, V of positions [start, end): [L, Hkv, m, hd] each, views."""
-        self._own_prefix(start)
         return self.k[:, :, start:end], self.v[:, :, start:end]
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the K/V at positions ``slots`` ([n]) of one layer: [num_kv_heads, n, head_dim] each."""
-        self._own_prefix(int(slots.min()) if slots.numel() else self.capacity)
         return self.k[layer][:, slots].clone(), self.v[layer][:, slots].clone()
 
     @property
     def storages(self) -> list[torch.Tensor]:
         """The tensors holding this cache's K/V (for memory accounting; shared ones are listed too)."""
-        return [self.k, self.v, *(self.shared or ())]
+        return [self.k, self.v]
 
     def check_filled(self, num_positions: int) -> None:
         ok = self.filled[:, :num_positions]
@@ -194,20 +170,13 @@ class SequenceKV:
 
     def load_span(self, span: StoredSpan, dst_start: int, rope: RotaryEmbedding,
                   src_start: int = 0, src_end: int | None = None) -> int:
-        """Copy span tokens [src_start, src_end) to positions from ``dst_start``; re-rotate keys. A prefix of
-        an empty CPU cache that keeps its positions is not copied: attention reads it in the span (``kv_runs``).
+        """Copy span tokens [src_start, src_end) to positions from ``dst_start``; re-rotate keys.
 
         Returns the number of positions moved (0 when the span keeps its original positions).
         """
         src_end = len(span) if src_end is None else src_end
         n = src_end - src_start
         self.ensure_capacity(dst_start + n)
-        if dst_start == src_start == span.start_pos == 0 and not self.filled.any() and self.device.type == "cpu" \
-                and span.k.device == self.device and span.k.dtype == self.dtype:
-            self.shared = (span.k[:, :, :n], span.v[:, :, :n])
-            self.filled[:, :n] = True
-            return 0
-        self._own_prefix(dst_start)
         k = span.k[:, :, src_start:src_end].to(self.device, self.dtype)  # [L, Hkv, n, hd]
         v = span.v[:, :, src_start:src_end].to(self.device, self.dtype)
         delta = dst_start - (span.start_pos + src_start)
@@ -228,7 +197,6 @@ class SequenceKV:
         """Add to (``add``) or set positions [dst_start, dst_start + n); k, v: [L, Hkv, n, hd]."""
         n = k.shape[2]
         self.ensure_capacity(dst_start + n)
-        self._own_prefix(dst_start)
         rows = slice(dst_start, dst_start + n)
         if add:
             if not bool(self.filled[:, rows].all()):
@@ -245,7 +213,6 @@ class SequenceKV:
         """A copy of positions [start, end) as a span (the sequence cache may then be freed)."""
         if end > self.length:
             raise ValueError(f"export [{start}, {end}) past the sequence length {self.length}")
-        self._own_prefix(start)
         return StoredSpan(
             token_ids=tuple(int(t) for t in token_ids),
             start_pos=start,

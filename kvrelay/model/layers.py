@@ -40,28 +40,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def attention_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
-                   causal: bool) -> torch.Tensor:
-    """``attention`` over keys held as consecutive runs [(k [Hkv, m_i, hd], v)]: each run attended on its
-    own and the outputs merged by their log-sum-exp, so no run is copied next to another (CPU only)."""
-    if len(runs) == 1:
-        return attention(q, *runs[0], mask, causal)
-    outs, lses, col = [], [], 0
-    for k, v in runs:
-        part = None if mask is None else mask[:, col : col + k.shape[1]]  # [n, m_i]
-        col += k.shape[1]
-        bias = None if part is None else torch.zeros(part.shape, dtype=q.dtype).masked_fill_(~part, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], 0.0, False, attn_mask=None if bias is None else bias[None, None])
-        if part is not None:  # a row that sees none of this run's keys: the kernel gives lse 0, not -inf
-            lse = lse.masked_fill(~part.any(-1), float("-inf"))
-        outs.append(out)  # [1, H, n, hd]
-        lses.append(lse)  # [1, H, n]
-    total = torch.logsumexp(torch.stack(lses), dim=0)
-    out = sum(o.nan_to_num() * (lse - total).exp()[..., None] for o, lse in zip(outs, lses, strict=True))
-    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
-
-
 def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax probabilities [H, n, m] of q [H, n, hd] over k [Hkv, m, hd] (for methods that read them)."""
     group = q.shape[0] // k.shape[0]

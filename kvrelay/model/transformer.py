@@ -14,7 +14,7 @@ from torch import nn
 
 from kvrelay.errors import ContextLengthError, ScheduleError
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.layers import DecoderLayer, RMSNorm, attention, attention_probs, attention_runs, visible_mask
+from kvrelay.model.layers import DecoderLayer, RMSNorm, attention, attention_probs, visible_mask
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import LayerView, Schedule
 
@@ -149,7 +149,8 @@ class Transformer(nn.Module):
                         cache.write_range(li, 0, k, v)
                     else:
                         cache.write(li, active, k, v)
-                    return attention_runs(q, cache.kv_runs(li, 0, n), mask, causal)
+                    k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
+                    return attention(q, k_all, v_all, mask, causal)
 
                 h, q, k, v = layer(h, cos, sin, attend)
                 if schedule.has_layer_hook:
@@ -226,8 +227,8 @@ class Transformer(nn.Module):
                 out = []
                 for b, cache in enumerate(caches):  # q [H, B, hd]; k, v [Hkv, B, hd]
                     cache.write_range(li, positions[b], k[:, b : b + 1], v[:, b : b + 1])
-                    runs = cache.kv_runs(li, starts[b], positions[b] + 1)  # [(k, v) [Hkv, m_i, hd]]
-                    out.append(attention_runs(q[:, b : b + 1], runs, None, False))  # [1, H * hd]
+                    k_all, v_all = cache.kv(li, starts[b], positions[b] + 1)  # [Hkv, m, hd]
+                    out.append(attention(q[:, b : b + 1], k_all, v_all, None, False))  # [1, H * hd]
                 return torch.cat(out)  # [B, H * hd]
 
             cos, sin = tables[self.rope_of(li)]  # [B, hd] each

@@ -221,8 +221,8 @@ class KVCommMethod(ReuseMethod):
         rope = lm.model.rope
         if call.name not in self.templates:  # the agent's first dense prefill is its template base
             self.templates[call.name] = [
-                TemplateSegment(tuple(call.prompt_ids[s:e]), rope.shift_keys(cache.kv_all(s, e)[0], -s).clone(),
-                                cache.kv_all(s, e)[1].clone()) for s, e in layout.segs]
+                TemplateSegment(tuple(call.prompt_ids[s:e]), rope.shift_keys(cache.k[:, :, s:e], -s).clone(),
+                                cache.v[:, :, s:e].clone()) for s, e in layout.segs]
         template = self.templates[call.name]
         for j, ref in enumerate(layout.refs):
             if store is None or ref.span_id not in store:
@@ -247,7 +247,7 @@ class KVCommMethod(ReuseMethod):
 
         Position-free keys: both rotated back to position 0; absolute: base moved to ``start``.
         """
-        real_k, real_v = cache.kv_all(start, end)
+        real_k, real_v = cache.k[:, :, start:end], cache.v[:, :, start:end]
         if self.rotate_offsets:
             dk = rope.shift_keys(real_k, -start) - rope.shift_keys(base_k, -base_pos)
         else:
