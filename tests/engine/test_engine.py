@@ -153,3 +153,20 @@ def test_moving_keys_under_dynamic_rope_falls_back_to_full_and_says_so():
     assert "cannot move keys" in out.stats.fallback
     assert out.stats.num_reused_tokens == 0 and out.stats.reuse_rate == 0.0
     torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_a_stored_prefix_gives_full_logits_in_prefill_and_decode(family):
+    """The prefix loaded from the store (into a pooled buffer when one is idle); gemma3's 8-token window
+    leaves new rows that see none of it."""
+    model = tiny_lm(family)
+    store = KVStore(1 << 30)
+    upstream = generate(model, _prompt(30, 4), "full", store, SamplingConfig(max_new_tokens=6), keep_cache=True)
+    publish(store, "up", upstream, model)
+    downstream = upstream.prompt_ids + upstream.output_ids + _prompt(12, 5)
+    full = generate(model, downstream, "full", store, SamplingConfig(max_new_tokens=10))
+    for method in ("prefix", "naive"):
+        out = generate(model, downstream, method, store, SamplingConfig(max_new_tokens=10))
+        assert out.stats.num_reused_tokens == 36
+        torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-4, rtol=0)
+        assert out.output_ids == full.output_ids
