@@ -1,5 +1,5 @@
-"""``kvrelay demo``: the main job on the default model, sized for three minutes on 2 free CPU cores
-(BENCHMARKS.md has what it took on a loaded machine: more).
+"""``kvrelay demo``: the main job on the default model. ``make demo`` from a fresh clone takes about 72 s on
+2 nearly free CPU cores, install included (BENCHMARKS.md, also what it took on a loaded machine).
 
 ``gsm8k-chain3`` (solver -> critic -> finalizer) on a few GSM8K problems: ``full``, ``prefix`` and the
 best repair methods side by side on the same downstream calls: TTFT by agent, speedups, reuse,
