@@ -66,6 +66,11 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in the text (e.g. <|im_start|>) are parsed."""
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode`` plus each token's (start, end) character range in ``text``."""
+        enc = self.backend.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

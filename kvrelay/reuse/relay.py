@@ -102,14 +102,13 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
 
     def layers(self, lm) -> tuple[int, int, int]:
-        """(L_start, L_det, L_end) for this model: overrides, else the profile (a ConfigError says how to get
-        one when the model has none)."""
+        """(L_start, L_det, L_end) for this model: each override given, else the profile's (a ConfigError says
+        how to get one when the model has none and a layer is not given)."""
         num_layers = lm.config.num_layers
-        if None in (self.l_start, self.l_det, self.l_end):
-            profile = layer_profile(lm)
-            start, det, end = profile.l_start, profile.l_det, profile.l_end
-        else:
-            start, det, end = self.l_start, self.l_det, self.l_end
+        given = (self.l_start, self.l_det, self.l_end)
+        # each layer not given comes from the profile (relay[l_end=25] moves only the band's end)
+        profiled = layer_profile(lm).layers if None in given else given
+        start, det, end = (g if g is not None else p for g, p in zip(given, profiled, strict=True))
         if not self.band:
             start, end = 0, num_layers - 1
         if start == det == end == num_layers:

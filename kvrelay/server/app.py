@@ -166,7 +166,8 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         job = Job(build, namespace, method, max_tokens, default_max_tokens, body.temperature, body.top_p,
                   body.seed or 0, body.stop_list(), num_top_logprobs,
                   bool(body.kvrelay and body.kvrelay.debug), emit,
-                  cache_output=not body.kvrelay or body.kvrelay.cache_output)
+                  cache_output=not body.kvrelay or body.kvrelay.cache_output,
+                  first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs))
         return job, events
 
     async def next_event(request: Request, job: Job, events: asyncio.Queue) -> dict | None:

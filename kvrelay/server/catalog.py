@@ -11,13 +11,36 @@ import itertools
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay.cache.store import KVStore, SpanLike, StoreView
+from kvrelay.errors import ConfigError
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.server.index import TokenIndex
+from kvrelay.server.index import MATCH_PREFERENCES, TokenIndex
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
+
+
+@dataclass(frozen=True)
+class MatchConfig:
+    """How the server finds stored runs in a prompt (``kvrelay serve`` flags are derived from these fields)."""
+
+    min_match_tokens: int = field(default=16, metadata={"help": (
+        "shortest run of prompt tokens, outside the exact prefix, reused from a stored span")})
+    match_framing: bool = field(default=False, metadata={"help": (
+        "let runs found at any offset take in a chat prompt's framing (turn tokens, role headers) between "
+        "message contents; off: only contents are matched and the framing is computed in the request's own "
+        "context, as the pipeline runner does (the exact prefix is reused either way)")})
+    match_prefer: str = field(default="oldest", metadata={"choices": MATCH_PREFERENCES, "help": (
+        "which run a text shared with several stored spans is taken from: the span that stored it first (as "
+        "the pipeline runner takes a task input from the first call that prefilled it), or the longest run")})
+
+    def __post_init__(self) -> None:
+        if self.match_prefer not in MATCH_PREFERENCES:
+            raise ConfigError(f"--match-prefer must be one of {', '.join(MATCH_PREFERENCES)}, got "
+                              f"{self.match_prefer!r}")
+        if not isinstance(self.min_match_tokens, int) or self.min_match_tokens < 1:
+            raise ConfigError(f"--min-match-tokens must be an integer >= 1, got {self.min_match_tokens!r}")
 
 
 @dataclass
@@ -26,6 +49,7 @@ class CallBuild:
     num_prefix_tokens: int  # exact stored prefix
     pinned: list[str]  # span ids pinned for this call (unpin when it ends)
     namespace: str = ""
+    framing: list[tuple[int, int]] = field(default_factory=list)  # prompt ranges no later run may match
 
 
 # a published completion's span id says where its output starts: "span-<origin>-<n>-p<prompt tokens>"
@@ -33,16 +57,16 @@ _OUTPUT_SPAN = re.compile(r"^span-[0-9a-f]+-\d+-p(\d+)$")
 
 
 class SpanCatalog:
-    def __init__(self, store: KVStore, fingerprint: str, block_len: int = 16, min_match_tokens: int = 16,
+    def __init__(self, store: KVStore, fingerprint: str, block_len: int = 16, match: MatchConfig | None = None,
                  decode: Callable[[list[int]], str] | None = None) -> None:
         """``decode``: the tokenizer's, so that completions other processes published to a shared tier
         join this process's output registry (without it, only their token runs are indexed)."""
         self.store = store
+        self.match = match or MatchConfig()
         self.decode = decode
         self.fingerprint = fingerprint
         self.index = TokenIndex(block_len=block_len)
         self.registry = OutputRegistry()
-        self.min_match_tokens = min_match_tokens
         self._counter = itertools.count()
         # span ids are unique across processes: replicas on one shared tier must never overwrite each other
         self._origin = uuid.uuid4().hex[:12]
@@ -55,17 +79,20 @@ class SpanCatalog:
     def owns(self, namespace: str, span_id: str) -> bool:
         return self.store.contains(span_id, namespace)
 
-    def view(self, namespace: str) -> CatalogView:
-        return CatalogView(self, namespace)
+    def view(self, namespace: str, framing: list[tuple[int, int]] | tuple[()] = ()) -> CatalogView:
+        """The store as one namespace sees it; ``framing``: ranges of the spans put through this view that no
+        run may match (a call's ``CallBuild.framing``, for the span that publishes it)."""
+        return CatalogView(self, namespace, framing)
 
     # ------------------------------------------------------------------ writes
-    def put(self, namespace: str, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
+    def put(self, namespace: str, span_id: str, span: SpanLike, pin: bool = False,
+            framing: list[tuple[int, int]] | tuple[()] = ()) -> list[str]:
         """Store ``span`` in ``namespace`` (the store evicts only that namespace's spans to fit; a
-        StoreFullError stores nothing) and index its tokens."""
+        StoreFullError stores nothing) and index its tokens, the ``framing`` ranges left unmatchable."""
         evicted = self.store.put(span_id, span, pin, namespace)
         for victim in (*evicted, *self.store.take_reclaimed()):  # expired namespaces' spans too
             self._forget(victim)
-        self.index.add(span_id, span.token_ids, namespace)
+        self.index.add(span_id, span.token_ids, namespace, framing)
         return evicted
 
     def register(self, output: RegisteredOutput) -> bool:
@@ -96,14 +123,19 @@ class SpanCatalog:
         num_prefix = 0 if prefix is None else min(prefix.num_tokens, len(ids) - 1)
         if num_prefix > 0:
             covered.append((0, num_prefix))
-        for k, m in enumerate(self.index.find(ids, namespace, self.min_match_tokens, covered)):
+        framing = []
+        if not self.match.match_framing and prompt.content_ranges is not None:
+            framing = _framing(prompt.content_ranges, len(ids))
+            covered += framing
+        found = self.index.find(ids, namespace, self.match.min_match_tokens, covered, self.match.match_prefer)
+        for k, m in enumerate(found):
             if self.owns(namespace, m.span_id):  # an index entry outliving its span is never used
                 refs.append(SpanRef(m.start, m.end, m.span_id, m.src_start, "input", f"input{k}"))
         refs.sort(key=lambda r: r.start)
         pinned = sorted({r.span_id for r in refs} | ({prefix.span_id} if num_prefix > 0 else set()))
         for span_id in pinned:
             self.store.pin(span_id, namespace)
-        return CallBuild(CallInput(ids, refs, agent), num_prefix, pinned, namespace)
+        return CallBuild(CallInput(ids, refs, agent), num_prefix, pinned, namespace, framing)
 
     def learn_published(self, namespace: str) -> int:
         """Index the spans other processes published to the shared tier in ``namespace`` since the last
@@ -128,12 +160,24 @@ class SpanCatalog:
         built.pinned = []
 
 
+def _framing(content_ranges: list[tuple[int, int]], num_tokens: int) -> list[tuple[int, int]]:
+    """The token ranges between contents (and before the first, after the last): the template's framing."""
+    gaps, cursor = [], 0
+    for start, end in content_ranges:
+        if start > cursor:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < num_tokens:
+        gaps.append((cursor, num_tokens))
+    return gaps
+
+
 class CatalogView(StoreView):
     """One namespace of the store, as the engine and the methods see it; puts go through the catalog."""
 
-    def __init__(self, catalog: SpanCatalog, namespace: str) -> None:
+    def __init__(self, catalog: SpanCatalog, namespace: str, framing: list[tuple[int, int]] | tuple[()] = ()) -> None:
         super().__init__(catalog.store, namespace)
-        self.catalog = catalog
+        self.catalog, self.framing = catalog, framing
 
     def put(self, span_id: str, span: SpanLike, pin: bool = False) -> list[str]:
-        return self.catalog.put(self.namespace, span_id, span, pin)
+        return self.catalog.put(self.namespace, span_id, span, pin, self.framing)

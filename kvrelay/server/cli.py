@@ -16,6 +16,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.flags import add_dataclass_flags, device_arg
+    from kvrelay.server.catalog import MatchConfig
     from kvrelay.weights.loader import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
@@ -30,6 +31,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     p.add_argument("--kv-budget-gb", type=float, default=2.0, help="byte budget of the KV span store (GiB)")
     add_dataclass_flags(p, TenancyConfig)
+    add_dataclass_flags(p, MatchConfig)
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="one API key per line; requests then need 'Authorization: Bearer <key>', and each key "
                         "gets its own cache namespace")
@@ -65,7 +67,7 @@ def build_app(args: argparse.Namespace):
     from kvrelay.flags import dataclass_from_args
     from kvrelay.reuse import get_method, split_method_specs
     from kvrelay.server.app import ServerSettings, create_app
-    from kvrelay.server.catalog import SpanCatalog
+    from kvrelay.server.catalog import MatchConfig, SpanCatalog
     from kvrelay.tier.tiered import open_store
     from kvrelay.weights.loader import load_model
 
@@ -78,12 +80,13 @@ def build_app(args: argparse.Namespace):
         get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
     tenancy = dataclass_from_args(TenancyConfig, args)
+    match = dataclass_from_args(MatchConfig, args)
     lm = load_model(args.model, args.device)
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
                        namespace_budget_bytes=tenancy.namespace_budget_bytes)
     store.set_namespace_idle_s(tenancy.idle_s)
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
-    catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, decode=lm.tokenizer.decode)
+    catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, match=match, decode=lm.tokenizer.decode)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running)
     return create_app(engine, catalog, settings)

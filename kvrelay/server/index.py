@@ -15,9 +15,12 @@ query in another.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+MATCH_PREFERENCES = ("oldest", "longest")
 _MOD = (1 << 61) - 1  # a Mersenne prime: the hash stays a Python int below 2**61
 _BASE = 1_000_003
 
@@ -40,6 +43,7 @@ class TokenMatch:
 class _Entry:
     namespace: str
     token_ids: tuple[int, ...]
+    order: int = 0  # when the span was added: older spans have smaller numbers
     block_keys: list[tuple[str, int]] = field(default_factory=list)
     chain_keys: list[tuple[str, int]] = field(default_factory=list)
 
@@ -76,6 +80,7 @@ class TokenIndex:
         # few spans only, so lookup time does not grow with the number of spans holding it
         self.max_candidates = max_candidates
         self._spans: dict[str, _Entry] = {}
+        self._num_added = 0
         self._blocks: dict[tuple[str, int], OrderedDict[tuple[str, int], None]] = {}  # -> (span_id, offset)
         self._chains: dict[tuple[str, int], OrderedDict[str, None]] = {}  # prefix chain hash -> span ids
 
@@ -85,11 +90,20 @@ class TokenIndex:
     def __len__(self) -> int:
         return len(self._spans)
 
-    def add(self, span_id: str, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> None:
-        """Index ``token_ids`` (a span stored at position 0) under ``span_id`` (replacing it if present)."""
+    def add(self, span_id: str, token_ids: list[int] | tuple[int, ...], namespace: str = "",
+            unmatchable: list[tuple[int, int]] | tuple[()] = ()) -> None:
+        """Index ``token_ids`` (a span stored at position 0) under ``span_id`` (replacing it if present).
+
+        ``unmatchable``: ranges [start, end) of the span that no run may take in (a chat prompt's
+        framing); they are indexed as ids no prompt holds, so every run stops at them.
+        """
         if span_id in self._spans:
             self.remove(span_id)
-        entry = _Entry(namespace, tuple(int(t) for t in token_ids))
+        ids = [int(t) for t in token_ids]
+        for start, end in unmatchable:
+            ids[start:end] = [-1 - i for i in range(start, min(end, len(ids)))]  # unique, never a real id
+        self._num_added += 1
+        entry = _Entry(namespace, tuple(ids), self._num_added)
         ids, b = entry.token_ids, self.block_len
         chain = hash(namespace)
         for off in range(0, len(ids) - b + 1, b):
@@ -179,38 +193,53 @@ class TokenIndex:
         return sorted(runs, key=lambda m: (m.start, -m.num_tokens))
 
     def find(self, token_ids: list[int] | tuple[int, ...], namespace: str = "", min_tokens: int = 16,
-             covered: list[tuple[int, int]] | None = None) -> list[TokenMatch]:
-        """Longest non-overlapping runs shared with stored spans, each at least ``min_tokens`` long.
+             covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
+        """Non-overlapping runs shared with stored spans, each at least ``min_tokens`` long.
 
-        Greedy by length (ties: earlier query start, then newer span); a run overlapping one already
-        taken (or a ``covered`` query range, e.g. the exact prefix) keeps its longest free piece.
+        Greedy: by length (``prefer="longest"``; ties: earlier query start, then newer span), or from the
+        oldest span first (``prefer="oldest"``: a text is taken where it was first stored, then by length).
+        A run overlapping one already taken (or a ``covered`` query range, e.g. the exact prefix or a chat
+        prompt's framing) keeps its longest free piece, and its other free pieces go back in line.
         Returned in query order.
         """
+        if prefer not in MATCH_PREFERENCES:
+            raise ValueError(f"prefer must be one of {MATCH_PREFERENCES}, got {prefer!r}")
+
+        def rank(m: TokenMatch, k: int) -> tuple[int, ...]:
+            age = self._spans[m.span_id].order if prefer == "oldest" else 0
+            return (age, -m.num_tokens, m.start, k)
+
         taken: list[tuple[int, int]] = sorted(covered or [])
         chosen: list[TokenMatch] = []
-        runs = self.find_runs(token_ids, namespace)
-        order = {id(m): k for k, m in enumerate(runs)}
-        for run in sorted(runs, key=lambda m: (-m.num_tokens, m.start, order[id(m)])):
-            piece = _longest_free_piece(run.start, run.end, taken)
-            if piece is None or piece[1] - piece[0] < min_tokens:
+        line = [(rank(m, k), m) for k, m in enumerate(self.find_runs(token_ids, namespace))]
+        heapq.heapify(line)
+        while line:
+            (*_, k), run = heapq.heappop(line)
+            pieces = [p for p in _free_pieces(run.start, run.end, taken) if p[1] - p[0] >= min_tokens]
+            if not pieces:
                 continue
-            start, end = piece
-            chosen.append(TokenMatch(start, end, run.span_id, run.src_start + (start - run.start)))
-            taken = sorted(taken + [(start, end)])
+            longest = max(pieces, key=lambda p: p[1] - p[0])  # the first of equals
+            for start, end in pieces:
+                piece = TokenMatch(start, end, run.span_id, run.src_start + (start - run.start))
+                if (start, end) == longest:
+                    chosen.append(piece)
+                    bisect.insort(taken, (start, end))
+                else:
+                    heapq.heappush(line, (rank(piece, k), piece))
         return sorted(chosen, key=lambda m: m.start)
 
 
-def _longest_free_piece(start: int, end: int, taken: list[tuple[int, int]]) -> tuple[int, int] | None:
-    """The longest sub-range of [start, end) that overlaps no range of ``taken`` (sorted)."""
-    best: tuple[int, int] | None = None
+def _free_pieces(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The maximal sub-ranges of [start, end) that overlap no range of ``taken`` (sorted), in order."""
+    pieces = []
     cursor = start
     for t_start, t_end in taken + [(end, end)]:
         if t_end <= cursor:
             continue
         piece_end = min(t_start, end)
-        if piece_end > cursor and (best is None or piece_end - cursor > best[1] - best[0]):
-            best = (cursor, piece_end)
+        if piece_end > cursor:
+            pieces.append((cursor, piece_end))
         cursor = max(cursor, t_end)
         if cursor >= end:
             break
-    return best
+    return pieces

@@ -3,10 +3,15 @@
 The chat template is the model's own. A quoted output is cut out of its message before rendering
 and replaced by a private-use marker; the rendered text is tokenized piece by piece around the
 markers and each marker becomes the output's generated ids (as the pipeline runner splices).
+
+A chat prompt also says which tokens are message contents: the template's framing around them (turn
+tokens, role headers) reads differently after each agent's own system prompt, so the server matches
+stored runs only inside contents and computes the framing in the request's own context.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -30,6 +35,9 @@ class Splice:
 class PromptBuild:
     ids: list[int]
     splices: list[Splice]
+    # token ranges [start, end) of the messages' contents, in order; None: no message structure (a raw
+    # completion prompt, or a template that does not show the contents verbatim)
+    content_ranges: list[tuple[int, int]] | None = None
 
 
 def _mark(content: str, registry: OutputRegistry, namespace: str, found: list[RegisteredOutput]) -> str:
@@ -41,31 +49,81 @@ def _mark(content: str, registry: OutputRegistry, namespace: str, found: list[Re
     return "".join(pieces) + content[pos:]
 
 
-def _tokenize_marked(tokenizer: Tokenizer, text: str, found: list[RegisteredOutput]) -> PromptBuild:
+def _tokenize_marked(tokenizer: Tokenizer, text: str, found: list[RegisteredOutput]
+                     ) -> tuple[PromptBuild, list[tuple[int, int]]]:
+    """The prompt with each marker's output spliced in, and every token's character range in ``text``
+    (a spliced token gets its marker's)."""
     ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
     splices: list[Splice] = []
     pos = 0
+
+    def encode_piece(start: int, end: int) -> None:
+        piece_ids, piece_offsets = tokenizer.encode_with_offsets(text[start:end])
+        ids.extend(piece_ids)
+        offsets.extend((start + a, start + b) for a, b in piece_offsets)
+
     for m in _MARK_RE.finditer(text):
-        ids += tokenizer.encode(text[pos : m.start()]) if m.start() > pos else []
+        if m.start() > pos:
+            encode_piece(pos, m.start())
         output = found[int(m.group(1))]
         splices.append(Splice(len(ids), len(ids) + len(output.output_ids), output))
         ids += output.output_ids
+        offsets += [(m.start(), m.end())] * len(output.output_ids)
         pos = m.end()
-    ids += tokenizer.encode(text[pos:]) if pos < len(text) else []
-    return PromptBuild(ids, splices)
+    if pos < len(text):
+        encode_piece(pos, len(text))
+    return PromptBuild(ids, splices), offsets
+
+
+def _content_chars(text: str, contents: list[str]) -> list[tuple[int, int]] | None:
+    """Character ranges of the contents in the rendered ``text``, found in order; None if one is not there
+    verbatim (a template that rewrites contents beyond stripping them)."""
+    ranges, cursor = [], 0
+    for content in contents:
+        for candidate in (content, content.strip()):
+            at = text.find(candidate, cursor) if candidate else -1
+            if at >= 0:
+                ranges.append((at, at + len(candidate)))
+                cursor = at + len(candidate)
+                break
+        else:
+            if content.strip():
+                return None
+    return ranges
+
+
+def _content_tokens(char_ranges: list[tuple[int, int]], offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Token ranges of the tokens lying wholly inside each character range (offsets ascend)."""
+    starts = [a for a, _ in offsets]
+    out = []
+    for a, b in char_ranges:
+        first = bisect.bisect_left(starts, a)
+        last = first
+        while last < len(offsets) and offsets[last][1] <= b:
+            last += 1
+        if last > first:
+            out.append((first, last))
+    return out
 
 
 def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], registry: OutputRegistry | None = None,
              namespace: str = "") -> PromptBuild:
-    """Token ids of ``messages`` under the model's chat template, quoted outputs spliced in."""
+    """Token ids of ``messages`` under the model's chat template, quoted outputs spliced in, and the
+    token ranges of the messages' contents."""
     found: list[RegisteredOutput] = []
     usable = registry is not None and not any(_OPEN in m["content"] or _CLOSE in m["content"] for m in messages)
     if usable:
         messages = [{**m, "content": _mark(m["content"], registry, namespace, found)} for m in messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if not found:
-        return PromptBuild(tokenizer.encode(text), [])
-    return _tokenize_marked(tokenizer, text, found)
+    if found:
+        build, offsets = _tokenize_marked(tokenizer, text, found)
+    else:
+        ids, offsets = tokenizer.encode_with_offsets(text)
+        build = PromptBuild(ids, [])
+    chars = _content_chars(text, [m["content"] for m in messages])
+    build.content_ranges = None if chars is None else _content_tokens(chars, offsets)
+    return build
 
 
 def completion_ids(tokenizer: Tokenizer, prompt: str, registry: OutputRegistry | None = None,
@@ -75,4 +133,4 @@ def completion_ids(tokenizer: Tokenizer, prompt: str, registry: OutputRegistry |
     if registry is None or _OPEN in prompt or _CLOSE in prompt:
         return PromptBuild(tokenizer.encode(prompt), [])
     marked = _mark(prompt, registry, namespace, found)
-    return _tokenize_marked(tokenizer, marked, found) if found else PromptBuild(tokenizer.encode(prompt), [])
+    return _tokenize_marked(tokenizer, marked, found)[0] if found else PromptBuild(tokenizer.encode(prompt), [])

@@ -26,7 +26,7 @@ from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
-from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, token_logprobs
+from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, encode_logprobs, token_logprobs
 
 log = logging.getLogger("kvrelay.server")
 
@@ -48,6 +48,7 @@ class Job:
     debug: bool
     emit: Callable[[dict], None]  # thread-safe: delivers an event to the request's asyncio side
     cache_output: bool = True
+    first_token_logprobs: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)
     disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked
@@ -247,6 +248,8 @@ class EngineWorker:
             call = job.built.call
             ext["debug"] = {"prompt_ids": call.prompt_ids, "output_ids": out.output_ids, "span_id": span_id,
                             "refs": [r.__dict__ for r in call.refs], "agent": call.name}
+        if job.first_token_logprobs:
+            ext["first_token_logprobs"] = encode_logprobs(out.first_logits)
         self.metrics.requests_done.labels(stats.method).inc()
         self.metrics.reused_token_layers.inc(stats.num_reused_token_layers)
         self.metrics.computed_token_layers.inc(stats.num_computed_token_layers)
@@ -264,7 +267,7 @@ class EngineWorker:
             published = replace(out, output_ids=out.output_ids[:-1])
         span_id = self.catalog.new_span_id(len(out.prompt_ids))
         try:
-            self.engine.publish(span_id, published, store=self.catalog.view(job.namespace))
+            self.engine.publish(span_id, published, store=self.catalog.view(job.namespace, job.built.framing))
         except StoreFullError:
             self.metrics.publish_skipped.inc()
             return None

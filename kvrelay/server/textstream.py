@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+
+import numpy as np
 import torch
 
 _REPLACEMENT = "\ufffd"  # what a decoder shows for a character whose bytes are not all generated yet
@@ -87,3 +90,14 @@ def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int, tokenizer)
     entry["top_logprobs"] = [] if top is None else [
         _entry(tokenizer, int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
     return entry
+
+
+def encode_logprobs(logits: torch.Tensor) -> str:
+    """The whole next-token distribution as log-probabilities: base64 of little-endian float32 [vocab]."""
+    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1).numpy().astype("<f4")
+    return base64.b64encode(logprobs.tobytes()).decode("ascii")
+
+
+def decode_logprobs(text: str) -> torch.Tensor:
+    """``encode_logprobs``' inverse: float32 [vocab] (what a client reads back)."""
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<f4").copy())

@@ -78,6 +78,9 @@ def test_relay_plans_from_the_layers_given_and_never_builds_a_profile(cache):
     # a profile in the cache dir is used for the layers not given
     _make(lm.fingerprint, 2, 2, 3).save(profile_path(lm.fingerprint))
     assert get_method("relay").layers(lm) == (2, 2, 3)
+    assert get_method("relay[l_start=1]").layers(lm) == (1, 2, 3)  # only what is given moves
+    assert get_method("relay[l_start=1,l_det=1]").layers(lm) == (1, 1, 3)
+    assert get_method("relay[l_end=2]").layers(lm) == (2, 2, 2)
 
 
 def test_the_shipped_profiles_are_readable_and_in_range():

@@ -106,3 +106,15 @@ def test_newest_span_wins_among_equals():
 def test_no_torch_import():
     code = "import sys, kvrelay.server.index; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prefer_oldest_takes_a_text_where_it_was_first_stored():
+    idx = TokenIndex(block_len=4)
+    idx.add("first", [900] + seq(100, 20) + [901])  # the text alone (e.g. the user's question)
+    idx.add("later", [902] + seq(50, 3) + seq(100, 20) + seq(60, 2) + [903])  # the text inside a template
+    query = [1] + seq(50, 3) + seq(100, 20) + seq(60, 2) + [2]
+    assert idx.find(query, min_tokens=4) == [TokenMatch(1, 26, "later", 1)]
+    assert idx.find(query, min_tokens=4, prefer="oldest") == [TokenMatch(4, 24, "first", 1)]
+    # what the oldest does not hold is still filled from the others, where long enough
+    assert idx.find(query, min_tokens=2, prefer="oldest") == [
+        TokenMatch(1, 4, "later", 1), TokenMatch(4, 24, "first", 1), TokenMatch(24, 26, "later", 24)]

@@ -8,7 +8,7 @@ import pytest
 
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import StoreFullError
-from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.catalog import MatchConfig, SpanCatalog
 from kvrelay.server.prompting import chat_ids, completion_ids
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
 from kvrelay.server.textstream import StopMatcher
@@ -70,6 +70,61 @@ def test_chat_ids_splice_generated_ids_for_the_quoted_text():
     assert comp.ids == tok.encode("Q: ") + generated
 
 
+def test_chat_ids_mark_the_message_contents_with_and_without_splices():
+    tok = tiny_lm().tokenizer
+    reg = OutputRegistry()
+    generated = tuple(tok.encode(ANSWER)[::-1])
+    reg.add(RegisteredOutput(ANSWER, generated, "s", 7))
+    system, user = "You check answers.", f"Check this: {ANSWER} Is it right?"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    for registry in (None, reg):
+        build = chat_ids(tok, messages, registry)
+        (a, b), (c, d) = build.content_ranges
+        assert tok.decode(build.ids[a:b], skip_special_tokens=False) == system
+        if registry is None:
+            assert tok.decode(build.ids[c:d], skip_special_tokens=False) == user
+        else:  # the spliced output lies inside the user content, and so do the texts around it
+            (splice,) = build.splices
+            assert c < splice.start < splice.end < d
+            assert tok.decode(build.ids[c : splice.start]) == "Check this: "
+            assert tok.decode(build.ids[splice.end : d]) == " Is it right?"
+        # the framing (turn tokens, role headers, the generation prompt) lies outside every range
+        framing = build.ids[:a] + build.ids[b:c] + build.ids[d:]
+        assert tok.decode(framing, skip_special_tokens=False) == (
+            "<|im_start|>system\n" + "<|im_end|>\n<|im_start|>user\n" + "<|im_end|>\n<|im_start|>assistant\n")
+    assert completion_ids(tok, f"Q: {ANSWER}", reg).content_ranges is None  # a raw prompt has no framing
+
+
+@pytest.mark.parametrize("match_framing", [False, True])
+def test_catalog_matches_runs_inside_contents_unless_told_to_take_the_framing(match_framing):
+    from kvrelay.server.prompting import PromptBuild
+
+    cat = SpanCatalog(KVStore(10_000, block_len=4), "fp", block_len=4,
+                      match=MatchConfig(min_match_tokens=4, match_framing=match_framing))
+    stored = [1, 2, 3] + list(range(10, 30))  # another agent's prompt: its framing, then a shared run
+    cat.put("a", "a#0", ToySpan(tuple(stored), 10))
+    # this prompt's contents are [5, 15) and [17, 25); tokens 3..24 repeat stored[1:23] (framing 15..17 included)
+    ids = [7, 7, 7] + stored[1:23] + [8]
+    built = cat.build_call(PromptBuild(ids, [], [(5, 15), (17, 25)]), "a", "agent")
+    got = [(r.start, r.end, r.src_start) for r in built.call.refs]
+    if match_framing:
+        assert got == [(3, 25, 1)] and built.framing == []
+    else:  # the longest piece inside one content, then the next; the framing between is computed
+        assert got == [(5, 15, 3), (17, 25, 15)]
+        assert built.framing == [(0, 5), (15, 17), (25, 26)]  # kept unmatchable in the span this call publishes
+    assert cat.build_call(PromptBuild(ids, [], None), "a", "agent").call.refs[0].start == 3  # no structure
+
+
+def test_a_published_span_s_framing_is_never_matched():
+    from kvrelay.server.prompting import PromptBuild
+
+    cat = SpanCatalog(KVStore(10_000, block_len=4), "fp", block_len=4, match=MatchConfig(min_match_tokens=4))
+    stored = [1, 2, 3] + list(range(10, 30))
+    cat.view("a", framing=[(0, 3)]).put("a#0", ToySpan(tuple(stored), 10))  # as the server publishes a call
+    built = cat.build_call(PromptBuild([7] + stored[1:23], [], None), "a", "agent")
+    assert [(r.start, r.end, r.src_start) for r in built.call.refs] == [(3, 23, 3)]  # stops at the span's framing
+
+
 @dataclass
 class ToySpan:
     token_ids: tuple[int, ...]
@@ -79,7 +134,7 @@ class ToySpan:
 
 
 def test_catalog_evicts_only_within_the_namespace():
-    cat = SpanCatalog(KVStore(300, block_len=4), "fp", block_len=4, min_match_tokens=4)
+    cat = SpanCatalog(KVStore(300, block_len=4), "fp", block_len=4, match=MatchConfig(min_match_tokens=4))
     cat.put("a", "a#0", ToySpan(tuple(range(8)), 100))
     cat.put("b", "b#0", ToySpan(tuple(range(8)), 100))
     cat.put("a", "a#1", ToySpan(tuple(range(100, 108)), 100))
@@ -93,7 +148,7 @@ def test_catalog_evicts_only_within_the_namespace():
 
 
 def test_catalog_views_hide_other_namespaces_and_calls_pin_what_they_read():
-    cat = SpanCatalog(KVStore(10_000, block_len=4), "fp", block_len=4, min_match_tokens=4)
+    cat = SpanCatalog(KVStore(10_000, block_len=4), "fp", block_len=4, match=MatchConfig(min_match_tokens=4))
     cat.put("a", "a#0", ToySpan(tuple(range(12)), 10))
     view_a, view_b = cat.view("a"), cat.view("b")
     assert "a#0" in view_a and "a#0" not in view_b

@@ -13,6 +13,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import CallInput, SpanRef
+from kvrelay.server.textstream import decode_logprobs
 from kvrelay.weights.loader import load_model
 from tests.server.conftest import MODEL
 
@@ -27,7 +28,8 @@ def lm():
 
 
 def ask(server, messages, namespace, agent, max_tokens=24, method=None, seed=11):
-    extra = {"cache_salt": namespace, "kvrelay": {"debug": True, **({"method": method} if method else {})}}
+    extra = {"cache_salt": namespace,
+             "kvrelay": {"debug": True, "first_token_logprobs": True, **({"method": method} if method else {})}}
     return server.client(default_headers={"x-kvrelay-agent": agent}).chat.completions.create(
         model=MODEL, messages=messages, max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=True,
         top_logprobs=TOP, extra_body=extra)
@@ -69,6 +71,9 @@ def test_three_agent_chain_reuses_and_matches_a_direct_engine_call(server, lm, m
         served = first_top(r)
         assert [i for i, _ in served] == top.indices.tolist()
         assert [lp for _, lp in served] == pytest.approx(top.values.tolist(), abs=1e-4)
+        # the whole first-token distribution (what a client measures KL against `full` with)
+        whole = decode_logprobs(r.model_extra["kvrelay"]["first_token_logprobs"])
+        assert whole.shape == logprobs.shape and torch.allclose(whole, logprobs, atol=1e-5)
         while not seq.done:
             engine.step([seq])
         out = engine.finish(seq)

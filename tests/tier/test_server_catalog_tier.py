@@ -4,7 +4,7 @@ found by the other (its token index and its output registry), within the same na
 import torch
 
 from kvrelay.cache.kv import StoredSpan
-from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.catalog import MatchConfig, SpanCatalog
 from kvrelay.tier.tiered import open_store
 
 
@@ -19,10 +19,9 @@ def _span(token_ids: tuple[int, ...]) -> StoredSpan:
 
 def test_a_replica_learns_the_others_spans_and_completions(tmp_path):
     url = f"disk:{tmp_path / 'tier'}"
-    a = SpanCatalog(open_store(url, 1 << 24, fingerprint="fp"), "fp", block_len=4, min_match_tokens=4,
-                    decode=_decode)
-    b = SpanCatalog(open_store(url, 1 << 24, fingerprint="fp"), "fp", block_len=4, min_match_tokens=4,
-                    decode=_decode)
+    match = MatchConfig(min_match_tokens=4)
+    a = SpanCatalog(open_store(url, 1 << 24, fingerprint="fp"), "fp", block_len=4, match=match, decode=_decode)
+    b = SpanCatalog(open_store(url, 1 << 24, fingerprint="fp"), "fp", block_len=4, match=match, decode=_decode)
     prompt, output = tuple(range(20, 26)), tuple(range(40, 50))
     span_id = a.new_span_id(len(prompt))
     assert span_id != b.new_span_id(len(prompt))  # replicas never reuse each other's ids
