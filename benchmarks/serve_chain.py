@@ -30,6 +30,7 @@ import uuid
 from openai import OpenAI
 
 from kvrelay.eval.fidelity import first_token_margin, kl_first_token
+from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN
 from kvrelay.pipeline.workloads import gsm8k_chain3
 from kvrelay.server.textstream import decode_logprobs
@@ -124,8 +125,9 @@ def main() -> None:
               f"cached {s['cached_tokens_mean']:.0f} tok")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": {"machine": platform.machine(), "transport": "HTTP (kvrelay serve)",
-                               "servers": len(clients)}, "model": model,
+            env = {**environment("cpu"), "transport": "HTTP (kvrelay serve)", "servers": len(clients)}
+            env["machine"] = f"{platform.node()} {platform.machine()} (the client; the server's threads are its own)"
+            json.dump({"env": env, "model": model,
                        "workload": "gsm8k-chain3", "n": args.limit, "offset": args.offset, "results": results,
                        "calls": rows}, f, indent=1)
 
