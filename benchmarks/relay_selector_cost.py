@@ -34,6 +34,7 @@ from kvrelay.eval.harness import environment
 from kvrelay.model.schedule import LayerView
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
+from kvrelay.reuse import get_method
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.relay import RelayMethod
 from kvrelay.weights.loader import DEFAULT_MODEL, load_model
@@ -103,14 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=5, help="problems")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant and call (median)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--method", default="relay", help="the relay spec, e.g. relay[top_r=0.15,l_pre=4]")
+    parser.add_argument("--offset", type=int, default=0, help="index of the first problem")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     lm = load_model(args.model)
-    method = RelayMethod()
+    method = get_method(args.method)
+    if not isinstance(method, RelayMethod):
+        parser.error(f"--method must be a relay spec, got {args.method!r}")
     wl = get_workload(args.workload)
     variants = ("full", "relay", "relay (whole L_det)", "static")
     rows = []
-    for problem in wl.problems(None, args.limit):
+    for problem in wl.problems(None, args.offset + args.limit)[args.offset:]:
         engine = Engine(lm, KVStore(4 << 30), methods=("full", method))
 
         def probe(agent, call, position, engine=engine, problem=problem):
@@ -135,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(r["ttft_ms"]["static"] / r["ttft_ms"]["relay"] for r in rows)
     whole = statistics.median(r["ttft_ms"]["relay (whole L_det)"] / r["ttft_ms"]["relay"] for r in rows)
     layers = method.layers(lm)
-    summary = {"env": environment("cpu"), "model": lm.name, "workload": args.workload, "n_calls": len(rows),
+    summary = {"env": environment("cpu"), "model": lm.name, "workload": args.workload, "method": args.method,
+               "offset": args.offset, "n_calls": len(rows),
                "relay_layers": layers, "speedup_vs_full": speedup, "relay_over_static_speedup": ratio,
                "whole_over_relay_ttft": whole, "calls": rows}
     print(f"{len(rows)} calls, relay layers {layers}: median speedup over full " +
