@@ -197,7 +197,8 @@ class TokenIndex:
         """Non-overlapping runs shared with stored spans, each at least ``min_tokens`` long.
 
         Greedy: by length (``prefer="longest"``; ties: earlier query start, then newer span), or from the
-        oldest span first (``prefer="oldest"``: a text is taken where it was first stored, then by length).
+        oldest span first (``prefer="oldest"``: a text is taken where it was first stored, then by length;
+        oldest among the spans checked, a block's ``max_candidates`` newest holders).
         A run overlapping one already taken (or a ``covered`` query range, e.g. the exact prefix or a chat
         prompt's framing) keeps its longest free piece, and its other free pieces go back in line.
         Returned in query order.
