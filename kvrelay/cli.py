@@ -157,7 +157,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
+    from kvrelay.eval.profiler import build_profile, calibrate_selector, plot_profile, profile_path
+    from kvrelay.reuse.profile import layer_profile
     from kvrelay.weights.loader import load_model
 
     check_output_file(args.out, "--out")
@@ -170,8 +171,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
     _check_data(args.workload, args.data)
     lm = load_model(args.model, device=args.device, verify=args.verify)
-    profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
-                            workload=args.workload, select=args.select, kl_tolerance=args.kl_tolerance)
+    if args.selector_only:  # keep the model's band, choose the selector again
+        profile = calibrate_selector(lm, layer_profile(lm), args.workload, args.data, args.problems)
+    else:
+        profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
+                                workload=args.workload, select=args.select, kl_tolerance=args.kl_tolerance)
     out = Path(args.out) if args.out else profile_path(lm.fingerprint)
     profile.save(out)
     if out != profile_path(lm.fingerprint):  # relay finds profiles by model fingerprint in the cache
@@ -182,6 +186,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     for band, score in profile.band_scores.items():
         print(f"  relay band ({band}): first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
     print(f"chosen ({profile.select}): L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end}")
+    for spec, score in profile.selector_scores.items():
+        print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
+    print(f"selector: {profile.selector or 'the paper thresholds'}")
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
     print(f"wrote {out} (and {profile_path(lm.fingerprint)})")
     if args.plot:
@@ -271,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "the lowest KL; fidelity: the same over bands that end at the top layer; deviation: "
                            "the paper's band; choices: "
                            f"{', '.join(SELECTS)} (default: {SELECTS[0]})")
+    prof.add_argument("--selector-only", action="store_true",
+                      help="keep the model's current profile (its band and curves) and only choose relay's token "
+                           "selector again on the calibration calls")
     prof.add_argument("--kl-tolerance", type=finite_float, default=0.1,
                       help="relative KL slack when choosing by fidelity, >= 0 (default: 0.1)")
     prof.add_argument("--out", default=None, help="profile JSON file (default: the cache, keyed by model fingerprint)")

@@ -22,6 +22,11 @@ within ``kl_tolerance`` of the lowest (the fidelity-for-cost rule):
   recomputes more, so the bar must not move with it). Both passes score on the same calibration calls.
 - ``select="fidelity"``: the first pass only, with every band ending at the top layer.
 
+With ``search``, a last pass over the same calls chooses relay's token selector for the chosen band
+(``calibrate_selector``): among a few candidates (the paper's thresholds; span openings kept with
+stricter thresholds or the budget form), the lowest KL among those reusing at least as much as the
+paper's. ``relay`` uses it when a spec sets none of the selector's knobs.
+
 The profile itself (data, load/save, lookup) is ``kvrelay.reuse.profile``; this module runs pipelines,
 so it sits in ``eval``, above the engine and the pipeline runner.
 """
@@ -45,7 +50,7 @@ from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput
 from kvrelay.reuse.profile import LayerProfile, profile_path
-from kvrelay.reuse.relay import RelayMethod
+from kvrelay.reuse.relay import PAPER_SELECTOR, RelayMethod
 
 __all__ = ["SELECTS", "LayerProfile", "build_profile", "choose_band", "choose_by_fidelity", "choose_detection_layer",
            "detection_candidates", "fidelity_candidates", "measure_call", "plot_profile", "profile_path", "score_bands",
@@ -191,25 +196,68 @@ def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: i
         runner.run(problem.inputs, "full", before_call=probe)
 
 
-def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str, num_problems: int,
-                progress: bool = True) -> dict[Band, tuple[float, float]]:
-    """Band -> (mean first-token KL(full || relay), mean reuse) over the calibration calls."""
+def score_methods(lm: LoadedModel, methods: dict, workload: str, data: str, num_problems: int,
+                  desc: str, progress: bool = True) -> dict:
+    """key -> (mean first-token KL(full || relay), mean reuse) of each relay method over the calibration calls."""
     one = GenerateOptions(SamplingConfig(max_new_tokens=1))
-    methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2]) for band in candidates}
-    kls: dict[Band, list[float]] = {band: [] for band in candidates}
-    reuses: dict[Band, list[float]] = {band: [] for band in candidates}
+    kls: dict = {key: [] for key in methods}
+    reuses: dict = {key: [] for key in methods}
 
     def on_call(call: CallInput, store: KVStore) -> None:
         engine = Engine(lm, store)
         full = engine.generate(call, "full", one).first_logits
-        for band, method in methods.items():
+        for key, method in methods.items():
             out = engine.generate(call, method, one)
-            kls[band].append(kl_first_token(full, out.first_logits))
-            reuses[band].append(out.stats.reuse_rate)
+            kls[key].append(kl_first_token(full, out.first_logits))
+            reuses[key].append(out.stats.reuse_rate)
 
-    capture = tuple(sorted({band[0] for band in candidates if 0 < band[0] < lm.config.num_layers}))
-    _downstream_calls(lm, workload, data, num_problems, capture, on_call, "scoring bands", progress)
-    return {band: (sum(kls[band]) / len(kls[band]), sum(reuses[band]) / len(reuses[band])) for band in candidates}
+    capture = tuple(sorted({m.layers(lm)[0] for m in methods.values()} & set(range(1, lm.config.num_layers))))
+    _downstream_calls(lm, workload, data, num_problems, capture, on_call, desc, progress)
+    return {key: (sum(kls[key]) / len(kls[key]), sum(reuses[key]) / len(reuses[key])) for key in methods}
+
+
+def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str, num_problems: int,
+                progress: bool = True) -> dict[Band, tuple[float, float]]:
+    """Band -> (mean first-token KL(full || relay), mean reuse) over the calibration calls."""
+    # the paper's selector on every band: a band is chosen before the selector, whatever profile the model has now
+    methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2], **PAPER_SELECTOR)
+               for band in candidates}
+    return score_methods(lm, methods, workload, data, num_problems, "scoring bands", progress)
+
+
+# relay's selectors tried on the calibration calls: the paper's thresholds (first: the bar), then span openings
+# kept (EPIC's observation) with stricter thresholds or the budget form at three shares
+SELECTOR_CANDIDATES: tuple[dict, ...] = (
+    {}, {"l_pre": 4, "l_suf": 4, "tau_dev": 3.0, "tau_inf": 3.0},
+    {"top_r": 0.1, "l_pre": 4, "l_suf": 4}, {"top_r": 0.15, "l_pre": 4, "l_suf": 4},
+    {"top_r": 0.2, "l_pre": 4, "l_suf": 4},
+)
+
+
+def selector_spec(knobs: dict) -> str:
+    return "relay[" + ",".join(f"{k}={v}" for k, v in knobs.items()) + "]" if knobs else "relay (paper's selector)"
+
+
+def choose_selector(scores: dict[str, tuple[float, float]], paper: str) -> str:
+    """The lowest KL among the selectors that reuse at least as much as the paper's (``paper``); ties: more reuse."""
+    bar = scores[paper][1] - 1e-9
+    ok = [key for key, (_, reuse) in scores.items() if reuse >= bar]
+    return min(ok, key=lambda key: (scores[key][0], -scores[key][1]))
+
+
+def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str, data: str | None, num_problems: int,
+                       progress: bool = True) -> LayerProfile:
+    """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``)."""
+    data = data or str(data_root() / "gsm8k" / "train.jsonl")
+    candidates = {selector_spec(k): k for k in SELECTOR_CANDIDATES}
+    methods = {spec: RelayMethod(l_start=profile.l_start, l_det=profile.l_det, l_end=profile.l_end,
+                                 **(k or PAPER_SELECTOR)) for spec, k in candidates.items()}
+    scores = score_methods(lm, methods, workload, data, num_problems, "scoring selectors", progress)
+    chosen = choose_selector(scores, selector_spec({}))
+    profile.selector = dict(candidates[chosen])
+    profile.selector_scores = {spec: {"kl": kl, "reuse": reuse} for spec, (kl, reuse) in scores.items()}
+    profile.calibration["selector_problems"] = num_problems
+    return profile
 
 
 def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.5, data: str | None = None,
@@ -247,11 +295,14 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
             results |= score_bands(lm, later, workload, data, num_problems, progress)
             chosen = choose_by_fidelity(results, kl_tolerance, kl_bar)
         band_scores = {",".join(map(str, b)): {"kl": kl, "reuse": r} for b, (kl, r) in results.items()}
-    return LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
-                        v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,
-                        {"workload": workload, "data": data, "problems": num_problems,
-                         "tokens": int(v_cos.shape[1]), "kl_tolerance": kl_tolerance},
-                        select, [l_start, l_det, l_end], band_scores)
+    profile = LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
+                           v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,
+                           {"workload": workload, "data": data, "problems": num_problems,
+                            "tokens": int(v_cos.shape[1]), "kl_tolerance": kl_tolerance},
+                           select, [l_start, l_det, l_end], band_scores)
+    if select == "search":  # the selector for the chosen band, on the same calibration calls
+        profile = calibrate_selector(lm, profile, workload, data, num_problems, progress)
+    return profile
 
 
 def plot_profile(profile: LayerProfile, path: str | Path) -> None:

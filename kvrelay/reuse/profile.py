@@ -45,6 +45,10 @@ class LayerProfile:
     deviation_band: list[int] = field(default_factory=list)  # the paper's (l_start, l_det, l_end)
     # "l_start,l_det,l_end" -> {"kl": mean first-token KL(full || relay), "reuse": mean reuse} on calibration
     band_scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    # relay's token selector chosen on the calibration calls for this band (e.g. {"top_r": 0.2, "l_pre": 4,
+    # "l_suf": 4}); empty: the paper's thresholds. Used when a relay spec sets none of the selector's knobs.
+    selector: dict[str, float | int] = field(default_factory=dict)
+    selector_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # candidate spec -> kl, reuse
 
     @property
     def layers(self) -> tuple[int, int, int]:

@@ -17,7 +17,9 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   ``selector`` names), plus the suffix and opening tokens.
 
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
-yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one.
+yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
+the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
+``top_r``): the profile holds the one chosen on calibration calls for the model, or none (the paper's).
 """
 
 from __future__ import annotations
@@ -79,14 +81,29 @@ def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, a
     return keep
 
 
+# the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens
+PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top_r": None}
+
+
+@dataclass(frozen=True)
+class Selector:
+    tau_dev: float
+    tau_inf: float
+    l_suf: int
+    l_pre: int
+    top_r: float | None
+
+
 @dataclass
 class RelayMethod(ReuseMethod):
-    tau_dev: float = 1.5
-    tau_inf: float = 1.45
-    l_suf: int = 10
-    l_pre: int = 0  # also keep each span's first l_pre tokens (ours; EPIC's idea inside relay's band)
-    selector: str = "both"  # both | deviation | influence (ablations)
+    # The selector's knobs. None everywhere: the one the model's profile chose on calibration calls (the paper's
+    # without one); any of them set: the paper's values for the others.
+    tau_dev: float | None = None  # deviation >= tau_dev x its mean
+    tau_inf: float | None = None  # influence >= tau_inf x its mean
+    l_suf: int | None = None  # keep each span's last l_suf tokens
+    l_pre: int | None = None  # also keep each span's first l_pre tokens (ours; EPIC's idea inside relay's band)
     top_r: float | None = None  # budget form: keep this share of span tokens by score (None: the tau_* thresholds)
+    selector: str = "both"  # both | deviation | influence (ablations)
     band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
@@ -96,10 +113,21 @@ class RelayMethod(ReuseMethod):
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
             raise ConfigError(f"relay: selector must be one of {SELECTORS}, got {self.selector!r}")
-        if self.l_suf < 0 or self.l_pre < 0 or self.tau_dev < 0 or self.tau_inf < 0:
+        if any(v is not None and v < 0 for v in (self.l_suf, self.l_pre, self.tau_dev, self.tau_inf)):
             raise ConfigError("relay: l_suf, l_pre, tau_dev and tau_inf must be >= 0")
         if self.top_r is not None and not 0 <= self.top_r <= 1:
             raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
+
+    def selector_settings(self, lm) -> Selector:
+        """The selector this call uses: the knobs given, else the profile's calibrated choice, else the paper's."""
+        given = {k: getattr(self, k) for k in PAPER_SELECTOR}
+        if any(v is not None for v in given.values()):
+            return Selector(**{k: PAPER_SELECTOR[k] if v is None else v for k, v in given.items()})
+        try:
+            chosen = layer_profile(lm).selector
+        except ConfigError:  # no profile (the layers were given): the paper's selector
+            chosen = {}
+        return Selector(**{**PAPER_SELECTOR, **chosen})
 
     def layers(self, lm) -> tuple[int, int, int]:
         """(L_start, L_det, L_end) for this model: each override given, else the profile's (a ConfigError says
@@ -127,10 +155,11 @@ class RelayMethod(ReuseMethod):
         start, det, end = self.layers(lm)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
+        sel = self.selector_settings(lm)
         carried, carried_h, from_zero, always = [], [], [], []
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
-            always += [idx[-self.l_suf:] if self.l_suf else idx[:0], idx[: self.l_pre]]
+            always += [idx[-sel.l_suf:] if sel.l_suf else idx[:0], idx[: sel.l_pre]]
             h = store.get(load.span_id).hidden_rows(start, load.src_start, load.src_end) if start > 0 else None
             if h is not None:
                 carried.append(idx)
@@ -151,9 +180,9 @@ class RelayMethod(ReuseMethod):
                 probs = view.attention_probs(new_rows)  # [H, n_new, n_keys]
                 inf = probs.sum(dim=(0, 1))[view.active_idx[span_rows]]
             always_mask = torch.isin(view.active_idx[span_rows], always_idx.to(view.active_idx.device))
-            if self.top_r is not None:
-                return select_top(dev, inf, always_mask, self.top_r)
-            return select_tokens(dev, inf, always_mask, self.tau_dev, self.tau_inf)
+            if sel.top_r is not None:
+                return select_top(dev, inf, always_mask, sel.top_r)
+            return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
         schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), entries, det, end, selector)
         num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0

@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from kvrelay.eval.profiler import (
+    SELECTOR_CANDIDATES,
     build_profile,
     choose_band,
     choose_by_fidelity,
     choose_detection_layer,
+    choose_selector,
     detection_candidates,
     fidelity_candidates,
     search_candidates,
+    selector_spec,
 )
 from kvrelay.weights import presets
 from kvrelay.weights.loader import load_model
@@ -69,6 +72,17 @@ def test_build_profile_searches_bands_that_end_below_the_top(monkeypatch):
     bar = 1.1 * min(scores[b][0] for b in first)  # the first pass's bar holds for the second
     assert (profile.l_start, profile.l_det, profile.l_end) == choose_by_fidelity(scores, kl_bar=bar)
     assert any(end < lm.config.num_layers - 1 for _, _, end in scores)
+    # the last pass chose relay's selector for that band on the same calls
+    assert sorted(profile.selector_scores) == sorted(selector_spec(k) for k in SELECTOR_CANDIDATES)
+    sel = {k: (v["kl"], v["reuse"]) for k, v in profile.selector_scores.items()}
+    assert selector_spec(profile.selector) == choose_selector(sel, selector_spec({}))
+
+
+def test_the_selector_chosen_is_the_lowest_kl_that_reuses_as_much_as_the_paper_s():
+    paper = selector_spec({})
+    scores = {paper: (0.010, 0.56), "a": (0.004, 0.55), "b": (0.006, 0.59), "c": (0.009, 0.62), "d": (0.006, 0.60)}
+    assert choose_selector(scores, paper) == "d"  # "a" has less reuse; "d" ties "b" on KL with more reuse
+    assert choose_selector({paper: (0.01, 0.5), "e": (0.02, 0.7)}, paper) == paper  # nothing better: the paper's
 
 
 def test_build_profile_scores_every_candidate_band_on_train():

@@ -216,6 +216,24 @@ def test_relay_budget_form_recomputes_its_share_above_detection(setup):
     torch.testing.assert_close(out.first_logits, ref.first_logits, atol=1e-4, rtol=0)
 
 
+def test_relay_plans_with_the_selector_its_profile_chose(setup, tmp_path, monkeypatch):
+    from kvrelay.reuse import profile as profiles
+
+    lm = setup[0]
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(profiles, "_PROFILES", {})
+    chosen = {"top_r": 0.5, "l_pre": 2, "l_suf": 0}
+    p = profiles.LayerProfile(lm.fingerprint, "toy", L, 0, 0, L - 1, 0.5, [1.0] * L, [1.0] * L, [0.0] * L,
+                              selector=chosen)
+    p.save(profiles.profile_path(lm.fingerprint))
+    counts = {spec: _run(setup, spec).stats.num_recomputed_token_layers
+              for spec in ("relay", f"relay[l_start=0,l_det=0,l_end={L - 1},top_r=0.5,l_pre=2,l_suf=0]",
+                           f"relay[l_start=0,l_det=0,l_end={L - 1},top_r=0.5]")}
+    plain, explicit, paper_rest = counts.values()
+    assert plain == explicit  # "relay" is the profile's selector, exactly
+    assert plain != paper_rest  # which is not the paper's l_pre=0, l_suf=10
+
+
 def test_method_parameter_types_are_checked():
     with pytest.raises(ConfigError, match="gamma='x' is not a valid float"):
         get_method("kvcomm[gamma=x]")

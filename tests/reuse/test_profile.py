@@ -83,6 +83,20 @@ def test_relay_plans_from_the_layers_given_and_never_builds_a_profile(cache):
     assert get_method("relay[l_end=2]").layers(lm) == (2, 2, 2)
 
 
+def test_relay_takes_the_profile_s_selector_unless_a_knob_is_given(cache):
+    lm = tiny_lm("llama2")
+    p = _make(lm.fingerprint, 1, 2, 3)
+    p.selector = {"top_r": 0.2, "l_pre": 4, "l_suf": 3}
+    p.save(profile_path(lm.fingerprint))
+    sel = get_method("relay").selector_settings(lm)
+    assert (sel.top_r, sel.l_pre, sel.l_suf, sel.tau_dev) == (0.2, 4, 3, 1.5)
+    # any knob given: the paper's values for the others, never a mix with the profile's
+    sel = get_method("relay[tau_dev=3]").selector_settings(lm)
+    assert (sel.top_r, sel.l_pre, sel.l_suf, sel.tau_dev, sel.tau_inf) == (None, 0, 10, 3.0, 1.45)
+    assert get_method("relay[l_start=1,l_det=2,l_end=3]").selector_settings(lm).top_r == 0.2  # layers are not knobs
+    assert get_method("relay").selector_settings(tiny_lm("llama3")).top_r is None  # no profile: the paper's
+
+
 def test_the_shipped_profiles_are_readable_and_in_range():
     paths = sorted(SHIPPED_PROFILES.glob("relay-*.json"))
     assert paths, "kvrelay ships at least the default model's profile"
