@@ -8,7 +8,8 @@ from kvrelay.demo import DEMO_METHODS, DemoConfig, capped, run_demo
 from kvrelay.errors import ConfigError
 from kvrelay.eval.report import format_time_split
 from kvrelay.pipeline.workloads import get_workload
-from kvrelay.reuse import PIPELINE_METHODS
+from kvrelay.reuse import PIPELINE_METHODS, profile
+from kvrelay.weights.loader import load_model
 
 
 def test_demo_runs_the_references_and_repairs_with_a_kept_store():
@@ -40,6 +41,12 @@ def test_time_split_shares_and_total():
 
 
 def test_run_demo_prints_the_time_table(tmp_path, monkeypatch):
+    # random:tiny ships no relay profile: give it one, in an empty cache dir, whatever ran before
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
+    lm = load_model("random:tiny")
+    n = lm.config.num_layers
+    monkeypatch.setattr(profile, "_PROFILES", {lm.fingerprint: profile.LayerProfile(
+        lm.fingerprint, "random:tiny", n, 0, 1, n - 1, 0.9, [1.0] * n, [1.0] * n, [0.0] * n)})
     # as `make demo` runs it: install finished 5 s after make started
     monkeypatch.setenv("KVRELAY_MAKE_START", "1000.0")
     monkeypatch.setenv("KVRELAY_INSTALLED_AT", "1005.0")
