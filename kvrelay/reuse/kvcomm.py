@@ -154,17 +154,23 @@ class KVCommMethod(ReuseMethod):
 
     def _gate(self, call: CallInput, layout: _Layout, store: KVStore | None
               ) -> tuple[list[_Decision], str | None]:
+        """One decision per placeholder, or why the call falls back: every failing placeholder's reason,
+        joined by "; " (a call can miss on several at once; the bench counts each reason)."""
         if not layout.refs:
             return [], "no placeholder to reuse"
-        decisions = []
+        decisions, reasons = [], []
         for ref in layout.refs:
             key = self.pool_key(call, ref)
             if store is None or ref.span_id not in store:
-                return [], f"span {ref.span_id!r} of placeholder {key!r} is not in the store"
+                reasons.append(f"span {ref.span_id!r} of placeholder {key!r} is not in the store")
+                continue
             pool = self.pools.get(key)
             anchors = pool.eligible(ref.num_tokens) if pool else []
             if len(anchors) < self.warmup:
-                return [], f"placeholder {key!r} has {len(anchors)} of {self.warmup} anchors >= {ref.num_tokens} tokens"
+                num_pooled = len(pool.anchors) if pool else 0
+                reasons.append(f"placeholder {key!r} has {len(anchors)} of {self.warmup} anchors >= "
+                               f"{ref.num_tokens} tokens ({num_pooled} pooled)")
+                continue
             span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
             distances = value_distances(base_v, anchors, per_layer=self.per_layer)  # [A] or [A, L]
@@ -176,9 +182,11 @@ class KVCommMethod(ReuseMethod):
                 gate_weights = torch.softmax(-l2_distances(base_v, anchors), dim=0)
             entropy = normalized_entropy(gate_weights)
             if entropy > self.gamma:
-                return [], f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma}"
+                reasons.append(f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma} "
+                               f"({len(anchors)} anchors)")
+                continue
             decisions.append(_Decision(key, anchors, weights))
-        return decisions, None
+        return (decisions, None) if not reasons else ([], "; ".join(reasons))
 
     def _template_patches(self, call: CallInput, layout: _Layout, decisions: list[_Decision],
                           rope: RotaryEmbedding, computed_from: int) -> list[KVPatch]:
