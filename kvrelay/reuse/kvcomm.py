@@ -208,7 +208,7 @@ class KVCommMethod(ReuseMethod):
             else:
                 l2 = l2_distances(base_v, anchors)  # [A]
                 gate_weights = torch.softmax(-l2, dim=0)
-                nearest = "; nearest L2 " + ", ".join(f"{x:.1f}" for x in l2.sort().values[:3].tolist())
+                nearest = ", nearest L2 " + ", ".join(f"{x:.1f}" for x in l2.sort().values[:3].tolist())
             entropy = normalized_entropy(gate_weights)
             if entropy > self.gamma:
                 reasons.append(f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma} "
