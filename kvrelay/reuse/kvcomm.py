@@ -41,16 +41,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
-from kvrelay.reuse.anchors import (
-    MIX_MODES,
-    Anchor,
-    AnchorPool,
-    l2_distances,
-    mix,
-    mixing_weights,
-    normalized_entropy,
-    value_distances,
-)
+from kvrelay.reuse.anchors import MIX_MODES, Anchor, AnchorPool, Distances, mix, normalized_entropy
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
 from kvrelay.reuse.prefix import PrefixMethod
 
@@ -199,14 +190,15 @@ class KVCommMethod(ReuseMethod):
                 continue
             span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
-            weights = mixing_weights(base_v, anchors, self.mix, self.temperature)  # [A, L|1, H|1, n|1]
+            dist = Distances.of(base_v, anchors)  # one pass over the pool
+            weights = dist.weights(self.mix, self.temperature)  # [A, L|1, H|1, n|1]
             per_anchor = None  # one weight per anchor, when the gate or the next segment needs it
             if self.gate_distance == "relative" or weights.shape[-1] > 1:
-                per_anchor = torch.softmax(-value_distances(base_v, anchors) / self.temperature, dim=0)  # [A]
+                per_anchor = torch.softmax(-dist.value_distances() / self.temperature, dim=0)  # [A]
             if self.gate_distance == "relative":
                 gate_weights, nearest = per_anchor, ""
             else:
-                l2 = l2_distances(base_v, anchors)  # [A]
+                l2 = dist.l2()  # [A]
                 gate_weights = torch.softmax(-l2, dim=0)
                 nearest = ", nearest L2 " + ", ".join(f"{x:.1f}" for x in l2.sort().values[:3].tolist())
             entropy = normalized_entropy(gate_weights)
