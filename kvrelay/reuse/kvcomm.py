@@ -73,7 +73,7 @@ class _Layout:
 class _Decision:
     key: str
     anchors: list[Anchor]
-    weights: torch.Tensor  # [A, L|1, Hkv|1, n|1] (anchors.mixing_weights)
+    weights: torch.Tensor  # [A, L|1, Hkv|1, n|1] (anchors.Distances.weights)
     seg_weights: torch.Tensor  # [A, L|1, Hkv|1, 1]: for the template segment after the placeholder
     num_covered: int  # the placeholder's first tokens that some anchor has offsets for (the rest are computed)
 
@@ -101,7 +101,7 @@ class KVCommMethod(ReuseMethod):
     # Estimated, the template's closing text right before the answer is in effect another problem's KV of
     # that text; 32 covers it on the fc3 workloads, at about half the speedup (BENCHMARKS.md, "KVCOMM").
     tail_tokens: int = 1
-    # Granularity of the mixing weights (anchors.mixing_weights): "anchor", "layer", "head" or "token". An
+    # Granularity of the mixing weights (anchors.Distances.weights): "anchor", "layer", "head" or "token". An
     # anchor close in the layers (heads, tokens) that matter may be far in others.
     mix: str = "anchor"
     per_layer: bool = False  # the same as mix=layer
