@@ -27,6 +27,14 @@ class Anchor:
     seg_dv: torch.Tensor | None = None
     anchor_id: int = -1  # insertion order: smaller is older (set by the pool)
     usage: float = 0.0  # total weight this anchor has had in estimates
+    _base_sq: torch.Tensor | None = field(default=None, repr=False)  # [L, Hkv, n] |base_v|^2 over channels
+
+    @property
+    def base_sq(self) -> torch.Tensor:
+        """|base_v|^2 over channels per layer, KV head and token: [L, Hkv, n] (computed once)."""
+        if self._base_sq is None:
+            self._base_sq = self.base_v.float().square().sum(dim=-1)
+        return self._base_sq
 
     @property
     def num_tokens(self) -> int:
@@ -69,33 +77,112 @@ class AnchorPool:
         return sum(a.nbytes for a in self.anchors)
 
 
+MIX_MODES = ("anchor", "layer", "head", "token")
+
+
+def coverage(anchors: list[Anchor], num_tokens: int) -> torch.Tensor:
+    """[num_anchors, num_tokens] bool: which placeholder tokens each anchor has offsets for."""
+    lengths = torch.tensor([a.num_tokens for a in anchors])
+    return torch.arange(num_tokens)[None, :] < lengths[:, None]
+
+
+@dataclass
+class Distances:
+    """A placeholder's base values against each anchor's, computed in one pass over the anchors (the plan's
+    cost grows with the pool): squared differences summed over channels, per anchor, layer, KV head and token.
+    Tokens past an anchor's end are NaN; every distance below is over the tokens both have."""
+
+    sq: torch.Tensor  # [A, L, Hkv, n] |v_new - v_anchor|^2 over channels
+    new_sq: torch.Tensor  # [L, Hkv, n] |v_new|^2 over channels
+    covered: torch.Tensor  # [A, n] bool
+
+    @classmethod
+    def of(cls, new_v: torch.Tensor, anchors: list[Anchor]) -> Distances:
+        """``new_v``: [L, Hkv, n, hd]; anchors are compared on their first min(n, length) tokens."""
+        new = new_v.float()
+        n = new.shape[2]
+        sq = new.new_full((len(anchors), *new.shape[:3]), float("nan"))  # [A, L, Hkv, n]
+        new_sq = new.square().sum(dim=-1)  # [L, Hkv, n]
+        for i, a in enumerate(anchors):
+            m = min(n, a.num_tokens)
+            # |x - a|^2 = |x|^2 + |a|^2 - 2 x.a: one pass over the anchor's values, no difference tensor
+            dot = (new[:, :, :m] * a.base_v[:, :, :m].float()).sum(dim=-1)  # [L, Hkv, m]
+            sq[i, :, :, :m] = (new_sq[:, :, :m] + a.base_sq[:, :, :m] - 2 * dot).clamp_min_(0.0)
+        return cls(sq, new_sq, coverage(anchors, n))
+
+    def relative(self, per_head: bool = False) -> torch.Tensor:
+        """|v_new - v_anchor| / |v_new| per anchor, layer and token, the norms over all KV heads and channels:
+        [A, L, n]; ``per_head``: over one head's channels, [A, L, Hkv, n]."""
+        if per_head:
+            return self.sq.sqrt() / self.new_sq.sqrt().clamp_min(1e-6)
+        return self.sq.sum(dim=2).sqrt() / self.new_sq.sum(dim=1).sqrt().clamp_min(1e-6)
+
+    def value_distances(self, per_layer: bool = False) -> torch.Tensor:
+        """Relative distance averaged over tokens (and layers unless ``per_layer``): [A] or [A, L]."""
+        per_layer_d = self.relative().nanmean(dim=2)  # [A, L]
+        return per_layer_d if per_layer else per_layer_d.mean(dim=1)
+
+    def l2(self) -> torch.Tensor:
+        """L2 norm of ``v_new - v_anchor`` over the whole placeholder (every layer, head, token and channel):
+        [A]. The scale KVCOMM's public code gates on (softmax at temperature 1): it grows with the placeholder,
+        so gaps between anchors are units, not hundredths. An anchor shorter than the placeholder is compared
+        on its m tokens and its norm scaled by sqrt(n / m), the norm n tokens would have at the same mean square.
+        """
+        n = self.covered.shape[1]
+        m = self.covered.sum(dim=1)  # [A]
+        return (self.sq.nansum(dim=(1, 2, 3)) * n / m).sqrt()
+
+    def weights(self, mode: str, temperature: float) -> torch.Tensor:
+        """softmax(-relative distance / temperature) over the anchors, at the granularity ``mode`` picks, as a
+        [A, L|1, Hkv|1, n|1] tensor (``mix`` broadcasts it over channels):
+
+        - ``anchor``: one weight per anchor (distance averaged over layers and tokens);
+        - ``layer``: one per anchor and layer; ``head``: one per anchor, layer and KV head;
+        - ``token``: one per anchor and placeholder token (distance averaged over layers), the granularity of
+          KVCOMM's public code.
+
+        Anchors shorter than the placeholder weigh nothing on the tokens past their end; there the other
+        anchors' weights are renormalized. A token no anchor covers gets all-zero weights (callers compute it).
+        """
+        covered = self.covered
+        if mode == "token":
+            logits = -self.relative().mean(dim=1) / temperature  # [A, n]; NaN where not covered
+            w = torch.softmax(logits.masked_fill(~covered, float("-inf")), dim=0).nan_to_num(0.0)  # no anchor: 0
+            return w[:, None, None, :]  # [A, 1, 1, n]
+        if mode == "head":
+            d = self.relative(per_head=True).nanmean(dim=3)[..., None]  # [A, L, H, 1]
+        elif mode == "layer":
+            d = self.value_distances(per_layer=True)[:, :, None, None]  # [A, L, 1, 1]
+        elif mode == "anchor":
+            d = self.value_distances()[:, None, None, None]  # [A, 1, 1, 1]
+        else:
+            raise ValueError(f"mix mode must be one of {MIX_MODES}, got {mode!r}")
+        w = torch.softmax(-d / temperature, dim=0)
+        if bool(covered.all()):
+            return w
+        w = w * covered[:, None, None, :]  # [A, L|1, H|1, n]: shorter anchors drop out past their end
+        return w / w.sum(dim=0, keepdim=True).clamp_min(1e-30)
+
+
 def value_distances(new_v: torch.Tensor, anchors: list[Anchor], per_layer: bool = False) -> torch.Tensor:
     """Relative value distance of a placeholder's base values to each anchor's: [num_anchors], or
     [num_anchors, L] with ``per_layer``.
 
     Per layer and token, ``|v_new - v_anchor|`` over all KV heads divided by ``|v_new|``, averaged over
-    tokens (and layers unless ``per_layer``); compared on the new placeholder's first n tokens (anchors
-    are at least that long).
+    the tokens both have (the new placeholder's first n, or the anchor's length if shorter), and over
+    layers unless ``per_layer``.
     """
-    n = new_v.shape[2]
-    new = new_v.float().permute(0, 2, 1, 3).flatten(2)  # [L, n, Hkv * hd]
-    norm = new.norm(dim=-1).clamp_min(1e-6)  # [L, n]
-    out = []
-    for a in anchors:
-        other = a.base_v[:, :, :n].float().permute(0, 2, 1, 3).flatten(2)  # [L, n, Hkv * hd]
-        rel = (new - other).norm(dim=-1) / norm  # [L, n]
-        out.append(rel.mean(dim=1) if per_layer else rel.mean())
-    return torch.stack(out)
+    return Distances.of(new_v, anchors).value_distances(per_layer)
+
+
+def mixing_weights(new_v: torch.Tensor, anchors: list[Anchor], mode: str, temperature: float) -> torch.Tensor:
+    """``Distances.weights`` of a placeholder's base values against ``anchors``."""
+    return Distances.of(new_v, anchors).weights(mode, temperature)
 
 
 def l2_distances(new_v: torch.Tensor, anchors: list[Anchor]) -> torch.Tensor:
-    """L2 norm of ``v_new - v_anchor`` over the whole placeholder (every layer, head, token and channel
-    of its first n tokens): [num_anchors]. The scale KVCOMM's public code gates on (softmax at
-    temperature 1): it grows with the placeholder, so gaps between anchors are units, not hundredths.
-    """
-    n = new_v.shape[2]
-    new = new_v.float()
-    return torch.stack([(new - a.base_v[:, :, :n].float()).norm() for a in anchors])
+    """``Distances.l2`` of a placeholder's base values against ``anchors``: [num_anchors]."""
+    return Distances.of(new_v, anchors).l2()
 
 
 def normalized_entropy(weights: torch.Tensor) -> float:
@@ -106,15 +193,28 @@ def normalized_entropy(weights: torch.Tensor) -> float:
     return float(-(p * p.log()).sum() / math.log(weights.numel()))
 
 
+def _as_grid(weights: torch.Tensor) -> torch.Tensor:
+    """[A] -> [A, 1, 1, 1]; [A, L] -> [A, L, 1, 1]; [A, L|1, H|1, n|1] as it is."""
+    if weights.dim() == 1:
+        return weights[:, None, None, None]
+    if weights.dim() == 2:
+        return weights[:, :, None, None]
+    return weights
+
+
 def mix(weights: torch.Tensor, tensors: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
-    """sum_a w_a * t_a[:, :, :num_tokens] for [L, Hkv, >=num_tokens, hd] tensors; ``weights`` is
-    [num_anchors] (one weight for all layers) or [num_anchors, L] (one per layer)."""
-    out = torch.zeros_like(tensors[0][:, :, :num_tokens])
-    for w, t in zip(weights, tensors, strict=True):
+    """sum_a w_a * t_a[:, :, :num_tokens] for [L, Hkv, n_a, hd] tensors; ``weights`` is [num_anchors] (one
+    weight for all layers), [num_anchors, L] (one per layer) or [num_anchors, L|1, Hkv|1, n|1] (see
+    ``mixing_weights``). A tensor shorter than ``num_tokens`` adds to its own first n_a tokens only."""
+    grid = _as_grid(weights)
+    out = torch.zeros_like(tensors[0][:, :, :1]).expand(-1, -1, num_tokens, -1).contiguous()
+    for w, t in zip(grid, tensors, strict=True):
         if w.max() <= 1e-6:  # negligible anchors cost a full tensor pass for nothing
             continue
-        if w.dim() == 0:
-            out.add_(t[:, :, :num_tokens], alpha=float(w))
+        m = min(num_tokens, t.shape[2])
+        w = w[..., :m] if w.shape[-1] > 1 else w  # [L|1, H|1, m|1]
+        if w.numel() == 1:
+            out[:, :, :m].add_(t[:, :, :m], alpha=float(w))
         else:
-            out.add_(t[:, :, :num_tokens] * w.to(t.dtype).view(-1, 1, 1, 1))  # [L] -> [L, 1, 1, 1]
+            out[:, :, :m].addcmul_(t[:, :, :m], w.to(t.dtype)[..., None])  # [L|1, H|1, m|1, 1] over channels
     return out

@@ -11,8 +11,12 @@ all-or-nothing:
   ``max_anchors``). ``gate_distance=l2`` (default) gates on softmax(-L2 norm of the whole value
   difference), the scale of KVCOMM's public code;
   ``relative`` gates on the mixing weights below (per-token relative distances / ``temperature``);
-- the offsets are mixed with softmax(-relative value distance / ``temperature``) weights, one per
-  anchor (``per_layer=true``: one per anchor and layer);
+- the offsets are mixed with softmax(-relative value distance / ``temperature``) weights: one per
+  anchor (``mix=anchor``, the default), per anchor and layer (``mix=layer``), per anchor, layer and KV
+  head (``mix=head``), or per anchor and placeholder token (``mix=token``, as KVCOMM's public code);
+- ``short_anchors=true``: an anchor shorter than the placeholder still counts, for the tokens it has
+  offsets for (the others' weights are renormalized past its end); placeholder tokens past every
+  anchor are computed. Off, as published, only anchors at least as long as the placeholder count;
 - when it passes, no span token is computed: each placeholder's stored KV is re-rotated to its
   new position and the weighted anchor offsets are added; the template segments (constant per
   agent) are taken from the agent's first dense prefill plus the offsets the anchors of the
@@ -37,7 +41,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
-from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
+from kvrelay.reuse.anchors import MIX_MODES, Anchor, AnchorPool, Distances, mix, normalized_entropy
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
 from kvrelay.reuse.prefix import PrefixMethod
 
@@ -69,7 +73,9 @@ class _Layout:
 class _Decision:
     key: str
     anchors: list[Anchor]
-    weights: torch.Tensor  # [len(anchors)], or [len(anchors), L] per layer
+    weights: torch.Tensor  # [A, L|1, Hkv|1, n|1] (anchors.Distances.weights)
+    seg_weights: torch.Tensor  # [A, L|1, Hkv|1, 1]: for the template segment after the placeholder
+    num_covered: int  # the placeholder's first tokens that some anchor has offsets for (the rest are computed)
 
 
 @dataclass
@@ -95,9 +101,13 @@ class KVCommMethod(ReuseMethod):
     # Estimated, the template's closing text right before the answer is in effect another problem's KV of
     # that text; 32 covers it on the fc3 workloads, at about half the speedup (BENCHMARKS.md, "KVCOMM").
     tail_tokens: int = 1
-    # Mixing weights per layer (softmax over each layer's relative distances) instead of one weight per anchor
-    # for all layers: an anchor close in the layers that matter for a token may be far in others.
-    per_layer: bool = False
+    # Granularity of the mixing weights (anchors.Distances.weights): "anchor", "layer", "head" or "token". An
+    # anchor close in the layers (heads, tokens) that matter may be far in others.
+    mix: str = "anchor"
+    per_layer: bool = False  # the same as mix=layer
+    # Anchors shorter than the placeholder count for the tokens they cover; the tokens past every anchor are
+    # computed. Off: a placeholder longer than all but warmup-1 anchors falls back, as in the public code.
+    short_anchors: bool = False
     name = "kvcomm"
     stateful = True  # anchor pools fill as calls fall back
     pools: dict[str, AnchorPool] = field(default_factory=dict, init=False, repr=False)
@@ -108,6 +118,12 @@ class KVCommMethod(ReuseMethod):
             raise ConfigError(f"kvcomm: need gamma >= 0 and temperature > 0, got {self.gamma}, {self.temperature}")
         if self.gate_distance not in ("l2", "relative"):
             raise ConfigError(f"kvcomm: gate_distance must be 'l2' or 'relative', got {self.gate_distance!r}")
+        if self.mix not in MIX_MODES:
+            raise ConfigError(f"kvcomm: mix must be one of {', '.join(MIX_MODES)}, got {self.mix!r}")
+        if self.per_layer:
+            if self.mix not in ("anchor", "layer"):
+                raise ConfigError(f"kvcomm: per_layer=true is mix=layer; it contradicts mix={self.mix}")
+            self.mix = "layer"
         if self.tail_tokens < 1:
             raise ConfigError(f"kvcomm: tail_tokens must be >= 1 (the last prompt token is computed), "
                               f"got {self.tail_tokens}")
@@ -136,7 +152,7 @@ class KVCommMethod(ReuseMethod):
         loads, patches = [], []
         covered = torch.zeros(n, dtype=torch.bool)
         for ref, d in zip(layout.refs, decisions, strict=True):
-            m = min(ref.end, computed_from) - ref.start
+            m = min(ref.end, computed_from, ref.start + d.num_covered) - ref.start  # tokens past it are computed
             if m <= 0:
                 continue
             loads.append(SpanLoad(ref.span_id, ref.src_start, ref.src_start + m, ref.start))
@@ -154,31 +170,46 @@ class KVCommMethod(ReuseMethod):
 
     def _gate(self, call: CallInput, layout: _Layout, store: KVStore | None
               ) -> tuple[list[_Decision], str | None]:
+        """One decision per placeholder, or why the call falls back: every failing placeholder's reason,
+        joined by "; " (a call can miss on several at once; the bench counts each reason)."""
         if not layout.refs:
             return [], "no placeholder to reuse"
-        decisions = []
+        decisions, reasons = [], []
         for ref in layout.refs:
             key = self.pool_key(call, ref)
             if store is None or ref.span_id not in store:
-                return [], f"span {ref.span_id!r} of placeholder {key!r} is not in the store"
+                reasons.append(f"span {ref.span_id!r} of placeholder {key!r} is not in the store")
+                continue
             pool = self.pools.get(key)
-            anchors = pool.eligible(ref.num_tokens) if pool else []
+            anchors = (pool.anchors if self.short_anchors else pool.eligible(ref.num_tokens)) if pool else []
             if len(anchors) < self.warmup:
-                return [], f"placeholder {key!r} has {len(anchors)} of {self.warmup} anchors >= {ref.num_tokens} tokens"
+                num_pooled = len(pool.anchors) if pool else 0
+                longer = "" if self.short_anchors else f" >= {ref.num_tokens} tokens"
+                reasons.append(f"placeholder {key!r} has {len(anchors)} of {self.warmup} anchors{longer} "
+                               f"({num_pooled} pooled)")
+                continue
             span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
-            distances = value_distances(base_v, anchors, per_layer=self.per_layer)  # [A] or [A, L]
-            weights = torch.softmax(-distances / self.temperature, dim=0)
+            dist = Distances.of(base_v, anchors)  # one pass over the pool
+            weights = dist.weights(self.mix, self.temperature)  # [A, L|1, H|1, n|1]
+            per_anchor = None  # one weight per anchor, when the gate or the next segment needs it
+            if self.gate_distance == "relative" or weights.shape[-1] > 1:
+                per_anchor = torch.softmax(-dist.value_distances() / self.temperature, dim=0)  # [A]
             if self.gate_distance == "relative":
-                gate_weights = weights if not self.per_layer else torch.softmax(
-                    -distances.mean(dim=1) / self.temperature, dim=0)
+                gate_weights, nearest = per_anchor, ""
             else:
-                gate_weights = torch.softmax(-l2_distances(base_v, anchors), dim=0)
+                l2 = dist.l2()  # [A]
+                gate_weights = torch.softmax(-l2, dim=0)
+                nearest = ", nearest L2 " + ", ".join(f"{x:.1f}" for x in l2.sort().values[:3].tolist())
             entropy = normalized_entropy(gate_weights)
             if entropy > self.gamma:
-                return [], f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma}"
-            decisions.append(_Decision(key, anchors, weights))
-        return decisions, None
+                reasons.append(f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma} "
+                               f"({len(anchors)} anchors{nearest})")
+                continue
+            seg_weights = weights if weights.shape[-1] == 1 else per_anchor[:, None, None, None]
+            num_covered = min(ref.num_tokens, max(a.num_tokens for a in anchors))
+            decisions.append(_Decision(key, anchors, weights, seg_weights, num_covered))
+        return (decisions, None) if not reasons else ([], "; ".join(reasons))
 
     def _template_patches(self, call: CallInput, layout: _Layout, decisions: list[_Decision],
                           rope: RotaryEmbedding, computed_from: int) -> list[KVPatch]:
@@ -197,7 +228,7 @@ class KVCommMethod(ReuseMethod):
                 have = [i for i, a in enumerate(d.anchors) if a.seg_ids == base.token_ids and a.seg_dk is not None]
                 if not have:
                     continue
-                w = d.weights[have] / d.weights[have].sum(dim=0)
+                w = d.seg_weights[have] / d.seg_weights[have].sum(dim=0)
                 seg_dk = mix(w, [d.anchors[i].seg_dk for i in have], m)
                 seg_dv = mix(w, [d.anchors[i].seg_dv for i in have], m)
                 k_rel, v = (k_rel + seg_dk, v + seg_dv) if self.rotate_offsets else (k_rel, v + seg_dv)
@@ -211,7 +242,7 @@ class KVCommMethod(ReuseMethod):
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
         if isinstance(plan.state, list):  # a reuse: credit the anchors with the weight they had
             for d in plan.state:
-                per_anchor = d.weights if d.weights.dim() == 1 else d.weights.mean(dim=1)
+                per_anchor = d.weights.reshape(len(d.anchors), -1).mean(dim=1)
                 for a, w in zip(d.anchors, per_anchor.tolist(), strict=True):
                     a.usage += w
             return

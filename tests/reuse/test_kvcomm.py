@@ -12,7 +12,15 @@ from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.eval.harness import Bench, BenchConfig
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
-from kvrelay.reuse.anchors import Anchor, AnchorPool, l2_distances, mix, normalized_entropy, value_distances
+from kvrelay.reuse.anchors import (
+    Anchor,
+    AnchorPool,
+    l2_distances,
+    mix,
+    mixing_weights,
+    normalized_entropy,
+    value_distances,
+)
 from kvrelay.reuse.base import CallInput, SpanRef
 from tests.helpers import generate, publish, tiny_lm
 
@@ -77,10 +85,11 @@ def test_tail_tokens_are_computed_and_still_reproduce_full(lm):
     assert generate(lm, call, longer, store, ONE).stats.num_reused_tokens == n - 9
 
 
-def test_per_layer_weights_reproduce_full_with_one_anchor(lm):
+@pytest.mark.parametrize("granularity", ["per_layer=true", "mix=layer", "mix=head", "mix=token"])
+def test_finer_weights_reproduce_full_with_one_anchor(lm, granularity):
     store = KVStore(1 << 30)
     call = _downstream(lm, store, seed=0)
-    method = get_method("kvcomm[warmup=1,per_layer=true]")
+    method = get_method(f"kvcomm[warmup=1,{granularity}]")
     generate(lm, call, method, store, ONE)
     full = generate(lm, call, "full", store, ONE)
     out = generate(lm, call, method, store, ONE)
@@ -115,6 +124,35 @@ def test_offsets_from_a_similar_context_bring_the_call_closer_to_full_than_naive
     err = lambda o: float((o.cache.v[:, :, :n] - full.cache.v[:, :, :n]).norm())  # noqa: E731
     assert err(out) < 0.5 * err(naive)
     assert kl_first_token(full.first_logits, out.first_logits) < kl_first_token(full.first_logits, naive.first_logits)
+
+
+def test_short_anchors_reuse_a_longer_placeholder_and_compute_the_tokens_past_them(lm):
+    """The anchor holds output A (24 tokens); the new call's output is A plus 6 tokens. As published, no anchor
+    is as long: fallback. With short_anchors the anchor's offsets are exact for A's tokens (same tokens, same
+    context before them), the 6 tokens past it and the template tail (tail_tokens=5) are computed: the call
+    matches full, and reuses exactly the head and A."""
+    store = KVStore(1 << 30)
+    anchor_call = _downstream(lm, store, seed=0)
+    up = store.get("up")
+    up_prompt, output = list(up.token_ids[:20]), list(up.token_ids[20:44])
+    longer = output + [(t + 17) % 256 for t in output[:6]]
+    up2 = generate(lm, up_prompt, "full", store, ONE, keep_cache=True, forced_output_ids=longer)
+    publish(store, "up2", up2, lm)
+    ids = anchor_call.prompt_ids[:7] + longer + anchor_call.prompt_ids[31:]
+    call = CallInput(ids, [SpanRef(7, 37, "up2", 20, "output", "up")], name="agent")
+    full = generate(lm, call, "full", store, ONE, keep_cache=True)
+    published = get_method("kvcomm[warmup=1,tail_tokens=5]")
+    generate(lm, anchor_call, published, store, ONE)
+    assert "0 of 1 anchors >= 30 tokens" in generate(lm, call, published, store, ONE, learn=False).stats.fallback
+    for granularity in ("anchor", "token"):
+        method = get_method(f"kvcomm[warmup=1,tail_tokens=5,short_anchors=true,mix={granularity}]")
+        generate(lm, anchor_call, method, store, ONE)
+        out = generate(lm, call, method, store, ONE, keep_cache=True)
+        assert out.stats.fallback is None
+        assert out.stats.num_reused_tokens == 7 + 24
+        assert out.stats.num_computed_token_layers == (6 + 5) * lm.config.num_layers
+        torch.testing.assert_close(out.cache.v[:, :, : len(ids)], full.cache.v[:, :, : len(ids)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-4, rtol=0)
 
 
 def test_gate_fallback_is_counted_and_adds_one_anchor_per_placeholder(lm):
@@ -206,6 +244,55 @@ def test_softmax_weights_on_a_hand_made_case():
     assert normalized_entropy(torch.tensor([1.0])) == 0.0
 
 
+def test_per_token_and_per_head_weights_on_a_hand_made_case():
+    """Two anchors, a placeholder of 3 tokens: token 0 equals anchor `a`, tokens 1-2 anchor `b` (at every layer
+    and head). Per token each picks its own anchor; one weight per anchor mixes both everywhere."""
+    ones = torch.ones(2, 2, 3, 4)  # [L, Hkv, n, hd]; |v| per token and layer = sqrt(2 * 4)
+    a, b = Anchor(ones.clone(), ones, ones), Anchor(2 * ones, ones, ones)
+    new = torch.cat([ones[:, :, :1], 2 * ones[:, :, 1:]], dim=2)
+    # relative distances per token: a: 0, 1/2, 1/2 (|2 - 1| / |2|); b: 1, 0, 0
+    w = mixing_weights(new, [a, b], "token", temperature=0.5)
+    assert w.shape == (2, 1, 1, 3)
+    # softmax at T = 0.5 over distance gaps of 1 (token 0) and 1/2 (tokens 1-2)
+    wa = torch.tensor([1 / (1 + math.exp(-2)), math.exp(-1) / (1 + math.exp(-1)), math.exp(-1) / (1 + math.exp(-1))])
+    torch.testing.assert_close(w[0, 0, 0], wa)
+    torch.testing.assert_close(w[1, 0, 0], 1 - wa)
+    offsets = [torch.zeros(2, 2, 3, 4), torch.ones(2, 2, 3, 4)]
+    torch.testing.assert_close(mix(w, offsets, 3)[0, 0, :, 0], 1 - wa)  # anchor b's share, token by token
+    # one weight per anchor: mean distance a = 1/3, b = 1/3 -> a tie, the same 1/2 on every token
+    torch.testing.assert_close(mixing_weights(new, [a, b], "anchor", 0.5).flatten(), torch.tensor([0.5, 0.5]))
+    # per layer and head: head 0 of every layer equals `a`, head 1 equals `b`
+    by_head = torch.cat([ones[:, :1], 2 * ones[:, 1:]], dim=1)
+    wh = mixing_weights(by_head, [a, b], "head", temperature=0.01)
+    assert wh.shape == (2, 2, 2, 1)
+    torch.testing.assert_close(wh[0, :, :, 0], torch.tensor([[1.0, 0.0], [1.0, 0.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(mix(wh, offsets, 3)[:, :, 0, 0], torch.tensor([[0.0, 1.0], [0.0, 1.0]]),
+                               atol=1e-6, rtol=0)
+
+
+def test_shorter_anchors_weigh_only_on_their_tokens():
+    """A 4-token placeholder, anchors of 4, 2 and 1 tokens at distances 0, 1 and 2 per token (T = 1): token 0
+    mixes all three, token 1 the first two (renormalized), tokens 2-3 the first alone; the mixed offsets add
+    each anchor's value on its own tokens only; the gate's L2 scales a short anchor's norm to 4 tokens."""
+    v = torch.ones(1, 1, 4, 4)  # [L, Hkv, n, hd]; |v| = 2 per token
+    anchors = [Anchor(v.clone(), v, v), Anchor(2 * v[:, :, :2], v, v), Anchor(3 * v[:, :, :1], v, v)]
+    for mode in ("anchor", "token"):
+        w = mixing_weights(v, anchors, mode, temperature=1.0)[:, 0, 0, :]  # [A, n]
+        z0, z1 = 1 + math.exp(-1) + math.exp(-2), 1 + math.exp(-1)
+        expected = torch.tensor([[1 / z0, 1 / z1, 1.0, 1.0], [math.exp(-1) / z0, math.exp(-1) / z1, 0, 0],
+                                 [math.exp(-2) / z0, 0, 0, 0]])
+        torch.testing.assert_close(w, expected)
+        offsets = [torch.full((1, 1, 4, 1), 1.0), torch.full((1, 1, 2, 1), 10.0), torch.full((1, 1, 1, 1), 100.0)]
+        mixed = mix(mixing_weights(v, anchors, mode, 1.0), offsets, 4).flatten()
+        torch.testing.assert_close(mixed, (expected * torch.tensor([[1.0], [10.0], [100.0]])).sum(dim=0))
+    # L2 over each anchor's own m tokens, scaled by sqrt(4 / m): |2v - v| = 2 per token, over 2 tokens
+    # 2 sqrt(2), x sqrt(2) = 4; |3v - v| = 4 over 1 token, x 2 = 8
+    torch.testing.assert_close(l2_distances(v, anchors), torch.tensor([0.0, 4.0, 8.0]))
+    # a token no anchor covers has no weight at all
+    short = mixing_weights(v, anchors[1:], "token", temperature=1.0)
+    torch.testing.assert_close(short[:, 0, 0, 2:], torch.zeros(2, 2))
+
+
 def test_pool_evicts_the_least_used_of_the_oldest():
     def anchor(n=2):
         return Anchor(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))
@@ -235,6 +322,11 @@ def test_bad_parameters():
         get_method("kvcomm[temperature=0]")
     with pytest.raises(ConfigError, match="gate_distance must be 'l2' or 'relative', got 'cosine'"):
         get_method("kvcomm[gate_distance=cosine]")
+    with pytest.raises(ConfigError, match="mix must be one of anchor, layer, head, token, got 'channel'"):
+        get_method("kvcomm[mix=channel]")
+    with pytest.raises(ConfigError, match="per_layer=true is mix=layer"):
+        get_method("kvcomm[per_layer=true,mix=token]")
+    assert get_method("kvcomm[per_layer=true]").mix == "layer"
     with pytest.raises(ConfigError, match="unknown parameter 'pools'"):
         get_method("kvcomm[pools=1]")
 
@@ -249,6 +341,9 @@ def test_bench_learns_once_per_call_and_reports_fallbacks():
     r = data["results"][spec]
     assert r["n_calls"] == 3 and r["fallback_rate"] == pytest.approx(2 / 3)
     assert r["reuse_rate_per_call"] == pytest.approx(1 / 3)
+    first = next(c["fallback"] for c in data["calls"] if c["method"] == spec)
+    # every placeholder the call misses on is named, not only the first
+    assert first.count("has 0 of 2 anchors") == 2 and "'agent2/agent1'" in first and "'agent2/context'" in first
     method = bench.methods[spec]
     assert sorted(method.pools) == ["agent2/agent1", "agent2/context"]
     assert [len(p.anchors) for p in method.pools.values()] == [2, 2]
