@@ -11,7 +11,8 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   least ``tau_dev`` x the mean, or whose attention from the call's new tokens is at least ``tau_inf``
   x the mean, plus the last ``l_suf`` tokens of every span (and, with ``l_pre`` > 0, its first
   ``l_pre``: EPIC's observation that a span's opening tokens carry most of the context change; our
-  addition, not in the RelayCaching paper, off by default); only those stay through ``L_end``.
+  addition, not in the RelayCaching paper); only those stay through ``L_end``. With ``pre_dense``
+  the opening tokens are computed at every layer instead, as EPIC computes them.
   With ``top_r`` set (the budget form) the thresholds give way to a fixed share: the ``top_r`` x n
   span tokens with the highest score (deviation / its mean + influence / its mean, or the one the
   ``selector`` names), plus the suffix and opening tokens.
@@ -105,6 +106,9 @@ class RelayMethod(ReuseMethod):
     top_r: float | None = None  # budget form: keep this share of span tokens by score (None: the tau_* thresholds)
     selector: str = "both"  # both | deviation | influence (ablations)
     band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
+    # True: each span's first l_pre tokens are computed at every layer from the embedding, as EPIC computes
+    # them, instead of entering the band at L_start from the upstream hidden state and leaving it at L_end
+    pre_dense: bool = False
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -156,20 +160,26 @@ class RelayMethod(ReuseMethod):
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
         sel = self.selector_settings(lm)
-        carried, carried_h, from_zero, always = [], [], [], []
+        carried, carried_h, from_zero, always, dense = [], [], [], [], []
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
-            always += [idx[-sel.l_suf:] if sel.l_suf else idx[:0], idx[: sel.l_pre]]
-            h = store.get(load.span_id).hidden_rows(start, load.src_start, load.src_end) if start > 0 else None
+            num_dense = min(sel.l_pre, load.num_tokens) if self.pre_dense else 0
+            dense.append(idx[:num_dense])  # computed like the call's new tokens, outside the band
+            idx = idx[num_dense:]
+            if not idx.numel():
+                continue
+            always += [idx[-sel.l_suf:] if sel.l_suf else idx[:0], idx[: sel.l_pre - num_dense]]
+            src_start = load.src_start + num_dense
+            h = store.get(load.span_id).hidden_rows(start, src_start, load.src_end) if start > 0 else None
             if h is not None:
                 carried.append(idx)
                 carried_h.append(h)
             else:
                 from_zero.append(idx)
-        entries = {}
-        if from_zero or start == 0:
-            entries[0] = Entry(torch.cat(from_zero + carried) if start == 0 else torch.cat(from_zero))
-        if carried and start > 0:
+        entries = {}  # (at start == 0 nothing is carried: every span token is in from_zero)
+        if from_zero:
+            entries[0] = Entry(torch.cat(from_zero))
+        if carried:
             entries[start] = Entry(torch.cat(carried), torch.cat(carried_h))
         always_idx = torch.cat(always) if always else torch.empty(0, dtype=torch.long)
 
@@ -184,7 +194,8 @@ class RelayMethod(ReuseMethod):
                 return select_top(dev, inf, always_mask, sel.top_r)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
-        schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), entries, det, end, selector)
+        new_idx = torch.cat([reuse.new_idx(len(call.prompt_ids)), *dense]).unique()  # sorted
+        schedule = BandSchedule(new_idx, entries, det, end, selector)
         num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0
         note = f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0" \
             if num_from_zero else None

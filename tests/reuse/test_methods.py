@@ -131,6 +131,23 @@ def test_relay_l_pre_keeps_each_span_opening_through_the_band(setup):
         get_method("relay[l_pre=-1]")
 
 
+def test_relay_pre_dense_computes_each_span_opening_at_every_layer_as_epic(setup):
+    """Band [2, 2, 2], nothing selected, l_pre=5 dense: the 5 opening tokens are computed at every layer from
+    the embedding (as epic[k=5] computes them); the other 19 enter at layer 2 from the carried hidden state
+    and leave the band there."""
+    lm, store, _, _ = setup
+    spec = "relay[l_start=2,l_det=2,l_end=2,l_pre=5,l_suf=0,tau_dev=1e9,tau_inf=1e9{}]"
+    out = _run(setup, spec.format(",pre_dense=true"), keep_cache=True)
+    assert out.stats.num_computed_token_layers == 12 * L + 5 * L + 19 * 1
+    span_v = store.get("up").v[:, :, SRC]
+    for layer in (1, 3):  # outside the band only the opening tokens are computed (layer 0's V has no context)
+        assert _recomputed_rows(out.cache.v[:, :, SPAN], span_v, layer) == set(range(5))
+    assert _recomputed_rows(out.cache.v[:, :, SPAN], span_v, 2) == set(range(24))
+    # in the band (pre_dense off) the same 5 tokens enter at layer 2 and stay only through L_end = 2
+    banded = _run(setup, spec.format(""))
+    assert banded.stats.num_computed_token_layers == 12 * L + 24 * 1
+
+
 def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup):
     """Two spans (an upstream prompt piece and its output): the rows epic computed, at every layer above 0,
     are the first k = 5 of each span and no other."""
