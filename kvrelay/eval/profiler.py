@@ -245,10 +245,15 @@ def choose_selector(scores: dict[str, tuple[float, float]], paper: str) -> str:
     return min(ok, key=lambda key: (scores[key][0], -scores[key][1]))
 
 
+def _calibration_data(data: str | None) -> str:
+    """The calibration calls' data: ``data``, else GSM8K *train* (calibration never touches the test data)."""
+    return data or str(data_root() / "gsm8k" / "train.jsonl")
+
+
 def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str, data: str | None, num_problems: int,
                        progress: bool = True) -> LayerProfile:
     """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``)."""
-    data = data or str(data_root() / "gsm8k" / "train.jsonl")
+    data = _calibration_data(data)
     candidates = {selector_spec(k): k for k in SELECTOR_CANDIDATES}
     methods = {spec: RelayMethod(l_start=profile.l_start, l_det=profile.l_det, l_end=profile.l_end,
                                  **(k or PAPER_SELECTOR)) for spec, k in candidates.items()}
@@ -267,7 +272,7 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
     unless ``select="deviation"``, later passes over the same problems score candidate bands."""
     if select not in SELECTS:
         raise KvRelayError(f"profile: select must be one of {SELECTS}, got {select!r}")
-    data = data or str(data_root() / "gsm8k" / "train.jsonl")  # calibration never touches the test data
+    data = _calibration_data(data)
     v_all, k_all = [], []
 
     def on_call(call: CallInput, store: KVStore) -> None:

@@ -87,7 +87,9 @@ PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top
 
 
 @dataclass(frozen=True)
-class Selector:
+class SelectorSettings:
+    """The selector's knobs as one call uses them (``band.Selector`` is the function built from them)."""
+
     tau_dev: float
     tau_inf: float
     l_suf: int
@@ -122,16 +124,16 @@ class RelayMethod(ReuseMethod):
         if self.top_r is not None and not 0 <= self.top_r <= 1:
             raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
 
-    def selector_settings(self, lm) -> Selector:
+    def selector_settings(self, lm) -> SelectorSettings:
         """The selector this call uses: the knobs given, else the profile's calibrated choice, else the paper's."""
         given = {k: getattr(self, k) for k in PAPER_SELECTOR}
         if any(v is not None for v in given.values()):
-            return Selector(**{k: PAPER_SELECTOR[k] if v is None else v for k, v in given.items()})
+            return SelectorSettings(**{k: PAPER_SELECTOR[k] if v is None else v for k, v in given.items()})
         try:
             chosen = layer_profile(lm).selector
         except ConfigError:  # no profile (the layers were given): the paper's selector
             chosen = {}
-        return Selector(**{**PAPER_SELECTOR, **chosen})
+        return SelectorSettings(**{**PAPER_SELECTOR, **chosen})
 
     def layers(self, lm) -> tuple[int, int, int]:
         """(L_start, L_det, L_end) for this model: each override given, else the profile's (a ConfigError says
