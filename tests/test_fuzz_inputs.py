@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from kvrelay.cli import build_parser, main
 from kvrelay.data.datasets import load_gsm8k, load_humaneval, load_mmlu
 from kvrelay.errors import KvRelayError
-from kvrelay.model.sampling import SamplingConfig
+from kvrelay.model.sampling import Sampler, SamplingConfig
 from kvrelay.pipeline.prompt import chat_prompt_ids, splice_marker
 from kvrelay.pipeline.runner import render_messages
 from kvrelay.pipeline.spec import PipelineSpec
@@ -389,7 +389,9 @@ def test_fuzz_data_lines(tmp_path_factory, lines, raw):
     ({"top_p": float("nan")}, r"top_p must be in \(0, 1\], got nan"),
     ({"max_new_tokens": True}, "max_new_tokens must be an integer >= 1, got True"),
     ({"max_new_tokens": 2.0}, "max_new_tokens must be an integer >= 1, got 2.0"),
-    ({"seed": "1"}, "seed must be an integer, got '1'"),
+    ({"seed": "1"}, r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\] \(a torch.Generator's seed\), got '1'"),
+    ({"seed": 1 << 64}, r"seed must be an integer in .*, got 18446744073709551616"),
+    ({"seed": -(1 << 63) - 1}, r"seed must be an integer in .*, got -9223372036854775809"),
 ])
 def test_sampling_parameters_are_typed_and_finite(kwargs, rule):
     with pytest.raises(KvRelayError, match=rule):
@@ -398,7 +400,8 @@ def test_sampling_parameters_are_typed_and_finite(kwargs, rule):
 
 @FUZZ
 @given(kwargs=st.dictionaries(st.sampled_from(["max_new_tokens", "temperature", "top_p", "seed"]),
-                              st.one_of(st.booleans(), st.integers(-2, 5), st.floats(), st.text(max_size=3)),
+                              st.one_of(st.booleans(), st.integers(-2, 5), st.integers(-(1 << 65), 1 << 65),
+                                        st.floats(), st.text(max_size=3)),
                               max_size=4))
 def test_fuzz_sampling_parameters(kwargs):
     try:
@@ -409,3 +412,4 @@ def test_fuzz_sampling_parameters(kwargs):
     assert isinstance(cfg.max_new_tokens, int) and not isinstance(cfg.max_new_tokens, bool)
     assert cfg.max_new_tokens >= 1 and math.isfinite(cfg.temperature) and cfg.temperature >= 0
     assert math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1
+    Sampler(cfg)  # every accepted seed seeds a generator

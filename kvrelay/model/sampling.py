@@ -32,8 +32,9 @@ class SamplingConfig:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.seed):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if not _is_int(self.seed) or not -(1 << 63) <= self.seed < (1 << 64):
+            raise ConfigError(f"seed must be an integer in [-2**63, 2**64 - 1] (a torch.Generator's seed), "
+                              f"got {self.seed!r}")
 
 
 class Sampler:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -164,7 +165,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
                 pass
 
         job = Job(build, namespace, method, max_tokens, default_max_tokens, body.temperature, body.top_p,
-                  body.seed or 0, body.stop_list(), num_top_logprobs,
+                  secrets.randbits(63) if body.seed is None else body.seed, body.stop_list(), num_top_logprobs,
                   bool(body.kvrelay and body.kvrelay.debug), emit,
                   cache_output=not body.kvrelay or body.kvrelay.cache_output,
                   first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs))

@@ -71,7 +71,8 @@ class _Sampling(_Body):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # what torch.Generator.manual_seed takes; without one each request draws its own (as OpenAI samples)
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

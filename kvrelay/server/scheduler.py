@@ -189,6 +189,12 @@ class EngineWorker:
             self._release(job)
             job.emit({"type": "error", "status": 400, "message": str(exc), "param": None, "code": "invalid_value"})
             return
+        except Exception:  # a bug met by this request fails it alone; the running requests go on
+            log.exception("admitting a request failed")
+            self._release(job)
+            job.emit({"type": "error", "status": 500, "message": "internal error while starting this request",
+                      "param": None, "code": "internal_error"})
+            return
         job.first_token_s = time.perf_counter()
         self.metrics.ttft.observe(job.first_token_s - job.created_s)
         self.metrics.engine_ttft.observe(job.seq.stats.ttft_ms / 1e3)

@@ -43,6 +43,14 @@ def test_max_completion_tokens_seed_and_top_p(server):
     assert a.usage.completion_tokens == 6 and a.choices[0].message.content == b.choices[0].message.content
 
 
+def test_requests_without_a_seed_sample_differently(server):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Pick words."}], temperature=1.0,
+              max_tokens=12)
+    texts = {server.client().chat.completions.create(**kw, extra_body={"cache_salt": salt()}).choices[0].message.content
+             for _ in range(3)}
+    assert len(texts) > 1  # a fixed default seed would return one text three times
+
+
 def test_text_completion(server):
     r = server.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
                                            extra_body={"cache_salt": salt()})

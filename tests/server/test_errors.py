@@ -27,6 +27,8 @@ BAD = [  # (what, path, body or raw text, status, code or None)
     ("messages not a list", CHAT, {**OK, "messages": "hi"}, 400, "invalid_value"),
     ("missing model", CHAT, {"messages": OK["messages"]}, 400, "invalid_value"),
     ("n > 1", CHAT, {**OK, "n": 2}, 400, "unsupported"),
+    ("seed past a generator's range", CHAT, {**OK, "seed": 1 << 64}, 400, "invalid_value"),
+    ("negative seed past the range", CHAT, {**OK, "seed": -(1 << 63) - 1}, 400, "invalid_value"),
     ("five stops", CHAT, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     ("unknown method", CHAT, {**OK, "kvrelay": {"method": "magic"}}, 400, "invalid_value"),
     ("branch method", CHAT, {**OK, "kvrelay": {"method": "rksc"}}, 400, "invalid_value"),

@@ -95,6 +95,28 @@ def test_three_agent_chain_reuses_and_matches_a_direct_engine_call(server, lm, m
     assert any(ref["kind"] == "input" for ref in d2["refs"])
 
 
+def test_agent_identity_from_the_header_or_the_system_prompt_and_kvcomm_per_request(server):
+    ns = uuid.uuid4().hex
+    solver = [{"role": "system", "content": "You solve."}, {"role": "user", "content": QUESTION}]
+    a = ask(server, solver, ns, "solver", max_tokens=8, method="kvcomm")
+    assert a.model_extra["kvrelay"]["method"] == "kvcomm"
+    assert a.model_extra["kvrelay"]["debug"]["agent"] == "solver"
+    answer = a.choices[0].message.content
+    critic = [{"role": "system", "content": "You review."},
+              {"role": "user", "content": f"Problem:\n{QUESTION}\n\nAnswer:\n{answer}"}]
+    extra = {"cache_salt": ns, "kvrelay": {"debug": True, "method": "kvcomm"}}
+    b = server.client().chat.completions.create(model=MODEL, messages=critic, max_tokens=4, temperature=0,
+                                                extra_body=extra)
+    ext = b.model_extra["kvrelay"]
+    assert ext["method"] == "kvcomm" and ext["debug"]["agent"].startswith("sys-")  # no header: the system prompt's
+    c = server.client().chat.completions.create(model=MODEL, messages=critic, max_tokens=4, temperature=0,
+                                                extra_body=extra)
+    assert c.model_extra["kvrelay"]["debug"]["agent"] == ext["debug"]["agent"]  # the same system prompt, one agent
+    # the solver's answer is found in the critic's message; kvcomm's first calls of an agent fill its
+    # anchor pool with dense prefills, and say so
+    assert any(r["kind"] == "output" for r in ext["debug"]["refs"]) and "dense prefill" in ext["fallback"]
+
+
 def test_namespaces_never_share(server):
     messages = [{"role": "system", "content": "A long shared system prompt that every agent of the tenant has, "
                                               "written out so that it spans several token blocks of the index."},
