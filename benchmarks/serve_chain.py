@@ -68,7 +68,13 @@ def summarize(rows: list[dict], method: str) -> dict:
             "kl_first_token": statistics.mean(r["kl_first_token"] for r in mine),
             "greedy_match_rate": statistics.mean(r["greedy_match"] for r in mine),
             "speedup_vs_full": statistics.median(r["full_ttft_ms"] / r["ttft_ms"] for r in mine),
-            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in mine)}
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in mine),
+            "by_agent": {agent: {"n_calls": len(calls),
+                                 "ttft_ms_median": statistics.median(r["ttft_ms"] for r in calls),
+                                 "full_ttft_ms_median": statistics.median(r["full_ttft_ms"] for r in calls),
+                                 "speedup_vs_full": statistics.median(r["full_ttft_ms"] / r["ttft_ms"] for r in calls)}
+                         for agent in dict.fromkeys(r["agent"] for r in mine)
+                         for calls in [[r for r in mine if r["agent"] == agent]]}}
 
 
 def main() -> None:
@@ -123,6 +129,9 @@ def main() -> None:
               f"KL {s['kl_first_token']:.4f}  greedy@32 {s['greedy_match_rate']:.2f}  "
               f"speedup {s['speedup_vs_full']:.2f}x  "
               f"cached {s['cached_tokens_mean']:.0f} tok")
+        for agent, a in s["by_agent"].items():
+            print(f"    {agent:10s} TTFT {a['ttft_ms_median']:7.1f} ms, full {a['full_ttft_ms_median']:7.1f} ms, "
+                  f"speedup {a['speedup_vs_full']:.2f}x ({a['n_calls']} calls)")
     if args.json:
         with open(args.json, "w") as f:
             env = {**environment("cpu"), "transport": "HTTP (kvrelay serve)", "servers": len(clients)}
