@@ -398,6 +398,12 @@ def test_sampling_parameters_are_typed_and_finite(kwargs, rule):
         SamplingConfig(**kwargs)
 
 
+@pytest.mark.parametrize("seed", [-(1 << 63), 0, (1 << 64) - 1])
+def test_seeds_at_both_ends_of_a_generators_range_are_taken(seed):
+    sampler = Sampler(SamplingConfig(temperature=1.0, seed=seed))
+    assert 0 <= sampler(torch.zeros(8)) < 8
+
+
 @FUZZ
 @given(kwargs=st.dictionaries(st.sampled_from(["max_new_tokens", "temperature", "top_p", "seed"]),
                               st.one_of(st.booleans(), st.integers(-2, 5), st.integers(-(1 << 65), 1 << 65),

@@ -109,8 +109,8 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.errors.labels(str(exc.status_code)).inc()
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
-                              code="not_found" if exc.status_code == 404 else None)
+        code = {404: "not_found", 400: "invalid_value"}.get(exc.status_code)  # 400: a body JSON cannot read
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", code=code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

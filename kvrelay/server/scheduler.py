@@ -191,10 +191,17 @@ class EngineWorker:
             return
         except Exception:  # a bug met by this request fails it alone; the running requests go on
             log.exception("admitting a request failed")
-            self._release(job)
-            job.emit({"type": "error", "status": 500, "message": "internal error while starting this request",
-                      "param": None, "code": "internal_error"})
+            self._fail(job, 500, "internal error while starting this request", "internal_error")
             return
+        try:
+            self._begin(job)
+        except Exception:
+            log.exception("starting a request failed")
+            self._fail(job, 500, "internal error while starting this request", "internal_error")
+
+    def _begin(self, job: Job) -> None:
+        """The admitted request joins the decode batch: its metrics, stop matcher, logprobs, first token out."""
+        self._running.append(job)  # first: a failure below then finishes its sequence in ``_fail``
         job.first_token_s = time.perf_counter()
         self.metrics.ttft.observe(job.first_token_s - job.created_s)
         self.metrics.engine_ttft.observe(job.seq.stats.ttft_ms / 1e3)
@@ -205,7 +212,6 @@ class EngineWorker:
                 job.logprobs.append(token_logprobs(job.seq.first_logits, job.seq.output_ids[0], job.num_top_logprobs,
                                                    self.tokenizer))
             job.seq.sampler = _RecordingSampler(job.seq.sampler, job, self.tokenizer)
-        self._running.append(job)
         if job.seq.output_ids:
             self._emit_text(job)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -29,6 +30,7 @@ BAD = [  # (what, path, body or raw text, status, code or None)
     ("n > 1", CHAT, {**OK, "n": 2}, 400, "unsupported"),
     ("seed past a generator's range", CHAT, {**OK, "seed": 1 << 64}, 400, "invalid_value"),
     ("negative seed past the range", CHAT, {**OK, "seed": -(1 << 63) - 1}, 400, "invalid_value"),
+    ("seed of 5,000 digits", CHAT, json.dumps(OK)[:-1] + ', "seed": ' + "9" * 5000 + "}", 400, "invalid_value"),
     ("five stops", CHAT, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     ("unknown method", CHAT, {**OK, "kvrelay": {"method": "magic"}}, 400, "invalid_value"),
     ("branch method", CHAT, {**OK, "kvrelay": {"method": "rksc"}}, 400, "invalid_value"),
@@ -52,6 +54,14 @@ def test_bad_request_gets_its_error(server, what, path, body, status, code):
     assert err["code"] == code, err
     assert "Traceback" not in r.text
     assert server.alive()
+
+
+def test_seeds_at_both_ends_of_the_range_are_served_and_one_past_names_the_seed(server):
+    for seed in ((1 << 64) - 1, -(1 << 63)):
+        r = httpx.post(f"{server.url}{CHAT}", json={**OK, "seed": seed, "temperature": 1.0}, timeout=30)
+        assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}{CHAT}", json={**OK, "seed": 1 << 64}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
 
 
 def test_body_over_the_limit_is_413(server):
