@@ -11,8 +11,10 @@ One command does all of it, since GPU time is short (issue 24's plan, run when a
    same-position ``naive`` load give ``full``'s logits.
 3. prefill time: ``random:llama3-8b`` in bf16, ours against transformers' own model (SDPA) with the same
    weights, 1K / 4K / 8K tokens, median of ``--repeats`` after a warm-up, last token's logits on both sides.
-4. TTFT of every method on ``copy-agents:5`` at 512- and 1,024-token outputs (downstream prompts up to about
-   2.6K and 4.6K tokens), random weights in bf16: timing only (random weights say nothing of fidelity).
+3b. small calls: k new tokens over 3,752 cached ones (the bench's "ideal" call) and one decode step at that
+   context, ours and transformers', and a torch profile of the 20-token call (host time against GPU time).
+4. TTFT of every method on ``copy-agents:5`` at 512- and 1,024-token outputs (the last agent's prompt: 2,112
+   and 3,752 tokens), random weights in bf16: timing only (random weights say nothing of fidelity).
 
 Random presets need the default model's tokenizer only; ``--tokenizer DIR`` (a converted ``tokenizer.json``
 + ``tokenizer_meta.json``) gives it where the model package is not installed.
@@ -36,11 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: t
 
 from kvrelay.cache.kv import SequenceKV  # noqa: E402
 from kvrelay.engine import sync_device  # noqa: E402
+from kvrelay.errors import KvRelayError  # noqa: E402
 from kvrelay.eval.harness import Bench, BenchConfig, environment  # noqa: E402
+from kvrelay.model.lm import LoadedModel  # noqa: E402
 from kvrelay.model.schedule import SuffixSchedule  # noqa: E402
 from kvrelay.pipeline.workloads import copy_agents  # noqa: E402
 from kvrelay.reuse import split_method_specs  # noqa: E402
 from kvrelay.weights import loader  # noqa: E402
+from kvrelay.weights.devices import check_device  # noqa: E402
 from tests.helpers import FAMILIES, hf_model, ours_from_hf  # noqa: E402
 
 FP32_ATOL = 1e-4
@@ -167,7 +172,7 @@ def exact(device: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- 3. prefill time at 8B
-def _hf_twin_llama(lm, device: str):
+def _hf_twin_llama(lm: LoadedModel, device: str) -> torch.nn.Module:
     """transformers' Llama with exactly our weights (llama3 RoPE scaling included), built on the device."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -204,7 +209,7 @@ def _time_ms(fn, repeats: int, device: str) -> list[float]:
     return times
 
 
-def prefill(lm, hf, device: str, lengths: list[int], repeats: int) -> dict:
+def prefill(lm: LoadedModel, hf: torch.nn.Module, device: str, lengths: list[int], repeats: int) -> dict:
     rows = {}
     for n in lengths:
         ids = _ids(n, 20000).to(device)
@@ -226,7 +231,8 @@ def prefill(lm, hf, device: str, lengths: list[int], repeats: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- 3b. small calls at 8B
-def small_calls(lm, hf, device: str, context_len: int, new_lens: list[int], repeats: int) -> dict:
+def small_calls(lm: LoadedModel, hf: torch.nn.Module, device: str, context_len: int, new_lens: list[int],
+                repeats: int) -> dict:
     """What a reuse method's best case costs: k new tokens over ``context_len`` cached ones (the bench's
     "ideal"), and one decode step at that context; then where the time of the 20-token call goes."""
     from kvrelay.model.schedule import StaticSchedule
@@ -268,7 +274,7 @@ def small_calls(lm, hf, device: str, context_len: int, new_lens: list[int], repe
 
 
 # ---------------------------------------------------------------------------- 4. every method at 8B
-def bench(lm, device: str, output_tokens: list[int], repeats: int, methods: tuple[str, ...]) -> dict:
+def bench(lm: LoadedModel, device: str, output_tokens: list[int], repeats: int, methods: tuple[str, ...]) -> dict:
     out = {}
     for n_out in output_tokens:
         cfg = BenchConfig(workload="copy-agents:5", methods=methods, limit=1, model=lm.name, device=device,
@@ -303,6 +309,11 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(BENCH_METHODS))
     ap.add_argument("--tokenizer", default=None, help="folder with the default model's converted tokenizer")
     args = ap.parse_args()
+    try:  # before any GPU time is spent: the device is there, and the result can be written
+        check_device(args.device)
+        Path(args.json).write_text("{}")
+    except (KvRelayError, OSError) as exc:
+        sys.exit(f"gpu_check: error: {exc}")
     if args.tokenizer:
         from kvrelay.model.tokenizer import Tokenizer
 
