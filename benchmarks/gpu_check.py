@@ -19,7 +19,7 @@ One command does all of it, since GPU time is short (issue 24's plan, run when a
 Random presets need the default model's tokenizer only; ``--tokenizer DIR`` (a converted ``tokenizer.json``
 + ``tokenizer_meta.json``) gives it where the model package is not installed.
 
-Usage: python benchmarks/gpu_check.py --json OUT [--device cuda] [--parts parity,exact,prefill,small,bench]
+Usage: python benchmarks/gpu_check.py --json OUT [--device cuda] [--parts parity,exact,prefill,small,lengths,bench]
 """
 
 from __future__ import annotations
@@ -273,6 +273,48 @@ def small_calls(lm: LoadedModel, hf: torch.nn.Module, device: str, context_len: 
     return rows
 
 
+# ---------------------------------------------------------------------------- 3c. first call at a new length
+def new_lengths(lm: LoadedModel, device: str, lengths: list[int]) -> dict:
+    """A server sees a new prompt length on almost every request: the first call at each length, and the
+    second, for a full prefill and a 20-token call over that context, with cuDNN's attention allowed (torch's
+    default) and not (then SDPA picks flash or memory-efficient attention)."""
+    from kvrelay.model.schedule import StaticSchedule
+
+    def full(ids: torch.Tensor) -> None:
+        lm.model.prefill(ids, SequenceKV(lm.config, lm.model.dtype, device, capacity=ids.numel()))
+
+    def small(ids: torch.Tensor) -> None:
+        n = ids.numel()
+        cache = SequenceKV(lm.config, lm.model.dtype, device, capacity=n + 1)
+        cache.filled[:, :n] = True
+        lm.model.prefill(ids, cache, StaticSchedule(torch.arange(n - 20, n)))
+
+    def once_ms(fn, ids: torch.Tensor) -> float:
+        sync_device(torch.device(device))
+        t0 = time.perf_counter()
+        fn(ids)
+        sync_device(torch.device(device))
+        return (time.perf_counter() - t0) * 1e3
+
+    rows: dict = {}
+    cuda = torch.cuda.is_available() and device.startswith("cuda")
+    with torch.no_grad():
+        for cudnn in (True, False):
+            if cuda:
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            for n in lengths:
+                n += 7 * cudnn  # lengths not seen before in this process either way
+                ids = _ids(n, 20000).to(device)
+                for name, fn in (("full", full), ("small", small)):
+                    first, second = once_ms(fn, ids), once_ms(fn, ids)
+                    rows[f"cudnn_{cudnn}_{name}_{n}"] = {"first_ms": first, "second_ms": second}
+                    print(f"new length: cudnn {cudnn!s:5s} {name:5s} {n:5d} tokens: first {first:8.1f} ms, "
+                          f"second {second:6.1f} ms", flush=True)
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    return rows
+
+
 # ---------------------------------------------------------------------------- 4. every method at 8B
 def bench(lm: LoadedModel, device: str, output_tokens: list[int], repeats: int, methods: tuple[str, ...]) -> dict:
     out = {}
@@ -301,7 +343,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", required=True)
-    ap.add_argument("--parts", default="parity,exact,prefill,small,bench")
+    ap.add_argument("--parts", default="parity,exact,prefill,small,lengths,bench")
     ap.add_argument("--model", default="random:llama3-8b", help="the model of parts prefill and bench")
     ap.add_argument("--lengths", default="1024,4096,8192", help="prefill lengths (tokens)")
     ap.add_argument("--outputs", default="512,1024", help="copy-agents output lengths (tokens)")
@@ -340,7 +382,7 @@ def main() -> None:
     torch.manual_seed(0)
     step("parity", lambda: parity(args.device))
     step("exact", lambda: exact(args.device))
-    if {"prefill", "small", "bench"} & set(parts):
+    if {"prefill", "small", "lengths", "bench"} & set(parts):
         t0 = time.perf_counter()
         lm = loader.load_model(args.model, device=args.device)
         result["load_s"] = time.perf_counter() - t0
@@ -348,6 +390,7 @@ def main() -> None:
         hf = _hf_twin_llama(lm, args.device) if {"prefill", "small"} & set(parts) else None
         step("prefill", lambda: prefill(lm, hf, args.device, [int(x) for x in args.lengths.split(",")], args.repeats))
         step("small", lambda: small_calls(lm, hf, args.device, 3752, [1, 20, 256], 2 * args.repeats))
+        step("lengths", lambda: new_lengths(lm, args.device, [1001, 1533, 2049, 3001]))
         hf = None  # the bench needs the memory the twin's cache held (its weights are ours)
         step("bench", lambda: bench(lm, args.device, [int(x) for x in args.outputs.split(",")],
                                     args.repeats, split_method_specs(args.methods)))

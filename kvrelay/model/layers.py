@@ -7,11 +7,14 @@ state dict loads as is; that is how the parity tests build both sides. Sequences
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias
 
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import apply_rotary
@@ -30,13 +33,21 @@ def visible_mask(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torc
     return mask
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+# On CUDA, SDPA may pick cuDNN's attention, which builds a plan for every new shape: 40-700 ms on the first
+# call at each prompt length on an H200 (BENCHMARKS.md, "On a GPU"), and a server sees a new length on
+# nearly every request. Flash and memory-efficient attention have no such cost.
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None,
               causal: bool) -> torch.Tensor:
-    """q [H, n, hd] against k, v [Hkv, m, hd] -> [n, H * hd]. ``mask``: bool [n, m], True = visible."""
-    out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
-        is_causal=causal, enable_gqa=q.shape[0] != k.shape[0],
-    )  # [1, H, n, hd]
+    """q [H, n, hd] against k, v [Hkv, m, hd] -> [n, H * hd]. ``mask``: bool [n, m], True = visible, or a
+    ``CausalBias`` (``causal_lower_right``: the queries are the last n of the m positions)."""
+    attn_mask = mask[None, None] if isinstance(mask, torch.Tensor) else mask
+    with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=attn_mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0],
+        )  # [1, H, n, hd]
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
