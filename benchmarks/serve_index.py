@@ -1,10 +1,14 @@
-"""Token index lookup time against prompt length and number of stored spans (no model, no torch).
+"""Matching cost against prompt length and number of stored spans (no model, no torch).
 
     python benchmarks/serve_index.py [--json benchmarks/results/serve-index.json]
 
-Spans are 512 random tokens each (a prompt + output of an agent call); every query shares a
+Token index: spans are 512 random tokens each (a prompt + output of an agent call); every query shares a
 256-token run with one stored span and a 64-token run with another, at unaligned offsets, and is
 otherwise random. Times are the median of repeated ``TokenIndex.find`` calls (prefix lookup included).
+
+Output registry (the step before tokenizing: returned texts found inside message contents): as many
+registered outputs as spans, 400 characters of random words each; a message of 4 characters per prompt
+token that quotes one of them. Times are the median of repeated ``OutputRegistry.find`` calls.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import statistics
 import time
 
 from kvrelay.server.index import TokenIndex
+from kvrelay.server.registry import OutputRegistry, RegisteredOutput
 
 SPAN_TOKENS = 512
 
@@ -50,6 +55,30 @@ def time_find(index: TokenIndex, q: list[int], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _words(rng: random.Random, num_chars: int) -> str:
+    words = []
+    while sum(len(w) + 1 for w in words) < num_chars:
+        words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))))
+    return " ".join(words)[:num_chars]
+
+
+def time_registry(num_outputs: int, prompt_tokens: int, rng: random.Random, repeats: int) -> float:
+    registry = OutputRegistry()
+    texts = [_words(rng, 400) for _ in range(num_outputs)]
+    for i, text in enumerate(texts):
+        registry.add(RegisteredOutput(text, tuple(range(100)), f"s{i}", 0))
+    content = _words(rng, 4 * prompt_tokens)
+    quoted = rng.choice(texts)
+    content = content[:100] + quoted + content[100 + len(quoted):]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        hits = registry.find(content)
+        times.append((time.perf_counter() - t0) * 1e3)
+    assert [h.output.text for h in hits] == [quoted], hits
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -63,9 +92,11 @@ def main() -> None:
         build_ms = (time.perf_counter() - t0) * 1e3
         for length in (1024, 4096, 16384):
             ms = time_find(index, query(length, spans, rng), args.repeats)
+            registry_ms = time_registry(num_spans, length, rng, args.repeats)
             rows.append({"num_spans": num_spans, "prompt_tokens": length, "lookup_ms": round(ms, 2),
+                         "registry_find_ms": round(registry_ms, 2),
                          "index_build_ms_per_span": round(build_ms / num_spans, 3)})
-            print(f"spans {num_spans:6d}  prompt {length:6d} tok  lookup {ms:8.2f} ms  "
+            print(f"spans {num_spans:6d}  prompt {length:6d} tok  lookup {ms:8.2f} ms  registry {registry_ms:8.2f} ms  "
                   f"(index build {build_ms / num_spans:.3f} ms/span)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
