@@ -339,6 +339,22 @@ def bench(lm: LoadedModel, device: str, output_tokens: list[int], repeats: int, 
     return out
 
 
+def prepare(prog: str, device: str, json_path: str, tokenizer: str | None) -> None:
+    """Before any GPU time is spent: the device is there and the result can be written (else one error line,
+    exit 2); random presets get the default model's tokenizer from ``tokenizer`` (a converted folder)."""
+    try:
+        check_device(device)
+        Path(json_path).write_text("{}")
+    except (KvRelayError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if tokenizer:
+        from kvrelay.model.tokenizer import Tokenizer
+
+        tok = Tokenizer.load(Path(tokenizer))
+        loader.load_tokenizer = lambda ref=loader.DEFAULT_MODEL: tok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -351,16 +367,7 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(BENCH_METHODS))
     ap.add_argument("--tokenizer", default=None, help="folder with the default model's converted tokenizer")
     args = ap.parse_args()
-    try:  # before any GPU time is spent: the device is there, and the result can be written
-        check_device(args.device)
-        Path(args.json).write_text("{}")
-    except (KvRelayError, OSError) as exc:
-        sys.exit(f"gpu_check: error: {exc}")
-    if args.tokenizer:
-        from kvrelay.model.tokenizer import Tokenizer
-
-        tok = Tokenizer.load(Path(args.tokenizer))
-        loader.load_tokenizer = lambda ref=loader.DEFAULT_MODEL: tok
+    prepare("gpu_check", args.device, args.json, args.tokenizer)
     parts = args.parts.split(",")
     result: dict = {"env": environment(args.device), "parts": {}, "errors": {}}
 

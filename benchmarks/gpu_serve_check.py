@@ -27,10 +27,11 @@ from pathlib import Path
 
 import httpx
 
-from kvrelay.errors import KvRelayError
-from kvrelay.eval.harness import environment
-from kvrelay.weights import loader
-from kvrelay.weights.devices import check_device
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check import prepare  # noqa: E402
+
+from kvrelay.eval.harness import environment  # noqa: E402
 
 RELAY = "relay[l_start=2,l_det=3,l_end=31,top_r=0.2,l_pre=4,l_suf=4]"
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -154,16 +155,7 @@ def main() -> None:
     ap.add_argument("--relay", default=RELAY, help="the relay spec of the chain (layers within the model's)")
     ap.add_argument("--tokenizer", default=None, help="folder with the default model's converted tokenizer")
     args = ap.parse_args()
-    try:  # before any GPU time is spent
-        check_device(args.device)
-        Path(args.json).write_text("{}")
-    except (KvRelayError, OSError) as exc:
-        sys.exit(f"gpu_serve_check: error: {exc}")
-    if args.tokenizer:
-        from kvrelay.model.tokenizer import Tokenizer
-
-        tok = Tokenizer.load(Path(args.tokenizer))
-        loader.load_tokenizer = lambda ref=loader.DEFAULT_MODEL: tok
+    prepare("gpu_serve_check", args.device, args.json, args.tokenizer)
     counts = [int(c) for c in args.clients.split(",")]
     t0 = time.perf_counter()
     server, thread, url = start_server(args.model, args.device, args.port, max(counts), args.relay)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +28,7 @@ from bench_engine import _hf_twin  # noqa: E402
 
 from kvrelay.cache.kv import SequenceKV  # noqa: E402
 from kvrelay.eval.harness import environment  # noqa: E402
+from kvrelay.eval.stats import timed_median_ms  # noqa: E402
 from kvrelay.weights.loader import load_model  # noqa: E402
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
@@ -52,14 +51,7 @@ def _by_class(prof) -> dict[str, float]:
 
 
 def _median_us(fn, repeats: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return timed_median_ms(fn, repeats, warmup=20) * 1e3
 
 
 def main() -> None:
