@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import CausalBias
 
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import apply_rotary
@@ -39,14 +38,13 @@ def visible_mask(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torc
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
-    """q [H, n, hd] against k, v [Hkv, m, hd] -> [n, H * hd]. ``mask``: bool [n, m], True = visible, or a
-    ``CausalBias`` (``causal_lower_right``: the queries are the last n of the m positions)."""
-    attn_mask = mask[None, None] if isinstance(mask, torch.Tensor) else mask
+    """q [H, n, hd] against k, v [Hkv, m, hd] -> [n, H * hd]. ``mask``: bool [n, m], True = visible."""
     with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=attn_mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0],
+            q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
+            is_causal=causal, enable_gqa=q.shape[0] != k.shape[0],
         )  # [1, H, n, hd]
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
