@@ -38,14 +38,18 @@ def visible_mask(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torc
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA kernels ``attention`` may use on ``device``, entered once per forward (not per layer)."""
+    return sdpa_kernel(_CUDA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
     """q [H, n, hd] against k, v [Hkv, m, hd] -> [n, H * hd]. ``mask``: bool [n, m], True = visible."""
-    with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
-            is_causal=causal, enable_gqa=q.shape[0] != k.shape[0],
-        )  # [1, H, n, hd]
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
+        is_causal=causal, enable_gqa=q.shape[0] != k.shape[0],
+    )  # [1, H, n, hd]
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 

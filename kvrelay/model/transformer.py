@@ -6,6 +6,8 @@ sequences, one token each, whose caches may differ in length and kind.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,12 +16,29 @@ from torch import nn
 
 from kvrelay.errors import ContextLengthError, ScheduleError
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.layers import DecoderLayer, RMSNorm, attention, attention_probs, visible_mask
+from kvrelay.model.layers import (
+    DecoderLayer,
+    RMSNorm,
+    attention,
+    attention_backends,
+    attention_probs,
+    visible_mask,
+)
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import LayerView, Schedule
 
 if TYPE_CHECKING:
     from kvrelay.cache.kv import SequenceKV
+
+
+def _with_attention_backends(forward: Callable) -> Callable:
+    """Runs a forward under the attention kernels its device may use (``layers.attention_backends``)."""
+    @functools.wraps(forward)
+    def run(self: Transformer, *args, **kwargs):
+        with attention_backends(self.device):
+            return forward(self, *args, **kwargs)
+
+    return run
 
 
 class Backbone(nn.Module):
@@ -90,6 +109,7 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
+    @_with_attention_backends
     def prefill(self, token_ids: torch.Tensor, cache: SequenceKV, schedule: Schedule | None = None,
                 all_logits: bool = False) -> PrefillResult:
         """Scheduled prefill of a whole prompt into ``cache`` (slot = position, 0..n-1).
@@ -198,6 +218,7 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
+    @_with_attention_backends
     def decode(self, token_ids: list[int], caches: list[SequenceKV], capture_layers: tuple[int, ...] = (),
                captured: list[dict[int, list[torch.Tensor]]] | None = None) -> torch.Tensor:
         """Feed ``token_ids[b]`` at position ``caches[b].length`` for each of B sequences; logits [B, vocab].
