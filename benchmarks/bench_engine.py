@@ -28,20 +28,26 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.weights.loader import load_model
 
 
-def _hf_twin(lm):
-    """A transformers Llama with exactly our weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_llama_config(lm):
+    """transformers' LlamaConfig of our model's shape (its RoPE scaling included), SDPA attention."""
+    from transformers import LlamaConfig
 
     c = lm.config
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-                      attn_implementation="sdpa")
-    hf = LlamaForCausalLM(cfg).eval()
+    rope = {**(c.rope_scaling or {"rope_type": "default"}), "rope_theta": c.rope_theta}
+    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                       num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                       num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                       max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                       rope_parameters=rope, tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa")
+
+
+def _hf_twin(lm):
+    """A transformers Llama with exactly our weights (copied into its own tensors)."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM(hf_llama_config(lm)).eval()
     hf.load_state_dict(lm.model.state_dict(), strict=False)
-    if c.tie_word_embeddings:
+    if lm.config.tie_word_embeddings:
         hf.tie_weights()
     return hf
 

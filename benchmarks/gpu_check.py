@@ -35,6 +35,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the parity tests' families
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine: transformers' config of our shape
+
+from bench_engine import hf_llama_config  # noqa: E402
 
 from kvrelay.cache.kv import SequenceKV  # noqa: E402
 from kvrelay.engine import sync_device  # noqa: E402
@@ -174,20 +177,13 @@ def exact(device: str) -> dict:
 # ---------------------------------------------------------------------------- 3. prefill time at 8B
 def _hf_twin_llama(lm: LoadedModel, device: str) -> torch.nn.Module:
     """transformers' Llama with exactly our weights (llama3 RoPE scaling included), built on the device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    c = lm.config
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta} if not c.rope_scaling else \
-        {**c.rope_scaling, "rope_theta": c.rope_theta}
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                      rope_parameters=rope, tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa")
+    cfg = hf_llama_config(lm)
     with torch.device("meta"):
         hf = LlamaForCausalLM(cfg)
     hf.load_state_dict(lm.model.state_dict(), strict=False, assign=True)  # shares our tensors: no second copy
-    if c.tie_word_embeddings:
+    if lm.config.tie_word_embeddings:
         hf.tie_weights()
     hf.model.rotary_emb = type(hf.model.rotary_emb)(cfg).to(device)  # built off meta; inv_freq stays fp32
     left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
