@@ -165,6 +165,17 @@ class EngineWorker:
         self.metrics.observe_store(self.catalog.store)
 
     def _admit(self, job: Job) -> None:
+        """Start ``job`` and add it to the decode batch. A bug it meets fails it alone (a 500); the
+        requests already running go on."""
+        try:
+            if self._start(job):
+                self._begin(job)
+        except Exception:
+            log.exception("starting a request failed")
+            self._fail(job, 500, "internal error while starting this request", "internal_error")
+
+    def _start(self, job: Job) -> bool:
+        """Build, match, plan and prefill: True when its sequence started, False when it was answered an error."""
         try:
             prompt, agent = job.build()
             n = len(prompt.ids)
@@ -184,20 +195,12 @@ class EngineWorker:
             self._release(job)
             job.emit({"type": "error", "status": exc.status, "message": exc.message, "param": exc.param,
                       "code": exc.code})
-            return
+            return False
         except KvRelayError as exc:
             self._release(job)
             job.emit({"type": "error", "status": 400, "message": str(exc), "param": None, "code": "invalid_value"})
-            return
-        except Exception:  # a bug met by this request fails it alone; the running requests go on
-            log.exception("admitting a request failed")
-            self._fail(job, 500, "internal error while starting this request", "internal_error")
-            return
-        try:
-            self._begin(job)
-        except Exception:
-            log.exception("starting a request failed")
-            self._fail(job, 500, "internal error while starting this request", "internal_error")
+            return False
+        return True
 
     def _begin(self, job: Job) -> None:
         """The admitted request joins the decode batch: its metrics, stop matcher, logprobs, first token out."""
