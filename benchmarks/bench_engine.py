@@ -59,9 +59,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--int4-decode", action="store_true",
+                    help="also time decode on the GGUF's 4-bit weights (load_model(int4_decode=True)), interleaved")
     args = ap.parse_args()
 
     lm = load_model(args.model)
+    lm4 = load_model(args.model, int4_decode=True) if args.int4_decode else None
     hf = _hf_twin(lm)
     ids = torch.randint(0, 20000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
 
@@ -89,8 +92,8 @@ def main() -> None:
     decode_prompt = ids[:128].tolist()
     new = args.new_tokens
 
-    def ours_decode():
-        out = Engine(lm).generate(decode_prompt, "full", GenerateOptions(SamplingConfig(max_new_tokens=new)))
+    def ours_decode(model=lm):
+        out = Engine(model).generate(decode_prompt, "full", GenerateOptions(SamplingConfig(max_new_tokens=new)))
         assert len(out.output_ids) == new or out.stop_reason == "stop"
         return out.stats.decode_ms, len(out.output_ids)
 
@@ -103,10 +106,15 @@ def main() -> None:
 
     ours_decode()
     hf_decode()
-    ours_tps, hf_tps = [], []
+    if lm4 is not None:
+        ours_decode(lm4)
+    ours_tps, hf_tps, int4_tps = [], [], []
     for _ in range(args.repeats):
         ms, n = ours_decode()
         ours_tps.append((n - 1) / (ms / 1e3))  # the decode loop feeds n-1 tokens after the prefill's first
+        if lm4 is not None:
+            ms, n = ours_decode(lm4)
+            int4_tps.append((n - 1) / (ms / 1e3))
         # transformers' generate time includes its prefill: subtract a prefill of the same prompt
         hf_total = hf_decode()
         hf_pre = timed_median_ms(lambda: hf(torch.tensor([decode_prompt]), logits_to_keep=1), 1, warmup=1)
@@ -115,6 +123,10 @@ def main() -> None:
               "transformers_tokens_per_s_median": statistics.median(hf_tps)}
     decode["ratio_ours_over_transformers"] = (decode["ours_tokens_per_s_median"]
                                               / decode["transformers_tokens_per_s_median"])
+    if int4_tps:
+        decode["int4_tokens_per_s_median"] = statistics.median(int4_tps)
+        decode["ratio_int4_over_transformers"] = (decode["int4_tokens_per_s_median"]
+                                                  / decode["transformers_tokens_per_s_median"])
 
     code = f"import time; t=time.perf_counter(); from kvrelay.weights.loader import load_model; " \
            f"load_model({args.model!r}); print(time.perf_counter()-t)"

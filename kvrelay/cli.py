@@ -11,10 +11,10 @@ from kvrelay.errors import ConfigError, DataFileError, KvRelayError
 from kvrelay.flags import (
     Parser,
     add_dataclass_flags,
+    add_model_flags,
     check_output_dir,
     check_output_file,
     dataclass_from_args,
-    device_arg,
     finite_float,
     positive_integer,
     workload_arg,
@@ -143,7 +143,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--input {name}: given twice")
         inputs[name] = _read_input(name, text)
     spec.check_inputs(inputs)
-    lm = load_model(args.model, device=args.device, verify=args.verify)
+    lm = load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
     store = open_store(args.store, args.store_bytes, fingerprint=lm.fingerprint)
     engine = Engine(lm, store, methods=(args.method,))  # carries what the method needs
     results = PipelineRunner(engine, spec).run(inputs, args.method)
@@ -170,7 +170,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.workload == "gsm8k-branches":
         raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
     _check_data(args.workload, args.data)
-    lm = load_model(args.model, device=args.device, verify=args.verify)
+    lm = load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
     if args.selector_only:  # keep the model's band, choose the selector again
         profile = calibrate_selector(lm, layer_profile(lm), args.workload, args.data, args.problems)
     else:
@@ -204,7 +204,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvrelay.weights.loader import load_model
 
     sampling = dataclass_from_args(SamplingConfig, args)
-    lm = load_model(args.model, device=args.device, verify=args.verify)
+    lm = load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = chat_prompt_ids(lm.tokenizer, messages).ids
@@ -214,16 +214,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
           f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms, stop: {out.stop_reason}]", file=sys.stderr)
     return 0
-
-
-def _model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
-    parser.add_argument("--model", default=default_model,
-                        help="model: an alias, a .gguf file, a Hugging Face folder or random:<preset> "
-                             f"(default: {default_model})")
-    parser.add_argument("--device", type=device_arg, default="cpu",
-                        help="torch device; choices: cpu, cuda, cuda:N, mps (default: cpu)")
-    parser.add_argument("--verify", action="store_true",
-                        help="hash the whole converted weights file instead of a sample of it (slower, thorough)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: full)")
     run.add_argument("--input", action="append", default=[],
                      help="a task input as NAME=TEXT or NAME=@FILE (UTF-8 text); repeatable")
-    _model_flags(run, DEFAULT_MODEL)
+    add_model_flags(run, DEFAULT_MODEL)
     run.add_argument("--store-bytes", type=positive_integer, default=4 << 30,
                      help="KV store budget in bytes (default: 4 GiB)")
     run.add_argument("--store", default="memory",
@@ -265,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the memory store; credentials are never printed)")
     run.set_defaults(fn=_cmd_run)
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
-    _model_flags(prof, DEFAULT_MODEL)
+    add_model_flags(prof, DEFAULT_MODEL)
     prof.add_argument("--workload", type=workload_arg, default="gsm8k-chain3",
                       help="calibration pipelines, a workload name (default: gsm8k-chain3)")
     prof.add_argument("--data", default=None, help="calibration data file (default: ../shared/data/gsm8k/train.jsonl)")
@@ -288,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(fn=_cmd_profile)
     gen = sub.add_parser("generate", help="one chat completion with the engine")
     gen.add_argument("prompt", help="the user message (text, taken literally)")
-    _model_flags(gen, DEFAULT_MODEL)
+    add_model_flags(gen, DEFAULT_MODEL)
     gen.add_argument("--system", default=None, help="a system message (default: none)")
     add_dataclass_flags(gen, SamplingConfig)
     gen.set_defaults(fn=_cmd_generate)

@@ -125,8 +125,11 @@ def hf_from_alias(alias: str):
     return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def write_tiny_gguf(path: Path, hf) -> None:
-    """Write ``hf`` (a Llama) as a GGUF file the way llama.cpp's converter lays it out (F32)."""
+def write_tiny_gguf(path: Path, hf, layer_type: str = "F32") -> None:
+    """Write ``hf`` (a Llama) as a GGUF file the way llama.cpp's converter lays it out: F32, or the layers'
+    matrices quantized to ``layer_type`` (Q4_0, Q4_1...) as a quantized GGUF stores them."""
+    import gguf
+
     cfg = hf.config
     w = gguf_writer(path, "llama", cfg)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
@@ -161,6 +164,10 @@ def write_tiny_gguf(path: Path, hf) -> None:
                 arr = _permute(arr, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 arr = _permute(arr, cfg.num_key_value_heads)
+            if layer_type != "F32" and arr.ndim == 2:
+                kind = gguf.GGMLQuantizationType[layer_type]
+                w.add_tensor(out, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+                continue
         w.add_tensor(out, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()

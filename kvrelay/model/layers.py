@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.int4 import Int4Blocks, Int4Weight, int4_of, linear
 from kvrelay.model.rope import apply_rotary
 
 # (q [H, n, hd], fresh k [Hkv, n, hd], fresh v [Hkv, n, hd]) -> attention output [n, H * hd]: the caller
@@ -126,15 +127,27 @@ class Attention(nn.Module):
         self.q_scale = (cfg.head_dim / (cfg.query_pre_attn_scalar or cfg.head_dim)) ** 0.5
         self._qkv_w: torch.Tensor | None = None
         self._qkv_b: torch.Tensor | None = None
+        self.int4_qkv: Int4Weight | None = None
+        self.int4_o: Int4Weight | None = None
+
+    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        if not _still_fused(self._qkv_w, linears):
+            self._qkv_w, self._qkv_b = fuse_linears(linears)
+        return self._qkv_w, self._qkv_b
+
+    def attach_int4(self, blocks: Int4Blocks, prefix: str) -> None:
+        """4-bit stand-ins for the weights under ``prefix`` (``model.layers.N.self_attn.``) that have blocks."""
+        qkv_w, _ = self.fused_qkv()
+        self.int4_qkv = int4_of(qkv_w, [f"{prefix}{p}_proj.weight" for p in "qkv"], blocks)
+        self.int4_o = int4_of(self.o_proj.weight, [f"{prefix}o_proj.weight"], blocks)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [n, hidden] -> q [H, n, hd], k [Hkv, n, hd], v [Hkv, n, hd]; q and k rotated."""
-        linears = [self.q_proj, self.k_proj, self.v_proj]
-        if not _still_fused(self._qkv_w, linears):
-            self._qkv_w, self._qkv_b = fuse_linears(linears)
+        qkv_w, qkv_b = self.fused_qkv()
         n, q_dim, kv_dim = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, self._qkv_w, self._qkv_b).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = linear(x, qkv_w, qkv_b, self.int4_qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [n, H, hd]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, hd]
         v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, n, hd]
@@ -143,6 +156,10 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(0, 1), cos, sin)  # [H, n, hd]
         k = apply_rotary(k.transpose(0, 1), cos, sin)  # [Hkv, n, hd]
         return (q * self.q_scale if self.q_scale != 1.0 else q), k, v
+
+    def out(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """The output projection: attn_out [n, H * hd] -> [n, hidden]."""
+        return linear(attn_out, self.o_proj.weight, None, self.int4_o)
 
 
 class MLP(nn.Module):
@@ -153,15 +170,26 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self._gate_up_w: torch.Tensor | None = None
         self.gelu = cfg.gemma  # Gemma: GELU (tanh approximation) instead of SiLU
+        self.int4_gate_up: Int4Weight | None = None
+        self.int4_down: Int4Weight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fused_gate_up(self) -> torch.Tensor:
         linears = [self.gate_proj, self.up_proj]
         if not _still_fused(self._gate_up_w, linears):
             self._gate_up_w, _ = fuse_linears(linears)
-        gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)  # [n, inter] each, views of one product
+        return self._gate_up_w
+
+    def attach_int4(self, blocks: Int4Blocks, prefix: str) -> None:
+        """4-bit stand-ins for the weights under ``prefix`` (``model.layers.N.mlp.``) that have blocks."""
+        self.int4_gate_up = int4_of(self.fused_gate_up(), [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"],
+                                    blocks)
+        self.int4_down = int4_of(self.down_proj.weight, [f"{prefix}down_proj.weight"], blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.fused_gate_up(), None, self.int4_gate_up).chunk(2, dim=-1)  # [n, inter] each
         # in place: the product is a temporary, and two fewer [n, inter] allocations pay on CPU prefill
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate, inplace=True)
-        return self.down_proj(act.mul_(up))
+        return linear(act.mul_(up), self.down_proj.weight, None, self.int4_down)
 
 
 class DecoderLayer(nn.Module):
@@ -184,9 +212,9 @@ class DecoderLayer(nn.Module):
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer's second half: residual + output projection, then the MLP block. h [n, hidden]."""
         if self.gemma:
-            h = h + self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
+            h = h + self.post_attention_layernorm(self.self_attn.out(attn_out))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = h + self.self_attn.o_proj(attn_out)
+        h = h + self.self_attn.out(attn_out)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn

@@ -15,12 +15,12 @@ DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
     from kvrelay.cache.tenancy import TenancyConfig
-    from kvrelay.flags import add_dataclass_flags, device_arg
+    from kvrelay.flags import add_dataclass_flags, add_model_flags
     from kvrelay.server.catalog import MatchConfig
     from kvrelay.weights.loader import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default {DEFAULT_MODEL})")
+    add_model_flags(p, DEFAULT_MODEL)
     p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"reuse method for requests that name none (default {DEFAULT_METHOD}); "
                         "a request picks its own with {\"kvrelay\": {\"method\": ...}}")
@@ -37,8 +37,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "gets its own cache namespace")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
     p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
-    p.add_argument("--device", type=device_arg, default="cpu",
-                   help="torch device; choices: cpu, cuda, cuda:N, mps (default: cpu)")
     p.add_argument("--store", default="memory",
                    help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
                         "replicas on the same tier reuse each other's spans (credentials are never printed)")
@@ -81,7 +79,7 @@ def build_app(args: argparse.Namespace):
     keys = read_api_keys(args.api_keys)
     tenancy = dataclass_from_args(TenancyConfig, args)
     match = dataclass_from_args(MatchConfig, args)
-    lm = load_model(args.model, args.device)
+    lm = load_model(args.model, args.device, verify=args.verify, int4_decode=args.int4_decode)
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
                        namespace_budget_bytes=tenancy.namespace_budget_bytes)
     store.set_namespace_idle_s(tenancy.idle_s)

@@ -100,3 +100,35 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], ModelC
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return meta, config, state
+
+
+# 4-bit GGUF blocks of 32 weights whose values are scale * q + offset (q in 0..15): bytes per block, and
+# whether the block stores its offset (Q4_1: scale, offset, 16 bytes of nibbles) or implies -8 * scale (Q4_0)
+_INT4_BLOCKS = {"Q4_0": (18, False), "Q4_1": (20, True)}
+INT4_GROUP_SIZE = 32
+
+
+def read_int4_blocks(path: Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The layer weights a GGUF stores as Q4_0 or Q4_1, undequantized, by HF name: (q uint8 [N, K] in 0..15,
+    scale fp32 [N, K/32], offset fp32 [N, K/32]) with rows in HF order; ``scale * q + offset`` per block
+    of 32 is the weight ``read_gguf`` dequantizes. Other tensors (norms, Q8_0 embeddings...) are left out."""
+    reader = _open(path)
+    blocks = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name, config.gemma)
+        kind = _INT4_BLOCKS.get(t.tensor_type.name)
+        if name is None or kind is None or not name.startswith("model.layers."):
+            continue
+        block_bytes, has_offset = kind
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
+        raw = np.asarray(t.data).view(np.uint8).reshape(rows, cols // INT4_GROUP_SIZE, block_bytes)
+        scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+        offset = (raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_offset
+                  else -8.0 * scale)
+        nibbles = raw[..., block_bytes - 16:]  # [N, K/32, 16]: weight j low nibble, weight j + 16 high
+        q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, cols)  # [N, K]
+        if config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            q, scale, offset = (_unpermute(a, heads) for a in (q, scale, offset))
+        blocks[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, offset))
+    return blocks

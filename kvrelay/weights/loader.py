@@ -102,22 +102,27 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], device, dtype, s
 
 
 def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str | None = None, progress: bool = True, verify: bool = False) -> LoadedModel:
+               dtype: torch.dtype | str | None = None, progress: bool = True, verify: bool = False,
+               int4_decode: bool = False) -> LoadedModel:
     """Load a model by alias (``smollm2-135m``), .gguf path, HF folder or ``random:<preset>``.
 
     The device is checked first (an unavailable one is a ``DeviceError`` before any file is touched).
-    ``verify`` hashes the whole converted weights file instead of a sample of it."""
+    ``verify`` hashes the whole converted weights file instead of a sample of it. ``int4_decode`` runs
+    decode steps on the GGUF's own 4-bit layer weights (CPU; ``kvrelay.model.int4``)."""
     if not isinstance(ref, str) or not ref:
         raise ModelNotFoundError(f"model reference must be a non-empty string, got {ref!r}")
     device = check_device(device)
     dtype = _default_dtype(device, dtype)
+    path = _alias_path(ref) if ref in ALIASES else Path(ref).expanduser()
+    if int4_decode and (device.type != "cpu" or path.suffix != ".gguf"):
+        raise ConfigError(f"int4 decode runs a GGUF's 4-bit weights on CPU; {ref!r} on {device} has none to run "
+                          "(give a .gguf model or an alias, on --device cpu)")
     if ref.startswith("random:"):
         return build_random(ref.split(":", 1)[1], device, dtype)
     if ref in ALIASES:
-        return _load_gguf(_alias_path(ref), device, dtype, progress, ref, verify)
-    path = Path(ref).expanduser()
+        return _load_gguf(_alias_path(ref), device, dtype, progress, ref, verify, int4_decode)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, device, dtype, progress, path.stem, verify)
+        return _load_gguf(path, device, dtype, progress, path.stem, verify, int4_decode)
     if path.is_dir():
         return _load_hf_dir(path, device, dtype)
     if path.exists():
@@ -187,7 +192,7 @@ def _conversion_dir(path: Path) -> Path:
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: bool, name: str,
-               verify: bool) -> LoadedModel:
+               verify: bool, int4_decode: bool = False) -> LoadedModel:
     out = _conversion_dir(path)
     cached = _read_conversion(out, verify) if out.exists() else None
     if cached is None:
@@ -195,7 +200,15 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: b
     meta, tokenizer, state = cached
     config = ModelConfig.from_dict(meta["config"])
     model = _build(config, state, device, dtype, str(path))
-    fp = fingerprint_of(config, meta["weights_sha256"], dtype, meta["tokenizer_sha256"])
+    weights_id = meta["weights_sha256"]
+    if int4_decode:
+        from kvrelay.weights.gguf import read_int4_blocks
+
+        if model.attach_int4(read_int4_blocks(path, config)) == 0:
+            raise ConfigError(f"{path.name}: no layer weight is stored as Q4_0 or Q4_1, so int4 decode has "
+                              "nothing to run; load it without int4 decode")
+        weights_id += ":int4-decode"  # decoded KV differs a little from the fp32 path's: not the same entries
+    fp = fingerprint_of(config, weights_id, dtype, meta["tokenizer_sha256"])
     return LoadedModel(name, model, tokenizer, config, fp, str(path))
 
 

@@ -54,3 +54,27 @@ def test_logits_match_transformers(lm, hf_pair):
         ref64 = hf64(ids[None]).logits[0]
     got64 = ours64.model.prefill(ids, SequenceKV(ours64.config, torch.float64, "cpu"), all_logits=True).logits
     assert (got64.double() - ref64).abs().max() < 1e-4
+
+
+def test_int4_decode_on_the_shipped_q4_1_weights(lm):
+    from kvrelay.model.int4 import GROUP_SIZE
+    from kvrelay.weights.gguf import read_int4_blocks
+    from kvrelay.weights.loader import _alias_path
+
+    blocks = read_int4_blocks(_alias_path("smollm2-135m"), lm.config)
+    state = lm.model.state_dict()
+    assert len(blocks) == 7 * lm.config.num_layers  # every layer matrix ships as Q4_1
+    for name, (q, scale, offset) in blocks.items():
+        weight = (q.float().view(q.shape[0], -1, GROUP_SIZE) * scale[..., None] + offset[..., None]).view(q.shape)
+        assert torch.equal(weight, state[name]), name
+    lm4 = load_model("smollm2-135m", int4_decode=True)
+    ids = torch.tensor(lm.tokenizer.encode(lm.tokenizer.apply_chat_template(PROMPT)))
+    caches = [SequenceKV(m.config, m.dtype, "cpu") for m in (lm, lm4)]
+    first = [m.model.prefill(ids, c).logits for m, c in zip((lm, lm4), caches, strict=True)]
+    assert torch.equal(first[0], first[1])  # a prompt's prefill keeps the fp32 weights
+    token = int(first[0].argmax())
+    for _ in range(8):
+        p, q = (m.model.decode([token], [c])[0].log_softmax(-1) for m, c in zip((lm, lm4), caches, strict=True))
+        assert float((p.exp() * (p - q)).sum()) < 2e-3  # BENCHMARKS.md: mean 1e-4 over 1,260 steps
+        assert int(p.argmax()) == int(q.argmax())
+        token = int(p.argmax())
