@@ -87,7 +87,15 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
                         "p.yaml:3: agents[0] ('a').max_new_tokens: must be a valid integer, got 'ten'"),
                        (["generate", "hi", "--model", "random:tiny", "--temperature", "nan"],
                         "--temperature: 'nan': must be a finite number"),
-                       (["generate", "hi", "--model", "random:tiny", "--device", "bogus"], "unknown device")):
+                       (["generate", "hi", "--model", "random:tiny", "--device", "bogus"], "unknown device"),
+                       (["generate", "hi", "--model", "random:tiny", "--int4-decode"],
+                        "int4 decode runs a GGUF's 4-bit weights on CPU; 'random:tiny' on cpu has none")):
         out = _kvrelay(*args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr
+
+
+def test_generate_with_int4_decode():
+    out = _kvrelay("generate", "What is 2 + 2?", "--int4-decode", "--max-new-tokens", "4")
+    assert out.returncode == 0, out.stderr
+    assert "prompt tokens" in out.stderr and out.stdout.strip()
