@@ -24,6 +24,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import timed_median_ms
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.weights.loader import load_model
 
@@ -92,7 +93,7 @@ def main() -> None:
     decode_prompt = ids[:128].tolist()
     new = args.new_tokens
 
-    def ours_decode(model=lm):
+    def ours_decode(model: LoadedModel = lm) -> tuple[float, int]:
         out = Engine(model).generate(decode_prompt, "full", GenerateOptions(SamplingConfig(max_new_tokens=new)))
         assert len(out.output_ids) == new or out.stop_reason == "stop"
         return out.stats.decode_ms, len(out.output_ids)

@@ -5,7 +5,7 @@
   KL(fp32 || int4), argmax agreement; then each model decodes greedily on its own and the share of the
   T tokens that match (greedy@T) is recorded.
 - rows: a decode step over B sequences (one row each) with the fp32 weights and with the 4-bit ones, at
-  B = 1..32, interleaved, median of R steps: where the int4 kernel stops paying (``int4.MAX_ROWS``).
+  each B of ``--rows``, interleaved, median of R steps: how far the int4 kernel keeps paying in a batch.
 
 Usage: python benchmarks/int4_decode.py [--problems 20] [--tokens 64] [--json OUT]
 """
@@ -23,19 +23,19 @@ import torch
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.data.datasets import load_gsm8k
 from kvrelay.eval.harness import environment
-from kvrelay.model import int4
+from kvrelay.model.lm import LoadedModel
 from kvrelay.pipeline.prompt import chat_prompt_ids
 from kvrelay.weights.loader import load_model
 
 
-def _prefilled(lm, ids: list[int], extra: int) -> SequenceKV:
+def _prefilled(lm: LoadedModel, ids: list[int], extra: int) -> SequenceKV:
     cache = SequenceKV(lm.config, lm.dtype, "cpu", capacity=len(ids) + extra + 1)
     lm.model.prefill(torch.tensor(ids), cache)
     return cache
 
 
 @torch.inference_mode()
-def fidelity(lm32, lm4, prompts: list[list[int]], num_tokens: int) -> dict:
+def fidelity(lm32: LoadedModel, lm4: LoadedModel, prompts: list[list[int]], num_tokens: int) -> dict:
     kls, agree, greedy = [], [], []
     for ids in prompts:
         c32, c4 = _prefilled(lm32, ids, num_tokens), _prefilled(lm4, ids, num_tokens)
@@ -60,26 +60,22 @@ def fidelity(lm32, lm4, prompts: list[list[int]], num_tokens: int) -> dict:
 
 
 @torch.inference_mode()
-def step_ms_by_rows(lm32, lm4, prompt: list[int], rows: list[int], repeats: int) -> list[dict]:
+def step_ms_by_rows(lm32: LoadedModel, lm4: LoadedModel, prompt: list[int], rows: list[int],
+                    repeats: int) -> list[dict]:
     out = []
-    saved = int4.MAX_ROWS
-    try:
-        for b in rows:
-            times = {"fp32": [], "int4": []}
-            caches = {name: [_prefilled(m, prompt, repeats + 2) for _ in range(b)]
-                      for name, m in (("fp32", lm32), ("int4", lm4))}
-            int4.MAX_ROWS = 1 << 30  # the 4-bit kernel at every B, to find where it stops paying
-            for _ in range(repeats + 1):
-                for name, m in (("fp32", lm32), ("int4", lm4)):
-                    t0 = time.perf_counter()
-                    m.model.decode([1] * b, caches[name])
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-            row = {"rows": b, **{f"{k}_step_ms_median": statistics.median(v[1:]) for k, v in times.items()}}
-            row["int4_over_fp32"] = row["int4_step_ms_median"] / row["fp32_step_ms_median"]
-            out.append(row)
-            print(json.dumps(row))
-    finally:
-        int4.MAX_ROWS = saved
+    for b in rows:
+        times = {"fp32": [], "int4": []}
+        caches = {name: [_prefilled(m, prompt, repeats + 2) for _ in range(b)]
+                  for name, m in (("fp32", lm32), ("int4", lm4))}
+        for _ in range(repeats + 1):
+            for name, m in (("fp32", lm32), ("int4", lm4)):
+                t0 = time.perf_counter()
+                m.model.decode([1] * b, caches[name])
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        row = {"rows": b, **{f"{k}_step_ms_median": statistics.median(v[1:]) for k, v in times.items()}}
+        row["int4_over_fp32"] = row["int4_step_ms_median"] / row["fp32_step_ms_median"]
+        out.append(row)
+        print(json.dumps(row))
     return out
 
 

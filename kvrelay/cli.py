@@ -144,6 +144,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         inputs[name] = _read_input(name, text)
     spec.check_inputs(inputs)
     lm = load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
+    if lm.decode_weights != "fp32":
+        print(f"kvrelay: decode weights: {lm.decode_weights}", file=sys.stderr)
     store = open_store(args.store, args.store_bytes, fingerprint=lm.fingerprint)
     engine = Engine(lm, store, methods=(args.method,))  # carries what the method needs
     results = PipelineRunner(engine, spec).run(inputs, args.method)
@@ -176,10 +178,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     else:
         profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
                                 workload=args.workload, select=args.select, kl_tolerance=args.kl_tolerance)
-    out = Path(args.out) if args.out else profile_path(lm.fingerprint)
+    out = Path(args.out) if args.out else profile_path(lm.profile_fingerprint)
     profile.save(out)
-    if out != profile_path(lm.fingerprint):  # relay finds profiles by model fingerprint in the cache
-        profile.save(profile_path(lm.fingerprint))
+    if out != profile_path(lm.profile_fingerprint):  # relay finds profiles by model fingerprint in the cache
+        profile.save(profile_path(lm.profile_fingerprint))
     dev = profile.deviation_band
     print(f"{lm.name}: band holding {profile.band_mass:.0%} of the value deviation: L_start={dev[0]} L_det={dev[1]} "
           f"L_end={dev[2]} ({profile.calibration['tokens']} tokens)")
@@ -190,7 +192,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
     print(f"selector: {profile.selector or 'the paper thresholds'}")
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
-    print(f"wrote {out} (and {profile_path(lm.fingerprint)})")
+    print(f"wrote {out} (and {profile_path(lm.profile_fingerprint)})")
     if args.plot:
         plot_profile(profile, args.plot)
         print(f"wrote {args.plot}")
@@ -212,7 +214,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(out.text)
     s = out.stats
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
-          f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms, stop: {out.stop_reason}]", file=sys.stderr)
+          f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms (decode weights: {lm.decode_weights}), "
+          f"stop: {out.stop_reason}]", file=sys.stderr)
     return 0
 
 

@@ -223,5 +223,6 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--verify", action="store_true",
                         help="hash the whole converted weights file instead of a sample of it (slower, thorough)")
     parser.add_argument("--int4-decode", action="store_true",
-                        help="decode steps on the GGUF's own 4-bit weights (Q4_0/Q4_1, CPU): ~2.5x the fp32 "
-                             "decode speed, logits within KL ~1e-4 of it; prompts still prefill in fp32")
+                        help="decode steps on the GGUF's own 4-bit weights (Q4_0/Q4_1/Q4_K, CPU): 2.5x the fp32 "
+                             "decode speed on an AVX-512 CPU (BENCHMARKS.md), logits within KL ~1e-4 of it; "
+                             "every prefill stays fp32")

@@ -34,13 +34,14 @@ FAMILIES = {
 }
 
 
-def hf_model(family: str, seed: int = 0):
-    """A random transformers model of ``family``; norms and biases perturbed so they matter."""
+def hf_model(family: str, seed: int = 0, **shape):
+    """A random transformers model of ``family`` (``shape`` overrides config fields); norms and biases
+    perturbed so they matter."""
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    config = getattr(transformers, cfg_name)(**{**COMMON, **extra, **shape})
     config._attn_implementation = "sdpa"
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
@@ -125,6 +126,18 @@ def hf_from_alias(alias: str):
     return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+def random_q4_k(shape: tuple[int, int], seed: int) -> np.ndarray:
+    """Random Q4_K blocks for a [N, K] weight (the gguf package cannot quantize to Q4_K): small fp16 d and
+    dmin, random 6-bit scales and mins and nibbles. Bytes [N, K / 256 * 144]."""
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    for at in (0, 2):  # d, dmin
+        blocks[..., at : at + 2] = rng.uniform(2e-5, 5e-5, size=(rows, cols // 256, 1)).astype(np.float16).view(
+            np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
+
+
 def write_tiny_gguf(path: Path, hf, layer_type: str = "F32") -> None:
     """Write ``hf`` (a Llama) as a GGUF file the way llama.cpp's converter lays it out: F32, or the layers'
     matrices quantized to ``layer_type`` (Q4_0, Q4_1...) as a quantized GGUF stores them."""
@@ -166,7 +179,8 @@ def write_tiny_gguf(path: Path, hf, layer_type: str = "F32") -> None:
                 arr = _permute(arr, cfg.num_key_value_heads)
             if layer_type != "F32" and arr.ndim == 2:
                 kind = gguf.GGMLQuantizationType[layer_type]
-                w.add_tensor(out, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+                data = random_q4_k(arr.shape, len(out)) if layer_type == "Q4_K" else gguf.quants.quantize(arr, kind)
+                w.add_tensor(out, data, raw_dtype=kind)
                 continue
         w.add_tensor(out, arr)
     w.write_header_to_file()

@@ -83,13 +83,18 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
     """The console entry point, not just main(): exit 2, one stderr line, no traceback."""
     bad = tmp_path / "p.yaml"
     bad.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: ten}\n")
+    good = tmp_path / "good.yaml"
+    good.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: 2}\n")
     for args, text in ((["run", str(bad), "--model", "random:tiny", "--input", "q=x"],
                         "p.yaml:3: agents[0] ('a').max_new_tokens: must be a valid integer, got 'ten'"),
                        (["generate", "hi", "--model", "random:tiny", "--temperature", "nan"],
                         "--temperature: 'nan': must be a finite number"),
                        (["generate", "hi", "--model", "random:tiny", "--device", "bogus"], "unknown device"),
-                       (["generate", "hi", "--model", "random:tiny", "--int4-decode"],
-                        "int4 decode runs a GGUF's 4-bit weights on CPU; 'random:tiny' on cpu has none")):
+                       *((command, "int4 decode runs a GGUF's 4-bit weights on CPU; 'random:tiny' on cpu has none")
+                         for command in (["generate", "hi", "--model", "random:tiny", "--int4-decode"],
+                                         ["run", str(good), "--model", "random:tiny", "--int4-decode", "--input",
+                                          "q=x"],
+                                         ["profile", "--model", "random:tiny", "--int4-decode"]))):
         out = _kvrelay(*args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr
@@ -98,4 +103,9 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
 def test_generate_with_int4_decode():
     out = _kvrelay("generate", "What is 2 + 2?", "--int4-decode", "--max-new-tokens", "4")
     assert out.returncode == 0, out.stderr
-    assert "prompt tokens" in out.stderr and out.stdout.strip()
+    assert "(decode weights: int4 (120 of 120 weights))" in out.stderr and out.stdout.strip()
+
+
+def test_serve_passes_int4_decode_on():
+    out = _kvrelay("serve", "--model", "random:tiny", "--int4-decode", "--port", "0")
+    assert out.returncode == 2 and "kvrelay serve: error: int4 decode runs a GGUF's 4-bit weights" in out.stderr

@@ -300,7 +300,7 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
             results |= score_bands(lm, later, workload, data, num_problems, progress)
             chosen = choose_by_fidelity(results, kl_tolerance, kl_bar)
         band_scores = {",".join(map(str, b)): {"kl": kl, "reuse": r} for b, (kl, r) in results.items()}
-    profile = LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
+    profile = LayerProfile(lm.profile_fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
                            v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,
                            {"workload": workload, "data": data, "problems": num_problems,
                             "tokens": int(v_cos.shape[1]), "kl_tolerance": kl_tolerance},

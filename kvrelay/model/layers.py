@@ -159,7 +159,7 @@ class Attention(nn.Module):
 
     def out(self, attn_out: torch.Tensor) -> torch.Tensor:
         """The output projection: attn_out [n, H * hd] -> [n, hidden]."""
-        return linear(attn_out, self.o_proj.weight, None, self.int4_o)
+        return linear(attn_out, self.o_proj.weight, self.o_proj.bias, self.int4_o)
 
 
 class MLP(nn.Module):
@@ -189,7 +189,7 @@ class MLP(nn.Module):
         gate, up = linear(x, self.fused_gate_up(), None, self.int4_gate_up).chunk(2, dim=-1)  # [n, inter] each
         # in place: the product is a temporary, and two fewer [n, inter] allocations pay on CPU prefill
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate, inplace=True)
-        return linear(act.mul_(up), self.down_proj.weight, None, self.int4_down)
+        return linear(act.mul_(up), self.down_proj.weight, self.down_proj.bias, self.int4_down)
 
 
 class DecoderLayer(nn.Module):

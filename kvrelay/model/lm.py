@@ -22,6 +22,15 @@ class LoadedModel:
     config: ModelConfig
     fingerprint: str  # whose KV a cache entry is: architecture, weights, dtype, tokenizer
     source: str
+    # Decode on 4-bit stand-ins (``--int4-decode``): e.g. "int4 (120 of 120 weights)"; its prefill is the
+    # fp32 path's, whose fingerprint keys what depends only on prefill (relay's layer profile).
+    decode_weights: str = "fp32"
+    prefill_fingerprint: str | None = None
+
+    @property
+    def profile_fingerprint(self) -> str:
+        """The fingerprint relay's layer profile is stored and found under."""
+        return self.prefill_fingerprint or self.fingerprint
 
     @property
     def device(self) -> torch.device:

@@ -16,7 +16,7 @@ from torch import nn
 
 from kvrelay.errors import ContextLengthError, ScheduleError
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.int4 import Int4Blocks
+from kvrelay.model.int4 import Int4Blocks, decode_steps
 from kvrelay.model.layers import (
     DecoderLayer,
     RMSNorm,
@@ -101,15 +101,15 @@ class Transformer(nn.Module):
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h)).float()
 
-    def attach_int4(self, blocks: Int4Blocks) -> int:
-        """Run matmuls over a few rows (decode steps) on the 4-bit ``blocks`` of the layer weights that have
-        them (``kvrelay.model.int4``); returns the number of weights that got a 4-bit stand-in."""
+    def attach_int4(self, blocks: Int4Blocks) -> tuple[int, int]:
+        """Run decode steps on the 4-bit ``blocks`` of the layer weights that have them (``kvrelay.model.int4``):
+        (weights that got a 4-bit stand-in, weights in all), counting fused q/k/v and gate/up as one each."""
         for li, layer in enumerate(self.model.layers):
             layer.self_attn.attach_int4(blocks, f"model.layers.{li}.self_attn.")
             layer.mlp.attach_int4(blocks, f"model.layers.{li}.mlp.")
         stand_ins = [w for layer in self.model.layers for w in (layer.self_attn.int4_qkv, layer.self_attn.int4_o,
                                                                layer.mlp.int4_gate_up, layer.mlp.int4_down)]
-        return sum(w is not None for w in stand_ins)
+        return sum(w is not None for w in stand_ins), len(stand_ins)
 
     def check_length(self, num_positions: int) -> None:
         limit = self.config.max_position_embeddings
@@ -230,6 +230,7 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
     @_with_attention_backends
+    @decode_steps()  # the 4-bit weights, where attached, run here and never in a prefill
     def decode(self, token_ids: list[int], caches: list[SequenceKV], capture_layers: tuple[int, ...] = (),
                captured: list[dict[int, list[torch.Tensor]]] | None = None) -> torch.Tensor:
         """Feed ``token_ids[b]`` at position ``caches[b].length`` for each of B sequences; logits [B, vocab].

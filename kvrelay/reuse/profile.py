@@ -82,9 +82,9 @@ def layer_profile(lm: LoadedModel, shipped_dir: Path = SHIPPED_PROFILES) -> Laye
     When yours and the shipped one disagree on the layers, says which it uses (a profile cached by an
     older kvrelay would otherwise silently outlive a better shipped one).
     """
-    if lm.fingerprint in _PROFILES:
-        return _PROFILES[lm.fingerprint]
-    path = profile_path(lm.fingerprint)
+    if lm.profile_fingerprint in _PROFILES:
+        return _PROFILES[lm.profile_fingerprint]
+    path = profile_path(lm.profile_fingerprint)
     shipped = shipped_dir / path.name
     if path.exists():
         profile = LayerProfile.load(path)
@@ -97,10 +97,10 @@ def layer_profile(lm: LoadedModel, shipped_dir: Path = SHIPPED_PROFILES) -> Laye
         profile = LayerProfile.load(shipped)
     else:
         raise ConfigError(
-            f"relay: no RelayCaching layer profile for model {lm.name!r} (fingerprint {lm.fingerprint}; looked in "
-            f"{path} and {shipped}). Build one with `kvrelay profile --model {lm.name}`, or give the layers: "
+            f"relay: no RelayCaching layer profile for model {lm.name!r} (fingerprint {lm.profile_fingerprint}; "
+            f"looked in {path} and {shipped}). Build one with `kvrelay profile --model {lm.name}`, or give the layers: "
             f"relay[l_start=..,l_det=..,l_end=..]")
-    _PROFILES[lm.fingerprint] = profile
+    _PROFILES[lm.profile_fingerprint] = profile
     return profile
 
 

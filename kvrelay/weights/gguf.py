@@ -10,6 +10,7 @@ import torch
 
 from kvrelay.errors import CorruptModelError, UnsupportedModelError
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.int4 import GROUP_SIZE, Int4Blocks
 from kvrelay.weights.configs import config_from_gguf
 
 GGUF_MAGIC = b"GGUF"
@@ -102,31 +103,54 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], ModelC
     return meta, config, state
 
 
-# 4-bit GGUF blocks of 32 weights whose values are scale * q + offset (q in 0..15): bytes per block, and
-# whether the block stores its offset (Q4_1: scale, offset, 16 bytes of nibbles) or implies -8 * scale (Q4_0)
-_INT4_BLOCKS = {"Q4_0": (18, False), "Q4_1": (20, True)}
-INT4_GROUP_SIZE = 32
+def _q4_blocks(raw: np.ndarray, has_offset: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0 (fp16 scale, 16 bytes of nibbles; offset -8 * scale) or Q4_1 (fp16 scale and offset, nibbles):
+    raw [N, K/32, 18 or 20] -> q [N, K/32, 32], scale and offset [N, K/32]."""
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_offset else -8.0 * scale
+    nibbles = raw[..., -16:]  # weight j in the low nibble of byte j, weight j + 16 in its high nibble
+    return np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1), scale, offset
 
 
-def read_int4_blocks(path: Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The layer weights a GGUF stores as Q4_0 or Q4_1, undequantized, by HF name: (q uint8 [N, K] in 0..15,
-    scale fp32 [N, K/32], offset fp32 [N, K/32]) with rows in HF order; ``scale * q + offset`` per block
-    of 32 is the weight ``read_gguf`` dequantizes. Other tensors (norms, Q8_0 embeddings...) are left out."""
+def _q4_k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K: super-blocks of 256 (fp16 d and dmin, 6-bit scale and min for each 32, 128 bytes of nibbles):
+    raw [N, K/256, 144] -> q [N, K/32, 32], scale d * sc and offset -dmin * m [N, K/32]."""
+    from gguf.quants import Q4_K
+
+    rows, supers = raw.shape[:2]
+    d = raw[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, K/256, 1]
+    dmin = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))  # [N * K/256, 8] each
+    scale = d * sc.reshape(rows, supers, 8).astype(np.float32)  # [N, K/256, 8]
+    offset = -(dmin * m.reshape(rows, supers, 8).astype(np.float32))
+    chunks = raw[..., 16:].reshape(rows, supers, 4, 1, 32)  # 32 bytes per 64 weights: 32 low nibbles, 32 high
+    q = (chunks >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF  # [N, K/256, 4, 2, 32]
+    return q.reshape(rows, -1, GROUP_SIZE), scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+# weights and bytes per block, and the block parser, of the GGUF types whose weights are scale * q + offset
+# per 32 weights
+_INT4_TYPES = {"Q4_0": (32, 18, lambda raw: _q4_blocks(raw, False)),
+               "Q4_1": (32, 20, lambda raw: _q4_blocks(raw, True)),
+               "Q4_K": (256, 144, _q4_k_blocks)}
+
+
+def read_int4_blocks(path: Path, config: ModelConfig) -> Int4Blocks:
+    """The layer weights a GGUF stores as Q4_0, Q4_1 or Q4_K, undequantized, by HF name: (q uint8 [N, K] in
+    0..15, scale fp32 [N, K/32], offset fp32 [N, K/32]) with rows in HF order; ``scale * q + offset`` per
+    group of 32 is the weight ``read_gguf`` dequantizes. Other tensors (norms, Q6_K, Q8_0...) are left out."""
     reader = _open(path)
     blocks = {}
     for t in reader.tensors:
         name = _hf_name(t.name, config.gemma)
-        kind = _INT4_BLOCKS.get(t.tensor_type.name)
+        kind = _INT4_TYPES.get(t.tensor_type.name)
         if name is None or kind is None or not name.startswith("model.layers."):
             continue
-        block_bytes, has_offset = kind
+        block_len, block_bytes, parse = kind
         rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
-        raw = np.asarray(t.data).view(np.uint8).reshape(rows, cols // INT4_GROUP_SIZE, block_bytes)
-        scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
-        offset = (raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_offset
-                  else -8.0 * scale)
-        nibbles = raw[..., block_bytes - 16:]  # [N, K/32, 16]: weight j low nibble, weight j + 16 high
-        q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, cols)  # [N, K]
+        raw = np.asarray(t.data).view(np.uint8).reshape(rows, cols // block_len, block_bytes)  # [N, blocks, bytes]
+        q, scale, offset = parse(raw)
+        q = q.reshape(rows, cols)  # [N, K]
         if config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             q, scale, offset = (_unpermute(a, heads) for a in (q, scale, offset))

@@ -116,13 +116,11 @@ def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
     path = _alias_path(ref) if ref in ALIASES else Path(ref).expanduser()
     if int4_decode and (device.type != "cpu" or path.suffix != ".gguf"):
         raise ConfigError(f"int4 decode runs a GGUF's 4-bit weights on CPU; {ref!r} on {device} has none to run "
-                          "(give a .gguf model or an alias, on --device cpu)")
+                          "(load a .gguf model or an alias on the CPU)")
     if ref.startswith("random:"):
         return build_random(ref.split(":", 1)[1], device, dtype)
-    if ref in ALIASES:
-        return _load_gguf(_alias_path(ref), device, dtype, progress, ref, verify, int4_decode)
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, device, dtype, progress, path.stem, verify, int4_decode)
+    if ref in ALIASES or (path.is_file() and path.suffix == ".gguf"):
+        return _load_gguf(path, device, dtype, progress, ref if ref in ALIASES else path.stem, verify, int4_decode)
     if path.is_dir():
         return _load_hf_dir(path, device, dtype)
     if path.exists():
@@ -200,16 +198,19 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: b
     meta, tokenizer, state = cached
     config = ModelConfig.from_dict(meta["config"])
     model = _build(config, state, device, dtype, str(path))
-    weights_id = meta["weights_sha256"]
-    if int4_decode:
-        from kvrelay.weights.gguf import read_int4_blocks
+    fp = fingerprint_of(config, meta["weights_sha256"], dtype, meta["tokenizer_sha256"])
+    if not int4_decode:
+        return LoadedModel(name, model, tokenizer, config, fp, str(path))
+    from kvrelay.weights.gguf import read_int4_blocks
 
-        if model.attach_int4(read_int4_blocks(path, config)) == 0:
-            raise ConfigError(f"{path.name}: no layer weight is stored as Q4_0 or Q4_1, so int4 decode has "
-                              "nothing to run; load it without int4 decode")
-        weights_id += ":int4-decode"  # decoded KV differs a little from the fp32 path's: not the same entries
-    fp = fingerprint_of(config, weights_id, dtype, meta["tokenizer_sha256"])
-    return LoadedModel(name, model, tokenizer, config, fp, str(path))
+    num_int4, num_weights = model.attach_int4(read_int4_blocks(path, config))
+    if num_int4 == 0:
+        raise ConfigError(f"{path.name}: no layer weight is stored as Q4_0, Q4_1 or Q4_K, so int4 decode has "
+                          "nothing to run; load it without int4 decode")
+    # decoded KV differs a little from the fp32 path's, so a store keeps it apart; prefill is unchanged
+    fp_int4 = fingerprint_of(config, meta["weights_sha256"] + ":int4-decode", dtype, meta["tokenizer_sha256"])
+    return LoadedModel(name, model, tokenizer, config, fp_int4, str(path),
+                       decode_weights=f"int4 ({num_int4} of {num_weights} weights)", prefill_fingerprint=fp)
 
 
 def _read_conversion(out: Path, verify: bool) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]] | None:

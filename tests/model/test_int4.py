@@ -1,5 +1,5 @@
 """Decode on a GGUF's 4-bit weights: the blocks read back exactly, the kernel computes their product, and
-only matmuls over a few rows of the very weight they stand for take that path."""
+only decode steps, on the very weight the blocks stand for, take that path; every prefill keeps fp32."""
 
 import pytest
 import torch
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.errors import ConfigError
-from kvrelay.model import int4
-from kvrelay.model.int4 import GROUP_SIZE, Int4Weight, linear
+from kvrelay.model.int4 import GROUP_SIZE, Int4Weight, decode_steps, linear
+from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.weights.gguf import read_int4_blocks
 from kvrelay.weights.loader import load_model
 from tests.helpers import hf_model, write_tiny_gguf
@@ -39,30 +39,59 @@ def test_int4_weight_rejects_blocks_of_another_shape():
         Int4Weight(weight, q[:16], scale[:16], offset[:16])
 
 
-def test_linear_takes_the_4bit_path_only_on_few_rows_of_its_own_unchanged_weight():
+def test_linear_takes_the_4bit_path_only_in_decode_steps_on_its_own_unchanged_weight():
     weight, q, scale, offset = _blocks(32, 64)
     bias = torch.randn(32)
     stand_in = Int4Weight(weight, q, scale, offset)
-    few = torch.randn(int4.MAX_ROWS, 64)
-    assert torch.equal(linear(few, weight, bias, stand_in), stand_in(few) + bias)
-    assert not torch.equal(linear(few, weight, bias, stand_in), F.linear(few, weight, bias))
-    many = torch.randn(int4.MAX_ROWS + 1, 64)
-    assert torch.equal(linear(many, weight, bias, stand_in), F.linear(many, weight, bias))
-    other = weight.clone()
-    assert torch.equal(linear(few, other, None, stand_in), F.linear(few, other))
-    weight.mul_(2.0)  # weights loaded into the model in place: the blocks no longer stand for them
-    assert torch.equal(linear(few, weight, None, stand_in), F.linear(few, weight))
+    x = torch.randn(40, 64)  # any number of rows
+    assert torch.equal(linear(x, weight, bias, stand_in), F.linear(x, weight, bias))  # outside a decode step
+    with decode_steps():
+        assert torch.equal(linear(x, weight, bias, stand_in), stand_in(x) + bias)
+        assert not torch.equal(linear(x, weight, bias, stand_in), F.linear(x, weight, bias))
+        same_values = weight.clone()  # another tensor, even with equal values, is not what the blocks stand for
+        assert torch.equal(linear(x, same_values, None, stand_in), F.linear(x, same_values))
+        weight.mul_(2.0)  # weights loaded into the model in place: the blocks no longer stand for them
+        assert torch.equal(linear(x, weight, None, stand_in), F.linear(x, weight))
+    assert torch.equal(linear(x, weight, None, None), F.linear(x, weight))
+
+
+def test_a_new_tensor_at_a_freed_weight_s_address_is_not_stood_for():
+    weight, q, scale, offset = _blocks(32, 64)
+    stand_in = Int4Weight(weight, q, scale, offset)
+    address = weight.data_ptr()
+    del weight
+    later = [torch.zeros(32, 64) for _ in range(8)]
+    reused = next((t for t in later if t.data_ptr() == address), None)
+    if reused is None:
+        pytest.skip("the allocator did not hand the freed address out again")
+    with decode_steps():
+        x = torch.randn(2, 64)
+        assert torch.equal(linear(x, reused, None, stand_in), F.linear(x, reused))
+
+
+def test_a_weight_made_under_inference_mode_gets_its_stand_in():
+    with torch.inference_mode():
+        weight, q, scale, offset = _blocks(32, 64)
+        stand_in = Int4Weight(weight, q, scale, offset)
+        x = torch.randn(2, 64)
+        with decode_steps():
+            assert torch.equal(linear(x, weight, None, stand_in), stand_in(x))
+
+
+LAYER_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory):
-    """A tiny Llama written as GGUFs whose layer matrices are Q4_0 and Q4_1, loaded with and without int4."""
+    """A tiny Llama written as GGUFs whose layer matrices are Q4_0, Q4_1 and Q4_K (super-blocks of 256: a
+    wider model, random blocks), loaded with and without int4."""
     mp = pytest.MonkeyPatch()
     folder = tmp_path_factory.mktemp("int4")
     mp.setenv("KVRELAY_CACHE", str(folder / "cache"))
-    hf = hf_model("llama2")
     out = {}
-    for layer_type in ("Q4_0", "Q4_1"):
+    for layer_type in LAYER_TYPES:
+        hf = hf_model("llama2", hidden_size=256, intermediate_size=512, num_hidden_layers=2) \
+            if layer_type == "Q4_K" else hf_model("llama2")
         path = folder / f"tiny-{layer_type}.gguf"
         write_tiny_gguf(path, hf, layer_type)
         out[layer_type] = (path, load_model(str(path), progress=False),
@@ -71,7 +100,7 @@ def tiny_q4(tmp_path_factory):
     mp.undo()
 
 
-@pytest.mark.parametrize("layer_type", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("layer_type", LAYER_TYPES)
 def test_blocks_read_back_the_dequantized_weights_exactly(tiny_q4, layer_type):
     path, lm, _ = tiny_q4[layer_type]
     blocks = read_int4_blocks(path, lm.config)
@@ -82,24 +111,28 @@ def test_blocks_read_back_the_dequantized_weights_exactly(tiny_q4, layer_type):
         assert torch.equal(weight, state[name]), name  # the Q/K rows in HF order, as the conversion has them
 
 
-@pytest.mark.parametrize("layer_type", ["Q4_0", "Q4_1"])
-def test_int4_decode_keeps_prefill_and_moves_decode_logits_a_little(tiny_q4, layer_type):
+@pytest.mark.parametrize("layer_type", LAYER_TYPES)
+def test_int4_decode_keeps_every_prefill_and_moves_decode_logits_a_little(tiny_q4, layer_type):
     _, lm, lm4 = tiny_q4[layer_type]
-    assert lm4.fingerprint != lm.fingerprint
-    for layer in lm4.model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        assert None not in (attn.int4_qkv, attn.int4_o, mlp.int4_gate_up, mlp.int4_down)
-    prompt = torch.arange(3, 3 + int4.MAX_ROWS + 8)  # more rows than the 4-bit path takes
-    caches = [SequenceKV(m.config, m.dtype, "cpu") for m in (lm, lm4)]
-    first = [m.model.prefill(prompt, c).logits for m, c in zip((lm, lm4), caches, strict=True)]
-    assert torch.equal(first[0], first[1])
-    token = int(first[0].argmax())
-    for _ in range(6):
-        p, q = (m.model.decode([token], [c])[0].log_softmax(-1) for m, c in zip((lm, lm4), caches, strict=True))
-        assert not torch.equal(p, q)  # the step did run on the 4-bit weights
-        assert float((p.exp() * (p - q)).sum()) < 1e-3
-        assert int(p.argmax()) == int(q.argmax())
-        token = int(p.argmax())
+    assert lm4.fingerprint != lm.fingerprint and lm4.profile_fingerprint == lm.fingerprint
+    assert lm4.decode_weights == f"int4 ({4 * lm.config.num_layers} of {4 * lm.config.num_layers} weights)"
+    prompts = [torch.arange(3, 40), torch.arange(5, 9)]  # a prompt, and one shorter than a decode batch
+    caches = [[SequenceKV(m.config, m.dtype, "cpu") for _ in prompts] for m in (lm, lm4)]
+    for b, prompt in enumerate(prompts):
+        first = [m.model.prefill(prompt, c[b]).logits for m, c in zip((lm, lm4), caches, strict=True)]
+        assert torch.equal(first[0], first[1])
+    # a suffix prefilled after a reused prefix (a handful of rows) is a prefill too
+    suffix = torch.cat([prompts[0], torch.arange(50, 56)])
+    tails = [m.model.prefill(suffix, c[0], SuffixSchedule(len(prompts[0]))).logits
+             for m, c in zip((lm, lm4), caches, strict=True)]
+    assert torch.equal(tails[0], tails[1])
+    tokens = [int(first[0].argmax())] * len(prompts)
+    for _ in range(4):  # batched decode steps, both sequences in one batch
+        p, q = (m.model.decode(tokens, c).log_softmax(-1) for m, c in zip((lm, lm4), caches, strict=True))
+        assert not torch.equal(p, q)  # the steps did run on the 4-bit weights
+        assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3
+        assert torch.equal(p.argmax(-1), q.argmax(-1))
+        tokens = p.argmax(-1).tolist()
 
 
 def test_int4_decode_refuses_models_without_4bit_weights(tmp_path, monkeypatch):
@@ -108,5 +141,5 @@ def test_int4_decode_refuses_models_without_4bit_weights(tmp_path, monkeypatch):
         load_model("random:tiny", int4_decode=True)
     path = tmp_path / "f32.gguf"
     write_tiny_gguf(path, hf_model("llama2"))
-    with pytest.raises(ConfigError, match="no layer weight is stored as Q4_0 or Q4_1"):
+    with pytest.raises(ConfigError, match="no layer weight is stored as Q4_0, Q4_1 or Q4_K"):
         load_model(str(path), progress=False, int4_decode=True)
