@@ -59,7 +59,6 @@ class Int4Weight:
         self._source = weakref.ref(source)
         # inference tensors keep no version counter (a model built under inference_mode)
         self._source_version = None if source.is_inference() else source._version
-        self.num_bytes = self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
     def stands_for(self, weight: torch.Tensor) -> bool:
         if weight is not self._source():
