@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the memory store; credentials are never printed)")
     run.set_defaults(fn=_cmd_run)
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
-    add_model_flags(prof, DEFAULT_MODEL)
+    add_model_flags(prof, DEFAULT_MODEL, int4_decode=False)  # the profile relays decode KV: fp32's, always
     prof.add_argument("--workload", type=workload_arg, default="gsm8k-chain3",
                       help="calibration pipelines, a workload name (default: gsm8k-chain3)")
     prof.add_argument("--data", default=None, help="calibration data file (default: ../shared/data/gsm8k/train.jsonl)")

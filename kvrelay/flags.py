@@ -213,8 +213,9 @@ def _probe_folder(folder: Path, flag: str, path: str) -> None:
         raise OutputPathError(f"{flag} {path}: cannot write into {folder} ({exc.strerror or exc})") from None
 
 
-def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
-    """--model, --device, --verify and --int4-decode: what ``load_model`` takes, for every command that loads."""
+def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_decode: bool = True) -> None:
+    """--model, --device, --verify and --int4-decode: what ``load_model`` takes, for every command that loads
+    (``int4_decode=False``: a command that calibrates on fp32 decoding, as ``profile`` does)."""
     parser.add_argument("--model", default=default_model,
                         help="model: an alias, a .gguf file, a Hugging Face folder or random:<preset> "
                              f"(default: {default_model})")
@@ -222,6 +223,9 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None
                         help="torch device; choices: cpu, cuda, cuda:N, mps (default: cpu)")
     parser.add_argument("--verify", action="store_true",
                         help="hash the whole converted weights file instead of a sample of it (slower, thorough)")
+    if not int4_decode:
+        parser.set_defaults(int4_decode=False)
+        return
     parser.add_argument("--int4-decode", action="store_true",
                         help="decode steps on the GGUF's own 4-bit weights (Q4_0/Q4_1/Q4_K, CPU): 2.5x the fp32 "
                              "decode speed on an AVX-512 CPU (BENCHMARKS.md), logits within KL ~1e-4 of it; "

@@ -93,8 +93,8 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
                        *((command, "int4 decode runs a GGUF's 4-bit weights on CPU; 'random:tiny' on cpu has none")
                          for command in (["generate", "hi", "--model", "random:tiny", "--int4-decode"],
                                          ["run", str(good), "--model", "random:tiny", "--int4-decode", "--input",
-                                          "q=x"],
-                                         ["profile", "--model", "random:tiny", "--int4-decode"]))):
+                                          "q=x"])),
+                       (["profile", "--int4-decode"], "unrecognized arguments: --int4-decode")):
         out = _kvrelay(*args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr

@@ -42,8 +42,9 @@ def decode_steps() -> Iterator[None]:
 class Int4Weight:
     """A weight [N, K] of 4-bit blocks standing in for ``source`` (its fp32 values) in decode steps.
 
-    It applies only while ``source`` is the same tensor object, unchanged: loading other weights into the
-    model (a new version of the tensor) or re-fusing it sends every matmul back to fp32."""
+    It applies only while ``source`` is the same tensor object over the same memory, unchanged: loading
+    other weights into the model, moving it, or re-fusing it sends every matmul back to fp32. (A model built
+    under inference mode keeps no version counter: in-place writes to its weights go unseen.)"""
 
     def __init__(self, source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
         rows, cols = source.shape
@@ -56,12 +57,15 @@ class Int4Weight:
         zero = offset + 8 * scale  # the kernel computes (q - 8) * scale + zero per group
         # bf16 is the only type the kernel takes them in
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+        # the same object, still over the same memory: ``param.data = ...`` and ``Module.to`` swap the memory
+        # without a new version
         self._source = weakref.ref(source)
+        self._source_memory = (source.data_ptr(), source.dtype, source.device)
         # inference tensors keep no version counter (a model built under inference_mode)
         self._source_version = None if source.is_inference() else source._version
 
     def stands_for(self, weight: torch.Tensor) -> bool:
-        if weight is not self._source():
+        if weight is not self._source() or (weight.data_ptr(), weight.dtype, weight.device) != self._source_memory:
             return False
         return self._source_version is None or weight._version == self._source_version
 

@@ -22,8 +22,9 @@ class LoadedModel:
     config: ModelConfig
     fingerprint: str  # whose KV a cache entry is: architecture, weights, dtype, tokenizer
     source: str
-    # Decode on 4-bit stand-ins (``--int4-decode``): e.g. "int4 (120 of 120 weights)"; its prefill is the
-    # fp32 path's, whose fingerprint keys what depends only on prefill (relay's layer profile).
+    # Decode on 4-bit stand-ins (``--int4-decode``): e.g. "int4 (120 of 120 weights)". Its prefill is the fp32
+    # path's, and relay then uses the layer profile calibrated on that path (fp32 decoding), found under its
+    # fingerprint.
     decode_weights: str = "fp32"
     prefill_fingerprint: str | None = None
 

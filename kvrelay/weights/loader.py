@@ -117,6 +117,8 @@ def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
     if int4_decode and (device.type != "cpu" or path.suffix != ".gguf"):
         raise ConfigError(f"int4 decode runs a GGUF's 4-bit weights on CPU; {ref!r} on {device} has none to run "
                           "(load a .gguf model or an alias on the CPU)")
+    if int4_decode and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        raise ConfigError(f"int4 decode needs torch's CPU int4 kernel (torch >= 2.6), not in torch {torch.__version__}")
     if ref.startswith("random:"):
         return build_random(ref.split(":", 1)[1], device, dtype)
     if ref in ALIASES or (path.is_file() and path.suffix == ".gguf"):

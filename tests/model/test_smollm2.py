@@ -71,7 +71,7 @@ def test_int4_decode_on_the_shipped_q4_1_weights(lm):
     assert lm4.decode_weights == "int4 (120 of 120 weights)"  # fused q/k/v, o, fused gate/up, down x 30 layers
     from kvrelay.reuse.profile import layer_profile
 
-    assert layer_profile(lm4).layers == layer_profile(lm).layers  # relay's profile depends on prefill only
+    assert layer_profile(lm4).layers == layer_profile(lm).layers  # relay uses the fp32 path's profile
     ids = torch.tensor(lm.tokenizer.encode(lm.tokenizer.apply_chat_template(PROMPT)))
     caches = [SequenceKV(m.config, m.dtype, "cpu") for m in (lm, lm4)]
     first = [m.model.prefill(ids, c).logits for m, c in zip((lm, lm4), caches, strict=True)]

@@ -39,8 +39,15 @@ def test_save_load_round_trip_keeps_every_field(tmp_path):
         LayerProfile.load(tmp_path / "bad.json")
 
 
+def test_a_model_decoding_on_other_weights_finds_the_profile_of_its_fp32_path(cache):
+    lm = SimpleNamespace(fingerprint="int4", profile_fingerprint="f00d", name="toy")  # load_model(int4_decode=True)
+    _make("f00d", 2, 3, 3).save(profile_path("f00d"))
+    _make("int4", 1, 2, 3).save(profile_path("int4"))  # never looked for
+    assert layer_profile(lm, shipped_dir=cache / "shipped").layers == (2, 3, 3)
+
+
 def test_your_profile_wins_over_the_shipped_one_and_says_so(cache, monkeypatch, capsys):
-    lm = SimpleNamespace(fingerprint="f00d", name="toy")
+    lm = SimpleNamespace(fingerprint="f00d", profile_fingerprint="f00d", name="toy")
     shipped_dir = cache / "shipped"
     _make("f00d", 1, 2, 3).save(shipped_dir / profile_path("f00d").name)
     assert layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)  # only the shipped one
@@ -57,7 +64,7 @@ def test_your_profile_wins_over_the_shipped_one_and_says_so(cache, monkeypatch, 
 
 
 def test_a_model_without_a_profile_is_a_config_error_saying_how_to_get_one(cache):
-    lm = SimpleNamespace(fingerprint="beef", name="toy-model")
+    lm = SimpleNamespace(fingerprint="beef", profile_fingerprint="beef", name="toy-model")
     with pytest.raises(ConfigError) as err:
         layer_profile(lm, shipped_dir=cache / "shipped")
     assert "kvrelay profile --model toy-model" in str(err.value)
