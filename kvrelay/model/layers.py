@@ -136,11 +136,12 @@ class Attention(nn.Module):
             self._qkv_w, self._qkv_b = fuse_linears(linears)
         return self._qkv_w, self._qkv_b
 
-    def attach_int4(self, blocks: Int4Blocks, prefix: str) -> None:
+    def attach_int4(self, blocks: Int4Blocks, prefix: str) -> list[Int4Weight | None]:
         """4-bit stand-ins for the weights under ``prefix`` (``model.layers.N.self_attn.``) that have blocks."""
         qkv_w, _ = self.fused_qkv()
         self.int4_qkv = int4_of(qkv_w, [f"{prefix}{p}_proj.weight" for p in "qkv"], blocks)
         self.int4_o = int4_of(self.o_proj.weight, [f"{prefix}o_proj.weight"], blocks)
+        return [self.int4_qkv, self.int4_o]
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,11 +180,12 @@ class MLP(nn.Module):
             self._gate_up_w, _ = fuse_linears(linears)
         return self._gate_up_w
 
-    def attach_int4(self, blocks: Int4Blocks, prefix: str) -> None:
+    def attach_int4(self, blocks: Int4Blocks, prefix: str) -> list[Int4Weight | None]:
         """4-bit stand-ins for the weights under ``prefix`` (``model.layers.N.mlp.``) that have blocks."""
         self.int4_gate_up = int4_of(self.fused_gate_up(), [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"],
                                     blocks)
         self.int4_down = int4_of(self.down_proj.weight, [f"{prefix}down_proj.weight"], blocks)
+        return [self.int4_gate_up, self.int4_down]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.fused_gate_up(), None, self.int4_gate_up).chunk(2, dim=-1)  # [n, inter] each

@@ -104,11 +104,10 @@ class Transformer(nn.Module):
     def attach_int4(self, blocks: Int4Blocks) -> tuple[int, int]:
         """Run decode steps on the 4-bit ``blocks`` of the layer weights that have them (``kvrelay.model.int4``):
         (weights that got a 4-bit stand-in, weights in all), counting fused q/k/v and gate/up as one each."""
+        stand_ins = []
         for li, layer in enumerate(self.model.layers):
-            layer.self_attn.attach_int4(blocks, f"model.layers.{li}.self_attn.")
-            layer.mlp.attach_int4(blocks, f"model.layers.{li}.mlp.")
-        stand_ins = [w for layer in self.model.layers for w in (layer.self_attn.int4_qkv, layer.self_attn.int4_o,
-                                                               layer.mlp.int4_gate_up, layer.mlp.int4_down)]
+            stand_ins += layer.self_attn.attach_int4(blocks, f"model.layers.{li}.self_attn.")
+            stand_ins += layer.mlp.attach_int4(blocks, f"model.layers.{li}.mlp.")
         return sum(w is not None for w in stand_ins), len(stand_ins)
 
     def check_length(self, num_positions: int) -> None:
