@@ -45,6 +45,13 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _in_hf_row_order(rows: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    """A Llama Q/K weight's rows (or per-row block data) back in HF order; any other tensor as it is."""
+    if config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        return _unpermute(rows, config.num_heads if "q_proj" in name else config.num_kv_heads)
+    return rows
+
+
 def _open(path: Path) -> Any:
     import gguf  # imported lazily: only conversions need it
 
@@ -92,9 +99,7 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], ModelC
             raise UnsupportedModelError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from exc
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         arr = np.asarray(arr).reshape(shape)
-        if config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            arr = _unpermute(arr, heads)
+        arr = _in_hf_row_order(arr, name, config)
         if config.gemma and name.endswith("norm.weight"):
             arr = arr - 1.0  # llama.cpp's converter stores Gemma's norm weights as (1 + w); ours hold w
         state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # writable copy
@@ -151,8 +156,6 @@ def read_int4_blocks(path: Path, config: ModelConfig) -> Int4Blocks:
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, cols // block_len, block_bytes)  # [N, blocks, bytes]
         q, scale, offset = parse(raw)
         q = q.reshape(rows, cols)  # [N, K]
-        if config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            q, scale, offset = (_unpermute(a, heads) for a in (q, scale, offset))
+        q, scale, offset = (_in_hf_row_order(a, name, config) for a in (q, scale, offset))
         blocks[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, offset))
     return blocks
