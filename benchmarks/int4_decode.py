@@ -6,8 +6,11 @@
   T tokens that match (greedy@T) is recorded.
 - rows: a decode step over B sequences (one row each) with the fp32 weights and with the 4-bit ones, at
   each B of ``--rows``, interleaved, median of R steps: how far the int4 kernel keeps paying in a batch.
+  ``--busy K`` runs K busy-loop processes beside that phase (a machine shared with other work), and
+  ``--threads T`` sets the torch threads.
 
-Usage: python benchmarks/int4_decode.py [--problems 20] [--tokens 64] [--json OUT]
+Usage: python benchmarks/int4_decode.py [--model M] [--problems 20] [--tokens 64] [--rows 1,8] [--busy 0]
+       [--threads 2] [--json OUT]      (--problems 0: the rows phase alone)
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,16 +91,29 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rows", default="1,2,4,8,12,16,24,32")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--busy", type=int, default=0, help="busy-loop processes beside the rows phase")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     lm32, lm4 = load_model(args.model), load_model(args.model, int4_decode=True)
-    problems = load_gsm8k(split="test_dev", limit=args.problems)
+    problems = load_gsm8k(split="test_dev", limit=max(args.problems, 1))
     prompts = [chat_prompt_ids(lm32.tokenizer, [{"role": "user", "content": p.question}]).ids for p in problems]
-    result = {"env": environment("cpu"), "model": lm32.name,
-              "fidelity": fidelity(lm32, lm4, prompts, args.tokens)}
-    print(json.dumps(result["fidelity"], indent=1))
-    result["rows"] = step_ms_by_rows(lm32, lm4, prompts[0], [int(r) for r in args.rows.split(",")], args.repeats)
+    result = {"env": environment("cpu"), "model": lm32.name, "decode_weights": lm4.decode_weights,
+              "busy_processes": args.busy}
+    if args.problems > 0:
+        result["fidelity"] = fidelity(lm32, lm4, prompts, args.tokens)
+        print(json.dumps(result["fidelity"], indent=1))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        result["rows"] = step_ms_by_rows(lm32, lm4, prompts[0], [int(r) for r in args.rows.split(",")],
+                                         args.repeats)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
