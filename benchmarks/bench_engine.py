@@ -3,6 +3,7 @@
 - prefill: one forward over N prompt tokens (default 1,024), median of R runs; ours vs
   transformers' model forward (SDPA attention), logits of the last token only on both sides.
 - decode: greedy tokens/s over T new tokens; ours (generate, full) vs transformers' generate.
+- both also time ours with weights unpacked (``F.linear``, the matmuls transformers runs), interleaved.
 - load: wall time of a fresh process loading the default model once it is converted and cached.
 
 Usage: python benchmarks/bench_engine.py [--model smollm2-135m] [--json OUT]
@@ -24,6 +25,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import timed_median_ms
+from kvrelay.model import packed
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.weights.loader import load_model
@@ -81,14 +83,19 @@ def main() -> None:
     ours_logits = lm.model.prefill(ids, SequenceKV(lm.config, lm.dtype, "cpu")).logits
     max_diff = float((ours_logits - ref).abs().max())
 
-    # alternate the two so machine noise hits both alike
-    ours_ms, hf_ms = [], []
+    # alternate them so machine noise hits all alike; "unpacked": ours on F.linear (kvrelay.model.packed)
+    ours_ms, plain_ms, hf_ms = [], [], []
     for _ in range(args.repeats):
         ours_ms.append(timed_median_ms(ours_prefill, 1, warmup=1))
+        with packed.unpacked():
+            plain_ms.append(timed_median_ms(ours_prefill, 1, warmup=1))
         hf_ms.append(timed_median_ms(hf_prefill, 1, warmup=1))
     prefill = {"prompt_tokens": args.prompt_tokens, "ours_ms_median": statistics.median(ours_ms),
-               "transformers_ms_median": statistics.median(hf_ms), "max_abs_logit_diff": max_diff}
+               "ours_unpacked_ms_median": statistics.median(plain_ms),
+               "transformers_ms_median": statistics.median(hf_ms), "max_abs_logit_diff": max_diff,
+               "matmuls": lm.matmuls}
     prefill["ratio_ours_over_transformers"] = prefill["ours_ms_median"] / prefill["transformers_ms_median"]
+    prefill["ratio_unpacked_over_transformers"] = prefill["ours_unpacked_ms_median"] / prefill["transformers_ms_median"]
 
     decode_prompt = ids[:128].tolist()
     new = args.new_tokens
@@ -109,10 +116,13 @@ def main() -> None:
     hf_decode()
     if lm4 is not None:
         ours_decode(lm4)
-    ours_tps, hf_tps, int4_tps = [], [], []
+    ours_tps, plain_tps, hf_tps, int4_tps = [], [], [], []
     for _ in range(args.repeats):
         ms, n = ours_decode()
         ours_tps.append((n - 1) / (ms / 1e3))  # the decode loop feeds n-1 tokens after the prefill's first
+        with packed.unpacked():
+            ms, n = ours_decode()
+        plain_tps.append((n - 1) / (ms / 1e3))
         if lm4 is not None:
             ms, n = ours_decode(lm4)
             int4_tps.append((n - 1) / (ms / 1e3))
@@ -121,9 +131,12 @@ def main() -> None:
         hf_pre = timed_median_ms(lambda: hf(torch.tensor([decode_prompt]), logits_to_keep=1), 1, warmup=1)
         hf_tps.append((new - 1) / ((hf_total - hf_pre) / 1e3))
     decode = {"prompt_tokens": 128, "new_tokens": new, "ours_tokens_per_s_median": statistics.median(ours_tps),
+              "ours_unpacked_tokens_per_s_median": statistics.median(plain_tps),
               "transformers_tokens_per_s_median": statistics.median(hf_tps)}
     decode["ratio_ours_over_transformers"] = (decode["ours_tokens_per_s_median"]
                                               / decode["transformers_tokens_per_s_median"])
+    decode["ratio_unpacked_over_transformers"] = (decode["ours_unpacked_tokens_per_s_median"]
+                                                  / decode["transformers_tokens_per_s_median"])
     if int4_tps:
         decode["int4_tokens_per_s_median"] = statistics.median(int4_tps)
         decode["ratio_int4_over_transformers"] = (decode["int4_tokens_per_s_median"]

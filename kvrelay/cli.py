@@ -214,7 +214,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(out.text)
     s = out.stats
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
-          f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms (decode weights: {lm.decode_weights}), "
+          f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms (decode weights: {lm.decode_weights}; "
+          f"matmuls: {lm.matmuls}), "
           f"stop: {out.stop_reason}]", file=sys.stderr)
     return 0
 

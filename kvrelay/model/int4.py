@@ -13,12 +13,12 @@ KV a store holds and every fidelity number are those of the fp32 path.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 
 import torch
-import torch.nn.functional as F
+
+from kvrelay.model.standin import StandIn
 
 GROUP_SIZE = 32  # weights sharing a scale and an offset (GGUF's Q4_0, Q4_1 and Q4_K sub-blocks)
 _PACK_ROWS = 16  # the kernel's weight packing takes rows in multiples of 16
@@ -39,12 +39,14 @@ def decode_steps() -> Iterator[None]:
         _DECODING.reset(token)
 
 
-class Int4Weight:
-    """A weight [N, K] of 4-bit blocks standing in for ``source`` (its fp32 values) in decode steps.
+def decoding() -> bool:
+    """True inside ``decode_steps``."""
+    return _DECODING.get()
 
-    It applies only while ``source`` is the same tensor object over the same memory, unchanged: loading
-    other weights into the model, moving it, or re-fusing it sends every matmul back to fp32. (A model built
-    under inference mode keeps no version counter: in-place writes to its weights go unseen.)"""
+
+class Int4Weight(StandIn):
+    """A weight [N, K] of 4-bit blocks standing in for ``source`` (its fp32 values) in decode steps, while
+    ``source`` is unchanged (``StandIn``)."""
 
     def __init__(self, source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
         rows, cols = source.shape
@@ -53,35 +55,16 @@ class Int4Weight:
                              f"{tuple(source.shape)} in groups of {GROUP_SIZE}")
         if source.device.type != "cpu":
             raise ValueError(f"4-bit weights run on CPU only, not {source.device}")
+        super().__init__(source)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)  # uint8 [N, K/2]
         zero = offset + 8 * scale  # the kernel computes (q - 8) * scale + zero per group
         # bf16 is the only type the kernel takes them in
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
-        # the same object, still over the same memory: ``param.data = ...`` and ``Module.to`` swap the memory
-        # without a new version
-        self._source = weakref.ref(source)
-        self._source_memory = (source.data_ptr(), source.dtype, source.device)
-        # inference tensors keep no version counter (a model built under inference_mode)
-        self._source_version = None if source.is_inference() else source._version
-
-    def stands_for(self, weight: torch.Tensor) -> bool:
-        if weight is not self._source() or (weight.data_ptr(), weight.dtype, weight.device) != self._source_memory:
-            return False
-        return self._source_version is None or weight._version == self._source_version
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] -> [n, N] in x's dtype."""
         out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
         return out.to(x.dtype)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           int4: Int4Weight | None = None) -> torch.Tensor:
-    """``F.linear``, through ``int4`` inside ``decode_steps`` when it stands for ``weight``."""
-    if int4 is None or not _DECODING.get() or not int4.stands_for(weight):
-        return F.linear(x, weight, bias)
-    out = int4(x)
-    return out if bias is None else out + bias
 
 
 def int4_of(source: torch.Tensor, names: list[str], blocks: Int4Blocks) -> Int4Weight | None:

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvrelay.model import packed
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.int4 import Int4Blocks, Int4Weight, int4_of, linear
+from kvrelay.model.int4 import Int4Blocks, Int4Weight, decoding, int4_of
 from kvrelay.model.rope import apply_rotary
 
 # (q [H, n, hd], fresh k [Hkv, n, hd], fresh v [Hkv, n, hd]) -> attention output [n, H * hd]: the caller
@@ -60,6 +61,16 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tor
     # query heads j*group .. j*group+group-1 read kv head j (HF's repeat_kv order)
     scores = q.float() @ k.float().repeat_interleave(group, dim=0).transpose(1, 2) * q.shape[-1] ** -0.5
     return scores.masked_fill(~mask[None], float("-inf")).softmax(-1)  # [H, n, m]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           int4: Int4Weight | None = None) -> torch.Tensor:
+    """``F.linear``: through ``int4`` inside decode steps while it stands for ``weight``, else through the
+    weight packed for oneDNN where that applies (``kvrelay.model.packed``)."""
+    if int4 is None or not decoding() or not int4.stands_for(weight):
+        return packed.linear(x, weight, bias)
+    out = int4(x)
+    return out if bias is None else out + bias
 
 
 class RMSNorm(nn.Module):

@@ -27,6 +27,8 @@ class LoadedModel:
     # fingerprint.
     decode_weights: str = "fp32"
     prefill_fingerprint: str | None = None
+    # what runs the matmuls: "oneDNN packed (121 weights)" where weights are packed (``kvrelay.model.packed``)
+    matmuls: str = "F.linear"
 
     @property
     def profile_fingerprint(self) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvrelay.errors import ContextLengthError, ScheduleError
+from kvrelay.model import packed
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.int4 import Int4Blocks, decode_steps
 from kvrelay.model.layers import (
@@ -23,6 +24,7 @@ from kvrelay.model.layers import (
     attention,
     attention_backends,
     attention_probs,
+    linear,
     visible_mask,
 )
 from kvrelay.model.rope import RotaryEmbedding
@@ -99,7 +101,18 @@ class Transformer(nn.Module):
         return h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype) if self.config.gemma else h
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(h)).float()
+        x = self.model.norm(h)
+        rows = x.reshape(-1, x.shape[-1])  # [n, hidden]: one row or many
+        return linear(rows, self.lm_head.weight, self.lm_head.bias).reshape(*x.shape[:-1], -1).float()
+
+    def pack_weights(self) -> int:
+        """Pack every matmul weight for oneDNN now (``kvrelay.model.packed``), so no call pays for it on first
+        use; returns how many were packed (0 where packing does not apply)."""
+        weights = [self.lm_head.weight]
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [attn.fused_qkv()[0], attn.o_proj.weight, mlp.fused_gate_up(), mlp.down_proj.weight]
+        return packed.pack(weights)
 
     def attach_int4(self, blocks: Int4Blocks) -> tuple[int, int]:
         """Run decode steps on the 4-bit ``blocks`` of the layer weights that have them (``kvrelay.model.int4``):

@@ -104,7 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvrelay.tier.backends.base import redact
 
     print(f"kvrelay serve: {args.model} with method {args.method} on http://{args.host}:{args.port}/v1 "
-          f"(store: {redact(args.store)}; decode weights: {app.state.worker.engine.lm.decode_weights})",
+          f"(store: {redact(args.store)}; decode weights: {app.state.worker.engine.lm.decode_weights}; "
+          f"matmuls: {app.state.worker.engine.lm.matmuls})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -120,11 +120,18 @@ def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
     if int4_decode and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         raise ConfigError(f"int4 decode needs torch's CPU int4 kernel (torch >= 2.6), not in torch {torch.__version__}")
     if ref.startswith("random:"):
-        return build_random(ref.split(":", 1)[1], device, dtype)
-    if ref in ALIASES or (path.is_file() and path.suffix == ".gguf"):
-        return _load_gguf(path, device, dtype, progress, ref if ref in ALIASES else path.stem, verify, int4_decode)
-    if path.is_dir():
-        return _load_hf_dir(path, device, dtype)
+        lm = build_random(ref.split(":", 1)[1], device, dtype)
+    elif ref in ALIASES or (path.is_file() and path.suffix == ".gguf"):
+        lm = _load_gguf(path, device, dtype, progress, ref if ref in ALIASES else path.stem, verify, int4_decode)
+    elif path.is_dir():
+        lm = _load_hf_dir(path, device, dtype)
+    else:
+        lm = None
+    if lm is not None:
+        num_packed = lm.model.pack_weights()  # now, so no call pays for packing (``kvrelay.model.packed``)
+        if num_packed:
+            lm.matmuls = f"oneDNN packed ({num_packed} weights)"
+        return lm
     if path.exists():
         raise ModelNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     raise ModelNotFoundError(

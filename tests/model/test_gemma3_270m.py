@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvrelay.cache.kv import SequenceKV
+from kvrelay.model import packed
 from kvrelay.weights.loader import ALIASES, load_model
 from tests.helpers import hf_from_alias
 
@@ -60,9 +61,14 @@ def test_logits_match_transformers_past_the_sliding_window(lm, hf_pair):
     assert ids.numel() > lm.config.sliding_window  # the local layers' window is in play
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    got = lm.model.prefill(ids, SequenceKV(lm.config, torch.float32, "cpu"), all_logits=True).logits
+    with packed.unpacked():  # the matmuls transformers runs: the same arithmetic
+        got = lm.model.prefill(ids, SequenceKV(lm.config, torch.float32, "cpu"), all_logits=True).logits
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert (got - ref).abs().max() < 1e-4
+    # the default CPU path (oneDNN's packed matmuls) sums the same fp32 products in another order
+    fast = lm.model.prefill(ids, SequenceKV(lm.config, torch.float32, "cpu"), all_logits=True).logits
+    assert torch.equal(fast.argmax(-1), ref.argmax(-1))
+    assert (fast - ref).abs().max() < 4e-6 * ref.abs().max()
 
 
 def test_greedy_completion_matches_transformers_and_reads_sensibly(lm, hf_pair):

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.errors import ConfigError
-from kvrelay.model.int4 import GROUP_SIZE, Int4Weight, decode_steps, int4_of, linear
+from kvrelay.model.int4 import GROUP_SIZE, Int4Weight, decode_steps, int4_of
+from kvrelay.model.layers import linear
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.weights.gguf import read_int4_blocks
 from kvrelay.weights.loader import load_model

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvrelay.cache.kv import StoredSpan
+from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
@@ -37,6 +37,7 @@ def setup():
 ONE = SamplingConfig(max_new_tokens=1)
 SPAN = slice(7, 31)  # the span's prompt rows in the setup's call
 SRC = slice(20, 44)  # the same tokens' rows in the upstream span
+SPAN_ROWS = range(SPAN.start, SPAN.stop)
 
 
 def _run(setup, spec, keep_cache=False):
@@ -44,11 +45,30 @@ def _run(setup, spec, keep_cache=False):
     return generate(lm, call, get_method(spec), store, ONE, keep_cache=keep_cache)
 
 
-def _recomputed_rows(out_v: torch.Tensor, span_v: torch.Tensor, layer: int) -> set[int]:
-    """Span rows (0-based) whose V at ``layer`` is not the stored span's: the forward computed them there.
-    out_v: [num_layers, Hkv, n, hd] over the span's prompt rows; span_v: the same rows of the stored span.
-    V carries no position, so a row only loaded is bit-equal to the stored one."""
-    return {i for i in range(out_v.shape[2]) if not torch.equal(out_v[layer, :, i], span_v[layer, :, i])}
+@pytest.fixture
+def writes(monkeypatch):
+    """Prompt rows whose K/V each layer's forward wrote (layer -> set of rows): the rows it computed there.
+    (A row recomputed from the input it was stored from may be bit-equal to the stored one, so the values
+    cannot tell.)"""
+    rows: dict[int, set[int]] = {}
+    real_write, real_write_range = SequenceKV.write, SequenceKV.write_range
+
+    def spy(self, layer, slots, k, v):
+        rows.setdefault(layer, set()).update(slots.tolist())
+        real_write(self, layer, slots, k, v)
+
+    def spy_range(self, layer, start, k, v):  # a layer where every position is computed
+        rows.setdefault(layer, set()).update(range(start, start + k.shape[1]))
+        real_write_range(self, layer, start, k, v)
+
+    monkeypatch.setattr(SequenceKV, "write", spy)
+    monkeypatch.setattr(SequenceKV, "write_range", spy_range)
+    return rows
+
+
+def _computed(writes: dict[int, set[int]], layer: int, rows: range | list[int]) -> set[int]:
+    """Which of ``rows`` (prompt positions) ``layer`` computed, as indices into ``rows``."""
+    return {i for i, row in enumerate(rows) if row in writes.get(layer, set())}
 
 
 def test_naive_reuses_every_span_token_and_recomputes_nothing(setup):
@@ -90,16 +110,16 @@ def test_relay_from_l_start_with_the_prompts_own_carried_state_reproduces_full(s
     assert (upstream.first_logits - full.first_logits).abs().max() > 1e-3
 
 
-def test_relay_enters_at_l_start_from_carried_hidden_states(setup):
+def test_relay_enters_at_l_start_from_carried_hidden_states(setup, writes, monkeypatch):
     """Band [2, 2], nothing selected: span tokens are computed at layer 2 only, from the hidden state the
-    upstream carried into layer 2. That recomputes exactly the K/V the upstream had there, so the call is
-    naive's, token for token."""
-    lm, store, _, _ = setup
+    upstream carried into layer 2. That recomputes the K/V the upstream had there, so the call is naive's,
+    token for token."""
     out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]", keep_cache=True)
+    assert [_computed(writes, layer, SPAN_ROWS) for layer in range(L)] == [set(), set(), set(range(24)), set()]
+    monkeypatch.undo()
     naive = _run(setup, "naive", keep_cache=True)
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 1
     assert out.stats.note is None
-    assert _recomputed_rows(out.cache.v[:, :, SPAN], store.get("up").v[:, :, SRC], 2) == set(range(24))
     torch.testing.assert_close(out.cache.k[:, :, SPAN], naive.cache.k[:, :, SPAN], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.cache.v[:, :, SPAN], naive.cache.v[:, :, SPAN], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.first_logits, naive.first_logits, atol=1e-5, rtol=0)
@@ -131,7 +151,7 @@ def test_relay_l_pre_keeps_each_span_opening_through_the_band(setup):
         get_method("relay[l_pre=-1]")
 
 
-def test_relay_pre_dense_computes_each_span_opening_at_every_layer_as_epic(setup):
+def test_relay_pre_dense_computes_each_span_opening_at_every_layer_as_epic(setup, writes):
     """Band [2, 2, 2], nothing selected, l_pre=5 dense: the 5 opening tokens are computed at every layer from
     the embedding (as epic[k=5] computes them); the other 19 enter at layer 2 from the carried hidden state
     and leave the band there."""
@@ -139,16 +159,15 @@ def test_relay_pre_dense_computes_each_span_opening_at_every_layer_as_epic(setup
     spec = "relay[l_start=2,l_det=2,l_end=2,l_pre=5,l_suf=0,tau_dev=1e9,tau_inf=1e9{}]"
     out = _run(setup, spec.format(",pre_dense=true"), keep_cache=True)
     assert out.stats.num_computed_token_layers == 12 * L + 5 * L + 19 * 1
-    span_v = store.get("up").v[:, :, SRC]
-    for layer in (1, 3):  # outside the band only the opening tokens are computed (layer 0's V has no context)
-        assert _recomputed_rows(out.cache.v[:, :, SPAN], span_v, layer) == set(range(5))
-    assert _recomputed_rows(out.cache.v[:, :, SPAN], span_v, 2) == set(range(24))
+    for layer in (0, 1, 3):  # outside the band only the opening tokens are computed
+        assert _computed(writes, layer, SPAN_ROWS) == set(range(5))
+    assert _computed(writes, 2, SPAN_ROWS) == set(range(24))
     # in the band (pre_dense off) the same 5 tokens enter at layer 2 and stay only through L_end = 2
     banded = _run(setup, spec.format(""))
     assert banded.stats.num_computed_token_layers == 12 * L + 24 * 1
 
 
-def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup):
+def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup, writes):
     """Two spans (an upstream prompt piece and its output): the rows epic computed, at every layer above 0,
     are the first k = 5 of each span and no other."""
     lm, store, call, _ = setup
@@ -160,19 +179,19 @@ def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup):
     assert out.stats.num_reused_tokens == 34
     assert out.stats.num_computed_token_layers == (16 + 5 + 5) * L
     assert out.stats.recompute_frac == pytest.approx(10 / 34)
-    rows = torch.cat([torch.arange(7, 17), torch.arange(21, 45)])
-    stored = torch.cat([up.v[:, :, 3:13], up.v[:, :, SRC]], dim=2)
+    rows = [*range(7, 17), *range(21, 45)]
     heads = set(range(5)) | {10 + i for i in range(5)}  # span rows, in the order of ``rows``
-    for layer in range(1, L):  # layer 0's V depends on the token only: recomputed or not, it is the same
-        assert _recomputed_rows(out.cache.v[:, :, rows], stored, layer) == heads
+    for layer in range(L):
+        assert _computed(writes, layer, rows) == heads
 
 
-def test_cacheblend_keeps_exactly_the_most_deviating_tokens(setup):
+def test_cacheblend_keeps_exactly_the_most_deviating_tokens(setup, writes):
     """At the check layer (1) every token is computed, so the fresh V is full's; the deviation of each span
     token is ||V_full - V_upstream|| there. The tokens recomputed above it must be the top 25% of those."""
     lm, store, call, _ = setup
     up = store.get("up")
     full = generate(lm, call, "full", store, ONE, keep_cache=True)
+    writes.clear()  # full's: every row at every layer
     dev = (full.cache.v[1, :, SPAN] - up.v[1, :, SRC]).pow(2).sum(dim=(0, 2)).sqrt()  # [24]
     ranked = dev.sort(descending=True).values
     assert ranked[5] - ranked[6] > 1e-4  # the 6th and 7th are far apart: float noise cannot swap them
@@ -181,8 +200,7 @@ def test_cacheblend_keeps_exactly_the_most_deviating_tokens(setup):
     # all 24 span tokens at layers 0-1, then 6 (25%) at layers 2-3
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 2 + 6 * 2
     torch.testing.assert_close(out.cache.v[1, :, SPAN], full.cache.v[1, :, SPAN], atol=1e-6, rtol=0)
-    for layer in (2, 3):
-        assert _recomputed_rows(out.cache.v[:, :, SPAN], up.v[:, :, SRC], layer) == top
+    assert [_computed(writes, layer, SPAN_ROWS) for layer in range(L)] == [set(range(24))] * 2 + [top] * 2
 
 
 def test_cacheblend_with_full_ratio_reproduces_full(setup):

@@ -1,0 +1,108 @@
+"""Weights packed once into oneDNN's blocked layout, for the CPU matrix products of every forward.
+
+On CPU ``F.linear`` calls the BLAS torch was built with. On this project's AMD EPYC VMs that ran a
+1,024-token prefill's products at about 200 GFLOP/s on two cores and SmolLM2's 49152 x 576 output
+projection of one row in 7 ms; oneDNN's fp32 kernel, given each weight reordered once into its own
+layout, ran the same products 2.3-5x faster at every row count from 1 to 2,112 (BENCHMARKS.md,
+"Weights packed for oneDNN"). The precision is the same: fp32 products summed in another order move
+SmolLM2's logits by ~1e-5 over 30 layers, inside the 1e-4 parity bar against transformers. These are the
+two ops torch's own compiler uses for frozen weights on CPU (``mkldnn._reorder_linear_weight`` and
+``mkldnn._linear_pointwise``).
+
+The packed form is a second copy of each weight it serves (a model's weight bytes again). It is used only
+where no gradient is wanted (every forward here runs under inference mode) and only on the CPU.
+``KVRELAY_PACKED_WEIGHTS=0`` turns it off for a process; ``unpacked()`` for a block of code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from kvrelay.model.standin import StandIn
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "KVRELAY_PACKED_WEIGHTS"
+_DTYPES = (torch.float32, torch.bfloat16)
+_OFF: ContextVar[bool] = ContextVar("kvrelay_unpacked", default=False)
+_PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> PackedWeight
+_LOCK = threading.Lock()
+_failure: list[str] = []  # why packing failed in this process (then it stays off)
+
+
+@functools.cache
+def _supported() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def available() -> bool:
+    """Whether this torch can pack weights for oneDNN and nothing turned it off."""
+    return os.environ.get(ENV_VAR, "1") != "0" and not _failure and _supported()
+
+
+@contextlib.contextmanager
+def unpacked() -> Iterator[None]:
+    """Matmuls inside run on the weights as they are (``F.linear``): for A/B measurements."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
+class PackedWeight(StandIn):
+    """A weight [N, K] in oneDNN's layout, standing in for ``source`` while it is unchanged (``StandIn``)."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        super().__init__(source)
+        with torch.inference_mode():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(source.detach(), None)  # opaque mkldnn tensor
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n, K] -> [n, N]."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+def _eligible(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in _DTYPES
+
+
+def packed_for(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight``'s packed stand-in, packed on first use (and again after the weight changed); None where
+    packing does not apply (gradients wanted, not CPU, another dtype, turned off, or not in this torch)."""
+    if _OFF.get() or torch.is_grad_enabled() or not _eligible(weight) or not available():
+        return None
+    found = _PACKS.get(weight)
+    if found is not None and found.stands_for(weight):
+        return found
+    with _LOCK:
+        try:
+            found = _PACKS[weight] = PackedWeight(weight)
+        except RuntimeError as exc:  # a torch whose oneDNN cannot take it: the plain path from now on
+            _failure.append(str(exc))
+            log.warning("oneDNN weight packing failed (%s); matmuls use F.linear", exc)
+            return None
+    return found
+
+
+def pack(weights: Iterable[torch.Tensor]) -> int:
+    """Pack ``weights`` now (a model's load), so no call pays for it; returns how many were packed."""
+    with torch.inference_mode():
+        return sum(packed_for(w) is not None for w in weights)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (x [n, K], weight [N, K] -> [n, N]), through the packed weight where it applies."""
+    packed = packed_for(weight) if x.dim() == 2 and x.shape[0] and x.dtype == weight.dtype else None
+    return F.linear(x, weight, bias) if packed is None else packed(x, bias)

@@ -1,0 +1,117 @@
+"""Weights packed for oneDNN: the same products as ``F.linear``, used only while the weight is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.model import packed
+from kvrelay.model.layers import linear
+from kvrelay.model.transformer import Transformer
+from tests.helpers import hf_model, ours_from_hf
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN weight packing")
+
+
+def calls(monkeypatch) -> list[int]:
+    """Counts the products run on packed weights."""
+    seen: list[int] = []
+    real = packed.PackedWeight.__call__
+
+    def counted(self, x, bias):
+        seen.append(x.shape[0])
+        return real(self, x, bias)
+
+    monkeypatch.setattr(packed.PackedWeight, "__call__", counted)
+    return seen
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_same_products_as_f_linear(rows, monkeypatch):
+    seen = calls(monkeypatch)
+    torch.manual_seed(rows)
+    w, b = torch.randn(96, 80), torch.randn(96)
+    wide = torch.randn(rows, 160)
+    x = wide[:, ::2]  # not contiguous: a chunk of a fused output is read this way
+    with torch.inference_mode():
+        got, got_nb = linear(x, w, b), linear(x.contiguous(), w)
+    ref = (x.double() @ w.double().T + b.double()).float()
+    torch.testing.assert_close(got, ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    torch.testing.assert_close(got_nb, (x.double() @ w.double().T).float(), atol=1e-5 * float(ref.abs().max()), rtol=0)
+    assert seen == [rows, rows]
+
+
+def test_a_changed_weight_is_packed_again(monkeypatch):
+    seen = calls(monkeypatch)
+    w, x = torch.randn(48, 32), torch.randn(5, 32)
+    with torch.inference_mode():
+        before = linear(x, w)
+    with torch.no_grad():
+        w.mul_(2)  # in place: a new version
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w), 2 * before, atol=1e-5, rtol=0)
+    w.data = torch.randn(48, 32)  # new memory under the same object, no new version
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=0)
+    assert len(seen) == 3
+
+
+def test_plain_path_where_packing_does_not_apply(monkeypatch):
+    seen = calls(monkeypatch)
+    w = torch.randn(24, 16, requires_grad=True)
+    x = torch.randn(3, 16)
+    out = linear(x, w)  # gradients wanted: the autograd path, exactly F.linear
+    out.sum().backward()
+    assert w.grad is not None and torch.equal(out, F.linear(x, w))
+    with torch.inference_mode():
+        with packed.unpacked():
+            assert torch.equal(linear(x, w), F.linear(x, w))
+        assert torch.equal(linear(x.double(), w.double()), F.linear(x.double(), w.double()))  # fp64: not packed
+        monkeypatch.setenv(packed.ENV_VAR, "0")
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    assert seen == []
+
+
+def test_a_torch_that_cannot_pack_falls_back_once(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(packed, "_failure", [])
+    monkeypatch.setattr(packed, "PackedWeight", broken)
+    w, x = torch.randn(8, 4), torch.randn(2, 4)
+    with torch.inference_mode():
+        assert torch.equal(linear(x, w), F.linear(x, w))
+        assert not packed.available()
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    assert sum("packing failed" in r.message for r in caplog.records) == 1
+
+
+def test_model_packs_every_matmul_weight_once_and_matches_the_plain_path(monkeypatch):
+    hf = hf_model("llama3")
+    model = ours_from_hf(hf)
+    num_layers = model.config.num_layers
+    assert model.pack_weights() == 4 * num_layers + 1  # fused qkv, out, fused gate/up, down; the output head
+    made: list[int] = []
+    real_init = packed.PackedWeight.__init__
+
+    def counted_init(self, source):
+        made.append(1)
+        real_init(self, source)
+
+    monkeypatch.setattr(packed.PackedWeight, "__init__", counted_init)
+    seen = calls(monkeypatch)
+    ids = torch.randint(0, model.config.vocab_size, (40,))
+    fast = model.prefill(ids, SequenceKV(model.config, torch.float32, "cpu"), all_logits=True).logits
+    with packed.unpacked():
+        plain = model.prefill(ids, SequenceKV(model.config, torch.float32, "cpu"), all_logits=True).logits
+    assert made == []  # packed at pack_weights(), not on first use
+    assert len(seen) == 4 * num_layers + 1
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
+
+
+def test_model_built_under_inference_mode_still_packs():
+    with torch.inference_mode():
+        model = Transformer(ours_from_hf(hf_model("qwen2")).config)
+        assert model.pack_weights() == 4 * model.config.num_layers + 1
