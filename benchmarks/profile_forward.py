@@ -31,7 +31,7 @@ from kvrelay.eval.harness import environment  # noqa: E402
 from kvrelay.eval.stats import timed_median_ms  # noqa: E402
 from kvrelay.weights.loader import load_model  # noqa: E402
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")  # the last: weights packed for oneDNN
 ATTENTION_PREFIX = "aten::_scaled_dot_product"
 
 

@@ -10,8 +10,9 @@ two ops torch's own compiler uses for frozen weights on CPU (``mkldnn._reorder_l
 ``mkldnn._linear_pointwise``).
 
 The packed form is a second copy of each weight it serves (a model's weight bytes again). It is used only
-where no gradient is wanted (every forward here runs under inference mode) and only on the CPU.
-``KVRELAY_PACKED_WEIGHTS=0`` turns it off for a process; ``unpacked()`` for a block of code.
+where no gradient is wanted (every forward here runs under inference mode), only on the CPU, and for bf16
+only where this CPU's oneDNN takes bf16. ``KVRELAY_PACKED_WEIGHTS=0`` turns it off for a process;
+``unpacked()`` for a block of code.
 """
 
 from __future__ import annotations
@@ -31,24 +32,33 @@ from torch.utils.weak import WeakIdKeyDictionary
 from kvrelay.model.standin import StandIn
 
 log = logging.getLogger(__name__)
-
 ENV_VAR = "KVRELAY_PACKED_WEIGHTS"
-_DTYPES = (torch.float32, torch.bfloat16)
 _OFF: ContextVar[bool] = ContextVar("kvrelay_unpacked", default=False)
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> PackedWeight
 _LOCK = threading.Lock()
-_failure: list[str] = []  # why packing failed in this process (then it stays off)
+_failed: set[torch.dtype] = set()  # dtypes whose packing failed in this process (they stay on F.linear)
 
 
 @functools.cache
-def _supported() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def _supported() -> tuple[torch.dtype, ...]:
+    """The dtypes this torch and CPU can pack for oneDNN (none without its ops)."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return ()
+    bf16 = hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
-def available() -> bool:
-    """Whether this torch can pack weights for oneDNN and nothing turned it off."""
-    return os.environ.get(ENV_VAR, "1") != "0" and not _failure and _supported()
+@functools.cache
+def _env_on() -> bool:
+    """Read once: ``packed_for`` runs on every matmul (``_env_on.cache_clear()`` after changing it)."""
+    return os.environ.get(ENV_VAR, "1") != "0"
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether weights of ``dtype`` get packed in this process (the torch can, nothing turned it off)."""
+    return _env_on() and dtype in _supported() and dtype not in _failed
 
 
 @contextlib.contextmanager
@@ -75,34 +85,45 @@ class PackedWeight(StandIn):
 
 
 def _eligible(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in _DTYPES
+    # Not an inference tensor: it keeps no version counter, so an in-place write to it would go unseen and
+    # the packed copy would be stale. (Models are built outside inference mode; see layers.fuse_linears.)
+    return (weight.device.type == "cpu" and weight.dim() == 2 and not weight.is_inference()
+            and available(weight.dtype))
 
 
 def packed_for(weight: torch.Tensor) -> PackedWeight | None:
     """``weight``'s packed stand-in, packed on first use (and again after the weight changed); None where
-    packing does not apply (gradients wanted, not CPU, another dtype, turned off, or not in this torch)."""
-    if _OFF.get() or torch.is_grad_enabled() or not _eligible(weight) or not available():
+    packing does not apply (gradients wanted, not CPU, an inference tensor, a dtype this CPU cannot pack,
+    turned off)."""
+    if _OFF.get() or torch.is_grad_enabled():
         return None
     found = _PACKS.get(weight)
     if found is not None and found.stands_for(weight):
         return found
+    if not _eligible(weight):
+        if found is not None:  # moved to another device or dtype: drop the stale copy
+            _PACKS.pop(weight, None)
+        return None
     with _LOCK:
+        found = _PACKS.get(weight)  # another thread may have packed it meanwhile
+        if found is not None and found.stands_for(weight):
+            return found
         try:
             found = _PACKS[weight] = PackedWeight(weight)
-        except RuntimeError as exc:  # a torch whose oneDNN cannot take it: the plain path from now on
-            _failure.append(str(exc))
-            log.warning("oneDNN weight packing failed (%s); matmuls use F.linear", exc)
+        except RuntimeError as exc:  # this oneDNN cannot take the dtype (or ran out of memory): F.linear
+            _failed.add(weight.dtype)
+            log.warning("oneDNN weight packing failed for %s (%s); those matmuls use F.linear", weight.dtype, exc)
             return None
     return found
 
 
 def pack(weights: Iterable[torch.Tensor]) -> int:
-    """Pack ``weights`` now (a model's load), so no call pays for it; returns how many were packed."""
+    """Pack ``weights`` now (a model's load), so no call pays for it; returns how many are packed."""
     with torch.inference_mode():
         return sum(packed_for(w) is not None for w in weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` (x [n, K], weight [N, K] -> [n, N]), through the packed weight where it applies."""
-    packed = packed_for(weight) if x.dim() == 2 and x.shape[0] and x.dtype == weight.dtype else None
+    packed = packed_for(weight) if x.dim() == 2 and x.dtype == weight.dtype else None
     return F.linear(x, weight, bias) if packed is None else packed(x, bias)

@@ -58,7 +58,14 @@ def test_a_changed_weight_is_packed_again(monkeypatch):
     assert len(seen) == 3
 
 
-def test_plain_path_where_packing_does_not_apply(monkeypatch):
+@pytest.fixture
+def env_read_again():
+    packed._env_on.cache_clear()
+    yield
+    packed._env_on.cache_clear()
+
+
+def test_plain_path_where_packing_does_not_apply(monkeypatch, env_read_again):
     seen = calls(monkeypatch)
     w = torch.randn(24, 16, requires_grad=True)
     x = torch.randn(3, 16)
@@ -70,21 +77,58 @@ def test_plain_path_where_packing_does_not_apply(monkeypatch):
             assert torch.equal(linear(x, w), F.linear(x, w))
         assert torch.equal(linear(x.double(), w.double()), F.linear(x.double(), w.double()))  # fp64: not packed
         monkeypatch.setenv(packed.ENV_VAR, "0")
+        packed._env_on.cache_clear()
         assert torch.equal(linear(x, w), F.linear(x, w))
     assert seen == []
 
 
-def test_a_torch_that_cannot_pack_falls_back_once(monkeypatch, caplog):
+def test_zero_rows_and_bf16(monkeypatch):
+    seen = calls(monkeypatch)
+    w = torch.randn(24, 16)
+    wb = w.to(torch.bfloat16)  # outside inference mode: an inference tensor is never packed
+    assert packed.available(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    with torch.inference_mode():
+        assert linear(torch.randn(0, 16), w).shape == (0, 24)
+        if packed.available(torch.bfloat16):
+            x = torch.randn(5, 16, dtype=torch.bfloat16)
+            ref = x.double() @ wb.double().T
+            torch.testing.assert_close(linear(x, wb).double(), ref, atol=2e-2 * float(ref.abs().max()), rtol=0)
+    assert seen == ([0, 5] if packed.available(torch.bfloat16) else [0])
+
+
+def test_a_weight_moved_off_the_packable_kinds_drops_its_copy():
+    lin = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        linear(x, lin.weight)
+        assert lin.weight in packed._PACKS
+        lin.to(torch.float64)  # swaps the parameter's memory: the packed copy no longer stands for it
+        assert torch.equal(linear(x.double(), lin.weight), F.linear(x.double(), lin.weight))
+    assert lin.weight not in packed._PACKS
+
+
+def test_inference_tensor_weights_are_never_packed():
+    """An inference tensor keeps no version counter: an in-place write to it would leave a packed copy stale."""
+    w, x = torch.randn(8, 4), torch.randn(2, 4)
+    with torch.inference_mode():
+        frozen = w.clone()  # an inference tensor
+        assert packed.packed_for(frozen) is None
+        frozen.mul_(2)
+        assert torch.equal(linear(x, frozen), F.linear(x, frozen))
+
+
+def test_a_dtype_that_cannot_pack_falls_back_once(monkeypatch, caplog):
     def broken(*args):
         raise RuntimeError("no oneDNN here")
 
-    monkeypatch.setattr(packed, "_failure", [])
+    monkeypatch.setattr(packed, "_failed", set())
     monkeypatch.setattr(packed, "PackedWeight", broken)
     w, x = torch.randn(8, 4), torch.randn(2, 4)
     with torch.inference_mode():
         assert torch.equal(linear(x, w), F.linear(x, w))
-        assert not packed.available()
+        assert not packed.available(torch.float32)
         assert torch.equal(linear(x, w), F.linear(x, w))
+    assert packed.available(torch.bfloat16) == (torch.bfloat16 in packed._supported())  # only fp32 failed
     assert sum("packing failed" in r.message for r in caplog.records) == 1
 
 
@@ -111,7 +155,9 @@ def test_model_packs_every_matmul_weight_once_and_matches_the_plain_path(monkeyp
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
 
 
-def test_model_built_under_inference_mode_still_packs():
+def test_model_built_under_inference_mode_packs_only_its_fused_weights():
+    # the fused q/k/v and gate/up are built outside inference mode (layers.fuse_linears); the output
+    # projections and the head are inference tensors there, so they stay on F.linear
     with torch.inference_mode():
         model = Transformer(ours_from_hf(hf_model("qwen2")).config)
-        assert model.pack_weights() == 4 * model.config.num_layers + 1
+        assert model.pack_weights() == 2 * model.config.num_layers
