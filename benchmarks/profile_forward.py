@@ -31,7 +31,8 @@ from kvrelay.eval.harness import environment  # noqa: E402
 from kvrelay.eval.stats import timed_median_ms  # noqa: E402
 from kvrelay.weights.loader import load_model  # noqa: E402
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")  # the last: weights packed for oneDNN
+# the last: products on weights packed for oneDNN (kvrelay.model.packed)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 ATTENTION_PREFIX = "aten::_scaled_dot_product"
 
 
