@@ -16,6 +16,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import threading
 import time
 import urllib.request
@@ -25,6 +26,16 @@ from pathlib import Path
 from openai import OpenAI
 
 from kvrelay.pipeline.workloads import gsm8k_chain3
+
+
+def _commit() -> str | None:
+    """The client's checkout (run the server from the same one)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -141,7 +152,8 @@ def main() -> None:
             for c, s in zip(args.clients.split(","), args.seconds.split(","), strict=True)]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": {"machine": platform.machine()}, "model": model, "phases": rows}, f, indent=1)
+            env = {"machine": platform.machine(), "commit": _commit()}
+            json.dump({"env": env, "model": model, "phases": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
