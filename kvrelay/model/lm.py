@@ -27,7 +27,8 @@ class LoadedModel:
     # fingerprint.
     decode_weights: str = "fp32"
     prefill_fingerprint: str | None = None
-    # what runs the matmuls: "oneDNN packed (121 weights)" where weights are packed (``kvrelay.model.packed``)
+    # what runs the matmuls: "oneDNN packed (121 weights)" where the loader packed them (``kvrelay.model.packed``;
+    # a model built otherwise packs its weights on first use, and says "F.linear" here)
     matmuls: str = "F.linear"
 
     @property

@@ -56,6 +56,27 @@ def test_linear_takes_the_4bit_path_only_in_decode_steps_on_its_own_unchanged_we
     assert torch.equal(linear(x, weight, None, None), F.linear(x, weight))
 
 
+def test_a_decode_step_off_the_4bit_path_runs_on_the_packed_weight(monkeypatch):
+    """Under inference mode (every forward) a weight the blocks do not stand for takes the oneDNN-packed
+    product, not the 4-bit one."""
+    from kvrelay.model import packed
+
+    if not packed.available():
+        pytest.skip("this torch has no oneDNN weight packing")
+    weight, q, scale, offset = _blocks(32, 64)
+    stand_in = Int4Weight(weight, q, scale, offset)
+    other = torch.randn(32, 64)
+    used: list[int] = []
+    real = packed.PackedWeight.__call__
+    monkeypatch.setattr(packed.PackedWeight, "__call__", lambda self, x, b: used.append(1) or real(self, x, b))
+    x = torch.randn(3, 64)
+    with torch.inference_mode(), decode_steps():
+        assert torch.equal(linear(x, weight, None, stand_in), stand_in(x))
+        assert used == []
+        torch.testing.assert_close(linear(x, other, None, stand_in), F.linear(x, other), atol=1e-5, rtol=0)
+        assert used == [1]
+
+
 def test_only_the_very_tensor_over_its_own_memory_is_stood_for():
     weight, q, scale, offset = _blocks(32, 64)
     stand_in = Int4Weight(weight, q, scale, offset)
