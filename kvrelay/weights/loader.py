@@ -125,19 +125,17 @@ def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
         lm = _load_gguf(path, device, dtype, progress, ref if ref in ALIASES else path.stem, verify, int4_decode)
     elif path.is_dir():
         lm = _load_hf_dir(path, device, dtype)
-    else:
-        lm = None
-    if lm is not None:
-        num_packed = lm.model.pack_weights()  # now, so no call pays for packing (``kvrelay.model.packed``)
-        if num_packed:
-            lm.matmuls = f"oneDNN packed ({num_packed} weights)"
-        return lm
-    if path.exists():
+    elif path.exists():
         raise ModelNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
-    raise ModelNotFoundError(
-        f"unknown model {ref!r}: not an alias ({', '.join(ALIASES)}), not an existing .gguf file or "
-        f"folder, not random:<preset> ({', '.join(PRESETS)})"
-    )
+    else:
+        raise ModelNotFoundError(
+            f"unknown model {ref!r}: not an alias ({', '.join(ALIASES)}), not an existing .gguf file or "
+            f"folder, not random:<preset> ({', '.join(PRESETS)})"
+        )
+    num_packed = lm.model.pack_weights()  # now, so no call pays for packing (``kvrelay.model.packed``)
+    if num_packed:
+        lm.matmuls = f"oneDNN packed ({num_packed} weights)"
+    return lm
 
 
 def build_random(preset: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
