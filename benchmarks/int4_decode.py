@@ -4,12 +4,13 @@
   is fed to both models (teacher forcing), and each step's next-token distributions are compared:
   KL(fp32 || int4), argmax agreement; then each model decodes greedily on its own and the share of the
   T tokens that match (greedy@T) is recorded.
-"fp32" is the default path: its matmuls on weights packed for oneDNN where torch can (``kvrelay.model.packed``);
-the session-17 JSONs predate that and compared against ``F.linear``.
 - rows: a decode step over B sequences (one row each) with the fp32 weights and with the 4-bit ones, at
   each B of ``--rows``, interleaved, median of R steps: how far the int4 kernel keeps paying in a batch.
   ``--busy K`` runs K busy-loop processes beside that phase (a machine shared with other work), and
   ``--threads T`` sets the torch threads.
+
+"fp32" is the default path: its matmuls on weights packed for oneDNN where torch can (``kvrelay.model.packed``);
+the session-17 JSONs predate that and compared against ``F.linear``.
 
 Usage: python benchmarks/int4_decode.py [--model M] [--problems 20] [--tokens 64] [--rows 1,8] [--busy 0]
        [--threads 2] [--json OUT]      (--problems 0: the rows phase alone)

@@ -27,14 +27,16 @@ class LoadedModel:
     # fingerprint.
     decode_weights: str = "fp32"
     prefill_fingerprint: str | None = None
-    # what runs the matmuls: "oneDNN packed (121 weights)" where the loader packed them (``kvrelay.model.packed``;
-    # a model built otherwise packs its weights on first use, and says "F.linear" here)
-    matmuls: str = "F.linear"
 
     @property
     def profile_fingerprint(self) -> str:
         """The fingerprint relay's layer profile is stored and found under."""
         return self.prefill_fingerprint or self.fingerprint
+
+    @property
+    def matmuls(self) -> str:
+        """What runs the matmuls (``kvrelay.model.packed``): e.g. "oneDNN packed (121 weights)"."""
+        return self.model.matmuls
 
     @property
     def device(self) -> torch.device:

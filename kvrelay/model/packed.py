@@ -3,12 +3,12 @@
 On CPU ``F.linear`` calls the BLAS torch was built with. On this project's AMD EPYC VMs that ran a
 1,024-token prefill's products at about 200 GFLOP/s on two cores and SmolLM2's 49152 x 576 output
 projection of one row in 7 ms; oneDNN's fp32 kernel, given each weight reordered once into its own
-layout, ran the same products 2.3-5x faster at every row count from 1 to 2,112 (BENCHMARKS.md,
-"Weights packed for oneDNN"). The precision is the same: fp32 products summed in another order move
-SmolLM2's real logits by up to 1.1e-4 from transformers' (3e-6 of their size; the plain path matches them
-bit for bit), with the same argmax. These are the
-two ops torch's own compiler uses for frozen weights on CPU (``mkldnn._reorder_linear_weight`` and
-``mkldnn._linear_pointwise``).
+layout, ran the same products 2-5x faster from 8 rows up, and that one-row output projection 5x faster
+(BENCHMARKS.md, "Weights packed for oneDNN"; the smaller products of one row are within 20% either way).
+The precision is the same: fp32 products summed in another order move SmolLM2's real logits by up to
+1.1e-4 from transformers' (3e-6 of their size; on the plain path they were equal, see
+benchmarks/real_weights_parity.py), with the same argmax. These are the two ops torch's own compiler uses
+for frozen weights on CPU (``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise``).
 
 The packed form is a second copy of each weight it serves (a model's weight bytes again). It is used only
 where no gradient is wanted (every forward here runs under inference mode), only on the CPU, and for bf16
@@ -99,11 +99,12 @@ def packed_for(weight: torch.Tensor) -> PackedWeight | None:
     if _OFF.get() or torch.is_grad_enabled():
         return None
     found = _PACKS.get(weight)
-    if found is not None and found.stands_for(weight):
+    if found is not None and found.stands_for(weight) and available(weight.dtype):
         return found
     if not _eligible(weight):
-        if found is not None:  # moved to another device or dtype: drop the stale copy
-            _PACKS.pop(weight, None)
+        if found is not None:  # moved to another device or dtype, or packing turned off: drop the copy
+            with _LOCK:
+                _PACKS.pop(weight, None)
         return None
     with _LOCK:
         found = _PACKS.get(weight)  # another thread may have packed it meanwhile
@@ -116,6 +117,12 @@ def packed_for(weight: torch.Tensor) -> PackedWeight | None:
             log.warning("oneDNN weight packing failed for %s (%s); those matmuls use F.linear", weight.dtype, exc)
             return None
     return found
+
+
+def num_packed(weights: Iterable[torch.Tensor]) -> int:
+    """How many of ``weights`` have a packed copy that still stands for them (packs nothing)."""
+    return sum(found is not None and found.stands_for(w) and available(w.dtype)
+               for w in weights for found in [_PACKS.get(w)])
 
 
 def pack(weights: Iterable[torch.Tensor]) -> int:

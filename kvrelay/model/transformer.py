@@ -105,14 +105,24 @@ class Transformer(nn.Module):
         rows = x.reshape(-1, x.shape[-1])  # [n, hidden]: one row or many
         return linear(rows, self.lm_head.weight, self.lm_head.bias).reshape(*x.shape[:-1], -1).float()
 
-    def pack_weights(self) -> int:
-        """Pack every matmul weight for oneDNN now (``kvrelay.model.packed``), so no call pays for it on first
-        use; returns how many were packed (0 where packing does not apply)."""
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """Every weight a forward multiplies by, as it multiplies (q/k/v and gate/up fused)."""
         weights = [self.lm_head.weight]
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights += [attn.fused_qkv()[0], attn.o_proj.weight, mlp.fused_gate_up(), mlp.down_proj.weight]
-        return packed.pack(weights)
+        return weights
+
+    def pack_weights(self) -> int:
+        """Pack every matmul weight for oneDNN now (``kvrelay.model.packed``), so no call pays for it on first
+        use; returns how many were packed (0 where packing does not apply)."""
+        return packed.pack(self.matmul_weights())
+
+    @property
+    def matmuls(self) -> str:
+        """What runs the matmuls now: "oneDNN packed (121 weights)", or "F.linear" where none is packed."""
+        num = packed.num_packed(self.matmul_weights())
+        return f"oneDNN packed ({num} weights)" if num else "F.linear"
 
     def attach_int4(self, blocks: Int4Blocks) -> tuple[int, int]:
         """Run decode steps on the 4-bit ``blocks`` of the layer weights that have them (``kvrelay.model.int4``):

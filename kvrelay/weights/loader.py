@@ -132,9 +132,7 @@ def load_model(ref: str = DEFAULT_MODEL, device: str | torch.device = "cpu",
             f"unknown model {ref!r}: not an alias ({', '.join(ALIASES)}), not an existing .gguf file or "
             f"folder, not random:<preset> ({', '.join(PRESETS)})"
         )
-    num_packed = lm.model.pack_weights()  # now, so no call pays for packing (``kvrelay.model.packed``)
-    if num_packed:
-        lm.matmuls = f"oneDNN packed ({num_packed} weights)"
+    lm.model.pack_weights()  # now, so no call pays for packing (``kvrelay.model.packed``)
     return lm
 
 

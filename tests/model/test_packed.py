@@ -82,6 +82,17 @@ def test_plain_path_where_packing_does_not_apply(monkeypatch, env_read_again):
     assert seen == []
 
 
+def test_turning_packing_off_stops_copies_already_made(monkeypatch, env_read_again):
+    w, x = torch.randn(8, 4), torch.randn(2, 4)
+    with torch.inference_mode():
+        linear(x, w)
+        assert w in packed._PACKS
+        monkeypatch.setenv(packed.ENV_VAR, "0")
+        packed._env_on.cache_clear()
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    assert w not in packed._PACKS
+
+
 def test_zero_rows_and_bf16(monkeypatch):
     seen = calls(monkeypatch)
     w = torch.randn(24, 16)
@@ -136,7 +147,9 @@ def test_model_packs_every_matmul_weight_once_and_matches_the_plain_path(monkeyp
     hf = hf_model("llama3")
     model = ours_from_hf(hf)
     num_layers = model.config.num_layers
+    assert model.matmuls == "F.linear"
     assert model.pack_weights() == 4 * num_layers + 1  # fused qkv, out, fused gate/up, down; the output head
+    assert model.matmuls == f"oneDNN packed ({4 * num_layers + 1} weights)"
     made: list[int] = []
     real_init = packed.PackedWeight.__init__
 
