@@ -16,6 +16,7 @@ from kvrelay.flags import (
     check_output_file,
     dataclass_from_args,
     finite_float,
+    load_model_from,
     positive_integer,
     workload_arg,
 )
@@ -126,7 +127,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kvrelay.pipeline.spec import PipelineSpec
     from kvrelay.reuse import PIPELINE_METHODS, get_method
     from kvrelay.tier.tiered import open_store
-    from kvrelay.weights.loader import load_model
 
     spec = PipelineSpec.from_yaml(args.pipeline)
     if get_method(args.method).name not in PIPELINE_METHODS:
@@ -143,7 +143,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--input {name}: given twice")
         inputs[name] = _read_input(name, text)
     spec.check_inputs(inputs)
-    lm = load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
+    lm = load_model_from(args)
     if lm.decode_weights != "fp32":
         print(f"kvrelay: decode weights: {lm.decode_weights}", file=sys.stderr)
     store = open_store(args.store, args.store_bytes, fingerprint=lm.fingerprint)
@@ -161,7 +161,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.eval.profiler import build_profile, calibrate_selector, plot_profile, profile_path
     from kvrelay.reuse.profile import layer_profile
-    from kvrelay.weights.loader import load_model
 
     check_output_file(args.out, "--out")
     check_output_file(args.plot, "--plot")
@@ -172,7 +171,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.workload == "gsm8k-branches":
         raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
     _check_data(args.workload, args.data)
-    lm = load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
+    lm = load_model_from(args)
     if args.selector_only:  # keep the model's band, choose the selector again
         profile = calibrate_selector(lm, layer_profile(lm), args.workload, args.data, args.problems)
     else:
@@ -200,13 +199,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
     from kvrelay.engine import Engine, GenerateOptions
     from kvrelay.model.sampling import SamplingConfig
     from kvrelay.pipeline.prompt import chat_prompt_ids
-    from kvrelay.weights.loader import load_model
 
     sampling = dataclass_from_args(SamplingConfig, args)
-    lm = load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
+    lm = load_model_from(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = chat_prompt_ids(lm.tokenizer, messages).ids
@@ -215,7 +215,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     s = out.stats
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
           f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms (decode weights: {lm.decode_weights}; "
-          f"matmuls: {lm.matmuls}), "
+          f"matmuls: {lm.matmuls}; threads: {torch.get_num_threads()}), "
           f"stop: {out.stop_reason}]", file=sys.stderr)
     return 0
 

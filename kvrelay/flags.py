@@ -214,8 +214,8 @@ def _probe_folder(folder: Path, flag: str, path: str) -> None:
 
 
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_decode: bool = True) -> None:
-    """--model, --device, --verify and --int4-decode: what ``load_model`` takes, for every command that loads
-    (``int4_decode=False``: a command that calibrates on fp32 decoding, as ``profile`` does)."""
+    """--model, --device, --verify, --threads and --int4-decode: what ``load_model_from`` takes, for every command
+    that loads (``int4_decode=False``: a command that calibrates on fp32 decoding, as ``profile`` does)."""
     parser.add_argument("--model", default=default_model,
                         help="model: an alias, a .gguf file, a Hugging Face folder or random:<preset> "
                              f"(default: {default_model})")
@@ -223,10 +223,24 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_de
                         help="torch device; choices: cpu, cuda, cuda:N, mps (default: cpu)")
     parser.add_argument("--verify", action="store_true",
                         help="hash the whole converted weights file instead of a sample of it (slower, thorough)")
+    parser.add_argument("--threads", type=positive_integer, default=None,
+                        help="CPU threads torch runs on, >= 1 (default: torch's own, one per core it sees); on cores "
+                             "other processes share, 1 keeps decode steps steady (BENCHMARKS.md, \"Under load\")")
     if not int4_decode:
         parser.set_defaults(int4_decode=False)
         return
     parser.add_argument("--int4-decode", action="store_true",
-                        help="decode steps on the GGUF's own 4-bit weights (Q4_0/Q4_1/Q4_K, CPU): 2.5x the fp32 "
-                             "decode speed on an AVX-512 CPU (BENCHMARKS.md), logits within KL ~1e-4 of it; "
-                             "every prefill stays fp32")
+                        help="decode steps on the GGUF's own 4-bit weights (Q4_0/Q4_1/Q4_K, CPU): half the fp32 "
+                             "step time of one sequence on an AVX-512 CPU, less gain in a batch (BENCHMARKS.md), "
+                             "logits within KL ~1e-4 of it; every prefill stays fp32")
+
+
+def load_model_from(args: argparse.Namespace) -> Any:
+    """``load_model`` with what ``add_model_flags`` parsed (``--threads`` set on torch first)."""
+    import torch
+
+    from kvrelay.weights.loader import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)

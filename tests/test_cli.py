@@ -107,7 +107,16 @@ def test_generate_with_int4_decode():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
     matmuls = "oneDNN packed (121 weights)" if packed.available() else "F.linear"
-    assert f"(decode weights: int4 (120 of 120 weights); matmuls: {matmuls})" in out.stderr
+    assert f"(decode weights: int4 (120 of 120 weights); matmuls: {matmuls}; threads: " in out.stderr
+
+
+def test_threads_flag_sets_torch_threads():
+    out = _kvrelay("generate", "Hi", "--threads", "1", "--max-new-tokens", "2")
+    assert out.returncode == 0, out.stderr
+    assert "; threads: 1)" in out.stderr
+    bad = _kvrelay("generate", "Hi", "--threads", "0")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert bad.stderr.startswith("kvrelay: error: generate: argument --threads: '0': must be an integer >= 1")
 
 
 def test_serve_passes_int4_decode_on():

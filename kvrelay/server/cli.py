@@ -62,12 +62,11 @@ def build_app(args: argparse.Namespace):
     """Model, store, engine and the FastAPI app for ``args``."""
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.engine import Engine
-    from kvrelay.flags import dataclass_from_args
+    from kvrelay.flags import dataclass_from_args, load_model_from
     from kvrelay.reuse import get_method, split_method_specs
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import MatchConfig, SpanCatalog
     from kvrelay.tier.tiered import open_store
-    from kvrelay.weights.loader import load_model
 
     if args.kv_budget_gb <= 0:
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
@@ -79,7 +78,7 @@ def build_app(args: argparse.Namespace):
     keys = read_api_keys(args.api_keys)
     tenancy = dataclass_from_args(TenancyConfig, args)
     match = dataclass_from_args(MatchConfig, args)
-    lm = load_model(args.model, args.device, verify=args.verify, int4_decode=args.int4_decode)
+    lm = load_model_from(args)
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
                        namespace_budget_bytes=tenancy.namespace_budget_bytes)
     store.set_namespace_idle_s(tenancy.idle_s)
@@ -101,11 +100,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KvRelayError as exc:
         print(f"kvrelay serve: error: {exc}", file=sys.stderr)
         return 2
+    import torch
+
     from kvrelay.tier.backends.base import redact
 
     print(f"kvrelay serve: {args.model} with method {args.method} on http://{args.host}:{args.port}/v1 "
           f"(store: {redact(args.store)}; decode weights: {app.state.worker.engine.lm.decode_weights}; "
-          f"matmuls: {app.state.worker.engine.lm.matmuls})",
+          f"matmuls: {app.state.worker.engine.lm.matmuls}; threads: {torch.get_num_threads()})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
