@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,3 +177,29 @@ def test_model_built_under_inference_mode_packs_only_its_fused_weights():
     with torch.inference_mode():
         model = Transformer(ours_from_hf(hf_model("qwen2")).config)
         assert model.pack_weights() == 2 * model.config.num_layers
+
+
+def test_threads_packing_one_weight_at_once_share_one_copy(monkeypatch):
+    """A server's request threads reach a weight's first use together: one copy is made and every product is right."""
+    made: list[int] = []
+    real_init = packed.PackedWeight.__init__
+
+    def counted_init(self, source):
+        made.append(1)
+        real_init(self, source)
+
+    monkeypatch.setattr(packed.PackedWeight, "__init__", counted_init)
+    w = torch.randn(256, 128)
+    xs = [torch.randn(9, 128) for _ in range(8)]
+    start = threading.Barrier(len(xs))
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        start.wait()
+        with torch.inference_mode():
+            return linear(x, w)
+
+    with ThreadPoolExecutor(len(xs)) as pool:
+        outs = list(pool.map(product, xs))
+    assert made == [1]
+    for x, out in zip(xs, outs, strict=True):
+        torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=0)
