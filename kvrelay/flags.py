@@ -15,9 +15,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvrelay.errors import ConfigError, KvRelayError, OutputPathError
+
+if TYPE_CHECKING:
+    from kvrelay.model.lm import LoadedModel
 
 # Help for fields of config classes that carry no metadata of their own (meaning, unit, range).
 FIELD_HELP: dict[str, str] = {
@@ -235,7 +238,7 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_de
                              "logits within KL ~1e-4 of it; every prefill stays fp32")
 
 
-def load_model_from(args: argparse.Namespace) -> Any:
+def load_model_from(args: argparse.Namespace) -> LoadedModel:
     """``load_model`` with what ``add_model_flags`` parsed (``--threads`` set on torch first)."""
     import torch
 

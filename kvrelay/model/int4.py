@@ -13,12 +13,11 @@ KV a store holds and every fidelity number are those of the fp32 path.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from contextvars import ContextVar
 
 import torch
 
-from kvrelay.model.standin import StandIn
+from kvrelay.model.standin import StandIn, flag_on
 
 GROUP_SIZE = 32  # weights sharing a scale and an offset (GGUF's Q4_0, Q4_1 and Q4_K sub-blocks)
 _PACK_ROWS = 16  # the kernel's weight packing takes rows in multiples of 16
@@ -29,14 +28,9 @@ Int4Blocks = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 _DECODING: ContextVar[bool] = ContextVar("kvrelay_int4_decoding", default=False)
 
 
-@contextlib.contextmanager
-def decode_steps() -> Iterator[None]:
+def decode_steps() -> contextlib.AbstractContextManager:
     """Matmuls inside run on the 4-bit stand-ins (a decorator of ``Transformer.decode``)."""
-    token = _DECODING.set(True)
-    try:
-        yield
-    finally:
-        _DECODING.reset(token)
+    return flag_on(_DECODING)
 
 
 def decoding() -> bool:

@@ -23,14 +23,14 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from kvrelay.model.standin import StandIn
+from kvrelay.model.standin import StandIn, flag_on
 
 log = logging.getLogger(__name__)
 ENV_VAR = "KVRELAY_PACKED_WEIGHTS"
@@ -62,14 +62,9 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
     return _env_on() and dtype in _supported() and dtype not in _failed
 
 
-@contextlib.contextmanager
-def unpacked() -> Iterator[None]:
+def unpacked() -> contextlib.AbstractContextManager:
     """Matmuls inside run on the weights as they are (``F.linear``): for A/B measurements."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
+    return flag_on(_OFF)
 
 
 class PackedWeight(StandIn):

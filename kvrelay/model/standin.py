@@ -8,9 +8,22 @@ weight itself.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
+
+
+@contextlib.contextmanager
+def flag_on(flag: ContextVar[bool]) -> Iterator[None]:
+    """``flag`` reads True inside (this thread or task only): which stand-ins a block of code uses."""
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
 
 
 class StandIn:

@@ -31,6 +31,19 @@ def calls(monkeypatch) -> list[int]:
     return seen
 
 
+def copies_made(monkeypatch) -> list[int]:
+    """Counts the packed copies made."""
+    made: list[int] = []
+    real_init = packed.PackedWeight.__init__
+
+    def counted_init(self, source):
+        made.append(1)
+        real_init(self, source)
+
+    monkeypatch.setattr(packed.PackedWeight, "__init__", counted_init)
+    return made
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_same_products_as_f_linear(rows, monkeypatch):
     seen = calls(monkeypatch)
@@ -153,14 +166,7 @@ def test_model_packs_every_matmul_weight_once_and_matches_the_plain_path(monkeyp
     assert model.matmuls == "F.linear"
     assert model.pack_weights() == 4 * num_layers + 1  # fused qkv, out, fused gate/up, down; the output head
     assert model.matmuls == f"oneDNN packed ({4 * num_layers + 1} weights)"
-    made: list[int] = []
-    real_init = packed.PackedWeight.__init__
-
-    def counted_init(self, source):
-        made.append(1)
-        real_init(self, source)
-
-    monkeypatch.setattr(packed.PackedWeight, "__init__", counted_init)
+    made = copies_made(monkeypatch)
     seen = calls(monkeypatch)
     ids = torch.randint(0, model.config.vocab_size, (40,))
     fast = model.prefill(ids, SequenceKV(model.config, torch.float32, "cpu"), all_logits=True).logits
@@ -181,14 +187,7 @@ def test_model_built_under_inference_mode_packs_only_its_fused_weights():
 
 def test_threads_packing_one_weight_at_once_share_one_copy(monkeypatch):
     """A server's request threads reach a weight's first use together: one copy is made and every product is right."""
-    made: list[int] = []
-    real_init = packed.PackedWeight.__init__
-
-    def counted_init(self, source):
-        made.append(1)
-        real_init(self, source)
-
-    monkeypatch.setattr(packed.PackedWeight, "__init__", counted_init)
+    made = copies_made(monkeypatch)
     w = torch.randn(256, 128)
     xs = [torch.randn(9, 128) for _ in range(8)]
     start = threading.Barrier(len(xs))
