@@ -10,6 +10,10 @@ Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
 - At a layer where ``selects_before_attention(layer)``, the hook runs as ``before_attention(view)``
   instead: right after the active tokens' Q/K/V (written to the cache), before attention and MLP,
   so that the tokens it drops cost only their Q/K/V projection there (``view.hidden_out`` is None).
+- At a layer where ``admits_at(layer)``, the tokens entering there are admitted by ``admit(view,
+  entering_idx)`` first: the view holds the Q/K/V of the tokens already active (written to the cache),
+  and the entering tokens' keys are whatever the cache holds for them (the reused ones). Tokens it
+  refuses never join, so they cost nothing at that layer or above.
 - ``exit_after(layer, last_hidden)`` may stop the forward early (RKSC's layer exit).
 
 Tokens that are not active at a layer must already have K/V there in the sequence cache: the
@@ -77,6 +81,14 @@ class Schedule:
 
     def before_attention(self, view: LayerView) -> torch.Tensor | None:
         """A keep-mask over ``view.active_idx`` from the fresh Q/K/V; dropped tokens skip attention and MLP."""
+        return None
+
+    def admits_at(self, layer: int) -> bool:
+        """Whether ``admit`` decides which of the tokens entering at ``layer`` join."""
+        return False
+
+    def admit(self, view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor | None:
+        """A keep-mask over ``entering_idx`` (prompt indices) from the active tokens' fresh Q/K/V."""
         return None
 
     def exit_after(self, layer: int, last_hidden: torch.Tensor) -> bool:

@@ -170,6 +170,10 @@ class Transformer(nn.Module):
             if entry is not None and entry.token_idx.numel():
                 idx = entry.token_idx.to(device)
                 new_h = self.embed(token_ids[idx]) if entry.hidden is None else entry.hidden
+                if schedule.has_layer_hook and schedule.admits_at(li) and active.numel():
+                    keep = self._admit(layer, li, h, active, tables[self.rope_of(li)], cache, schedule, idx, n)
+                    if keep is not None:
+                        idx, new_h = idx[keep], new_h[keep.to(new_h.device)]
                 active, order = torch.sort(torch.cat([active, idx]))
                 h = torch.cat([h, new_h.to(device, dtype)])[order]
                 changed = True
@@ -241,6 +245,16 @@ class Transformer(nn.Module):
         mask = None if causal else visible_mask(active, n, window)
         k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
         return layer.finish(h, attention(q, k_all, v_all, mask, causal)), active, changed
+
+    def _admit(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor],
+               cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor, n: int) -> torch.Tensor | None:
+        """Admission at layer ``li``: the active tokens' Q/K/V (K/V written to the cache; the layer recomputes
+        the same values after), the schedule's keep-mask over ``entering_idx``."""
+        q, k, v = layer.project(h, table[0][active], table[1][active])
+        cache.write(li, active, k, v)
+        view = LayerView(li, active, None, q, k, v, None, None,
+                         _attention_probs=self._probs_fn(q, cache, li, active, n))
+        return schedule.admit(view, entering_idx)
 
     def _probs_fn(self, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int):
         def probs(rows: torch.Tensor) -> torch.Tensor:

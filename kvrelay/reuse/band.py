@@ -8,6 +8,14 @@
   only those run that layer's attention and MLP (a dropped token costs its Q/K/V projection there,
   not a whole layer) and stay through ``end_layer`` (inclusive); above it, all read the reused KV as
   is. Every span token's K/V at ``select_layer`` is fresh, so it counts as computed there.
+- with an ``admit`` function (every span token entering at ``select_layer`` from carried hidden states,
+  and a selector that needs none of their own Q/K/V: their fresh K/V there would equal the reused),
+  the selection happens before they join: it reads the new tokens' Q/K/V and the reused keys, and the
+  span tokens it refuses are never computed at all.
+- with a ``prune`` function, every band layer above ``select_layer`` is a selecting layer too: the kept
+  span tokens get their fresh Q/K/V there, ``prune`` may drop some (from their deviation at that
+  layer), and those skip that layer's attention and MLP and read the reused KV above it. The kept set
+  only shrinks through the band, as CacheBlend's gradual filtering does.
 """
 
 from __future__ import annotations
@@ -20,24 +28,33 @@ from kvrelay.model.schedule import Entry, LayerView, Schedule
 
 # (view, rows of span tokens among the active rows, rows of new tokens) -> keep mask over span rows
 Selector = Callable[[LayerView, torch.Tensor, torch.Tensor], torch.Tensor]
+# (view of the active tokens, prompt indices of the span tokens entering) -> keep mask over them
+Admission = Callable[[LayerView, torch.Tensor], torch.Tensor]
 
 
 class BandSchedule(Schedule):
     has_layer_hook = True
 
     def __init__(self, new_idx: torch.Tensor, span_entries: dict[int, Entry], select_layer: int, end_layer: int,
-                 selector: Selector) -> None:
+                 selector: Selector | None, prune: Selector | None = None, admit: Admission | None = None) -> None:
         enter = [layer for layer, e in span_entries.items() if e.token_idx.numel()]
         if enter and not max(enter) <= select_layer <= end_layer:
             raise ValueError(f"band layers must satisfy enter {max(enter)} <= select {select_layer} <= end {end_layer}")
+        if admit is not None and (select_layer == 0 or any(
+                e.token_idx.numel() for layer, e in span_entries.items() if layer != select_layer)):
+            raise ValueError(f"admission at layer {select_layer} needs every span token to enter there, above 0")
+        if (admit is None) == (selector is None):
+            raise ValueError("a band selects with either a selector or an admission, one of them")
         for layer, e in span_entries.items():
             if layer > 0 and e.token_idx.numel() and e.hidden is None:
                 raise ValueError(f"span tokens entering at layer {layer} need carried hidden states")
         self.new_idx, self.span_entries = new_idx, span_entries
         spans = [e.token_idx for e in span_entries.values()]
         self.span_idx = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
-        self.select_layer, self.end_layer, self.selector = select_layer, end_layer, selector
+        self.select_layer, self.end_layer, self.selector, self.prune = select_layer, end_layer, selector, prune
+        self._admit = admit
         self.num_selected: int | None = None  # span tokens kept at the select layer (for stats)
+        self.num_pruned = 0  # span tokens dropped above the select layer (for stats)
 
     def entries(self, num_tokens: int) -> dict[int, Entry]:
         entries = {0: Entry(self.new_idx)}
@@ -50,11 +67,23 @@ class BandSchedule(Schedule):
                 entries[layer] = e
         return entries
 
+    def _prunes_at(self, layer: int) -> bool:
+        return self.prune is not None and self.select_layer < layer <= self.end_layer
+
     def needs_prev_kv(self, layer: int) -> bool:
-        return layer == self.select_layer
+        return (self._admit is None and layer == self.select_layer) or self._prunes_at(layer)
 
     def selects_before_attention(self, layer: int) -> bool:
-        return layer == self.select_layer != self.end_layer  # at the band's top everyone is dropped anyway
+        # at the band's top everyone is dropped anyway, unless pruning there saves their attention and MLP
+        return (self._admit is None and layer == self.select_layer != self.end_layer) or self._prunes_at(layer)
+
+    def admits_at(self, layer: int) -> bool:
+        return self._admit is not None and layer == self.select_layer
+
+    def admit(self, view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
+        keep = self._admit(view, entering_idx)
+        self.num_selected = int(keep.sum())
+        return keep
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
         if view.layer != self.end_layer:
@@ -72,7 +101,11 @@ class BandSchedule(Schedule):
             return None
         keep = torch.ones_like(is_span)
         span_rows, new_rows = is_span.nonzero().flatten(), (~is_span).nonzero().flatten()
-        chosen = self.selector(view, span_rows, new_rows)
+        if view.layer == self.select_layer:
+            chosen = self.selector(view, span_rows, new_rows)
+            self.num_selected = int(chosen.sum())
+        else:
+            chosen = self.prune(view, span_rows, new_rows)
+            self.num_pruned += int((~chosen).sum())
         keep[span_rows] = chosen
-        self.num_selected = int(chosen.sum())
         return keep

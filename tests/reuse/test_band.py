@@ -88,3 +88,116 @@ def test_dropped_tokens_skip_the_select_layers_attention_and_mlp(setup):
     _, _, _, whole_rows = _prefill(setup, _SelectAfterLayer)
     assert whole_rows == [num_new + 20]  # the whole layer for every active token
     assert cheap_rows == [num_new + 10]  # only the new tokens and the 10 kept span tokens
+
+
+# ---------------------------------------------------------------- gradual filtering and admission
+PRUNE_END = 3  # a band [SELECT, 3] whose layers above SELECT prune
+
+
+def _drop_first_kept(dropped: dict[int, int]):
+    """Prune: drop the kept span token with the lowest prompt index at each layer (noted in ``dropped``)."""
+    def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones(span_rows.numel(), dtype=torch.bool)
+        keep[0] = False
+        dropped[view.layer] = int(view.active_idx[span_rows[0]])
+        return keep
+    return prune
+
+
+def _keep_all(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+    return torch.ones(span_rows.numel(), dtype=torch.bool)
+
+
+def _run_band(setup, prune=None, admit=None, carried: bool = False):
+    """The setup's call under a band [SELECT, PRUNE_END]: span tokens enter at layer 0 (or, with ``carried``, at
+    SELECT from this prompt's own layer-SELECT inputs); returns the result, schedule, cache, loaded cache and
+    the rows that reached each layer's MLP."""
+    lm, store, call = setup
+    reuse = collect_reuse(call, store, lm.fingerprint)
+    n = len(call.prompt_ids)
+
+    def loaded() -> SequenceKV:
+        cache = SequenceKV(lm.config, lm.model.dtype, "cpu", capacity=n + 1)
+        for load in reuse.loads:
+            cache.load_span(store.get(load.span_id), load.dst_start, lm.model.rope, load.src_start, load.src_end)
+        return cache
+
+    span = reuse.approx_idx()
+    if carried:
+        scratch = SequenceKV(lm.config, lm.model.dtype, "cpu", capacity=n + 1)
+        own = BandSchedule(torch.arange(n), {}, SELECT, PRUNE_END, _keep_all)
+        own.capture_layers = (SELECT,)
+        active, hidden = lm.model.prefill(torch.tensor(call.prompt_ids), scratch, own).captured[SELECT]
+        entries = {SELECT: Entry(span, hidden[torch.isin(active, span)])}
+    else:
+        entries = {0: Entry(span)}
+    schedule = BandSchedule(reuse.new_idx(n), entries, SELECT, PRUNE_END, None if admit else _top_half, prune, admit)
+    cache, reference = loaded(), loaded()
+    rows_in_mlp: dict[int, int] = {}
+    hooks = [layer.mlp.register_forward_hook(lambda m, args, out, li=li: rows_in_mlp.__setitem__(li, args[0].shape[0]))
+             for li, layer in enumerate(lm.model.model.layers)]
+    try:
+        result = lm.model.prefill(torch.tensor(call.prompt_ids), cache, schedule)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return result, schedule, cache, reference, rows_in_mlp
+
+
+def test_pruning_drops_tokens_before_each_band_layers_attention(setup):
+    lm, _, call = setup
+    num_new = len(call.prompt_ids) - 20
+    dropped = {}
+    result, schedule, cache, reference, rows = _run_band(setup, prune=_drop_first_kept(dropped))
+    assert schedule.num_selected == 10 and schedule.num_pruned == 2
+    # the top half of 20 span tokens runs layer 1's MLP; one fewer at each band layer above it
+    assert rows == {0: num_new + 20, 1: num_new + 10, 2: num_new + 9, 3: num_new + 8}
+    # every active token counts at a layer: all 20 span tokens' Q/K/V at 1, the 10 kept at 2, the 9 at 3
+    assert result.num_computed_token_layers == 4 * num_new + 20 + 20 + 10 + 9
+    # the token pruned at layer 2: its K/V there are fresh, above it the reused ones
+    pos = dropped[2]
+    assert 6 <= pos < 26 and not torch.equal(cache.v[2, :, pos], reference.v[2, :, pos])
+    assert torch.equal(cache.k[3, :, pos], reference.k[3, :, pos])
+    assert torch.equal(cache.v[3, :, pos], reference.v[3, :, pos])
+
+
+def test_pruning_that_keeps_everything_changes_nothing(setup):
+    plain, _, plain_cache, _, _ = _run_band(setup)
+    kept, schedule, kept_cache, _, _ = _run_band(setup, prune=_keep_all)
+    assert schedule.num_pruned == 0
+    assert kept.num_computed_token_layers == plain.num_computed_token_layers
+    torch.testing.assert_close(kept.logits, plain.logits, atol=1e-10, rtol=0)
+    n = plain_cache.length
+    torch.testing.assert_close(kept_cache.kv_all(0, n), plain_cache.kv_all(0, n), atol=1e-10, rtol=0)
+
+
+def test_admission_computes_only_the_admitted_span_tokens(setup):
+    lm, _, call = setup
+    num_new = len(call.prompt_ids) - 20
+    seen = {}
+
+    def admit_even(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
+        seen["active"], seen["probs"] = view.active_idx.clone(), view.attention_probs(torch.arange(2))
+        return (entering_idx % 2) == 0
+
+    result, schedule, cache, reference, rows = _run_band(setup, admit=admit_even, carried=True)
+    span = torch.arange(6, 26)
+    assert schedule.num_selected == 10
+    assert torch.equal(seen["active"], torch.tensor([i for i in range(len(call.prompt_ids)) if not 6 <= i < 26]))
+    assert seen["probs"].shape[-1] == len(call.prompt_ids)  # the new tokens over every key, reused ones included
+    # layers 0 and SELECT-1: new tokens only; from SELECT to the band's end: they and the 10 admitted
+    assert rows == {0: num_new, 1: num_new + 10, 2: num_new + 10, 3: num_new + 10}
+    assert result.num_computed_token_layers == 4 * num_new + 3 * 10
+    refused = span[span % 2 == 1]
+    for layer in range(4):  # a refused token is never written: the reused K/V at every layer
+        assert torch.equal(cache.k[layer, :, refused], reference.k[layer, :, refused])
+    admitted = span[span % 2 == 0]
+    assert not torch.equal(cache.v[2, :, admitted], reference.v[2, :, admitted])
+
+
+def test_admission_needs_every_span_token_entering_at_the_select_layer(setup):
+    lm, store, call = setup
+    reuse = collect_reuse(call, store, lm.fingerprint)
+    with pytest.raises(ValueError, match="admission"):
+        BandSchedule(reuse.new_idx(len(call.prompt_ids)), {0: Entry(reuse.approx_idx())}, SELECT, PRUNE_END,
+                     None, admit=lambda view, idx: torch.ones(idx.numel(), dtype=torch.bool))
