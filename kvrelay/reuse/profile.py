@@ -47,8 +47,10 @@ class LayerProfile:
     band_scores: dict[str, dict[str, float]] = field(default_factory=dict)
     # relay's token selector chosen on the calibration calls for this band (e.g. {"top_r": 0.2, "l_pre": 4,
     # "l_suf": 4}); empty: the paper's thresholds. Used when a relay spec sets none of the selector's knobs.
-    selector: dict[str, float | int] = field(default_factory=dict)
+    selector: dict[str, float | int | str] = field(default_factory=dict)
     selector_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # candidate spec -> kl, reuse
+    # the band search's (l_start, l_det, l_end) before the selector's calibration (which may move l_det to l_start)
+    searched_band: list[int] = field(default_factory=list)
 
     @property
     def layers(self) -> tuple[int, int, int]:

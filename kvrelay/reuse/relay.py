@@ -16,11 +16,20 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   With ``top_r`` set (the budget form) the thresholds give way to a fixed share: the ``top_r`` x n
   span tokens with the highest score (deviation / its mean + influence / its mean, or the one the
   ``selector`` names), plus the suffix and opening tokens.
+- with ``L_det == L_start`` (detection where the carried states enter) there is no deviation to read: a
+  token's fresh K/V there would be the upstream's again. The selection then reads only the influence (the
+  call's new tokens attending to the reused keys) and runs before the span tokens join, so the ones it
+  refuses are never computed: detection costs the new tokens' Q/K/V at one layer, not a layer of every
+  relayed token.
+- with ``prune`` (gradual filtering, as CacheBlend's paper describes it), each band layer above ``L_det``
+  drops the kept tokens whose value deviation there is low (``prune_mask``) before its attention, so the
+  kept set narrows with depth: a wide selection low in the band costs what a narrow one does to the top.
 
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
 the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
-``top_r``): the profile holds the one chosen on calibration calls for the model, or none (the paper's).
+``top_r``, ``prune``, ``prune_by``): the profile holds the one chosen on calibration calls for the model
+(with the detection layer it was chosen with), or none (the paper's).
 """
 
 from __future__ import annotations
@@ -82,8 +91,32 @@ def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, a
     return keep
 
 
-# the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens
-PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top_r": None}
+PRUNE_RULES = ("share", "peers")
+
+
+def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float, prune_by: str) -> torch.Tensor:
+    """Which kept span tokens stay at a band layer above L_det, from their value deviation there. Bool [n].
+
+    ``share``: drop the lowest ``prune`` share (rounded down) of the tokens not in ``always_mask``; ``peers``:
+    drop those below ``prune`` x their mean deviation. ``always_mask`` tokens (the spans' suffix and opening
+    tokens) always stay to the band's end.
+    """
+    if prune_by == "share":
+        keep = torch.ones_like(always_mask)
+        num_drop = int(prune * int((~always_mask).sum()))
+        if num_drop:
+            ranked = torch.where(always_mask, torch.inf, deviation)
+            keep[ranked.topk(num_drop, largest=False).indices] = False
+        return keep
+    if not bool((~always_mask).any()):
+        return always_mask.clone()
+    return (deviation >= prune * deviation[~always_mask].mean()) | always_mask
+
+
+# the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
+# no pruning inside the band
+PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top_r": None, "prune": None,
+                  "prune_by": "share"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +128,8 @@ class SelectorSettings:
     l_suf: int
     l_pre: int
     top_r: float | None
+    prune: float | None
+    prune_by: str
 
 
 @dataclass
@@ -111,6 +146,10 @@ class RelayMethod(ReuseMethod):
     # True: each span's first l_pre tokens are computed at every layer from the embedding, as EPIC computes
     # them, instead of entering the band at L_start from the upstream hidden state and leaving it at L_end
     pre_dense: bool = False
+    # gradual filtering inside the band (selector knobs too): at each band layer above L_det, drop kept span
+    # tokens whose value deviation there is low (``prune_mask``; None: keep them all to L_end)
+    prune: float | None = None
+    prune_by: str | None = None  # share | peers
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -123,6 +162,10 @@ class RelayMethod(ReuseMethod):
             raise ConfigError("relay: l_suf, l_pre, tau_dev and tau_inf must be >= 0")
         if self.top_r is not None and not 0 <= self.top_r <= 1:
             raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
+        if self.prune_by is not None and self.prune_by not in PRUNE_RULES:
+            raise ConfigError(f"relay: prune_by must be one of {PRUNE_RULES}, got {self.prune_by!r}")
+        if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
+            raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
 
     def selector_settings(self, lm) -> SelectorSettings:
         """The selector this call uses: the knobs given, else the profile's calibrated choice, else the paper's."""
@@ -185,19 +228,37 @@ class RelayMethod(ReuseMethod):
             entries[start] = Entry(torch.cat(carried), torch.cat(carried_h))
         always_idx = torch.cat(always) if always else torch.empty(0, dtype=torch.long)
 
-        def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-            dev = value_cos_deviation(view, span_rows) if self.selector != "influence" else None
-            inf = None
-            if self.selector != "deviation" and new_rows.numel():
-                probs = view.attention_probs(new_rows)  # [H, n_new, n_keys]
-                inf = probs.sum(dim=(0, 1))[view.active_idx[span_rows]]
-            always_mask = torch.isin(view.active_idx[span_rows], always_idx.to(view.active_idx.device))
+        def choose(dev: torch.Tensor | None, inf: torch.Tensor | None, span_idx: torch.Tensor) -> torch.Tensor:
+            always_mask = torch.isin(span_idx, always_idx.to(span_idx.device))
             if sel.top_r is not None:
                 return select_top(dev, inf, always_mask, sel.top_r)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
+        def influence(view: LayerView, query_rows: torch.Tensor, span_idx: torch.Tensor) -> torch.Tensor | None:
+            """The attention the call's new tokens (``query_rows``) pay each span token, over heads and queries."""
+            if self.selector == "deviation" or not query_rows.numel():
+                return None
+            return view.attention_probs(query_rows).sum(dim=(0, 1))[span_idx]  # probs [H, n_new, n_keys]
+
+        def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+            dev = value_cos_deviation(view, span_rows) if self.selector != "influence" else None
+            span_idx = view.active_idx[span_rows]
+            return choose(dev, influence(view, new_rows, span_idx), span_idx)
+
+        def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+            always_mask = torch.isin(view.active_idx[span_rows], always_idx.to(view.active_idx.device))
+            return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by)
+
+        def admit(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
+            every_row = torch.arange(view.active_idx.numel(), device=view.active_idx.device)  # all new tokens
+            return choose(None, influence(view, every_row, entering_idx), entering_idx)
+
+        # selecting where the carried states enter: their own K/V there equal the reused ones (no deviation
+        # to read), so the selection runs before they join and the refused ones are never computed
+        admits = det == start > 0 and not from_zero
         new_idx = torch.cat([reuse.new_idx(len(call.prompt_ids)), *dense]).unique()  # sorted
-        schedule = BandSchedule(new_idx, entries, det, end, selector)
+        schedule = BandSchedule(new_idx, entries, det, end, None if admits else selector,
+                                prune if sel.prune is not None else None, admit if admits else None)
         num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0
         note = f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0" \
             if num_from_zero else None

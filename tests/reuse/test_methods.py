@@ -9,7 +9,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.relay import select_tokens, select_top
+from kvrelay.reuse.relay import prune_mask, select_tokens, select_top
 from tests.helpers import generate, publish, tiny_lm
 
 L = 4  # layers of the tiny model
@@ -111,14 +111,14 @@ def test_relay_from_l_start_with_the_prompts_own_carried_state_reproduces_full(s
 
 
 def test_relay_enters_at_l_start_from_carried_hidden_states(setup, writes, monkeypatch):
-    """Band [2, 2], nothing selected: span tokens are computed at layer 2 only, from the hidden state the
-    upstream carried into layer 2. That recomputes the K/V the upstream had there, so the call is naive's,
-    token for token."""
+    """Band [2, 2], nothing selected: the span tokens would enter at layer 2 from the hidden state the
+    upstream carried into layer 2, but the selection there runs before they join (their own K/V there would
+    be the upstream's again), so none is computed at any layer and the call is naive's, token for token."""
     out = _run(setup, "relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]", keep_cache=True)
-    assert [_computed(writes, layer, SPAN_ROWS) for layer in range(L)] == [set(), set(), set(range(24)), set()]
+    assert [_computed(writes, layer, SPAN_ROWS) for layer in range(L)] == [set(), set(), set(), set()]
     monkeypatch.undo()
     naive = _run(setup, "naive", keep_cache=True)
-    assert out.stats.num_computed_token_layers == 12 * L + 24 * 1
+    assert out.stats.num_computed_token_layers == 12 * L
     assert out.stats.note is None
     torch.testing.assert_close(out.cache.k[:, :, SPAN], naive.cache.k[:, :, SPAN], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.cache.v[:, :, SPAN], naive.cache.v[:, :, SPAN], atol=1e-5, rtol=0)
@@ -153,18 +153,17 @@ def test_relay_l_pre_keeps_each_span_opening_through_the_band(setup):
 
 def test_relay_pre_dense_computes_each_span_opening_at_every_layer_as_epic(setup, writes):
     """Band [2, 2, 2], nothing selected, l_pre=5 dense: the 5 opening tokens are computed at every layer from
-    the embedding (as epic[k=5] computes them); the other 19 enter at layer 2 from the carried hidden state
-    and leave the band there."""
+    the embedding (as epic[k=5] computes them); the other 19 would enter at layer 2 from the carried hidden
+    state, and none is admitted."""
     lm, store, _, _ = setup
     spec = "relay[l_start=2,l_det=2,l_end=2,l_pre=5,l_suf=0,tau_dev=1e9,tau_inf=1e9{}]"
     out = _run(setup, spec.format(",pre_dense=true"), keep_cache=True)
-    assert out.stats.num_computed_token_layers == 12 * L + 5 * L + 19 * 1
-    for layer in (0, 1, 3):  # outside the band only the opening tokens are computed
+    assert out.stats.num_computed_token_layers == 12 * L + 5 * L
+    for layer in range(L):  # only the opening tokens are computed
         assert _computed(writes, layer, SPAN_ROWS) == set(range(5))
-    assert _computed(writes, 2, SPAN_ROWS) == set(range(24))
     # in the band (pre_dense off) the same 5 tokens enter at layer 2 and stay only through L_end = 2
     banded = _run(setup, spec.format(""))
-    assert banded.stats.num_computed_token_layers == 12 * L + 24 * 1
+    assert banded.stats.num_computed_token_layers == 12 * L + 5 * 1
 
 
 def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup, writes):
@@ -233,6 +232,41 @@ def test_budget_selector_keeps_the_top_share_by_normalized_score():
     assert get_method("relay[top_r=0.25]").top_r == 0.25
     with pytest.raises(ConfigError, match="top_r must be in"):
         get_method("relay[top_r=1.5]")
+
+
+def test_pruning_drops_low_deviation_tokens_and_never_the_spans_ends():
+    dev = torch.tensor([0.001, 0.4, 0.01, 0.3, 0.2, 0.02, 0.5])
+    ends = torch.tensor([True, False, False, False, False, False, True])  # a span's first and last token
+    # share: the lowest 0.4 x 5 = 2 of the five others (0.01 and 0.02); the ends stay, whatever their deviation
+    assert prune_mask(dev, ends, 0.4, "share").tolist() == [True, True, False, True, True, False, True]
+    assert prune_mask(dev, ends, 0.1, "share").all()  # 0.1 x 5 rounds down to none
+    # peers: below 0.5 x the others' mean (0.186): 0.01, 0.02 and 0.001 would go, but 0.001 is an end
+    assert prune_mask(dev, ends, 0.5, "peers").tolist() == [True, True, False, True, True, False, True]
+    assert prune_mask(dev, torch.ones(7, dtype=torch.bool), 2.0, "peers").all()  # only ends: all stay
+    assert get_method("relay[prune=0.1]").prune == 0.1
+    with pytest.raises(ConfigError, match="prune_by"):
+        get_method("relay[prune=0.1,prune_by=top]")
+    with pytest.raises(ConfigError, match="prune must be"):
+        get_method("relay[prune=1.5]")
+
+
+def test_relay_prunes_inside_the_band_and_detects_at_l_start_without_computing_refused_tokens(setup, writes):
+    """Band [2, 2, 3]: the selection at layer 2 keeps the 4 opening tokens of the 24 (top_r=0 keeps none by
+    score) and computes no other; pruning at layer 3 may drop nothing of them (they are span ends)."""
+    L = setup[0].config.num_layers
+    out = _run(setup, f"relay[l_start=2,l_det=2,l_end={L - 1},top_r=0,l_pre=4,l_suf=0,prune=0.5]")
+    assert out.stats.num_computed_token_layers == 12 * L + 4 * (L - 2)
+    assert [_computed(writes, layer, SPAN_ROWS) for layer in range(L)] == [set(), set(), {0, 1, 2, 3}, {0, 1, 2, 3}]
+    # band [1, 1, 3]: the upstream carried no state into layer 1, so the span enters at layer 0 (no admission)
+    # and every token is kept at layer 1 (top_r=1); at layer 2 half of the 20 non-end tokens are dropped after
+    # their Q/K/V (fresh there, so counted), and half of the other 10 at layer 3
+    writes.clear()
+    out = _run(setup, f"relay[l_start=1,l_det=1,l_end={L - 1},top_r=1,l_pre=4,l_suf=0,prune=0.5]")
+    assert out.stats.num_computed_token_layers == 12 * L + 24 + 24 + 24 + 14
+    assert out.stats.note.startswith("24 span tokens had no hidden state at L_start=1")
+    assert _computed(writes, 1, SPAN_ROWS) == _computed(writes, 2, SPAN_ROWS) == set(range(24))
+    at_3 = _computed(writes, 3, SPAN_ROWS)
+    assert len(at_3) == 14 and {0, 1, 2, 3} < at_3
 
 
 def test_relay_budget_form_recomputes_its_share_above_detection(setup):
