@@ -24,8 +24,9 @@ within ``kl_tolerance`` of the lowest (the fidelity-for-cost rule):
 
 With ``search``, a last pass over the same calls chooses relay's token selector for the chosen band
 (``calibrate_selector``): among a few candidates (the paper's thresholds; span openings kept with
-stricter thresholds or the budget form), the lowest KL among those reusing at least as much as the
-paper's. ``relay`` uses it when a spec sets none of the selector's knobs.
+stricter thresholds or the budget form; wider budgets detected at L_start and pruned through the band),
+the lowest KL among those reusing at least as much as ``epic`` on the same calls (else as much as the
+paper's). ``relay`` uses it when a spec sets none of the selector's knobs.
 
 The profile itself (data, load/save, lookup) is ``kvrelay.reuse.profile``; this module runs pipelines,
 so it sits in ``eval``, above the engine and the pipeline runner.
@@ -211,7 +212,7 @@ def score_methods(lm: LoadedModel, methods: dict, workload: str, data: str, num_
             kls[key].append(kl_first_token(full, out.first_logits))
             reuses[key].append(out.stats.reuse_rate)
 
-    capture = tuple(sorted({m.layers(lm)[0] for m in methods.values()} & set(range(1, lm.config.num_layers))))
+    capture = tuple(sorted({layer for m in methods.values() for layer in m.capture_layers(lm)}))
     _downstream_calls(lm, workload, data, num_problems, capture, on_call, desc, progress)
     return {key: (sum(kls[key]) / len(kls[key]), sum(reuses[key]) / len(reuses[key])) for key in methods}
 
@@ -225,23 +226,36 @@ def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: st
     return score_methods(lm, methods, workload, data, num_problems, "scoring bands", progress)
 
 
-# relay's selectors tried on the calibration calls: the paper's thresholds (first: the bar), then span openings
-# kept (EPIC's observation) with stricter thresholds or the budget form at three shares
+# relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
+# with stricter thresholds or the budget form at three shares; and, detecting where the carried states enter
+# (``AT_START``: L_det = L_start, so the refused tokens cost nothing), wider budgets narrowed through the band
+AT_START = "detect_at_start"
+_SPANS = {"l_pre": 4, "l_suf": 4}
 SELECTOR_CANDIDATES: tuple[dict, ...] = (
-    {}, {"l_pre": 4, "l_suf": 4, "tau_dev": 3.0, "tau_inf": 3.0},
-    {"top_r": 0.1, "l_pre": 4, "l_suf": 4}, {"top_r": 0.15, "l_pre": 4, "l_suf": 4},
-    {"top_r": 0.2, "l_pre": 4, "l_suf": 4},
+    {}, {**_SPANS, "tau_dev": 3.0, "tau_inf": 3.0},
+    {"top_r": 0.1, **_SPANS}, {"top_r": 0.15, **_SPANS}, {"top_r": 0.2, **_SPANS},
+    *({AT_START: True, "top_r": r, **_SPANS, "prune": p} for r, p in ((0.25, 0.1), (0.3, 0.1), (0.4, 0.2))),
+    # without the spans' last tokens (kept to the band's end, they cost what a wider budget does)
+    *({AT_START: True, "top_r": r, "l_pre": 4, "l_suf": 0, "prune": p} for r, p in ((0.3, 0.1), (0.35, 0.1),
+                                                                                     (0.4, 0.15), (0.5, 0.25))),
+    {AT_START: True, "top_r": 0.5, **_SPANS, "prune": 0.3},  # half the span admitted, pruned hard
 )
 
 
 def selector_spec(knobs: dict) -> str:
-    return "relay[" + ",".join(f"{k}={v}" for k, v in knobs.items()) + "]" if knobs else "relay (paper's selector)"
+    if not knobs:
+        return "relay (paper's selector)"
+    return "relay[" + ",".join("l_det=l_start" if k == AT_START else f"{k}={v}" for k, v in knobs.items()) + "]"
 
 
-def choose_selector(scores: dict[str, tuple[float, float]], paper: str) -> str:
-    """The lowest KL among the selectors that reuse at least as much as the paper's (``paper``); ties: more reuse."""
-    bar = scores[paper][1] - 1e-9
-    ok = [key for key, (_, reuse) in scores.items() if reuse >= bar]
+def choose_selector(scores: dict[str, tuple[float, float]], paper: str, reuse_bar: float | None = None) -> str:
+    """The lowest KL among the selectors that reuse at least ``reuse_bar`` (epic's on the same calls: what relay
+    must match to beat it); when none does, among those that reuse at least as much as the paper's (``paper``).
+    Ties: more reuse."""
+    ok = [key for key, (_, reuse) in scores.items() if reuse_bar is not None and reuse >= reuse_bar - 1e-9]
+    if not ok:
+        bar = scores[paper][1] - 1e-9
+        ok = [key for key, (_, reuse) in scores.items() if reuse >= bar]
     return min(ok, key=lambda key: (scores[key][0], -scores[key][1]))
 
 
@@ -252,15 +266,27 @@ def _calibration_data(data: str | None) -> str:
 
 def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str, data: str | None, num_problems: int,
                        progress: bool = True) -> LayerProfile:
-    """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``)."""
+    """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``, with epic's
+    reuse on the same calls as the bar); a selector chosen with ``AT_START`` moves the profile's L_det to L_start
+    (the band search's own L_det stays in ``searched_band``)."""
+    from kvrelay.reuse.epic import EpicMethod
+
     data = _calibration_data(data)
+    start, det, end = profile.searched_band or profile.layers
     candidates = {selector_spec(k): k for k in SELECTOR_CANDIDATES}
-    methods = {spec: RelayMethod(l_start=profile.l_start, l_det=profile.l_det, l_end=profile.l_end,
-                                 **(k or PAPER_SELECTOR)) for spec, k in candidates.items()}
-    scores = score_methods(lm, methods, workload, data, num_problems, "scoring selectors", progress)
-    chosen = choose_selector(scores, selector_spec({}))
-    profile.selector = dict(candidates[chosen])
+    methods = {spec: RelayMethod(l_start=start, l_det=start if k.get(AT_START) else det, l_end=end,
+                                 **({key: v for key, v in k.items() if key != AT_START} or PAPER_SELECTOR))
+               for spec, k in candidates.items()}
+    scores = score_methods(lm, {**methods, "epic": EpicMethod()}, workload, data, num_problems, "scoring selectors",
+                           progress)
+    epic_kl, epic_reuse = scores.pop("epic")
+    chosen = choose_selector(scores, selector_spec({}), epic_reuse)
+    knobs = candidates[chosen]
+    profile.searched_band = [start, det, end]
+    profile.l_det = start if knobs.get(AT_START) else det
+    profile.selector = {k: v for k, v in knobs.items() if k != AT_START}
     profile.selector_scores = {spec: {"kl": kl, "reuse": reuse} for spec, (kl, reuse) in scores.items()}
+    profile.selector_scores["epic"] = {"kl": epic_kl, "reuse": epic_reuse}
     profile.calibration["selector_problems"] = num_problems
     return profile
 

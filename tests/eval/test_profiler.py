@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvrelay.eval.profiler import (
+    AT_START,
     SELECTOR_CANDIDATES,
     build_profile,
     choose_band,
@@ -70,19 +71,29 @@ def test_build_profile_searches_bands_that_end_below_the_top(monkeypatch):
     best_first = choose_by_fidelity({b: scores[b] for b in first})
     assert set(scores) == set(first) | set(detection_candidates(best_first))
     bar = 1.1 * min(scores[b][0] for b in first)  # the first pass's bar holds for the second
-    assert (profile.l_start, profile.l_det, profile.l_end) == choose_by_fidelity(scores, kl_bar=bar)
+    best_start, best_det, best_end = choose_by_fidelity(scores, kl_bar=bar)
+    assert (profile.l_start, profile.l_end) == (best_start, best_end)
     assert any(end < lm.config.num_layers - 1 for _, _, end in scores)
     # the last pass chose relay's selector for that band on the same calls
-    assert sorted(profile.selector_scores) == sorted(selector_spec(k) for k in SELECTOR_CANDIDATES)
-    sel = {k: (v["kl"], v["reuse"]) for k, v in profile.selector_scores.items()}
-    assert selector_spec(profile.selector) == choose_selector(sel, selector_spec({}))
+    assert sorted(profile.selector_scores) == sorted([selector_spec(k) for k in SELECTOR_CANDIDATES] + ["epic"])
+    sel = {k: (v["kl"], v["reuse"]) for k, v in profile.selector_scores.items() if k != "epic"}
+    chosen = choose_selector(sel, selector_spec({}), profile.selector_scores["epic"]["reuse"])
+    knobs = next(k for k in SELECTOR_CANDIDATES if selector_spec(k) == chosen)
+    assert profile.selector == {k: v for k, v in knobs.items() if k != AT_START}
+    # a selector detecting at L_start moves the profile's L_det there; the band search's own stays on record
+    assert profile.searched_band == [profile.l_start, best_det, profile.l_end]
+    assert profile.l_det == (profile.l_start if knobs.get(AT_START) else best_det)
 
 
-def test_the_selector_chosen_is_the_lowest_kl_that_reuses_as_much_as_the_paper_s():
+def test_the_selector_chosen_is_the_lowest_kl_that_reuses_as_much_as_epic_or_else_the_paper_s():
     paper = selector_spec({})
     scores = {paper: (0.010, 0.56), "a": (0.004, 0.55), "b": (0.006, 0.59), "c": (0.009, 0.62), "d": (0.006, 0.60)}
-    assert choose_selector(scores, paper) == "d"  # "a" has less reuse; "d" ties "b" on KL with more reuse
+    assert choose_selector(scores, paper, reuse_bar=0.61) == "c"  # the only one reusing as much as epic
+    assert choose_selector(scores, paper, reuse_bar=0.595) == "d"  # "d" ties "b" on KL, but "b" is under the bar
+    # none reaches epic's reuse (or no bar): the lowest KL reusing as much as the paper's
+    assert choose_selector(scores, paper, reuse_bar=0.7) == choose_selector(scores, paper) == "d"
     assert choose_selector({paper: (0.01, 0.5), "e": (0.02, 0.7)}, paper) == paper  # nothing better: the paper's
+    assert selector_spec({AT_START: True, "top_r": 0.3}) == "relay[l_det=l_start,top_r=0.3]"
 
 
 def test_build_profile_scores_every_candidate_band_on_train():
