@@ -55,8 +55,11 @@ class BandSchedule(Schedule):
         self._admit = admit
         self.num_selected: int | None = None  # span tokens kept at the select layer (for stats)
         self.num_pruned = 0  # span tokens dropped above the select layer (for stats)
+        self._span_mask: torch.Tensor | None = None  # bool [num prompt tokens]: a span token (set by entries)
 
     def entries(self, num_tokens: int) -> dict[int, Entry]:
+        self._span_mask = torch.zeros(num_tokens, dtype=torch.bool)
+        self._span_mask[self.span_idx] = True
         entries = {0: Entry(self.new_idx)}
         for layer, e in self.span_entries.items():
             if not e.token_idx.numel():
@@ -66,6 +69,12 @@ class BandSchedule(Schedule):
             else:
                 entries[layer] = e
         return entries
+
+    def _is_span(self, active_idx: torch.Tensor) -> torch.Tensor:
+        """Bool mask over ``active_idx``: which are span tokens (a lookup, not a set test per layer)."""
+        if self._span_mask.device != active_idx.device:
+            self._span_mask = self._span_mask.to(active_idx.device)
+        return self._span_mask[active_idx]
 
     def _prunes_at(self, layer: int) -> bool:
         return self.prune is not None and self.select_layer < layer <= self.end_layer
@@ -88,7 +97,7 @@ class BandSchedule(Schedule):
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
         if view.layer != self.end_layer:
             return None
-        is_span = torch.isin(view.active_idx, self.span_idx.to(view.active_idx.device))
+        is_span = self._is_span(view.active_idx)
         if not bool(is_span.any()):
             return None
         keep = torch.ones_like(is_span)
@@ -96,7 +105,7 @@ class BandSchedule(Schedule):
         return keep
 
     def before_attention(self, view: LayerView) -> torch.Tensor | None:
-        is_span = torch.isin(view.active_idx, self.span_idx.to(view.active_idx.device))
+        is_span = self._is_span(view.active_idx)
         if not bool(is_span.any()):
             return None
         keep = torch.ones_like(is_span)

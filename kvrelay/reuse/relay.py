@@ -226,10 +226,15 @@ class RelayMethod(ReuseMethod):
             entries[0] = Entry(torch.cat(from_zero))
         if carried:
             entries[start] = Entry(torch.cat(carried), torch.cat(carried_h))
-        always_idx = torch.cat(always) if always else torch.empty(0, dtype=torch.long)
+        always_pos = torch.zeros(len(call.prompt_ids), dtype=torch.bool)  # by prompt position: a span end
+        if always:
+            always_pos[torch.cat(always)] = True
+
+        def is_always(span_idx: torch.Tensor) -> torch.Tensor:
+            return always_pos.to(span_idx.device)[span_idx]
 
         def choose(dev: torch.Tensor | None, inf: torch.Tensor | None, span_idx: torch.Tensor) -> torch.Tensor:
-            always_mask = torch.isin(span_idx, always_idx.to(span_idx.device))
+            always_mask = is_always(span_idx)
             if sel.top_r is not None:
                 return select_top(dev, inf, always_mask, sel.top_r)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
@@ -246,7 +251,7 @@ class RelayMethod(ReuseMethod):
             return choose(dev, influence(view, new_rows, span_idx), span_idx)
 
         def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-            always_mask = torch.isin(view.active_idx[span_rows], always_idx.to(view.active_idx.device))
+            always_mask = is_always(view.active_idx[span_rows])
             return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by)
 
         def admit(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
