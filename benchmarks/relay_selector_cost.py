@@ -3,12 +3,15 @@
 For every downstream call of a workload (reference pipeline run with `full`), with relay's shipped
 profile, times interleaved (median of --repeats):
 - `full`;
-- `relay`: the band, selecting at L_det from the fresh Q/K/V before that layer's attention and MLP;
-- `relay (whole L_det)`: the same, but the detection layer computed whole for every relayed token
-  and the selection applied after it (the method as first implemented);
+- `relay`: the band, selecting at L_det from the fresh Q/K/V before that layer's attention and MLP (or,
+  with L_det = L_start, admitting span tokens before they join), and pruning above it where the
+  selector says so;
+- `relay (whole L_det)` (only for a relay detecting above L_start): the same, but the detection layer
+  computed whole for every relayed token and the selection applied after it (the method as first
+  implemented);
 - `static`: relay's own per-layer active sets replayed with no selector (the kept tokens recorded
-  from relay's run; no deviation, no influence, no gather of the cached V): what the computed
-  token-layers cost by themselves.
+  from relay's run, at every layer that selects; no deviation, no influence, no gather of the cached
+  V; admitted tokens simply enter): what the computed token-layers cost by themselves.
 Each timing includes planning and loading the reused K/V. Prints the median TTFT speedups over full,
 the ratio relay / static (issue target >= 0.8) and writes JSON.
 
@@ -31,7 +34,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.engine.call import run_plan
 from kvrelay.eval.harness import environment
-from kvrelay.model.schedule import LayerView
+from kvrelay.model.schedule import Entry, LayerView
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse import get_method
@@ -44,11 +47,11 @@ class WholeDetectionLayer(BandSchedule):
     """Detection with the whole L_det computed for every relayed token, selection applied after it."""
 
     def selects_before_attention(self, layer: int) -> bool:
-        return False
+        return self._prunes_at(layer)  # pruning above it stays as relay runs it
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
         if view.layer == self.select_layer != self.end_layer:
-            return self.before_attention(view)
+            return self.before_attention(view)  # the selector, after the whole layer
         return super().after_layer(view)
 
 
@@ -59,43 +62,81 @@ class FixedSelection(BandSchedule):
         return False
 
 
-def _variants(plan, kept_idx: torch.Tensor) -> dict[str, BandSchedule]:
+def _variants(plan, kept: dict[int, torch.Tensor]) -> dict[str, BandSchedule]:
+    """The comparison schedules of relay's ``plan``, given the prompt indices relay kept at each selecting
+    layer (``kept``)."""
     s = plan.schedule
 
     def fixed(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-        return torch.isin(view.active_idx[span_rows], kept_idx)
+        if view.layer not in kept:  # admitted tokens at the admission layer: all stay
+            return torch.ones(span_rows.numel(), dtype=torch.bool)
+        return torch.isin(view.active_idx[span_rows], kept[view.layer])
 
-    return {"relay (whole L_det)": WholeDetectionLayer(s.new_idx, s.span_entries, s.select_layer, s.end_layer,
-                                                       s.selector),
-            "static": FixedSelection(s.new_idx, s.span_entries, s.select_layer, s.end_layer, fixed)}
+    entries = dict(s.span_entries)
+    if s._admit is not None:  # only the admitted tokens enter (with their carried states)
+        e = entries[s.select_layer]
+        mask = torch.isin(e.token_idx, kept[s.select_layer])
+        entries[s.select_layer] = Entry(e.token_idx[mask], e.hidden[mask])
+        kept = {layer: idx for layer, idx in kept.items() if layer != s.select_layer}
+    variants = {"static": FixedSelection(s.new_idx, entries, s.select_layer, s.end_layer, fixed,
+                                         fixed if s.prune is not None else None)}
+    if s._admit is None:
+        variants["relay (whole L_det)"] = WholeDetectionLayer(s.new_idx, s.span_entries, s.select_layer,
+                                                              s.end_layer, s.selector, s.prune)
+    return variants
 
 
-def time_call(lm, method: RelayMethod, call, store: KVStore, variant: str, kept: torch.Tensor | None
-              ) -> tuple[float, int, torch.Tensor | None]:
-    """TTFT ms (plan + loads + prefill), computed token-layers, and (for relay) the kept prompt indices."""
+def _recording(schedule: BandSchedule, kept: dict[int, torch.Tensor]) -> None:
+    """Wrap the schedule's selector, admission and pruning to note the prompt indices kept at each layer."""
+    if schedule.selector is not None:
+        inner_select = schedule.selector
+
+        def select(view, span_rows, new_rows):
+            keep = inner_select(view, span_rows, new_rows)
+            kept[view.layer] = view.active_idx[span_rows][keep]
+            return keep
+
+        schedule.selector = select
+    if schedule.prune is not None:
+        inner_prune = schedule.prune
+
+        def prune(view, span_rows, new_rows):
+            keep = inner_prune(view, span_rows, new_rows)
+            kept[view.layer] = view.active_idx[span_rows][keep]
+            return keep
+
+        schedule.prune = prune
+    if schedule._admit is not None:
+        inner_admit = schedule._admit
+
+        def admit(view, entering_idx):
+            keep = inner_admit(view, entering_idx)
+            kept[view.layer] = entering_idx[keep]
+            return keep
+
+        schedule._admit = admit
+
+
+def time_call(lm, method: RelayMethod, call, store: KVStore, variant: str, kept: dict[int, torch.Tensor]
+              ) -> tuple[float, int]:
+    """TTFT ms (plan + loads + prefill) and computed token-layers; a `relay` run fills ``kept`` (layer -> the
+    prompt indices kept there), which the other variants replay."""
     n = len(call.prompt_ids)
     ids = torch.tensor(call.prompt_ids)
-    recorded: list[torch.Tensor] = []
     t0 = time.perf_counter()
     if variant == "full":
         plan = Engine(lm).method("full").plan(call, store, lm)
     else:
         plan = method.plan(call, store, lm)
         if variant == "relay":
-            inner = plan.schedule.selector
-
-            def recording(view, span_rows, new_rows):
-                keep = inner(view, span_rows, new_rows)
-                recorded.append(view.active_idx[span_rows][keep])
-                return keep
-
-            plan.schedule.selector = recording
+            kept.clear()
+            _recording(plan.schedule, kept)
         else:
-            plan.schedule = _variants(plan, kept)[variant]
+            plan.schedule = _variants(plan, dict(kept))[variant]
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
     result, _ = run_plan(lm, ids, plan, cache, store)
     ms = (time.perf_counter() - t0) * 1e3
-    return ms, result.num_computed_token_layers, (recorded[0] if recorded else None)
+    return ms, result.num_computed_token_layers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(method, RelayMethod):
         parser.error(f"--method must be a relay spec, got {args.method!r}")
     wl = get_workload(args.workload)
-    variants = ("full", "relay", "relay (whole L_det)", "static")
+    layers = method.layers(lm)
+    admits = layers[0] == layers[1] > 0
+    variants = ("full", "relay", "static") if admits else ("full", "relay", "relay (whole L_det)", "static")
     rows = []
     for problem in wl.problems(None, args.offset + args.limit)[args.offset:]:
         engine = Engine(lm, KVStore(4 << 30), methods=("full", method))
@@ -122,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             if not any(r.kind == "output" for r in call.refs):
                 return
             times = {v: [] for v in variants}
-            counts, kept = {}, None
+            counts, kept = {}, {}
             for _ in range(args.repeats):  # interleaved: machine noise hits every variant alike
                 for v in variants:
-                    ms, computed, rec = time_call(lm, method, call, engine.store, v, kept)
+                    ms, computed = time_call(lm, method, call, engine.store, v, kept)
                     times[v].append(ms)
                     counts[v] = computed
-                    kept = rec if rec is not None else kept
+            if counts["static"] != counts["relay"]:
+                raise RuntimeError(f"static replay computed {counts['static']} token-layers, relay {counts['relay']}")
             row = {"problem_id": problem.problem_id, "agent": agent.name, "num_prompt_tokens": len(call.prompt_ids),
                    "ttft_ms": {v: statistics.median(t) for v, t in times.items()}, "token_layers": counts}
             rows.append(row)
@@ -138,15 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         PipelineRunner(engine, wl.spec, run_id=problem.problem_id).run(problem.inputs, "full", before_call=probe)
     speedup = {v: statistics.median(r["ttft_ms"]["full"] / r["ttft_ms"][v] for r in rows) for v in variants}
     ratio = statistics.median(r["ttft_ms"]["static"] / r["ttft_ms"]["relay"] for r in rows)
-    whole = statistics.median(r["ttft_ms"]["relay (whole L_det)"] / r["ttft_ms"]["relay"] for r in rows)
-    layers = method.layers(lm)
+    whole = statistics.median(r["ttft_ms"]["relay (whole L_det)"] / r["ttft_ms"]["relay"] for r in rows) \
+        if not admits else None
     summary = {"env": environment("cpu"), "model": lm.name, "workload": args.workload, "method": args.method,
                "offset": args.offset, "n_calls": len(rows),
                "relay_layers": layers, "speedup_vs_full": speedup, "relay_over_static_speedup": ratio,
                "whole_over_relay_ttft": whole, "calls": rows}
     print(f"{len(rows)} calls, relay layers {layers}: median speedup over full " +
           ", ".join(f"{v} {s:.2f}x" for v, s in speedup.items()))
-    print(f"relay's speedup / static's: {ratio:.3f}; TTFT with the whole detection layer / relay: {whole:.3f}")
+    print(f"relay's speedup / static's: {ratio:.3f}" +
+          (f"; TTFT with the whole detection layer / relay: {whole:.3f}" if whole is not None else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
