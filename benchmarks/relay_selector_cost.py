@@ -88,24 +88,17 @@ def _variants(plan, kept: dict[int, torch.Tensor]) -> dict[str, BandSchedule]:
 
 def _recording(schedule: BandSchedule, kept: dict[int, torch.Tensor]) -> None:
     """Wrap the schedule's selector, admission and pruning to note the prompt indices kept at each layer."""
-    if schedule.selector is not None:
-        inner_select = schedule.selector
-
+    def noting(inner):
         def select(view, span_rows, new_rows):
-            keep = inner_select(view, span_rows, new_rows)
+            keep = inner(view, span_rows, new_rows)
             kept[view.layer] = view.active_idx[span_rows][keep]
             return keep
+        return select
 
-        schedule.selector = select
+    if schedule.selector is not None:
+        schedule.selector = noting(schedule.selector)
     if schedule.prune is not None:
-        inner_prune = schedule.prune
-
-        def prune(view, span_rows, new_rows):
-            keep = inner_prune(view, span_rows, new_rows)
-            kept[view.layer] = view.active_idx[span_rows][keep]
-            return keep
-
-        schedule.prune = prune
+        schedule.prune = noting(schedule.prune)
     if schedule._admit is not None:
         inner_admit = schedule._admit
 
