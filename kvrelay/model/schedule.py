@@ -7,9 +7,10 @@ Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
 - After each layer, ``after_layer(view)`` may drop tokens from the active set (never add: a
   dropped token's hidden state is gone). It sees the fresh K/V of the active tokens, the K/V the
   cache held for them before (if ``needs_prev_kv``), and can ask for attention probabilities.
-- At a layer where ``selects_before_attention(layer)``, the hook runs as ``before_attention(view)``
-  instead: right after the active tokens' Q/K/V (written to the cache), before attention and MLP,
-  so that the tokens it drops cost only their Q/K/V projection there (``view.hidden_out`` is None).
+- At a layer where ``selects_before_attention(layer)``, ``before_attention(view)`` runs too: right
+  after the active tokens' Q/K/V (written to the cache), before attention and MLP, so that the tokens
+  it drops cost only their Q/K/V projection there (``view.hidden_out`` is None). ``after_layer`` then
+  sees only the kept tokens' output (its view has no Q/K/V there).
 - At a layer where ``admits_at(layer)``, the tokens entering there are admitted by ``admit(view,
   entering_idx)`` first: the view holds the Q/K/V of the tokens already active (written to the cache),
   and the entering tokens' keys are whatever the cache holds for them (the reused ones). Tokens it
@@ -43,9 +44,10 @@ class LayerView:
     layer: int
     active_idx: torch.Tensor  # [n_act] prompt indices, ascending
     hidden_out: torch.Tensor | None  # [n_act, hidden_size] output of this layer (None before attention)
-    q: torch.Tensor  # [num_heads, n_act, head_dim] post-RoPE queries
-    k: torch.Tensor  # [num_kv_heads, n_act, head_dim] fresh post-RoPE keys
-    v: torch.Tensor  # [num_kv_heads, n_act, head_dim] fresh values
+    # None in the after_layer view of a selecting layer:
+    q: torch.Tensor | None  # [num_heads, n_act, head_dim] post-RoPE queries
+    k: torch.Tensor | None  # [num_kv_heads, n_act, head_dim] fresh post-RoPE keys
+    v: torch.Tensor | None  # [num_kv_heads, n_act, head_dim] fresh values
     prev_k: torch.Tensor | None  # [num_kv_heads, n_act, head_dim] cached keys before overwrite
     prev_v: torch.Tensor | None
     _attention_probs: Callable[[torch.Tensor], torch.Tensor] = field(repr=False, default=None)

@@ -171,6 +171,9 @@ class Transformer(nn.Module):
                 idx = entry.token_idx.to(device)
                 new_h = self.embed(token_ids[idx]) if entry.hidden is None else entry.hidden
                 if schedule.has_layer_hook and schedule.admits_at(li) and active.numel():
+                    if li in schedule.capture_layers:  # a refused token's input here is its entry state
+                        union, order = torch.sort(torch.cat([active, idx]))
+                        captured[li] = (union, torch.cat([h, new_h.to(device, dtype)])[order])
                     keep = self._admit(layer, li, h, active, tables[self.rope_of(li)], cache, schedule, idx, n)
                     if keep is not None:
                         idx, new_h = idx[keep], new_h[keep.to(new_h.device)]
@@ -178,7 +181,7 @@ class Transformer(nn.Module):
                 h = torch.cat([h, new_h.to(device, dtype)])[order]
                 changed = True
             n_act = active.numel()
-            if li in schedule.capture_layers and n_act:
+            if li in schedule.capture_layers and n_act and li not in captured:
                 captured[li] = (active.clone(), h.clone())
             if n_act == 0:
                 continue
@@ -198,6 +201,9 @@ class Transformer(nn.Module):
             if schedule.has_layer_hook and schedule.selects_before_attention(li):
                 h, active, changed = self._select_then_finish(layer, li, h, active, cos, sin, cache, schedule,
                                                               prev_k, prev_v, n)
+                keep = schedule.after_layer(LayerView(li, active, h, None, None, None, None, None))
+                if keep is not None and not bool(keep.all()):  # e.g. a band's top: its tokens leave after it
+                    active, h, changed = active[keep], h[keep], True
             else:
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li,
                            active: torch.Tensor = active, mask: torch.Tensor | None = mask,

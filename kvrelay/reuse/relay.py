@@ -183,8 +183,14 @@ class RelayMethod(ReuseMethod):
         how to get one when the model has none and a layer is not given)."""
         num_layers = lm.config.num_layers
         given = (self.l_start, self.l_det, self.l_end)
-        # each layer not given comes from the profile (relay[l_end=25] moves only the band's end)
-        profiled = layer_profile(lm).layers if None in given else given
+        # each layer not given comes from the profile (relay[l_end=25] moves only the band's end): its layers
+        # with its own selector, else the band search's (a selector chosen to detect at L_start moved L_det)
+        if None in given:
+            profile = layer_profile(lm)
+            own_selector = all(getattr(self, k) is None for k in PAPER_SELECTOR)
+            profiled = profile.layers if own_selector else tuple(profile.searched_band or profile.layers)
+        else:
+            profiled = given
         start, det, end = (g if g is not None else p for g, p in zip(given, profiled, strict=True))
         if not self.band:
             start, end = 0, num_layers - 1

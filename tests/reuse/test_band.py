@@ -108,7 +108,7 @@ def _keep_all(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) 
     return torch.ones(span_rows.numel(), dtype=torch.bool)
 
 
-def _run_band(setup, prune=None, admit=None, carried: bool = False):
+def _run_band(setup, prune=None, admit=None, carried: bool = False, end: int = PRUNE_END):
     """The setup's call under a band [SELECT, PRUNE_END]: span tokens enter at layer 0 (or, with ``carried``, at
     SELECT from this prompt's own layer-SELECT inputs); returns the result, schedule, cache, loaded cache and
     the rows that reached each layer's MLP."""
@@ -131,7 +131,7 @@ def _run_band(setup, prune=None, admit=None, carried: bool = False):
         entries = {SELECT: Entry(span, hidden[torch.isin(active, span)])}
     else:
         entries = {0: Entry(span)}
-    schedule = BandSchedule(reuse.new_idx(n), entries, SELECT, PRUNE_END, None if admit else _top_half, prune, admit)
+    schedule = BandSchedule(reuse.new_idx(n), entries, SELECT, end, None if admit else _top_half, prune, admit)
     cache, reference = loaded(), loaded()
     rows_in_mlp: dict[int, int] = {}
     hooks = [layer.mlp.register_forward_hook(lambda m, args, out, li=li: rows_in_mlp.__setitem__(li, args[0].shape[0]))
@@ -161,10 +161,12 @@ def test_pruning_drops_tokens_before_each_band_layers_attention(setup):
     assert torch.equal(cache.v[3, :, pos], reference.v[3, :, pos])
 
 
-def test_pruning_that_keeps_everything_changes_nothing(setup):
-    plain, _, plain_cache, _, _ = _run_band(setup)
-    kept, schedule, kept_cache, _, _ = _run_band(setup, prune=_keep_all)
+@pytest.mark.parametrize("end", [2, PRUNE_END])  # a band ending below the top, and at it
+def test_pruning_that_keeps_everything_changes_nothing(setup, end):
+    plain, _, plain_cache, _, plain_rows = _run_band(setup, end=end)
+    kept, schedule, kept_cache, _, kept_rows = _run_band(setup, prune=_keep_all, end=end)
     assert schedule.num_pruned == 0
+    assert kept_rows == plain_rows  # above the band's end the span tokens leave, pruned or not
     assert kept.num_computed_token_layers == plain.num_computed_token_layers
     torch.testing.assert_close(kept.logits, plain.logits, atol=1e-10, rtol=0)
     n = plain_cache.length

@@ -1,5 +1,7 @@
 """Reuse methods on a tiny model: exactness limits, the tokens each method recomputes, the selector."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -232,6 +234,22 @@ def test_budget_selector_keeps_the_top_share_by_normalized_score():
     assert get_method("relay[top_r=0.25]").top_r == 0.25
     with pytest.raises(ConfigError, match="top_r must be in"):
         get_method("relay[top_r=1.5]")
+
+
+def test_a_spec_with_its_own_selector_takes_the_band_searchs_detection_layer(monkeypatch):
+    """A profile whose calibrated selector detects at L_start moved its L_det there; a spec that sets selector
+    knobs (the paper's, say) gets the band search's own L_det back."""
+    from kvrelay.reuse import relay as relay_module
+    from kvrelay.reuse.profile import LayerProfile
+
+    profile = LayerProfile("fp", "m", 12, 2, 2, 11, 0.5, [1.0] * 12, [1.0] * 12, [0.0] * 12,
+                           selector={"top_r": 0.3, "prune": 0.1}, searched_band=[2, 3, 11])
+    monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
+    lm = SimpleNamespace(config=SimpleNamespace(num_layers=12))
+    assert get_method("relay").layers(lm) == (2, 2, 11)
+    assert get_method("relay[tau_dev=1.5]").layers(lm) == (2, 3, 11)
+    assert get_method("relay[selector=deviation,top_r=0.2]").layers(lm) == (2, 3, 11)
+    assert get_method("relay[l_det=5,tau_dev=1.5]").layers(lm) == (2, 5, 11)
 
 
 def test_pruning_drops_low_deviation_tokens_and_never_the_spans_ends():
