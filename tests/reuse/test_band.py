@@ -108,7 +108,7 @@ def _keep_all(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) 
     return torch.ones(span_rows.numel(), dtype=torch.bool)
 
 
-def _run_band(setup, prune=None, admit=None, carried: bool = False, end: int = PRUNE_END):
+def _run_band(setup, prune=None, admit=None, carried: bool = False, end: int = PRUNE_END, capture: tuple = ()):
     """The setup's call under a band [SELECT, PRUNE_END]: span tokens enter at layer 0 (or, with ``carried``, at
     SELECT from this prompt's own layer-SELECT inputs); returns the result, schedule, cache, loaded cache and
     the rows that reached each layer's MLP."""
@@ -132,6 +132,7 @@ def _run_band(setup, prune=None, admit=None, carried: bool = False, end: int = P
     else:
         entries = {0: Entry(span)}
     schedule = BandSchedule(reuse.new_idx(n), entries, SELECT, end, None if admit else _top_half, prune, admit)
+    schedule.capture_layers = capture
     cache, reference = loaded(), loaded()
     rows_in_mlp: dict[int, int] = {}
     hooks = [layer.mlp.register_forward_hook(lambda m, args, out, li=li: rows_in_mlp.__setitem__(li, args[0].shape[0]))
@@ -182,8 +183,11 @@ def test_admission_computes_only_the_admitted_span_tokens(setup):
         seen["active"], seen["probs"] = view.active_idx.clone(), view.attention_probs(torch.arange(2))
         return (entering_idx % 2) == 0
 
-    result, schedule, cache, reference, rows = _run_band(setup, admit=admit_even, carried=True)
+    result, schedule, cache, reference, rows = _run_band(setup, admit=admit_even, carried=True, capture=(SELECT,))
     span = torch.arange(6, 26)
+    # the layer's captured inputs hold every token, refused ones included (their entry state)
+    captured_idx, _ = result.captured[SELECT]
+    assert torch.equal(captured_idx, torch.arange(len(call.prompt_ids)))
     assert schedule.num_selected == 10
     assert torch.equal(seen["active"], torch.tensor([i for i in range(len(call.prompt_ids)) if not 6 <= i < 26]))
     assert seen["probs"].shape[-1] == len(call.prompt_ids)  # the new tokens over every key, reused ones included
