@@ -116,7 +116,7 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top_r": None, "prune": None,
-                  "prune_by": "share"}
+                  "prune_by": None}
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class SelectorSettings:
     l_pre: int
     top_r: float | None
     prune: float | None
-    prune_by: str
+    prune_by: str | None  # None: share
 
 
 @dataclass
@@ -149,7 +149,7 @@ class RelayMethod(ReuseMethod):
     # gradual filtering inside the band (selector knobs too): at each band layer above L_det, drop kept span
     # tokens whose value deviation there is low (``prune_mask``; None: keep them all to L_end)
     prune: float | None = None
-    prune_by: str | None = None  # share | peers
+    prune_by: str | None = None  # share (None) | peers
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -164,6 +164,8 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
         if self.prune_by is not None and self.prune_by not in PRUNE_RULES:
             raise ConfigError(f"relay: prune_by must be one of {PRUNE_RULES}, got {self.prune_by!r}")
+        if self.prune_by is not None and self.prune is None:
+            raise ConfigError("relay: prune_by needs prune (the share or the factor it applies)")
         if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
             raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
 
@@ -258,7 +260,7 @@ class RelayMethod(ReuseMethod):
 
         def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
             always_mask = is_always(view.active_idx[span_rows])
-            return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by)
+            return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by or "share")
 
         def admit(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
             every_row = torch.arange(view.active_idx.numel(), device=view.active_idx.device)  # all new tokens

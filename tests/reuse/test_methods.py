@@ -266,6 +266,8 @@ def test_pruning_drops_low_deviation_tokens_and_never_the_spans_ends():
         get_method("relay[prune=0.1,prune_by=top]")
     with pytest.raises(ConfigError, match="prune must be"):
         get_method("relay[prune=1.5]")
+    with pytest.raises(ConfigError, match="prune_by needs prune"):
+        get_method("relay[prune_by=peers]")
 
 
 def test_relay_prunes_inside_the_band_and_detects_at_l_start_without_computing_refused_tokens(setup, writes):
