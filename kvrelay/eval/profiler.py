@@ -50,6 +50,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput
+from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile, profile_path
 from kvrelay.reuse.relay import PAPER_SELECTOR, RelayMethod
 
@@ -269,8 +270,6 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str, da
     """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``, with epic's
     reuse on the same calls as the bar); a selector chosen with ``AT_START`` moves the profile's L_det to L_start
     (the band search's own L_det stays in ``searched_band``)."""
-    from kvrelay.reuse.epic import EpicMethod
-
     data = _calibration_data(data)
     start, det, end = profile.searched_band or profile.layers
     candidates = {selector_spec(k): k for k in SELECTOR_CANDIDATES}

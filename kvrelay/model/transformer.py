@@ -190,21 +190,24 @@ class Transformer(nn.Module):
                 views, changed = {}, False
             rope, window = self.rope_of(li), self.config.window_at(li)
             if (rope, window) not in views:
-                # rows 0..n-1 against keys 0..n-1: SDPA's own causal mask
-                causal = n_act == n and (window is None or n <= window)
-                views[rope, window] = (causal, None if causal else visible_mask(active, n, window),
-                                       tables[rope][0][active], tables[rope][1][active])
-            causal, mask, cos, sin = views[rope, window]
+                # rows 0..n-1 against keys 0..n-1: SDPA's own causal mask; any other mask is built on first use
+                # (a selecting layer that drops tokens needs one for the kept tokens only)
+                views[rope, window] = [n_act == n and (window is None or n <= window), None,
+                                       tables[rope][0][active], tables[rope][1][active]]
+            view_of_set = views[rope, window]
+            causal, _, cos, sin = view_of_set
             prev_k = prev_v = None
             if schedule.has_layer_hook and schedule.needs_prev_kv(li):
                 prev_k, prev_v = cache.gather(li, active)
             if schedule.has_layer_hook and schedule.selects_before_attention(li):
-                h, active, changed = self._select_then_finish(layer, li, h, active, cos, sin, cache, schedule,
+                h, active, changed = self._select_then_finish(layer, li, h, active, view_of_set, cache, schedule,
                                                               prev_k, prev_v, n)
                 keep = schedule.after_layer(LayerView(li, active, h, None, None, None, None, None))
                 if keep is not None and not bool(keep.all()):  # e.g. a band's top: its tokens leave after it
                     active, h, changed = active[keep], h[keep], True
             else:
+                mask = self._mask_of(view_of_set, active, n, window)
+
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li,
                            active: torch.Tensor = active, mask: torch.Tensor | None = mask,
                            causal: bool = causal) -> torch.Tensor:
@@ -233,22 +236,32 @@ class Transformer(nn.Module):
         logits = self.logits_from_hidden(h if all_logits else h[-1])
         return PrefillResult(logits, computed, exit_layer, captured)
 
-    def _select_then_finish(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor, cache: SequenceKV, schedule: Schedule, prev_k: torch.Tensor | None,
+    @staticmethod
+    def _mask_of(view_of_set: list, active: torch.Tensor, n: int, window: int | None) -> torch.Tensor | None:
+        """The attention mask of the current active set ([causal, mask, cos, sin], built on first use)."""
+        if not view_of_set[0] and view_of_set[1] is None:
+            view_of_set[1] = visible_mask(active, n, window)
+        return view_of_set[1]
+
+    def _select_then_finish(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, view_of_set: list,
+                            cache: SequenceKV, schedule: Schedule, prev_k: torch.Tensor | None,
                             prev_v: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """A selecting layer: every active token's Q/K/V (its fresh K/V go to the cache), the schedule
         keeps some, and only those run attention and the MLP. Returns (h, active, whether it changed)."""
+        causal, _, cos, sin = view_of_set
         q, k, v = layer.project(h, cos, sin)
         cache.write(li, active, k, v)
         view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
                          _attention_probs=self._probs_fn(q, cache, li, active, n))
         keep = schedule.before_attention(view)
         changed = keep is not None and not bool(keep.all())
-        if changed:
-            active, h, q = active[keep], h[keep], q[:, keep]
         window = self.config.window_at(li)
-        causal = active.numel() == n and (window is None or n <= window)
-        mask = None if causal else visible_mask(active, n, window)
+        if changed:  # the kept tokens' own mask (the set's is not built for them)
+            active, h, q = active[keep], h[keep], q[:, keep]
+            causal = active.numel() == n and (window is None or n <= window)
+            mask = None if causal else visible_mask(active, n, window)
+        else:
+            mask = self._mask_of(view_of_set, active, n, window)
         k_all, v_all = cache.kv(li, 0, n)  # [Hkv, n, hd] each
         return layer.finish(h, attention(q, k_all, v_all, mask, causal)), active, changed
 
