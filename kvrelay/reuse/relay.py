@@ -178,6 +178,14 @@ class RelayMethod(ReuseMethod):
             chosen = layer_profile(lm).selector
         except ConfigError:  # no profile (the layers were given): the paper's selector
             chosen = {}
+        unknown = sorted(set(chosen) - set(PAPER_SELECTOR))
+        try:
+            if unknown:
+                raise ConfigError(f"unknown knobs {unknown}")
+            RelayMethod(**chosen)  # the same checks as a spec's knobs
+        except ConfigError as exc:
+            raise ConfigError(f"relay: the selector in {lm.name}'s profile is not valid ({exc}); "
+                              f"`kvrelay profile --model {lm.name} --selector-only` writes a new one") from exc
         return SelectorSettings(**{**PAPER_SELECTOR, **chosen})
 
     def layers(self, lm) -> tuple[int, int, int]:

@@ -252,6 +252,19 @@ def test_a_spec_with_its_own_selector_takes_the_band_searchs_detection_layer(mon
     assert get_method("relay[l_det=5,tau_dev=1.5]").layers(lm) == (2, 5, 11)
 
 
+@pytest.mark.parametrize("selector, problem", [({"prune": 0.1, "prune_by": "top"}, "prune_by must be one of"),
+                                               ({"top_r": 0.2, "cutoff": 3}, "unknown knobs")])
+def test_a_profile_with_a_bad_selector_is_a_clear_error(monkeypatch, selector, problem):
+    from kvrelay.reuse import relay as relay_module
+    from kvrelay.reuse.profile import LayerProfile
+
+    profile = LayerProfile("fp", "m", 12, 2, 2, 11, 0.5, [1.0] * 12, [1.0] * 12, [0.0] * 12, selector=selector)
+    monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
+    lm = SimpleNamespace(name="tiny", config=SimpleNamespace(num_layers=12))
+    with pytest.raises(ConfigError, match=f"selector in tiny's profile is not valid .*{problem}"):
+        get_method("relay").selector_settings(lm)
+
+
 def test_pruning_drops_low_deviation_tokens_and_never_the_spans_ends():
     dev = torch.tensor([0.001, 0.4, 0.01, 0.3, 0.2, 0.02, 0.5])
     ends = torch.tensor([True, False, False, False, False, False, True])  # a span's first and last token
