@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.cache.refs import SpanRef, attend_split, split_plan
 from kvrelay.errors import ScheduleError
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.layers import attention
 from kvrelay.model.rope import RotaryEmbedding
+from kvrelay.model.split_attention import attention_parts
 
 
 @dataclass
@@ -101,7 +104,20 @@ BUFFERS = BufferPool()
 
 
 class SequenceKV:
-    """The K/V of one sequence, by position, for every layer."""
+    """The K/V of one sequence, by position, for every layer.
+
+    On the CPU a loaded span is not copied: its positions read the stored span's rows in place
+    (``cache.refs``) wherever the forward attends through ``attend``. A layer's rows are copied into the
+    cache only when something writes over them there, or reads that layer otherwise (``kv``, ``gather``,
+    a decode step); ``k``, ``v`` and ``export`` copy every layer first, so nothing outside this class sees
+    a loaded row missing.
+    """
+
+    # loaded spans read in place (their index is the id in ``_ref_at``); a subclass without loads keeps these
+    _refs: tuple[SpanRef, ...] = ()
+    _ref_at: torch.Tensor | None = None  # int32 [capacity]: the ref reading each position, -1 for none
+    _plans: dict | None = None  # (mask, refs read in place, group) -> SplitPlan, for the layers that share them
+    _hit: tuple[torch.Tensor, list[int]] | None = None  # (slots, the refs they hit): see ``_refs_hit``
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  capacity: int = 256) -> None:
@@ -123,28 +139,111 @@ class SequenceKV:
         shape = (self.num_layers, h_kv, new_cap, head_dim)
         k, v = (BUFFERS.take(shape, self.dtype, self.device) for _ in range(2))
         filled = torch.zeros(self.num_layers, new_cap, dtype=torch.bool, device=self.device)
-        if self.capacity:
-            k[:, :, : self.capacity] = self.k
-            v[:, :, : self.capacity] = self.v
+        if self.capacity:  # rows read in place stay so: only the cache's own rows move
+            k[:, :, : self.capacity] = self._k
+            v[:, :, : self.capacity] = self._v
             filled[:, : self.capacity] = self.filled
+        if self._ref_at is not None:
+            self._ref_at = torch.cat([self._ref_at, self._ref_at.new_full((new_cap - self.capacity,), -1)])
         self.k, self.v, self.filled, self.capacity = k, v, filled, new_cap
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Keys [num_layers, num_kv_heads, capacity, head_dim], every loaded row copied in."""
+        self._flush_all()
+        return self._k
+
+    @k.setter
+    def k(self, value: torch.Tensor) -> None:
+        self._k = value
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Values, as ``k``."""
+        self._flush_all()
+        return self._v
+
+    @v.setter
+    def v(self, value: torch.Tensor) -> None:
+        self._v = value
+
+    def _copy_in(self, ref: SpanRef, layer: int) -> None:
+        rows = slice(ref.dst_start, ref.dst_end)
+        ref.copy_layer(layer, self._k[layer, :, rows], self._v[layer, :, rows])
+
+    def _flush(self, layer: int) -> None:
+        """Copy every loaded row of one layer still read in place into the cache."""
+        for ref in self._refs:
+            if layer in ref.layers:
+                self._copy_in(ref, layer)
+
+    def _flush_all(self) -> None:
+        for layer in range(self.num_layers):
+            self._flush(layer)
+
+    def _in_place(self, layer: int) -> list[SpanRef]:
+        return [ref for ref in self._refs if layer in ref.layers]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_kv_heads, n, head_dim] for positions ``slots`` ([n])."""
-        self.k[layer].index_copy_(1, slots, k)
-        self.v[layer].index_copy_(1, slots, v)
+        if self._ref_at is not None and self._in_place(layer):  # copy on write: the refs these slots hit
+            for ref_id in self._refs_hit(slots):
+                if layer in self._refs[ref_id].layers:
+                    self._copy_in(self._refs[ref_id], layer)
+        self._k[layer].index_copy_(1, slots, k)
+        self._v[layer].index_copy_(1, slots, v)
         self.filled[layer].index_fill_(0, slots, True)
+
+    def _refs_hit(self, slots: torch.Tensor) -> list[int]:
+        """The refs (by id) reading any of ``slots``; remembered for the last ``slots`` tensor, which a
+        forward passes at every layer until its active set changes."""
+        if self._hit is not None and self._hit[0] is slots:
+            return self._hit[1]
+        hit = self._ref_at.index_select(0, slots)
+        ids = hit[hit >= 0].unique().tolist() if bool((hit >= 0).any()) else []
+        self._hit = (slots, ids)
+        return ids
 
     def write_range(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Contiguous write (the decode hot path): k, v: [num_kv_heads, n, head_dim]."""
         n = k.shape[1]
-        self.k[layer, :, start : start + n] = k
-        self.v[layer, :, start : start + n] = v
+        for ref in self._in_place(layer):
+            if ref.dst_start < start + n and start < ref.dst_end:
+                self._copy_in(ref, layer)
+        self._k[layer, :, start : start + n] = k
+        self._v[layer, :, start : start + n] = v
         self.filled[layer, start : start + n] = True
 
     def kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [start, end) at ``layer``: [num_kv_heads, m, head_dim] each, views (no copy)."""
-        return self.k[layer, :, start:end], self.v[layer, :, start:end]
+        self._flush(layer)
+        return self._k[layer, :, start:end], self._v[layer, :, start:end]
+
+    def attend(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+               num_keys: int) -> torch.Tensor:
+        """Attention of q [H, n, hd] over positions [0, num_keys) at ``layer`` -> [n, H * hd]; ``mask`` bool
+        [n, num_keys] (None: ``causal``, or every key visible). Rows read in place stay in place."""
+        refs = self._in_place(layer)
+        if not refs:
+            k_all, v_all = self.kv(layer, 0, num_keys)  # [Hkv, num_keys, hd] each
+            return attention(q, k_all, v_all, mask, causal)
+        num_q, group = q.shape[1], q.shape[0] // self.shape_tail[0]
+        key = (id(mask), num_q, num_keys, causal, tuple(id(r) for r in refs), group)
+        plans = self._plans if self._plans is not None else {}
+        entry = plans.get(key)
+        if entry is None or entry[0] is not mask:  # (the mask is held, so its id cannot be reused meanwhile)
+            if mask is None:
+                q_pos = torch.arange(num_keys - num_q, num_keys) if causal else torch.full((num_q,), num_keys)
+                visible = torch.arange(num_keys)[None, :] <= q_pos[:, None]
+            else:
+                visible = mask
+            if len(plans) >= 8:
+                plans.clear()
+            plans[key] = entry = (mask, split_plan(refs, visible.to(q.device), group, q.dtype))
+            self._plans = plans
+        plan = entry[1]
+        queries, keys, values = attend_split(plan, q, self._k[layer], self._v[layer], layer)
+        return attention_parts(queries, keys, values, list(plan.masks), q.shape[0])
 
     def kv_all(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K, V of positions [start, end): [L, Hkv, m, hd] each, views."""
@@ -152,12 +251,13 @@ class SequenceKV:
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the K/V at positions ``slots`` ([n]) of one layer: [num_kv_heads, n, head_dim] each."""
-        return self.k[layer][:, slots].clone(), self.v[layer][:, slots].clone()
+        self._flush(layer)
+        return self._k[layer].index_select(1, slots), self._v[layer].index_select(1, slots)
 
     @property
     def storages(self) -> list[torch.Tensor]:
         """The tensors holding this cache's K/V (for memory accounting; shared ones are listed too)."""
-        return [self.k, self.v]
+        return [self._k, self._v]
 
     def check_filled(self, num_positions: int) -> None:
         ok = self.filled[:, :num_positions]
@@ -170,33 +270,49 @@ class SequenceKV:
 
     def load_span(self, span: StoredSpan, dst_start: int, rope: RotaryEmbedding,
                   src_start: int = 0, src_end: int | None = None) -> int:
-        """Copy span tokens [src_start, src_end) to positions from ``dst_start``; re-rotate keys.
+        """Load span tokens [src_start, src_end) at positions from ``dst_start``, keys re-rotated for them.
 
-        Returns the number of positions moved (0 when the span keeps its original positions).
+        Returns the number of positions moved (0 when the span keeps its original positions). On the CPU
+        in fp32 the rows are read in place (see the class), elsewhere copied now.
         """
         src_end = len(span) if src_end is None else src_end
         n = src_end - src_start
         self.ensure_capacity(dst_start + n)
-        k = span.k[:, :, src_start:src_end].to(self.device, self.dtype)  # [L, Hkv, n, hd]
-        v = span.v[:, :, src_start:src_end].to(self.device, self.dtype)
         delta = dst_start - (span.start_pos + src_start)
         if delta and not rope.can_shift:
             raise ScheduleError(
                 f"RoPE type {rope.rope_type!r} does not compose, so keys cannot move by {delta} "
                 "positions; recompute this span instead"
             )
+        for ref in self._refs:  # positions loaded twice: the earlier load's rows go into the cache first
+            if ref.layers and ref.dst_start < dst_start + n and dst_start < ref.dst_end:
+                for layer in sorted(ref.layers):
+                    self._copy_in(ref, layer)
+        in_place = self.device.type == "cpu" and self.dtype == span.k.dtype == span.v.dtype == torch.float32 \
+            and span.k.device.type == "cpu"
+        rows = slice(dst_start, dst_start + n)
+        self.filled[:, rows] = True
+        if in_place:
+            ref = SpanRef(span, src_start, dst_start, n, delta, rope, set(range(self.num_layers)))
+            if self._ref_at is None:
+                self._ref_at = torch.full((self.capacity,), -1, dtype=torch.int32)
+            self._ref_at[rows] = len(self._refs)
+            self._refs, self._hit = (*self._refs, ref), None
+            return n if delta else 0
+        k = span.k[:, :, src_start:src_end].to(self.device, self.dtype)  # [L, Hkv, n, hd]
+        v = span.v[:, :, src_start:src_end].to(self.device, self.dtype)
         if delta:  # rotated straight into the cache: no temporaries of the keys' size
-            rope.shift_keys_into(k, delta, self.k[:, :, dst_start : dst_start + n])
+            rope.shift_keys_into(k, delta, self._k[:, :, rows])
         else:
-            self.k[:, :, dst_start : dst_start + n] = k
-        self.v[:, :, dst_start : dst_start + n] = v
-        self.filled[:, dst_start : dst_start + n] = True
+            self._k[:, :, rows] = k
+        self._v[:, :, rows] = v
         return n if delta else 0
 
     def patch(self, dst_start: int, k: torch.Tensor, v: torch.Tensor, add: bool) -> None:
         """Add to (``add``) or set positions [dst_start, dst_start + n); k, v: [L, Hkv, n, hd]."""
         n = k.shape[2]
         self.ensure_capacity(dst_start + n)
+        self._flush_all()
         rows = slice(dst_start, dst_start + n)
         if add:
             if not bool(self.filled[:, rows].all()):

@@ -37,6 +37,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rotate_halves_into(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = keys`` rotated by the angles whose cos, sin ([hd / 2], broadcast) are given, in the
+    rotate-half layout; fp32, in place, no temporaries (keys and out must not overlap)."""
+    half = keys.shape[-1] // 2
+    x1, x2, o1, o2 = keys[..., :half], keys[..., half:], out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)  # x2 cos + x1 sin
+
 class RotaryEmbedding:
     """cos/sin tables for positions, plus exact key shifts."""
 
@@ -92,7 +100,7 @@ class RotaryEmbedding:
         need = int(positions.max().item()) + 1 if positions.numel() else 0
         if need > self._table_len:
             self._grow_table(max(need, 2 * self._table_len, 256))
-        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+        return self._cos.index_select(0, positions).to(dtype), self._sin.index_select(0, positions).to(dtype)
 
     def _grow_table(self, length: int) -> None:
         pos = torch.arange(length, device=self.device, dtype=torch.float32)
@@ -114,11 +122,14 @@ class RotaryEmbedding:
             out.copy_(self._rotate(keys, delta, inv))
             return
         angle = inv * float(delta)  # [hd / 2], or [L, 1, 1, hd / 2] with per-layer bases
-        cos, sin = angle.cos(), angle.sin()
-        half = keys.shape[-1] // 2
-        x1, x2, o1, o2 = keys[..., :half], keys[..., half:], out[..., :half], out[..., half:]
-        torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
-        torch.mul(x2, cos, out=o2).addcmul_(x1, sin)  # x2 cos + x1 sin
+        rotate_halves_into(keys, angle.cos(), angle.sin(), out)
+
+    def shift_factors(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of a ``delta``-position shift, for ``rotate_halves_into``: [hd / 2] each, or [L, 1, 1, hd / 2]
+        with per-layer bases (index them by layer). Computed once, they serve a span's every layer."""
+        inv = self.inv_freq if self.layer_inv_freq is None else self.layer_inv_freq
+        angle = inv * float(delta)
+        return angle.cos(), angle.sin()
 
     def _inv_for(self, keys: torch.Tensor, layer: int | None) -> torch.Tensor:
         inv = self.inv_freq if self.layer_inv_freq is None else (

@@ -74,7 +74,7 @@ class BandSchedule(Schedule):
         """Bool mask over ``active_idx``: which are span tokens (a lookup, not a set test per layer)."""
         if self._span_mask.device != active_idx.device:
             self._span_mask = self._span_mask.to(active_idx.device)
-        return self._span_mask[active_idx]
+        return self._span_mask.index_select(0, active_idx)
 
     def _prunes_at(self, layer: int) -> bool:
         return self.prune is not None and self.select_layer < layer <= self.end_layer

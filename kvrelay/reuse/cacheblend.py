@@ -21,7 +21,7 @@ from kvrelay.reuse.spans import collect_reuse
 
 def value_l2_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
     """||v_fresh - v_reused|| per row, over all KV heads: [len(rows)]."""
-    diff = (view.v[:, rows] - view.prev_v[:, rows]).float()  # [Hkv, n, hd]
+    diff = (view.v.index_select(1, rows) - view.prev_v.index_select(1, rows)).float()  # [Hkv, n, hd]
     return diff.pow(2).sum(dim=(0, 2)).sqrt()
 
 

@@ -54,8 +54,9 @@ DEVIATION_FLOOR = 1e-4
 
 def value_cos_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
     """1 - cos(v_fresh, v_reused) per row, over all KV heads: [len(rows)]."""
-    fresh = view.v[:, rows].permute(1, 0, 2).flatten(1).float()  # [n, Hkv * hd]
-    reused = view.prev_v[:, rows].permute(1, 0, 2).flatten(1).float()
+    n = rows.numel()
+    fresh = view.v.index_select(1, rows).transpose(0, 1).reshape(n, -1).float()  # [n, Hkv * hd]
+    reused = view.prev_v.index_select(1, rows).transpose(0, 1).reshape(n, -1).float()
     dev = 1 - torch.nn.functional.cosine_similarity(fresh, reused, dim=-1)
     return torch.where(dev < DEVIATION_FLOOR, torch.zeros_like(dev), dev)
 
@@ -247,7 +248,7 @@ class RelayMethod(ReuseMethod):
             always_pos[torch.cat(always)] = True
 
         def is_always(span_idx: torch.Tensor) -> torch.Tensor:
-            return always_pos.to(span_idx.device)[span_idx]
+            return always_pos.to(span_idx.device).index_select(0, span_idx)
 
         def choose(dev: torch.Tensor | None, inf: torch.Tensor | None, span_idx: torch.Tensor) -> torch.Tensor:
             always_mask = is_always(span_idx)
@@ -259,15 +260,15 @@ class RelayMethod(ReuseMethod):
             """The attention the call's new tokens (``query_rows``) pay each span token, over heads and queries."""
             if self.selector == "deviation" or not query_rows.numel():
                 return None
-            return view.attention_probs(query_rows).sum(dim=(0, 1))[span_idx]  # probs [H, n_new, n_keys]
+            return view.attention_probs(query_rows).sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n_keys]
 
         def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
             dev = value_cos_deviation(view, span_rows) if self.selector != "influence" else None
-            span_idx = view.active_idx[span_rows]
+            span_idx = view.active_idx.index_select(0, span_rows)
             return choose(dev, influence(view, new_rows, span_idx), span_idx)
 
         def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-            always_mask = is_always(view.active_idx[span_rows])
+            always_mask = is_always(view.active_idx.index_select(0, span_rows))
             return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by or "share")
 
         def admit(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
