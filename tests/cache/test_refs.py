@@ -1,7 +1,9 @@
 """Loaded spans read in place: attention, copy on write, and every other reader sees what a copy would give."""
 
+import pytest
 import torch
 
+from kvrelay.cache import kv
 from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.layers import visible_mask
@@ -12,6 +14,13 @@ from tests.helpers import tiny_lm
 CFG = ModelConfig(family="llama", vocab_size=10, hidden_size=16, intermediate_size=8, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 N = 24
+
+
+@pytest.fixture(autouse=True)
+def every_span_in_place(monkeypatch, request):
+    """The toy spans are short: read them in place all the same (but in the test of that rule)."""
+    if "short" not in request.node.name:
+        monkeypatch.setattr(kv, "IN_PLACE_MIN_TOKENS", 1)
 
 
 def _span(seed: int, n: int, start_pos: int) -> StoredSpan:
@@ -129,3 +138,21 @@ def test_a_forward_with_spans_in_place_matches_one_with_copies():
         if not copy:
             assert all(r.layers == set(range(lm.config.num_layers)) for r in cache._refs)
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
+def test_a_short_span_is_copied_layer_by_layer_as_attention_reaches_it():
+    lazy, copied = _caches()  # spans of 8 tokens: far below the rule's length
+    assert not any(r.read_in_place for r in lazy._refs)
+    own = torch.tensor([8, 9, 10, 19, 20, 21, 22, 23])
+    for cache in (lazy, copied):
+        _write_own(cache, own, seed=3)
+    q, mask = torch.randn(4, own.numel(), 8, generator=torch.Generator().manual_seed(4)), visible_mask(own, N, None)
+    torch.testing.assert_close(lazy.attend(0, q, mask, False, N), copied.attend(0, q, mask, False, N), atol=1e-5,
+                               rtol=0)
+    assert [r.layers for r in lazy._refs] == [{1, 2}, {1, 2}]  # layer 0 copied, the others not yet
+    long_span = _span(10, kv.IN_PLACE_MIN_TOKENS, 0)
+    moved = _span(11, kv.IN_PLACE_MIN_TOKENS // 2, 0)
+    cache = SequenceKV(CFG, torch.float32, "cpu", capacity=2 * kv.IN_PLACE_MIN_TOKENS)
+    cache.load_span(long_span, 0, RotaryEmbedding(CFG))
+    cache.load_span(moved, kv.IN_PLACE_MIN_TOKENS + 1, RotaryEmbedding(CFG))
+    assert [r.read_in_place for r in cache._refs] == [True, True]
