@@ -106,20 +106,20 @@ BUFFERS = BufferPool()
 # A loaded span is read in place by attention from this many tokens on (a moved one from half as many: its
 # copy rotates keys, twice the cost): each span read in place costs every layer a part of split attention
 # (a kernel call, its share of the merge, the queries rotated back when moved), ~30-60 us on this project's
-# 2-core CPU whatever the span's length, while copying a layer costs ~0.06 us a token (~0.2 moved). Shorter
-# spans are copied one layer at a time as attention reaches it. (BENCHMARKS.md, "Loads without copies".)
+# 2-core CPU whatever the span's length, while copying costs ~0.06 us a token and layer (~0.2 moved).
+# Shorter spans are copied whole when loaded (copied a layer at a time instead, the per-layer calls cost
+# ~2 ms more on a gsm8k-chain3 call than the copies). (BENCHMARKS.md, "Loads without copies".)
 IN_PLACE_MIN_TOKENS = 512
 
 
 class SequenceKV:
     """The K/V of one sequence, by position, for every layer.
 
-    On the CPU a loaded span is not copied when loaded. A long one stays where the store holds it: its
-    positions are read in place (``cache.refs``) wherever the forward attends through ``attend``, and a
-    layer's rows are copied into the cache only when something writes over them there, or reads that layer
-    otherwise (``kv``, ``gather``, a decode step). A short one is copied layer by layer as the forward
-    reaches each layer. ``k``, ``v`` and ``export`` copy every layer first, so nothing outside this class
-    sees a loaded row missing.
+    On the CPU a long loaded span is not copied: its positions are read where the store holds them
+    (``cache.refs``) wherever the forward attends through ``attend``, and a layer's rows are copied into
+    the cache only when something writes over them there, or reads that layer otherwise (``kv``,
+    ``gather``, a decode step). A short span is copied when loaded. ``k``, ``v`` and ``export`` copy
+    every layer first, so nothing outside this class sees a loaded row missing.
     """
 
     # loaded spans read in place (their index is the id in ``_ref_at``); a subclass without loads keeps these
@@ -232,12 +232,7 @@ class SequenceKV:
                num_keys: int) -> torch.Tensor:
         """Attention of q [H, n, hd] over positions [0, num_keys) at ``layer`` -> [n, H * hd]; ``mask`` bool
         [n, num_keys] (None: ``causal``, or every key visible). Rows read in place stay in place."""
-        refs = []
-        for ref in self._in_place(layer):
-            if ref.read_in_place:
-                refs.append(ref)
-            else:  # a short span: copied now, while the rows are about to be read (and stay in cache)
-                self._copy_in(ref, layer)
+        refs = self._in_place(layer)
         if not refs:
             k_all, v_all = self.kv(layer, 0, num_keys)  # [Hkv, num_keys, hd] each
             return attention(q, k_all, v_all, mask, causal)
@@ -303,12 +298,11 @@ class SequenceKV:
                 for layer in sorted(ref.layers):
                     self._copy_in(ref, layer)
         in_place = self.device.type == "cpu" and self.dtype == span.k.dtype == span.v.dtype == torch.float32 \
-            and span.k.device.type == "cpu"
+            and span.k.device.type == "cpu" and n * (2 if delta else 1) >= IN_PLACE_MIN_TOKENS
         rows = slice(dst_start, dst_start + n)
         self.filled[:, rows] = True
         if in_place:
-            ref = SpanRef(span, src_start, dst_start, n, delta, rope, set(range(self.num_layers)),
-                          read_in_place=n * (2 if delta else 1) >= IN_PLACE_MIN_TOKENS)
+            ref = SpanRef(span, src_start, dst_start, n, delta, rope, set(range(self.num_layers)))
             if self._ref_at is None:
                 self._ref_at = torch.full((self.capacity,), -1, dtype=torch.int32)
             self._ref_at[rows] = len(self._refs)

@@ -37,7 +37,6 @@ class SpanRef:
     delta: int
     rope: RotaryEmbedding
     layers: set[int]
-    read_in_place: bool = True  # False: a short span, copied into the cache as each layer is first read
     cos: torch.Tensor | None = field(default=None, repr=False)  # the move's factors: [hd / 2] or [L, 1, 1, hd / 2]
     sin: torch.Tensor | None = field(default=None, repr=False)
 

@@ -19,7 +19,7 @@ N = 24
 @pytest.fixture(autouse=True)
 def every_span_in_place(monkeypatch, request):
     """The toy spans are short: read them in place all the same (but in the test of that rule)."""
-    if "short" not in request.node.name:
+    if "only_long" not in request.node.name:
         monkeypatch.setattr(kv, "IN_PLACE_MIN_TOKENS", 1)
 
 
@@ -140,19 +140,13 @@ def test_a_forward_with_spans_in_place_matches_one_with_copies():
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
 
 
-def test_a_short_span_is_copied_layer_by_layer_as_attention_reaches_it():
-    lazy, copied = _caches()  # spans of 8 tokens: far below the rule's length
-    assert not any(r.read_in_place for r in lazy._refs)
-    own = torch.tensor([8, 9, 10, 19, 20, 21, 22, 23])
-    for cache in (lazy, copied):
-        _write_own(cache, own, seed=3)
-    q, mask = torch.randn(4, own.numel(), 8, generator=torch.Generator().manual_seed(4)), visible_mask(own, N, None)
-    torch.testing.assert_close(lazy.attend(0, q, mask, False, N), copied.attend(0, q, mask, False, N), atol=1e-5,
-                               rtol=0)
-    assert [r.layers for r in lazy._refs] == [{1, 2}, {1, 2}]  # layer 0 copied, the others not yet
-    long_span = _span(10, kv.IN_PLACE_MIN_TOKENS, 0)
-    moved = _span(11, kv.IN_PLACE_MIN_TOKENS // 2, 0)
+def test_only_long_spans_are_read_in_place():
+    rope = RotaryEmbedding(CFG)
+    short = SequenceKV(CFG, torch.float32, "cpu", capacity=N)
+    short.load_span(_span(9, 8, 3), 11, rope)  # 8 tokens, moved: far below the rule's length
+    assert not short._refs and short._k[:, :, 11:19].abs().sum() > 0  # copied when loaded
     cache = SequenceKV(CFG, torch.float32, "cpu", capacity=2 * kv.IN_PLACE_MIN_TOKENS)
-    cache.load_span(long_span, 0, RotaryEmbedding(CFG))
-    cache.load_span(moved, kv.IN_PLACE_MIN_TOKENS + 1, RotaryEmbedding(CFG))
-    assert [r.read_in_place for r in cache._refs] == [True, True]
+    cache.load_span(_span(10, kv.IN_PLACE_MIN_TOKENS, 0), 0, rope)
+    cache.load_span(_span(11, kv.IN_PLACE_MIN_TOKENS // 2, 0), kv.IN_PLACE_MIN_TOKENS + 1, rope)  # moved
+    cache.load_span(_span(12, kv.IN_PLACE_MIN_TOKENS // 2, 0), 0, rope)  # not moved: copied
+    assert [r.num_tokens for r in cache._refs] == [kv.IN_PLACE_MIN_TOKENS, kv.IN_PLACE_MIN_TOKENS // 2]
