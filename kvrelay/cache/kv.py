@@ -103,13 +103,14 @@ class BufferPool:
 BUFFERS = BufferPool()
 
 
-# A loaded span is read in place by attention from this many tokens on (a moved one from half as many: its
-# copy rotates keys, twice the cost): each span read in place costs every layer a part of split attention
-# (a kernel call, its share of the merge, the queries rotated back when moved), ~30-60 us on this project's
-# 2-core CPU whatever the span's length, while copying costs ~0.06 us a token and layer (~0.2 moved).
-# Shorter spans are copied whole when loaded (copied a layer at a time instead, the per-layer calls cost
-# ~2 ms more on a gsm8k-chain3 call than the copies). (BENCHMARKS.md, "Loads without copies".)
-IN_PLACE_MIN_TOKENS = 512
+# A loaded span is read in place by attention from this many tokens on: each span read in place costs every
+# layer a part of split attention (a kernel call, its share of the merge, the queries rotated back when
+# moved), ~30-60 us on this project's 2-core CPU whatever the span's length, while copying costs ~0.06-0.09 us
+# a token and layer (~0.2 moved, the keys rotated). Measured both ways: gsm8k-chain3's spans (60-190 tokens)
+# lose ~8 ms a call read in place, copy-agents:5's (409-1,684) gain up to ~5 ms. Shorter spans are copied
+# whole when loaded (copied a layer at a time instead, the per-layer calls cost ~2 ms more on a gsm8k-chain3
+# call than they saved). (BENCHMARKS.md, "Loads without copies".)
+IN_PLACE_MIN_TOKENS = 256
 
 
 class SequenceKV:
@@ -298,7 +299,7 @@ class SequenceKV:
                 for layer in sorted(ref.layers):
                     self._copy_in(ref, layer)
         in_place = self.device.type == "cpu" and self.dtype == span.k.dtype == span.v.dtype == torch.float32 \
-            and span.k.device.type == "cpu" and n * (2 if delta else 1) >= IN_PLACE_MIN_TOKENS
+            and span.k.device.type == "cpu" and n >= IN_PLACE_MIN_TOKENS
         rows = slice(dst_start, dst_start + n)
         self.filled[:, rows] = True
         if in_place:

@@ -147,6 +147,8 @@ def test_only_long_spans_are_read_in_place():
     assert not short._refs and short._k[:, :, 11:19].abs().sum() > 0  # copied when loaded
     cache = SequenceKV(CFG, torch.float32, "cpu", capacity=2 * kv.IN_PLACE_MIN_TOKENS)
     cache.load_span(_span(10, kv.IN_PLACE_MIN_TOKENS, 0), 0, rope)
-    cache.load_span(_span(11, kv.IN_PLACE_MIN_TOKENS // 2, 0), kv.IN_PLACE_MIN_TOKENS + 1, rope)  # moved
-    cache.load_span(_span(12, kv.IN_PLACE_MIN_TOKENS // 2, 0), 0, rope)  # not moved: copied
-    assert [r.num_tokens for r in cache._refs] == [kv.IN_PLACE_MIN_TOKENS, kv.IN_PLACE_MIN_TOKENS // 2]
+    cache.load_span(_span(11, kv.IN_PLACE_MIN_TOKENS, 0), kv.IN_PLACE_MIN_TOKENS + 1, rope)  # moved
+    cache.load_span(_span(12, kv.IN_PLACE_MIN_TOKENS - 1, 0), 0, rope)  # one token short: copied
+    assert [r.num_tokens for r in cache._refs] == [kv.IN_PLACE_MIN_TOKENS] * 2
+    assert [r.delta for r in cache._refs] == [0, kv.IN_PLACE_MIN_TOKENS + 1]
+    assert cache._refs[0].layers == set()  # the short load over its positions copied it in first
