@@ -117,7 +117,7 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top_r": None, "prune": None,
-                  "prune_by": None, "inf_last": None}
+                  "prune_by": None}
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,6 @@ class SelectorSettings:
     top_r: float | None
     prune: float | None
     prune_by: str | None  # None: share
-    inf_last: int | None  # None: every new token's attention counts toward influence
 
 
 @dataclass
@@ -152,9 +151,6 @@ class RelayMethod(ReuseMethod):
     # tokens whose value deviation there is low (``prune_mask``; None: keep them all to L_end)
     prune: float | None = None
     prune_by: str | None = None  # share (None) | peers
-    # influence from the call's last ``inf_last`` new tokens only (the ones nearest the first output token;
-    # None: all of them, the paper's)
-    inf_last: int | None = None
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -169,8 +165,6 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
         if self.prune_by is not None and self.prune_by not in PRUNE_RULES:
             raise ConfigError(f"relay: prune_by must be one of {PRUNE_RULES}, got {self.prune_by!r}")
-        if self.inf_last is not None and self.inf_last < 1:
-            raise ConfigError(f"relay: inf_last must be >= 1, got {self.inf_last}")
         if self.prune_by is not None and self.prune is None:
             raise ConfigError("relay: prune_by needs prune (the share or the factor it applies)")
         if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
@@ -266,8 +260,6 @@ class RelayMethod(ReuseMethod):
             """The attention the call's new tokens (``query_rows``) pay each span token, over heads and queries."""
             if self.selector == "deviation" or not query_rows.numel():
                 return None
-            if sel.inf_last is not None:
-                query_rows = query_rows[-sel.inf_last:]
             return view.attention_probs(query_rows).sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n_keys]
 
         def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:

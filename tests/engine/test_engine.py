@@ -170,3 +170,29 @@ def test_a_stored_prefix_gives_full_logits_in_prefill_and_decode(family):
         assert out.stats.num_reused_tokens == 36
         torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-4, rtol=0)
         assert out.output_ids == full.output_ids
+
+
+@pytest.mark.parametrize("method", ["prefix", "naive", "epic", "cacheblend",
+                                    "relay[l_start=1,l_det=1,l_end=2,top_r=0.5,l_pre=2,l_suf=0,prune=0.2]"])
+def test_spans_read_in_place_give_what_copied_spans_give(lm, method, monkeypatch):
+    """Loads read in place (``cache.refs``) against the same loads copied, through plan, prefill (relay's and
+    epic's writes over reused rows included) and decode: same tokens, same counts, logits within float noise."""
+    from kvrelay.cache import kv
+    from kvrelay.reuse.base import CallInput, SpanRef
+
+    store = KVStore(1 << 30)
+    upstream = generate(lm, _prompt(24, 1), "full", store, SamplingConfig(max_new_tokens=10), keep_cache=True,
+                        capture_layers=(1,))
+    publish(store, "up", upstream, lm)
+    # the upstream prompt as an exact prefix, then its output moved 3 positions later, then new tokens
+    ids = upstream.prompt_ids + _prompt(3, 6) + upstream.output_ids + _prompt(12, 5)
+    call = CallInput(ids, refs=[SpanRef(27, 37, "up", 24)])
+    outs = {}
+    for rule in (10**9, 1):  # every load copied; every load read in place
+        monkeypatch.setattr(kv, "IN_PLACE_MIN_TOKENS", rule)
+        outs[rule] = generate(lm, call, method, store, SamplingConfig(max_new_tokens=8), capture_layers=(1,))
+    copied, in_place = outs[10**9], outs[1]
+    assert in_place.stats.num_reused_tokens == copied.stats.num_reused_tokens >= 10
+    assert in_place.stats.num_computed_token_layers == copied.stats.num_computed_token_layers
+    torch.testing.assert_close(in_place.first_logits, copied.first_logits, atol=1e-4, rtol=0)
+    assert in_place.output_ids == copied.output_ids
