@@ -34,15 +34,16 @@ def _caches():
     rope = RotaryEmbedding(CFG)
     exact, moved = _span(1, 8, 0), _span(2, 9, 3)  # the second is loaded 7 positions later than stored
     caches = []
-    for _ in range(2):
+    for rule in (1, 10**9):  # the second copies when loaded (the path every short span takes)
+        kv.IN_PLACE_MIN_TOKENS = rule
         cache = SequenceKV(CFG, torch.float32, "cpu", capacity=N)
         assert cache.load_span(exact, 0, rope) == 0
         assert cache.load_span(moved, 11, rope, src_start=1) == 8  # positions 11..18
         caches.append(cache)
+    kv.IN_PLACE_MIN_TOKENS = 1
     lazy, copied = caches
-    copied.k  # noqa: B018 (reading k copies every row in)
     assert lazy._refs and all(r.layers == {0, 1, 2} for r in lazy._refs)
-    assert all(not r.layers for r in copied._refs)
+    assert not copied._refs
     return lazy, copied
 
 
@@ -108,9 +109,10 @@ def test_a_load_over_written_rows_wins_as_a_copy_would():
     torch.testing.assert_close(cache.kv(0, 2, 7)[1], span.v[0])
     later = _span(7, 5, 2)  # a second load over the first one's positions
     cache.load_span(later, 2, rope)
+    kv.IN_PLACE_MIN_TOKENS = 10**9
     copied = SequenceKV(CFG, torch.float32, "cpu", capacity=N)
     copied.load_span(later, 2, rope)
-    copied.k  # noqa: B018
+    kv.IN_PLACE_MIN_TOKENS = 1
     for c in (cache, copied):
         c.write(2, torch.tensor([0, 1, 7]), torch.ones(2, 3, 8), torch.ones(2, 3, 8))
     q, mask = torch.randn(4, 1, 8, generator=torch.Generator().manual_seed(9)), visible_mask(torch.tensor([7]), 8, None)
@@ -119,8 +121,9 @@ def test_a_load_over_written_rows_wins_as_a_copy_would():
     torch.testing.assert_close(cache.kv(1, 2, 7)[1], later.v[1])
 
 
-def test_a_forward_with_spans_in_place_matches_one_with_copies():
-    lm = tiny_lm("qwen2")
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])  # gemma3: sliding windows, a RoPE base per layer kind
+def test_a_forward_with_spans_in_place_matches_one_with_copies(family):
+    lm = tiny_lm(family)
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(8))
     full = SequenceKV(lm.config, torch.float32, "cpu")
     lm.model.prefill(ids, full, StaticSchedule(torch.arange(40)))
@@ -129,13 +132,13 @@ def test_a_forward_with_spans_in_place_matches_one_with_copies():
     new_idx = torch.cat([torch.arange(15, 20), torch.arange(32, 40)])
     logits = []
     for copy in (False, True):
+        kv.IN_PLACE_MIN_TOKENS = 10**9 if copy else 1
         cache = SequenceKV(lm.config, torch.float32, "cpu")
         cache.load_span(exact, 0, lm.model.rope)
         cache.load_span(moved, 20, lm.model.rope)  # 12 tokens two positions later than computed
-        if copy:
-            cache.k  # noqa: B018
         logits.append(lm.model.prefill(ids, cache, StaticSchedule(new_idx)).logits)
         if not copy:
+            assert len(cache._refs) == 2
             assert all(r.layers == set(range(lm.config.num_layers)) for r in cache._refs)
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
 
