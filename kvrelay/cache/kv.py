@@ -243,7 +243,9 @@ class SequenceKV:
         entry = plans.get(key)
         if entry is None or entry[0] is not mask:  # (the mask is held, so its id cannot be reused meanwhile)
             if mask is None:
-                q_pos = torch.arange(num_keys - num_q, num_keys) if causal else torch.full((num_q,), num_keys)
+                # causal as SDPA's is_causal means it: query i sees keys 0..i (the forward passes it only when
+                # every position is active, num_q == num_keys)
+                q_pos = torch.arange(num_q) if causal else torch.full((num_q,), num_keys)
                 visible = torch.arange(num_keys)[None, :] <= q_pos[:, None]
             else:
                 visible = mask

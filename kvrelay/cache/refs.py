@@ -30,7 +30,7 @@ class SpanRef:
     """Positions [dst_start, dst_start + num_tokens) read from ``span``'s rows from ``src_start``, keys moved by
     ``delta`` positions, at the layers in ``layers`` (the others are copied into the cache)."""
 
-    span: StoredSpan
+    span: StoredSpan | None  # None once every layer is copied in
     src_start: int
     dst_start: int
     num_tokens: int
@@ -76,6 +76,8 @@ class SpanRef:
             k_out.copy_(k)
         v_out.copy_(v)
         self.layers.discard(layer)
+        if not self.layers:  # copied in everywhere: the cache no longer keeps the stored span alive
+            self.span = self.cos = self.sin = None
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,11 @@ def attention_parts(queries: list[torch.Tensor], keys: list[torch.Tensor], value
     for q, k, v, mask in zip(queries, keys, values, masks, strict=True):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q[None], k[None], v[None], 0.0, False, attn_mask=mask.additive[None, None])[:2]
-        lse = lse[0]  # [Hkv, group * n]
-        if mask.sees_any is not None:  # a row that sees no key here: its part weighs nothing (the kernel gives 0)
-            lse = lse.masked_fill(~mask.sees_any, float("-inf"))
-        outs.append(out[0])  # [Hkv, group * n, hd]
+        lse, out = lse[0], out[0]  # [Hkv, group * n], [Hkv, group * n, hd]
+        if mask.sees_any is not None:  # a row that sees no key here: its part weighs nothing (whatever the kernel
+            lse = lse.masked_fill(~mask.sees_any, float("-inf"))  # returns for it: 0 and 0 on torch 2.13)
+            out = out.masked_fill(~mask.sees_any[:, None], 0.0)
+        outs.append(out)
         lses.append(lse)
     if len(outs) == 1:
         merged = outs[0]

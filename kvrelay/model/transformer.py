@@ -290,6 +290,7 @@ class Transformer(nn.Module):
     def _probs_fn(self, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int):
         def probs(rows: torch.Tensor) -> torch.Tensor:
             k_all, _ = cache.kv(layer, 0, n)
+            rows = rows.to(q.device)  # a schedule may name them on the CPU (index_select needs them beside q)
             return attention_probs(q.index_select(1, rows), k_all,
                                    visible_mask(active.index_select(0, rows), n, self.config.window_at(layer)))
 

@@ -54,9 +54,8 @@ DEVIATION_FLOOR = 1e-4
 
 def value_cos_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
     """1 - cos(v_fresh, v_reused) per row, over all KV heads: [len(rows)]."""
-    n = rows.numel()
-    fresh = view.v.index_select(1, rows).transpose(0, 1).reshape(n, -1).float()  # [n, Hkv * hd]
-    reused = view.prev_v.index_select(1, rows).transpose(0, 1).reshape(n, -1).float()
+    fresh = view.v.index_select(1, rows).transpose(0, 1).flatten(1).float()  # [n, Hkv * hd]
+    reused = view.prev_v.index_select(1, rows).transpose(0, 1).flatten(1).float()
     dev = 1 - torch.nn.functional.cosine_similarity(fresh, reused, dim=-1)
     return torch.where(dev < DEVIATION_FLOOR, torch.zeros_like(dev), dev)
 

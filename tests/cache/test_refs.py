@@ -155,3 +155,14 @@ def test_only_long_spans_are_read_in_place():
     assert [r.num_tokens for r in cache._refs] == [kv.IN_PLACE_MIN_TOKENS] * 2
     assert [r.delta for r in cache._refs] == [0, kv.IN_PLACE_MIN_TOKENS + 1]
     assert cache._refs[0].layers == set()  # the short load over its positions copied it in first
+
+
+def test_no_mask_means_what_sdpa_means_with_spans_in_place():
+    lazy, copied = _caches()
+    for cache in (lazy, copied):
+        _write_own(cache, torch.tensor([8, 9, 10, 19, 20, 21, 22, 23]), seed=3)
+    q = torch.randn(4, N, 8, generator=torch.Generator().manual_seed(12))
+    for causal, num_q in ((True, N), (False, 5)):  # causal: query i sees keys 0..i; else every key
+        got = lazy.attend(1, q[:, :num_q], None, causal, N)
+        torch.testing.assert_close(got, copied.attend(1, q[:, :num_q], None, causal, N), atol=1e-5, rtol=0)
+    assert all(r.layers == {0, 1, 2} for r in lazy._refs)

@@ -190,8 +190,11 @@ def test_spans_read_in_place_give_what_copied_spans_give(lm, method, monkeypatch
     outs = {}
     for rule in (10**9, 1):  # every load copied; every load read in place
         monkeypatch.setattr(kv, "IN_PLACE_MIN_TOKENS", rule)
-        outs[rule] = generate(lm, call, method, store, SamplingConfig(max_new_tokens=8), capture_layers=(1,))
+        outs[rule] = generate(lm, call, method, store, SamplingConfig(max_new_tokens=8), capture_layers=(1,),
+                              keep_cache=True)
     copied, in_place = outs[10**9], outs[1]
+    assert in_place.cache._refs and not copied.cache._refs  # the two paths really differ
+    assert all(r.span is None for r in in_place.cache._refs)  # decoding copied them in: the spans are let go
     assert in_place.stats.num_reused_tokens == copied.stats.num_reused_tokens >= 10
     assert in_place.stats.num_computed_token_layers == copied.stats.num_computed_token_layers
     torch.testing.assert_close(in_place.first_logits, copied.first_logits, atol=1e-4, rtol=0)
