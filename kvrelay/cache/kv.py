@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.cache.refs import SpanRef, attend_split, split_plan
+from kvrelay.cache.refs import SpanRef, SplitPlans, attend_split
 from kvrelay.errors import ScheduleError
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.layers import attention
@@ -126,7 +126,7 @@ class SequenceKV:
     # loaded spans read in place (their index is the id in ``_ref_at``); a subclass without loads keeps these
     _refs: tuple[SpanRef, ...] = ()
     _ref_at: torch.Tensor | None = None  # int32 [capacity]: the ref reading each position, -1 for none
-    _plans: dict | None = None  # (mask, refs read in place, group) -> SplitPlan, for the layers that share them
+    _plans: SplitPlans | None = None  # the split attention's plans, shared by the layers with the same mask
     _hit: tuple[torch.Tensor, list[int]] | None = None  # (slots, the refs they hit): see ``_refs_hit``
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -237,23 +237,9 @@ class SequenceKV:
         if not refs:
             k_all, v_all = self.kv(layer, 0, num_keys)  # [Hkv, num_keys, hd] each
             return attention(q, k_all, v_all, mask, causal)
-        num_q, group = q.shape[1], q.shape[0] // self.shape_tail[0]
-        key = (id(mask), num_q, num_keys, causal, tuple(id(r) for r in refs), group)
-        plans = self._plans if self._plans is not None else {}
-        entry = plans.get(key)
-        if entry is None or entry[0] is not mask:  # (the mask is held, so its id cannot be reused meanwhile)
-            if mask is None:
-                # causal as SDPA's is_causal means it: query i sees keys 0..i (the forward passes it only when
-                # every position is active, num_q == num_keys)
-                q_pos = torch.arange(num_q) if causal else torch.full((num_q,), num_keys)
-                visible = torch.arange(num_keys)[None, :] <= q_pos[:, None]
-            else:
-                visible = mask
-            if len(plans) >= 8:
-                plans.clear()
-            plans[key] = entry = (mask, split_plan(refs, visible.to(q.device), group, q.dtype))
-            self._plans = plans
-        plan = entry[1]
+        if self._plans is None:
+            self._plans = SplitPlans()
+        plan = self._plans.get(refs, mask, causal, num_keys, q, self.shape_tail[0])
         queries, keys, values = attend_split(plan, q, self._k[layer], self._v[layer], layer)
         return attention_parts(queries, keys, values, list(plan.masks), q.shape[0])
 

@@ -118,6 +118,36 @@ def split_plan(refs: list[SpanRef], visible: torch.Tensor, group: int, dtype: to
     return SplitPlan(tuple(parts), own, tuple(masks))
 
 
+class SplitPlans:
+    """One cache's split plans, by what they depend on: the layers between two changes of the active set
+    share one mask and the same refs in place, so they share one plan (masks folded once, not per layer)."""
+
+    MAX_PLANS = 8  # a forward's mask kinds (Gemma 3: local and global) times a few active sets
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, tuple[torch.Tensor | None, SplitPlan]] = {}
+
+    def get(self, refs: list[SpanRef], mask: torch.Tensor | None, causal: bool, num_keys: int, q: torch.Tensor,
+            num_kv_heads: int) -> SplitPlan:
+        """The plan for queries q [H, n, hd] over keys [0, num_keys) with ``mask`` (bool [n, num_keys]; None:
+        ``causal`` as SDPA's is_causal means it, or every key visible)."""
+        num_q, group = q.shape[1], q.shape[0] // num_kv_heads
+        key = (id(mask), num_q, num_keys, causal, tuple(id(r) for r in refs), group)
+        entry = self._plans.get(key)
+        if entry is not None and entry[0] is mask:  # (the mask is held, so its id cannot be reused meanwhile)
+            return entry[1]
+        if mask is None:  # (the forward passes causal only when every position is active: num_q == num_keys)
+            q_pos = torch.arange(num_q) if causal else torch.full((num_q,), num_keys)
+            mask_or_causal = torch.arange(num_keys)[None, :] <= q_pos[:, None]
+        else:
+            mask_or_causal = mask
+        if len(self._plans) >= self.MAX_PLANS:
+            self._plans.clear()
+        plan = split_plan(refs, mask_or_causal.to(q.device), group, q.dtype)
+        self._plans[key] = (mask, plan)
+        return plan
+
+
 def attend_split(plan: SplitPlan, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
                  layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The folded queries, keys and values of each part of ``plan`` at ``layer``; own_k, own_v: the cache's
