@@ -204,6 +204,11 @@ class SequenceKV:
         self._v[layer].index_copy_(1, slots, v)
         self.filled[layer].index_fill_(0, slots, True)
 
+    def add(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add k, v ([num_kv_heads, n or 1, head_dim]) to the K/V at positions ``slots`` ([n]) of one layer."""
+        k_now, v_now = self.gather(layer, slots)
+        self.write(layer, slots, k_now + k, v_now + v)
+
     def _refs_hit(self, slots: torch.Tensor) -> list[int]:
         """The refs (by id) reading any of ``slots``; remembered for the last ``slots`` tensor, which a
         forward passes at every layer until its active set changes."""

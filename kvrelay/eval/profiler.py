@@ -229,7 +229,8 @@ def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: st
 
 # relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
 # with stricter thresholds or the budget form at three shares; and, detecting where the carried states enter
-# (``AT_START``: L_det = L_start, so the refused tokens cost nothing), wider budgets narrowed through the band
+# (``AT_START``: L_det = L_start, so the refused tokens cost nothing), wider budgets narrowed through the band,
+# with and without the drift correction
 AT_START = "detect_at_start"
 _SPANS = {"l_pre": 4, "l_suf": 4}
 SELECTOR_CANDIDATES: tuple[dict, ...] = (
@@ -240,6 +241,9 @@ SELECTOR_CANDIDATES: tuple[dict, ...] = (
     *({AT_START: True, "top_r": r, "l_pre": 4, "l_suf": 0, "prune": p} for r, p in ((0.3, 0.1), (0.35, 0.1),
                                                                                      (0.4, 0.15), (0.5, 0.25))),
     {AT_START: True, "top_r": 0.5, **_SPANS, "prune": 0.3},  # half the span admitted, pruned hard
+    # the four without the last tokens again, each pruning layer correcting the span tokens it does not compute
+    *({AT_START: True, "top_r": r, "l_pre": 4, "l_suf": 0, "prune": p, "drift": 0.35}
+      for r, p in ((0.3, 0.1), (0.35, 0.1), (0.4, 0.15), (0.5, 0.25))),
 )
 
 

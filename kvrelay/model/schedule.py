@@ -15,6 +15,9 @@ Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
   entering_idx)`` first: the view holds the Q/K/V of the tokens already active (written to the cache),
   and the entering tokens' keys are whatever the cache holds for them (the reused ones). Tokens it
   refuses never join, so they cost nothing at that layer or above.
+- At a layer where ``before_attention`` runs, ``adjust_kv(view)`` may then add to the cached K/V of
+  tokens that are not active there (``KVShift``), before that layer's attention reads them: a method
+  that corrects the reused K/V it does not recompute from what the recomputed tokens show.
 - ``exit_after(layer, last_hidden)`` may stop the forward early (RKSC's layer exit).
 
 Tokens that are not active at a layer must already have K/V there in the sequence cache: the
@@ -51,10 +54,25 @@ class LayerView:
     prev_k: torch.Tensor | None  # [num_kv_heads, n_act, head_dim] cached keys before overwrite
     prev_v: torch.Tensor | None
     _attention_probs: Callable[[torch.Tensor], torch.Tensor] = field(repr=False, default=None)
+    _unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(repr=False, default=None)
 
     def attention_probs(self, query_rows: torch.Tensor) -> torch.Tensor:
         """Softmax attention of the chosen active rows over all keys: [num_heads, n_q, num_keys]."""
         return self._attention_probs(query_rows)
+
+    def unrotate(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Keys [num_kv_heads, len(rows), head_dim] of active rows ``rows`` (post-RoPE, or differences of
+        such keys) with their positions' rotation undone: comparable across positions."""
+        return self._unrotate(keys, rows)
+
+
+@dataclass
+class KVShift:
+    """What ``Schedule.adjust_kv`` adds to the cached K/V of some positions at one layer."""
+
+    slots: torch.Tensor  # [m] positions (not active at that layer)
+    k: torch.Tensor  # [num_kv_heads, 1 or m, head_dim] before RoPE: the forward rotates it to each slot
+    v: torch.Tensor  # [num_kv_heads, 1 or m, head_dim]
 
 
 class Schedule:
@@ -83,6 +101,10 @@ class Schedule:
 
     def before_attention(self, view: LayerView) -> torch.Tensor | None:
         """A keep-mask over ``view.active_idx`` from the fresh Q/K/V; dropped tokens skip attention and MLP."""
+        return None
+
+    def adjust_kv(self, view: LayerView) -> KVShift | None:
+        """At a layer where ``before_attention`` ran (same view): what to add to inactive tokens' K/V."""
         return None
 
     def admits_at(self, layer: int) -> bool:

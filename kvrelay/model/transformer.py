@@ -27,7 +27,7 @@ from kvrelay.model.layers import (
     linear,
     visible_mask,
 )
-from kvrelay.model.rope import RotaryEmbedding
+from kvrelay.model.rope import RotaryEmbedding, apply_rotary
 from kvrelay.model.schedule import LayerView, Schedule
 
 if TYPE_CHECKING:
@@ -264,8 +264,16 @@ class Transformer(nn.Module):
         q, k, v = layer.project(h, cos, sin)
         cache.write(li, active, k, v)
         view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
-                         _attention_probs=self._probs_fn(q, cache, li, active, n))
+                         _attention_probs=self._probs_fn(q, cache, li, active, n),
+                         _unrotate=lambda x, rows: apply_rotary(x, cos.index_select(0, rows),
+                                                                -sin.index_select(0, rows)))
         keep = schedule.before_attention(view)
+        shift = schedule.adjust_kv(view)
+        if shift is not None and shift.slots.numel():
+            rope = self.rope_of(li)
+            slot_cos, slot_sin = rope.cos_sin(shift.slots, k.dtype, n)
+            shift_k = apply_rotary(shift.k.expand(-1, shift.slots.numel(), -1), slot_cos, slot_sin)  # [Hkv, m, hd]
+            cache.add(li, shift.slots, shift_k, shift.v)
         changed = keep is not None and not bool(keep.all())
         window = self.config.window_at(li)
         if changed:  # the kept tokens' own mask (the set's is not built for them)

@@ -16,6 +16,9 @@
   span tokens get their fresh Q/K/V there, ``prune`` may drop some (from their deviation at that
   layer), and those skip that layer's attention and MLP and read the reused KV above it. The kept set
   only shrinks through the band, as CacheBlend's gradual filtering does.
+- with a ``drift`` function, every selecting layer then adds to the cached K/V of the span tokens not
+  computed there (refused or dropped below) what ``drift`` estimates from the computed ones' fresh
+  against reused K/V, before that layer's attention reads them.
 """
 
 from __future__ import annotations
@@ -24,19 +27,23 @@ from collections.abc import Callable
 
 import torch
 
-from kvrelay.model.schedule import Entry, LayerView, Schedule
+from kvrelay.model.schedule import Entry, KVShift, LayerView, Schedule
 
 # (view, rows of span tokens among the active rows, rows of new tokens) -> keep mask over span rows
 Selector = Callable[[LayerView, torch.Tensor, torch.Tensor], torch.Tensor]
 # (view of the active tokens, prompt indices of the span tokens entering) -> keep mask over them
 Admission = Callable[[LayerView, torch.Tensor], torch.Tensor]
+# (view, rows of span tokens among the active rows) -> (K before RoPE, V) [Hkv, 1, hd] each to add to the
+# span tokens not active at that layer, or None
+Drift = Callable[[LayerView, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class BandSchedule(Schedule):
     has_layer_hook = True
 
     def __init__(self, new_idx: torch.Tensor, span_entries: dict[int, Entry], select_layer: int, end_layer: int,
-                 selector: Selector | None, prune: Selector | None = None, admit: Admission | None = None) -> None:
+                 selector: Selector | None, prune: Selector | None = None, admit: Admission | None = None,
+                 drift: Drift | None = None) -> None:
         enter = [layer for layer, e in span_entries.items() if e.token_idx.numel()]
         if enter and not max(enter) <= select_layer <= end_layer:
             raise ValueError(f"band layers must satisfy enter {max(enter)} <= select {select_layer} <= end {end_layer}")
@@ -52,7 +59,7 @@ class BandSchedule(Schedule):
         spans = [e.token_idx for e in span_entries.values()]
         self.span_idx = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
         self.select_layer, self.end_layer, self.selector, self.prune = select_layer, end_layer, selector, prune
-        self._admit = admit
+        self._admit, self._drift = admit, drift
         self.num_selected: int | None = None  # span tokens kept at the select layer (for stats)
         self.num_pruned = 0  # span tokens dropped above the select layer (for stats)
         self._span_mask: torch.Tensor | None = None  # bool [num prompt tokens]: a span token (set by entries)
@@ -93,6 +100,19 @@ class BandSchedule(Schedule):
         keep = self._admit(view, entering_idx)
         self.num_selected = int(keep.sum())
         return keep
+
+    def adjust_kv(self, view: LayerView) -> KVShift | None:
+        if self._drift is None:
+            return None
+        is_span = self._is_span(view.active_idx)
+        if not bool(is_span.any()):
+            return None
+        shift = self._drift(view, is_span.nonzero().flatten())
+        if shift is None:
+            return None
+        not_active = self._span_mask.clone()  # span tokens not computed at this layer
+        not_active[view.active_idx] = False
+        return KVShift(not_active.nonzero().flatten(), *shift)
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
         if view.layer != self.end_layer:

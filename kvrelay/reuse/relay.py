@@ -24,11 +24,16 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
 - with ``prune`` (gradual filtering, as CacheBlend's paper describes it), each band layer above ``L_det``
   drops the kept tokens whose value deviation there is low (``prune_mask``) before its attention, so the
   kept set narrows with depth: a wide selection low in the band costs what a narrow one does to the top.
+- with ``drift`` (ours, needs ``prune``), each of those layers also corrects the span tokens it does not
+  compute: the recomputed ones show how the new context moved their K/V there (fresh - reused, keys
+  with RoPE undone), and ``drift`` x the mean of that move is added to the others' reused K/V
+  (``drift_shift``). Much of the move is shared across a span's tokens; the recomputed tokens are the
+  ones that moved most, hence a factor under 1.
 
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
 the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
-``top_r``, ``prune``, ``prune_by``): the profile holds the one chosen on calibration calls for the model
+``top_r``, ``prune``, ``prune_by``, ``drift``): the profile holds the one chosen on calibration calls for the model
 (with the detection layer it was chosen with), or none (the paper's).
 """
 
@@ -91,6 +96,18 @@ def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, a
     return keep
 
 
+def drift_shift(view: LayerView, span_rows: torch.Tensor, source_mask: torch.Tensor,
+                factor: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``factor`` x the mean move (fresh - reused) of the K/V of span rows ``span_rows[source_mask]``, keys
+    with RoPE undone: (K, V) [Hkv, 1, hd] each, or None without sources."""
+    rows = span_rows[source_mask]
+    if not rows.numel():
+        return None
+    dk = view.k.index_select(1, rows) - view.prev_k.index_select(1, rows)  # [Hkv, m, hd]
+    dv = view.v.index_select(1, rows) - view.prev_v.index_select(1, rows)
+    return factor * view.unrotate(dk, rows).mean(1, keepdim=True), factor * dv.mean(1, keepdim=True)
+
+
 PRUNE_RULES = ("share", "peers")
 
 
@@ -116,7 +133,7 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top_r": None, "prune": None,
-                  "prune_by": None}
+                  "prune_by": None, "drift": None}
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,7 @@ class SelectorSettings:
     top_r: float | None
     prune: float | None
     prune_by: str | None  # None: share
+    drift: float | None  # None: no drift correction
 
 
 @dataclass
@@ -150,6 +168,9 @@ class RelayMethod(ReuseMethod):
     # tokens whose value deviation there is low (``prune_mask``; None: keep them all to L_end)
     prune: float | None = None
     prune_by: str | None = None  # share (None) | peers
+    # at each pruning layer, add drift x the recomputed span tokens' mean K/V move to the other span tokens
+    # (``drift_shift``; None: none)
+    drift: float | None = None
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -166,6 +187,10 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: prune_by must be one of {PRUNE_RULES}, got {self.prune_by!r}")
         if self.prune_by is not None and self.prune is None:
             raise ConfigError("relay: prune_by needs prune (the share or the factor it applies)")
+        if self.drift is not None and not 0 <= self.drift <= 1:
+            raise ConfigError(f"relay: drift must be in [0, 1], got {self.drift}")
+        if self.drift is not None and self.prune is None:
+            raise ConfigError("relay: drift needs prune (it corrects at the band's pruning layers)")
         if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
             raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
 
@@ -274,12 +299,18 @@ class RelayMethod(ReuseMethod):
             every_row = torch.arange(view.active_idx.numel(), device=view.active_idx.device)  # all new tokens
             return choose(None, influence(view, every_row, entering_idx), entering_idx)
 
+        def drift(view: LayerView, span_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+            # the spans' openings and ends move far more than the rest: they are not the others' estimate
+            sources = ~is_always(view.active_idx.index_select(0, span_rows))
+            return drift_shift(view, span_rows, sources, sel.drift)
+
         # selecting where the carried states enter: their own K/V there equal the reused ones (no deviation
         # to read), so the selection runs before they join and the refused ones are never computed
         admits = det == start > 0 and not from_zero
         new_idx = torch.cat([reuse.new_idx(len(call.prompt_ids)), *dense]).unique()  # sorted
         schedule = BandSchedule(new_idx, entries, det, end, None if admits else selector,
-                                prune if sel.prune is not None else None, admit if admits else None)
+                                prune if sel.prune is not None else None, admit if admits else None,
+                                drift if sel.drift else None)
         num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0
         note = f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0" \
             if num_from_zero else None
