@@ -107,12 +107,11 @@ class BandSchedule(Schedule):
         is_span = self._is_span(view.active_idx)
         if not bool(is_span.any()):
             return None
-        shift = self._drift(view, is_span.nonzero().flatten())
-        if shift is None:
-            return None
         not_active = self._span_mask.clone()  # span tokens not computed at this layer
         not_active[view.active_idx] = False
-        return KVShift(not_active.nonzero().flatten(), *shift)
+        targets = not_active.nonzero().flatten()
+        shift = self._drift(view, is_span.nonzero().flatten()) if targets.numel() else None
+        return None if shift is None else KVShift(targets, *shift)
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
         if view.layer != self.end_layer:

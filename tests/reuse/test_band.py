@@ -1,11 +1,14 @@
 """The band's detection step: selection from the select layer's Q/K/V, before its attention and MLP."""
 
+import functools
+
 import pytest
 import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions
+from kvrelay.model.rope import apply_rotary
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import Entry, LayerView
 from kvrelay.reuse.band import BandSchedule
@@ -39,7 +42,12 @@ def _top_half(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) 
 
 @pytest.fixture(scope="module")
 def setup():
-    lm = tiny_lm("llama3")
+    return _make_setup("llama3")
+
+
+@functools.cache
+def _make_setup(family: str):
+    lm = tiny_lm(family)
     lm.model.double()
     engine = Engine(lm, KVStore(1 << 28))
     gen = torch.Generator().manual_seed(3)
@@ -108,7 +116,8 @@ def _keep_all(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) 
     return torch.ones(span_rows.numel(), dtype=torch.bool)
 
 
-def _run_band(setup, prune=None, admit=None, carried: bool = False, end: int = PRUNE_END, capture: tuple = ()):
+def _run_band(setup, prune=None, admit=None, carried: bool = False, end: int = PRUNE_END, capture: tuple = (),
+              drift=None):
     """The setup's call under a band [SELECT, PRUNE_END]: span tokens enter at layer 0 (or, with ``carried``, at
     SELECT from this prompt's own layer-SELECT inputs); returns the result, schedule, cache, loaded cache and
     the rows that reached each layer's MLP."""
@@ -131,7 +140,8 @@ def _run_band(setup, prune=None, admit=None, carried: bool = False, end: int = P
         entries = {SELECT: Entry(span, hidden[torch.isin(active, span)])}
     else:
         entries = {0: Entry(span)}
-    schedule = BandSchedule(reuse.new_idx(n), entries, SELECT, end, None if admit else _top_half, prune, admit)
+    schedule = BandSchedule(reuse.new_idx(n), entries, SELECT, end, None if admit else _top_half, prune, admit,
+                            drift)
     schedule.capture_layers = capture
     cache, reference = loaded(), loaded()
     rows_in_mlp: dict[int, int] = {}
@@ -207,3 +217,46 @@ def test_admission_needs_every_span_token_entering_at_the_select_layer(setup):
     with pytest.raises(ValueError, match="admission"):
         BandSchedule(reuse.new_idx(len(call.prompt_ids)), {0: Entry(reuse.approx_idx())}, SELECT, PRUNE_END,
                      None, admit=lambda view, idx: torch.ones(idx.numel(), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])  # gemma3: local layers rotate by their own base
+def test_drift_moves_the_span_tokens_a_pruning_layer_does_not_compute(family):
+    """At each pruning layer the span tokens not active there get the drift's K (rotated to their positions)
+    and V added before that layer's attention; active tokens and the layers below keep their values."""
+    setup = _make_setup(family)
+    lm, _, call = setup
+    gen = torch.Generator().manual_seed(5)
+    shape = (lm.config.num_kv_heads, 1, lm.config.head_dim)
+    dk, dv = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    seen, dropped = {}, {}
+    prune = _drop_first_kept(dropped)
+
+    def drift(view: LayerView, span_rows: torch.Tensor):
+        seen[view.layer] = view.active_idx.clone()
+        # unrotate undoes the forward's rotation at each row's own position
+        rope = lm.model.rope_of(view.layer)
+        cos, sin = rope.cos_sin(view.active_idx, view.k.dtype, len(call.prompt_ids))
+        raw = view.unrotate(view.k.index_select(1, span_rows), span_rows)
+        torch.testing.assert_close(apply_rotary(raw, cos.index_select(0, span_rows), sin.index_select(0, span_rows)),
+                                   view.k.index_select(1, span_rows), atol=1e-6, rtol=0)  # fp32 tables
+        return dk, dv
+
+    plain, _, plain_cache, reference, _ = _run_band(setup, prune=_drop_first_kept({}))
+    result, schedule, cache, reference, _ = _run_band(setup, prune=prune, drift=drift)
+    assert sorted(seen) == [2, 3]  # the pruning layers (above the select layer, through the band's end)
+    span = torch.arange(6, 26)
+    for layer in (2, 3):
+        moved = span[~torch.isin(span, seen[layer])]
+        assert moved.numel() == 10 + (layer == 3)  # refused at layer 1, and the token pruned at 2
+        cos, sin = lm.model.rope_of(layer).cos_sin(moved, torch.float64, len(call.prompt_ids))
+        # (the token pruned at 2 is computed there, and moved from its reused K/V above)
+        rotated = apply_rotary(dk.expand(-1, moved.numel(), -1), cos, sin)  # [Hkv, m, hd]
+        torch.testing.assert_close(cache.k[layer, :, moved], reference.k[layer, :, moved] + rotated, atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache.v[layer, :, moved], reference.v[layer, :, moved] + dv, atol=1e-12, rtol=0)
+    for layer in (0, 1):  # below the pruning layers nothing moves
+        n = len(call.prompt_ids)
+        assert torch.equal(cache.k[layer, :, :n], plain_cache.k[layer, :, :n])
+        assert torch.equal(cache.v[layer, :, :n], plain_cache.v[layer, :, :n])
+    # the moved keys are what the layer's attention read: the output differs from the same band without drift
+    assert not torch.allclose(result.logits, plain.logits)
+    assert result.num_computed_token_layers == plain.num_computed_token_layers  # a drift computes no token

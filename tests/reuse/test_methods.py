@@ -9,9 +9,10 @@ from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
+from kvrelay.model.schedule import LayerView
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.relay import prune_mask, select_tokens, select_top
+from kvrelay.reuse.relay import drift_shift, prune_mask, select_tokens, select_top
 from tests.helpers import generate, publish, tiny_lm
 
 L = 4  # layers of the tiny model
@@ -300,6 +301,42 @@ def test_relay_prunes_inside_the_band_and_detects_at_l_start_without_computing_r
     assert _computed(writes, 1, SPAN_ROWS) == _computed(writes, 2, SPAN_ROWS) == set(range(24))
     at_3 = _computed(writes, 3, SPAN_ROWS)
     assert len(at_3) == 14 and {0, 1, 2, 3} < at_3
+
+
+def test_drift_shift_is_the_factor_times_the_sources_mean_move():
+    k = torch.arange(24, dtype=torch.float32).reshape(2, 4, 3)  # [Hkv, active rows, hd]
+    v = -k
+    view = LayerView(5, torch.arange(4), None, None, k, v, torch.ones_like(k), torch.zeros_like(v),
+                     _unrotate=lambda keys, rows: 10 * keys)  # a stand-in for undoing RoPE
+    span_rows, sources = torch.tensor([1, 2, 3]), torch.tensor([True, False, True])  # rows 1 and 3
+    shift_k, shift_v = drift_shift(view, span_rows, sources, 0.5)
+    assert shift_k.shape == shift_v.shape == (2, 1, 3)
+    torch.testing.assert_close(shift_k[:, 0], 0.5 * 10 * ((k[:, 1] + k[:, 3]) / 2 - 1))
+    torch.testing.assert_close(shift_v[:, 0], 0.5 * (v[:, 1] + v[:, 3]) / 2)
+    assert drift_shift(view, span_rows, torch.zeros(3, dtype=torch.bool), 0.5) is None
+    with pytest.raises(ConfigError, match="drift needs prune"):
+        get_method("relay[drift=0.3]")
+    with pytest.raises(ConfigError, match="drift must be in"):
+        get_method("relay[prune=0.1,drift=1.5]")
+
+
+def test_relay_drift_moves_the_span_tokens_each_pruning_layer_does_not_compute(setup, writes):
+    """Band [2, 2, 3], top_r=0.25: the 4 opening tokens and up to 6 more are admitted at layer 2; at layer 3 (a pruning
+    layer) the other span tokens get the drift of those added, so their K/V there are written too; at 2
+    (admission) nothing moves. With only the openings admitted there is no estimate (they are not sources)."""
+    L = setup[0].config.num_layers
+    spec = f"relay[l_start=2,l_det=2,l_end={L - 1},l_pre=4,l_suf=0,prune=0.5"
+    plain = _run(setup, spec + ",top_r=0.25]")
+    writes.clear()
+    out = _run(setup, spec + ",top_r=0.25,drift=0.5]")
+    admitted = _computed(writes, 2, SPAN_ROWS)
+    assert {0, 1, 2, 3} < admitted and len(admitted) <= 10  # the top 6 by influence may include openings
+    assert [_computed(writes, layer, SPAN_ROWS) for layer in (0, 1, 3)] == [set(), set(), set(range(24))]
+    assert out.stats.num_computed_token_layers == plain.stats.num_computed_token_layers  # moved, not computed
+    assert not torch.allclose(out.first_logits, plain.first_logits)
+    writes.clear()
+    _run(setup, spec + ",top_r=0,drift=0.5]")
+    assert _computed(writes, 3, SPAN_ROWS) == {0, 1, 2, 3}
 
 
 def test_relay_budget_form_recomputes_its_share_above_detection(setup):
