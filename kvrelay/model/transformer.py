@@ -272,7 +272,7 @@ class Transformer(nn.Module):
         if shift is not None and shift.slots.numel():
             rope = self.rope_of(li)
             slot_cos, slot_sin = rope.cos_sin(shift.slots, k.dtype, n)
-            shift_k = apply_rotary(shift.k.expand(-1, shift.slots.numel(), -1), slot_cos, slot_sin)  # [Hkv, m, hd]
+            shift_k = apply_rotary(shift.k, slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
             cache.add(li, shift.slots, shift_k, shift.v)
         changed = keep is not None and not bool(keep.all())
         window = self.config.window_at(li)

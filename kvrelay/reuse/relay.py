@@ -100,7 +100,7 @@ def drift_shift(view: LayerView, span_rows: torch.Tensor, source_mask: torch.Ten
                 factor: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``factor`` x the mean move (fresh - reused) of the K/V of span rows ``span_rows[source_mask]``, keys
     with RoPE undone: (K, V) [Hkv, 1, hd] each, or None without sources."""
-    rows = span_rows[source_mask]
+    rows = span_rows.index_select(0, source_mask.nonzero().flatten())
     if not rows.numel():
         return None
     dk = view.k.index_select(1, rows) - view.prev_k.index_select(1, rows)  # [Hkv, m, hd]

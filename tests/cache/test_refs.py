@@ -86,6 +86,19 @@ def test_a_write_over_a_span_copies_that_layer_only_and_wins():
     torch.testing.assert_close(lazy.kv(1, 0, N)[0][:, 12], k_new[:, 1])
 
 
+def test_an_add_over_a_span_copies_that_layer_only_and_adds_to_the_loaded_rows():
+    lazy, copied = _caches()
+    slots = torch.tensor([2, 3, 12])  # rows of both spans, moved at layer 2
+    k_add, v_add = torch.full((2, 1, 8), 0.25), torch.full((2, 1, 8), -0.5)  # one move for every row
+    before = copied.gather(2, slots)
+    for cache in (lazy, copied):
+        cache.add(2, slots, k_add, v_add)
+    assert [r.layers for r in lazy._refs] == [{0, 1}, {0, 1}]
+    torch.testing.assert_close(lazy.gather(2, slots)[0], before[0] + 0.25, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lazy.gather(2, slots)[1], before[1] - 0.5, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lazy.kv(2, 0, N), copied.kv(2, 0, N), atol=1e-6, rtol=0)
+
+
 def test_every_other_reader_sees_the_loaded_rows():
     lazy, copied = _caches()
     torch.testing.assert_close(lazy.kv(2, 0, 19)[0], copied.kv(2, 0, 19)[0], atol=1e-6, rtol=0)  # moved keys

@@ -320,23 +320,34 @@ def test_drift_shift_is_the_factor_times_the_sources_mean_move():
         get_method("relay[prune=0.1,drift=1.5]")
 
 
-def test_relay_drift_moves_the_span_tokens_each_pruning_layer_does_not_compute(setup, writes):
-    """Band [2, 2, 3], top_r=0.25: the 4 opening tokens and up to 6 more are admitted at layer 2; at layer 3 (a pruning
-    layer) the other span tokens get the drift of those added, so their K/V there are written too; at 2
-    (admission) nothing moves. With only the openings admitted there is no estimate (they are not sources)."""
+def test_relay_drift_moves_the_span_tokens_each_pruning_layer_does_not_compute(setup, writes, monkeypatch):
+    """Band [2, 2, 3], top_r=0.25: the 4 opening tokens and up to 6 more are admitted (computed) at layer 2; at
+    layer 3 (a pruning layer) the drift of those is added to every other span token; at 2 (admission)
+    nothing moves. With only the openings admitted there is no estimate (they are not sources)."""
     L = setup[0].config.num_layers
+    moved: dict[int, set[int]] = {}
+    real_add = SequenceKV.add
+
+    def spy_add(self, layer, slots, k, v):
+        moved.setdefault(layer, set()).update(slots.tolist())
+        real_add(self, layer, slots, k, v)
+
+    monkeypatch.setattr(SequenceKV, "add", spy_add)
     spec = f"relay[l_start=2,l_det=2,l_end={L - 1},l_pre=4,l_suf=0,prune=0.5"
     plain = _run(setup, spec + ",top_r=0.25]")
+    assert not moved
     writes.clear()
     out = _run(setup, spec + ",top_r=0.25,drift=0.5]")
     admitted = _computed(writes, 2, SPAN_ROWS)
     assert {0, 1, 2, 3} < admitted and len(admitted) <= 10  # the top 6 by influence may include openings
-    assert [_computed(writes, layer, SPAN_ROWS) for layer in (0, 1, 3)] == [set(), set(), set(range(24))]
+    assert _computed(writes, 3, SPAN_ROWS) <= admitted  # computed: only admitted tokens (some pruned there)
+    assert sorted(moved) == [3]
+    assert _computed(moved, 3, SPAN_ROWS) == set(range(24)) - _computed(writes, 3, SPAN_ROWS)
     assert out.stats.num_computed_token_layers == plain.stats.num_computed_token_layers  # moved, not computed
     assert not torch.allclose(out.first_logits, plain.first_logits)
-    writes.clear()
+    moved.clear()
     _run(setup, spec + ",top_r=0,drift=0.5]")
-    assert _computed(writes, 3, SPAN_ROWS) == {0, 1, 2, 3}
+    assert not moved
 
 
 def test_relay_budget_form_recomputes_its_share_above_detection(setup):
