@@ -17,7 +17,6 @@ Usage: python benchmarks/relay_drift_oracle.py --limit 10 --json benchmarks/resu
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,10 +24,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo's benchmarks package
+
 import kvrelay.cache.kv as kv_module
+from benchmarks.relay_oracle import train_calls_parser
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
-from kvrelay.data.datasets import data_root
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
 from kvrelay.eval.harness import environment
@@ -37,7 +38,7 @@ from kvrelay.model.schedule import StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.spans import collect_reuse
-from kvrelay.weights.loader import DEFAULT_MODEL, load_model
+from kvrelay.weights.loader import load_model
 
 NUM_OPENING = 4
 VARIANTS = {"naive": {}, "mean kv": {"mean": "kv"}, "mean k": {"mean": "k"}, "mean v": {"mean": "v"},
@@ -83,13 +84,7 @@ def edited_logits(lm, call, store: KVStore, fresh: SequenceKV, variant: dict) ->
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="gsm8k-chain3")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--data", default=str(data_root() / "gsm8k" / "train.jsonl"))
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--json", required=True)
-    args = ap.parse_args()
+    args = train_calls_parser(__doc__.splitlines()[0]).parse_args()
     kv_module.IN_PLACE_MIN_TOKENS = 1 << 30  # every load copied: the oracle edits the cache's own rows
     lm, wl = load_model(args.model), get_workload(args.workload)
     rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}

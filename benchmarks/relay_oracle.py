@@ -93,14 +93,19 @@ def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio:
     return result.logits, 1 - result.num_computed_token_layers / (n * num_layers)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def train_calls_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of a study over a workload's downstream calls on GSM8K *train* (this one and its kin)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--workload", default="gsm8k-chain3")
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--data", default=str(data_root() / "gsm8k" / "train.jsonl"))
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--json", required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = train_calls_parser(__doc__.splitlines()[0]).parse_args()
     env = environment("cpu")
     try:
         lm, wl = load_model(args.model), get_workload(args.workload)
