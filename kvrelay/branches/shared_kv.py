@@ -52,6 +52,9 @@ class SharedPrefixKV(SequenceKV):
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         super().write(layer, self._own(slots), k, v)
 
+    def add(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().add(layer, self._own(slots), k, v)
+
     def write_range(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if start < self.prefix_len:
             raise ScheduleError(f"positions below {self.prefix_len} belong to the shared prefix and are read-only")

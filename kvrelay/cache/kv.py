@@ -196,7 +196,7 @@ class SequenceKV:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_kv_heads, n, head_dim] for positions ``slots`` ([n])."""
-        self._own(layer, slots)
+        self._copy_on_write(layer, slots)
         self._k[layer].index_copy_(1, slots, k)
         self._v[layer].index_copy_(1, slots, v)
         self.filled[layer].index_fill_(0, slots, True)
@@ -204,12 +204,12 @@ class SequenceKV:
     def add(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add k, v ([num_kv_heads, n or 1, head_dim]) to the K/V at (filled) positions ``slots`` ([n]) of one
         layer."""
-        self._own(layer, slots)
+        self._copy_on_write(layer, slots)
         n = slots.numel()
         self._k[layer].index_add_(1, slots, k.expand(-1, n, -1))
         self._v[layer].index_add_(1, slots, v.expand(-1, n, -1))
 
-    def _own(self, layer: int, slots: torch.Tensor) -> None:
+    def _copy_on_write(self, layer: int, slots: torch.Tensor) -> None:
         """Copy on write: the rows of ``layer`` still read in place from the refs ``slots`` hit come in first."""
         if self._ref_at is not None and self._in_place(layer):
             for ref_id in self._refs_hit(slots):

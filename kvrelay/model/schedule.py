@@ -62,7 +62,8 @@ class LayerView:
 
     def unrotate(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Keys [num_kv_heads, len(rows), head_dim] of active rows ``rows`` (post-RoPE, or differences of
-        such keys) with their positions' rotation undone: comparable across positions."""
+        such keys) with their positions' rotation undone, in fp32: comparable across positions. Only in
+        the view of a selecting layer (``before_attention``, ``adjust_kv``)."""
         return self._unrotate(keys, rows)
 
 

@@ -214,7 +214,7 @@ class Transformer(nn.Module):
                 prev_k, prev_v = cache.gather(li, active)
             if schedule.has_layer_hook and schedule.selects_before_attention(li):
                 h, active, changed = self._select_then_finish(layer, li, h, active, view_of_set, cache, schedule,
-                                                              prev_k, prev_v, n)
+                                                              prev_k, prev_v, n, tables[rope])
                 keep = schedule.after_layer(LayerView(li, active, h, None, None, None, None, None))
                 if keep is not None and not bool(keep.all()):  # e.g. a band's top: its tokens leave after it
                     active, h, changed = *_keep_rows(keep, active, h), True
@@ -257,23 +257,34 @@ class Transformer(nn.Module):
 
     def _select_then_finish(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, view_of_set: list,
                             cache: SequenceKV, schedule: Schedule, prev_k: torch.Tensor | None,
-                            prev_v: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                            prev_v: torch.Tensor | None, n: int, table: tuple[torch.Tensor, torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """A selecting layer: every active token's Q/K/V (its fresh K/V go to the cache), the schedule
-        keeps some, and only those run attention and the MLP. Returns (h, active, whether it changed)."""
+        keeps some, may move the cached K/V of tokens not active here (``adjust_kv``), and only the kept
+        run attention and the MLP. ``table``: this layer's RoPE cos, sin of positions 0..n-1. Returns (h,
+        active, whether it changed)."""
         causal, _, cos, sin = view_of_set
         q, k, v = layer.project(h, cos, sin)
         cache.write(li, active, k, v)
+
+        def cos_sin32(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # fp32 whatever the model's dtype: undoing and redoing RoPE in bf16 would not invert
+            if table[0].dtype == torch.float32:
+                return table[0].index_select(0, positions), table[1].index_select(0, positions)
+            return self.rope_of(li).cos_sin(positions, torch.float32, n)
+
+        def unrotate(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            row_cos, row_sin = cos_sin32(active.index_select(0, rows))
+            return apply_rotary(keys.float(), row_cos, -row_sin)
+
         view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
-                         _attention_probs=self._probs_fn(q, cache, li, active, n),
-                         _unrotate=lambda x, rows: apply_rotary(x, cos.index_select(0, rows),
-                                                                -sin.index_select(0, rows)))
+                         _attention_probs=self._probs_fn(q, cache, li, active, n), _unrotate=unrotate)
         keep = schedule.before_attention(view)
         shift = schedule.adjust_kv(view)
         if shift is not None and shift.slots.numel():
-            rope = self.rope_of(li)
-            slot_cos, slot_sin = rope.cos_sin(shift.slots, k.dtype, n)
-            shift_k = apply_rotary(shift.k, slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
-            cache.add(li, shift.slots, shift_k, shift.v)
+            slot_cos, slot_sin = cos_sin32(shift.slots)
+            shift_k = apply_rotary(shift.k.float(), slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
+            cache.add(li, shift.slots, shift_k.to(k.dtype), shift.v.to(k.dtype))
         changed = keep is not None and not bool(keep.all())
         window = self.config.window_at(li)
         if changed:  # the kept tokens' own mask (the set's is not built for them)

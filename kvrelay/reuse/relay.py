@@ -99,12 +99,12 @@ def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, a
 def drift_shift(view: LayerView, span_rows: torch.Tensor, source_mask: torch.Tensor,
                 factor: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``factor`` x the mean move (fresh - reused) of the K/V of span rows ``span_rows[source_mask]``, keys
-    with RoPE undone: (K, V) [Hkv, 1, hd] each, or None without sources."""
+    with RoPE undone: (K, V) [Hkv, 1, hd] each in fp32, or None without sources."""
     rows = span_rows.index_select(0, source_mask.nonzero().flatten())
     if not rows.numel():
         return None
-    dk = view.k.index_select(1, rows) - view.prev_k.index_select(1, rows)  # [Hkv, m, hd]
-    dv = view.v.index_select(1, rows) - view.prev_v.index_select(1, rows)
+    dk = view.k.index_select(1, rows).float() - view.prev_k.index_select(1, rows).float()  # [Hkv, m, hd]
+    dv = view.v.index_select(1, rows).float() - view.prev_v.index_select(1, rows).float()
     return factor * view.unrotate(dk, rows).mean(1, keepdim=True), factor * dv.mean(1, keepdim=True)
 
 

@@ -71,3 +71,22 @@ def test_the_shared_prefix_is_read_only(lm64):
         model.prefill(torch.cat([_ids(8, 4), _ids(3, 5)]), branch)  # a full schedule rewrites the prefix
     with pytest.raises(ScheduleError, match="holds 8"):
         SharedPrefixKV(root_cache, 9)
+
+
+def test_an_add_moves_own_rows_by_position_and_never_the_prefix(lm64):
+    model, cfg = lm64.model, lm64.config
+    root_cache = SequenceKV(cfg, model.dtype, "cpu", capacity=8)
+    model.prefill(_ids(8, 4), root_cache)
+    branch = SharedPrefixKV(root_cache, 8)
+    model.prefill(torch.cat([_ids(8, 4), _ids(3, 5)]), branch, SuffixSchedule(8))
+    slots = torch.tensor([9, 10])
+    before_k, before_v = branch.gather(1, slots)
+    before_8 = branch.gather(1, torch.tensor([8]))[0]  # the own row not named
+    k_add = torch.full((cfg.num_kv_heads, 1, cfg.head_dim), 0.5, dtype=model.dtype)
+    branch.add(1, slots, k_add, -k_add)
+    after_k, after_v = branch.gather(1, slots)
+    torch.testing.assert_close(after_k, before_k + 0.5)
+    torch.testing.assert_close(after_v, before_v - 0.5)
+    assert torch.equal(branch.gather(1, torch.tensor([8]))[0], before_8)
+    with pytest.raises(ScheduleError, match="read-only"):
+        branch.add(1, torch.tensor([7, 9]), k_add, k_add)

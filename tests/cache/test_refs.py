@@ -88,6 +88,8 @@ def test_a_write_over_a_span_copies_that_layer_only_and_wins():
 
 def test_an_add_over_a_span_copies_that_layer_only_and_adds_to_the_loaded_rows():
     lazy, copied = _caches()
+    for cache in (lazy, copied):  # the rows no span covers, the same in both
+        _write_own(cache, torch.tensor([8, 9, 10, 19, 20, 21, 22, 23]), seed=3)
     slots = torch.tensor([2, 3, 12])  # rows of both spans, moved at layer 2
     k_add, v_add = torch.full((2, 1, 8), 0.25), torch.full((2, 1, 8), -0.5)  # one move for every row
     before = copied.gather(2, slots)
