@@ -27,7 +27,7 @@ from kvrelay.model.layers import (
     linear,
     visible_mask,
 )
-from kvrelay.model.rope import RotaryEmbedding, apply_rotary
+from kvrelay.model.rope import RotaryEmbedding, apply_rotary, rotate_half
 from kvrelay.model.schedule import LayerView, Schedule
 
 if TYPE_CHECKING:
@@ -274,8 +274,12 @@ class Transformer(nn.Module):
             return self.rope_of(li).cos_sin(positions, torch.float32, n)
 
         def unrotate(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            row_cos, row_sin = cos_sin32(active.index_select(0, rows))
-            return apply_rotary(keys.float(), row_cos, -row_sin)
+            if cos.dtype == torch.float32:  # the active set's own tables
+                row_cos, row_sin = cos.index_select(0, rows), sin.index_select(0, rows)
+            else:
+                row_cos, row_sin = cos_sin32(active.index_select(0, rows))
+            keys = keys.float()
+            return keys * row_cos - rotate_half(keys) * row_sin  # R(-p): apply_rotary with -sin
 
         view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
                          _attention_probs=self._probs_fn(q, cache, li, active, n), _unrotate=unrotate)

@@ -104,13 +104,15 @@ class BandSchedule(Schedule):
     def adjust_kv(self, view: LayerView) -> KVShift | None:
         if self._drift is None:
             return None
-        is_span = self._is_span(view.active_idx)
-        if not bool(is_span.any()):
-            return None
+        if self._span_mask.device != view.active_idx.device:
+            self._span_mask = self._span_mask.to(view.active_idx.device)
         not_active = self._span_mask.clone()  # span tokens not computed at this layer
-        not_active[view.active_idx] = False
+        not_active.index_fill_(0, view.active_idx, False)
         targets = not_active.nonzero().flatten()
-        shift = self._drift(view, is_span.nonzero().flatten()) if targets.numel() else None
+        if not targets.numel():
+            return None
+        span_rows = self._is_span(view.active_idx).nonzero().flatten()
+        shift = self._drift(view, span_rows) if span_rows.numel() else None
         return None if shift is None else KVShift(targets, *shift)
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
