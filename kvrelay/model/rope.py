@@ -25,6 +25,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def undo_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``apply_rotary`` with the same cos/sin: rotate back to position 0."""
+    return x * cos - rotate_half(x) * sin
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     factor = float(params["factor"])
     low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])

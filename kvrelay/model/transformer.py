@@ -27,7 +27,7 @@ from kvrelay.model.layers import (
     linear,
     visible_mask,
 )
-from kvrelay.model.rope import RotaryEmbedding, apply_rotary, rotate_half
+from kvrelay.model.rope import RotaryEmbedding, apply_rotary, undo_rotary
 from kvrelay.model.schedule import LayerView, Schedule
 
 if TYPE_CHECKING:
@@ -278,8 +278,7 @@ class Transformer(nn.Module):
                 row_cos, row_sin = cos.index_select(0, rows), sin.index_select(0, rows)
             else:
                 row_cos, row_sin = cos_sin32(active.index_select(0, rows))
-            keys = keys.float()
-            return keys * row_cos - rotate_half(keys) * row_sin  # R(-p): apply_rotary with -sin
+            return undo_rotary(keys.float(), row_cos, row_sin)
 
         view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
                          _attention_probs=self._probs_fn(q, cache, li, active, n), _unrotate=unrotate)

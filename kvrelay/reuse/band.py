@@ -104,14 +104,13 @@ class BandSchedule(Schedule):
     def adjust_kv(self, view: LayerView) -> KVShift | None:
         if self._drift is None:
             return None
-        if self._span_mask.device != view.active_idx.device:
-            self._span_mask = self._span_mask.to(view.active_idx.device)
+        is_span = self._is_span(view.active_idx)  # (also moves the span mask beside the active set)
         not_active = self._span_mask.clone()  # span tokens not computed at this layer
         not_active.index_fill_(0, view.active_idx, False)
         targets = not_active.nonzero().flatten()
         if not targets.numel():
             return None
-        span_rows = self._is_span(view.active_idx).nonzero().flatten()
+        span_rows = is_span.nonzero().flatten()
         shift = self._drift(view, span_rows) if span_rows.numel() else None
         return None if shift is None else KVShift(targets, *shift)
 
