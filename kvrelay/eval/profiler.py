@@ -230,7 +230,7 @@ def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: st
 # relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
 # with stricter thresholds or the budget form at three shares; and, detecting where the carried states enter
 # (``AT_START``: L_det = L_start, so the refused tokens cost nothing), wider budgets narrowed through the band,
-# with and without the drift correction
+# with and without the drift correction, with the openings in the band or at every layer
 AT_START = "detect_at_start"
 _SPANS = {"l_pre": 4, "l_suf": 4}
 SELECTOR_CANDIDATES: tuple[dict, ...] = (
@@ -244,6 +244,9 @@ SELECTOR_CANDIDATES: tuple[dict, ...] = (
     # the four without the last tokens again, each pruning layer correcting the span tokens it does not compute
     *({AT_START: True, "top_r": r, "l_pre": 4, "l_suf": 0, "prune": p, "drift": 0.35}
       for r, p in ((0.3, 0.1), (0.35, 0.1), (0.4, 0.15), (0.5, 0.25))),
+    # the spans' first tokens computed at every layer (as EPIC computes them) instead of inside the band only
+    *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": p, "pre_dense": True, **d}
+      for r, p, d in ((0.35, 0.1, {"drift": 0.35}), (0.5, 0.25, {})) for n in (2, 4)),
 )
 
 

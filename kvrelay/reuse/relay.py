@@ -33,8 +33,8 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
 the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
-``top_r``, ``prune``, ``prune_by``, ``drift``): the profile holds the one chosen on calibration calls for the model
-(with the detection layer it was chosen with), or none (the paper's).
+``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``): the profile holds the one chosen on calibration
+calls for the model (with the detection layer it was chosen with), or none (the paper's).
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
 
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
-PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "top_r": None, "prune": None,
-                  "prune_by": None, "drift": None}
+PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "pre_dense": None, "top_r": None,
+                  "prune": None, "prune_by": None, "drift": None}
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ class SelectorSettings:
     tau_inf: float
     l_suf: int
     l_pre: int
+    pre_dense: bool | None  # None: False (the openings enter the band with the other span tokens)
     top_r: float | None
     prune: float | None
     prune_by: str | None  # None: share
@@ -163,7 +164,7 @@ class RelayMethod(ReuseMethod):
     band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
     # True: each span's first l_pre tokens are computed at every layer from the embedding, as EPIC computes
     # them, instead of entering the band at L_start from the upstream hidden state and leaving it at L_end
-    pre_dense: bool = False
+    pre_dense: bool | None = None
     # gradual filtering inside the band (selector knobs too): at each band layer above L_det, drop kept span
     # tokens whose value deviation there is low (``prune_mask``; None: keep them all to L_end)
     prune: float | None = None
@@ -249,7 +250,7 @@ class RelayMethod(ReuseMethod):
         carried, carried_h, from_zero, always, dense = [], [], [], [], []
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
-            num_dense = min(sel.l_pre, load.num_tokens) if self.pre_dense else 0
+            num_dense = min(sel.l_pre, load.num_tokens) if sel.pre_dense else 0
             dense.append(idx[:num_dense])  # computed like the call's new tokens, outside the band
             idx = idx[num_dense:]
             if not idx.numel():
@@ -280,9 +281,19 @@ class RelayMethod(ReuseMethod):
                 return select_top(dev, inf, always_mask, sel.top_r)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
+        # the call's own new tokens, by prompt position: the influence's queries (the spans' dense openings are
+        # computed alongside them but are span text, attending mostly to their own span)
+        new_pos = torch.zeros(len(call.prompt_ids), dtype=torch.bool)
+        new_pos[reuse.new_idx(len(call.prompt_ids))] = True
+
         def influence(view: LayerView, query_rows: torch.Tensor, span_idx: torch.Tensor) -> torch.Tensor | None:
-            """The attention the call's new tokens (``query_rows``) pay each span token, over heads and queries."""
-            if self.selector == "deviation" or not query_rows.numel():
+            """The attention the call's new tokens (among ``query_rows``) pay each span token, over heads and
+            queries."""
+            if self.selector == "deviation":
+                return None
+            is_new = new_pos.to(query_rows.device).index_select(0, view.active_idx.index_select(0, query_rows))
+            query_rows = query_rows[is_new]
+            if not query_rows.numel():
                 return None
             return view.attention_probs(query_rows).sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n_keys]
 

@@ -169,6 +169,25 @@ def test_relay_pre_dense_computes_each_span_opening_at_every_layer_as_epic(setup
     assert banded.stats.num_computed_token_layers == 12 * L + 5 * 1
 
 
+def test_relay_influence_reads_the_calls_new_tokens_not_the_dense_openings(setup, monkeypatch):
+    """With ``pre_dense`` the openings are computed beside the call's new tokens but are span text: the
+    influence (admission at layer 2, and the selector at a detection layer above it) takes its queries
+    from the call's new tokens only (prompt rows 0-6 and 31-35)."""
+    queried: list[set[int]] = []
+    real = LayerView.attention_probs
+
+    def spy(self, query_rows):
+        queried.append(set(self.active_idx.index_select(0, query_rows).tolist()))
+        return real(self, query_rows)
+
+    monkeypatch.setattr(LayerView, "attention_probs", spy)
+    new_rows = set(range(SPAN.start)) | set(range(SPAN.stop, 36))
+    for band in ("l_start=2,l_det=2", "l_start=0,l_det=1"):
+        queried.clear()
+        _run(setup, f"relay[{band},l_end={L - 1},top_r=0.25,l_pre=5,l_suf=0,pre_dense=true]")
+        assert queried == [new_rows]
+
+
 def test_epic_recomputes_exactly_the_first_k_tokens_of_each_span(setup, writes):
     """Two spans (an upstream prompt piece and its output): the rows epic computed, at every layer above 0,
     are the first k = 5 of each span and no other."""
