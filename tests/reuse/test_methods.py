@@ -391,16 +391,18 @@ def test_relay_plans_with_the_selector_its_profile_chose(setup, tmp_path, monkey
     lm = setup[0]
     monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path))
     monkeypatch.setattr(profiles, "_PROFILES", {})
-    chosen = {"top_r": 0.5, "l_pre": 2, "l_suf": 0}
-    p = profiles.LayerProfile(lm.fingerprint, "toy", L, 0, 0, L - 1, 0.5, [1.0] * L, [1.0] * L, [0.0] * L,
+    chosen = {"top_r": 0.5, "l_pre": 2, "l_suf": 0, "pre_dense": True}
+    p = profiles.LayerProfile(lm.fingerprint, "toy", L, 0, 0, L - 2, 0.5, [1.0] * L, [1.0] * L, [0.0] * L,
                               selector=chosen)
     p.save(profiles.profile_path(lm.fingerprint))
+    band = f"l_start=0,l_det=0,l_end={L - 2}"
     counts = {spec: _run(setup, spec).stats.num_recomputed_token_layers
-              for spec in ("relay", f"relay[l_start=0,l_det=0,l_end={L - 1},top_r=0.5,l_pre=2,l_suf=0]",
-                           f"relay[l_start=0,l_det=0,l_end={L - 1},top_r=0.5]")}
-    plain, explicit, paper_rest = counts.values()
+              for spec in ("relay", f"relay[{band},top_r=0.5,l_pre=2,l_suf=0,pre_dense=true]",
+                           f"relay[{band},top_r=0.5]", f"relay[{band},top_r=0.5,l_pre=2,l_suf=0]")}
+    plain, explicit, paper_rest, in_band = counts.values()
     assert plain == explicit  # "relay" is the profile's selector, exactly
     assert plain != paper_rest  # which is not the paper's l_pre=0, l_suf=10
+    assert plain != in_band  # nor the same with its openings in the band only
 
 
 def test_method_parameter_types_are_checked():
