@@ -188,6 +188,10 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: prune_by must be one of {PRUNE_RULES}, got {self.prune_by!r}")
         if self.prune_by is not None and self.prune is None:
             raise ConfigError("relay: prune_by needs prune (the share or the factor it applies)")
+        if self.pre_dense is not None and not isinstance(self.pre_dense, bool):
+            raise ConfigError(f"relay: pre_dense must be true or false, got {self.pre_dense!r}")
+        if self.pre_dense and not self.l_pre:
+            raise ConfigError("relay: pre_dense needs l_pre > 0 (the span openings it computes at every layer)")
         if self.drift is not None and not 0 <= self.drift <= 1:
             raise ConfigError(f"relay: drift must be in [0, 1], got {self.drift}")
         if self.drift is not None and self.prune is None:

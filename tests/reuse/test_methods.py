@@ -12,7 +12,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import LayerView
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.relay import drift_shift, prune_mask, select_tokens, select_top
+from kvrelay.reuse.relay import RelayMethod, drift_shift, prune_mask, select_tokens, select_top
 from tests.helpers import generate, publish, tiny_lm
 
 L = 4  # layers of the tiny model
@@ -337,6 +337,10 @@ def test_drift_shift_is_the_factor_times_the_sources_mean_move():
         get_method("relay[drift=0.3]")
     with pytest.raises(ConfigError, match="drift must be in"):
         get_method("relay[prune=0.1,drift=1.5]")
+    with pytest.raises(ConfigError, match="pre_dense needs l_pre"):
+        get_method("relay[pre_dense=true]")
+    with pytest.raises(ConfigError, match="pre_dense must be true or false"):  # e.g. a profile's JSON string
+        RelayMethod(l_pre=2, pre_dense="false")
 
 
 def test_relay_drift_moves_the_span_tokens_each_pruning_layer_does_not_compute(setup, writes, monkeypatch):
@@ -385,7 +389,7 @@ def test_relay_budget_form_recomputes_its_share_above_detection(setup):
     torch.testing.assert_close(out.first_logits, ref.first_logits, atol=1e-4, rtol=0)
 
 
-def test_relay_plans_with_the_selector_its_profile_chose(setup, tmp_path, monkeypatch):
+def test_relay_plans_with_the_selector_its_profile_chose(setup, tmp_path, monkeypatch, writes):
     from kvrelay.reuse import profile as profiles
 
     lm = setup[0]
@@ -402,7 +406,14 @@ def test_relay_plans_with_the_selector_its_profile_chose(setup, tmp_path, monkey
     plain, explicit, paper_rest, in_band = counts.values()
     assert plain == explicit  # "relay" is the profile's selector, exactly
     assert plain != paper_rest  # which is not the paper's l_pre=0, l_suf=10
-    assert plain != in_band  # nor the same with its openings in the band only
+    # its 2 openings are dense: computed above the band's end too, where no other span token is
+    writes.clear()
+    _run(setup, "relay")
+    assert _computed(writes, L - 1, SPAN_ROWS) == {0, 1}
+    writes.clear()
+    _run(setup, f"relay[{band},top_r=0.5,l_pre=2,l_suf=0]")
+    assert _computed(writes, L - 1, SPAN_ROWS) == set()
+    assert in_band != plain
 
 
 def test_method_parameter_types_are_checked():
