@@ -285,18 +285,22 @@ class RelayMethod(ReuseMethod):
                 return select_top(dev, inf, always_mask, sel.top_r)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
-        # the call's own new tokens, by prompt position: the influence's queries (the spans' dense openings are
-        # computed alongside them but are span text, attending mostly to their own span)
-        new_pos = torch.zeros(len(call.prompt_ids), dtype=torch.bool)
-        new_pos[reuse.new_idx(len(call.prompt_ids))] = True
+        dense_idx = torch.cat(dense) if dense else torch.empty(0, dtype=torch.long)
+        # the influence's queries are the call's own new tokens: the spans' dense openings are computed beside
+        # them but are span text, attending mostly to their own span (a mask by prompt position, only with them)
+        new_pos = None
+        if dense_idx.numel():
+            new_pos = torch.ones(len(call.prompt_ids), dtype=torch.bool)
+            new_pos[dense_idx] = False
 
         def influence(view: LayerView, query_rows: torch.Tensor, span_idx: torch.Tensor) -> torch.Tensor | None:
             """The attention the call's new tokens (among ``query_rows``) pay each span token, over heads and
             queries."""
             if self.selector == "deviation":
                 return None
-            is_new = new_pos.to(query_rows.device).index_select(0, view.active_idx.index_select(0, query_rows))
-            query_rows = query_rows[is_new]
+            if new_pos is not None:
+                is_new = new_pos.to(query_rows.device).index_select(0, view.active_idx.index_select(0, query_rows))
+                query_rows = query_rows[is_new]
             if not query_rows.numel():
                 return None
             return view.attention_probs(query_rows).sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n_keys]
@@ -322,7 +326,7 @@ class RelayMethod(ReuseMethod):
         # selecting where the carried states enter: their own K/V there equal the reused ones (no deviation
         # to read), so the selection runs before they join and the refused ones are never computed
         admits = det == start > 0 and not from_zero
-        new_idx = torch.cat([reuse.new_idx(len(call.prompt_ids)), *dense]).unique()  # sorted
+        new_idx = torch.cat([reuse.new_idx(len(call.prompt_ids)), dense_idx]).unique()  # sorted
         schedule = BandSchedule(new_idx, entries, det, end, None if admits else selector,
                                 prune if sel.prune is not None else None, admit if admits else None,
                                 drift if sel.drift else None)
