@@ -17,8 +17,8 @@ from kvrelay.flags import (
     dataclass_from_args,
     finite_float,
     load_model_from,
+    non_negative_integer,
     positive_integer,
-    workload_arg,
 )
 
 # the names commands added elsewhere (serve) use
@@ -160,6 +160,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.eval.profiler import build_profile, calibrate_selector, plot_profile, profile_path
+    from kvrelay.pipeline.workloads import get_workload
     from kvrelay.reuse.profile import layer_profile
 
     check_output_file(args.out, "--out")
@@ -168,15 +169,25 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise ConfigError(f"--band-mass must be in (0, 1], got {args.band_mass}")
     if args.kl_tolerance < 0:
         raise ConfigError(f"--kl-tolerance must be >= 0, got {args.kl_tolerance}")
-    if args.workload == "gsm8k-branches":
-        raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
-    _check_data(args.workload, args.data)
+    workloads = [name.strip() for name in args.workload.split(",")]
+    for name in workloads:
+        if name == "gsm8k-branches":
+            raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
+        get_workload(name)  # an unknown name fails here, before the model loads
+    if len(workloads) > 1 and not args.selector_only:
+        raise ConfigError(f"--workload {args.workload}: several workloads calibrate the selector only "
+                          "(--selector-only); the band and curves come from one")
+    if len(workloads) > 1 and args.data is not None:
+        raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
+    _check_data(workloads[0], args.data)
     lm = load_model_from(args)
     if args.selector_only:  # keep the model's band, choose the selector again
-        profile = calibrate_selector(lm, layer_profile(lm), args.workload, args.data, args.problems)
+        profile = calibrate_selector(lm, layer_profile(lm), workloads, args.data, args.problems,
+                                     path_tokens=args.path_tokens, offset=args.offset)
     else:
         profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
-                                workload=args.workload, select=args.select, kl_tolerance=args.kl_tolerance)
+                                workload=workloads[0], select=args.select, kl_tolerance=args.kl_tolerance,
+                                path_tokens=args.path_tokens, offset=args.offset)
     out = Path(args.out) if args.out else profile_path(lm.profile_fingerprint)
     profile.save(out)
     if out != profile_path(lm.profile_fingerprint):  # relay finds profiles by model fingerprint in the cache
@@ -188,7 +199,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         print(f"  relay band ({band}): first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
     print(f"chosen ({profile.select}): L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end}")
     for spec, score in profile.selector_scores.items():
-        print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
+        path = (f", KL over {args.path_tokens} tokens {score['path_kl']:.4f}, greedy@{args.path_tokens} "
+                f"{score['greedy']:.2f}") if "path_kl" in score else ""
+        print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}{path}")
     print(f"selector: {profile.selector or 'the paper thresholds'}")
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
     print(f"wrote {out} (and {profile_path(lm.profile_fingerprint)})")
@@ -260,10 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=_cmd_run)
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
     add_model_flags(prof, DEFAULT_MODEL, int4_decode=False)  # the profile relays decode KV: fp32's, always
-    prof.add_argument("--workload", type=workload_arg, default="gsm8k-chain3",
-                      help="calibration pipelines, a workload name (default: gsm8k-chain3)")
+    prof.add_argument("--workload", default="gsm8k-chain3",
+                      help="calibration pipelines, a workload name, or several comma-separated with --selector-only "
+                           "(their calls pooled; default: gsm8k-chain3)")
     prof.add_argument("--data", default=None, help="calibration data file (default: ../shared/data/gsm8k/train.jsonl)")
-    prof.add_argument("--problems", type=positive_integer, default=20, help="calibration problems (default: 20)")
+    prof.add_argument("--problems", type=positive_integer, default=20,
+                      help="calibration problems, of each workload (default: 20)")
+    prof.add_argument("--offset", type=non_negative_integer, default=0,
+                      help="skip the first N problems of each workload's data: HumanEval has no train split, and "
+                           "`kvrelay bench` runs its first ones (default: 0)")
     prof.add_argument("--band-mass", type=finite_float, default=0.5,
                       help="share of the value deviation the band holds, in (0, 1] (default: 0.5)")
     prof.add_argument("--select", choices=SELECTS, default=SELECTS[0],
@@ -277,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "selector again on the calibration calls")
     prof.add_argument("--kl-tolerance", type=finite_float, default=0.1,
                       help="relative KL slack when choosing by fidelity, >= 0 (default: 0.1)")
+    prof.add_argument("--path-tokens", type=non_negative_integer, default=32,
+                      help="score relay's selectors along full's first N greedy tokens (teacher-forced: the KL "
+                           "there, and whether greedy@N matches) and choose by that KL; 0: by the first token's "
+                           "(default: 32)")
     prof.add_argument("--out", default=None, help="profile JSON file (default: the cache, keyed by model fingerprint)")
     prof.add_argument("--plot", default=None, help="PNG file of the curves")
     prof.set_defaults(fn=_cmd_profile)

@@ -99,6 +99,13 @@ def positive_integer(text: str) -> int:
     return value
 
 
+def non_negative_integer(text: str) -> int:
+    value = integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 0")
+    return value
+
+
 def device_arg(text: str) -> str:
     from kvrelay.weights.devices import check_device
 

@@ -96,7 +96,11 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
                          for command in (["generate", "hi", "--model", "random:tiny", "--int4-decode"],
                                          ["run", str(good), "--model", "random:tiny", "--int4-decode", "--input",
                                           "q=x"])),
-                       (["profile", "--int4-decode"], "unrecognized arguments: --int4-decode")):
+                       (["profile", "--int4-decode"], "unrecognized arguments: --int4-decode"),
+                       (["profile", "--workload", "gsm8k-chain3,nope", "--selector-only"], "unknown workload 'nope'"),
+                       (["profile", "--workload", "gsm8k-chain3,humaneval-adr"],
+                        "several workloads calibrate the selector only (--selector-only)"),
+                       (["profile", "--offset", "-1"], "--offset: '-1': must be an integer >= 0")):
         out = _kvrelay(*args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr

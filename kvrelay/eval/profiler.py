@@ -24,9 +24,13 @@ within ``kl_tolerance`` of the lowest (the fidelity-for-cost rule):
 
 With ``search``, a last pass over the same calls chooses relay's token selector for the chosen band
 (``calibrate_selector``): among a few candidates (the paper's thresholds; span openings kept with
-stricter thresholds or the budget form; wider budgets detected at L_start and pruned through the band),
-the lowest KL among those reusing at least as much as ``epic`` on the same calls (else as much as the
-paper's). ``relay`` uses it when a spec sets none of the selector's knobs.
+stricter thresholds or the budget form; wider budgets detected at L_start and pruned through the band).
+Each is held to ``full``'s first 32 greedy tokens, teacher-forced (``kvrelay.eval.path_fidelity``): the
+KL along them and whether greedy@32 matches, beside the first token's KL. The choice is the lowest KL
+along the continuation among those reusing at least as much as ``epic`` on the same calls (else as much
+as the paper's), narrowed while any candidate meets them by the rest of the dominance bar: a first-token
+KL at most 0.4x epic's (half, with a margin for train-to-test drift), then a greedy@32 share at least
+epic's. ``relay`` uses it when a spec sets none of the selector's knobs.
 
 The profile itself (data, load/save, lookup) is ``kvrelay.reuse.profile``; this module runs pipelines,
 so it sits in ``eval``, above the engine and the pipeline runner.
@@ -35,7 +39,9 @@ so it sits in ``eval``, above the engine and the pipeline runner.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +51,7 @@ from kvrelay.data.datasets import data_root
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.errors import KvRelayError
 from kvrelay.eval.fidelity import kl_first_token
+from kvrelay.eval.path_fidelity import path_reference, score_path
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
@@ -174,20 +181,29 @@ def choose_by_fidelity(scores: dict[Band, tuple[float, float]], kl_tolerance: fl
     """scores: band -> (mean first-token KL(full || relay), mean reuse). The most reuse among bands
     whose KL is at most ``kl_bar`` (default: (1 + kl_tolerance) x the lowest); ties: the lower KL,
     then the earlier band."""
-    bar = (1 + kl_tolerance) * min(kl for kl, _ in scores.values()) if kl_bar is None else kl_bar
-    ok = [band for band, (kl, _) in scores.items() if kl <= bar + 1e-12] or [min(scores, key=lambda b: scores[b][0])]
+    bar = (1 + kl_tolerance) * min(score[0] for score in scores.values()) if kl_bar is None else kl_bar
+    ok = [band for band, score in scores.items() if score[0] <= bar + 1e-12] or [min(scores,
+                                                                                      key=lambda b: scores[b][0])]
     return max(ok, key=lambda band: (scores[band][1], -scores[band][0]))
 
 
-def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: int, capture: tuple[int, ...],
-                      on_call, desc: str, progress: bool) -> None:
+def _downstream_calls(lm: LoadedModel, workload: str | Sequence[str], data: str | None, num_problems: int,
+                      capture: tuple[int, ...], on_call, desc: str, progress: bool, offset: int = 0) -> None:
     """Run each calibration pipeline with ``full``; ``on_call(call, store)`` sees every call that reads an
-    upstream output, while the store holds the spans before it (carrying ``capture`` hidden states)."""
+    upstream output, while the store holds the spans before it (carrying ``capture`` hidden states).
+
+    ``workload``: one name or several (``num_problems`` of each, after skipping the first ``offset``), each
+    on ``data`` or its calibration default (``calibration_data``)."""
     from tqdm import tqdm
 
-    wl = get_workload(workload)
-    for problem in tqdm(wl.problems(data, num_problems), desc=desc, unit="problem", disable=not progress,
-                        file=sys.stderr):
+    names = (workload,) if isinstance(workload, str) else tuple(workload)
+    if data is not None and len(names) > 1:
+        raise KvRelayError(f"calibration data {data!r} given for {len(names)} workloads: give it for one")
+    problems = []
+    for name in names:
+        wl = get_workload(name)
+        problems += [(wl, p) for p in wl.problems(calibration_data(data, name), offset + num_problems)[offset:]]
+    for wl, problem in tqdm(problems, desc=desc, unit="problem", disable=not progress, file=sys.stderr):
         store = KVStore(4 << 30)  # one problem's spans at a time: captured hidden states are large
         runner = PipelineRunner(Engine(lm, store, capture_layers=capture), wl.spec, run_id=problem.problem_id)
 
@@ -198,33 +214,56 @@ def _downstream_calls(lm: LoadedModel, workload: str, data: str, num_problems: i
         runner.run(problem.inputs, "full", before_call=probe)
 
 
-def score_methods(lm: LoadedModel, methods: dict, workload: str, data: str, num_problems: int,
-                  desc: str, progress: bool = True) -> dict:
-    """key -> (mean first-token KL(full || relay), mean reuse) of each relay method over the calibration calls."""
+class MethodScore(NamedTuple):
+    """One method's means over the calibration calls; the path fields only when scored along full's
+    continuation (``kvrelay.eval.path_fidelity``)."""
+
+    kl: float  # first-token KL(full || method)
+    reuse: float
+    path_kl: float | None = None  # KL(full || method) over the continuation's positions
+    greedy: float | None = None  # share of calls whose greedy continuation equals full's
+
+
+def _mean(xs: list) -> float:
+    return sum(xs) / len(xs)
+
+
+def score_methods(lm: LoadedModel, methods: dict, workload: str | Sequence[str], data: str | None,
+                  num_problems: int, desc: str, progress: bool = True, path_tokens: int = 0,
+                  offset: int = 0) -> dict[object, MethodScore]:
+    """key -> each method's ``MethodScore`` over the calibration calls; with ``path_tokens`` > 0 also held to
+    ``full``'s first ``path_tokens`` greedy tokens, teacher-forced."""
     one = GenerateOptions(SamplingConfig(max_new_tokens=1))
-    kls: dict = {key: [] for key in methods}
-    reuses: dict = {key: [] for key in methods}
+    scores: dict = {key: [] for key in methods}
 
     def on_call(call: CallInput, store: KVStore) -> None:
         engine = Engine(lm, store)
+        if path_tokens > 0:
+            ref = path_reference(engine, call, path_tokens)
+            for key, method in methods.items():
+                s = score_path(engine, call, method, ref)
+                scores[key].append((s.first_kl, s.reuse, s.path_kl, float(s.greedy_match)))
+            return
         full = engine.generate(call, "full", one).first_logits
         for key, method in methods.items():
             out = engine.generate(call, method, one)
-            kls[key].append(kl_first_token(full, out.first_logits))
-            reuses[key].append(out.stats.reuse_rate)
+            scores[key].append((kl_first_token(full, out.first_logits), out.stats.reuse_rate))
 
     capture = tuple(sorted({layer for m in methods.values() for layer in m.capture_layers(lm)}))
-    _downstream_calls(lm, workload, data, num_problems, capture, on_call, desc, progress)
-    return {key: (sum(kls[key]) / len(kls[key]), sum(reuses[key]) / len(reuses[key])) for key in methods}
+    _downstream_calls(lm, workload, data, num_problems, capture, on_call, desc, progress, offset)
+    if not any(scores.values()):
+        raise KvRelayError(f"calibration workload {workload!r} has no downstream call with an upstream output")
+    # rows: one tuple per call; columns: the MethodScore fields measured
+    return {key: MethodScore(*(_mean(list(col)) for col in zip(*rows, strict=True))) for key, rows in scores.items()}
 
 
-def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str, num_problems: int,
-                progress: bool = True) -> dict[Band, tuple[float, float]]:
+def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str | None, num_problems: int,
+                progress: bool = True, offset: int = 0) -> dict[Band, MethodScore]:
     """Band -> (mean first-token KL(full || relay), mean reuse) over the calibration calls."""
     # the paper's selector on every band: a band is chosen before the selector, whatever profile the model has now
     methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2], **PAPER_SELECTOR)
                for band in candidates}
-    return score_methods(lm, methods, workload, data, num_problems, "scoring bands", progress)
+    return score_methods(lm, methods, workload, data, num_problems, "scoring bands", progress, offset=offset)
 
 
 # relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
@@ -247,6 +286,9 @@ SELECTOR_CANDIDATES: tuple[dict, ...] = (
     # the spans' first tokens computed at every layer (as EPIC computes them) instead of inside the band only
     *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": p, "pre_dense": True, **d}
       for r, p, d in ((0.35, 0.1, {"drift": 0.35}), (0.5, 0.25, {})) for n in (2, 4)),
+    # more openings at every layer (EPIC computes 16) paid for by a narrower budget: what the continuation reads
+    *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": p, "pre_dense": True, **d}
+      for r, n, p in ((0.3, 6, 0.1), (0.2, 8, 0.1), (0.25, 8, 0.1), (0.25, 8, 0.15)) for d in ({}, {"drift": 0.35})),
 )
 
 
@@ -256,55 +298,90 @@ def selector_spec(knobs: dict) -> str:
     return "relay[" + ",".join("l_det=l_start" if k == AT_START else f"{k}={v}" for k, v in knobs.items()) + "]"
 
 
-def choose_selector(scores: dict[str, tuple[float, float]], paper: str, reuse_bar: float | None = None) -> str:
-    """The lowest KL among the selectors that reuse at least ``reuse_bar`` (epic's on the same calls: what relay
-    must match to beat it); when none does, among those that reuse at least as much as the paper's (``paper``).
-    Ties: more reuse."""
-    ok = [key for key, (_, reuse) in scores.items() if reuse_bar is not None and reuse >= reuse_bar - 1e-9]
+def _rank_score(score: tuple) -> float:
+    """What ``choose_selector`` minimizes: the KL along full's continuation where it was scored, else the
+    first token's."""
+    return score[2] if len(score) > 2 and score[2] is not None else score[0]
+
+
+def choose_selector(scores: dict[str, tuple], paper: str, reuse_bar: float | None = None,
+                    kl_bar: float | None = None, greedy_bar: float | None = None) -> str:
+    """scores: spec -> (first-token KL, reuse[, path KL, greedy share]). The lowest KL (along full's
+    continuation where scored, else the first token's) among the selectors that reuse at least ``reuse_bar``
+    (epic's on the same calls: what relay must match to beat it); when none reuses that much, among those
+    that reuse at least as much as the paper's (``paper``). Within those, the bars narrow the choice in turn
+    while some selector meets them: a first-token KL at most ``kl_bar``, then a greedy share at least
+    ``greedy_bar``. Ties: more reuse."""
+    ok = [key for key, score in scores.items() if reuse_bar is not None and score[1] >= reuse_bar - 1e-9]
     if not ok:
         bar = scores[paper][1] - 1e-9
-        ok = [key for key, (_, reuse) in scores.items() if reuse >= bar]
-    return min(ok, key=lambda key: (scores[key][0], -scores[key][1]))
+        ok = [key for key, score in scores.items() if score[1] >= bar]
+    if kl_bar is not None:
+        ok = [key for key in ok if scores[key][0] <= kl_bar + 1e-12] or ok
+    if greedy_bar is not None:
+        ok = [key for key in ok if len(scores[key]) > 3 and scores[key][3] >= greedy_bar - 1e-9] or ok
+    return min(ok, key=lambda key: (_rank_score(scores[key]), -scores[key][1]))
 
 
-def _calibration_data(data: str | None) -> str:
-    """The calibration calls' data: ``data``, else GSM8K *train* (calibration never touches the test data)."""
-    return data or str(data_root() / "gsm8k" / "train.jsonl")
+def calibration_data(data: str | None, workload: str) -> str | None:
+    """The calibration calls' data: ``data``; else GSM8K *train* for GSM8K workloads (calibration never
+    touches their test data); else the workload's own file (HumanEval has no train split: skip the problems
+    a bench runs with ``offset``)."""
+    if data is None and workload.startswith("gsm8k"):
+        return str(data_root() / "gsm8k" / "train.jsonl")
+    return data
 
 
-def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str, data: str | None, num_problems: int,
-                       progress: bool = True) -> LayerProfile:
+# the dominance bar calibration aims at: relay's first-token KL at most 0.5 x epic's at epic's reuse, with a
+# margin: from train calls to test problems relay's KL ratio to epic's rose by 10-15% on both models
+# (BENCHMARKS.md, "Session 23"), so a point chosen right at the bar lands above it
+KL_SHARE_OF_EPIC = 0.5 * 0.8
+
+
+def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | Sequence[str], data: str | None,
+                       num_problems: int, progress: bool = True, path_tokens: int = 32,
+                       offset: int = 0) -> LayerProfile:
     """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``, with epic's
-    reuse on the same calls as the bar); a selector chosen with ``AT_START`` moves the profile's L_det to L_start
-    (the band search's own L_det stays in ``searched_band``)."""
-    data = _calibration_data(data)
+    on the same calls as the bars: its reuse, ``KL_SHARE_OF_EPIC`` x its first-token KL and its greedy share,
+    the dominance bars, KL's with a margin; ranked by the KL along ``full``'s first ``path_tokens`` greedy
+    tokens, or, with 0, by the first token's under the reuse bar only); a selector chosen with ``AT_START``
+    moves the profile's L_det to L_start (the band search's own L_det stays in ``searched_band``).
+    ``workload``: one name or several, their calls pooled (``_downstream_calls``)."""
     start, det, end = profile.searched_band or profile.layers
     candidates = {selector_spec(k): k for k in SELECTOR_CANDIDATES}
     methods = {spec: RelayMethod(l_start=start, l_det=start if k.get(AT_START) else det, l_end=end,
                                  **({key: v for key, v in k.items() if key != AT_START} or PAPER_SELECTOR))
                for spec, k in candidates.items()}
     scores = score_methods(lm, {**methods, "epic": EpicMethod()}, workload, data, num_problems, "scoring selectors",
-                           progress)
-    epic_kl, epic_reuse = scores.pop("epic")
-    chosen = choose_selector(scores, selector_spec({}), epic_reuse)
+                           progress, path_tokens, offset)
+    epic = scores.pop("epic")
+    kl_bar = KL_SHARE_OF_EPIC * epic.kl if path_tokens > 0 else None
+    chosen = choose_selector(scores, selector_spec({}), epic.reuse, kl_bar, epic.greedy)
     knobs = candidates[chosen]
     profile.searched_band = [start, det, end]
     profile.l_det = start if knobs.get(AT_START) else det
     profile.selector = {k: v for k, v in knobs.items() if k != AT_START}
-    profile.selector_scores = {spec: {"kl": kl, "reuse": reuse} for spec, (kl, reuse) in scores.items()}
-    profile.selector_scores["epic"] = {"kl": epic_kl, "reuse": epic_reuse}
+    profile.selector_scores = {spec: _score_dict(s) for spec, s in {**scores, "epic": epic}.items()}
     profile.calibration["selector_problems"] = num_problems
+    names = [workload] if isinstance(workload, str) else list(workload)
+    profile.calibration["selector_workloads"] = {name: calibration_data(data, name) or "default" for name in names}
+    profile.calibration["selector_offset"] = offset
+    profile.calibration["selector_path_tokens"] = path_tokens
     return profile
+
+
+def _score_dict(score: MethodScore) -> dict[str, float]:
+    return {k: v for k, v in score._asdict().items() if v is not None}
 
 
 def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.5, data: str | None = None,
                   workload: str = "gsm8k-chain3", progress: bool = True, select: str = "search",
-                  kl_tolerance: float = 0.1) -> LayerProfile:
+                  kl_tolerance: float = 0.1, path_tokens: int = 32, offset: int = 0) -> LayerProfile:
     """Profile every downstream call's upstream outputs on calibration pipelines run with ``full``;
     unless ``select="deviation"``, later passes over the same problems score candidate bands."""
     if select not in SELECTS:
         raise KvRelayError(f"profile: select must be one of {SELECTS}, got {select!r}")
-    data = _calibration_data(data)
+    data = calibration_data(data, workload)
     v_all, k_all = [], []
 
     def on_call(call: CallInput, store: KVStore) -> None:
@@ -312,7 +389,7 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
         v_all.append(v)
         k_all.append(k)
 
-    _downstream_calls(lm, workload, data, num_problems, (), on_call, "profiling", progress)
+    _downstream_calls(lm, workload, data, num_problems, (), on_call, "profiling", progress, offset)
     if not v_all:
         raise KvRelayError(f"workload {workload!r} has no downstream call with an upstream output to profile")
     v_cos, k_cos = torch.cat(v_all, dim=1), torch.cat(k_all, dim=1)  # [L, tokens]
@@ -324,21 +401,21 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
     if select != "deviation":
         num_layers = lm.config.num_layers
         first = search_candidates if select == "search" else fidelity_candidates
-        results = score_bands(lm, first(num_layers, chosen), workload, data, num_problems, progress)
+        results = score_bands(lm, first(num_layers, chosen), workload, data, num_problems, progress, offset)
         chosen = choose_by_fidelity(results, kl_tolerance)
         later = [b for b in detection_candidates(chosen) if b not in results] if select == "search" else []
         if later:  # the first pass sets the KL bar: a costlier detection layer must buy reuse under it
-            kl_bar = (1 + kl_tolerance) * min(kl for kl, _ in results.values())
-            results |= score_bands(lm, later, workload, data, num_problems, progress)
+            kl_bar = (1 + kl_tolerance) * min(score.kl for score in results.values())
+            results |= score_bands(lm, later, workload, data, num_problems, progress, offset)
             chosen = choose_by_fidelity(results, kl_tolerance, kl_bar)
-        band_scores = {",".join(map(str, b)): {"kl": kl, "reuse": r} for b, (kl, r) in results.items()}
+        band_scores = {",".join(map(str, b)): {"kl": s.kl, "reuse": s.reuse} for b, s in results.items()}
     profile = LayerProfile(lm.profile_fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
                            v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,
-                           {"workload": workload, "data": data, "problems": num_problems,
+                           {"workload": workload, "data": data, "problems": num_problems, "offset": offset,
                             "tokens": int(v_cos.shape[1]), "kl_tolerance": kl_tolerance},
                            select, [l_start, l_det, l_end], band_scores)
     if select == "search":  # the selector for the chosen band, on the same calibration calls
-        profile = calibrate_selector(lm, profile, workload, data, num_problems, progress)
+        profile = calibrate_selector(lm, profile, workload, data, num_problems, progress, path_tokens, offset)
     return profile
 
 
