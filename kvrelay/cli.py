@@ -169,7 +169,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise ConfigError(f"--band-mass must be in (0, 1], got {args.band_mass}")
     if args.kl_tolerance < 0:
         raise ConfigError(f"--kl-tolerance must be >= 0, got {args.kl_tolerance}")
-    workloads = [name.strip() for name in args.workload.split(",")]
+    workloads = list(dict.fromkeys(name.strip() for name in args.workload.split(",")))  # each once
     for name in workloads:
         if name == "gsm8k-branches":
             raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
@@ -177,6 +177,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if len(workloads) > 1 and not args.selector_only:
         raise ConfigError(f"--workload {args.workload}: several workloads calibrate the selector only "
                           "(--selector-only); the band and curves come from one")
+    no_train = [name for name in workloads if not name.startswith("gsm8k")]
+    if no_train and args.data is None and args.offset == 0:
+        raise ConfigError(f"--workload {','.join(no_train)} has no train split: its default file holds the problems "
+                          "`kvrelay bench` runs first; give --offset N (e.g. 100) or --data")
     if len(workloads) > 1 and args.data is not None:
         raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
     _check_data(workloads[0], args.data)
@@ -271,12 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="span store: memory (default), disk:PATH or redis://host:port/db (a shared tier behind "
                           "the memory store; credentials are never printed)")
     run.set_defaults(fn=_cmd_run)
-    prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (GSM8K train calibration)")
+    prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (calibrated on GSM8K train)")
     add_model_flags(prof, DEFAULT_MODEL, int4_decode=False)  # the profile relays decode KV: fp32's, always
     prof.add_argument("--workload", default="gsm8k-chain3",
                       help="calibration pipelines, a workload name, or several comma-separated with --selector-only "
                            "(their calls pooled; default: gsm8k-chain3)")
-    prof.add_argument("--data", default=None, help="calibration data file (default: ../shared/data/gsm8k/train.jsonl)")
+    prof.add_argument("--data", default=None,
+                      help="calibration data file (default: ../shared/data/gsm8k/train.jsonl for GSM8K workloads, "
+                           "else the workload's own file)")
     prof.add_argument("--problems", type=positive_integer, default=20,
                       help="calibration problems, of each workload (default: 20)")
     prof.add_argument("--offset", type=non_negative_integer, default=0,

@@ -100,7 +100,9 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
                        (["profile", "--workload", "gsm8k-chain3,nope", "--selector-only"], "unknown workload 'nope'"),
                        (["profile", "--workload", "gsm8k-chain3,humaneval-adr"],
                         "several workloads calibrate the selector only (--selector-only)"),
-                       (["profile", "--offset", "-1"], "--offset: '-1': must be an integer >= 0")):
+                       (["profile", "--offset", "-1"], "--offset: '-1': must be an integer >= 0"),
+                       (["profile", "--workload", "humaneval-adr", "--selector-only"],
+                        "humaneval-adr has no train split")):
         out = _kvrelay(*args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr

@@ -45,6 +45,7 @@ class PathReference:
 
     fed_ids: list[int]  # the continuation's tokens a method is fed
     logits: torch.Tensor  # [num_positions, vocab]: full's next-token logits at each scored position
+    stop_ids: frozenset[int] = frozenset()  # with a stopped continuation: any of these ends it, as decoding does
 
     @property
     def num_positions(self) -> int:
@@ -58,15 +59,18 @@ def path_reference(engine: Engine, call: CallInput, num_tokens: int) -> PathRefe
     fed = list(out.output_ids[:num_tokens])
     logits, _ = forced_logits(engine, call, "full", fed)
     num_positions = len(fed) + 1 if out.stop_reason == "stop" else len(fed)
-    return PathReference(fed, logits[:max(num_positions, 1)])
+    stop_ids = frozenset(engine.lm.tokenizer.stop_ids) if out.stop_reason == "stop" else frozenset()
+    return PathReference(fed, logits[:max(num_positions, 1)], stop_ids)
 
 
 @dataclass(frozen=True)
 class PathScore:
+    """One method on one call, along full's continuation."""
+
     first_kl: float  # KL(full || method) of the first token
     path_kl: float  # mean KL(full || method) over the scored positions
     greedy_match: bool  # top-1 agrees at every scored position: the method's greedy tokens equal full's
-    reuse: float
+    reuse: float  # the method's reused share of the prompt's token-layers
 
 
 def score_path(engine: Engine, call: CallInput, method: str | ReuseMethod, ref: PathReference) -> PathScore:
@@ -74,5 +78,8 @@ def score_path(engine: Engine, call: CallInput, method: str | ReuseMethod, ref: 
     logits, stats = forced_logits(engine, call, method, ref.fed_ids)
     logits = logits[:ref.num_positions]
     kls = [kl_first_token(ref.logits[i], logits[i]) for i in range(ref.num_positions)]
-    agree = bool((ref.logits.argmax(-1) == logits.argmax(-1)).all())
+    top_ids = logits.argmax(-1).tolist()
+    # held to the tokens full emitted (not its forced logits' argmax), and at a stop row to any stop id
+    agree = top_ids[:len(ref.fed_ids)] == ref.fed_ids[:len(top_ids)] and (
+        ref.num_positions <= len(ref.fed_ids) or top_ids[len(ref.fed_ids)] in ref.stop_ids)
     return PathScore(kls[0], sum(kls) / len(kls), agree, stats.reuse_rate)

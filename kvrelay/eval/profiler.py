@@ -259,7 +259,7 @@ def score_methods(lm: LoadedModel, methods: dict, workload: str | Sequence[str],
 
 def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: str | None, num_problems: int,
                 progress: bool = True, offset: int = 0) -> dict[Band, MethodScore]:
-    """Band -> (mean first-token KL(full || relay), mean reuse) over the calibration calls."""
+    """Band -> its ``MethodScore`` (first-token KL(full || relay), reuse) over the calibration calls."""
     # the paper's selector on every band: a band is chosen before the selector, whatever profile the model has now
     methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2], **PAPER_SELECTOR)
                for band in candidates}
@@ -319,7 +319,8 @@ def choose_selector(scores: dict[str, tuple], paper: str, reuse_bar: float | Non
     if kl_bar is not None:
         ok = [key for key in ok if scores[key][0] <= kl_bar + 1e-12] or ok
     if greedy_bar is not None:
-        ok = [key for key in ok if len(scores[key]) > 3 and scores[key][3] >= greedy_bar - 1e-9] or ok
+        ok = [key for key in ok if len(scores[key]) > 3 and scores[key][3] is not None
+              and scores[key][3] >= greedy_bar - 1e-9] or ok
     return min(ok, key=lambda key: (_rank_score(scores[key]), -scores[key][1]))
 
 

@@ -47,6 +47,7 @@ def test_teacher_forced_greedy_is_free_running_greedy(setup):
     assert ref.num_positions == N and len(ref.fed_ids) == N
     full = generate(lm, call, "full", store, SamplingConfig(max_new_tokens=N))
     assert ref.fed_ids == full.output_ids
+    assert ref.logits.argmax(-1).tolist() == ref.fed_ids  # the forced rows lead to the tokens full emitted
     own = score_path(engine, call, "full", ref)
     assert own.greedy_match and own.path_kl < 1e-8 and own.reuse == 0.0
     naive = score_path(engine, call, "naive", ref)
@@ -62,7 +63,9 @@ def test_a_later_position_that_disagrees_breaks_the_match_and_raises_the_path_kl
     logits = ref.logits.clone()
     logits[5] = -logits[5]  # full's top token at position 5 is now its least likely
     s = score_path(engine, call, "full", PathReference(ref.fed_ids, logits))
-    assert not s.greedy_match
+    other = list(ref.fed_ids)
+    other[5] = (other[5] + 1) % lm.config.vocab_size  # full "emitted" another token at position 5
+    assert s.greedy_match and not score_path(engine, call, "full", PathReference(other, ref.logits)).greedy_match
     # the mean over the scored positions: only position 5 differs from full's own rows
     assert s.first_kl < 1e-8 and s.path_kl == pytest.approx(kl_first_token(logits[5], ref.logits[5]) / N, rel=1e-3)
 
@@ -76,3 +79,6 @@ def test_a_stopped_continuation_scores_the_stop_position(setup, monkeypatch):
     ref = path_reference(engine, call, N)
     assert ref.fed_ids == ids[:cut] and ref.num_positions == cut + 1
     assert int(ref.logits[cut].argmax()) == ids[cut]  # the last scored position predicts the stop token
+    assert ref.stop_ids == frozenset({ids[cut]}) and score_path(engine, call, "full", ref).greedy_match
+    # a method that does not stop there (here: full held to a reference whose stop ids exclude its token) fails
+    assert not score_path(engine, call, "full", PathReference(ref.fed_ids, ref.logits, frozenset({-1}))).greedy_match
