@@ -159,7 +159,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from kvrelay.eval.profiler import build_profile, calibrate_selector, plot_profile, profile_path
+    from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
+    from kvrelay.eval.selector_calibration import calibrate_selector
     from kvrelay.pipeline.workloads import get_workload
     from kvrelay.reuse.profile import layer_profile
 

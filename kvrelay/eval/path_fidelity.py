@@ -53,8 +53,10 @@ class PathReference:
 
 
 def path_reference(engine: Engine, call: CallInput, num_tokens: int) -> PathReference:
-    """``full``'s first ``num_tokens`` greedy tokens; when it stops before them, the position that
-    predicts its stop token is scored too (a method must stop there as well)."""
+    """``full``'s first ``num_tokens`` greedy tokens (fewer where the context ends first); when it stops before
+    them, the position that predicts its stop token is scored too (a method must stop there as well)."""
+    # a calibration call near the context's end is scored on the continuation that fits (at least its first token)
+    num_tokens = max(1, min(num_tokens, engine.lm.config.max_position_embeddings - len(call.prompt_ids)))
     out = engine.generate(call, "full", GenerateOptions(SamplingConfig(max_new_tokens=num_tokens)))
     fed = list(out.output_ids[:num_tokens])
     logits, _ = forced_logits(engine, call, "full", fed)

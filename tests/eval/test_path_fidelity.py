@@ -1,5 +1,7 @@
 """Fidelity along full's greedy continuation, teacher-forced, on a tiny model."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -82,3 +84,14 @@ def test_a_stopped_continuation_scores_the_stop_position(setup, monkeypatch):
     assert ref.stop_ids == frozenset({ids[cut]}) and score_path(engine, call, "full", ref).greedy_match
     # a method that does not stop there (here: full held to a reference whose stop ids exclude its token) fails
     assert not score_path(engine, call, "full", PathReference(ref.fed_ids, ref.logits, frozenset({-1}))).greedy_match
+
+
+def test_a_call_near_the_context_end_is_scored_on_the_continuation_that_fits(setup):
+    lm, store, call = setup
+    room = 5
+    short = replace(lm, config=replace(lm.config, max_position_embeddings=len(call.prompt_ids) + room))
+    engine = Engine(short, store)
+    ref = path_reference(engine, call, N)  # N tokens would not fit: fewer are scored, not a ContextLengthError
+    assert len(ref.fed_ids) <= room and ref.num_positions >= 1
+    assert ref.fed_ids == path_reference(Engine(lm, store), call, N).fed_ids[:len(ref.fed_ids)]
+    assert score_path(engine, call, "full", ref).greedy_match

@@ -5,24 +5,22 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvrelay.errors import KvRelayError
-from kvrelay.eval import profiler
 from kvrelay.eval.profiler import (
-    AT_START,
-    KL_SHARE_OF_EPIC,
-    SELECTOR_CANDIDATES,
     build_profile,
-    calibration_data,
     choose_band,
     choose_by_fidelity,
     choose_detection_layer,
-    choose_selector,
     detection_candidates,
     fidelity_candidates,
     search_candidates,
+)
+from kvrelay.eval.selector_calibration import (
+    AT_START,
+    KL_SHARE_OF_EPIC,
+    SELECTOR_CANDIDATES,
+    choose_selector,
     selector_spec,
 )
-from kvrelay.pipeline.workloads import get_workload
 from kvrelay.weights import presets
 from kvrelay.weights.loader import load_model
 
@@ -95,32 +93,6 @@ def test_build_profile_searches_bands_that_end_below_the_top(monkeypatch):
     assert profile.l_det == (profile.l_start if knobs.get(AT_START) else best_det)
 
 
-def test_the_selector_chosen_is_the_lowest_kl_that_reuses_as_much_as_epic_or_else_the_paper_s():
-    paper = selector_spec({})
-    scores = {paper: (0.010, 0.56), "a": (0.004, 0.55), "b": (0.006, 0.59), "c": (0.009, 0.62), "d": (0.006, 0.60)}
-    assert choose_selector(scores, paper, reuse_bar=0.61) == "c"  # the only one reusing as much as epic
-    assert choose_selector(scores, paper, reuse_bar=0.595) == "d"  # "d" ties "b" on KL, but "b" is under the bar
-    # none reaches epic's reuse (or no bar): the lowest KL reusing as much as the paper's
-    assert choose_selector(scores, paper, reuse_bar=0.7) == choose_selector(scores, paper) == "d"
-    assert choose_selector({paper: (0.01, 0.5), "e": (0.02, 0.7)}, paper) == paper  # nothing better: the paper's
-    assert selector_spec({AT_START: True, "top_r": 0.3}) == "relay[l_det=l_start,top_r=0.3]"
-
-
-def test_scored_along_the_continuation_the_selector_is_the_lowest_path_kl_under_the_first_token_bar():
-    paper = selector_spec({})
-    # spec -> (first-token KL, reuse, KL along full's continuation, greedy share)
-    scores = {paper: (0.010, 0.56, 0.009, 0.5), "a": (0.002, 0.62, 0.0035, 0.5), "b": (0.004, 0.63, 0.004, 0.6),
-              "c": (0.007, 0.64, 0.003, 0.7), "d": (0.001, 0.50, 0.001, 0.9)}
-    assert choose_selector(scores, paper, reuse_bar=0.6) == "c"  # the lowest path KL reusing as much as epic
-    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005) == "a"  # "c" is over the first-token bar
-    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.0005) == "c"  # none under it: the bar gives way
-    # then epic's greedy share: under the KL bar only "b" reaches 0.55, and none 0.65 (the bar gives way)
-    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.55) == "b"
-    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.65) == "a"
-    # without the continuation's scores the first token's KL ranks, as before
-    assert choose_selector({k: v[:2] for k, v in scores.items()}, paper, reuse_bar=0.6) == "a"
-
-
 def test_build_profile_scores_every_candidate_band_on_train():
     lm = load_model("random:tiny")
     profile = build_profile(lm, num_problems=2, progress=False, select="fidelity")
@@ -134,25 +106,3 @@ def test_build_profile_scores_every_candidate_band_on_train():
     assert scores[(1, 2, top)][1] != scores[(2, 3, top)][1] or top == 2  # different bands recompute differently
     paper = build_profile(lm, num_problems=2, progress=False, select="deviation")
     assert [paper.l_start, paper.l_det, paper.l_end] == paper.deviation_band and paper.band_scores == {}
-
-
-def test_calibration_pools_several_workloads_after_the_offset(monkeypatch):
-    seen = []
-
-    class Runner:  # records which problem each pipeline would run
-        def __init__(self, engine, spec, run_id):
-            seen.append((spec.name, run_id))
-
-        def run(self, inputs, method, before_call):
-            pass
-
-    monkeypatch.setattr(profiler, "PipelineRunner", Runner)
-    lm = load_model("random:tiny")
-    profiler._downstream_calls(lm, ("gsm8k-chain3", "humaneval-adr"), None, 2, (), None, "", False, offset=3)
-    train = calibration_data(None, "gsm8k-chain3")
-    assert train.endswith("gsm8k/train.jsonl") and calibration_data(None, "humaneval-adr") is None
-    expected = [(name, p.problem_id) for name, data in (("gsm8k-chain3", train), ("humaneval-adr", None))
-                for p in get_workload(name).problems(data, 5)[3:5]]
-    assert seen == expected and len(set(seen)) == 4
-    with pytest.raises(KvRelayError, match="give it for one"):
-        profiler._downstream_calls(lm, ("gsm8k-chain3", "humaneval-adr"), train, 1, (), None, "", False)

@@ -1,0 +1,97 @@
+"""Relay's selector pass (``kvrelay.eval.selector_calibration``): the choice rule, and what a calibration writes
+into the profile, on fixed scores."""
+
+from kvrelay.eval import selector_calibration
+from kvrelay.eval.calibration_calls import MethodScore
+from kvrelay.eval.selector_calibration import (
+    AT_START,
+    KL_SHARE_OF_EPIC,
+    SELECTOR_CANDIDATES,
+    calibrate_selector,
+    choose_selector,
+    selector_spec,
+)
+from kvrelay.reuse.epic import EpicMethod
+from kvrelay.reuse.profile import LayerProfile
+
+
+def test_the_selector_chosen_is_the_lowest_kl_that_reuses_as_much_as_epic_or_else_the_paper_s():
+    paper = selector_spec({})
+    scores = {paper: (0.010, 0.56), "a": (0.004, 0.55), "b": (0.006, 0.59), "c": (0.009, 0.62), "d": (0.006, 0.60)}
+    assert choose_selector(scores, paper, reuse_bar=0.61) == "c"  # the only one reusing as much as epic
+    assert choose_selector(scores, paper, reuse_bar=0.595) == "d"  # "d" ties "b" on KL, but "b" is under the bar
+    # none reaches epic's reuse (or no bar): the lowest KL reusing as much as the paper's
+    assert choose_selector(scores, paper, reuse_bar=0.7) == choose_selector(scores, paper) == "d"
+    assert choose_selector({paper: (0.01, 0.5), "e": (0.02, 0.7)}, paper) == paper  # nothing better: the paper's
+    assert selector_spec({AT_START: True, "top_r": 0.3}) == "relay[l_det=l_start,top_r=0.3]"
+
+def test_scored_along_the_continuation_the_selector_is_the_lowest_path_kl_under_the_first_token_bar():
+    paper = selector_spec({})
+    # spec -> (first-token KL, reuse, KL along full's continuation, greedy share)
+    scores = {paper: (0.010, 0.56, 0.009, 0.5), "a": (0.002, 0.62, 0.0035, 0.5), "b": (0.004, 0.63, 0.004, 0.6),
+              "c": (0.007, 0.64, 0.003, 0.7), "d": (0.001, 0.50, 0.001, 0.9)}
+    assert choose_selector(scores, paper, reuse_bar=0.6) == "c"  # the lowest path KL reusing as much as epic
+    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005) == "a"  # "c" is over the first-token bar
+    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.0005) == "c"  # none under it: the bar gives way
+    # then epic's greedy share: under the KL bar only "b" reaches 0.55, and none 0.65 (the bar gives way)
+    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.55) == "b"
+    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.65) == "a"
+    # without the continuation's scores the first token's KL ranks, as before
+    assert choose_selector({k: v[:2] for k, v in scores.items()}, paper, reuse_bar=0.6) == "a"
+
+
+def _profile() -> LayerProfile:
+    return LayerProfile("fp", "toy", 8, 2, 3, 7, 0.5, [1.0] * 8, [1.0] * 8, [0.0] * 8, calibration={"problems": 4})
+
+
+def test_calibrate_selector_writes_the_choice_its_scores_and_its_detection_layer(monkeypatch):
+    at_start = next(k for k in SELECTOR_CANDIDATES if k.get(AT_START) and k.get("drift"))
+    in_band = next(k for k in SELECTOR_CANDIDATES if k and not k.get(AT_START))
+    best, over_bar = selector_spec(at_start), selector_spec(in_band)
+    epic = MethodScore(kl=0.05, reuse=0.65, path_kl=0.010, greedy=0.70)
+    seen = {}
+
+    def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
+        seen.update(methods=methods, workload=workload, path_tokens=path_tokens, offset=offset)
+        out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}  # every other one under epic's reuse
+        out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
+        # the lowest KL along the continuation, but over KL_SHARE_OF_EPIC x epic's first-token KL
+        out[over_bar] = MethodScore(KL_SHARE_OF_EPIC * 0.05 * 1.5, 0.70, 0.002, 0.9)
+        out["epic"] = epic
+        return out
+
+    monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
+    profile = calibrate_selector(None, _profile(), ["gsm8k-chain3", "humaneval-adr"], None, 4, progress=False,
+                                 offset=100)
+    assert profile.selector == {k: v for k, v in at_start.items() if k != AT_START}
+    assert profile.layers == (2, 2, 7) and profile.searched_band == [2, 3, 7]  # detected where the states enter
+    assert profile.selector_scores[best] == {"kl": 0.01, "reuse": 0.70, "path_kl": 0.004, "greedy": 0.8}
+    assert profile.selector_scores["epic"] == epic._asdict()
+    assert len(profile.selector_scores) == len(SELECTOR_CANDIDATES) + 1
+    assert profile.calibration["selector_workloads"] == {"gsm8k-chain3": profile.calibration["selector_workloads"]
+                                                         ["gsm8k-chain3"], "humaneval-adr": "default"}
+    assert profile.calibration["selector_workloads"]["gsm8k-chain3"].endswith("train.jsonl")
+    assert (profile.calibration["selector_offset"], profile.calibration["selector_path_tokens"]) == (100, 32)
+    # every candidate ran on the profile's band, detecting at L_start where it asks to
+    methods = seen["methods"]
+    assert isinstance(methods["epic"], EpicMethod) and seen["path_tokens"] == 32 and seen["offset"] == 100
+    assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (2, 2, 7)
+    assert (methods[over_bar].l_start, methods[over_bar].l_det, methods[over_bar].l_end) == (2, 3, 7)
+    assert methods[selector_spec({})].tau_dev == 1.5  # the paper's thresholds for the empty candidate
+
+
+def test_calibrate_selector_on_the_first_token_alone_ranks_by_its_kl_under_epic_s_reuse(monkeypatch):
+    in_band = next(k for k in SELECTOR_CANDIDATES if k and not k.get(AT_START))
+    chosen = selector_spec(in_band)
+
+    def first_token_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
+        assert path_tokens == 0
+        out = {key: MethodScore(0.03, 0.70) for key in methods}
+        out[chosen] = MethodScore(0.025, 0.70)  # no KL bar without the continuation: only the lowest KL counts
+        out["epic"] = MethodScore(0.05, 0.65)
+        return out
+
+    monkeypatch.setattr(selector_calibration, "score_methods", first_token_scores)
+    profile = calibrate_selector(None, _profile(), "gsm8k-chain3", None, 4, progress=False, path_tokens=0)
+    assert profile.selector == in_band and profile.layers == (2, 3, 7)
+    assert profile.selector_scores[chosen] == {"kl": 0.025, "reuse": 0.70}
