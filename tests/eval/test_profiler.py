@@ -16,8 +16,10 @@ from kvrelay.eval.profiler import (
 )
 from kvrelay.eval.selector_calibration import (
     AT_START,
+    BAND_KNOBS,
     KL_SHARE_OF_EPIC,
     SELECTOR_CANDIDATES,
+    candidate_band,
     choose_selector,
     selector_spec,
 )
@@ -75,10 +77,12 @@ def test_build_profile_searches_bands_that_end_below_the_top(monkeypatch):
     assert set(scores) == set(first) | set(detection_candidates(best_first))
     bar = 1.1 * min(scores[b][0] for b in first)  # the first pass's bar holds for the second
     best_start, best_det, best_end = choose_by_fidelity(scores, kl_bar=bar)
-    assert (profile.l_start, profile.l_end) == (best_start, best_end)
     assert any(end < lm.config.num_layers - 1 for _, _, end in scores)
     # the last pass chose relay's selector for that band on the same calls
-    assert sorted(profile.selector_scores) == sorted([selector_spec(k) for k in SELECTOR_CANDIDATES] + ["epic"])
+    searched = (best_start, best_det, best_end)
+    valid = [k for k in SELECTOR_CANDIDATES if candidate_band(k, searched, lm.config.num_layers) is not None]
+    assert len(valid) < len(SELECTOR_CANDIDATES)  # bands of their own that do not fit 8 layers are not scored
+    assert sorted(profile.selector_scores) == sorted([selector_spec(k) for k in valid] + ["epic"])
     # scored along full's continuation (the default), chosen by that KL under epic's reuse, half its KL and its
     # greedy share
     sel = {k: (v["kl"], v["reuse"], v["path_kl"], v["greedy"]) for k, v in profile.selector_scores.items()
@@ -87,9 +91,11 @@ def test_build_profile_searches_bands_that_end_below_the_top(monkeypatch):
     assert profile.calibration["selector_path_tokens"] == 32 and 0.0 <= epic["greedy"] <= 1.0
     chosen = choose_selector(sel, selector_spec({}), epic["reuse"], KL_SHARE_OF_EPIC * epic["kl"], epic["greedy"])
     knobs = next(k for k in SELECTOR_CANDIDATES if selector_spec(k) == chosen)
-    assert profile.selector == {k: v for k, v in knobs.items() if k != AT_START}
-    # a selector detecting at L_start moves the profile's L_det there; the band search's own stays on record
-    assert profile.searched_band == [profile.l_start, best_det, profile.l_end]
+    assert profile.selector == {k: v for k, v in knobs.items() if k not in BAND_KNOBS}
+    # a selector detecting at L_start moves the profile's L_det there, one with a band of its own the band;
+    # the band search's own stays on record
+    assert profile.searched_band == list(searched)
+    assert profile.layers == candidate_band(knobs, searched, lm.config.num_layers)
     assert profile.l_det == (profile.l_start if knobs.get(AT_START) else best_det)
 
 

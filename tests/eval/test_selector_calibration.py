@@ -5,9 +5,12 @@ from kvrelay.eval import selector_calibration
 from kvrelay.eval.calibration_calls import MethodScore
 from kvrelay.eval.selector_calibration import (
     AT_START,
+    BELOW_TOP,
+    ENTER_AT,
     KL_SHARE_OF_EPIC,
     SELECTOR_CANDIDATES,
     calibrate_selector,
+    candidate_band,
     choose_selector,
     selector_spec,
 )
@@ -32,7 +35,10 @@ def test_scored_along_the_continuation_the_selector_is_the_lowest_path_kl_under_
               "c": (0.007, 0.64, 0.003, 0.7), "d": (0.001, 0.50, 0.001, 0.9)}
     assert choose_selector(scores, paper, reuse_bar=0.6) == "c"  # the lowest path KL reusing as much as epic
     assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005) == "a"  # "c" is over the first-token bar
-    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.0005) == "c"  # none under it: the bar gives way
+    # none under it: the nearest to it ("a", the lowest reusing as much as epic; "b" is not within 10% of it)
+    assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.0005) == "a"
+    near = {**scores, "b": (0.0021, 0.63, 0.002, 0.6)}  # within 10% of "a": the lower path KL of the two
+    assert choose_selector(near, paper, reuse_bar=0.6, kl_bar=0.0005) == "b"
     # then epic's greedy share: under the KL bar only "b" reaches 0.55, and none 0.65 (the bar gives way)
     assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.55) == "b"
     assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.65) == "a"
@@ -67,7 +73,8 @@ def test_calibrate_selector_writes_the_choice_its_scores_and_its_detection_layer
     assert profile.layers == (2, 2, 7) and profile.searched_band == [2, 3, 7]  # detected where the states enter
     assert profile.selector_scores[best] == {"kl": 0.01, "reuse": 0.70, "path_kl": 0.004, "greedy": 0.8}
     assert profile.selector_scores["epic"] == epic._asdict()
-    assert len(profile.selector_scores) == len(SELECTOR_CANDIDATES) + 1
+    assert len(profile.selector_scores) == len(seen["methods"]) == 1 + sum(
+        candidate_band(k, (2, 3, 7), 8) is not None for k in SELECTOR_CANDIDATES)
     assert profile.calibration["selector_workloads"] == {"gsm8k-chain3": profile.calibration["selector_workloads"]
                                                          ["gsm8k-chain3"], "humaneval-adr": "default"}
     assert profile.calibration["selector_workloads"]["gsm8k-chain3"].endswith("train.jsonl")
@@ -95,3 +102,34 @@ def test_calibrate_selector_on_the_first_token_alone_ranks_by_its_kl_under_epic_
     profile = calibrate_selector(None, _profile(), "gsm8k-chain3", None, 4, progress=False, path_tokens=0)
     assert profile.selector == in_band and profile.layers == (2, 3, 7)
     assert profile.selector_scores[chosen] == {"kl": 0.025, "reuse": 0.70}
+
+
+def test_a_candidate_band_is_the_searched_one_moved_by_its_knobs():
+    searched = (4, 5, 13)
+    assert candidate_band({}, searched, 18) == (4, 5, 13)
+    assert candidate_band({AT_START: True}, searched, 18) == (4, 4, 13)
+    assert candidate_band({AT_START: True, ENTER_AT: 3, BELOW_TOP: 6}, searched, 18) == (3, 3, 11)
+    assert candidate_band({AT_START: True, BELOW_TOP: 0}, searched, 18) == (4, 4, 17)
+    assert candidate_band({AT_START: True, ENTER_AT: 4, BELOW_TOP: 6}, searched, 8) is None  # would end at 1
+    assert all(k.get(AT_START) for k in SELECTOR_CANDIDATES if ENTER_AT in k or BELOW_TOP in k)
+    assert selector_spec({AT_START: True, ENTER_AT: 3, BELOW_TOP: 4, "top_r": 0.4}) == (
+        "relay[l_det=l_start,l_start=3,l_end=top-4,top_r=0.4]")
+
+
+def test_a_chosen_band_of_its_own_moves_the_profile_s_band_and_a_recalibration_starts_from_the_search(monkeypatch):
+    own = next(k for k in SELECTOR_CANDIDATES if k.get(ENTER_AT) == 2 and k.get(BELOW_TOP) == 4 and k["top_r"])
+    best = selector_spec(own)
+
+    def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
+        assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (2, 2, 3)  # 8 layers: top - 4
+        out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
+        out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
+        out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
+        return out
+
+    monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
+    profile = calibrate_selector(None, _profile(), "gsm8k-chain3", None, 4, progress=False)
+    assert profile.layers == (2, 2, 3) and profile.searched_band == [2, 3, 7]
+    assert profile.selector == {k: v for k, v in own.items() if k not in (AT_START, ENTER_AT, BELOW_TOP)}
+    again = calibrate_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)  # from [2, 3, 7] again
+    assert again.searched_band == [2, 3, 7] and again.layers == (2, 2, 3)

@@ -1,0 +1,55 @@
+"""Relay points with explicit layers and knobs, scored on calibration (train) calls beside epic.
+
+Each point is held to ``full``'s first 32 greedy tokens, teacher-forced, as ``kvrelay profile`` scores its
+candidates (``kvrelay.eval.calibration_calls.score_methods``): first-token KL(full || m), reuse, the KL along
+the continuation and the greedy@32 share, means over the downstream calls. For exploring which settings a
+profile's candidates should hold, on problems the profile's own calibration does not use (``--offset``).
+
+Usage: python benchmarks/relay_train_points.py --model gemma3-270m --workload gsm8k-chain3 --offset 100
+    --problems 10 --points POINTS.json --json OUT.json
+POINTS.json: {"name": {relay knob: value, ...}, ...}, e.g. {"[3,3,13] top_r=0.3": {"l_start": 3, "l_det": 3,
+"l_end": 13, "l_pre": 16, "l_suf": 0, "top_r": 0.3, "prune": 0.25}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from kvrelay.eval.calibration_calls import score_methods
+from kvrelay.eval.harness import environment
+from kvrelay.reuse.epic import EpicMethod
+from kvrelay.reuse.relay import RelayMethod
+from kvrelay.weights.loader import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workload", default="gsm8k-chain3")
+    ap.add_argument("--offset", type=int, default=100, help="skip this many problems (GSM8K: of train)")
+    ap.add_argument("--problems", type=int, default=10)
+    ap.add_argument("--path-tokens", type=int, default=32)
+    ap.add_argument("--points", required=True, help="JSON file: name -> relay knobs")
+    ap.add_argument("--json", required=True, help="where to write the scores")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    points = json.loads(Path(args.points).read_text())
+    lm = load_model(args.model)
+    methods = {"epic": EpicMethod(), **{name: RelayMethod(**knobs) for name, knobs in points.items()}}
+    scores = score_methods(lm, methods, args.workload, None, args.problems, "points", True, args.path_tokens,
+                           args.offset)
+    out = {"model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
+           "path_tokens": args.path_tokens, "points": points, "environment": environment("cpu"),
+           "scores": {name: score._asdict() for name, score in scores.items()}}
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    for name, score in scores.items():
+        print(f"{name:60s} " + " ".join(f"{k}={v:.4f}" for k, v in score._asdict().items() if v is not None))
+
+
+if __name__ == "__main__":
+    main()
