@@ -39,6 +39,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     points = json.loads(Path(args.points).read_text())
+    if "epic" in points:
+        raise SystemExit(f"{args.points}: 'epic' is the baseline's name; name the relay point otherwise")
     lm = load_model(args.model)
     methods = {"epic": EpicMethod(), **{name: RelayMethod(**knobs) for name, knobs in points.items()}}
     scores = score_methods(lm, methods, args.workload, None, args.problems, "points", True, args.path_tokens,

@@ -186,7 +186,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
     _check_data(workloads[0], args.data)
     lm = load_model_from(args)
-    if args.selector_only:  # keep the model's band, choose the selector again
+    if args.selector_only:  # keep the model's searched band, choose the selector (and any band of its own) again
         profile = calibrate_selector(lm, layer_profile(lm), workloads, args.data, args.problems,
                                      path_tokens=args.path_tokens, offset=args.offset)
     else:
@@ -301,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "the paper's band; choices: "
                            f"{', '.join(SELECTS)} (default: {SELECTS[0]})")
     prof.add_argument("--selector-only", action="store_true",
-                      help="keep the model's current profile (its band and curves) and only choose relay's token "
-                           "selector again on the calibration calls")
+                      help="keep the model's current profile (its band search's band and curves) and only choose "
+                           "relay's token selector again on the calibration calls (a selector may bring a band of "
+                           "its own)")
     prof.add_argument("--kl-tolerance", type=finite_float, default=0.1,
                       help="relative KL slack when choosing by fidelity, >= 0 (default: 0.1)")
     prof.add_argument("--path-tokens", type=non_negative_integer, default=32,

@@ -98,7 +98,6 @@ def score_methods(lm: LoadedModel, methods: dict, workload: str | Sequence[str],
     return {key: MethodScore(*(_mean(list(col)) for col in zip(*rows, strict=True))) for key, rows in scores.items()}
 
 
-
 def calibration_data(data: str | None, workload: str) -> str | None:
     """The calibration calls' data: ``data``; else GSM8K *train* for GSM8K workloads (calibration never
     touches their test data); else the workload's own file (HumanEval has no train split: skip the problems
@@ -106,5 +105,3 @@ def calibration_data(data: str | None, workload: str) -> str | None:
     if data is None and workload.startswith("gsm8k"):
         return str(data_root() / "gsm8k" / "train.jsonl")
     return data
-
-

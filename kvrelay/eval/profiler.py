@@ -22,9 +22,9 @@ within ``kl_tolerance`` of the lowest (the fidelity-for-cost rule):
   recomputes more, so the bar must not move with it). Both passes score on the same calibration calls.
 - ``select="fidelity"``: the first pass only, with every band ending at the top layer.
 
-With ``search``, a last pass over the same calls chooses relay's token selector for the chosen band
-(``kvrelay.eval.selector_calibration``). The calibration calls themselves are run and scored by
-``kvrelay.eval.calibration_calls``.
+With ``search``, a last pass over the same calls chooses relay's token selector for the chosen band, or a
+selector with a band of its own (``kvrelay.eval.selector_calibration``). The calibration calls themselves
+are run and scored by ``kvrelay.eval.calibration_calls``.
 
 The profile itself (data, load/save, lookup) is ``kvrelay.reuse.profile``; this module runs pipelines,
 so it sits in ``eval``, above the engine and the pipeline runner.

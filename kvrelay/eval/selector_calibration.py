@@ -2,8 +2,8 @@
 or ``--selector-only``).
 
 The candidates: the paper's thresholds; span openings kept with stricter thresholds or the budget form; wider
-budgets detected at L_start and pruned through the band; and EPIC's 16 openings with a budget, on a band of
-their own (a candidate may move the band's ends, so the selector and its band are chosen together). Each is
+budgets detected at L_start and pruned through the band; and EPIC's 16 openings with a budget of 0 to 0.4, on a
+band of their own (a candidate may move the band's ends, so the selector and its band are chosen together). Each is
 held to ``full``'s first 32 greedy tokens, teacher-forced (``kvrelay.eval.path_fidelity``): the KL along them
 and whether greedy@32 matches, beside the first token's KL. The choice is the lowest KL along the continuation
 among those reusing at least as much as ``epic`` on the same calls (else as much as the paper's), narrowed by
@@ -22,8 +22,8 @@ from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile
 from kvrelay.reuse.relay import PAPER_SELECTOR, RelayMethod
 
-__all__ = ["AT_START", "BELOW_TOP", "ENTER_AT", "KL_SHARE_OF_EPIC", "SELECTOR_CANDIDATES", "calibrate_selector",
-           "candidate_band", "choose_selector", "selector_spec"]
+__all__ = ["AT_START", "BAND_KNOBS", "BELOW_TOP", "ENTER_AT", "KL_GIVE_WAY", "KL_SHARE_OF_EPIC", "SELECTOR_CANDIDATES",
+           "calibrate_selector", "candidate_band", "choose_selector", "selector_spec"]
 
 
 # relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
@@ -72,14 +72,14 @@ def selector_spec(knobs: dict) -> str:
 
 def candidate_band(knobs: dict, band: tuple[int, int, int], num_layers: int) -> tuple[int, int, int] | None:
     """(L_start, L_det, L_end) a candidate runs on: ``band`` (the band search's), moved by its band knobs; None
-    where the knobs leave no layer after L_start inside the model."""
+    where they leave no layer after L_start inside the model, or L_det outside the band."""
     start, det, end = band
-    if ENTER_AT in knobs or BELOW_TOP in knobs:
+    moved = ENTER_AT in knobs or BELOW_TOP in knobs
+    if moved:
         start = knobs.get(ENTER_AT, start)
         end = num_layers - 1 - knobs[BELOW_TOP] if BELOW_TOP in knobs else end
-        if not 0 <= start < end:
-            return None
-    return start, start if knobs.get(AT_START) else det, end
+    det = start if knobs.get(AT_START) else det
+    return (start, det, end) if 0 <= start <= det <= end and (start < end or not moved) else None
 
 
 def _relay_knobs(knobs: dict) -> dict:
@@ -90,6 +90,12 @@ def _rank_score(score: tuple) -> float:
     """What ``choose_selector`` minimizes: the KL along full's continuation where it was scored, else the
     first token's."""
     return score[2] if len(score) > 2 and score[2] is not None else score[0]
+
+
+# when no selector meets the first-token KL bar, the choice keeps those within this share of the lowest KL (the
+# band search's tolerance): dropping the bar instead let a selector at 1.07x epic's KL win over one at 0.43x on
+# the greedy share of 3 calls in 40 (BENCHMARKS.md, "Session 24")
+KL_GIVE_WAY = 0.1
 
 
 def choose_selector(scores: dict[str, tuple], paper: str, reuse_bar: float | None = None,
@@ -116,12 +122,6 @@ def choose_selector(scores: dict[str, tuple], paper: str, reuse_bar: float | Non
     return min(ok, key=lambda key: (_rank_score(scores[key]), -scores[key][1]))
 
 
-
-# when no selector meets the first-token KL bar, the choice keeps those within this share of the lowest KL (the
-# band search's tolerance): dropping the bar instead let a selector at 1.07x epic's KL win over one at 0.43x on
-# the greedy share of 3 calls in 40 (BENCHMARKS.md, "Session 24")
-KL_GIVE_WAY = 0.1
-
 # the dominance bar calibration aims at: relay's first-token KL at most 0.5 x epic's at epic's reuse, with a
 # margin: from train calls to test problems relay's KL ratio to epic's rose by 10-15% on both models
 # (BENCHMARKS.md, "Session 23"), so a point chosen right at the bar lands above it
@@ -137,7 +137,7 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | S
     tokens, or, with 0, by the first token's under the reuse bar only). A selector chosen with ``AT_START``
     moves the profile's L_det to L_start, one with band knobs its band too (``candidate_band``; the band
     search's own stays in ``searched_band``, and is where a later calibration starts).
-    ``workload``: one name or several, their calls pooled (``_downstream_calls``)."""
+    ``workload``: one name or several, their calls pooled (``calibration_calls.downstream_calls``)."""
     searched = tuple(profile.searched_band or profile.layers)
     bands = {selector_spec(k): (k, candidate_band(k, searched, profile.num_layers)) for k in SELECTOR_CANDIDATES}
     candidates = {spec: (k, band) for spec, (k, band) in bands.items() if band is not None}
@@ -163,5 +163,3 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | S
 
 def _score_dict(score: MethodScore) -> dict[str, float]:
     return {k: v for k, v in score._asdict().items() if v is not None}
-
-

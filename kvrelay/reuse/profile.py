@@ -49,7 +49,8 @@ class LayerProfile:
     # "l_suf": 4}); empty: the paper's thresholds. Used when a relay spec sets none of the selector's knobs.
     selector: dict[str, float | int | str] = field(default_factory=dict)
     selector_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # spec -> kl, reuse[, path_kl, greedy]
-    # the band search's (l_start, l_det, l_end) before the selector's calibration (which may move l_det to l_start)
+    # the band search's (l_start, l_det, l_end) before the selector's calibration (which may move l_det to l_start,
+    # or the band itself: a selector chosen with a band of its own)
     searched_band: list[int] = field(default_factory=list)
 
     @property

@@ -34,7 +34,9 @@ The layers come from the parameters, else the model's offline profile (``kvrelay
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
 the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
 ``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``): the profile holds the one chosen on calibration
-calls for the model (with the detection layer it was chosen with), or none (the paper's).
+calls for the model (with the detection layer and band it was chosen with), or none (the paper's). A spec
+that sets any selector knob runs on the band search's layers (``searched_band``), not on those the
+calibrated selector moved.
 """
 
 from __future__ import annotations
@@ -224,11 +226,14 @@ class RelayMethod(ReuseMethod):
         num_layers = lm.config.num_layers
         given = (self.l_start, self.l_det, self.l_end)
         # each layer not given comes from the profile (relay[l_end=25] moves only the band's end): its layers
-        # with its own selector, else the band search's (a selector chosen to detect at L_start moved L_det)
+        # with its own selector, else the band search's (a selector chosen to detect at L_start moved L_det
+        # there, one with a band of its own the band)
         if None in given:
             profile = layer_profile(lm)
             own_selector = all(getattr(self, k) is None for k in PAPER_SELECTOR)
             profiled = profile.layers if own_selector else tuple(profile.searched_band or profile.layers)
+            if self.l_start is not None and self.l_det is None and profiled[0] == profiled[1]:
+                profiled = (self.l_start, self.l_start, profiled[2])  # detecting at L_start: it follows L_start
         else:
             profiled = given
         start, det, end = (g if g is not None else p for g, p in zip(given, profiled, strict=True))

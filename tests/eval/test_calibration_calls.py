@@ -8,6 +8,7 @@ from kvrelay.eval.calibration_calls import calibration_data, downstream_calls, s
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.full import FullMethod
 from kvrelay.reuse.naive import NaiveMethod
+from kvrelay.reuse.relay import RelayMethod
 from kvrelay.weights.loader import load_model
 
 
@@ -42,6 +43,11 @@ def test_scores_are_means_over_the_calls_with_full_exact_against_itself():
     assert full.reuse == 0.0 and full.greedy == 1.0
     assert 0.0 < naive.reuse < 1.0 and naive.kl > 0.0 and naive.path_kl > 0.0 and 0.0 <= naive.greedy <= 1.0
     assert naive.path_kl != pytest.approx(naive.kl, rel=1e-3)  # a mean over the continuation's rows, not the first
+    # every span token admitted at layer 1 from the upstream's carried states: layer 0 stays reused only if the
+    # calibration pipelines captured those states (else relay recomputes the tokens from layer 0)
+    relay = score_methods(lm, {"relay": RelayMethod(l_start=1, l_det=1, l_end=lm.config.num_layers - 1, top_r=1.0,
+                                                    l_pre=0, l_suf=0)}, "gsm8k-chain3", None, 2, "", progress=False)
+    assert 0.0 < relay["relay"].reuse < naive.reuse
     first_only = score_methods(lm, {"naive": NaiveMethod()}, "gsm8k-chain3", None, 2, "", progress=False)
     assert first_only["naive"].path_kl is None and first_only["naive"].greedy is None
     assert first_only["naive"].kl == pytest.approx(naive.kl, rel=1e-4) and first_only["naive"].reuse == naive.reuse

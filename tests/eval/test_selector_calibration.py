@@ -39,6 +39,8 @@ def test_scored_along_the_continuation_the_selector_is_the_lowest_path_kl_under_
     assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.0005) == "a"
     near = {**scores, "b": (0.0021, 0.63, 0.002, 0.6)}  # within 10% of "a": the lower path KL of the two
     assert choose_selector(near, paper, reuse_bar=0.6, kl_bar=0.0005) == "b"
+    beyond = {**scores, "b": (0.00222, 0.63, 0.002, 0.6)}  # 11% over "a": out
+    assert choose_selector(beyond, paper, reuse_bar=0.6, kl_bar=0.0005) == "a"
     # then epic's greedy share: under the KL bar only "b" reaches 0.55, and none 0.65 (the bar gives way)
     assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.55) == "b"
     assert choose_selector(scores, paper, reuse_bar=0.6, kl_bar=0.005, greedy_bar=0.65) == "a"
@@ -111,6 +113,8 @@ def test_a_candidate_band_is_the_searched_one_moved_by_its_knobs():
     assert candidate_band({AT_START: True, ENTER_AT: 3, BELOW_TOP: 6}, searched, 18) == (3, 3, 11)
     assert candidate_band({AT_START: True, BELOW_TOP: 0}, searched, 18) == (4, 4, 17)
     assert candidate_band({AT_START: True, ENTER_AT: 4, BELOW_TOP: 6}, searched, 8) is None  # would end at 1
+    assert candidate_band({ENTER_AT: 6}, searched, 18) is None  # the search's L_det 5 would sit below L_start
+    assert candidate_band({}, (6, 6, 6), 18) == (6, 6, 6)  # a one-layer searched band is still scored as given
     assert all(k.get(AT_START) for k in SELECTOR_CANDIDATES if ENTER_AT in k or BELOW_TOP in k)
     assert selector_spec({AT_START: True, ENTER_AT: 3, BELOW_TOP: 4, "top_r": 0.4}) == (
         "relay[l_det=l_start,l_start=3,l_end=top-4,top_r=0.4]")
@@ -131,5 +135,13 @@ def test_a_chosen_band_of_its_own_moves_the_profile_s_band_and_a_recalibration_s
     profile = calibrate_selector(None, _profile(), "gsm8k-chain3", None, 4, progress=False)
     assert profile.layers == (2, 2, 3) and profile.searched_band == [2, 3, 7]
     assert profile.selector == {k: v for k, v in own.items() if k not in (AT_START, ENTER_AT, BELOW_TOP)}
+    seen = {}
+
+    def record(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
+        seen["paper"] = methods[selector_spec({})]
+        return fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset)
+
+    monkeypatch.setattr(selector_calibration, "score_methods", record)
     again = calibrate_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)  # from [2, 3, 7] again
     assert again.searched_band == [2, 3, 7] and again.layers == (2, 2, 3)
+    assert (seen["paper"].l_start, seen["paper"].l_det, seen["paper"].l_end) == (2, 3, 7)  # not the moved band

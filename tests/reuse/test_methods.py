@@ -272,6 +272,24 @@ def test_a_spec_with_its_own_selector_takes_the_band_searchs_detection_layer(mon
     assert get_method("relay[l_det=5,tau_dev=1.5]").layers(lm) == (2, 5, 11)
 
 
+def test_a_selector_with_a_band_of_its_own_runs_on_it_and_a_spec_with_its_own_selector_on_the_searched_one(
+        monkeypatch):
+    from kvrelay.reuse import relay as relay_module
+    from kvrelay.reuse.profile import LayerProfile
+
+    profile = LayerProfile("fp", "m", 18, 3, 3, 11, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
+                           selector={"top_r": 0.3, "l_pre": 16, "prune": 0.25}, searched_band=[4, 5, 13])
+    monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
+    lm = SimpleNamespace(config=SimpleNamespace(num_layers=18))
+    assert get_method("relay").layers(lm) == (3, 3, 11)
+    assert get_method("relay").capture_layers(lm) == (3,)  # the carried states enter where the band does
+    assert get_method("relay[top_r=0.3,l_pre=16,prune=0.25]").layers(lm) == (4, 5, 13)
+    # the calibrated selector detects where its band starts: a spec moving only L_start moves its L_det too
+    assert get_method("relay[l_start=4]").layers(lm) == (4, 4, 11)
+    assert get_method("relay[l_start=4,l_det=6]").layers(lm) == (4, 6, 11)
+    assert get_method("relay[l_end=17]").layers(lm) == (3, 3, 17)
+
+
 @pytest.mark.parametrize("selector, problem", [({"prune": 0.1, "prune_by": "top"}, "prune_by must be one of"),
                                                ({"top_r": 0.2, "cutoff": 3}, "unknown knobs")])
 def test_a_profile_with_a_bad_selector_is_a_clear_error(monkeypatch, selector, problem):
