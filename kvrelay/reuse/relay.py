@@ -232,8 +232,6 @@ class RelayMethod(ReuseMethod):
             profile = layer_profile(lm)
             own_selector = all(getattr(self, k) is None for k in PAPER_SELECTOR)
             profiled = profile.layers if own_selector else tuple(profile.searched_band or profile.layers)
-            if self.l_start is not None and self.l_det is None and profiled[0] == profiled[1]:
-                profiled = (self.l_start, self.l_start, profiled[2])  # detecting at L_start: it follows L_start
         else:
             profiled = given
         start, det, end = (g if g is not None else p for g, p in zip(given, profiled, strict=True))

@@ -284,9 +284,11 @@ def test_a_selector_with_a_band_of_its_own_runs_on_it_and_a_spec_with_its_own_se
     assert get_method("relay").layers(lm) == (3, 3, 11)
     assert get_method("relay").capture_layers(lm) == (3,)  # the carried states enter where the band does
     assert get_method("relay[top_r=0.3,l_pre=16,prune=0.25]").layers(lm) == (4, 5, 13)
-    # the calibrated selector detects where its band starts: a spec moving only L_start moves its L_det too
-    assert get_method("relay[l_start=4]").layers(lm) == (4, 4, 11)
-    assert get_method("relay[l_start=4,l_det=6]").layers(lm) == (4, 6, 11)
+    # only what a spec gives moves: past the profile's L_det, L_start needs an L_det of its own
+    assert get_method("relay[l_start=2]").layers(lm) == (2, 3, 11)
+    with pytest.raises(ConfigError, match="need 0 <= L_start 4 <= L_det 3"):
+        get_method("relay[l_start=4]").layers(lm)
+    assert get_method("relay[l_start=4,l_det=4]").layers(lm) == (4, 4, 11)
     assert get_method("relay[l_end=17]").layers(lm) == (3, 3, 17)
 
 
