@@ -214,6 +214,9 @@ class Bench:
         return {"env": self.env, "model": self.lm.name, "workload": self.cfg.workload,
                 "n": num_problems, "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
                 "config": {k: v for k, v in self.cfg.__dict__.items()}, "warm_problem_ids": warm_ids,
+                # what each method resolved from the model (relay: its profile's layers and selector)
+                "method_settings": {m: resolved for m, meth in self.methods.items()
+                                    if (resolved := meth.settings(self.lm))},
                 "results": results,
                 "calls": [r.__dict__ for r in rows]}
 

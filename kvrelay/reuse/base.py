@@ -108,6 +108,11 @@ class ReuseMethod(ABC):
         """Layers whose input hidden states upstream calls must carry for this method."""
         return ()
 
+    def settings(self, lm: LoadedModel) -> dict:
+        """What this method resolved for ``lm`` beyond its spec (e.g. relay's layers and selector from the model's
+        profile), for a bench's JSON to record; empty when the spec says it all."""
+        return {}
+
     @abstractmethod
     def plan(self, call: CallInput, store: KVStore | None, lm: LoadedModel) -> Plan:
         """Decide what to reuse for this call; must leave the last prompt token active."""

@@ -41,7 +41,7 @@ calibrated selector moved.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -243,6 +243,9 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: need 0 <= L_start {start} <= L_det {det} <= L_end {end} < {num_layers} "
                               f"(or all = {num_layers}: the empty band)")
         return start, det, end
+
+    def settings(self, lm) -> dict:
+        return {"layers": list(self.layers(lm)), "selector": asdict(self.selector_settings(lm))}
 
     def capture_layers(self, lm) -> tuple[int, ...]:
         start = self.layers(lm)[0]
