@@ -207,10 +207,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         path = (f", KL over {args.path_tokens} tokens {score['path_kl']:.4f}, greedy@{args.path_tokens} "
                 f"{score['greedy']:.2f}") if "path_kl" in score else ""
         print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}{path}")
-    moved = profile.searched_band and profile.searched_band[::2] != [profile.l_start, profile.l_end]
     print(f"selector: {profile.selector or 'the paper thresholds'}"
           + (f", on a band of its own: L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end} "
-             f"(the band search's: {profile.searched_band})" if moved else ""))
+             f"(the band search's: {profile.searched_band})" if profile.band_moved else ""))
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
     print(f"wrote {out} (and {profile_path(lm.profile_fingerprint)})")
     if args.plot:

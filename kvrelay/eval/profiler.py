@@ -241,7 +241,7 @@ def plot_profile(profile: LayerProfile, path: str | Path) -> None:
     ax.axvspan(profile.l_start - 0.5, profile.l_end + 0.5, alpha=0.15, color="tab:red",
                label=f"chosen band [{profile.l_start}, {profile.l_end}] ({profile.select})")
     ax.axvline(profile.l_det, color="tab:red", linestyle="--", label=f"L_det = {profile.l_det}")
-    if profile.searched_band and profile.searched_band[::2] != [profile.l_start, profile.l_end]:
+    if profile.band_moved:
         start, det, end = profile.searched_band  # a selector with a band of its own moved it
         ax.axvspan(start - 0.5, end + 0.5, fill=False, hatch="//", edgecolor="tab:red", alpha=0.3,
                    label=f"band search's band [{start}, {end}], L_det {det} (the selector moved it)")

@@ -139,8 +139,8 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | S
     search's own stays in ``searched_band``, and is where a later calibration starts).
     ``workload``: one name or several, their calls pooled (``calibration_calls.downstream_calls``)."""
     searched = tuple(profile.searched_band or profile.layers)
-    bands = {selector_spec(k): (k, candidate_band(k, searched, profile.num_layers)) for k in SELECTOR_CANDIDATES}
-    candidates = {spec: (k, band) for spec, (k, band) in bands.items() if band is not None}
+    candidates = {selector_spec(k): (k, band) for k in SELECTOR_CANDIDATES
+                  if (band := candidate_band(k, searched, profile.num_layers)) is not None}
     methods = {spec: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2], **(_relay_knobs(k) or PAPER_SELECTOR))
                for spec, (k, band) in candidates.items()}
     scores = score_methods(lm, {**methods, "epic": EpicMethod()}, workload, data, num_problems, "scoring selectors",

@@ -57,6 +57,11 @@ class LayerProfile:
     def layers(self) -> tuple[int, int, int]:
         return self.l_start, self.l_det, self.l_end
 
+    @property
+    def band_moved(self) -> bool:
+        """Whether the calibrated selector brought a band of its own (ends other than the band search's)."""
+        return bool(self.searched_band) and self.searched_band[::2] != [self.l_start, self.l_end]
+
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
