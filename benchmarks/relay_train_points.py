@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvrelay.errors import ConfigError
 from kvrelay.eval.calibration_calls import score_methods
 from kvrelay.eval.harness import environment
 from kvrelay.reuse.epic import EpicMethod
@@ -38,11 +39,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    points = json.loads(Path(args.points).read_text())
+    try:
+        points = json.loads(Path(args.points).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--points {args.points}: not a readable JSON file ({exc})") from exc
+    if not isinstance(points, dict) or not all(isinstance(v, dict) for v in points.values()):
+        raise SystemExit(f"--points {args.points}: expected {{name: {{relay knob: value}}}}")
     if "epic" in points:
         raise SystemExit(f"{args.points}: 'epic' is the baseline's name; name the relay point otherwise")
+    methods = {"epic": EpicMethod()}
+    for name, knobs in points.items():
+        try:
+            methods[name] = RelayMethod(**knobs)
+        except (TypeError, ConfigError) as exc:
+            raise SystemExit(f"--points {args.points}: point {name!r}: {exc}") from exc
     lm = load_model(args.model)
-    methods = {"epic": EpicMethod(), **{name: RelayMethod(**knobs) for name, knobs in points.items()}}
     scores = score_methods(lm, methods, args.workload, None, args.problems, "points", True, args.path_tokens,
                            args.offset)
     out = {"model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
