@@ -27,6 +27,26 @@ from kvrelay.reuse.relay import RelayMethod
 from kvrelay.weights.loader import load_model
 
 
+def load_points(path: str) -> dict[str, RelayMethod]:
+    """name -> relay with the knobs ``path`` gives it; a one-line exit naming the file or point when they are bad
+    (before the model loads)."""
+    try:
+        points = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--points {path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(points, dict) or not all(isinstance(v, dict) for v in points.values()):
+        raise SystemExit(f"--points {path}: expected {{name: {{relay knob: value}}}}")
+    if "epic" in points:
+        raise SystemExit(f"{path}: 'epic' is the baseline's name; name the relay point otherwise")
+    methods = {}
+    for name, knobs in points.items():
+        try:
+            methods[name] = RelayMethod(**knobs)
+        except (TypeError, ConfigError) as exc:
+            raise SystemExit(f"--points {path}: point {name!r}: {exc}") from exc
+    return methods
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -39,25 +59,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    try:
-        points = json.loads(Path(args.points).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"--points {args.points}: not a readable JSON file ({exc})") from exc
-    if not isinstance(points, dict) or not all(isinstance(v, dict) for v in points.values()):
-        raise SystemExit(f"--points {args.points}: expected {{name: {{relay knob: value}}}}")
-    if "epic" in points:
-        raise SystemExit(f"{args.points}: 'epic' is the baseline's name; name the relay point otherwise")
-    methods = {"epic": EpicMethod()}
-    for name, knobs in points.items():
-        try:
-            methods[name] = RelayMethod(**knobs)
-        except (TypeError, ConfigError) as exc:
-            raise SystemExit(f"--points {args.points}: point {name!r}: {exc}") from exc
+    methods = {"epic": EpicMethod(), **load_points(args.points)}
     lm = load_model(args.model)
     scores = score_methods(lm, methods, args.workload, None, args.problems, "points", True, args.path_tokens,
                            args.offset)
     out = {"model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-           "path_tokens": args.path_tokens, "points": points, "environment": environment("cpu"),
+           "path_tokens": args.path_tokens, "points": json.loads(Path(args.points).read_text()),
+           "environment": environment("cpu"),
            "scores": {name: score._asdict() for name, score in scores.items()}}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     for name, score in scores.items():

@@ -2,8 +2,9 @@
 or ``--selector-only``).
 
 The candidates: the paper's thresholds; span openings kept with stricter thresholds or the budget form; wider
-budgets detected at L_start and pruned through the band; and EPIC's 16 openings with a budget of 0 to 0.4, on a
-band of their own (a candidate may move the band's ends, so the selector and its band are chosen together). Each is
+budgets detected at L_start and pruned through the band; and EPIC's 16 openings with a budget of 0 to 0.4 (with and
+without the drift correction), on a band of their own (a candidate may move the band's ends, so the selector and its
+band are chosen together). Each is
 held to ``full``'s first 32 greedy tokens, teacher-forced (``kvrelay.eval.path_fidelity``): the KL along them
 and whether greedy@32 matches, beside the first token's KL. The choice is the lowest KL along the continuation
 among those reusing at least as much as ``epic`` on the same calls (else as much as the paper's), narrowed by
@@ -35,8 +36,12 @@ AT_START = "detect_at_start"
 # chosen, they move the profile's band (the band search's stays in ``searched_band``)
 ENTER_AT, BELOW_TOP = "enter_at", "end_below_top"
 BAND_KNOBS = (AT_START, ENTER_AT, BELOW_TOP)
-# (ENTER_AT, BELOW_TOP, top_r, prune) of the candidates with a band of their own
-BAND_FAMILY = tuple((s, b, r, p) for s in (2, 3, 4) for b in (4, 6) for r, p in ((0.0, None), (0.3, 0.25), (0.4, 0.25)))
+# (ENTER_AT, BELOW_TOP, top_r, prune, drift) of the candidates with a band of their own: with a budget, also with
+# the drift correction at half the recomputed tokens' move (on Gemma 3's GSM8K train calls it is what keeps the
+# continuation's copy of a span: BENCHMARKS.md, "Session 25")
+BAND_FAMILY = tuple((s, b, r, p, d) for s in (2, 3, 4) for b in (4, 6)
+                    for r, p, d in ((0.0, None, None), (0.3, 0.25, None), (0.4, 0.25, None),
+                                    (0.3, 0.25, 0.5), (0.4, 0.25, 0.5)))
 _SPANS = {"l_pre": 4, "l_suf": 4}
 SELECTOR_CANDIDATES: tuple[dict, ...] = (
     {}, {**_SPANS, "tau_dev": 3.0, "tau_inf": 3.0},
@@ -58,8 +63,9 @@ SELECTOR_CANDIDATES: tuple[dict, ...] = (
     # a band of their own (``ENTER_AT``, ``BELOW_TOP``): the openings EPIC computes (16) entering early from the
     # carried states and leaving a few layers below the top, the reuse that saves paying for a budget detected
     # where they enter; the continuation reads the openings, the first token the budget
-    *({AT_START: True, ENTER_AT: s, BELOW_TOP: b, "top_r": r, "l_pre": 16, "l_suf": 0, **({"prune": p} if r else {})}
-      for s, b, r, p in BAND_FAMILY),
+    *({AT_START: True, ENTER_AT: s, BELOW_TOP: b, "top_r": r, "l_pre": 16, "l_suf": 0, **({"prune": p} if r else {}),
+       **({"drift": d} if d else {})}
+      for s, b, r, p, d in BAND_FAMILY),
 )
 
 

@@ -116,6 +116,11 @@ def test_a_candidate_band_is_the_searched_one_moved_by_its_knobs():
     assert candidate_band({ENTER_AT: 6}, searched, 18) is None  # the search's L_det 5 would sit below L_start
     assert candidate_band({}, (6, 6, 6), 18) == (6, 6, 6)  # a one-layer searched band is still scored as given
     assert all(k.get(AT_START) for k in SELECTOR_CANDIDATES if ENTER_AT in k or BELOW_TOP in k)
+    # each budget on a band of its own is tried with and without the drift correction (which needs prune)
+    own = [k for k in SELECTOR_CANDIDATES if ENTER_AT in k]
+    assert {(k["top_r"], k.get("drift")) for k in own} == {(0.0, None), (0.3, None), (0.4, None), (0.3, 0.5),
+                                                           (0.4, 0.5)}
+    assert all(k.get("prune") for k in own if k.get("drift")) and len(own) == 30
     assert selector_spec({AT_START: True, ENTER_AT: 3, BELOW_TOP: 4, "top_r": 0.4}) == (
         "relay[l_det=l_start,l_start=3,l_end=top-4,top_r=0.4]")
 
@@ -145,3 +150,24 @@ def test_a_chosen_band_of_its_own_moves_the_profile_s_band_and_a_recalibration_s
     again = calibrate_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)  # from [2, 3, 7] again
     assert again.searched_band == [2, 3, 7] and again.layers == (2, 2, 3)
     assert (seen["paper"].l_start, seen["paper"].l_det, seen["paper"].l_end) == (2, 3, 7)  # not the moved band
+
+
+def test_a_chosen_band_candidate_with_drift_runs_and_ships_its_drift(monkeypatch):
+    own = next(k for k in SELECTOR_CANDIDATES if k.get(ENTER_AT) == 3 and k.get(BELOW_TOP) == 6 and k.get("drift"))
+    best = selector_spec(own)
+    assert best.endswith(",drift=0.5]")
+
+    def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
+        assert methods[best].drift == 0.5 and methods[best].prune == 0.25
+        assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (3, 3, 11)
+        out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
+        out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
+        out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
+        return out
+
+    monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
+    profile = LayerProfile("fp", "toy", 18, 4, 5, 13, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
+                           calibration={"problems": 4})
+    profile = calibrate_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)
+    assert profile.layers == (3, 3, 11) and profile.searched_band == [4, 5, 13]
+    assert profile.selector == {"top_r": own["top_r"], "l_pre": 16, "l_suf": 0, "prune": 0.25, "drift": 0.5}
