@@ -66,7 +66,7 @@ def main() -> None:
             record["methods"][name] = {
                 "reuse": stats.reuse_rate,
                 "kl": [kl_first_token(ref.logits[i], logits[i]) for i in range(ref.num_positions)],
-                "flips": [i for i, (a, b) in enumerate(zip(top_ids, ref.fed_ids, strict=False)) if a != b]}
+                "flips": flips(top_ids, ref)}
         calls.append(record)
 
     capture = tuple(sorted({layer for m in methods.values() for layer in m.capture_layers(lm)}))
@@ -78,6 +78,16 @@ def main() -> None:
     summarize(calls)
 
 
+def flips(top_ids: list[int], ref) -> list[int]:
+    """Positions whose top-1 differs from full's token; with a stopped continuation, its stop row too when the
+    method's top-1 there is no stop id (as ``path_fidelity.score_path`` holds it)."""
+    out = [i for i, (a, b) in enumerate(zip(top_ids, ref.fed_ids, strict=False)) if a != b]
+    stop_row = len(ref.fed_ids)
+    if ref.num_positions > stop_row and top_ids[stop_row] not in ref.stop_ids:
+        out.append(stop_row)
+    return out
+
+
 def summarize(calls: list[dict]) -> None:
     readers = sorted({"+".join(c["reads"]) for c in calls})
     for name in calls[0]["methods"]:
@@ -86,7 +96,8 @@ def summarize(calls: list[dict]) -> None:
                   for r in readers}
         counts = {r: sum("+".join(c["reads"]) == r for c in calls) for r in readers}
         first = Counter(r["flips"][0] for r in rows if r["flips"])
-        kl = [sum(r["kl"][i] for r in rows if len(r["kl"]) > i) / len(rows) for i in (0, 1)]
+        kl = [sum(r["kl"][i] for r in rows if len(r["kl"]) > i) / max(1, sum(len(r["kl"]) > i for r in rows))
+              for i in (0, 1)]
         print(f"{name:40s} reuse {sum(r['reuse'] for r in rows) / len(rows):.3f} greedy "
               + " ".join(f"{r}:{greedy[r]}/{counts[r]}" for r in readers)
               + f" first flips {dict(sorted(first.items()))} KL@0 {kl[0]:.4f} KL@1 {kl[1]:.4f}")
