@@ -46,10 +46,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    points = load_points(args.points) if args.points else {"relay": RelayMethod()}
-    if "cacheblend" in points:
+    points, relays = load_points(args.points) if args.points else (None, {"relay": RelayMethod()})
+    if "cacheblend" in relays:
         raise SystemExit(f"{args.points}: 'cacheblend' is a baseline's name; name the relay point otherwise")
-    methods = {"epic": EpicMethod(), "cacheblend": CacheBlendMethod(), **points}
+    methods = {"epic": EpicMethod(), "cacheblend": CacheBlendMethod(), **relays}
     lm = load_model(args.model)
     calls = []
 
@@ -73,7 +73,7 @@ def main() -> None:
     downstream_calls(lm, args.workload, None, args.problems, capture, on_call, "calls", True, args.offset)
     Path(args.json).write_text(json.dumps({
         "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-        "path_tokens": args.path_tokens, "points": json.loads(Path(args.points).read_text()) if args.points else None,
+        "path_tokens": args.path_tokens, "points": points,
         "environment": environment("cpu"), "calls": calls}) + "\n")
     summarize(calls)
 

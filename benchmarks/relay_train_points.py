@@ -27,9 +27,9 @@ from kvrelay.reuse.relay import RelayMethod
 from kvrelay.weights.loader import load_model
 
 
-def load_points(path: str) -> dict[str, RelayMethod]:
-    """name -> relay with the knobs ``path`` gives it; a one-line exit naming the file or point when they are bad
-    (before the model loads)."""
+def load_points(path: str) -> tuple[dict[str, dict], dict[str, RelayMethod]]:
+    """The file's points (name -> knobs) and name -> relay with those knobs; a one-line exit naming the file or
+    point when they are bad (before the model loads)."""
     try:
         points = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -44,7 +44,7 @@ def load_points(path: str) -> dict[str, RelayMethod]:
             methods[name] = RelayMethod(**knobs)
         except (TypeError, ConfigError) as exc:
             raise SystemExit(f"--points {path}: point {name!r}: {exc}") from exc
-    return methods
+    return points, methods
 
 
 def main() -> None:
@@ -59,12 +59,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    methods = {"epic": EpicMethod(), **load_points(args.points)}
+    points, relays = load_points(args.points)
+    methods = {"epic": EpicMethod(), **relays}
     lm = load_model(args.model)
     scores = score_methods(lm, methods, args.workload, None, args.problems, "points", True, args.path_tokens,
                            args.offset)
     out = {"model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-           "path_tokens": args.path_tokens, "points": json.loads(Path(args.points).read_text()),
+           "path_tokens": args.path_tokens, "points": points,
            "environment": environment("cpu"),
            "scores": {name: score._asdict() for name, score in scores.items()}}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
