@@ -1,4 +1,4 @@
-"""How good could relay's token selection be? Oracle selections beside the real methods, on GSM8K *train*.
+"""How good could relay's token selection be? Oracle selections beside the real methods, on calls outside test.
 
 For every downstream call of a workload (run with `full`), the fresh prefill's K/V says which reused tokens
 really deviate: per token, the L2 distance between the re-rotated reused keys and the fresh keys, averaged
@@ -7,9 +7,11 @@ over layers 4..L-1. "oracle top r" recomputes the top r of the span tokens by th
 tokens could do with that ranking, and no real method can know it before computing the fresh K/V. Beside
 it: `naive`, `epic`, `relay` (shipped profile), relay variants that keep the top r of span tokens at L_det
 by a deviation signal (a fixed budget instead of thresholds), and the share of near-tie calls. Only the
-first token is scored (KL and top-1 agreement against `full`).
+first token is scored (KL and top-1 agreement against `full`). Problems [offset, offset+limit) of --data (default:
+GSM8K train for GSM8K workloads, else the workload's own file; HumanEval "train" is --offset 100).
 
 Usage: python benchmarks/relay_oracle.py --limit 10 --json benchmarks/results/relay-oracle-train.json
+       python benchmarks/relay_oracle.py --model gemma3-270m --workload humaneval-adr --offset 100 --json OUT
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvrelay.data.datasets import data_root
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.engine.call import run_plan
 from kvrelay.errors import KvRelayError
+from kvrelay.eval.calibration_calls import calibration_data
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.eval.report import NEAR_TIE_MARGIN, is_near_tie
@@ -105,11 +108,16 @@ def train_calls_parser(description: str) -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = train_calls_parser(__doc__.splitlines()[0]).parse_args()
+    ap = train_calls_parser(__doc__.splitlines()[0])
+    ap.set_defaults(data=None)  # calibration_data: GSM8K train for GSM8K workloads, else the workload's file
+    ap.add_argument("--offset", type=int, default=0, help="skip this many problems (HumanEval train: 100)")
+    ap.add_argument("--ratios", default="0.05,0.1,0.2", help="the oracle's shares, a comma list")
+    args = ap.parse_args()
     env = environment("cpu")
     try:
         lm, wl = load_model(args.model), get_workload(args.workload)
-        problems = wl.problems(args.data, args.limit)
+        args.data = calibration_data(args.data, args.workload)
+        problems = wl.problems(args.data, args.offset + args.limit)[args.offset:]
     except KvRelayError as exc:
         print(f"relay_oracle: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +126,7 @@ def main() -> int:
                "relay top 0.2 (vcos)": TopRelay(signal="vcos", ratio=0.2),
                "relay top 0.2 (vcos) + l_pre 4": TopRelay(signal="vcos", ratio=0.2, l_pre=4),
                "relay top 0.2 (kvl2)": TopRelay(signal="kvl2", ratio=0.2)}
-    ratios = (0.05, 0.1, 0.2)
+    ratios = tuple(float(r) for r in args.ratios.split(","))
     names = [*methods, *(f"oracle top {r}" for r in ratios)]
     rows: dict[str, list[dict]] = {m: [] for m in names}
     margins: list[float] = []
@@ -148,7 +156,8 @@ def main() -> int:
                for m, rs in rows.items()}
     near_tie_rate = sum(is_near_tie(m) for m in margins) / len(margins)
     Path(args.json).write_text(json.dumps({"env": env, "workload": args.workload, "data": args.data,
-                                           "n": args.limit, "n_calls": len(margins), "near_tie_rate": near_tie_rate,
+                                           "offset": args.offset, "n": args.limit,
+                                           "model": lm.name, "n_calls": len(margins), "near_tie_rate": near_tie_rate,
                                            "results": summary, "margins": margins}, indent=1) + "\n")
     print(f"{len(margins)} calls, {near_tie_rate:.0%} near-ties (full's first token leads by < {NEAR_TIE_MARGIN})")
     for m, s in summary.items():

@@ -160,7 +160,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
-    from kvrelay.eval.selector_calibration import calibrate_selector
+    from kvrelay.eval.selector_calibration import calibrate_selector, calibrate_workload_selector
     from kvrelay.pipeline.workloads import get_workload
     from kvrelay.reuse.profile import layer_profile
 
@@ -182,11 +182,18 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if no_train and args.data is None and args.offset == 0:
         raise ConfigError(f"--workload {','.join(no_train)} has no train split: its default file holds the problems "
                           "`kvrelay bench` runs first; give --offset N (e.g. 100) or --data")
+    if args.for_workload and (not args.selector_only or len(workloads) > 1):
+        missing = "" if args.selector_only else " without --selector-only"
+        raise ConfigError("--for-workload chooses a selector for one workload's agents: give --selector-only and "
+                          f"one --workload (got {args.workload!r}{missing})")
     if len(workloads) > 1 and args.data is not None:
         raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
     _check_data(workloads[0], args.data)
     lm = load_model_from(args)
-    if args.selector_only:  # keep the model's searched band, choose the selector (and any band of its own) again
+    if args.for_workload:  # keep the model's profile; add (or replace) the selector of this workload's agents
+        profile = calibrate_workload_selector(lm, layer_profile(lm), workloads[0], args.data, args.problems,
+                                              path_tokens=args.path_tokens, offset=args.offset)
+    elif args.selector_only:  # keep the model's searched band, choose the selector (and any band of its own) again
         profile = calibrate_selector(lm, layer_profile(lm), workloads, args.data, args.problems,
                                      path_tokens=args.path_tokens, offset=args.offset)
     else:
@@ -203,13 +210,18 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     for band, score in profile.band_scores.items():
         print(f"  relay band ({band}): first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
     print(f"chosen ({profile.select}): L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end}")
-    for spec, score in profile.selector_scores.items():
+    entry = profile.workload_selectors[workloads[0]] if args.for_workload else None
+    for spec, score in (entry or {"selector_scores": profile.selector_scores})["selector_scores"].items():
         path = (f", KL over {args.path_tokens} tokens {score['path_kl']:.4f}, greedy@{args.path_tokens} "
                 f"{score['greedy']:.2f}") if "path_kl" in score else ""
         print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}{path}")
     print(f"selector: {profile.selector or 'the paper thresholds'}"
           + (f", on a band of its own: L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end} "
              f"(the band search's: {profile.searched_band})" if profile.band_moved else ""))
+    if entry is not None:
+        start, det, end = entry["layers"]
+        print(f"selector for {workloads[0]}'s agents ({', '.join(entry['roles'])}): "
+              f"{entry['selector'] or 'the paper thresholds'}, L_start={start} L_det={det} L_end={end}")
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
     print(f"wrote {out} (and {profile_path(lm.profile_fingerprint)})")
     if args.plot:
@@ -303,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep the model's current profile (its band search's band and curves) and only choose "
                            "relay's token selector again on the calibration calls (a selector may bring a band of "
                            "its own)")
+    prof.add_argument("--for-workload", action="store_true",
+                      help="with --selector-only and one --workload: keep the profile's selector for every other "
+                           "call and add one chosen on this workload's calls alone, used for calls whose system "
+                           "prompt is one of its agents' (a server request with that system message included)")
     prof.add_argument("--kl-tolerance", type=finite_float, default=0.1,
                       help="relative KL slack when choosing by fidelity, >= 0 (default: 0.1)")
     prof.add_argument("--path-tokens", type=non_negative_integer, default=32,

@@ -15,16 +15,20 @@ it. ``relay`` uses it when a spec sets none of the selector's knobs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
+from kvrelay.errors import ConfigError
 from kvrelay.eval.calibration_calls import MethodScore, calibration_data, score_methods
 from kvrelay.model.lm import LoadedModel
+from kvrelay.pipeline.workloads import get_workload
+from kvrelay.reuse.base import role_key
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile
 from kvrelay.reuse.relay import PAPER_SELECTOR, RelayMethod
 
 __all__ = ["AT_START", "BAND_KNOBS", "BELOW_TOP", "ENTER_AT", "KL_GIVE_WAY", "KL_SHARE_OF_EPIC", "SELECTOR_CANDIDATES",
-           "calibrate_selector", "candidate_band", "choose_selector", "selector_spec"]
+           "calibrate_selector", "calibrate_workload_selector", "candidate_band", "choose_selector", "selector_spec"]
 
 
 # relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
@@ -164,6 +168,28 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | S
     profile.calibration["selector_workloads"] = {name: calibration_data(data, name) or "default" for name in names}
     profile.calibration["selector_offset"] = offset
     profile.calibration["selector_path_tokens"] = path_tokens
+    return profile
+
+
+def calibrate_workload_selector(lm: LoadedModel, profile: LayerProfile, workload: str, data: str | None,
+                                num_problems: int, progress: bool = True, path_tokens: int = 32,
+                                offset: int = 0) -> LayerProfile:
+    """``profile`` with a selector (and band) chosen on ``workload``'s calibration calls alone, as
+    ``calibrate_selector`` chooses, kept for that workload's agents (``workload_selectors``, keyed by the
+    ``role_key`` of each agent's system prompt); the profile's own selector, for every other call, is unchanged.
+    A workload whose agents have no system prompt has no role to key it by: a ``ConfigError``."""
+    roles = {agent.name: role_key(agent.system) for agent in get_workload(workload).spec.agents if agent.system}
+    if not roles:
+        raise ConfigError(f"workload {workload!r}: its agents have no system prompt to key a selector by")
+    for name, entry in profile.workload_selectors.items():  # checked before the calibration runs
+        if name != workload and set(entry["roles"].values()) & set(roles.values()):
+            raise ConfigError(f"workload {workload!r}: an agent's system prompt is also one of {name!r}'s, which has "
+                              "a selector of its own in this profile; calibrate one of them")
+    tuned = calibrate_selector(lm, copy.deepcopy(profile), workload, data, num_problems, progress, path_tokens, offset)
+    profile.workload_selectors[workload] = {
+        "roles": roles, "layers": list(tuned.layers), "selector": tuned.selector,
+        "selector_scores": tuned.selector_scores,
+        "calibration": {k: v for k, v in tuned.calibration.items() if k.startswith("selector_")}}
     return profile
 
 

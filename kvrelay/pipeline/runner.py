@@ -16,7 +16,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.dag import consumers
 from kvrelay.pipeline.prompt import PromptIds, chat_prompt_ids, splice_marker
 from kvrelay.pipeline.spec import AgentSpec, PipelineSpec
-from kvrelay.reuse import CallInput, ReuseMethod, SpanRef
+from kvrelay.reuse import CallInput, ReuseMethod, SpanRef, role_key
 
 
 @dataclass
@@ -80,7 +80,7 @@ class PipelineRunner:
             if holder is not None:  # a task input some earlier call already prefilled
                 src = next(s for s in holder.prompt.segments if s.ref == seg.ref)
                 refs.append(SpanRef(seg.start, seg.end, holder.span_id, src.start, "input", seg.ref))
-        return CallInput(prompt.ids, refs, agent.name), prompt
+        return CallInput(prompt.ids, refs, agent.name, role_key(agent.system)), prompt
 
     def run(self, inputs: dict[str, str], method: ReuseMethod | str = "full",
             before_call: Callable[[AgentSpec, CallInput, int], None] | None = None,

@@ -14,7 +14,7 @@ import importlib
 import re
 
 from kvrelay.errors import ConfigError
-from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef, role_key
 
 METHODS: dict[str, str] = {
     "full": "kvrelay.reuse.full:FullMethod", "prefix": "kvrelay.reuse.prefix:PrefixMethod",
@@ -28,7 +28,7 @@ PIPELINE_METHODS = tuple(m for m in METHODS if m != "rksc")
 
 __all__ = ["PIPELINE_METHODS", "METHODS",
            "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "method_class",
-           "split_method_specs"]
+           "role_key", "split_method_specs"]
 
 
 def method_class(name: str) -> type[ReuseMethod]:

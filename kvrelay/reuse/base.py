@@ -7,6 +7,7 @@ the forward loop (DESIGN.md: if it must, the schedule interface is wrong).
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,13 @@ class SpanRef:
         return self.end - self.start
 
 
+def role_key(system_prompt: str) -> str:
+    """The key of an agent's role: a digest of its system prompt's text ("" without one). A pipeline's agent and a
+    server request with the same system message get the same key, which a model's profile may hold a selector for
+    (``LayerProfile.workload_selectors``)."""
+    return hashlib.sha256(system_prompt.encode()).hexdigest()[:16] if system_prompt else ""
+
+
 @dataclass
 class CallInput:
     """What a method sees of one agent call: the prompt ids and the known copies in it."""
@@ -49,6 +57,7 @@ class CallInput:
     prompt_ids: list[int]
     refs: list[SpanRef] = field(default_factory=list)
     name: str = ""
+    role: str = ""  # ``role_key`` of the agent's system prompt ("": unknown)
 
 
 @dataclass(frozen=True)

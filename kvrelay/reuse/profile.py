@@ -52,6 +52,11 @@ class LayerProfile:
     # the band search's (l_start, l_det, l_end) before the selector's calibration (which may move l_det to l_start,
     # or the band itself: a selector chosen with a band of its own)
     searched_band: list[int] = field(default_factory=list)
+    # selectors chosen on one workload's calibration calls (``kvrelay profile --selector-only --for-workload``):
+    # workload -> {"roles": {agent: role_key}, "layers": [l_start, l_det, l_end], "selector": {...},
+    # "selector_scores": {...}, "calibration": {...}}; a call whose role is among a workload's uses its layers
+    # and selector instead of the ones above
+    workload_selectors: dict[str, dict] = field(default_factory=dict)
 
     @property
     def layers(self) -> tuple[int, int, int]:
@@ -62,6 +67,15 @@ class LayerProfile:
         """Whether the calibrated selector brought a band of its own (ends other than the band search's)."""
         return bool(self.searched_band) and self.searched_band[::2] != [self.l_start, self.l_end]
 
+    def for_role(self, role: str) -> tuple[tuple[int, int, int], dict]:
+        """(L_start, L_det, L_end) and the selector a call of this role runs: a workload's whose agents have it,
+        else the profile's own."""
+        if role:  # "" (no system prompt) is no role
+            for entry in self.workload_selectors.values():
+                if role in entry["roles"].values():
+                    return tuple(entry["layers"]), entry["selector"]
+        return self.layers, self.selector
+
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -71,8 +85,14 @@ class LayerProfile:
         try:
             d = json.loads(Path(path).read_text())
             d["det_scores"] = {int(k): v for k, v in d.get("det_scores", {}).items()}
-            return cls(**d)
-        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            profile = cls(**d)
+            for name, entry in profile.workload_selectors.items():
+                if not (isinstance(entry, dict) and isinstance(entry.get("roles"), dict)
+                        and isinstance(entry.get("selector"), dict) and len(entry.get("layers", ())) == 3):
+                    raise TypeError(f"workload selector {name!r} needs roles, layers [l_start, l_det, l_end] "
+                                    "and a selector")
+            return profile
+        except (OSError, json.JSONDecodeError, TypeError, AttributeError) as exc:
             raise KvRelayError(f"{path}: not a readable RelayCaching profile ({exc})") from exc
 
 

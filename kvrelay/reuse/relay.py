@@ -201,13 +201,19 @@ class RelayMethod(ReuseMethod):
         if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
             raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
 
-    def selector_settings(self, lm) -> SelectorSettings:
-        """The selector this call uses: the knobs given, else the profile's calibrated choice, else the paper's."""
+    @property
+    def own_selector(self) -> bool:
+        """Whether the selector comes from the model's profile (the spec sets none of its knobs)."""
+        return all(getattr(self, k) is None for k in PAPER_SELECTOR)
+
+    def selector_settings(self, lm, role: str = "") -> SelectorSettings:
+        """The selector a call of ``role`` uses: the knobs given, else the profile's calibrated choice (its
+        workload's, ``LayerProfile.for_role``), else the paper's."""
         given = {k: getattr(self, k) for k in PAPER_SELECTOR}
-        if any(v is not None for v in given.values()):
+        if not self.own_selector:
             return SelectorSettings(**{k: PAPER_SELECTOR[k] if v is None else v for k, v in given.items()})
         try:
-            chosen = layer_profile(lm).selector
+            chosen = layer_profile(lm).for_role(role)[1]
         except ConfigError:  # no profile (the layers were given): the paper's selector
             chosen = {}
         unknown = sorted(set(chosen) - set(PAPER_SELECTOR))
@@ -220,18 +226,18 @@ class RelayMethod(ReuseMethod):
                               f"`kvrelay profile --model {lm.name} --selector-only` writes a new one") from exc
         return SelectorSettings(**{**PAPER_SELECTOR, **chosen})
 
-    def layers(self, lm) -> tuple[int, int, int]:
-        """(L_start, L_det, L_end) for this model: each override given, else the profile's (a ConfigError says
-        how to get one when the model has none and a layer is not given)."""
+    def layers(self, lm, role: str = "") -> tuple[int, int, int]:
+        """(L_start, L_det, L_end) for a call of ``role`` on this model: each override given, else the profile's
+        (a ConfigError says how to get one when the model has none and a layer is not given)."""
         num_layers = lm.config.num_layers
         given = (self.l_start, self.l_det, self.l_end)
         # each layer not given comes from the profile (relay[l_end=25] moves only the band's end): its layers
-        # with its own selector, else the band search's (a selector chosen to detect at L_start moved L_det
-        # there, one with a band of its own the band)
+        # with its own selector (the role's workload's, if it has one), else the band search's (a selector chosen
+        # to detect at L_start moved L_det there, one with a band of its own the band)
         if None in given:
             profile = layer_profile(lm)
-            own_selector = all(getattr(self, k) is None for k in PAPER_SELECTOR)
-            profiled = profile.layers if own_selector else tuple(profile.searched_band or profile.layers)
+            profiled = profile.for_role(role)[0] if self.own_selector else \
+                tuple(profile.searched_band or profile.layers)
         else:
             profiled = given
         start, det, end = (g if g is not None else p for g, p in zip(given, profiled, strict=True))
@@ -244,19 +250,33 @@ class RelayMethod(ReuseMethod):
                               f"(or all = {num_layers}: the empty band)")
         return start, det, end
 
+    def _roles(self, lm) -> dict[str, str]:
+        """workload -> one of its roles, for each workload selector in the profile this spec uses."""
+        if not self.own_selector:
+            return {}
+        try:
+            entries = layer_profile(lm).workload_selectors
+        except ConfigError:
+            return {}
+        return {name: next(iter(entry["roles"].values()), "") for name, entry in entries.items()}
+
     def settings(self, lm) -> dict:
-        return {"layers": list(self.layers(lm)), "selector": asdict(self.selector_settings(lm))}
+        def resolved(role: str) -> dict:
+            return {"layers": list(self.layers(lm, role)), "selector": asdict(self.selector_settings(lm, role))}
+
+        per_workload = {name: resolved(role) for name, role in self._roles(lm).items()}
+        return resolved("") | ({"workload_selectors": per_workload} if per_workload else {})
 
     def capture_layers(self, lm) -> tuple[int, ...]:
-        start = self.layers(lm)[0]
-        return (start,) if 0 < start < lm.config.num_layers else ()
+        starts = {self.layers(lm, role)[0] for role in ("", *self._roles(lm).values())}
+        return tuple(sorted(s for s in starts if 0 < s < lm.config.num_layers))
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         reuse = collect_reuse(call, store, lm.fingerprint)
-        start, det, end = self.layers(lm)
+        start, det, end = self.layers(lm, call.role)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
-        sel = self.selector_settings(lm)
+        sel = self.selector_settings(lm, call.role)
         carried, carried_h, from_zero, always, dense = [], [], [], [], []
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)

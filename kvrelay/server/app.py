@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine import Engine
 from kvrelay.errors import KvRelayError
-from kvrelay.reuse import PIPELINE_METHODS, get_method
+from kvrelay.reuse import PIPELINE_METHODS, get_method, role_key
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild, chat_ids, completion_ids
@@ -279,6 +279,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         top = (body.top_logprobs or 0) if body.logprobs else None
         job, events = make_job(body, namespace, method, build, body.max_completion_tokens or body.max_tokens,
                                settings.default_max_tokens, top)
+        job.role = role_key(system)
         return await respond(request, body, job, events, Reply(model_id, True, body.logprobs))
 
     @app.post("/v1/completions")

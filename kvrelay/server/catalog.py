@@ -108,7 +108,7 @@ class SpanCatalog:
         self.registry.remove_span(span_id)
 
     # ------------------------------------------------------------------ lookups
-    def build_call(self, prompt: PromptBuild, namespace: str, agent: str) -> CallBuild:
+    def build_call(self, prompt: PromptBuild, namespace: str, agent: str, role: str = "") -> CallBuild:
         """The call with its SpanRefs: quoted outputs (kind "output"), then the exact prefix, then the
         longest runs shared with stored spans (kind "input"); the spans they read are pinned."""
         ids = prompt.ids
@@ -135,7 +135,7 @@ class SpanCatalog:
         pinned = sorted({r.span_id for r in refs} | ({prefix.span_id} if num_prefix > 0 else set()))
         for span_id in pinned:
             self.store.pin(span_id, namespace)
-        return CallBuild(CallInput(ids, refs, agent), num_prefix, pinned, namespace, framing)
+        return CallBuild(CallInput(ids, refs, agent, role), num_prefix, pinned, namespace, framing)
 
     def learn_published(self, namespace: str) -> int:
         """Index the spans other processes published to the shared tier in ``namespace`` since the last

@@ -48,6 +48,7 @@ class Job:
     debug: bool
     emit: Callable[[dict], None]  # thread-safe: delivers an event to the request's asyncio side
     cache_output: bool = True
+    role: str = ""  # ``role_key`` of the request's system message (a profile's workload selectors match it)
     first_token_logprobs: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)
@@ -188,7 +189,7 @@ class EngineWorker:
                                param="messages", code="context_length_exceeded")
             max_tokens = job.max_tokens or min(job.default_max_tokens, room)
             sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
-            job.built = self.catalog.build_call(prompt, job.namespace, agent)
+            job.built = self.catalog.build_call(prompt, job.namespace, agent, job.role)
             job.seq = self.engine.start(job.built.call, job.method, GenerateOptions(sampling, keep_cache=True),
                                         store=self.catalog.view(job.namespace))
         except ApiError as exc:
@@ -262,7 +263,8 @@ class EngineWorker:
         if job.debug:
             call = job.built.call
             ext["debug"] = {"prompt_ids": call.prompt_ids, "output_ids": out.output_ids, "span_id": span_id,
-                            "refs": [r.__dict__ for r in call.refs], "agent": call.name}
+                            "refs": [r.__dict__ for r in call.refs], "agent": call.name,
+                            "role": call.role}
         if job.first_token_logprobs:
             ext["first_token_logprobs"] = encode_logprobs(out.first_logits)
         self.metrics.requests_done.labels(stats.method).inc()

@@ -1,6 +1,11 @@
 """Relay's selector pass (``kvrelay.eval.selector_calibration``): the choice rule, and what a calibration writes
 into the profile, on fixed scores."""
 
+import copy
+
+import pytest
+
+from kvrelay.errors import ConfigError
 from kvrelay.eval import selector_calibration
 from kvrelay.eval.calibration_calls import MethodScore
 from kvrelay.eval.selector_calibration import (
@@ -10,10 +15,13 @@ from kvrelay.eval.selector_calibration import (
     KL_SHARE_OF_EPIC,
     SELECTOR_CANDIDATES,
     calibrate_selector,
+    calibrate_workload_selector,
     candidate_band,
     choose_selector,
     selector_spec,
 )
+from kvrelay.pipeline.workloads import get_workload
+from kvrelay.reuse.base import role_key
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile
 
@@ -171,3 +179,35 @@ def test_a_chosen_band_candidate_with_drift_runs_and_ships_its_drift(monkeypatch
     profile = calibrate_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)
     assert profile.layers == (3, 3, 11) and profile.searched_band == [4, 5, 13]
     assert profile.selector == {"top_r": own["top_r"], "l_pre": 16, "l_suf": 0, "prune": 0.25, "drift": 0.5}
+
+
+def test_a_workload_s_selector_is_kept_for_its_agents_and_the_profile_s_own_is_unchanged(monkeypatch):
+    own = next(k for k in SELECTOR_CANDIDATES if k.get(ENTER_AT) == 3 and k.get(BELOW_TOP) == 6 and k.get("drift"))
+    best = selector_spec(own)
+    seen = []
+
+    def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
+        seen.append((workload, offset))
+        out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
+        out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
+        out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
+        return out
+
+    monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
+    profile = LayerProfile("fp", "toy", 18, 3, 3, 11, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
+                           calibration={"problems": 4}, selector={"top_r": 0.3, "l_pre": 16, "prune": 0.25},
+                           searched_band=[4, 5, 13])
+    before = copy.deepcopy(profile)
+    profile = calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False, offset=120)
+    entry = profile.workload_selectors.pop("gsm8k-chain3")
+    assert profile == before and seen == [("gsm8k-chain3", 120)]  # the profile's own choice untouched
+    agents = get_workload("gsm8k-chain3").spec.agents
+    assert entry["roles"] == {a.name: role_key(a.system) for a in agents} and len(set(entry["roles"].values())) == 3
+    assert entry["layers"] == [3, 3, 11] and entry["selector"]["drift"] == 0.5
+    assert entry["selector_scores"][best]["kl"] == 0.01 and entry["calibration"]["selector_offset"] == 120
+    # another workload whose agents share a system prompt with one already keyed: a clear error
+    profile.workload_selectors["other"] = {"roles": {"x": entry["roles"]["critic"]}, "layers": [3, 3, 11],
+                                           "selector": {}}
+    with pytest.raises(ConfigError, match="also one of 'other'"):
+        calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)
+    assert len(seen) == 1  # before any call was scored

@@ -6,6 +6,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.pipeline.runner import PipelineRunner, span_consumers
 from kvrelay.pipeline.spec import PipelineSpec
+from kvrelay.reuse import role_key
 from tests.helpers import tiny_lm
 
 SPEC = PipelineSpec.from_dict({"inputs": ["q"], "agents": [
@@ -45,6 +46,8 @@ def test_refs_point_at_the_exact_ids_in_upstream_spans(lm):
     assert done["c"].call.prompt_ids[ref_a.start : ref_a.end] == out_a  # spliced as generated
     assert ref_a.src_start == len(done["a"].output.prompt_ids)  # right after a's prompt in its span
     assert pins == {"a": {}, "b": {"a": True}, "c": {"a": True, "b": True}}
+    # each call carries its agent's role (its system prompt's key; none without one)
+    assert [done[n].call.role for n in "abc"] == [role_key("S"), "", ""] and role_key("S") != role_key("T")
     assert not any(store.is_pinned(runner.span_id(n)) for n in "abc")  # all readers done
     runner.drop_spans()
     assert len(store) == 0

@@ -292,6 +292,49 @@ def test_a_selector_with_a_band_of_its_own_runs_on_it_and_a_spec_with_its_own_se
     assert get_method("relay[l_end=17]").layers(lm) == (3, 3, 17)
 
 
+def test_a_workload_selector_runs_for_its_roles_and_the_profile_s_own_for_every_other_call(monkeypatch):
+    from kvrelay.reuse import relay as relay_module
+    from kvrelay.reuse.profile import LayerProfile
+
+    own = {"top_r": 0.3, "l_pre": 16, "prune": 0.25}
+    tuned = {"top_r": 0.4, "l_pre": 16, "prune": 0.25, "drift": 0.5}
+    profile = LayerProfile("fp", "m", 18, 3, 3, 11, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18, selector=own,
+                           searched_band=[4, 5, 13],
+                           workload_selectors={"w": {"roles": {"a": "r1", "b": "r2"}, "layers": [2, 2, 12],
+                                                     "selector": tuned}})
+    monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
+    lm = SimpleNamespace(config=SimpleNamespace(num_layers=18))
+    relay = get_method("relay")
+    assert relay.layers(lm, "r2") == (2, 2, 12) and relay.selector_settings(lm, "r2").drift == 0.5
+    assert relay.layers(lm) == relay.layers(lm, "other") == (3, 3, 11)
+    assert relay.selector_settings(lm, "other").drift is None and relay.selector_settings(lm).top_r == 0.3
+    assert relay.capture_layers(lm) == (2, 3)  # upstream calls carry the states either band enters with
+    settings = relay.settings(lm)
+    assert settings["layers"] == [3, 3, 11] and settings["workload_selectors"]["w"]["layers"] == [2, 2, 12]
+    assert settings["workload_selectors"]["w"]["selector"]["drift"] == 0.5
+    # a spec with knobs of its own runs them on the band search's layers, whatever the role
+    spec = get_method("relay[top_r=0.2]")
+    assert spec.layers(lm, "r1") == (4, 5, 13) and spec.selector_settings(lm, "r1").drift is None
+    assert "workload_selectors" not in spec.settings(lm) and spec.capture_layers(lm) == (4,)
+
+
+def test_relay_plans_a_call_with_its_role_s_band(setup, monkeypatch):
+    from kvrelay.reuse import relay as relay_module
+    from kvrelay.reuse.profile import LayerProfile
+
+    lm, store, call, _ = setup
+    profile = LayerProfile("fp", "m", L, 2, 2, 3, 0.5, [1.0] * L, [1.0] * L, [0.0] * L,
+                           selector={"top_r": 0.3, "l_pre": 2, "prune": 0.25},
+                           workload_selectors={"w": {"roles": {"a": "r1"}, "layers": [2, 3, 3],
+                                                     "selector": {"top_r": 0.5, "l_pre": 2}}})
+    monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
+    plans = {role: get_method("relay").plan(CallInput(call.prompt_ids, call.refs, "x", role), store, lm)
+             for role in ("r1", "r9")}
+    assert (plans["r1"].schedule.select_layer, plans["r1"].schedule._admit) == (3, None)
+    assert plans["r9"].schedule.select_layer == 2 and plans["r9"].schedule._admit is not None
+    assert plans["r1"].schedule.prune is None and plans["r9"].schedule.prune is not None
+
+
 @pytest.mark.parametrize("selector, problem", [({"prune": 0.1, "prune_by": "top"}, "prune_by must be one of"),
                                                ({"top_r": 0.2, "cutoff": 3}, "unknown knobs")])
 def test_a_profile_with_a_bad_selector_is_a_clear_error(monkeypatch, selector, problem):

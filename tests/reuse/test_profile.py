@@ -39,6 +39,28 @@ def test_save_load_round_trip_keeps_every_field(tmp_path):
         LayerProfile.load(tmp_path / "bad.json")
 
 
+def test_a_profile_s_workload_selector_serves_its_roles_only():
+    p = _make("f00d", 1, 2, 3)
+    p.selector = {"top_r": 0.3}
+    p.workload_selectors = {"w": {"roles": {"a": "r1"}, "layers": [1, 1, 2], "selector": {"top_r": 0.4}}}
+    assert p.for_role("r1") == ((1, 1, 2), {"top_r": 0.4})
+    assert p.for_role("r2") == p.for_role("") == ((1, 2, 3), {"top_r": 0.3})
+    p.workload_selectors["w"]["roles"]["b"] = ""  # an agent without a system prompt never matches
+    assert p.for_role("") == ((1, 2, 3), {"top_r": 0.3})
+
+
+def test_a_malformed_workload_selector_is_named(tmp_path):
+    p = _make("f00d", 1, 2, 3)
+    p.workload_selectors = {"w": {"roles": {"a": "r1"}, "layers": [1, 2, 3], "selector": {}}}
+    p.save(tmp_path / "p.json")
+    assert LayerProfile.load(tmp_path / "p.json") == p
+    for bad in ({"roles": {"a": "r1"}, "selector": {}}, {"roles": ["r1"], "layers": [1, 2, 3], "selector": {}}, 7):
+        p.workload_selectors = {"w": bad}
+        p.save(tmp_path / "p.json")
+        with pytest.raises(KvRelayError, match="workload selector 'w' needs roles|not a readable"):
+            LayerProfile.load(tmp_path / "p.json")
+
+
 def test_a_model_decoding_on_other_weights_finds_the_profile_of_its_fp32_path(cache):
     lm = SimpleNamespace(fingerprint="int4", profile_fingerprint="f00d", name="toy")  # load_model(int4_decode=True)
     _make("f00d", 2, 3, 3).save(profile_path("f00d"))

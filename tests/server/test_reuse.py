@@ -12,7 +12,7 @@ import torch
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.reuse import CallInput, SpanRef
+from kvrelay.reuse import CallInput, SpanRef, role_key
 from kvrelay.server.textstream import decode_logprobs
 from kvrelay.weights.loader import load_model
 from tests.server.conftest import MODEL
@@ -101,6 +101,8 @@ def test_agent_identity_from_the_header_or_the_system_prompt_and_kvcomm_per_requ
     a = ask(server, solver, ns, "solver", max_tokens=8, method="kvcomm")
     assert a.model_extra["kvrelay"]["method"] == "kvcomm"
     assert a.model_extra["kvrelay"]["debug"]["agent"] == "solver"
+    # the role a profile's workload selectors match is the system prompt's, whatever the header names
+    assert a.model_extra["kvrelay"]["debug"]["role"] == role_key("You solve.")
     answer = a.choices[0].message.content
     critic = [{"role": "system", "content": "You review."},
               {"role": "user", "content": f"Problem:\n{QUESTION}\n\nAnswer:\n{answer}"}]
