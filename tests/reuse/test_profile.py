@@ -12,6 +12,7 @@ from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.reuse import get_method, profile
 from kvrelay.reuse.base import CallInput
 from kvrelay.reuse.profile import SHIPPED_PROFILES, LayerProfile, layer_profile, profile_path
+from kvrelay.reuse.relay import RelayMethod
 from tests.helpers import tiny_lm
 
 
@@ -135,6 +136,21 @@ def test_the_shipped_profiles_are_readable_and_in_range():
         assert 0 <= p.l_start <= p.l_det <= p.l_end < p.num_layers
         assert len(p.value_cos) == len(p.key_cos) == len(p.deviation) == p.num_layers
         assert json.loads(path.read_text())["fingerprint"] == p.fingerprint
+        for entry in p.workload_selectors.values():  # each a valid relay on a band inside the model
+            start, det, end = entry["layers"]
+            assert 0 <= start <= det <= end < p.num_layers and all(entry["roles"].values())
+            RelayMethod(**entry["selector"])
+
+
+def test_the_shipped_workload_selectors_are_keyed_by_their_workloads_system_prompts():
+    """A workload's agents whose system prompts changed would silently lose the selector calibrated for them."""
+    from kvrelay.pipeline.workloads import get_workload
+    from kvrelay.reuse.base import role_key
+
+    for path in sorted(SHIPPED_PROFILES.glob("relay-*.json")):
+        for name, entry in LayerProfile.load(path).workload_selectors.items():
+            agents = get_workload(name).spec.agents
+            assert entry["roles"] == {a.name: role_key(a.system) for a in agents if a.system}, (path.name, name)
 
 
 def test_planning_relay_imports_nothing_above_reuse():
