@@ -4,7 +4,8 @@ For every downstream call of a workload (run with `full`), the fresh prefill's K
 really deviate: per token, the L2 distance between the re-rotated reused keys and the fresh keys, averaged
 over layers 4..L-1. "oracle top r" recomputes the top r of the span tokens by that measure at every layer
 (the rest of the spans read the reused KV as is, as in `epic`); it is the best any selector of r of the
-tokens could do with that ranking, and no real method can know it before computing the fresh K/V. Beside
+tokens could do with that ranking, and no real method can know it before computing the fresh K/V; "+ pre K"
+also recomputes each span's first K tokens (as `epic[k=K]`), r then being the share of the others. Beside
 it: `naive`, `epic`, `relay` (shipped profile), relay variants that keep the top r of span tokens at L_det
 by a deviation signal (a fixed budget instead of thresholds), and the share of near-tie calls. Only the
 first token is scored (KL and top-1 agreement against `full`). Problems [offset, offset+limit) of --data (default:
@@ -58,7 +59,8 @@ class TopRelay(RelayMethod):
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         plan = super().plan(call, store, lm)
         reuse = collect_reuse(call, store, lm.fingerprint)
-        heads = [torch.arange(ld.dst_start, ld.dst_start + min(self.l_pre, ld.num_tokens)) for ld in reuse.approx]
+        l_pre = self.l_pre or 0  # None (the profile's selector): no openings kept beyond the top r
+        heads = [torch.arange(ld.dst_start, ld.dst_start + min(l_pre, ld.num_tokens)) for ld in reuse.approx]
         head_idx = torch.cat(heads) if heads else torch.empty(0, dtype=torch.long)
 
         def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
@@ -78,9 +80,10 @@ class TopRelay(RelayMethod):
         return plan
 
 
-def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float) -> tuple[torch.Tensor, float]:
-    """First-token logits and reuse of recomputing, at every layer, the top ``ratio`` of span tokens by their
-    true key deviation (reused vs fresh, layers ORACLE_FROM_LAYER..L-1)."""
+def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float,
+                  pre: int = 0) -> tuple[torch.Tensor, float]:
+    """First-token logits and reuse of recomputing, at every layer, each span's first ``pre`` tokens and the top
+    ``ratio`` of the other span tokens by their true key deviation (reused vs fresh, layers ORACLE_FROM_LAYER..L-1)."""
     n, num_layers = len(call.prompt_ids), lm.config.num_layers
     reuse = collect_reuse(call, store, lm.fingerprint)
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
@@ -89,8 +92,11 @@ def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio:
     span_idx = reuse.approx_idx()
     upper = slice(ORACLE_FROM_LAYER, num_layers)
     dk = (cache.k[upper][:, :, span_idx] - fresh.k[upper][:, :, span_idx]).float().pow(2).sum(dim=(1, 3))  # [L', m]
-    top = span_idx[dk.sqrt().mean(0).topk(max(1, round(ratio * span_idx.numel()))).indices]
-    active = torch.cat([reuse.new_idx(n), top]).unique()
+    heads = torch.cat([torch.arange(ld.dst_start, ld.dst_start + min(pre, ld.num_tokens)) for ld in reuse.approx])
+    opening = torch.isin(span_idx, heads)
+    budget = min(max(1, round(ratio * int((~opening).sum()))), int((~opening).sum()))
+    top = span_idx[dk.sqrt().mean(0).masked_fill(opening, -1.0).topk(budget).indices]
+    active = torch.cat([reuse.new_idx(n), heads, top]).unique()
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
     result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(active), reuse.loads), cache, store)
     return result.logits, 1 - result.num_computed_token_layers / (n * num_layers)
@@ -112,6 +118,7 @@ def main() -> int:
     ap.set_defaults(data=None)  # calibration_data: GSM8K train for GSM8K workloads, else the workload's file
     ap.add_argument("--offset", type=int, default=0, help="skip this many problems (HumanEval train: 100)")
     ap.add_argument("--ratios", default="0.05,0.1,0.2", help="the oracle's shares, a comma list")
+    ap.add_argument("--oracle-pre", default="0", help="span openings the oracle also recomputes, a comma list")
     args = ap.parse_args()
     env = environment("cpu")
     try:
@@ -127,7 +134,9 @@ def main() -> int:
                "relay top 0.2 (vcos) + l_pre 4": TopRelay(signal="vcos", ratio=0.2, l_pre=4),
                "relay top 0.2 (kvl2)": TopRelay(signal="kvl2", ratio=0.2)}
     ratios = tuple(float(r) for r in args.ratios.split(","))
-    names = [*methods, *(f"oracle top {r}" for r in ratios)]
+    oracles = {f"oracle top {r}" + (f" + pre {k}" if k else ""): (r, k)
+               for k in (int(k) for k in args.oracle_pre.split(",")) for r in ratios}
+    names = [*methods, *oracles]
     rows: dict[str, list[dict]] = {m: [] for m in names}
     margins: list[float] = []
     one = SamplingConfig(max_new_tokens=1)
@@ -145,8 +154,8 @@ def main() -> int:
             margins.append(first_token_margin(full.first_logits))
             outs = {m: engine.generate(call, meth, GenerateOptions(one)) for m, meth in methods.items()}
             scored = {m: (o.first_logits, o.stats.reuse_rate) for m, o in outs.items()}
-            for r in ratios:
-                scored[f"oracle top {r}"] = oracle_logits(lm, call, store, full.cache, r)
+            for name, (r, k) in oracles.items():
+                scored[name] = oracle_logits(lm, call, store, full.cache, r, k)
             for m, (logits, reuse) in scored.items():
                 rows[m].append({"kl": kl_first_token(full.first_logits, logits), "reuse": reuse,
                                 "agree": first_token_agrees(full.first_logits, logits)})
@@ -158,7 +167,7 @@ def main() -> int:
     Path(args.json).write_text(json.dumps({"env": env, "workload": args.workload, "data": args.data,
                                            "offset": args.offset, "n": args.limit,
                                            "model": lm.name, "n_calls": len(margins), "near_tie_rate": near_tie_rate,
-                                           "results": summary, "margins": margins}, indent=1) + "\n")
+                                           "results": summary, "margins": margins, "calls": rows}, indent=1) + "\n")
     print(f"{len(margins)} calls, {near_tie_rate:.0%} near-ties (full's first token leads by < {NEAR_TIE_MARGIN})")
     for m, s in summary.items():
         print(f"{m:32s} reuse {s['reuse']:.3f}  1st-token agree {s['agree']:.2f}  KL {s['kl']:.4f}")
