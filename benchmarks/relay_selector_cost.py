@@ -35,7 +35,7 @@ from kvrelay.engine import Engine
 from kvrelay.engine.call import run_plan
 from kvrelay.eval.harness import environment
 from kvrelay.model.schedule import Entry, LayerView
-from kvrelay.pipeline.runner import PipelineRunner
+from kvrelay.pipeline.runner import PipelineRunner, agent_role
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse import get_method
 from kvrelay.reuse.band import BandSchedule
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(method, RelayMethod):
         parser.error(f"--method must be a relay spec, got {args.method!r}")
     wl = get_workload(args.workload)
-    layers = method.layers(lm)
+    layers = method.layers(lm, agent_role(wl.spec.agents[-1]))  # a downstream agent's (its workload's selector)
     admits = layers[0] == layers[1] > 0
     variants = ("full", "relay", "static") if admits else ("full", "relay", "relay (whole L_det)", "static")
     rows = []

@@ -56,7 +56,7 @@ def main() -> None:
 
             server_call = CallInput(call.prompt_ids, [
                 SpanRef(r["start"], r["end"], span_of(r["span_id"]), r["src_start"], r["kind"], r["name"])
-                for r in c["refs"]], call.name)
+                for r in c["refs"]], call.name, call.role)
             full = engine.generate(call, "full").first_logits
             for method in methods:
                 for refs, ci in (("runner", call), ("server", server_call)):

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from kvrelay.errors import ConfigError
 from kvrelay.eval.calibration_calls import MethodScore, calibration_data, score_methods
 from kvrelay.model.lm import LoadedModel
+from kvrelay.pipeline.runner import agent_role
 from kvrelay.pipeline.workloads import get_workload
-from kvrelay.reuse.base import role_key
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile
 from kvrelay.reuse.relay import PAPER_SELECTOR, RelayMethod
@@ -140,17 +140,19 @@ KL_SHARE_OF_EPIC = 0.5 * 0.8
 
 def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | Sequence[str], data: str | None,
                        num_problems: int, progress: bool = True, path_tokens: int = 32,
-                       offset: int = 0) -> LayerProfile:
+                       offset: int = 0, l_start: int | None = None) -> LayerProfile:
     """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``, with epic's
     on the same calls as the bars: its reuse, ``KL_SHARE_OF_EPIC`` x its first-token KL and its greedy share,
     the dominance bars, KL's with a margin; ranked by the KL along ``full``'s first ``path_tokens`` greedy
     tokens, or, with 0, by the first token's under the reuse bar only). A selector chosen with ``AT_START``
     moves the profile's L_det to L_start, one with band knobs its band too (``candidate_band``; the band
     search's own stays in ``searched_band``, and is where a later calibration starts).
-    ``workload``: one name or several, their calls pooled (``calibration_calls.downstream_calls``)."""
+    ``workload``: one name or several, their calls pooled (``calibration_calls.downstream_calls``); ``l_start``:
+    only the candidates whose band enters there."""
     searched = tuple(profile.searched_band or profile.layers)
     candidates = {selector_spec(k): (k, band) for k in SELECTOR_CANDIDATES
-                  if (band := candidate_band(k, searched, profile.num_layers)) is not None}
+                  if (band := candidate_band(k, searched, profile.num_layers)) is not None
+                  and l_start in (None, band[0])}
     methods = {spec: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2], **(_relay_knobs(k) or PAPER_SELECTOR))
                for spec, (k, band) in candidates.items()}
     scores = score_methods(lm, {**methods, "epic": EpicMethod()}, workload, data, num_problems, "scoring selectors",
@@ -175,17 +177,21 @@ def calibrate_workload_selector(lm: LoadedModel, profile: LayerProfile, workload
                                 num_problems: int, progress: bool = True, path_tokens: int = 32,
                                 offset: int = 0) -> LayerProfile:
     """``profile`` with a selector (and band) chosen on ``workload``'s calibration calls alone, as
-    ``calibrate_selector`` chooses, kept for that workload's agents (``workload_selectors``, keyed by the
-    ``role_key`` of each agent's system prompt); the profile's own selector, for every other call, is unchanged.
-    A workload whose agents have no system prompt has no role to key it by: a ``ConfigError``."""
-    roles = {agent.name: role_key(agent.system) for agent in get_workload(workload).spec.agents if agent.system}
+    ``calibrate_selector`` chooses among the candidates entering at the profile's own L_start, kept for that
+    workload's agents (``workload_selectors``, keyed by ``agent_role``); the profile's own selector, for every
+    other call, is unchanged. One L_start: upstream calls carry their hidden states at one layer (a stored span
+    holds them from one row for every layer, and a relay call that computes only the upper of two capture layers
+    would publish neither for its prompt). A workload whose agents have no fixed system prompt has no role to
+    key it by: a ``ConfigError``."""
+    roles = {agent.name: role for agent in get_workload(workload).spec.agents if (role := agent_role(agent))}
     if not roles:
-        raise ConfigError(f"workload {workload!r}: its agents have no system prompt to key a selector by")
+        raise ConfigError(f"workload {workload!r}: its agents have no fixed system prompt to key a selector by")
     for name, entry in profile.workload_selectors.items():  # checked before the calibration runs
         if name != workload and set(entry["roles"].values()) & set(roles.values()):
             raise ConfigError(f"workload {workload!r}: an agent's system prompt is also one of {name!r}'s, which has "
                               "a selector of its own in this profile; calibrate one of them")
-    tuned = calibrate_selector(lm, copy.deepcopy(profile), workload, data, num_problems, progress, path_tokens, offset)
+    tuned = calibrate_selector(lm, copy.deepcopy(profile), workload, data, num_problems, progress, path_tokens, offset,
+                               l_start=profile.l_start)
     profile.workload_selectors[workload] = {
         "roles": roles, "layers": list(tuned.layers), "selector": tuned.selector,
         "selector_scores": tuned.selector_scores,

@@ -15,7 +15,7 @@ from kvrelay.engine import Engine, GenerateOptions, GenerationOutput
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.dag import consumers
 from kvrelay.pipeline.prompt import PromptIds, chat_prompt_ids, splice_marker
-from kvrelay.pipeline.spec import AgentSpec, PipelineSpec
+from kvrelay.pipeline.spec import AgentSpec, PipelineSpec, placeholders
 from kvrelay.reuse import CallInput, ReuseMethod, SpanRef, role_key
 
 
@@ -27,6 +27,14 @@ class AgentResult:
     prompt: PromptIds
     output: GenerationOutput
     span_id: str
+
+
+def agent_role(agent: AgentSpec) -> str:
+    """``role_key`` of the system message the agent sends (its text with ``{{ }}`` unescaped, as a client sends it);
+    "" when it has none, or when it holds a {placeholder} (its text then changes from call to call)."""
+    if not agent.system or placeholders(agent.system, f"agent {agent.name!r} system"):
+        return ""
+    return role_key(agent.system.format())
 
 
 def render_messages(agent: AgentSpec) -> list[dict[str, str]]:
@@ -80,7 +88,7 @@ class PipelineRunner:
             if holder is not None:  # a task input some earlier call already prefilled
                 src = next(s for s in holder.prompt.segments if s.ref == seg.ref)
                 refs.append(SpanRef(seg.start, seg.end, holder.span_id, src.start, "input", seg.ref))
-        return CallInput(prompt.ids, refs, agent.name, role_key(agent.system)), prompt
+        return CallInput(prompt.ids, refs, agent.name, agent_role(agent)), prompt
 
     def run(self, inputs: dict[str, str], method: ReuseMethod | str = "full",
             before_call: Callable[[AgentSpec, CallInput, int], None] | None = None,

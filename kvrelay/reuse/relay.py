@@ -213,17 +213,21 @@ class RelayMethod(ReuseMethod):
         if not self.own_selector:
             return SelectorSettings(**{k: PAPER_SELECTOR[k] if v is None else v for k, v in given.items()})
         try:
-            chosen = layer_profile(lm).for_role(role)[1]
+            profile = layer_profile(lm)
         except ConfigError:  # no profile (the layers were given): the paper's selector
-            chosen = {}
+            profile = None
+        chosen = profile.for_role(role)[1] if profile else {}
+        workload = profile.workload_of(role) if profile else None
         unknown = sorted(set(chosen) - set(PAPER_SELECTOR))
         try:
             if unknown:
                 raise ConfigError(f"unknown knobs {unknown}")
             RelayMethod(**chosen)  # the same checks as a spec's knobs
         except ConfigError as exc:
-            raise ConfigError(f"relay: the selector in {lm.name}'s profile is not valid ({exc}); "
-                              f"`kvrelay profile --model {lm.name} --selector-only` writes a new one") from exc
+            which, flags = (f"{workload}'s selector", f" --for-workload --workload {workload}") if workload else \
+                ("selector", "")
+            raise ConfigError(f"relay: the {which} in {lm.name}'s profile is not valid ({exc}); "
+                              f"`kvrelay profile --model {lm.name} --selector-only{flags}` writes a new one") from exc
         return SelectorSettings(**{**PAPER_SELECTOR, **chosen})
 
     def layers(self, lm, role: str = "") -> tuple[int, int, int]:
@@ -268,8 +272,8 @@ class RelayMethod(ReuseMethod):
         return resolved("") | ({"workload_selectors": per_workload} if per_workload else {})
 
     def capture_layers(self, lm) -> tuple[int, ...]:
-        starts = {self.layers(lm, role)[0] for role in ("", *self._roles(lm).values())}
-        return tuple(sorted(s for s in starts if 0 < s < lm.config.num_layers))
+        start = self.layers(lm)[0]  # a profile's workload selectors enter where its own does (``LayerProfile``)
+        return (start,) if 0 < start < lm.config.num_layers else ()
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         reuse = collect_reuse(call, store, lm.fingerprint)

@@ -188,13 +188,15 @@ def test_a_workload_s_selector_is_kept_for_its_agents_and_the_profile_s_own_is_u
 
     def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
         seen.append((workload, offset))
+        # only candidates entering where the profile's own band does (its upstream calls carry that layer)
+        assert {m.l_start for key, m in methods.items() if key != "epic"} == {3} and len(methods) == 11
         out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
         out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
         out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
         return out
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
-    profile = LayerProfile("fp", "toy", 18, 3, 3, 11, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
+    profile = LayerProfile("fp", "toy", 18, 3, 3, 13, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
                            calibration={"problems": 4}, selector={"top_r": 0.3, "l_pre": 16, "prune": 0.25},
                            searched_band=[4, 5, 13])
     before = copy.deepcopy(profile)
@@ -204,10 +206,17 @@ def test_a_workload_s_selector_is_kept_for_its_agents_and_the_profile_s_own_is_u
     agents = get_workload("gsm8k-chain3").spec.agents
     assert entry["roles"] == {a.name: role_key(a.system) for a in agents} and len(set(entry["roles"].values())) == 3
     assert entry["layers"] == [3, 3, 11] and entry["selector"]["drift"] == 0.5
-    assert entry["selector_scores"][best]["kl"] == 0.01 and entry["calibration"]["selector_offset"] == 120
+    assert entry["selector_scores"][best]["kl"] == 0.01
+    assert entry["calibration"] == {"selector_problems": 4, "selector_offset": 120, "selector_path_tokens": 32,
+                                    "selector_workloads": entry["calibration"]["selector_workloads"]}
+    # calibrating the same workload again replaces its entry
+    profile.workload_selectors["gsm8k-chain3"] = {**entry, "selector": {}}
+    again = calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False, offset=120)
+    assert again.workload_selectors["gsm8k-chain3"]["selector"] == entry["selector"] and len(seen) == 2
+    del again.workload_selectors["gsm8k-chain3"]
     # another workload whose agents share a system prompt with one already keyed: a clear error
     profile.workload_selectors["other"] = {"roles": {"x": entry["roles"]["critic"]}, "layers": [3, 3, 11],
                                            "selector": {}}
     with pytest.raises(ConfigError, match="also one of 'other'"):
         calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)
-    assert len(seen) == 1  # before any call was scored
+    assert len(seen) == 2  # before any call was scored

@@ -4,7 +4,7 @@ import pytest
 
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
-from kvrelay.pipeline.runner import PipelineRunner, span_consumers
+from kvrelay.pipeline.runner import PipelineRunner, agent_role, render_messages, span_consumers
 from kvrelay.pipeline.spec import PipelineSpec
 from kvrelay.reuse import role_key
 from tests.helpers import tiny_lm
@@ -51,3 +51,13 @@ def test_refs_point_at_the_exact_ids_in_upstream_spans(lm):
     assert not any(store.is_pinned(runner.span_id(n)) for n in "abc")  # all readers done
     runner.drop_spans()
     assert len(store) == 0
+
+
+def test_an_agent_s_role_is_the_system_message_a_client_sends():
+    spec = PipelineSpec.from_dict({"inputs": ["q"], "agents": [
+        {"name": "a", "system": 'Answer as {{"x": 1}}.', "user": "{q}"},
+        {"name": "b", "system": "Check {a}.", "user": "{q}"}]})
+    a, b = spec.agents
+    sent = 'Answer as {"x": 1}.'
+    assert agent_role(a) == role_key(sent) and render_messages(a)[0]["content"] == sent
+    assert agent_role(b) == ""  # its text changes with a's output: no fixed role

@@ -300,17 +300,17 @@ def test_a_workload_selector_runs_for_its_roles_and_the_profile_s_own_for_every_
     tuned = {"top_r": 0.4, "l_pre": 16, "prune": 0.25, "drift": 0.5}
     profile = LayerProfile("fp", "m", 18, 3, 3, 11, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18, selector=own,
                            searched_band=[4, 5, 13],
-                           workload_selectors={"w": {"roles": {"a": "r1", "b": "r2"}, "layers": [2, 2, 12],
+                           workload_selectors={"w": {"roles": {"a": "r1", "b": "r2"}, "layers": [3, 5, 12],
                                                      "selector": tuned}})
     monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
     lm = SimpleNamespace(config=SimpleNamespace(num_layers=18))
     relay = get_method("relay")
-    assert relay.layers(lm, "r2") == (2, 2, 12) and relay.selector_settings(lm, "r2").drift == 0.5
+    assert relay.layers(lm, "r2") == (3, 5, 12) and relay.selector_settings(lm, "r2").drift == 0.5
     assert relay.layers(lm) == relay.layers(lm, "other") == (3, 3, 11)
     assert relay.selector_settings(lm, "other").drift is None and relay.selector_settings(lm).top_r == 0.3
-    assert relay.capture_layers(lm) == (2, 3)  # upstream calls carry the states either band enters with
+    assert relay.capture_layers(lm) == (3,)  # both bands enter there
     settings = relay.settings(lm)
-    assert settings["layers"] == [3, 3, 11] and settings["workload_selectors"]["w"]["layers"] == [2, 2, 12]
+    assert settings["layers"] == [3, 3, 11] and settings["workload_selectors"]["w"]["layers"] == [3, 5, 12]
     assert settings["workload_selectors"]["w"]["selector"]["drift"] == 0.5
     # a spec with knobs of its own runs them on the band search's layers, whatever the role
     spec = get_method("relay[top_r=0.2]")

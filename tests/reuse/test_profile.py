@@ -55,10 +55,16 @@ def test_a_malformed_workload_selector_is_named(tmp_path):
     p.workload_selectors = {"w": {"roles": {"a": "r1"}, "layers": [1, 2, 3], "selector": {}}}
     p.save(tmp_path / "p.json")
     assert LayerProfile.load(tmp_path / "p.json") == p
-    for bad in ({"roles": {"a": "r1"}, "selector": {}}, {"roles": ["r1"], "layers": [1, 2, 3], "selector": {}}, 7):
+    ok = {"roles": {"a": "r1"}, "layers": [1, 2, 3], "selector": {}}
+    for bad, problem in (({"roles": {"a": "r1"}, "selector": {}}, "needs roles"),
+                         ({**ok, "roles": ["r1"]}, "needs roles"), ({**ok, "roles": {}}, "needs roles"),
+                         ({**ok, "roles": {"a": ""}}, "needs roles"), ({**ok, "layers": "abc"}, "needs roles"),
+                         ({**ok, "layers": [1.5, 2, 3]}, "needs roles"), (7, "needs roles"),
+                         ({**ok, "layers": [2, 2, 3]}, "enter at the profile's L_start 1"),
+                         ({**ok, "layers": [1, 2, 4]}, "L_end < 4")):
         p.workload_selectors = {"w": bad}
         p.save(tmp_path / "p.json")
-        with pytest.raises(KvRelayError, match="workload selector 'w' needs roles|not a readable"):
+        with pytest.raises(KvRelayError, match=f"workload selector 'w'.*{problem}"):
             LayerProfile.load(tmp_path / "p.json")
 
 
@@ -84,6 +90,13 @@ def test_your_profile_wins_over_the_shipped_one_and_says_so(cache, monkeypatch, 
     _make("f00d", 1, 2, 3).save(profile_path("f00d"))  # the same layers: nothing to say
     assert layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)
     assert capsys.readouterr().err == ""
+    # the same layers, but the shipped one has a workload's selector yours lacks: said too
+    monkeypatch.setattr(profile, "_PROFILES", {})
+    shipped = _make("f00d", 1, 2, 3)
+    shipped.workload_selectors = {"w": {"roles": {"a": "r1"}, "layers": [1, 1, 3], "selector": {}}}
+    shipped.save(shipped_dir / profile_path("f00d").name)
+    assert layer_profile(lm, shipped_dir=shipped_dir).workload_selectors == {}
+    assert "also has selectors for w - delete yours" in capsys.readouterr().err
 
 
 def test_a_model_without_a_profile_is_a_config_error_saying_how_to_get_one(cache):
