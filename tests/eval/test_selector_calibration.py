@@ -114,6 +114,14 @@ def test_calibrate_selector_on_the_first_token_alone_ranks_by_its_kl_under_epic_
     assert profile.selector_scores[chosen] == {"kl": 0.025, "reuse": 0.70}
 
 
+def _one_best(methods: dict, best: str) -> dict[str, MethodScore]:
+    """Scores where ``best`` alone beats epic on every bar, the others under epic's reuse."""
+    out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
+    out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
+    out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
+    return out
+
+
 def test_a_candidate_band_is_the_searched_one_moved_by_its_knobs():
     searched = (4, 5, 13)
     assert candidate_band({}, searched, 18) == (4, 5, 13)
@@ -139,10 +147,7 @@ def test_a_chosen_band_of_its_own_moves_the_profile_s_band_and_a_recalibration_s
 
     def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
         assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (2, 2, 3)  # 8 layers: top - 4
-        out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
-        out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
-        out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
-        return out
+        return _one_best(methods, best)
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
     profile = calibrate_selector(None, _profile(), "gsm8k-chain3", None, 4, progress=False)
@@ -168,10 +173,7 @@ def test_a_chosen_band_candidate_with_drift_runs_and_ships_its_drift(monkeypatch
     def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
         assert methods[best].drift == 0.5 and methods[best].prune == 0.25
         assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (3, 3, 11)
-        out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
-        out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
-        out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
-        return out
+        return _one_best(methods, best)
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
     profile = LayerProfile("fp", "toy", 18, 4, 5, 13, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
@@ -190,10 +192,7 @@ def test_a_workload_s_selector_is_kept_for_its_agents_and_the_profile_s_own_is_u
         seen.append((workload, offset))
         # only candidates entering where the profile's own band does (its upstream calls carry that layer)
         assert {m.l_start for key, m in methods.items() if key != "epic"} == {3} and len(methods) == 11
-        out = {key: MethodScore(0.05, 0.50, 0.05, 0.5) for key in methods}
-        out[best] = MethodScore(0.01, 0.70, 0.004, 0.8)
-        out["epic"] = MethodScore(0.05, 0.65, 0.010, 0.70)
-        return out
+        return _one_best(methods, best)
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
     profile = LayerProfile("fp", "toy", 18, 3, 3, 13, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
