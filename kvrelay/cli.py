@@ -210,7 +210,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     for band, score in profile.band_scores.items():
         print(f"  relay band ({band}): first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
     print(f"chosen ({profile.select}): L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end}")
-    entry = profile.workload_selectors[workloads[0]] if args.for_workload else None
+    workload_name = get_workload(workloads[0]).name  # a pipeline file's: its pipeline's name
+    entry = profile.workload_selectors[workload_name] if args.for_workload else None
     for spec, score in (entry or {"selector_scores": profile.selector_scores})["selector_scores"].items():
         path = (f", KL over {args.path_tokens} tokens {score['path_kl']:.4f}, greedy@{args.path_tokens} "
                 f"{score['greedy']:.2f}") if "path_kl" in score else ""
@@ -220,7 +221,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
              f"(the band search's: {profile.searched_band})" if profile.band_moved else ""))
     if entry is not None:
         start, det, end = entry["layers"]
-        print(f"selector for {workloads[0]}'s agents ({', '.join(entry['roles'])}): "
+        print(f"selector for {workload_name}'s agents ({', '.join(entry['roles'])}): "
               f"{entry['selector'] or 'the paper thresholds'}, L_start={start} L_det={det} L_end={end}")
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
     print(f"wrote {out} (and {profile_path(lm.profile_fingerprint)})")
@@ -293,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (calibrated on GSM8K train)")
     add_model_flags(prof, DEFAULT_MODEL, int4_decode=False)  # the profile relays decode KV: fp32's, always
     prof.add_argument("--workload", default="gsm8k-chain3",
-                      help="calibration pipelines, a workload name, or several comma-separated with --selector-only "
+                      help="calibration pipelines, a workload name or a pipeline file (.yaml, with --data: a "
+                           "JSON-lines file of its inputs), or several comma-separated with --selector-only "
                            "(their calls pooled; default: gsm8k-chain3)")
     prof.add_argument("--data", default=None,
                       help="calibration data file (default: ../shared/data/gsm8k/train.jsonl for GSM8K workloads, "

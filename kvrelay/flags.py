@@ -52,7 +52,8 @@ def _field_choices(name: str) -> str | None:
     if name == "workload":
         from kvrelay.pipeline.workloads import WORKLOADS
 
-        return ", ".join([*WORKLOADS, "copy-agents:N", "gsm8k-branches"])
+        return ", ".join([*WORKLOADS, "copy-agents:N", "gsm8k-branches", "a pipeline file (.yaml, with --data: a "
+                          "JSON-lines file of its inputs)"])
     if name == "methods":
         from kvrelay.reuse import METHODS
 

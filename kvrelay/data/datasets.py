@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from kvrelay.errors import DataFileError, KvRelayError
 from kvrelay.validation import first_error
@@ -175,3 +175,19 @@ def load_humaneval(path: str | Path | None = None, limit: int | None = None) -> 
         if limit is not None and len(problems) >= limit:
             break
     return _nonempty(problems, path, "HumanEval")
+
+
+def load_inputs(path: str | Path, names: tuple[str, ...], limit: int | None = None) -> list[dict[str, str]]:
+    """A JSON-lines file of a pipeline's inputs: one object per problem holding a string for each of ``names``
+    (other keys, such as ids or references, are ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFileError(f"pipeline inputs file not found: {path}")
+    row_model = create_model("PipelineInputs", __config__=ConfigDict(strict=True),
+                             **{name: (str, ...) for name in names})
+    rows = []
+    for _, row in _json_rows(path, row_model, "pipeline inputs"):
+        rows.append({name: getattr(row, name) for name in names})
+        if limit is not None and len(rows) >= limit:
+            break
+    return _nonempty(rows, path, "pipeline inputs")

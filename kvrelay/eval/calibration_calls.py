@@ -22,7 +22,7 @@ from kvrelay.eval.path_fidelity import path_reference, score_path
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
-from kvrelay.pipeline.workloads import get_workload
+from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
 from kvrelay.reuse.base import CallInput
 
 __all__ = ["MethodScore", "calibration_data", "downstream_calls", "score_methods"]
@@ -102,6 +102,6 @@ def calibration_data(data: str | None, workload: str) -> str | None:
     """The calibration calls' data: ``data``; else GSM8K *train* for GSM8K workloads (calibration never
     touches their test data); else the workload's own file (HumanEval has no train split: skip the problems
     a bench runs with ``offset``)."""
-    if data is None and workload.startswith("gsm8k"):
+    if data is None and workload.startswith("gsm8k") and not is_pipeline_file(workload):
         return str(data_root() / "gsm8k" / "train.jsonl")
     return data

@@ -183,16 +183,17 @@ def calibrate_workload_selector(lm: LoadedModel, profile: LayerProfile, workload
     holds them from one row for every layer, and a relay call that computes only the upper of two capture layers
     would publish neither for its prompt). A workload whose agents have no fixed system prompt has no role to
     key it by: a ``ConfigError``."""
-    roles = {agent.name: role for agent in get_workload(workload).spec.agents if (role := agent_role(agent))}
+    wl = get_workload(workload)
+    roles = {agent.name: role for agent in wl.spec.agents if (role := agent_role(agent))}
     if not roles:
-        raise ConfigError(f"workload {workload!r}: its agents have no fixed system prompt to key a selector by")
+        raise ConfigError(f"workload {wl.name!r}: its agents have no fixed system prompt to key a selector by")
     for name, entry in profile.workload_selectors.items():  # checked before the calibration runs
-        if name != workload and set(entry["roles"].values()) & set(roles.values()):
-            raise ConfigError(f"workload {workload!r}: an agent's system prompt is also one of {name!r}'s, which has "
+        if name != wl.name and set(entry["roles"].values()) & set(roles.values()):
+            raise ConfigError(f"workload {wl.name!r}: an agent's system prompt is also one of {name!r}'s, which has "
                               "a selector of its own in this profile; calibrate one of them")
     tuned = calibrate_selector(lm, copy.deepcopy(profile), workload, data, num_problems, progress, path_tokens, offset,
                                l_start=profile.l_start)
-    profile.workload_selectors[workload] = {
+    profile.workload_selectors[wl.name] = {
         "roles": roles, "layers": list(tuned.layers), "selector": tuned.selector,
         "selector_scores": tuned.selector_scores,
         "calibration": {k: v for k, v in tuned.calibration.items() if k.startswith("selector_")}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvrelay.data import datasets, scoring
 from kvrelay.errors import ConfigError
@@ -182,15 +183,42 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
 }
 
 
+PIPELINE_FILE_SUFFIXES = (".yaml", ".yml")
+
+
+def is_pipeline_file(name: str) -> bool:
+    """Whether a workload name is a pipeline file of the user's (``pipeline_workload``)."""
+    return name.endswith(PIPELINE_FILE_SUFFIXES)
+
+
+def pipeline_workload(path: str) -> Workload:
+    """A pipeline file as a workload: its problems are the lines of a JSON-lines file of its inputs (the data
+    file, which it needs), unscored; named after the pipeline (its ``name``, else the file's stem)."""
+    spec = PipelineSpec.from_yaml(path)
+    name = Path(path).stem if spec.name == str(path) else spec.name
+
+    def problems(data: str | None, limit: int | None) -> list[Problem]:
+        if data is None:
+            raise ConfigError(f"workload {path}: give its problems with --data, a JSON-lines file of objects with "
+                              f"the pipeline's inputs ({', '.join(spec.inputs) or 'none'}) as strings")
+        return [Problem(inputs, None, f"{name}-{i}") for i, inputs in enumerate(datasets.load_inputs(
+            data, spec.inputs, limit))]
+
+    return Workload(name, spec, problems, None)
+
+
 def get_workload(name: str) -> Workload:
-    """A workload by name; ``copy-agents:N`` sets the number of agents (default 5)."""
+    """A workload by name (``copy-agents:N`` sets the number of agents, default 5), or a pipeline file
+    (``pipeline_workload``)."""
+    if is_pipeline_file(name):
+        return pipeline_workload(name)
     base, _, arg = name.partition(":")
     if base == "gsm8k-branches":
         raise ConfigError("gsm8k-branches is not a pipeline: run it with `kvrelay bench --workload gsm8k-branches` "
                           "(kvrelay.eval.branch_bench)")
     if base not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; available: {', '.join(WORKLOADS)}, gsm8k-branches "
-                          "(copy-agents:N)")
+                          "(copy-agents:N), or a pipeline file (.yaml) with --data")
     if arg:
         if base != "copy-agents" or not arg.isdigit():
             raise ConfigError(f"bad workload parameter in {name!r}: only copy-agents:N takes one")

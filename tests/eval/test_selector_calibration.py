@@ -219,3 +219,16 @@ def test_a_workload_s_selector_is_kept_for_its_agents_and_the_profile_s_own_is_u
     with pytest.raises(ConfigError, match="also one of 'other'"):
         calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)
     assert len(seen) == 2  # before any call was scored
+
+
+def test_a_pipeline_file_s_selector_is_keyed_by_its_pipeline_name(monkeypatch, tmp_path):
+    (tmp_path / "pipe.yaml").write_text('name: mine\ninputs: [q]\nagents:\n  - {name: a, system: "S1", user: "{q}"}\n'
+                                        '  - {name: b, system: "S2", user: "{q} {a}"}\n')
+    monkeypatch.setattr(selector_calibration, "score_methods",
+                        lambda lm, methods, *args: _one_best(methods, selector_spec({})))
+    profile = LayerProfile("fp", "toy", 18, 3, 3, 13, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
+                           calibration={"problems": 4})
+    profile = calibrate_workload_selector(None, profile, str(tmp_path / "pipe.yaml"), "inputs.jsonl", 4,
+                                          progress=False)
+    assert list(profile.workload_selectors) == ["mine"]
+    assert profile.workload_selectors["mine"]["roles"] == {"a": role_key("S1"), "b": role_key("S2")}

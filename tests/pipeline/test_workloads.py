@@ -1,0 +1,62 @@
+"""Workloads from a pipeline file of the user's: its problems are a JSON-lines file of its inputs."""
+
+import json
+
+import pytest
+
+from kvrelay.errors import ConfigError, DataFileError
+from kvrelay.eval.calibration_calls import calibration_data
+from kvrelay.pipeline.dag import PipelineError
+from kvrelay.pipeline.runner import agent_role
+from kvrelay.pipeline.workloads import get_workload
+
+PIPELINE = """name: my-review
+inputs: [task]
+agents:
+  - name: writer
+    system: "You write short answers."
+    user: "{task}"
+  - name: checker
+    system: "You check answers."
+    user: "{task} / {writer}"
+"""
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "pipe.yaml").write_text(PIPELINE)
+    rows = [{"task": f"task {i}", "id": i} for i in range(3)]
+    (tmp_path / "inputs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def test_a_pipeline_file_is_a_workload_named_after_its_pipeline(files):
+    wl = get_workload(str(files / "pipe.yaml"))
+    assert wl.name == "my-review" and [a.name for a in wl.spec.agents] == ["writer", "checker"] and wl.score is None
+    problems = wl.problems(str(files / "inputs.jsonl"), 2)
+    assert [(p.inputs, p.problem_id) for p in problems] == [({"task": "task 0"}, "my-review-0"),
+                                                            ({"task": "task 1"}, "my-review-1")]
+    assert len(wl.problems(str(files / "inputs.jsonl"), None)) == 3
+    assert agent_role(wl.spec.agents[1])  # a fixed system prompt: calibration can key a selector by it
+    (files / "anon.yaml").write_text(PIPELINE.replace("name: my-review\n", ""))
+    assert get_workload(str(files / "anon.yaml")).name == "anon"  # no name: the file's stem
+
+
+def test_a_pipeline_workload_s_bad_input_is_named(files):
+    wl = get_workload(str(files / "pipe.yaml"))
+    with pytest.raises(ConfigError, match=r"give its problems with --data.*\(task\)"):
+        wl.problems(None, 2)
+    (files / "bad.jsonl").write_text('{"task": "ok"}\n{"other": "x"}\n')
+    with pytest.raises(DataFileError, match=r"bad.jsonl:2: pipeline inputs row: task"):
+        wl.problems(str(files / "bad.jsonl"), None)
+    with pytest.raises(DataFileError, match="not found"):
+        wl.problems(str(files / "none.jsonl"), None)
+    with pytest.raises(PipelineError, match="pipeline file not found"):
+        get_workload(str(files / "missing.yaml"))
+    with pytest.raises(ConfigError, match=r"or a pipeline file \(.yaml\)"):
+        get_workload("no-such-workload")
+
+
+def test_a_pipeline_file_named_like_gsm8k_gets_no_gsm8k_data():
+    assert calibration_data(None, "gsm8k-mine.yaml") is None
+    assert calibration_data(None, "gsm8k-chain3").endswith("train.jsonl")
