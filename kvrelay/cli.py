@@ -53,6 +53,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from kvrelay.eval.harness import Bench, BenchConfig
     from kvrelay.eval.plots import write_plots
     from kvrelay.eval.report import format_by_agent, format_table
+    from kvrelay.pipeline.workloads import get_workload
 
     check_output_file(args.json, "--json")
     check_output_dir(args.plot, "--plot")
@@ -60,6 +61,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_branches(args)
     cfg = dataclass_from_args(BenchConfig, args)
     _check_data(cfg.workload, cfg.data, cfg.warm_data)
+    if cfg.mode == "e2e" and get_workload(cfg.workload).score is None:
+        raise ConfigError(f"workload {cfg.workload!r} has no task score: use --mode agent")
     save = _json_saver(args.json)
     result = Bench(cfg).run(checkpoint=save)
     save(result)
@@ -78,11 +81,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _check_data(workload: str, *paths: str | None) -> None:
-    """Read the data files once before the model loads: a bad line fails in a second, not after a run."""
-    from kvrelay.pipeline.workloads import get_workload
+    """Read the data files once before the model loads: a bad line fails in a second, not after a run (a pipeline
+    file, which has no default data, without its first one fails too)."""
+    from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
 
-    for path in paths:
-        if path is not None:
+    for i, path in enumerate(paths):
+        if path is not None or (i == 0 and is_pipeline_file(workload)):
             get_workload(workload).problems(path, None)
 
 
@@ -161,7 +165,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
     from kvrelay.eval.selector_calibration import calibrate_selector, calibrate_workload_selector
-    from kvrelay.pipeline.workloads import get_workload
+    from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
     from kvrelay.reuse.profile import layer_profile
 
     check_output_file(args.out, "--out")
@@ -178,7 +182,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if len(workloads) > 1 and not args.selector_only:
         raise ConfigError(f"--workload {args.workload}: several workloads calibrate the selector only "
                           "(--selector-only); the band and curves come from one")
-    no_train = [name for name in workloads if not name.startswith("gsm8k")]
+    if len(workloads) > 1 and args.data is not None:
+        raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
+    files = [name for name in workloads if is_pipeline_file(name)]
+    if files and len(workloads) > 1:
+        raise ConfigError(f"--workload {args.workload}: a pipeline file calibrates alone (its --data is its own)")
+    _check_data(workloads[0], args.data)  # a pipeline file without --data fails here
+    no_train = [name for name in workloads if not name.startswith("gsm8k") and not is_pipeline_file(name)]
     if no_train and args.data is None and args.offset == 0:
         raise ConfigError(f"--workload {','.join(no_train)} has no train split: its default file holds the problems "
                           "`kvrelay bench` runs first; give --offset N (e.g. 100) or --data")
@@ -186,9 +196,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         missing = "" if args.selector_only else " without --selector-only"
         raise ConfigError("--for-workload chooses a selector for one workload's agents: give --selector-only and "
                           f"one --workload (got {args.workload!r}{missing})")
-    if len(workloads) > 1 and args.data is not None:
-        raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
-    _check_data(workloads[0], args.data)
     lm = load_model_from(args)
     if args.for_workload:  # keep the model's profile; add (or replace) the selector of this workload's agents
         profile = calibrate_workload_selector(lm, layer_profile(lm), workloads[0], args.data, args.problems,

@@ -87,6 +87,8 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
     bad.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: ten}\n")
     good = tmp_path / "good.yaml"
     good.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: 2}\n")
+    inputs = tmp_path / "inputs.jsonl"
+    inputs.write_text('{"q": "x"}\n')
     for args, text in ((["run", str(bad), "--model", "random:tiny", "--input", "q=x"],
                         "p.yaml:3: agents[0] ('a').max_new_tokens: must be a valid integer, got 'ten'"),
                        (["generate", "hi", "--model", "random:tiny", "--temperature", "nan"],
@@ -102,7 +104,16 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
                         "several workloads calibrate the selector only (--selector-only)"),
                        (["profile", "--offset", "-1"], "--offset: '-1': must be an integer >= 0"),
                        (["profile", "--workload", "humaneval-adr", "--selector-only"],
-                        "humaneval-adr has no train split")):
+                        "humaneval-adr has no train split"),
+                       # a pipeline file of the user's: its data checked before the model (one that does not
+                       # exist) would load
+                       *(([command, "--workload", str(good), "--model", "no-such-model", *more],
+                          "give its problems with --data") for command, more in (("bench", []),
+                                                                                  ("profile", ["--offset", "5"]))),
+                       (["bench", "--workload", str(good), "--data", str(inputs), "--mode", "e2e", "--model",
+                         "no-such-model"], "has no task score: use --mode agent"),
+                       (["profile", "--workload", f"{good},gsm8k-chain3", "--selector-only"],
+                        "a pipeline file calibrates alone")):
         out = _kvrelay(*args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr

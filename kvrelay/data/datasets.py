@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvrelay.errors import DataFileError, KvRelayError
 from kvrelay.validation import first_error
@@ -183,11 +183,20 @@ def load_inputs(path: str | Path, names: tuple[str, ...], limit: int | None = No
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"pipeline inputs file not found: {path}")
-    row_model = create_model("PipelineInputs", __config__=ConfigDict(strict=True),
-                             **{name: (str, ...) for name in names})
     rows = []
-    for _, row in _json_rows(path, row_model, "pipeline inputs"):
-        rows.append({name: getattr(row, name) for name in names})
+    for line_no, row in _json_rows(path, _AnyRow, "pipeline inputs"):
+        values = row.model_dump()  # checked by hand: an input may be named like a pydantic attribute
+        for name in names:
+            if not isinstance(values.get(name), str):
+                problem = "missing" if name not in values else f"must be a string, got {values[name]!r:.40}"
+                raise DataFileError(f"{path}:{line_no}: pipeline inputs row: {name}: {problem}")
+        rows.append({name: values[name] for name in names})
         if limit is not None and len(rows) >= limit:
             break
     return _nonempty(rows, path, "pipeline inputs")
+
+
+class _AnyRow(BaseModel):
+    """A JSON object, its keys unchecked (``load_inputs`` checks the ones it reads)."""
+
+    model_config = ConfigDict(extra="allow")

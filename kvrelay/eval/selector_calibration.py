@@ -191,6 +191,9 @@ def calibrate_workload_selector(lm: LoadedModel, profile: LayerProfile, workload
         if name != wl.name and set(entry["roles"].values()) & set(roles.values()):
             raise ConfigError(f"workload {wl.name!r}: an agent's system prompt is also one of {name!r}'s, which has "
                               "a selector of its own in this profile; calibrate one of them")
+        if name == wl.name and entry["roles"] != roles:  # another pipeline of the same name: never replaced silently
+            raise ConfigError(f"workload {wl.name!r}: this profile has a selector of that name for other agents "
+                              f"({', '.join(entry['roles'])}); give your pipeline another name")
     tuned = calibrate_selector(lm, copy.deepcopy(profile), workload, data, num_problems, progress, path_tokens, offset,
                                l_start=profile.l_start)
     profile.workload_selectors[wl.name] = {

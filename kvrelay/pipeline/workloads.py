@@ -195,7 +195,7 @@ def pipeline_workload(path: str) -> Workload:
     """A pipeline file as a workload: its problems are the lines of a JSON-lines file of its inputs (the data
     file, which it needs), unscored; named after the pipeline (its ``name``, else the file's stem)."""
     spec = PipelineSpec.from_yaml(path)
-    name = Path(path).stem if spec.name == str(path) else spec.name
+    name = Path(path).stem if spec.name == str(Path(path)) else spec.name  # no name: from_yaml used the path
 
     def problems(data: str | None, limit: int | None) -> list[Problem]:
         if data is None:

@@ -153,6 +153,14 @@ class SelectorSettings:
     drift: float | None  # None: no drift correction
 
 
+def _recalibration_flags(profile, workload: str) -> str:
+    """The ``kvrelay profile`` flags that calibrate ``workload``'s entry again: the workload (or pipeline file)
+    and data it was calibrated on."""
+    recorded = profile.workload_selectors[workload].get("calibration", {}).get("selector_workloads", {})
+    name, data = next(iter(recorded.items()), (workload, "default"))
+    return f" --for-workload --workload {name}" + (f" --data {data}" if data != "default" else "")
+
+
 @dataclass
 class RelayMethod(ReuseMethod):
     # The selector's knobs. None everywhere: the one the model's profile chose on calibration calls (the paper's
@@ -224,7 +232,7 @@ class RelayMethod(ReuseMethod):
                 raise ConfigError(f"unknown knobs {unknown}")
             RelayMethod(**chosen)  # the same checks as a spec's knobs
         except ConfigError as exc:
-            which, flags = (f"{workload}'s selector", f" --for-workload --workload {workload}") if workload else \
+            which, flags = (f"{workload}'s selector", _recalibration_flags(profile, workload)) if workload else \
                 ("selector", "")
             raise ConfigError(f"relay: the {which} in {lm.name}'s profile is not valid ({exc}); "
                               f"`kvrelay profile --model {lm.name} --selector-only{flags}` writes a new one") from exc

@@ -232,3 +232,7 @@ def test_a_pipeline_file_s_selector_is_keyed_by_its_pipeline_name(monkeypatch, t
                                           progress=False)
     assert list(profile.workload_selectors) == ["mine"]
     assert profile.workload_selectors["mine"]["roles"] == {"a": role_key("S1"), "b": role_key("S2")}
+    # a pipeline named like an entry for other agents never replaces it
+    (tmp_path / "clash.yaml").write_text('name: mine\ninputs: [q]\nagents:\n  - {name: c, system: "S3", user: "{q}"}\n')
+    with pytest.raises(ConfigError, match="a selector of that name for other agents"):
+        calibrate_workload_selector(None, profile, str(tmp_path / "clash.yaml"), "inputs.jsonl", 4, progress=False)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from kvrelay.data.datasets import load_inputs
 from kvrelay.errors import ConfigError, DataFileError
 from kvrelay.eval.calibration_calls import calibration_data
 from kvrelay.pipeline.dag import PipelineError
@@ -40,6 +41,7 @@ def test_a_pipeline_file_is_a_workload_named_after_its_pipeline(files):
     assert agent_role(wl.spec.agents[1])  # a fixed system prompt: calibration can key a selector by it
     (files / "anon.yaml").write_text(PIPELINE.replace("name: my-review\n", ""))
     assert get_workload(str(files / "anon.yaml")).name == "anon"  # no name: the file's stem
+    assert get_workload(f"{files}//./anon.yaml").name == "anon"  # however the path is written
 
 
 def test_a_pipeline_workload_s_bad_input_is_named(files):
@@ -55,6 +57,16 @@ def test_a_pipeline_workload_s_bad_input_is_named(files):
         get_workload(str(files / "missing.yaml"))
     with pytest.raises(ConfigError, match=r"or a pipeline file \(.yaml\)"):
         get_workload("no-such-workload")
+
+
+def test_inputs_may_be_named_like_anything_a_row_model_holds(tmp_path):
+    names = ("_x", "model_config", "json")
+    (tmp_path / "in.jsonl").write_text(json.dumps({n: f"v{n}" for n in names}) + "\n" + json.dumps({"_x": 5}) + "\n")
+    assert load_inputs(tmp_path / "in.jsonl", names, 1) == [{n: f"v{n}" for n in names}]
+    with pytest.raises(DataFileError, match=r"in.jsonl:2: pipeline inputs row: _x: must be a string, got 5"):
+        load_inputs(tmp_path / "in.jsonl", names)
+    with pytest.raises(DataFileError, match=r"in.jsonl:2: pipeline inputs row: json: missing"):
+        load_inputs(tmp_path / "in.jsonl", ("json",))
 
 
 def test_a_pipeline_file_named_like_gsm8k_gets_no_gsm8k_data():

@@ -346,6 +346,14 @@ def test_a_profile_with_a_bad_selector_is_a_clear_error(monkeypatch, selector, p
     lm = SimpleNamespace(name="tiny", config=SimpleNamespace(num_layers=12))
     with pytest.raises(ConfigError, match=f"selector in tiny's profile is not valid .*{problem}"):
         get_method("relay").selector_settings(lm)
+    # a workload's entry: the error names it and the command that calibrates it again
+    profile.selector = {}
+    profile.workload_selectors = {"mine": {"roles": {"a": "r1"}, "layers": [2, 2, 11], "selector": selector,
+                                           "calibration": {"selector_workloads": {"p.yaml": "in.jsonl"}}}}
+    assert get_method("relay").selector_settings(lm, "r2").top_r is None  # other calls are fine
+    with pytest.raises(ConfigError, match=f"mine's selector in tiny's profile is not valid .*{problem}.*"
+                                          "--selector-only --for-workload --workload p.yaml --data in.jsonl`"):
+        get_method("relay").selector_settings(lm, "r1")
 
 
 def test_pruning_drops_low_deviation_tokens_and_never_the_spans_ends():
