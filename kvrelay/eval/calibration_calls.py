@@ -43,7 +43,11 @@ def downstream_calls(lm: LoadedModel, workload: str | Sequence[str], data: str |
     problems = []
     for name in names:
         wl = get_workload(name)
-        problems += [(wl, p) for p in wl.problems(calibration_data(data, name), offset + num_problems)[offset:]]
+        found = wl.problems(calibration_data(data, name), offset + num_problems)
+        if len(found) <= offset:
+            raise KvRelayError(f"calibration workload {name!r}: --offset {offset} skips all of its {len(found)} "
+                               "problems")
+        problems += [(wl, p) for p in found[offset:]]
     for wl, problem in tqdm(problems, desc=desc, unit="problem", disable=not progress, file=sys.stderr):
         store = KVStore(4 << 30)  # one problem's spans at a time: captured hidden states are large
         runner = PipelineRunner(Engine(lm, store, capture_layers=capture), wl.spec, run_id=problem.problem_id)

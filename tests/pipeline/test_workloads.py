@@ -72,3 +72,11 @@ def test_inputs_may_be_named_like_anything_a_row_model_holds(tmp_path):
 def test_a_pipeline_file_named_like_gsm8k_gets_no_gsm8k_data():
     assert calibration_data(None, "gsm8k-mine.yaml") is None
     assert calibration_data(None, "gsm8k-chain3").endswith("train.jsonl")
+
+
+def test_an_offset_past_a_calibration_workload_s_problems_is_named(files):
+    from kvrelay.errors import KvRelayError
+    from kvrelay.eval.calibration_calls import downstream_calls
+
+    with pytest.raises(KvRelayError, match=r"--offset 3 skips all of its 3 problems"):
+        downstream_calls(None, str(files / "pipe.yaml"), str(files / "inputs.jsonl"), 2, (), None, "", False, offset=3)
