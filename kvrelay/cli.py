@@ -184,8 +184,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                           "(--selector-only); the band and curves come from one")
     if len(workloads) > 1 and args.data is not None:
         raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
-    files = [name for name in workloads if is_pipeline_file(name)]
-    if files and len(workloads) > 1:
+    if len(workloads) > 1 and any(is_pipeline_file(name) for name in workloads):
         raise ConfigError(f"--workload {args.workload}: a pipeline file calibrates alone (its --data is its own)")
     _check_data(workloads[0], args.data)  # a pipeline file without --data fails here
     no_train = [name for name in workloads if not name.startswith("gsm8k") and not is_pipeline_file(name)]

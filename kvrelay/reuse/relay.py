@@ -225,13 +225,13 @@ class RelayMethod(ReuseMethod):
         except ConfigError:  # no profile (the layers were given): the paper's selector
             profile = None
         chosen = profile.for_role(role)[1] if profile else {}
-        workload = profile.workload_of(role) if profile else None
         unknown = sorted(set(chosen) - set(PAPER_SELECTOR))
         try:
             if unknown:
                 raise ConfigError(f"unknown knobs {unknown}")
             RelayMethod(**chosen)  # the same checks as a spec's knobs
         except ConfigError as exc:
+            workload = profile.workload_of(role)  # a selector came from a profile: there is one
             which, flags = (f"{workload}'s selector", _recalibration_flags(profile, workload)) if workload else \
                 ("selector", "")
             raise ConfigError(f"relay: the {which} in {lm.name}'s profile is not valid ({exc}); "
