@@ -39,12 +39,24 @@ def main() -> None:
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--workload", default="gsm8k-chain3")
     ap.add_argument("--offset", type=int, default=100, help="skip this many problems (GSM8K: of train)")
+    ap.add_argument("--data", help="problems file (default: GSM8K train for GSM8K workloads, else the workload's "
+                    "own); a test file is for diagnosing a held-out gap, never for choosing")
     ap.add_argument("--problems", type=int, default=20)
     ap.add_argument("--path-tokens", type=int, default=32)
     ap.add_argument("--points", help="JSON file: name -> relay knobs (default: the profile's relay)")
-    ap.add_argument("--json", required=True, help="where to write the per-call records")
+    ap.add_argument("--json", help="where to write the per-call records")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--summarize", nargs="+", metavar="RECORDS", help="only summarize these runs' records "
+                    "(their calls pooled), with the calls only one method flips split by full's margin")
     args = ap.parse_args()
+    if args.summarize:
+        calls = [c for path in args.summarize for c in json.loads(Path(path).read_text())["calls"]]
+        summarize(calls)
+        for a, b in (("relay", "epic"), ("epic", "relay")):
+            discordant(calls, a, b)
+        return
+    if not args.json:
+        ap.error("--json is required unless --summarize is given")
     torch.set_num_threads(args.threads)
     points, relays = load_points(args.points) if args.points else (None, {"relay": RelayMethod()})
     if "cacheblend" in relays:
@@ -70,10 +82,10 @@ def main() -> None:
         calls.append(record)
 
     capture = tuple(sorted({layer for m in methods.values() for layer in m.capture_layers(lm)}))
-    downstream_calls(lm, args.workload, None, args.problems, capture, on_call, "calls", True, args.offset)
+    downstream_calls(lm, args.workload, args.data, args.problems, capture, on_call, "calls", True, args.offset)
     Path(args.json).write_text(json.dumps({
-        "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-        "path_tokens": args.path_tokens, "points": points,
+        "model": lm.name, "workload": args.workload, "data": args.data, "offset": args.offset,
+        "problems": args.problems, "path_tokens": args.path_tokens, "points": points,
         "environment": environment("cpu"), "calls": calls}) + "\n")
     summarize(calls)
 
@@ -101,6 +113,20 @@ def summarize(calls: list[dict]) -> None:
         print(f"{name:40s} reuse {sum(r['reuse'] for r in rows) / len(rows):.3f} greedy "
               + " ".join(f"{r}:{greedy[r]}/{counts[r]}" for r in readers)
               + f" first flips {dict(sorted(first.items()))} KL@0 {kl[0]:.4f} KL@1 {kl[1]:.4f}")
+
+
+def discordant(calls: list[dict], a: str, b: str, margin: float = 0.05) -> None:
+    """The calls whose continuation ``a`` flips and ``b`` keeps: where the first flip falls, and whether full's
+    top-1 margin there is at most ``margin`` (a near tie, where any small error may flip it) or above."""
+    if any(m not in calls[0]["methods"] for m in (a, b)):
+        return
+    firsts = [(c["methods"][a]["flips"][0], c) for c in calls
+              if c["methods"][a]["flips"] and not c["methods"][b]["flips"]]
+    margins = [c["full_margin"][i] for i, c in firsts if i < len(c["full_margin"])]
+    near = sum(m <= margin for m in margins)
+    print(f"only {a} flips: {len(firsts)} calls; first flip at positions {sorted(i for i, _ in firsts)}; "
+          f"full's margin there <= {margin}: {near}, above: {len(margins) - near} "
+          f"({', '.join(f'{m:.3f}' for m in sorted(m for m in margins if m > margin))})")
 
 
 if __name__ == "__main__":

@@ -80,10 +80,11 @@ class TopRelay(RelayMethod):
         return plan
 
 
-def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float,
-                  pre: int = 0) -> tuple[torch.Tensor, float]:
-    """First-token logits and reuse of recomputing, at every layer, each span's first ``pre`` tokens and the top
-    ``ratio`` of the other span tokens by their true key deviation (reused vs fresh, layers ORACLE_FROM_LAYER..L-1)."""
+def oracle_active(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float,
+                  pre: int = 0) -> tuple[torch.Tensor, list]:
+    """The prompt positions the oracle computes at every layer (the new tokens, each span's first ``pre``
+    tokens and the top ``ratio`` of the other span tokens by their true key deviation, reused vs ``fresh``,
+    layers ORACLE_FROM_LAYER..L-1) and the span loads for the rest."""
     n, num_layers = len(call.prompt_ids), lm.config.num_layers
     reuse = collect_reuse(call, store, lm.fingerprint)
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
@@ -96,9 +97,16 @@ def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio:
     opening = torch.isin(span_idx, heads)
     budget = min(max(1, round(ratio * int((~opening).sum()))), int((~opening).sum()))
     top = span_idx[dk.sqrt().mean(0).masked_fill(opening, -1.0).topk(budget).indices]
-    active = torch.cat([reuse.new_idx(n), heads, top]).unique()
+    return torch.cat([reuse.new_idx(n), heads, top]).unique(), reuse.loads
+
+
+def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float,
+                  pre: int = 0) -> tuple[torch.Tensor, float]:
+    """First-token logits and reuse of the oracle's selection (``oracle_active``)."""
+    n, num_layers = len(call.prompt_ids), lm.config.num_layers
+    active, loads = oracle_active(lm, call, store, fresh, ratio, pre)
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(active), reuse.loads), cache, store)
+    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(active), loads), cache, store)
     return result.logits, 1 - result.num_computed_token_layers / (n * num_layers)
 
 
