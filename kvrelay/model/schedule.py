@@ -13,9 +13,8 @@ Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
   sees only the kept tokens' output (its view has no Q/K/V there).
 - At a layer where ``admits_at(layer)``, the tokens entering there are admitted by ``admit(view,
   entering_idx)`` first: the view holds the Q/K/V of the tokens already active (written to the cache),
-  and the entering tokens' keys are whatever the cache holds for them (the reused ones); it may also ask
-  how the entering tokens' own queries (from their carried states) attend (``entering_attention_mass``).
-  Tokens it refuses never join, so they cost nothing at that layer or above.
+  and the entering tokens' keys are whatever the cache holds for them (the reused ones). Tokens it
+  refuses never join, so they cost nothing at that layer or above.
 - At a layer where ``before_attention`` runs, ``adjust_kv(view)`` may then add to the cached K/V of
   tokens that are not active there (``KVShift``), before that layer's attention reads them: a method
   that corrects the reused K/V it does not recompute from what the recomputed tokens show.
@@ -56,7 +55,6 @@ class LayerView:
     prev_v: torch.Tensor | None
     _attention_probs: Callable[[torch.Tensor], torch.Tensor] = field(repr=False, default=None)
     _unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(repr=False, default=None)
-    _entering_mass: Callable[[torch.Tensor], torch.Tensor] = field(repr=False, default=None)
 
     def attention_probs(self, query_rows: torch.Tensor) -> torch.Tensor:
         """Softmax attention of the chosen active rows over all keys: [num_heads, n_q, num_keys]."""
@@ -67,12 +65,6 @@ class LayerView:
         such keys) with their positions' rotation undone, in fp32: comparable across positions. Only in
         the view of a selecting layer (``before_attention``, ``adjust_kv``)."""
         return self._unrotate(keys, rows)
-
-    def entering_attention_mass(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """At an admitting layer: the attention each entering token's own query (projected from its carried
-        hidden state) pays the keys at the positions ``key_mask`` marks (bool [n], positions 0..n-1), summed
-        over them and averaged over heads: [num_entering]. Only in the view ``admit`` gets."""
-        return self._entering_mass(key_mask)
 
 
 @dataclass

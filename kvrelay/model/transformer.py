@@ -44,10 +44,6 @@ def _with_attention_backends(forward: Callable) -> Callable:
     return run
 
 
-# entering tokens whose attention probabilities one step of ``entering_attention_mass`` holds
-_MASS_ROWS = 256
-
-
 def _rows(keep: torch.Tensor) -> torch.Tensor:
     """The row indices a bool keep-mask selects ([m], int64): ``index_select`` on them is several times faster
     on CPU than indexing by the mask or by an index tensor (a gather per layer adds up)."""
@@ -190,7 +186,7 @@ class Transformer(nn.Module):
                     if li in schedule.capture_layers:  # a refused token's input here is its entry state
                         union, order = torch.sort(torch.cat([active, idx]))
                         captured[li] = (union, torch.cat([h, new_h.to(device, dtype)]).index_select(0, order))
-                    keep = self._admit(layer, li, h, active, tables[self.rope_of(li)], cache, schedule, idx, new_h, n)
+                    keep = self._admit(layer, li, h, active, tables[self.rope_of(li)], cache, schedule, idx, n)
                     if keep is not None:
                         kept = _rows(keep)
                         idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
@@ -304,28 +300,13 @@ class Transformer(nn.Module):
         return layer.finish(h, cache.attend(li, q, mask, causal, n)), active, changed
 
     def _admit(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor],
-               cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor, entering_h: torch.Tensor,
-               n: int) -> torch.Tensor | None:
+               cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor, n: int) -> torch.Tensor | None:
         """Admission at layer ``li``: the active tokens' Q/K/V (K/V written to the cache; the layer recomputes
-        the same values after), the schedule's keep-mask over ``entering_idx`` (whose carried inputs are
-        ``entering_h``)."""
+        the same values after), the schedule's keep-mask over ``entering_idx``."""
         q, k, v = layer.project(h, table[0].index_select(0, active), table[1].index_select(0, active))
         cache.write(li, active, k, v)
-
-        def entering_mass(key_mask: torch.Tensor) -> torch.Tensor:
-            k_all, _ = cache.kv(li, 0, n)
-            key_mask = key_mask.to(k_all.device)
-            out = []
-            for first in range(0, entering_idx.numel(), _MASS_ROWS):  # [H, rows, n] at a time, not all of them
-                rows = entering_idx[first : first + _MASS_ROWS]
-                row_h = entering_h[first : first + _MASS_ROWS].to(h.device, h.dtype)
-                q_e, _, _ = layer.project(row_h, table[0].index_select(0, rows), table[1].index_select(0, rows))
-                probs = attention_probs(q_e, k_all, visible_mask(rows, n, self.config.window_at(li)))  # [H, r, n]
-                out.append(probs[:, :, key_mask].sum(-1).mean(0))  # [r]
-            return torch.cat(out) if out else torch.empty(0, device=k_all.device)
-
         view = LayerView(li, active, None, q, k, v, None, None,
-                         _attention_probs=self._probs_fn(q, cache, li, active, n), _entering_mass=entering_mass)
+                         _attention_probs=self._probs_fn(q, cache, li, active, n))
         return schedule.admit(view, entering_idx)
 
     def _probs_fn(self, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int):

@@ -20,8 +20,7 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   token's fresh K/V there would be the upstream's again. The selection then reads only the influence (the
   call's new tokens attending to the reused keys) and runs before the span tokens join, so the ones it
   refuses are never computed: detection costs the new tokens' Q/K/V at one layer, not a layer of every
-  relayed token. With ``admit_context`` (ours) the selection also reads, in the deviation's place, the
-  attention each entering token's own query pays the call's new tokens (its queries cost one projection).
+  relayed token.
 - with ``prune`` (gradual filtering, as CacheBlend's paper describes it), each band layer above ``L_det``
   drops the kept tokens whose value deviation there is low (``prune_mask``) before its attention, so the
   kept set narrows with depth: a wide selection low in the band costs what a narrow one does to the top.
@@ -34,10 +33,10 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
 the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
-``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``, ``admit_context``): the profile holds the one
-chosen on calibration calls for the model (with the detection layer and band it was chosen with), or none
-(the paper's). A spec that sets any selector knob runs on the band search's layers (``searched_band``), not
-on those the calibrated selector moved.
+``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``): the profile holds the one chosen on calibration
+calls for the model (with the detection layer and band it was chosen with), or none (the paper's). A spec
+that sets any selector knob runs on the band search's layers (``searched_band``), not on those the
+calibrated selector moved.
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "pre_dense": None, "top_r": None,
-                  "prune": None, "prune_by": None, "drift": None, "admit_context": None}
+                  "prune": None, "prune_by": None, "drift": None}
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,6 @@ class SelectorSettings:
     prune: float | None
     prune_by: str | None  # None: share
     drift: float | None  # None: no drift correction
-    admit_context: bool | None  # None: False (admission by the influence alone)
 
 
 def _recalibration_flags(profile, workload: str) -> str:
@@ -184,11 +182,6 @@ class RelayMethod(ReuseMethod):
     # at each pruning layer, add drift x the recomputed span tokens' mean K/V move to the other span tokens
     # (``drift_shift``; None: none)
     drift: float | None = None
-    # True: where the selection runs as the carried states enter (L_det == L_start), also score each entering
-    # span token by the attention its own query pays the call's new tokens (the part of its context that is not
-    # the upstream's), beside the influence; the influence alone serves the first token, this what the
-    # continuation reads (BENCHMARKS.md, "Session 27")
-    admit_context: bool | None = None
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -209,8 +202,6 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: pre_dense must be true or false, got {self.pre_dense!r}")
         if self.pre_dense and not self.l_pre:
             raise ConfigError("relay: pre_dense needs l_pre > 0 (the span openings it computes at every layer)")
-        if self.admit_context is not None and not isinstance(self.admit_context, bool):
-            raise ConfigError(f"relay: admit_context must be true or false, got {self.admit_context!r}")
         if self.drift is not None and not 0 <= self.drift <= 1:
             raise ConfigError(f"relay: drift must be in [0, 1], got {self.drift}")
         if self.drift is not None and self.prune is None:
@@ -361,14 +352,9 @@ class RelayMethod(ReuseMethod):
             always_mask = is_always(view.active_idx.index_select(0, span_rows))
             return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by or "share")
 
-        new_key_mask = torch.zeros(len(call.prompt_ids), dtype=torch.bool)  # the call's own new tokens
-        new_key_mask[reuse.new_idx(len(call.prompt_ids))] = True
-
         def admit(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
             every_row = torch.arange(view.active_idx.numel(), device=view.active_idx.device)  # all new tokens
-            # in the deviation's place (none to read here): how much each entering token reads of what changed
-            context = view.entering_attention_mass(new_key_mask) if sel.admit_context else None
-            return choose(context, influence(view, every_row, entering_idx), entering_idx)
+            return choose(None, influence(view, every_row, entering_idx), entering_idx)
 
         def drift(view: LayerView, span_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
             # the spans' openings and ends move far more than the rest: they are not the others' estimate

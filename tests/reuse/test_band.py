@@ -211,43 +211,6 @@ def test_admission_computes_only_the_admitted_span_tokens(setup):
     assert not torch.equal(cache.v[2, :, admitted], reference.v[2, :, admitted])
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma3"])  # gemma3: q/k norms, a local layer's own RoPE base
-def test_admission_reads_the_entering_tokens_own_attention(family, monkeypatch):
-    """``entering_attention_mass``: each entering token's query, projected from its carried state at its own
-    position, against the keys the cache holds at admission (the new tokens' fresh ones, the reused ones for
-    the rest), causal; the marked keys' share, averaged over heads. Checked row chunk by row chunk."""
-    import kvrelay.model.transformer as transformer
-
-    monkeypatch.setattr(transformer, "_MASS_ROWS", 3)  # several chunks over the 20 span tokens
-    setup = _make_setup(family)
-    lm, _, call = setup
-    n = len(call.prompt_ids)
-    marked = torch.zeros(n, dtype=torch.bool)
-    marked[[0, 2, 3, 27]] = True  # the first new tokens and one after the span (only the span's last see it)
-    seen = {}
-
-    def admit_all(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
-        seen["idx"], seen["mass"] = entering_idx.clone(), view.entering_attention_mass(marked)
-        return torch.ones(entering_idx.numel(), dtype=torch.bool)
-
-    result, _, cache, reference, _ = _run_band(setup, admit=admit_all, carried=True, capture=(SELECT,))
-    span = seen["idx"]
-    assert torch.equal(span, torch.arange(6, 26))
-    captured_idx, captured_h = result.captured[SELECT]
-    carried = captured_h[torch.isin(captured_idx, span)]
-    layer, rope = lm.model.model.layers[SELECT], lm.model.rope_of(SELECT)
-    q, _, _ = layer.project(carried, *rope.cos_sin(span, carried.dtype, n))  # [H, 20, hd]
-    keys = reference.k[SELECT][:, :n].clone()  # [Hkv, n, hd]: reused keys of the span, as loaded
-    new = torch.tensor([i for i in range(n) if not 6 <= i < 26])
-    keys[:, new] = cache.k[SELECT][:, new]  # the new tokens' fresh keys, written before admission
-    group = q.shape[0] // keys.shape[0]
-    scores = q @ keys.repeat_interleave(group, dim=0).transpose(1, 2) * q.shape[-1] ** -0.5  # [H, 20, n]
-    scores = scores.masked_fill(torch.arange(n)[None, None, :] > span[None, :, None], float("-inf"))
-    expected = scores.softmax(-1)[:, :, marked].sum(-1).mean(0)
-    torch.testing.assert_close(seen["mass"], expected.float(), atol=1e-6, rtol=0)  # probabilities in fp32
-    assert seen["mass"][-1] > 0 and bool((seen["mass"] > 0).all())
-
-
 def test_admission_needs_every_span_token_entering_at_the_select_layer(setup):
     lm, store, call = setup
     reuse = collect_reuse(call, store, lm.fingerprint)
