@@ -28,10 +28,14 @@ from kvrelay.eval.calibration_calls import downstream_calls
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.eval.path_fidelity import forced_logits, path_reference
+from kvrelay.eval.report import NEAR_TIE_MARGIN
 from kvrelay.reuse.cacheblend import CacheBlendMethod
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.relay import RelayMethod
 from kvrelay.weights.loader import load_model
+
+# full's top-1 margin up to which a flip counts as close (not a near tie by the bench's line, but small)
+CLOSE_MARGIN = 0.05
 
 
 def main() -> None:
@@ -47,11 +51,14 @@ def main() -> None:
     ap.add_argument("--json", help="where to write the per-call records")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--summarize", nargs="+", metavar="RECORDS", help="only summarize these runs' records "
-                    "(their calls pooled), with the calls only one method flips split by full's margin")
+                    "(their calls pooled): KL by position, and the calls only one method flips by full's margin")
     args = ap.parse_args()
     if args.summarize:
         calls = [c for path in args.summarize for c in json.loads(Path(path).read_text())["calls"]]
         summarize(calls)
+        for name in calls[0]["methods"]:
+            print(f"{name:40s} KL by position: " + " ".join(
+                f"{lo}-{hi}: {position_kl(calls, name, lo, hi):.4f}" for lo, hi in ((0, 0), (1, 1), (2, 7), (8, 31))))
         for a, b in (("relay", "epic"), ("epic", "relay")):
             discordant(calls, a, b)
         return
@@ -115,18 +122,26 @@ def summarize(calls: list[dict]) -> None:
               + f" first flips {dict(sorted(first.items()))} KL@0 {kl[0]:.4f} KL@1 {kl[1]:.4f}")
 
 
-def discordant(calls: list[dict], a: str, b: str, margin: float = 0.05) -> None:
-    """The calls whose continuation ``a`` flips and ``b`` keeps: where the first flip falls, and whether full's
-    top-1 margin there is at most ``margin`` (a near tie, where any small error may flip it) or above."""
+def discordant(calls: list[dict], a: str, b: str) -> None:
+    """The calls whose continuation ``a`` flips and ``b`` keeps: where the first flip falls, and full's top-1
+    margin there: a near tie (below ``NEAR_TIE_MARGIN``, the bench's line), up to ``CLOSE_MARGIN``, or above."""
     if any(m not in calls[0]["methods"] for m in (a, b)):
         return
     firsts = [(c["methods"][a]["flips"][0], c) for c in calls
               if c["methods"][a]["flips"] and not c["methods"][b]["flips"]]
     margins = [c["full_margin"][i] for i, c in firsts if i < len(c["full_margin"])]
-    near = sum(m <= margin for m in margins)
+    near = sum(m < NEAR_TIE_MARGIN for m in margins)
+    close = sum(NEAR_TIE_MARGIN <= m <= CLOSE_MARGIN for m in margins)
+    above = sorted(m for m in margins if m > CLOSE_MARGIN)
     print(f"only {a} flips: {len(firsts)} calls; first flip at positions {sorted(i for i, _ in firsts)}; "
-          f"full's margin there <= {margin}: {near}, above: {len(margins) - near} "
-          f"({', '.join(f'{m:.3f}' for m in sorted(m for m in margins if m > margin))})")
+          f"full's margin there < {NEAR_TIE_MARGIN}: {near}, {NEAR_TIE_MARGIN}-{CLOSE_MARGIN}: {close}, above: "
+          f"{len(above)} ({', '.join(f'{m:.3f}' for m in above)})")
+
+
+def position_kl(calls: list[dict], method: str, first: int, last: int) -> float:
+    """Mean KL(full || method) over every (call, position) with first <= position <= last."""
+    values = [kl for c in calls for i, kl in enumerate(c["methods"][method]["kl"]) if first <= i <= last]
+    return sum(values) / max(1, len(values))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 Reuse (token-layers, summed over the calls) and mean first-token KL as ratios of B's, first-token agreement
 and greedy@32 shares, the calls only one method matches greedily with the exact two-sided sign test's p over
 them, and greedy@32 per agent. Rows pair on (problem, agent); runs of different files must agree on each
-call's prompt (its token count), since both are held to ``full`` on the same prompt ids.
+call's prompt (its token count) and, where both hold ``full``'s row, on full's first-token margin, since both
+methods are held to ``full`` on the same prompt ids.
 """
 
 from __future__ import annotations
@@ -18,14 +19,29 @@ from pathlib import Path
 
 
 def load_rows(paths: list[str], method: str) -> dict[tuple[str, str], dict]:
+    """(problem, agent) -> the method's row in these files; one row per call (a repeat or a file given twice
+    is refused, not silently overwritten)."""
     rows = {}
     for path in paths:
         for r in json.loads(Path(path).read_text())["calls"]:
             if r["method"] == method:
-                rows[(r["problem_id"], r["agent"])] = r
+                key = (r["problem_id"], r["agent"])
+                if key in rows:
+                    raise SystemExit(f"{path}: a second {method!r} row for {key} (repeats, or a file given twice)")
+                rows[key] = r
     if not rows:
         raise SystemExit(f"no rows of method {method!r} in {', '.join(paths)}")
     return rows
+
+
+def check_full_rows(a_full: dict[tuple[str, str], dict], b_full: dict[tuple[str, str], dict]) -> int:
+    """The calls both runs hold a ``full`` row for must agree on full's first-token margin (the same prompt
+    through the same model); returns how many were compared."""
+    shared = sorted(set(a_full) & set(b_full))
+    differ = [k for k in shared if a_full[k]["full_first_margin"] != b_full[k]["full_first_margin"]]
+    if differ:
+        raise SystemExit(f"full's first token differs between the runs on {len(differ)} calls, e.g. {differ[0]}")
+    return len(shared)
 
 
 def sign_test_p(only_a: int, only_b: int) -> float:
@@ -73,9 +89,16 @@ def main() -> None:
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
     out = pair(load_rows(args.a_files, args.a), load_rows(args.b_files, args.b))
+    try:
+        out["full_rows_checked"] = check_full_rows(load_rows(args.a_files, "full"), load_rows(args.b_files, "full"))
+    except SystemExit as exc:
+        if not str(exc).startswith("no rows"):
+            raise
+        out["full_rows_checked"] = 0  # a side without full rows: prompts are checked by length only
     out.update(a_method=args.a, a_files=args.a_files, b_method=args.b, b_files=args.b_files)
     a, b = out["a"], out["b"]
-    print(f"{out['calls']} calls paired ({out['unpaired']} unpaired)")
+    print(f"{out['calls']} calls paired ({out['unpaired']} unpaired; full's rows agree on "
+          f"{out['full_rows_checked']} calls both runs hold)")
     for name, s in ((args.a, a), (args.b, b)):
         print(f"  {name:12s} reuse {s['reuse']:.4f}  KL {s['kl']:.4f}  1st token {s['first_token']:.3f}  "
               f"greedy@32 {s['greedy']:.3f}")

@@ -5,7 +5,8 @@ recomputed at every layer) on the first token only. Here the same selection runs
 ``full``'s first ``--path-tokens`` greedy tokens, teacher-forced, as ``kvrelay profile`` scores relay's
 candidates (``kvrelay.eval.calibration_calls.score_methods``): first-token KL, reuse, the KL along the
 continuation and the greedy@N share, beside ``epic`` and the profile's ``relay``. No real method can know the
-oracle's ranking before computing the fresh K/V: it bounds what a better key-deviation ranking could give.
+oracle's ranking before computing the fresh K/V: it indicates what a better ranking by key deviation could
+give (a heuristic selection, top tokens by mean key distance, not an upper bound on every selection).
 
 Usage: python benchmarks/relay_path_oracle.py --model smollm2-135m --workload gsm8k-chain3 --offset 100
     --problems 20 --ratios 0.1,0.15,0.2 [--pre 0,8] --json OUT.json
@@ -13,19 +14,19 @@ Usage: python benchmarks/relay_path_oracle.py --model smollm2-135m --workload gs
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 from relay_oracle import oracle_active
+from relay_train_points import calls_parser
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine.call import run_plan
 from kvrelay.eval.calibration_calls import score_methods
 from kvrelay.eval.harness import environment
-from kvrelay.model.schedule import StaticSchedule
+from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.relay import RelayMethod
@@ -44,22 +45,15 @@ class OracleMethod(ReuseMethod):
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         n = len(call.prompt_ids)
         fresh = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-        run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), fresh, None)
+        run_plan(lm, torch.tensor(call.prompt_ids), Plan(Schedule()), fresh, None)  # full's prefill
         active, loads = oracle_active(lm, call, store, fresh, self.ratio, self.pre)
         return Plan(StaticSchedule(active), loads)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--workload", default="gsm8k-chain3")
-    ap.add_argument("--offset", type=int, default=100, help="skip this many problems (GSM8K: of train)")
-    ap.add_argument("--problems", type=int, default=20)
-    ap.add_argument("--path-tokens", type=int, default=32)
+    ap = calls_parser(__doc__.splitlines()[0], problems=20)
     ap.add_argument("--ratios", default="0.1,0.15,0.2", help="the oracle's shares of span tokens, a comma list")
     ap.add_argument("--pre", default="0", help="span openings the oracle also computes, a comma list")
-    ap.add_argument("--json", required=True, help="where to write the scores")
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     oracles = {f"oracle top {r}" + (f" + pre {k}" if k else ""): OracleMethod(r, k)

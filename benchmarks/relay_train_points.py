@@ -47,16 +47,23 @@ def load_points(path: str) -> tuple[dict[str, dict], dict[str, RelayMethod]]:
     return points, methods
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def calls_parser(description: str, problems: int = 10, path_tokens: bool = True) -> argparse.ArgumentParser:
+    """The flags of a study scored on a workload's calibration (train) calls: this script's and its kin's."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workload", default="gsm8k-chain3")
     ap.add_argument("--offset", type=int, default=100, help="skip this many problems (GSM8K: of train)")
-    ap.add_argument("--problems", type=int, default=10)
-    ap.add_argument("--path-tokens", type=int, default=32)
-    ap.add_argument("--points", required=True, help="JSON file: name -> relay knobs")
+    ap.add_argument("--problems", type=int, default=problems)
+    if path_tokens:
+        ap.add_argument("--path-tokens", type=int, default=32, help="score along full's first N greedy tokens")
     ap.add_argument("--json", required=True, help="where to write the scores")
     ap.add_argument("--threads", type=int, default=1)
+    return ap
+
+
+def main() -> None:
+    ap = calls_parser(__doc__.splitlines()[0])
+    ap.add_argument("--points", required=True, help="JSON file: name -> relay knobs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     points, relays = load_points(args.points)

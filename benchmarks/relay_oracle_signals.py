@@ -1,0 +1,120 @@
+"""Which cheap signal finds the span tokens the oracle recomputes? Per downstream call on calibration (train) calls.
+
+The oracle (``relay_oracle.py``) ranks a call's span tokens by their true key deviation: the L2 distance between
+the reused (re-rotated) and the fresh prefill's keys, averaged over layers ORACLE_FROM_LAYER..L-1. Held to
+full's continuation it lowers the KL there well below relay's at equal reuse (``relay_path_oracle.py``). Here
+each candidate signal ranks the same tokens, and the share of the oracle's top ``--share`` it recovers (at the
+same count) is reported, beside the Spearman correlation, as means over the calls:
+
+- ``opening``: a span's first tokens first (EPIC's prior);
+- ``influence@L``: the attention the call's new tokens pay each span token at layer L (relay's admission);
+- ``vdev@L``: 1 - cos(fresh V, reused V) at layer L (what a detection layer at L reads);
+- ``kdev@L``: the key L2 distance at layer L alone.
+
+The fresh values stand in for what relay would compute from the carried states (at L_start they coincide).
+
+Usage: python benchmarks/relay_oracle_signals.py --model smollm2-135m --workload gsm8k-chain3 --offset 100
+    --problems 20 --json OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from relay_oracle import ORACLE_FROM_LAYER
+from relay_train_points import calls_parser
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.engine.call import run_plan
+from kvrelay.eval.calibration_calls import downstream_calls
+from kvrelay.eval.harness import environment
+from kvrelay.model.layers import attention_probs, visible_mask
+from kvrelay.model.schedule import StaticSchedule
+from kvrelay.reuse.base import CallInput, Plan
+from kvrelay.reuse.spans import collect_reuse
+from kvrelay.weights.loader import load_model
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    return x.argsort().argsort().float()
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
+
+
+def recall_at(signal: torch.Tensor, oracle: torch.Tensor, k: int) -> float:
+    """Share of the oracle's top ``k`` among the signal's top ``k``."""
+    top_o = set(oracle.topk(k).indices.tolist())
+    return len(top_o & set(signal.topk(k).indices.tolist())) / k
+
+
+def call_signals(lm, call: CallInput, store, layers: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+    """signal name -> [num span tokens] for one call (``oracle`` among them); None without approximate spans."""
+    n = len(call.prompt_ids)
+    reuse = collect_reuse(call, store, lm.fingerprint)
+    span_idx = reuse.approx_idx()
+    if not span_idx.numel():
+        return None
+    fresh = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
+    capture = tuple(sorted(set(layers)))
+    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), fresh, None,
+                         capture_layers=capture)
+    loaded = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
+    for ld in reuse.loads:
+        loaded.load_span(store.get(ld.span_id), ld.dst_start, lm.model.rope, ld.src_start, ld.src_end)
+    k_diff = (loaded.k[:, :, span_idx] - fresh.k[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt()  # [L, m]
+    out = {"oracle": k_diff[ORACLE_FROM_LAYER : lm.config.num_layers].mean(0)}
+    position = torch.cat([torch.arange(ld.num_tokens) for ld in reuse.approx]).float()
+    out["opening"] = -position
+    new_idx = reuse.new_idx(n)
+    for layer in layers:
+        fresh_v = fresh.v[layer][:, span_idx].transpose(0, 1).flatten(1).float()  # [m, Hkv * hd]
+        reused_v = loaded.v[layer][:, span_idx].transpose(0, 1).flatten(1).float()
+        out[f"vdev@{layer}"] = 1 - torch.nn.functional.cosine_similarity(fresh_v, reused_v, dim=-1)
+        out[f"kdev@{layer}"] = k_diff[layer]
+        active, hidden = result.captured[layer]
+        h_new = hidden[torch.isin(active, new_idx)]
+        rope = lm.model.rope_of(layer)
+        q, _, _ = lm.model.model.layers[layer].project(h_new, *rope.cos_sin(new_idx, h_new.dtype, n))
+        probs = attention_probs(q, fresh.k[layer][:, :n], visible_mask(new_idx, n, lm.config.window_at(layer)))
+        out[f"influence@{layer}"] = probs.sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n]
+    return out
+
+
+def main() -> None:
+    ap = calls_parser(__doc__.splitlines()[0], problems=20, path_tokens=False)
+    ap.add_argument("--layers", default="2,3,4,6,8", help="layers the per-layer signals read, a comma list")
+    ap.add_argument("--share", type=float, default=0.2, help="the oracle's top share the recall is taken at")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    layers = tuple(int(x) for x in args.layers.split(","))
+    rows: list[dict[str, tuple[float, float]]] = []
+
+    def on_call(call: CallInput, store) -> None:
+        signals = call_signals(lm, call, store, layers)
+        if signals is None:
+            return
+        oracle = signals.pop("oracle")
+        k = max(1, round(args.share * oracle.numel()))
+        rows.append({name: (recall_at(s, oracle, k), spearman(s, oracle)) for name, s in signals.items()})
+
+    downstream_calls(lm, args.workload, None, args.problems, (), on_call, "calls", True, args.offset)
+    summary = {name: {"recall": sum(r[name][0] for r in rows) / len(rows),
+                      "spearman": sum(r[name][1] for r in rows) / len(rows)} for name in rows[0]}
+    Path(args.json).write_text(json.dumps({
+        "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
+        "share": args.share, "num_calls": len(rows), "environment": environment("cpu"), "summary": summary,
+        "calls": rows}, indent=1) + "\n")
+    print(f"{len(rows)} calls; recall of the oracle's top {args.share:.0%} at the same count, Spearman")
+    for name, s in summary.items():
+        print(f"  {name:14s} recall {s['recall']:.3f}  spearman {s['spearman']:+.3f}")
+
+
+if __name__ == "__main__":
+    main()
