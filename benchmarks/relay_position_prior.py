@@ -68,16 +68,18 @@ class PositionPriorRelay(RelayMethod):
 def main() -> None:
     ap = calls_parser(__doc__.splitlines()[0], problems=20)
     ap.add_argument("--points", required=True, help="JSON file: name -> relay knobs, weight and scale")
+    ap.add_argument("--data", help="problems file (default: GSM8K train for GSM8K workloads, else the workload's "
+                    "own); a test file holds out points chosen on train")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     points = json.loads(Path(args.points).read_text())
     methods = {"epic": EpicMethod(), **{name: PositionPriorRelay(**knobs) for name, knobs in points.items()}}
     lm = load_model(args.model)
-    scores = score_methods(lm, methods, args.workload, None, args.problems, "points", True, args.path_tokens,
+    scores = score_methods(lm, methods, args.workload, args.data, args.problems, "points", True, args.path_tokens,
                            args.offset)
     Path(args.json).write_text(json.dumps({
-        "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-        "path_tokens": args.path_tokens, "points": points, "environment": environment("cpu"),
+        "model": lm.name, "workload": args.workload, "data": args.data, "offset": args.offset,
+        "problems": args.problems, "path_tokens": args.path_tokens, "points": points, "environment": environment("cpu"),
         "scores": {name: score._asdict() for name, score in scores.items()}}, indent=1) + "\n")
     epic = scores["epic"]
     for name, score in scores.items():
