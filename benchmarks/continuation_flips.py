@@ -115,8 +115,7 @@ def summarize(calls: list[dict]) -> None:
                   for r in readers}
         counts = {r: sum("+".join(c["reads"]) == r for c in calls) for r in readers}
         first = Counter(r["flips"][0] for r in rows if r["flips"])
-        kl = [sum(r["kl"][i] for r in rows if len(r["kl"]) > i) / max(1, sum(len(r["kl"]) > i for r in rows))
-              for i in (0, 1)]
+        kl = [position_kl(calls, name, i, i) for i in (0, 1)]
         print(f"{name:40s} reuse {sum(r['reuse'] for r in rows) / len(rows):.3f} greedy "
               + " ".join(f"{r}:{greedy[r]}/{counts[r]}" for r in readers)
               + f" first flips {dict(sorted(first.items()))} KL@0 {kl[0]:.4f} KL@1 {kl[1]:.4f}")

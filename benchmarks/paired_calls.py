@@ -18,9 +18,9 @@ from math import comb
 from pathlib import Path
 
 
-def load_rows(paths: list[str], method: str) -> dict[tuple[str, str], dict]:
+def load_rows(paths: list[str], method: str, required: bool = True) -> dict[tuple[str, str], dict]:
     """(problem, agent) -> the method's row in these files; one row per call (a repeat or a file given twice
-    is refused, not silently overwritten)."""
+    is refused, not silently overwritten). None at all: an exit when ``required``, else empty."""
     rows = {}
     for path in paths:
         for r in json.loads(Path(path).read_text())["calls"]:
@@ -29,7 +29,7 @@ def load_rows(paths: list[str], method: str) -> dict[tuple[str, str], dict]:
                 if key in rows:
                     raise SystemExit(f"{path}: a second {method!r} row for {key} (repeats, or a file given twice)")
                 rows[key] = r
-    if not rows:
+    if not rows and required:
         raise SystemExit(f"no rows of method {method!r} in {', '.join(paths)}")
     return rows
 
@@ -89,12 +89,9 @@ def main() -> None:
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
     out = pair(load_rows(args.a_files, args.a), load_rows(args.b_files, args.b))
-    try:
-        out["full_rows_checked"] = check_full_rows(load_rows(args.a_files, "full"), load_rows(args.b_files, "full"))
-    except SystemExit as exc:
-        if not str(exc).startswith("no rows"):
-            raise
-        out["full_rows_checked"] = 0  # a side without full rows: prompts are checked by length only
+    # a side without full rows: prompts are checked by their length only
+    out["full_rows_checked"] = check_full_rows(load_rows(args.a_files, "full", required=False),
+                                               load_rows(args.b_files, "full", required=False))
     out.update(a_method=args.a, a_files=args.a_files, b_method=args.b, b_files=args.b_files)
     a, b = out["a"], out["b"]
     print(f"{out['calls']} calls paired ({out['unpaired']} unpaired; full's rows agree on "

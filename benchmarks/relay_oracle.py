@@ -80,23 +80,38 @@ class TopRelay(RelayMethod):
         return plan
 
 
+def loaded_cache(lm, call: CallInput, store: KVStore, loads: list) -> SequenceKV:
+    """A sequence cache holding the call's reused K/V as loaded (re-rotated, not repaired)."""
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=len(call.prompt_ids) + 1)
+    for ld in loads:
+        cache.load_span(store.get(ld.span_id), ld.dst_start, lm.model.rope, ld.src_start, ld.src_end)
+    return cache
+
+
+def key_distance(lm, call: CallInput, store: KVStore, fresh: SequenceKV, reuse=None
+                 ) -> tuple[torch.Tensor, SequenceKV]:
+    """Per layer, the L2 distance between each approximate span token's reused key and its key in ``fresh``
+    (a full prefill of the prompt): [num_layers, num span tokens], in ``reuse.approx_idx()`` order; and the
+    loaded cache it read. The oracle ranks by its mean over layers ORACLE_FROM_LAYER..L-1."""
+    reuse = reuse or collect_reuse(call, store, lm.fingerprint)
+    cache = loaded_cache(lm, call, store, reuse.loads)
+    span_idx = reuse.approx_idx()
+    return (cache.k[:, :, span_idx] - fresh.k[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt(), cache  # [L, m]
+
+
 def oracle_active(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float,
                   pre: int = 0) -> tuple[torch.Tensor, list]:
     """The prompt positions the oracle computes at every layer (the new tokens, each span's first ``pre``
     tokens and the top ``ratio`` of the other span tokens by their true key deviation, reused vs ``fresh``,
     layers ORACLE_FROM_LAYER..L-1) and the span loads for the rest."""
-    n, num_layers = len(call.prompt_ids), lm.config.num_layers
+    n = len(call.prompt_ids)
     reuse = collect_reuse(call, store, lm.fingerprint)
-    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    for ld in reuse.loads:
-        cache.load_span(store.get(ld.span_id), ld.dst_start, lm.model.rope, ld.src_start, ld.src_end)
     span_idx = reuse.approx_idx()
-    upper = slice(ORACLE_FROM_LAYER, num_layers)
-    dk = (cache.k[upper][:, :, span_idx] - fresh.k[upper][:, :, span_idx]).float().pow(2).sum(dim=(1, 3))  # [L', m]
+    distance = key_distance(lm, call, store, fresh, reuse)[0][ORACLE_FROM_LAYER:].mean(0)  # [m]
     heads = torch.cat([torch.arange(ld.dst_start, ld.dst_start + min(pre, ld.num_tokens)) for ld in reuse.approx])
     opening = torch.isin(span_idx, heads)
     budget = min(max(1, round(ratio * int((~opening).sum()))), int((~opening).sum()))
-    top = span_idx[dk.sqrt().mean(0).masked_fill(opening, -1.0).topk(budget).indices]
+    top = span_idx[distance.masked_fill(opening, -1.0).topk(budget).indices]
     return torch.cat([reuse.new_idx(n), heads, top]).unique(), reuse.loads
 
 

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 import torch
-from relay_oracle import ORACLE_FROM_LAYER
+from relay_oracle import ORACLE_FROM_LAYER, key_distance
 from relay_train_points import calls_parser
 
 from kvrelay.cache.kv import SequenceKV
@@ -61,14 +61,10 @@ def call_signals(lm, call: CallInput, store, layers: tuple[int, ...]) -> dict[st
     if not span_idx.numel():
         return None
     fresh = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    capture = tuple(sorted(set(layers)))
     result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), fresh, None,
-                         capture_layers=capture)
-    loaded = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    for ld in reuse.loads:
-        loaded.load_span(store.get(ld.span_id), ld.dst_start, lm.model.rope, ld.src_start, ld.src_end)
-    k_diff = (loaded.k[:, :, span_idx] - fresh.k[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt()  # [L, m]
-    out = {"oracle": k_diff[ORACLE_FROM_LAYER : lm.config.num_layers].mean(0)}
+                         capture_layers=tuple(sorted(set(layers))))
+    k_diff, loaded = key_distance(lm, call, store, fresh, reuse)  # [L, m]
+    out = {"oracle": k_diff[ORACLE_FROM_LAYER:].mean(0)}
     position = torch.cat([torch.arange(ld.num_tokens) for ld in reuse.approx]).float()
     out["opening"] = -position
     new_idx = reuse.new_idx(n)
