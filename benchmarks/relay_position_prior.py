@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from relay_train_points import calls_parser
+from relay_train_points import calls_parser, load_points
 
 from kvrelay.eval.calibration_calls import score_methods
 from kvrelay.eval.harness import environment
@@ -72,8 +72,8 @@ def main() -> None:
                     "own); a test file holds out points chosen on train")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    points = json.loads(Path(args.points).read_text())
-    methods = {"epic": EpicMethod(), **{name: PositionPriorRelay(**knobs) for name, knobs in points.items()}}
+    points, methods = load_points(args.points, PositionPriorRelay)  # a one-line exit on a bad file or point
+    methods = {"epic": EpicMethod(), **methods}
     lm = load_model(args.model)
     scores = score_methods(lm, methods, args.workload, args.data, args.problems, "points", True, args.path_tokens,
                            args.offset)

@@ -27,7 +27,7 @@ from kvrelay.reuse.relay import RelayMethod
 from kvrelay.weights.loader import load_model
 
 
-def load_points(path: str) -> tuple[dict[str, dict], dict[str, RelayMethod]]:
+def load_points(path: str, cls: type[RelayMethod] = RelayMethod) -> tuple[dict[str, dict], dict[str, RelayMethod]]:
     """The file's points (name -> knobs) and name -> relay with those knobs; a one-line exit naming the file or
     point when they are bad (before the model loads)."""
     try:
@@ -41,7 +41,7 @@ def load_points(path: str) -> tuple[dict[str, dict], dict[str, RelayMethod]]:
     methods = {}
     for name, knobs in points.items():
         try:
-            methods[name] = RelayMethod(**knobs)
+            methods[name] = cls(**knobs)
         except (TypeError, ConfigError) as exc:
             raise SystemExit(f"--points {path}: point {name!r}: {exc}") from exc
     return points, methods
