@@ -15,11 +15,14 @@ One command does all of it, since GPU time is short (issue 24's plan, run when a
    context, ours and transformers', and a torch profile of the 20-token call (host time against GPU time).
 4. TTFT of every method on ``copy-agents:5`` at 512- and 1,024-token outputs (the last agent's prompt: 2,112
    and 3,752 tokens), random weights in bf16: timing only (random weights say nothing of fidelity).
+5. selector: relay's TTFT against a static replay of its own per-layer kept sets on gsm8k-chain3's downstream
+   calls (``relay_selector_cost.measure``; ``KVRELAY_DATA`` where ../shared/data is not beside the project):
+   what relay's selection costs on the device (issue target: relay's speedup >= 0.8x the static one's).
 
 Random presets need the default model's tokenizer only; ``--tokenizer DIR`` (a converted ``tokenizer.json``
 + ``tokenizer_meta.json``) gives it where the model package is not installed.
 
-Usage: python benchmarks/gpu_check.py --json OUT [--device cuda] [--parts parity,exact,prefill,small,lengths,bench]
+Usage: python benchmarks/gpu_check.py --json OUT [--device cuda] [--parts parity,...,selector] (default: every part)
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: t
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine: transformers' config of our shape
 
 from bench_engine import hf_llama_config  # noqa: E402
+from gpu_cli import use_tokenizer  # noqa: E402
+from relay_selector_cost import measure as selector_cost  # noqa: E402
 
 from kvrelay.cache.kv import SequenceKV  # noqa: E402
 from kvrelay.engine import sync_device  # noqa: E402
@@ -52,9 +57,10 @@ from kvrelay.weights.devices import check_device  # noqa: E402
 from tests.helpers import FAMILIES, hf_model, ours_from_hf  # noqa: E402
 
 FP32_ATOL = 1e-4
-BENCH_METHODS = ("full", "prefix", "naive", "cacheblend", "epic",
-                 # random weights have no profile: the shipped SmolLM2 band and selector, ending at the top layer
-                 "relay[l_start=2,l_det=3,l_end=31,top_r=0.2,l_pre=4,l_suf=4]", "kvcomm")
+# random weights have no profile: SmolLM2's shipped band (entering and admitting at layer 2, to the top) and its
+# shipped selector, on a 32-layer model
+RELAY_8B = "relay[l_start=2,l_det=2,l_end=31,top_r=0.3,l_pre=6,l_suf=0,prune=0.1,pre_dense=true,drift=0.35]"
+BENCH_METHODS = ("full", "prefix", "naive", "cacheblend", "epic", RELAY_8B, "kvcomm")
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -345,22 +351,21 @@ def prepare(prog: str, device: str, json_path: str, tokenizer: str | None) -> No
         print(f"{prog}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     if tokenizer:
-        from kvrelay.model.tokenizer import Tokenizer
-
-        tok = Tokenizer.load(Path(tokenizer))
-        loader.load_tokenizer = lambda ref=loader.DEFAULT_MODEL: tok
+        use_tokenizer(tokenizer)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", required=True)
-    ap.add_argument("--parts", default="parity,exact,prefill,small,lengths,bench")
+    ap.add_argument("--parts", default="parity,exact,prefill,small,lengths,bench,selector")
     ap.add_argument("--model", default="random:llama3-8b", help="the model of parts prefill and bench")
     ap.add_argument("--lengths", default="1024,4096,8192", help="prefill lengths (tokens)")
     ap.add_argument("--outputs", default="512,1024", help="copy-agents output lengths (tokens)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--methods", default=",".join(BENCH_METHODS))
+    ap.add_argument("--relay", default=RELAY_8B, help="the relay spec of part selector")
+    ap.add_argument("--problems", type=int, default=6, help="gsm8k-chain3 problems of part selector")
     ap.add_argument("--tokenizer", default=None, help="folder with the default model's converted tokenizer")
     args = ap.parse_args()
     prepare("gpu_check", args.device, args.json, args.tokenizer)
@@ -385,7 +390,7 @@ def main() -> None:
     torch.manual_seed(0)
     step("parity", lambda: parity(args.device))
     step("exact", lambda: exact(args.device))
-    if {"prefill", "small", "lengths", "bench"} & set(parts):
+    if {"prefill", "small", "lengths", "bench", "selector"} & set(parts):
         t0 = time.perf_counter()
         lm = loader.load_model(args.model, device=args.device)
         result["load_s"] = time.perf_counter() - t0
@@ -397,6 +402,7 @@ def main() -> None:
         hf = None  # the bench needs the memory the twin's cache held (its weights are ours)
         step("bench", lambda: bench(lm, args.device, [int(x) for x in args.outputs.split(",")],
                                     args.repeats, split_method_specs(args.methods)))
+        step("selector", lambda: selector_cost(lm, args.relay, "gsm8k-chain3", 0, args.problems, args.repeats))
     save()
     print("errors:", list(result["errors"]) or "none")
 

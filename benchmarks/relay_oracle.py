@@ -41,7 +41,8 @@ from kvrelay.model.schedule import LayerView, StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.base import CallInput, Plan
-from kvrelay.reuse.relay import RelayMethod, value_cos_deviation
+from kvrelay.reuse.relay import RelayMethod
+from kvrelay.reuse.relay_select import value_cos_deviation
 from kvrelay.reuse.spans import collect_reuse
 from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 

@@ -26,19 +26,22 @@ import json
 import statistics
 import sys
 import time
+import warnings
+from collections import Counter
+from pathlib import Path
 
 import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
-from kvrelay.engine.call import run_plan
+from kvrelay.engine.call import run_plan, sync_device
 from kvrelay.eval.harness import environment
 from kvrelay.model.schedule import Entry, LayerView
 from kvrelay.pipeline.runner import PipelineRunner, agent_role
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse import get_method
-from kvrelay.reuse.band import BandSchedule
+from kvrelay.reuse.band import BandSchedule, Kept
 from kvrelay.reuse.relay import RelayMethod
 from kvrelay.weights.loader import DEFAULT_MODEL, load_model
 
@@ -62,22 +65,36 @@ class FixedSelection(BandSchedule):
         return False
 
 
-def _variants(plan, kept: dict[int, torch.Tensor]) -> dict[str, BandSchedule]:
-    """The comparison schedules of relay's ``plan``, given the prompt indices relay kept at each selecting
-    layer (``kept``)."""
+def _replay(kept: dict[int, tuple[torch.Tensor, torch.Tensor]], num_tokens: int, device: torch.device
+            ) -> dict[int, tuple[torch.Tensor, int]]:
+    """What relay kept (layer -> (prompt indices it chose among, keep mask)) as layer -> (bool [num_tokens] by
+    prompt position on ``device``, count): made before the clock starts, so the replay reads no count back."""
+    replay = {}
+    for layer, (idx, mask) in kept.items():
+        chosen = idx.to(device)[mask.to(device)]
+        by_pos = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+        by_pos[chosen] = True
+        replay[layer] = (by_pos, chosen.numel())
+    return replay
+
+
+def _variants(plan, replay: dict[int, tuple[torch.Tensor, int]]) -> dict[str, BandSchedule]:
+    """The comparison schedules of relay's ``plan``, given what relay kept at each selecting layer (``_replay``)."""
     s = plan.schedule
 
-    def fixed(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-        if view.layer not in kept:  # admitted tokens at the admission layer: all stay
-            return torch.ones(span_rows.numel(), dtype=torch.bool)
-        return torch.isin(view.active_idx[span_rows], kept[view.layer])
+    def fixed(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> Kept:
+        if view.layer not in replay:  # admitted tokens at the admission layer: all stay
+            return Kept(torch.ones(span_rows.numel(), dtype=torch.bool, device=span_rows.device), span_rows.numel())
+        by_pos, num = replay[view.layer]
+        return Kept(by_pos.index_select(0, view.active_idx.index_select(0, span_rows)), num)
 
     entries = dict(s.span_entries)
     if s._admit is not None:  # only the admitted tokens enter (with their carried states)
         e = entries[s.select_layer]
-        mask = torch.isin(e.token_idx, kept[s.select_layer])
-        entries[s.select_layer] = Entry(e.token_idx[mask], e.hidden[mask])
-        kept = {layer: idx for layer, idx in kept.items() if layer != s.select_layer}
+        by_pos, _ = replay[s.select_layer]
+        mask = by_pos.index_select(0, e.token_idx.to(by_pos.device))
+        entries[s.select_layer] = Entry(e.token_idx[mask.to(e.token_idx.device)], e.hidden[mask.to(e.hidden.device)])
+        replay = {layer: r for layer, r in replay.items() if layer != s.select_layer}
     variants = {"static": FixedSelection(s.new_idx, entries, s.select_layer, s.end_layer, fixed,
                                          fixed if s.prune is not None else None)}
     if s._admit is None:
@@ -86,12 +103,14 @@ def _variants(plan, kept: dict[int, torch.Tensor]) -> dict[str, BandSchedule]:
     return variants
 
 
-def _recording(schedule: BandSchedule, kept: dict[int, torch.Tensor]) -> None:
-    """Wrap the schedule's selector, admission and pruning to note the prompt indices kept at each layer."""
+def _recording(schedule: BandSchedule, kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Wrap the schedule's selector, admission and pruning to note what they keep at each layer: (the prompt
+    indices chosen among, keep mask), as tensors only (reading them out would make a GPU wait in the timing)."""
     def noting(inner):
         def select(view, span_rows, new_rows):
             keep = inner(view, span_rows, new_rows)
-            kept[view.layer] = view.active_idx[span_rows][keep]
+            kept[view.layer] = (view.active_idx.index_select(0, span_rows), keep.mask if isinstance(keep, Kept)
+                                else keep)
             return keep
         return select
 
@@ -104,18 +123,20 @@ def _recording(schedule: BandSchedule, kept: dict[int, torch.Tensor]) -> None:
 
         def admit(view, entering_idx):
             keep = inner_admit(view, entering_idx)
-            kept[view.layer] = entering_idx[keep]
+            kept[view.layer] = (entering_idx, keep)
             return keep
 
         schedule._admit = admit
 
 
-def time_call(lm, method: RelayMethod, call, store: KVStore, variant: str, kept: dict[int, torch.Tensor]
+def time_call(lm, method: RelayMethod, call, store: KVStore, variant: str, kept: dict[int, tuple]
               ) -> tuple[float, int]:
-    """TTFT ms (plan + loads + prefill) and computed token-layers; a `relay` run fills ``kept`` (layer -> the
-    prompt indices kept there), which the other variants replay."""
+    """TTFT ms (plan + loads + prefill) and computed token-layers; a `relay` run fills ``kept`` (``_recording``),
+    which the other variants replay."""
     n = len(call.prompt_ids)
     ids = torch.tensor(call.prompt_ids)
+    replay = _replay(kept, n, lm.model.device) if variant not in ("full", "relay") else None
+    sync_device(lm.model.device)
     t0 = time.perf_counter()
     if variant == "full":
         plan = Engine(lm).method("full").plan(call, store, lm)
@@ -125,33 +146,40 @@ def time_call(lm, method: RelayMethod, call, store: KVStore, variant: str, kept:
             kept.clear()
             _recording(plan.schedule, kept)
         else:
-            plan.schedule = _variants(plan, dict(kept))[variant]
+            plan.schedule = _variants(plan, replay)[variant]
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
     result, _ = run_plan(lm, ids, plan, cache, store)
+    sync_device(lm.model.device)  # a GPU's queued work is part of the call
     ms = (time.perf_counter() - t0) * 1e3
     return ms, result.num_computed_token_layers
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="gsm8k-chain3")
-    parser.add_argument("--limit", type=int, default=5, help="problems")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant and call (median)")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--method", default="relay", help="the relay spec, e.g. relay[top_r=0.15,l_pre=4]")
-    parser.add_argument("--offset", type=int, default=0, help="index of the first problem")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    lm = load_model(args.model)
-    method = get_method(args.method)
+def sync_sites(fn) -> dict[str, int]:
+    """On CUDA: the source lines where the host waited for the GPU while ``fn`` ran (torch's sync debug mode
+    warns at each), counted."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught).most_common())
+
+
+def measure(lm, spec: str, workload: str, offset: int, limit: int, repeats: int) -> dict:
+    """Every downstream call of ``limit`` problems from ``offset``: full, relay (``spec``) and its static replay
+    (plus the whole-L_det variant where relay detects above L_start), timed interleaved; the summary."""
+    method = get_method(spec)
     if not isinstance(method, RelayMethod):
-        parser.error(f"--method must be a relay spec, got {args.method!r}")
-    wl = get_workload(args.workload)
+        raise ValueError(f"the method must be a relay spec, got {spec!r}")
+    wl = get_workload(workload)
     layers = method.layers(lm, agent_role(wl.spec.agents[-1]))  # a downstream agent's (its workload's selector)
     admits = layers[0] == layers[1] > 0
     variants = ("full", "relay", "static") if admits else ("full", "relay", "relay (whole L_det)", "static")
     rows = []
-    for problem in wl.problems(None, args.offset + args.limit)[args.offset:]:
+    sites = {} if lm.model.device.type == "cuda" else None
+    for problem in wl.problems(None, offset + limit)[offset:]:
         engine = Engine(lm, KVStore(4 << 30), methods=("full", method))
 
         def probe(agent, call, position, engine=engine, problem=problem):
@@ -159,11 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                 return
             times = {v: [] for v in variants}
             counts, kept = {}, {}
-            for _ in range(args.repeats):  # interleaved: machine noise hits every variant alike
+            for _ in range(repeats):  # interleaved: machine noise hits every variant alike
                 for v in variants:
                     ms, computed = time_call(lm, method, call, engine.store, v, kept)
                     times[v].append(ms)
                     counts[v] = computed
+            if sites is not None and not sites:  # the first call: where each variant makes the host wait
+                sites.update({v: sync_sites(lambda v=v: time_call(lm, method, call, engine.store, v, kept))
+                              for v in variants})
             if counts["static"] != counts["relay"]:
                 raise RuntimeError(f"static replay computed {counts['static']} token-layers, relay {counts['relay']}")
             row = {"problem_id": problem.problem_id, "agent": agent.name, "num_prompt_tokens": len(call.prompt_ids),
@@ -177,14 +208,32 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(r["ttft_ms"]["static"] / r["ttft_ms"]["relay"] for r in rows)
     whole = statistics.median(r["ttft_ms"]["relay (whole L_det)"] / r["ttft_ms"]["relay"] for r in rows) \
         if not admits else None
-    summary = {"env": environment("cpu"), "model": lm.name, "workload": args.workload, "method": args.method,
-               "offset": args.offset, "n_calls": len(rows),
-               "relay_layers": layers, "speedup_vs_full": speedup, "relay_over_static_speedup": ratio,
-               "whole_over_relay_ttft": whole, "calls": rows}
     print(f"{len(rows)} calls, relay layers {layers}: median speedup over full " +
           ", ".join(f"{v} {s:.2f}x" for v, s in speedup.items()))
     print(f"relay's speedup / static's: {ratio:.3f}" +
           (f"; TTFT with the whole detection layer / relay: {whole:.3f}" if whole is not None else ""))
+    return {"env": environment(str(lm.model.device)), "model": lm.name, "dtype": str(lm.model.dtype),
+            "workload": workload, "method": spec, "offset": offset, "n_calls": len(rows),
+            "relay_layers": layers, "speedup_vs_full": speedup, "relay_over_static_speedup": ratio,
+            "whole_over_relay_ttft": whole, "sync_sites": sites, "calls": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="gsm8k-chain3")
+    parser.add_argument("--limit", type=int, default=5, help="problems")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant and call (median)")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/gpu_check.py's part selector)")
+    parser.add_argument("--method", default="relay", help="the relay spec, e.g. relay[top_r=0.15,l_pre=4]")
+    parser.add_argument("--offset", type=int, default=0, help="index of the first problem")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    lm = load_model(args.model, device=args.device)
+    try:
+        summary = measure(lm, args.method, args.workload, args.offset, args.limit, args.repeats)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

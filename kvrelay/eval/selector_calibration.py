@@ -64,6 +64,10 @@ SELECTOR_CANDIDATES: tuple[dict, ...] = (
     # more openings at every layer (EPIC computes 16) paid for by a narrower budget: what the continuation reads
     *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": p, "pre_dense": True, **d}
       for r, n, p in ((0.3, 6, 0.1), (0.2, 8, 0.1), (0.25, 8, 0.1), (0.25, 8, 0.15)) for d in ({}, {"drift": 0.35})),
+    # two of them admitting a span's early tokens first (``position_prior`` beside the influence): on SmolLM2's
+    # GSM8K train calls it lowered the continuation's KL (BENCHMARKS.md, session 27)
+    *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": 0.1, "pre_dense": True, "pos_prior": 1.0, **d}
+      for r, n in ((0.3, 6), (0.25, 8)) for d in ({}, {"drift": 0.35})),
     # a band of their own (``ENTER_AT``, ``BELOW_TOP``): the openings EPIC computes (16) entering early from the
     # carried states and leaving a few layers below the top, the reuse that saves paying for a budget detected
     # where they enter; the continuation reads the openings, the first token the budget

@@ -45,21 +45,34 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
     return sdpa_kernel(_CUDA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
+# On CUDA, SDPA runs an explicit mask over grouped K/V heads in its math kernel only (the scores materialized,
+# a dozen kernels a layer); K/V repeated per query head take the memory-efficient kernel (BENCHMARKS.md,
+# session 28). A module switch, for that A/B.
+REPEAT_KV_UNDER_MASK_ON_CUDA = True
+
+
+def repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[Hkv, m, hd] -> [Hkv * group, m, hd]: query heads j*group .. j*group+group-1 read kv head j (HF's order)."""
+    num_kv, m, hd = x.shape
+    return x[:, None].expand(num_kv, group, m, hd).reshape(num_kv * group, m, hd)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
     """q [H, n, hd] against k, v [Hkv, m, hd] -> [n, H * hd]. ``mask``: bool [n, m], True = visible."""
+    gqa = q.shape[0] != k.shape[0]
+    if gqa and mask is not None and q.device.type == "cuda" and REPEAT_KV_UNDER_MASK_ON_CUDA:
+        k, v, gqa = repeat_kv(k, q.shape[0] // k.shape[0]), repeat_kv(v, q.shape[0] // k.shape[0]), False
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
-        is_causal=causal, enable_gqa=q.shape[0] != k.shape[0],
+        is_causal=causal, enable_gqa=gqa,
     )  # [1, H, n, hd]
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax probabilities [H, n, m] of q [H, n, hd] over k [Hkv, m, hd] (for methods that read them)."""
-    group = q.shape[0] // k.shape[0]
-    # query heads j*group .. j*group+group-1 read kv head j (HF's repeat_kv order)
-    scores = q.float() @ k.float().repeat_interleave(group, dim=0).transpose(1, 2) * q.shape[-1] ** -0.5
+    scores = q.float() @ repeat_kv(k.float(), q.shape[0] // k.shape[0]).transpose(1, 2) * q.shape[-1] ** -0.5
     return scores.masked_fill(~mask[None], float("-inf")).softmax(-1)  # [H, n, m]
 
 

@@ -102,7 +102,8 @@ class RotaryEmbedding:
             freqs = positions.float()[:, None] * self._freqs_for_length(length)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             return emb.cos().to(dtype), emb.sin().to(dtype)
-        need = int(positions.max().item()) + 1 if positions.numel() else 0
+        # positions < seq_len by contract: the table's length needs no read-back of their maximum (a GPU wait)
+        need = seq_len if seq_len is not None else int(positions.max().item()) + 1 if positions.numel() else 0
         if need > self._table_len:
             self._grow_table(max(need, 2 * self._table_len, 256))
         return self._cos.index_select(0, positions).to(dtype), self._sin.index_select(0, positions).to(dtype)

@@ -5,7 +5,9 @@ Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
 - ``entries()`` says which tokens join the active set at which layer, and with what hidden state
   (``None`` = from the embedding, only at layer 0; otherwise the carried input of that layer).
 - After each layer, ``after_layer(view)`` may drop tokens from the active set (never add: a
-  dropped token's hidden state is gone). It sees the fresh K/V of the active tokens, the K/V the
+  dropped token's hidden state is gone): it returns the rows of ``view.active_idx`` that stay, as
+  ascending row indices (``rows_of``), so that the forward knows how many stay from a shape, without
+  waiting for a GPU to count them. It sees the fresh K/V of the active tokens, the K/V the
   cache held for them before (if ``needs_prev_kv``), and can ask for attention probabilities.
 - At a layer where ``selects_before_attention(layer)``, ``before_attention(view)`` runs too: right
   after the active tokens' Q/K/V (written to the cache), before attention and MLP, so that the tokens
@@ -30,6 +32,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from kvrelay.errors import ScheduleError
+
+CHECK_COUNTS_ON_CPU = True  # tests that count the host's reads of tensor values turn it off
+
+
+def rows_of(mask: torch.Tensor, num: int | None = None) -> torch.Tensor:
+    """The indices of ``mask``'s True entries, ascending ([num], int64).
+
+    Given ``num`` (their count, known on the host), a GPU finds them without the host waiting for it to count
+    (``nonzero_static``); a wrong count would cut or pad the rows, so on the CPU it is checked. Without it
+    the count is read back (on a GPU: one wait)."""
+    if num is None:
+        return mask.nonzero().flatten()
+    if CHECK_COUNTS_ON_CPU and mask.device.type == "cpu" and int(mask.sum()) != num:
+        raise ScheduleError(f"a schedule counted {num} kept rows where its mask keeps {int(mask.sum())}")
+    return torch.nonzero_static(mask, size=num).flatten()
 
 
 @dataclass
@@ -93,7 +112,7 @@ class Schedule:
         return False
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
-        """Return a bool keep-mask over ``view.active_idx`` (None keeps every token)."""
+        """The rows of ``view.active_idx`` that stay ([m] int64, ascending; None keeps every token)."""
         return None
 
     def selects_before_attention(self, layer: int) -> bool:
@@ -101,7 +120,8 @@ class Schedule:
         return False
 
     def before_attention(self, view: LayerView) -> torch.Tensor | None:
-        """A keep-mask over ``view.active_idx`` from the fresh Q/K/V; dropped tokens skip attention and MLP."""
+        """The rows of ``view.active_idx`` that stay, from the fresh Q/K/V (as ``after_layer``); the others skip
+        attention and MLP."""
         return None
 
     def adjust_kv(self, view: LayerView) -> KVShift | None:
@@ -113,7 +133,8 @@ class Schedule:
         return False
 
     def admit(self, view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor | None:
-        """A keep-mask over ``entering_idx`` (prompt indices) from the active tokens' fresh Q/K/V."""
+        """The rows of ``entering_idx`` (prompt indices) that join ([m] int64, ascending), from the active tokens'
+        fresh Q/K/V."""
         return None
 
     def exit_after(self, layer: int, last_hidden: torch.Tensor) -> bool:

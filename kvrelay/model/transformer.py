@@ -44,15 +44,18 @@ def _with_attention_backends(forward: Callable) -> Callable:
     return run
 
 
-def _rows(keep: torch.Tensor) -> torch.Tensor:
-    """The row indices a bool keep-mask selects ([m], int64): ``index_select`` on them is several times faster
-    on CPU than indexing by the mask or by an index tensor (a gather per layer adds up)."""
-    return keep.nonzero().flatten()
+def _drops(kept: torch.Tensor | None, num_active: int) -> bool:
+    """Whether a schedule's kept rows leave out some of the ``num_active`` tokens (from their shape: no GPU wait)."""
+    if kept is None:
+        return False
+    if kept.dtype == torch.bool:  # a mask's length says nothing of what it keeps
+        raise ScheduleError("a schedule returned a keep mask where the kept rows belong (schedule.rows_of)")
+    return kept.numel() != num_active
 
 
-def _keep_rows(keep: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kept rows (dim 0) of each tensor."""
-    kept = _rows(keep)
+def _keep_rows(kept: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows ``kept`` ([m] int64, ascending) of each tensor (dim 0): ``index_select`` is several times faster on
+    CPU than indexing by a mask."""
     return tuple(t.index_select(0, kept) for t in tensors)
 
 
@@ -186,9 +189,8 @@ class Transformer(nn.Module):
                     if li in schedule.capture_layers:  # a refused token's input here is its entry state
                         union, order = torch.sort(torch.cat([active, idx]))
                         captured[li] = (union, torch.cat([h, new_h.to(device, dtype)]).index_select(0, order))
-                    keep = self._admit(layer, li, h, active, tables[self.rope_of(li)], cache, schedule, idx, n)
-                    if keep is not None:
-                        kept = _rows(keep)
+                    kept = self._admit(layer, li, h, active, tables[self.rope_of(li)], cache, schedule, idx, n)
+                    if _drops(kept, idx.numel()):
                         idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
                 active, order = torch.sort(torch.cat([active, idx]))
                 h = torch.cat([h, new_h.to(device, dtype)]).index_select(0, order)
@@ -215,9 +217,9 @@ class Transformer(nn.Module):
             if schedule.has_layer_hook and schedule.selects_before_attention(li):
                 h, active, changed = self._select_then_finish(layer, li, h, active, view_of_set, cache, schedule,
                                                               prev_k, prev_v, n, tables[rope])
-                keep = schedule.after_layer(LayerView(li, active, h, None, None, None, None, None))
-                if keep is not None and not bool(keep.all()):  # e.g. a band's top: its tokens leave after it
-                    active, h, changed = *_keep_rows(keep, active, h), True
+                kept = schedule.after_layer(LayerView(li, active, h, None, None, None, None, None))
+                if _drops(kept, active.numel()):  # e.g. a band's top: its tokens leave after it
+                    active, h, changed = *_keep_rows(kept, active, h), True
             else:
                 mask = self._mask_of(view_of_set, active, n, window)
 
@@ -234,9 +236,9 @@ class Transformer(nn.Module):
                 if schedule.has_layer_hook:
                     view = LayerView(li, active, h, q, k, v, prev_k, prev_v,
                                      _attention_probs=self._probs_fn(q, cache, li, active, n))
-                    keep = schedule.after_layer(view)
-                    if keep is not None and not bool(keep.all()):
-                        active, h, changed = *_keep_rows(keep, active, h), True
+                    kept = schedule.after_layer(view)
+                    if _drops(kept, active.numel()):
+                        active, h, changed = *_keep_rows(kept, active, h), True
             if schedule.has_exit_test and active.numel() and active[-1] == n - 1 and schedule.exit_after(li, h[-1]):
                 exit_layer = li
                 break
@@ -282,16 +284,15 @@ class Transformer(nn.Module):
 
         view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
                          _attention_probs=self._probs_fn(q, cache, li, active, n), _unrotate=unrotate)
-        keep = schedule.before_attention(view)
+        kept = schedule.before_attention(view)
         shift = schedule.adjust_kv(view)
         if shift is not None and shift.slots.numel():
             slot_cos, slot_sin = cos_sin32(shift.slots)
             shift_k = apply_rotary(shift.k.float(), slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
             cache.add(li, shift.slots, shift_k.to(k.dtype), shift.v.to(k.dtype))
-        changed = keep is not None and not bool(keep.all())
+        changed = _drops(kept, active.numel())
         window = self.config.window_at(li)
         if changed:  # the kept tokens' own mask (the set's is not built for them)
-            kept = _rows(keep)
             active, h, q = active.index_select(0, kept), h.index_select(0, kept), q.index_select(1, kept)
             causal = active.numel() == n and (window is None or n <= window)
             mask = None if causal else visible_mask(active, n, window)
@@ -302,7 +303,7 @@ class Transformer(nn.Module):
     def _admit(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor],
                cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor, n: int) -> torch.Tensor | None:
         """Admission at layer ``li``: the active tokens' Q/K/V (K/V written to the cache; the layer recomputes
-        the same values after), the schedule's keep-mask over ``entering_idx``."""
+        the same values after), the rows of ``entering_idx`` the schedule admits."""
         q, k, v = layer.project(h, table[0].index_select(0, active), table[1].index_select(0, active))
         cache.write(li, active, k, v)
         view = LayerView(li, active, None, q, k, v, None, None,

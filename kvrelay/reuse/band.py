@@ -19,23 +19,42 @@
 - with a ``drift`` function, every selecting layer then adds to the cached K/V of the span tokens not
   computed there (refused or dropped below) what ``drift`` estimates from the computed ones' fresh
   against reused K/V, before that layer's attention reads them.
+
+On a GPU every count the host reads from the device makes it wait for the queued work. The band keeps the
+number of span tokens active on the host instead (a selector says how many it kept, ``Kept``), so that a
+layer's rows are found without such a wait; only the selection at ``select_layer`` (or the admission) reads
+its count back, once per call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from kvrelay.model.schedule import Entry, KVShift, LayerView, Schedule
+from kvrelay.model.schedule import Entry, KVShift, LayerView, Schedule, rows_of
 
-# (view, rows of span tokens among the active rows, rows of new tokens) -> keep mask over span rows
-Selector = Callable[[LayerView, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class Kept(NamedTuple):
+    """A selector's keep mask with its count, known on the host (no GPU wait to read it)."""
+
+    mask: torch.Tensor  # bool [num span rows]
+    num: int  # int(mask.sum())
+
+
+# (view, rows of span tokens among the active rows, rows of new tokens) -> keep mask over span rows (a bare mask
+# is counted on the device: one wait on a GPU)
+Selector = Callable[[LayerView, torch.Tensor, torch.Tensor], "torch.Tensor | Kept"]
 # (view of the active tokens, prompt indices of the span tokens entering) -> keep mask over them
 Admission = Callable[[LayerView, torch.Tensor], torch.Tensor]
 # (view, rows of span tokens among the active rows) -> (K before RoPE, V) [Hkv, 1, hd] each to add to the
 # span tokens not active at that layer, or None
 Drift = Callable[[LayerView, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def _counted(keep: torch.Tensor | Kept) -> Kept:
+    return keep if isinstance(keep, Kept) else Kept(keep, int(keep.sum()))
 
 
 class BandSchedule(Schedule):
@@ -63,10 +82,13 @@ class BandSchedule(Schedule):
         self.num_selected: int | None = None  # span tokens kept at the select layer (for stats)
         self.num_pruned = 0  # span tokens dropped above the select layer (for stats)
         self._span_mask: torch.Tensor | None = None  # bool [num prompt tokens]: a span token (set by entries)
+        self._num_span_active: int | None = None  # span tokens active once the band selected (None: every entered)
+        self._split: tuple[int, torch.Tensor, int] | None = None  # (layer, its span rows, their count)
 
     def entries(self, num_tokens: int) -> dict[int, Entry]:
         self._span_mask = torch.zeros(num_tokens, dtype=torch.bool)
         self._span_mask[self.span_idx] = True
+        self._num_span_active, self._split = None, None
         entries = {0: Entry(self.new_idx)}
         for layer, e in self.span_entries.items():
             if not e.token_idx.numel():
@@ -77,11 +99,25 @@ class BandSchedule(Schedule):
                 entries[layer] = e
         return entries
 
+    def _num_span(self, layer: int) -> int:
+        """Span tokens active at ``layer`` (known on the host): every one that entered until the band selects."""
+        if self._num_span_active is not None:
+            return self._num_span_active
+        return sum(e.token_idx.numel() for at, e in self.span_entries.items() if at <= layer)
+
     def _is_span(self, active_idx: torch.Tensor) -> torch.Tensor:
         """Bool mask over ``active_idx``: which are span tokens (a lookup, not a set test per layer)."""
         if self._span_mask.device != active_idx.device:
             self._span_mask = self._span_mask.to(active_idx.device)
         return self._span_mask.index_select(0, active_idx)
+
+    def _span_rows(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(span rows, is-span mask over the active rows, their count) of the view's layer, before it selects."""
+        num_span = self._num_span(view.layer)
+        is_span = self._is_span(view.active_idx)
+        if self._split is None or self._split[0] != view.layer:
+            self._split = (view.layer, rows_of(is_span, num_span), num_span)
+        return self._split[1], is_span, self._split[2]
 
     def _prunes_at(self, layer: int) -> bool:
         return self.prune is not None and self.select_layer < layer <= self.end_layer
@@ -97,44 +133,43 @@ class BandSchedule(Schedule):
         return self._admit is not None and layer == self.select_layer
 
     def admit(self, view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
-        keep = self._admit(view, entering_idx)
-        self.num_selected = int(keep.sum())
-        return keep
+        kept = rows_of(self._admit(view, entering_idx))  # the call's one read-back of a count
+        self.num_selected = self._num_span_active = kept.numel()
+        return kept
 
     def adjust_kv(self, view: LayerView) -> KVShift | None:
         if self._drift is None:
             return None
-        is_span = self._is_span(view.active_idx)  # (also moves the span mask beside the active set)
-        not_active = self._span_mask.clone()  # span tokens not computed at this layer
-        not_active.index_fill_(0, view.active_idx, False)
-        targets = not_active.nonzero().flatten()
-        if not targets.numel():
+        span_rows, _, num_span = self._span_rows(view)  # (also moves the span mask beside the active set)
+        num_targets = self.span_idx.numel() - num_span  # span tokens not computed at this layer
+        if not num_targets:
             return None
-        span_rows = is_span.nonzero().flatten()
-        shift = self._drift(view, span_rows) if span_rows.numel() else None
-        return None if shift is None else KVShift(targets, *shift)
+        not_active = self._span_mask.clone()
+        not_active.index_fill_(0, view.active_idx, False)
+        shift = self._drift(view, span_rows) if num_span else None
+        return None if shift is None else KVShift(rows_of(not_active, num_targets), *shift)
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
         if view.layer != self.end_layer:
             return None
-        is_span = self._is_span(view.active_idx)
-        if not bool(is_span.any()):
+        num_span = self._num_span(view.layer)
+        if not num_span:
             return None
-        keep = torch.ones_like(is_span)
-        keep[is_span] = False  # above the band: reuse as is
-        return keep
+        self._num_span_active = 0  # above the band: reuse as is
+        return rows_of(~self._is_span(view.active_idx), view.active_idx.numel() - num_span)
 
     def before_attention(self, view: LayerView) -> torch.Tensor | None:
-        is_span = self._is_span(view.active_idx)
-        if not bool(is_span.any()):
+        span_rows, is_span, num_span = self._span_rows(view)
+        if not num_span:
             return None
-        keep = torch.ones_like(is_span)
-        span_rows, new_rows = is_span.nonzero().flatten(), (~is_span).nonzero().flatten()
+        new_rows = rows_of(~is_span, view.active_idx.numel() - num_span)
         if view.layer == self.select_layer:
-            chosen = self.selector(view, span_rows, new_rows)
-            self.num_selected = int(chosen.sum())
+            chosen = _counted(self.selector(view, span_rows, new_rows))
+            self.num_selected = chosen.num
         else:
-            chosen = self.prune(view, span_rows, new_rows)
-            self.num_pruned += int((~chosen).sum())
-        keep[span_rows] = chosen
-        return keep
+            chosen = _counted(self.prune(view, span_rows, new_rows))
+            self.num_pruned += num_span - chosen.num
+        self._num_span_active = chosen.num
+        keep = torch.ones_like(is_span)
+        keep[span_rows] = chosen.mask
+        return rows_of(keep, view.active_idx.numel() - num_span + chosen.num)

@@ -14,7 +14,7 @@ import torch
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import Entry, LayerView
-from kvrelay.reuse.band import BandSchedule
+from kvrelay.reuse.band import BandSchedule, Kept
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 from kvrelay.reuse.spans import collect_reuse
 
@@ -42,13 +42,13 @@ class CacheBlendMethod(ReuseMethod):
         num_layers = lm.config.num_layers
         check = min(self.check_layer, num_layers - 1)
 
-        def top_r(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+        def top_r(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> Kept:
             dev = value_l2_deviation(view, span_rows)
             keep = torch.zeros(span_rows.numel(), dtype=torch.bool, device=dev.device)
             num_keep = round(self.ratio * span_rows.numel())
             if num_keep:
                 keep[dev.topk(num_keep).indices] = True
-            return keep
+            return Kept(keep, num_keep)
 
         schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), {0: Entry(reuse.approx_idx())}, check,
                                 num_layers - 1, top_r)

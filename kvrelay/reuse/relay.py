@@ -33,8 +33,8 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
 the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
-``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``): the profile holds the one chosen on calibration
-calls for the model (with the detection layer and band it was chosen with), or none (the paper's). A spec
+``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``, ``pos_prior``): the profile holds the one chosen
+on calibration calls for the model (with the detection layer and band it was chosen with), or none (the paper's). A spec
 that sets any selector knob runs on the band search's layers (``searched_band``), not on those the
 calibrated selector moved.
 """
@@ -51,91 +51,22 @@ from kvrelay.model.schedule import Entry, LayerView, StaticSchedule
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 from kvrelay.reuse.profile import layer_profile
+from kvrelay.reuse.relay_select import (
+    PRUNE_RULES,
+    drift_shift,
+    position_prior,
+    prune_mask,
+    select_tokens,
+    select_top,
+    value_cos_deviation,
+)
 from kvrelay.reuse.spans import collect_reuse
 
 SELECTORS = ("both", "deviation", "influence")
-# 1 - cos below this is float noise (fresh vs reused V of the same input through different matmul
-# shapes), not a deviation; SmolLM2's real mid-layer deviations average ~1e-2.
-DEVIATION_FLOOR = 1e-4
-
-
-def value_cos_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
-    """1 - cos(v_fresh, v_reused) per row, over all KV heads: [len(rows)]."""
-    fresh = view.v.index_select(1, rows).transpose(0, 1).flatten(1).float()  # [n, Hkv * hd]
-    reused = view.prev_v.index_select(1, rows).transpose(0, 1).flatten(1).float()
-    dev = 1 - torch.nn.functional.cosine_similarity(fresh, reused, dim=-1)
-    return torch.where(dev < DEVIATION_FLOOR, torch.zeros_like(dev), dev)
-
-
-def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,
-                  tau_dev: float, tau_inf: float) -> torch.Tensor:
-    """Union of: deviation >= tau_dev x mean, influence >= tau_inf x mean, ``always_mask`` (the spans'
-    suffix and opening tokens). Bool [n].
-
-    A zero score never selects: tokens entering at L_start from carried hidden states have fresh V
-    equal to the reused V at that layer, so all deviations are 0 there and "0 >= tau x 0" would keep all.
-    """
-    keep = always_mask.clone()
-    if deviation is not None and deviation.numel():
-        keep |= (deviation >= tau_dev * deviation.mean()) & (deviation > 0)
-    if influence is not None and influence.numel():
-        keep |= (influence >= tau_inf * influence.mean()) & (influence > 0)
-    return keep
-
-
-def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,
-               top_r: float) -> torch.Tensor:
-    """Budget form: ``always_mask`` plus the round(top_r x n) tokens with the highest mean-normalized
-    deviation + influence (a missing or all-zero score adds nothing). Bool [n]."""
-    score = torch.zeros(always_mask.shape, dtype=torch.float32, device=always_mask.device)
-    for part in (deviation, influence):
-        if part is not None and part.numel() and float(part.mean()) > 0:
-            score += part.float() / part.float().mean()
-    keep = always_mask.clone()
-    num_keep = min(round(top_r * score.numel()), int((score > 0).sum()))
-    if num_keep:
-        keep[score.topk(num_keep).indices] = True
-    return keep
-
-
-def drift_shift(view: LayerView, span_rows: torch.Tensor, source_mask: torch.Tensor,
-                factor: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``factor`` x the mean move (fresh - reused) of the K/V of span rows ``span_rows[source_mask]``, keys
-    with RoPE undone: (K, V) [Hkv, 1, hd] each in fp32, or None without sources."""
-    rows = span_rows.index_select(0, source_mask.nonzero().flatten())
-    if not rows.numel():
-        return None
-    dk = view.k.index_select(1, rows).float() - view.prev_k.index_select(1, rows).float()  # [Hkv, m, hd]
-    dv = view.v.index_select(1, rows).float() - view.prev_v.index_select(1, rows).float()
-    return factor * view.unrotate(dk, rows).mean(1, keepdim=True), factor * dv.mean(1, keepdim=True)
-
-
-PRUNE_RULES = ("share", "peers")
-
-
-def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float, prune_by: str) -> torch.Tensor:
-    """Which kept span tokens stay at a band layer above L_det, from their value deviation there. Bool [n].
-
-    ``share``: drop the lowest ``prune`` share (rounded down) of the tokens not in ``always_mask``; ``peers``:
-    drop those below ``prune`` x their mean deviation. ``always_mask`` tokens (the spans' suffix and opening
-    tokens) always stay to the band's end.
-    """
-    if prune_by == "share":
-        keep = torch.ones_like(always_mask)
-        num_drop = int(prune * int((~always_mask).sum()))
-        if num_drop:
-            ranked = torch.where(always_mask, torch.inf, deviation)
-            keep[ranked.topk(num_drop, largest=False).indices] = False
-        return keep
-    if not bool((~always_mask).any()):
-        return always_mask.clone()
-    return (deviation >= prune * deviation[~always_mask].mean()) | always_mask
-
-
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "pre_dense": None, "top_r": None,
-                  "prune": None, "prune_by": None, "drift": None}
+                  "prune": None, "prune_by": None, "drift": None, "pos_prior": None}
 
 
 @dataclass(frozen=True)
@@ -151,6 +82,20 @@ class SelectorSettings:
     prune: float | None
     prune_by: str | None  # None: share
     drift: float | None  # None: no drift correction
+    pos_prior: float | None  # weight of the position prior in the budget form's score (None: none)
+
+
+class _OnDevice:
+    """CPU tensors by name, each copied to a device on first use there (a copy per layer would make a GPU wait)."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self._copies = {(name, t.device): t for name, t in tensors.items()}
+        self._cpu = tensors
+
+    def get(self, name: str, device: torch.device) -> torch.Tensor:
+        if (name, device) not in self._copies:
+            self._copies[name, device] = self._cpu[name].to(device)
+        return self._copies[name, device]
 
 
 def _recalibration_flags(profile, workload: str) -> str:
@@ -182,6 +127,8 @@ class RelayMethod(ReuseMethod):
     # at each pruning layer, add drift x the recomputed span tokens' mean K/V move to the other span tokens
     # (``drift_shift``; None: none)
     drift: float | None = None
+    # budget form: add pos_prior x the mean-normalized ``position_prior`` (a span's early tokens first) to the score
+    pos_prior: float | None = None
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -206,6 +153,10 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: drift must be in [0, 1], got {self.drift}")
         if self.drift is not None and self.prune is None:
             raise ConfigError("relay: drift needs prune (it corrects at the band's pruning layers)")
+        if self.pos_prior is not None and self.pos_prior < 0:
+            raise ConfigError(f"relay: pos_prior must be >= 0, got {self.pos_prior}")
+        if self.pos_prior and self.top_r is None:
+            raise ConfigError("relay: pos_prior needs top_r (it adds to the budget form's score)")
         if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
             raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
 
@@ -313,14 +264,21 @@ class RelayMethod(ReuseMethod):
         always_pos = torch.zeros(len(call.prompt_ids), dtype=torch.bool)  # by prompt position: a span end
         if always:
             always_pos[torch.cat(always)] = True
+        # every such token is kept at the selection and never pruned: this many are active through the band
+        num_always = int(always_pos.sum())
+        span_pos = torch.zeros(len(call.prompt_ids))  # by prompt position: the token's place in its span
+        for load in reuse.approx:
+            span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
+        by_pos = _OnDevice(always=always_pos, prior=position_prior(span_pos))  # copied once, not per layer
 
         def is_always(span_idx: torch.Tensor) -> torch.Tensor:
-            return always_pos.to(span_idx.device).index_select(0, span_idx)
+            return by_pos.get("always", span_idx.device).index_select(0, span_idx)
 
         def choose(dev: torch.Tensor | None, inf: torch.Tensor | None, span_idx: torch.Tensor) -> torch.Tensor:
             always_mask = is_always(span_idx)
             if sel.top_r is not None:
-                return select_top(dev, inf, always_mask, sel.top_r)
+                prior = by_pos.get("prior", span_idx.device).index_select(0, span_idx) if sel.pos_prior else None
+                return select_top(dev, inf, always_mask, sel.top_r, prior, sel.pos_prior or 0.0)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
         dense_idx = torch.cat(dense) if dense else torch.empty(0, dtype=torch.long)
@@ -350,7 +308,8 @@ class RelayMethod(ReuseMethod):
 
         def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
             always_mask = is_always(view.active_idx.index_select(0, span_rows))
-            return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by or "share")
+            return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by or "share",
+                              num_always)
 
         def admit(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
             every_row = torch.arange(view.active_idx.numel(), device=view.active_idx.device)  # all new tokens
@@ -359,7 +318,7 @@ class RelayMethod(ReuseMethod):
         def drift(view: LayerView, span_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
             # the spans' openings and ends move far more than the rest: they are not the others' estimate
             sources = ~is_always(view.active_idx.index_select(0, span_rows))
-            return drift_shift(view, span_rows, sources, sel.drift)
+            return drift_shift(view, span_rows, sources, sel.drift, span_rows.numel() - num_always)
 
         # selecting where the carried states enter: their own K/V there equal the reused ones (no deviation
         # to read), so the selection runs before they join and the refused ones are never computed

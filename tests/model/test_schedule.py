@@ -5,7 +5,7 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.errors import ScheduleError
-from kvrelay.model.schedule import Entry, Schedule, SuffixSchedule
+from kvrelay.model.schedule import Entry, Schedule, SuffixSchedule, rows_of
 from tests.helpers import tiny_lm
 
 N = 30
@@ -100,7 +100,7 @@ class _DropAfter(Schedule):
             return None
         keep = torch.zeros(view.active_idx.numel(), dtype=torch.bool)
         keep[-1] = self.keep_last
-        return keep
+        return rows_of(keep, int(self.keep_last))
 
 
 def _preloaded(lm, ids):
@@ -160,3 +160,22 @@ def test_exit_test_stops_early_and_reads_intermediate_logits(lm, ids):
     assert got.num_computed_token_layers == 2 * N
     expected = lm.model.logits_from_hidden(ref.captured[2][1][-1])  # output of layer 1 = input of 2
     torch.testing.assert_close(got.logits, expected, atol=1e-5, rtol=0)
+
+
+def test_rows_of_finds_the_kept_rows_and_checks_a_given_count_on_cpu():
+    mask = torch.tensor([False, True, True, False, True])
+    assert rows_of(mask).tolist() == [1, 2, 4]
+    assert rows_of(mask, 3).tolist() == [1, 2, 4]
+    assert rows_of(torch.zeros(4, dtype=torch.bool), 0).tolist() == []
+    for wrong in (2, 4):  # unchecked, a short count would cut rows and a long one pad them with -1
+        with pytest.raises(ScheduleError, match=f"counted {wrong} kept rows where its mask keeps 3"):
+            rows_of(mask, wrong)
+
+
+def test_a_schedule_returning_a_keep_mask_is_refused(lm, ids):
+    class _Mask(_DropAfter):
+        def after_layer(self, view):
+            return torch.ones(view.active_idx.numel(), dtype=torch.bool)  # as long as the rows: would pass unseen
+
+    with pytest.raises(ScheduleError, match="returned a keep mask where the kept rows belong"):
+        lm.model.prefill(ids, _preloaded(lm, ids), _Mask(layer=1))

@@ -13,7 +13,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import Entry, LayerView
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.relay import value_cos_deviation
+from kvrelay.reuse.relay_select import value_cos_deviation
 from kvrelay.reuse.spans import collect_reuse
 from tests.helpers import tiny_lm
 

@@ -7,12 +7,15 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
+from kvrelay.engine.call import run_plan
 from kvrelay.errors import ConfigError
+from kvrelay.model import schedule as schedule_module
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import LayerView
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.relay import RelayMethod, drift_shift, prune_mask, select_tokens, select_top
+from kvrelay.reuse.relay import RelayMethod
+from kvrelay.reuse.relay_select import drift_shift, position_prior, prune_mask, select_tokens, select_top
 from tests.helpers import generate, publish, tiny_lm
 
 L = 4  # layers of the tiny model
@@ -360,11 +363,16 @@ def test_pruning_drops_low_deviation_tokens_and_never_the_spans_ends():
     dev = torch.tensor([0.001, 0.4, 0.01, 0.3, 0.2, 0.02, 0.5])
     ends = torch.tensor([True, False, False, False, False, False, True])  # a span's first and last token
     # share: the lowest 0.4 x 5 = 2 of the five others (0.01 and 0.02); the ends stay, whatever their deviation
-    assert prune_mask(dev, ends, 0.4, "share").tolist() == [True, True, False, True, True, False, True]
-    assert prune_mask(dev, ends, 0.1, "share").all()  # 0.1 x 5 rounds down to none
+    kept = prune_mask(dev, ends, 0.4, "share")
+    assert kept.mask.tolist() == [True, True, False, True, True, False, True] and kept.num == 5
+    # the count of ends known on the host: the same tokens, counted without reading the mask back
+    kept = prune_mask(dev, ends, 0.4, "share", num_always=2)
+    assert kept.mask.tolist() == [True, True, False, True, True, False, True] and kept.num == 5
+    assert prune_mask(dev, ends, 0.1, "share", num_always=2).mask.all()  # 0.1 x 5 rounds down to none
     # peers: below 0.5 x the others' mean (0.186): 0.01, 0.02 and 0.001 would go, but 0.001 is an end
-    assert prune_mask(dev, ends, 0.5, "peers").tolist() == [True, True, False, True, True, False, True]
-    assert prune_mask(dev, torch.ones(7, dtype=torch.bool), 2.0, "peers").all()  # only ends: all stay
+    kept = prune_mask(dev, ends, 0.5, "peers")
+    assert kept.mask.tolist() == [True, True, False, True, True, False, True] and kept.num == 5
+    assert prune_mask(dev, torch.ones(7, dtype=torch.bool), 2.0, "peers").num == 7  # only ends: all stay
     assert get_method("relay[prune=0.1]").prune == 0.1
     with pytest.raises(ConfigError, match="prune_by"):
         get_method("relay[prune=0.1,prune_by=top]")
@@ -568,3 +576,78 @@ def test_every_repairing_method_is_at_least_as_faithful_as_naive_on_smollm2(smol
     calls = [i for i, reused in enumerate(kvcomm_reused) if reused or method != "kvcomm"]
     kl, naive = [kls[method][i] for i in calls], [kls["naive"][i] for i in calls]
     assert sum(kl) / len(kl) <= sum(naive) / len(naive), f"{method}: {kl} vs naive {naive}"
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts the host's reads of tensor values while it is on (``host_reads["on"]``): each one makes the host
+    wait for a GPU. Python-level reads only (bool/int/float/item/tolist, nonzero, indexing by a bool mask)."""
+    count = {"on": False, "n": 0}
+
+    def spy(name):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, **kwargs):
+            count["n"] += count["on"]
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "nonzero"):
+        spy(name)
+    real_getitem = torch.Tensor.__getitem__
+
+    def getitem(self, index):
+        if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+            count["n"] += count["on"]
+        return real_getitem(self, index)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+    monkeypatch.setattr(schedule_module, "CHECK_COUNTS_ON_CPU", False)  # the CPU's own check reads each count
+    return count
+
+
+def test_relay_reads_no_count_back_at_its_pruning_layers(setup, host_reads):
+    """On a GPU a count read back per band layer stalls the call (BENCHMARKS.md, "session 28"): the band
+    keeps its counts on the host, so a pruning layer with drift adds no read to the call's few."""
+    lm, store, call, _ = setup
+    spec = "relay[l_start=2,l_det=2,l_end={},top_r=0.5,l_pre=2,l_suf=1,pre_dense=true,prune=0.3,drift=0.3]"
+    reads, layers = {}, {}
+    for end in (2, 3):  # admission at 2; with the band's end at 3, layer 3 prunes and drifts
+        plan = get_method(spec.format(end)).plan(call, store, lm)
+        cache = SequenceKV(lm.config, lm.model.dtype, "cpu", capacity=len(call.prompt_ids) + 1)
+        host_reads["on"], host_reads["n"] = True, 0
+        result, _ = run_plan(lm, torch.tensor(call.prompt_ids), plan, cache, store)
+        host_reads["on"] = False
+        reads[end], layers[end] = host_reads["n"], result.num_computed_token_layers
+        assert (plan.schedule.num_pruned > 0) == (end == 3)  # layer 3 drops tokens
+    assert reads[3] == reads[2] <= 8  # (6 today: the admission's count, the loads, the last row's check)
+    assert layers[3] > layers[2]
+
+
+def test_position_prior_ranks_a_spans_early_tokens_first_in_the_budget():
+    dev = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    inf = torch.tensor([1.0, 1.0, 3.0, 3.0])  # mean 2: 0.5, 0.5, 1.5, 1.5
+    none = torch.zeros(4, dtype=torch.bool)
+    prior = position_prior(torch.tensor([0, 16, 48, 112]))  # 1, 1/2, 1/4, 1/8: mean 15/32
+    assert torch.allclose(prior, torch.tensor([1.0, 0.5, 0.25, 0.125]))
+    assert select_top(dev, inf, none, 0.5).nonzero().flatten().tolist() == [2, 3]  # influence alone
+    # weight 1: 0.5 + 2.13, 0.5 + 1.07, 1.5 + 0.53, 1.5 + 0.27 -> the span's opening and its third token
+    assert select_top(dev, inf, none, 0.5, prior, 1.0).nonzero().flatten().tolist() == [0, 2]
+    assert select_top(dev, inf, none, 0.5, prior, 0.0).nonzero().flatten().tolist() == [2, 3]  # weight 0: none
+    assert get_method("relay[top_r=0.3,pos_prior=1]").pos_prior == 1.0
+    with pytest.raises(ConfigError, match="pos_prior needs top_r"):
+        get_method("relay[pos_prior=1]")
+    with pytest.raises(ConfigError, match="pos_prior must be >= 0"):
+        get_method("relay[top_r=0.3,pos_prior=-1]")
+
+
+def test_relay_admits_by_the_position_prior_where_it_is_set(setup, writes):
+    """At the same budget, influence alone and influence + a heavy prior admit different span tokens; the heavy
+    prior admits the span's first ones (the tokens' places in the span)."""
+    admitted = {}
+    for name, knobs in (("influence", ""), ("prior", ",pos_prior=100")):
+        writes.clear()
+        _run(setup, f"relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0{knobs}]")
+        admitted[name] = _computed(writes, 3, SPAN_ROWS)  # above the admission: the admitted span tokens
+    assert admitted["prior"] == set(range(6))  # round(0.25 x 24): the span's first six
+    assert len(admitted["influence"]) == 6 and admitted["influence"] != admitted["prior"]

@@ -1,0 +1,112 @@
+"""The selection rules relay's band applies at a layer: per-token scores and the masks they give (no plan).
+
+- ``value_cos_deviation``: how far a span token's fresh V moved from its reused V.
+- ``select_tokens`` (the paper's thresholds) and ``select_top`` (a budget): which span tokens the band keeps.
+- ``prune_mask``: which kept tokens a band layer above the selection drops.
+- ``drift_shift``: the mean K/V move that the tokens not computed at a layer get.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.model.schedule import LayerView, rows_of
+from kvrelay.reuse.band import Kept
+
+# 1 - cos below this is float noise (fresh vs reused V of the same input through different matmul
+# shapes), not a deviation; SmolLM2's real mid-layer deviations average ~1e-2.
+DEVIATION_FLOOR = 1e-4
+
+
+def value_cos_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
+    """1 - cos(v_fresh, v_reused) per row, over all KV heads: [len(rows)]."""
+    fresh = view.v.index_select(1, rows).transpose(0, 1).flatten(1).float()  # [n, Hkv * hd]
+    reused = view.prev_v.index_select(1, rows).transpose(0, 1).flatten(1).float()
+    dev = 1 - torch.nn.functional.cosine_similarity(fresh, reused, dim=-1)
+    return torch.where(dev < DEVIATION_FLOOR, torch.zeros_like(dev), dev)
+
+
+def select_tokens(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,
+                  tau_dev: float, tau_inf: float) -> torch.Tensor:
+    """Union of: deviation >= tau_dev x mean, influence >= tau_inf x mean, ``always_mask`` (the spans'
+    suffix and opening tokens). Bool [n].
+
+    A zero score never selects: tokens entering at L_start from carried hidden states have fresh V
+    equal to the reused V at that layer, so all deviations are 0 there and "0 >= tau x 0" would keep all.
+    """
+    keep = always_mask.clone()
+    if deviation is not None and deviation.numel():
+        keep |= (deviation >= tau_dev * deviation.mean()) & (deviation > 0)
+    if influence is not None and influence.numel():
+        keep |= (influence >= tau_inf * influence.mean()) & (influence > 0)
+    return keep
+
+
+POSITION_SCALE_TOKENS = 16.0
+
+
+def position_prior(span_pos: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + position in its span / 16) per token ([n], fp32): a span's early tokens first. A span token's
+    position alone finds more of the tokens whose recompute helps the continuation most than influence does
+    (BENCHMARKS.md, session 27)."""
+    return 1 / (1 + span_pos.float() / POSITION_SCALE_TOKENS)
+
+
+def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,
+               top_r: float, prior: torch.Tensor | None = None, prior_weight: float = 0.0) -> torch.Tensor:
+    """Budget form: ``always_mask`` plus the round(top_r x n) tokens with the highest mean-normalized
+    deviation + influence (a missing or all-zero score adds nothing), plus ``prior_weight`` x the mean-normalized
+    ``prior`` (``position_prior``). Bool [n]."""
+    score = torch.zeros(always_mask.shape, dtype=torch.float32, device=always_mask.device)
+    for part in (deviation, influence):
+        if part is not None and part.numel() and float(part.mean()) > 0:
+            score += part.float() / part.float().mean()
+    if prior is not None and prior_weight and prior.numel():
+        score += prior_weight * prior.float() / prior.float().mean()
+    keep = always_mask.clone()
+    num_keep = min(round(top_r * score.numel()), int((score > 0).sum()))
+    if num_keep:
+        keep[score.topk(num_keep).indices] = True
+    return keep
+
+
+def drift_shift(view: LayerView, span_rows: torch.Tensor, source_mask: torch.Tensor,
+                factor: float, num_sources: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``factor`` x the mean move (fresh - reused) of the K/V of span rows ``span_rows[source_mask]``, keys
+    with RoPE undone: (K, V) [Hkv, 1, hd] each in fp32, or None without sources. ``num_sources``: how many
+    ``source_mask`` holds, where the host knows it (``rows_of``)."""
+    if num_sources == 0:
+        return None
+    rows = span_rows.index_select(0, rows_of(source_mask, num_sources))
+    if not rows.numel():
+        return None
+    dk = view.k.index_select(1, rows).float() - view.prev_k.index_select(1, rows).float()  # [Hkv, m, hd]
+    dv = view.v.index_select(1, rows).float() - view.prev_v.index_select(1, rows).float()
+    return factor * view.unrotate(dk, rows).mean(1, keepdim=True), factor * dv.mean(1, keepdim=True)
+
+
+PRUNE_RULES = ("share", "peers")
+
+
+def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float, prune_by: str,
+               num_always: int | None = None) -> Kept:
+    """Which kept span tokens stay at a band layer above L_det, from their value deviation there: bool [n] and
+    how many.
+
+    ``share``: drop the lowest ``prune`` share (rounded down) of the tokens not in ``always_mask``; ``peers``:
+    drop those below ``prune`` x their mean deviation. ``always_mask`` tokens (the spans' suffix and opening
+    tokens) always stay to the band's end. ``num_always``: how many ``always_mask`` holds, where the host knows
+    it; the share rule then counts what stays without reading a count back from the device.
+    """
+    if prune_by == "share":
+        keep = torch.ones_like(always_mask)
+        num_free = always_mask.numel() - num_always if num_always is not None else int((~always_mask).sum())
+        num_drop = int(prune * num_free)
+        if num_drop:
+            ranked = deviation.masked_fill(always_mask, torch.inf)
+            keep.index_fill_(0, ranked.topk(num_drop, largest=False).indices, False)
+        return Kept(keep, keep.numel() - num_drop)
+    if not bool((~always_mask).any()):
+        return Kept(always_mask.clone(), always_mask.numel())
+    keep = (deviation >= prune * deviation[~always_mask].mean()) | always_mask
+    return Kept(keep, int(keep.sum()))
