@@ -13,7 +13,8 @@ from kvrelay.weights import loader
 
 
 def use_tokenizer(folder: str) -> None:
-    """Every load of the default model's tokenizer reads ``folder`` (a converted tokenizer)."""
+    """Every tokenizer load (``loader.load_tokenizer``, whatever model it names) returns the one in ``folder``
+    (the default model's, converted): for random presets, which borrow that tokenizer."""
     from kvrelay.model.tokenizer import Tokenizer
 
     tok = Tokenizer.load(Path(folder))

@@ -66,34 +66,36 @@ class FixedSelection(BandSchedule):
 
 
 def _replay(kept: dict[int, tuple[torch.Tensor, torch.Tensor]], num_tokens: int, device: torch.device
-            ) -> dict[int, tuple[torch.Tensor, int]]:
+            ) -> dict[int, tuple[torch.Tensor, int, torch.Tensor]]:
     """What relay kept (layer -> (prompt indices it chose among, keep mask)) as layer -> (bool [num_tokens] by
-    prompt position on ``device``, count): made before the clock starts, so the replay reads no count back."""
+    prompt position on ``device``, count, the kept prompt indices on the CPU): made before the clock starts, so
+    the replay reads no count back."""
     replay = {}
     for layer, (idx, mask) in kept.items():
         chosen = idx.to(device)[mask.to(device)]
         by_pos = torch.zeros(num_tokens, dtype=torch.bool, device=device)
         by_pos[chosen] = True
-        replay[layer] = (by_pos, chosen.numel())
+        replay[layer] = (by_pos, chosen.numel(), chosen.cpu())
     return replay
 
 
-def _variants(plan, replay: dict[int, tuple[torch.Tensor, int]]) -> dict[str, BandSchedule]:
+def _variants(plan, replay: dict[int, tuple[torch.Tensor, int, torch.Tensor]]) -> dict[str, BandSchedule]:
     """The comparison schedules of relay's ``plan``, given what relay kept at each selecting layer (``_replay``)."""
     s = plan.schedule
 
     def fixed(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> Kept:
         if view.layer not in replay:  # admitted tokens at the admission layer: all stay
             return Kept(torch.ones(span_rows.numel(), dtype=torch.bool, device=span_rows.device), span_rows.numel())
-        by_pos, num = replay[view.layer]
+        by_pos, num, _ = replay[view.layer]
         return Kept(by_pos.index_select(0, view.active_idx.index_select(0, span_rows)), num)
 
     entries = dict(s.span_entries)
     if s._admit is not None:  # only the admitted tokens enter (with their carried states)
         e = entries[s.select_layer]
-        by_pos, _ = replay[s.select_layer]
-        mask = by_pos.index_select(0, e.token_idx.to(by_pos.device))
-        entries[s.select_layer] = Entry(e.token_idx[mask.to(e.token_idx.device)], e.hidden[mask.to(e.hidden.device)])
+        admitted = replay[s.select_layer][2]  # prompt indices, on the CPU like the entry's
+        rows = torch.isin(e.token_idx, admitted).nonzero().flatten()  # CPU tensors: no GPU wait
+        entries[s.select_layer] = Entry(e.token_idx.index_select(0, rows),
+                                        e.hidden.index_select(0, rows.to(e.hidden.device)))
         replay = {layer: r for layer, r in replay.items() if layer != s.select_layer}
     variants = {"static": FixedSelection(s.new_idx, entries, s.select_layer, s.end_layer, fixed,
                                          fixed if s.prune is not None else None)}

@@ -51,10 +51,11 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
 REPEAT_KV_UNDER_MASK_ON_CUDA = True
 
 
-def repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    """[Hkv, m, hd] -> [Hkv * group, m, hd]: query heads j*group .. j*group+group-1 read kv head j (HF's order)."""
+def repeat_kv(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[Hkv, m, hd] -> [Hkv * group_size, m, hd]: query heads j*group_size .. (j+1)*group_size-1 read kv head j
+    (HF's order)."""
     num_kv, m, hd = x.shape
-    return x[:, None].expand(num_kv, group, m, hd).reshape(num_kv * group, m, hd)
+    return x[:, None].expand(num_kv, group_size, m, hd).reshape(num_kv * group_size, m, hd)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -96,13 +96,13 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [n] -> cos, sin: [n, head_dim] in ``dtype``."""
+        """positions: [n] -> cos, sin: [n, head_dim] in ``dtype``. ``seq_len``, where given, must exceed every
+        position (it sizes the table without reading their maximum back from a GPU)."""
         if self.rope_type == "dynamic":
             length = int(seq_len if seq_len is not None else positions.max().item() + 1)
             freqs = positions.float()[:, None] * self._freqs_for_length(length)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             return emb.cos().to(dtype), emb.sin().to(dtype)
-        # positions < seq_len by contract: the table's length needs no read-back of their maximum (a GPU wait)
         need = seq_len if seq_len is not None else int(positions.max().item()) + 1 if positions.numel() else 0
         if need > self._table_len:
             self._grow_table(max(need, 2 * self._table_len, 256))

@@ -35,19 +35,31 @@ import torch
 
 from kvrelay.errors import ScheduleError
 
-CHECK_COUNTS_ON_CPU = True  # tests that count the host's reads of tensor values turn it off
+CHECK_COUNTS = True  # on the CPU; tests that count the host's reads of tensor values turn it off
+# nonzero_static runs on CUDA from torch 2.6 (and on an empty mask from 2.9; ``rows_of`` never passes one)
+_STATIC_ROWS_ON_CUDA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6)
 
 
 def rows_of(mask: torch.Tensor, num: int | None = None) -> torch.Tensor:
     """The indices of ``mask``'s True entries, ascending ([num], int64).
 
     Given ``num`` (their count, known on the host), a GPU finds them without the host waiting for it to count
-    (``nonzero_static``); a wrong count would cut or pad the rows, so on the CPU it is checked. Without it
-    the count is read back (on a GPU: one wait)."""
-    if num is None:
-        return mask.nonzero().flatten()
-    if CHECK_COUNTS_ON_CPU and mask.device.type == "cpu" and int(mask.sum()) != num:
-        raise ScheduleError(f"a schedule counted {num} kept rows where its mask keeps {int(mask.sum())}")
+    (``nonzero_static``; the CPU takes the same path). A wrong count would cut or pad the rows: the CPU checks
+    it at once, CUDA asynchronously (a device-side assert). Without it, or on other devices, the count is read
+    back (on a GPU: one wait)."""
+    device = mask.device.type
+    if num is None or not (device == "cpu" or (device == "cuda" and _STATIC_ROWS_ON_CUDA)):
+        rows = mask.nonzero().flatten()
+        if num is not None and rows.numel() != num:
+            raise ScheduleError(f"a schedule counted {num} kept rows where its mask keeps {rows.numel()}")
+        return rows
+    if device == "cpu":
+        if CHECK_COUNTS and int(mask.sum()) != num:
+            raise ScheduleError(f"a schedule counted {num} kept rows where its mask keeps {int(mask.sum())}")
+    elif num:
+        torch._assert_async(mask.sum() == num, "a schedule's count of kept rows does not match its mask")
+    if num == 0:
+        return torch.zeros(0, dtype=torch.long, device=mask.device)
     return torch.nonzero_static(mask, size=num).flatten()
 
 

@@ -21,9 +21,10 @@
   against reused K/V, before that layer's attention reads them.
 
 On a GPU every count the host reads from the device makes it wait for the queued work. The band keeps the
-number of span tokens active on the host instead (a selector says how many it kept, ``Kept``), so that a
-layer's rows are found without such a wait; only the selection at ``select_layer`` (or the admission) reads
-its count back, once per call.
+number of span tokens active on the host instead, so that a layer's rows are found without such a wait. A
+selector that says how many it kept (``Kept``: relay's share pruning, cacheblend's budget) costs no wait; a
+bare mask is counted on the device (the selection at ``select_layer`` and the admission, once per call; the
+``peers`` pruning rule, at each pruning layer).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class BandSchedule(Schedule):
         self.num_pruned = 0  # span tokens dropped above the select layer (for stats)
         self._span_mask: torch.Tensor | None = None  # bool [num prompt tokens]: a span token (set by entries)
         self._num_span_active: int | None = None  # span tokens active once the band selected (None: every entered)
-        self._split: tuple[int, torch.Tensor, int] | None = None  # (layer, its span rows, their count)
+        # (layer, its span rows, their count, the is-span mask over its active rows)
+        self._split: tuple[int, torch.Tensor, int, torch.Tensor] | None = None
 
     def entries(self, num_tokens: int) -> dict[int, Entry]:
         self._span_mask = torch.zeros(num_tokens, dtype=torch.bool)
@@ -113,11 +115,10 @@ class BandSchedule(Schedule):
 
     def _span_rows(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(span rows, is-span mask over the active rows, their count) of the view's layer, before it selects."""
-        num_span = self._num_span(view.layer)
-        is_span = self._is_span(view.active_idx)
         if self._split is None or self._split[0] != view.layer:
-            self._split = (view.layer, rows_of(is_span, num_span), num_span)
-        return self._split[1], is_span, self._split[2]
+            is_span, num_span = self._is_span(view.active_idx), self._num_span(view.layer)
+            self._split = (view.layer, rows_of(is_span, num_span), num_span, is_span)
+        return self._split[1], self._split[3], self._split[2]
 
     def _prunes_at(self, layer: int) -> bool:
         return self.prune is not None and self.select_layer < layer <= self.end_layer

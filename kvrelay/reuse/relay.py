@@ -48,7 +48,7 @@ import torch
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import Entry, LayerView, StaticSchedule
-from kvrelay.reuse.band import BandSchedule
+from kvrelay.reuse.band import BandSchedule, Kept
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 from kvrelay.reuse.profile import layer_profile
 from kvrelay.reuse.relay_select import (
@@ -306,7 +306,7 @@ class RelayMethod(ReuseMethod):
             span_idx = view.active_idx.index_select(0, span_rows)
             return choose(dev, influence(view, new_rows, span_idx), span_idx)
 
-        def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+        def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> Kept:
             always_mask = is_always(view.active_idx.index_select(0, span_rows))
             return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by or "share",
                               num_always)

@@ -100,7 +100,8 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
     """
     if prune_by == "share":
         keep = torch.ones_like(always_mask)
-        num_free = always_mask.numel() - num_always if num_always is not None else int((~always_mask).sum())
+        known = num_always is not None and 0 <= num_always <= always_mask.numel()
+        num_free = always_mask.numel() - num_always if known else int((~always_mask).sum())
         num_drop = int(prune * num_free)
         if num_drop:
             ranked = deviation.masked_fill(always_mask, torch.inf)

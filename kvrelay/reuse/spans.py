@@ -42,14 +42,16 @@ def collect_reuse(call: CallInput, store: KVStore | None, fingerprint: str, use_
         if match is not None and min(match.num_tokens, n - 1) > 0:
             plan.prefix_len = min(match.num_tokens, n - 1)
             plan.loads.append(SpanLoad(match.span_id, 0, plan.prefix_len, 0))
+    loaded_end = plan.prefix_len  # positions below it are loaded already
     for ref in sorted(call.refs, key=lambda r: r.start):
         if ref.span_id not in store:  # evicted or never published: its tokens are simply new
             continue
-        start = max(ref.start, plan.prefix_len)
+        start = max(ref.start, loaded_end)  # refs that overlap: each position loads once, from the first
         end = min(ref.end, n - 1)  # the last token is always computed
         if start >= end:
             continue
         load = SpanLoad(ref.span_id, ref.src_start + (start - ref.start), ref.src_start + (end - ref.start), start)
         plan.loads.append(load)
         plan.approx.append(load)
+        loaded_end = end
     return plan
