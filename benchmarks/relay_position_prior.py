@@ -41,7 +41,8 @@ class PositionPriorRelay(RelayMethod):
         schedule = plan.schedule
         if getattr(schedule, "_admit", None) is None:
             raise SystemExit("the point must admit at L_start (l_det = l_start, every span carried)")
-        if self.l_suf or not self.pre_dense:  # this admission keeps no span end: relay's pruning counts on that
+        sel = self.selector_settings(lm, call.role)  # as it runs (a knob left out takes the paper's value)
+        if sel.l_suf or not sel.pre_dense:  # this admission keeps no span end: relay's pruning counts on that
             raise SystemExit("the point must set l_suf=0 and pre_dense (no entering token is always kept)")
         n = len(call.prompt_ids)
         reuse = collect_reuse(call, store, lm.fingerprint)

@@ -56,7 +56,7 @@ def rows_of(mask: torch.Tensor, num: int | None = None) -> torch.Tensor:
     if device == "cpu":
         if CHECK_COUNTS and int(mask.sum()) != num:
             raise ScheduleError(f"a schedule counted {num} kept rows where its mask keeps {int(mask.sum())}")
-    elif num:
+    else:
         torch._assert_async(mask.sum() == num, "a schedule's count of kept rows does not match its mask")
     if num == 0:
         return torch.zeros(0, dtype=torch.long, device=mask.device)

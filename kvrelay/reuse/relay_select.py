@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.errors import ScheduleError
+from kvrelay.model import schedule
 from kvrelay.model.schedule import LayerView, rows_of
 from kvrelay.reuse.band import Kept
 
@@ -100,8 +102,13 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
     """
     if prune_by == "share":
         keep = torch.ones_like(always_mask)
-        known = num_always is not None and 0 <= num_always <= always_mask.numel()
-        num_free = always_mask.numel() - num_always if known else int((~always_mask).sum())
+        if num_always is None:
+            num_always = int(always_mask.sum())
+        elif not 0 <= num_always <= always_mask.numel() or (
+                always_mask.device.type == "cpu" and schedule.CHECK_COUNTS and int(always_mask.sum()) != num_always):
+            raise ScheduleError(f"pruning counted {num_always} always-kept tokens among {always_mask.numel()}, "
+                                f"its mask holds {int(always_mask.sum())}")
+        num_free = always_mask.numel() - num_always
         num_drop = int(prune * num_free)
         if num_drop:
             ranked = deviation.masked_fill(always_mask, torch.inf)

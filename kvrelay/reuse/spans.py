@@ -46,7 +46,9 @@ def collect_reuse(call: CallInput, store: KVStore | None, fingerprint: str, use_
     for ref in sorted(call.refs, key=lambda r: r.start):
         if ref.span_id not in store:  # evicted or never published: its tokens are simply new
             continue
-        start = max(ref.start, loaded_end)  # refs that overlap: each position loads once, from the first
+        # refs that overlap: each position loads once, from the first; a ref cut short (here or by the exact
+        # prefix) is a span of its own from its first loaded token, which is its opening for relay and epic
+        start = max(ref.start, loaded_end)
         end = min(ref.end, n - 1)  # the last token is always computed
         if start >= end:
             continue

@@ -41,7 +41,8 @@ def _setup():
         "several": CallInput(ids, [SpanRef(s1, s1 + 24, "up", 20), SpanRef(s3, s3 + 3, "up", 20)]),
         "mixed": CallInput(ids, [SpanRef(s1, s1 + 24, "up", 20), SpanRef(s2, s2 + 12, "plain", 15),
                                  SpanRef(s3, s3 + 3, "up", 20)]),
-        "overlapping": CallInput(ids, [SpanRef(s1, s1 + 24, "up", 20), SpanRef(s1 + 3, s1 + 13, "up", 23)]),
+        "overlapping": CallInput(ids, [SpanRef(s1, s1 + 24, "up", 20), SpanRef(s1 + 3, s1 + 13, "up", 23),
+                                       SpanRef(s1 + 18, s1 + 30, "up", 30)]),  # one inside, one partly past the end
     }
     return lm, store, calls
 
@@ -50,6 +51,7 @@ SPECS = [
     "relay[l_start=1,l_det=2,l_end=3,top_r=0.5,l_pre=2,l_suf=2,prune=0.5,drift=0.5]",  # a 3-token span: overlap
     "relay[l_start=2,l_det=2,l_end=3,top_r=0.3,l_pre=2,l_suf=3,pre_dense=true,prune=0.5,drift=0.5]",
     "relay[l_start=2,l_det=2,l_end=3,top_r=0,l_pre=0,l_suf=0,prune=0.5,drift=0.5]",  # admits nothing
+    "relay[l_start=2,l_det=2,l_end=3,top_r=0.5,l_pre=2,l_suf=2,prune=0.5]",  # pruning alone
     "relay[l_start=1,l_det=1,l_end=3,top_r=0.4,l_pre=1,l_suf=1,prune=2,prune_by=peers,drift=0.5]",
     "relay[l_start=1,l_det=2,l_end=2,top_r=0.5,l_pre=2,l_suf=1]",  # the band ends where it selects
     "relay[l_start=0,l_det=1,l_end=3,top_r=0.3,l_pre=2,l_suf=1,prune=1,drift=0.3,pos_prior=1]",
