@@ -266,10 +266,12 @@ class RelayMethod(ReuseMethod):
             always_pos[torch.cat(always)] = True
         # every such token is kept at the selection and never pruned: this many are active through the band
         num_always = int(always_pos.sum())
-        span_pos = torch.zeros(len(call.prompt_ids))  # by prompt position: the token's place in its span
-        for load in reuse.approx:
-            span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
-        by_pos = _OnDevice(always=always_pos, prior=position_prior(span_pos))  # copied once, not per layer
+        by_pos = _OnDevice(always=always_pos)  # copied to the device once, not per layer
+        if sel.pos_prior:
+            span_pos = torch.zeros(len(call.prompt_ids))  # by prompt position: the token's place in its span
+            for load in reuse.approx:
+                span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
+            by_pos = _OnDevice(always=always_pos, prior=position_prior(span_pos))
 
         def is_always(span_idx: torch.Tensor) -> torch.Tensor:
             return by_pos.get("always", span_idx.device).index_select(0, span_idx)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvrelay.errors import ScheduleError
-from kvrelay.model import schedule
-from kvrelay.model.schedule import LayerView, rows_of
+from kvrelay.model.schedule import LayerView, count_checks_out, rows_of
 from kvrelay.reuse.band import Kept
 
 # 1 - cos below this is float noise (fresh vs reused V of the same input through different matmul
@@ -104,8 +103,7 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
         keep = torch.ones_like(always_mask)
         if num_always is None:
             num_always = int(always_mask.sum())
-        elif not 0 <= num_always <= always_mask.numel() or (
-                always_mask.device.type == "cpu" and schedule.CHECK_COUNTS and int(always_mask.sum()) != num_always):
+        elif not 0 <= num_always <= always_mask.numel() or not count_checks_out(always_mask, num_always):
             raise ScheduleError(f"pruning counted {num_always} always-kept tokens among {always_mask.numel()}, "
                                 f"its mask holds {int(always_mask.sum())}")
         num_free = always_mask.numel() - num_always
