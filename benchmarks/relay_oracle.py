@@ -152,11 +152,14 @@ def main() -> int:
     except KvRelayError as exc:
         print(f"relay_oracle: {exc}", file=sys.stderr)
         return 2
+    # l_suf=0 names a selector knob, so each TopRelay runs on the band search's layers, which detect above
+    # L_start (its selector reads a deviation there); without one it would take the profile's selector, which
+    # admits where the carried states enter, and never call TopRelay's
     methods = {"naive": "naive", "epic[k=8]": "epic[k=8]", "epic": "epic", "relay": "relay",
-               "relay top 0.1 (vcos)": TopRelay(signal="vcos", ratio=0.1),
-               "relay top 0.2 (vcos)": TopRelay(signal="vcos", ratio=0.2),
-               "relay top 0.2 (vcos) + l_pre 4": TopRelay(signal="vcos", ratio=0.2, l_pre=4),
-               "relay top 0.2 (kvl2)": TopRelay(signal="kvl2", ratio=0.2)}
+               "relay top 0.1 (vcos)": TopRelay(signal="vcos", ratio=0.1, l_suf=0),
+               "relay top 0.2 (vcos)": TopRelay(signal="vcos", ratio=0.2, l_suf=0),
+               "relay top 0.2 (vcos) + l_pre 4": TopRelay(signal="vcos", ratio=0.2, l_pre=4, l_suf=0),
+               "relay top 0.2 (kvl2)": TopRelay(signal="kvl2", ratio=0.2, l_suf=0)}
     ratios = tuple(float(r) for r in args.ratios.split(","))
     oracles = {f"oracle top {r}" + (f" + pre {k}" if k else ""): (r, k)
                for k in (int(k) for k in args.oracle_pre.split(",")) for r in ratios}

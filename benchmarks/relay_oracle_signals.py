@@ -9,7 +9,11 @@ same count) is reported, beside the Spearman correlation, as means over the call
 - ``opening``: a span's first tokens first (EPIC's prior);
 - ``influence@L``: the attention the call's new tokens pay each span token at layer L (relay's admission);
 - ``vdev@L``: 1 - cos(fresh V, reused V) at layer L (what a detection layer at L reads);
-- ``kdev@L``: the key L2 distance at layer L alone.
+- ``kdev@L``: the key L2 distance at layer L alone;
+- ``away_src@L``: the attention a span token paid, in the call its K/V was stored from, to that call's tokens
+  outside its own span and the first position (the context that changed; Cache-Craft's cue), from a fresh
+  prefill of the stored tokens (what a store could record when the span is written);
+- ``away_dst@L``: the same mass in this call's fresh prefill (the new context it reads instead).
 
 The fresh values stand in for what relay would compute from the carried states (at L_start they coincide).
 
@@ -53,6 +57,24 @@ def recall_at(signal: torch.Tensor, oracle: torch.Tensor, k: int) -> float:
     return len(top_o & set(signal.topk(k).indices.tolist())) / k
 
 
+def away_mass(lm, ids: list[int], first: int, last: int, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """layer -> [last - first]: per token of ``ids[first:last]``, the attention (summed over heads) it pays, in a
+    fresh prefill of ``ids[:last]``, to positions outside [first, itself] other than position 0."""
+    n = last
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
+    result, _ = run_plan(lm, torch.tensor(ids[:n]), Plan(StaticSchedule(torch.arange(n))), cache, None,
+                         capture_layers=tuple(sorted(set(layers))))
+    rows = torch.arange(first, last)
+    out = {}
+    for layer in layers:
+        active, hidden = result.captured[layer]
+        h = hidden.index_select(0, rows) if active.numel() == n else hidden[torch.isin(active, rows)]
+        q, _, _ = lm.model.model.layers[layer].project(h, *lm.model.rope_of(layer).cos_sin(rows, h.dtype, n))
+        probs = attention_probs(q, cache.k[layer][:, :n], visible_mask(rows, n, lm.config.window_at(layer)))
+        out[layer] = probs[:, :, 1:first].sum(dim=(0, 2))  # of [H, m, n]
+    return out
+
+
 def call_signals(lm, call: CallInput, store, layers: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
     """signal name -> [num span tokens] for one call (``oracle`` among them); None without approximate spans."""
     n = len(call.prompt_ids)
@@ -79,6 +101,15 @@ def call_signals(lm, call: CallInput, store, layers: tuple[int, ...]) -> dict[st
         q, _, _ = lm.model.model.layers[layer].project(h_new, *rope.cos_sin(new_idx, h_new.dtype, n))
         probs = attention_probs(q, fresh.k[layer][:, :n], visible_mask(new_idx, n, lm.config.window_at(layer)))
         out[f"influence@{layer}"] = probs.sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n]
+    src = [away_mass(lm, list(store.get(ld.span_id).token_ids), ld.src_start, ld.src_end, layers)
+           for ld in reuse.approx]
+    dst = [away_mass(lm, call.prompt_ids, ld.dst_start, ld.dst_start + ld.num_tokens, layers) for ld in reuse.approx]
+    for layer in layers:
+        out[f"away_src@{layer}"] = torch.cat([m[layer] for m in src])
+        out[f"away_dst@{layer}"] = torch.cat([m[layer] for m in dst])
+    out["away_src@mean"] = torch.stack([out[f"away_src@{layer}"] for layer in layers]).mean(0)
+    for layer in layers:  # the opening's ranks and the source mass's, summed (ties broken by the opening)
+        out[f"opening+away_src@{layer}"] = _ranks(out["opening"]) + _ranks(out[f"away_src@{layer}"]) - position * 1e-3
     return out
 
 

@@ -68,6 +68,11 @@ SELECTOR_CANDIDATES: tuple[dict, ...] = (
     # GSM8K train calls it lowered the continuation's KL (BENCHMARKS.md, session 27)
     *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": 0.1, "pre_dense": True, "pos_prior": 1.0, **d}
       for r, n in ((0.3, 6), (0.25, 8)) for d in ({}, {"drift": 0.35})),
+    # the same two admitting first the span tokens that read most, where they were stored, of the context they no
+    # longer have (``away_mass``): on SmolLM2's GSM8K train calls it ranks the tokens whose keys move most better
+    # than the influence does (BENCHMARKS.md, session 29)
+    *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": 0.1, "pre_dense": True, "away": 3.0, **d}
+      for r, n in ((0.3, 6), (0.25, 8)) for d in ({}, {"drift": 0.35})),
     # a band of their own (``ENTER_AT``, ``BELOW_TOP``): the openings EPIC computes (16) entering early from the
     # carried states and leaving a few layers below the top, the reuse that saves paying for a budget detected
     # where they enter; the continuation reads the openings, the first token the budget

@@ -29,11 +29,15 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   with RoPE undone), and ``drift`` x the mean of that move is added to the others' reused K/V
   (``drift_shift``). Much of the move is shared across a span's tokens; the recomputed tokens are the
   ones that moved most, hence a factor under 1.
+- with ``pos_prior`` or ``away`` (budget form), the score also ranks a span's early tokens first, or the span
+  tokens that paid most attention, in the call that stored them, to context outside their span
+  (``away_mass``: what a reused span no longer reads; one Q projection of the carried span tokens at L_start
+  and their attention over the stored keys there, before the band runs).
 
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
 the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
-``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``, ``pos_prior``): the profile holds the one chosen
+``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``, ``pos_prior``, ``away``): the profile holds the one chosen
 on calibration calls for the model (with the detection layer and band it was chosen with), or none (the paper's). A spec
 that sets any selector knob runs on the band search's layers (``searched_band``), not on those the
 calibrated selector moved.
@@ -53,6 +57,7 @@ from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 from kvrelay.reuse.profile import layer_profile
 from kvrelay.reuse.relay_select import (
     PRUNE_RULES,
+    away_mass,
     drift_shift,
     position_prior,
     prune_mask,
@@ -66,7 +71,8 @@ SELECTORS = ("both", "deviation", "influence")
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "pre_dense": None, "top_r": None,
-                  "prune": None, "prune_by": None, "drift": None, "pos_prior": None}
+                  "prune": None, "prune_by": None, "drift": None, "pos_prior": None,
+                  "away": None}
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class SelectorSettings:
     prune_by: str | None  # None: share
     drift: float | None  # None: no drift correction
     pos_prior: float | None  # weight of the position prior in the budget form's score (None: none)
+    away: float | None  # weight of the stored tokens' attention outside their span in that score (None: none)
 
 
 class _OnDevice:
@@ -129,6 +136,9 @@ class RelayMethod(ReuseMethod):
     drift: float | None = None
     # budget form: add pos_prior x the mean-normalized ``position_prior`` (a span's early tokens first) to the score
     pos_prior: float | None = None
+    # budget form: add away x the mean-normalized ``away_mass`` (the attention a span token paid, where it was
+    # stored, to the context it no longer has) to the score; read from the carried states at L_start
+    away: float | None = None
     l_start: int | None = None  # override the profile's layers
     l_det: int | None = None
     l_end: int | None = None
@@ -157,6 +167,10 @@ class RelayMethod(ReuseMethod):
             raise ConfigError(f"relay: pos_prior must be >= 0, got {self.pos_prior}")
         if self.pos_prior and self.top_r is None:
             raise ConfigError("relay: pos_prior needs top_r (it adds to the budget form's score)")
+        if self.away is not None and self.away < 0:
+            raise ConfigError(f"relay: away must be >= 0, got {self.away}")
+        if self.away and self.top_r is None:
+            raise ConfigError("relay: away needs top_r (it adds to the budget form's score)")
         if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
             raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
 
@@ -241,6 +255,8 @@ class RelayMethod(ReuseMethod):
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
         sel = self.selector_settings(lm, call.role)
         carried, carried_h, from_zero, always, dense = [], [], [], [], []
+        # by prompt position: ``away_mass``, kept where the model is (a copy back per span would make a GPU wait)
+        away = torch.zeros(len(call.prompt_ids), device=lm.model.device) if sel.away else None
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
             num_dense = min(sel.l_pre, load.num_tokens) if sel.pre_dense else 0
@@ -250,10 +266,15 @@ class RelayMethod(ReuseMethod):
                 continue
             always += [idx[-sel.l_suf:] if sel.l_suf else idx[:0], idx[: sel.l_pre - num_dense]]
             src_start = load.src_start + num_dense
-            h = store.get(load.span_id).hidden_rows(start, src_start, load.src_end) if start > 0 else None
+            span = store.get(load.span_id)
+            h = span.hidden_rows(start, src_start, load.src_end) if start > 0 else None
             if h is not None:
                 carried.append(idx)
                 carried_h.append(h)
+                if away is not None:  # a span with no carried state has none: it adds nothing to the score
+                    keys = span.k[start][:, : load.src_end].to(h.device)  # [Hkv, src_end, hd]
+                    away[idx] = away_mass(lm.model.model.layers[start], lm.model.rope_of(start), h, keys,
+                                          span.start_pos, load.src_start, lm.config.window_at(start)).float()
             else:
                 from_zero.append(idx)
         entries = {}  # (at start == 0 nothing is carried: every span token is in from_zero)
@@ -266,12 +287,16 @@ class RelayMethod(ReuseMethod):
             always_pos[torch.cat(always)] = True
         # every such token is kept at the selection and never pruned: this many are active through the band
         num_always = int(always_pos.sum())
-        by_pos = _OnDevice(always=always_pos)  # copied to the device once, not per layer
+        scores = {}  # by prompt position: the budget form's priors
         if sel.pos_prior:
-            span_pos = torch.zeros(len(call.prompt_ids))  # by prompt position: the token's place in its span
+            span_pos = torch.zeros(len(call.prompt_ids))  # the token's place in its span
             for load in reuse.approx:
                 span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
-            by_pos = _OnDevice(always=always_pos, prior=position_prior(span_pos))
+            scores["prior"] = position_prior(span_pos)
+        if away is not None:
+            scores["away"] = away
+        by_pos = _OnDevice(always=always_pos, **scores)  # copied to the device once, not per layer
+        weights = {"prior": sel.pos_prior, "away": sel.away}
 
         def is_always(span_idx: torch.Tensor) -> torch.Tensor:
             return by_pos.get("always", span_idx.device).index_select(0, span_idx)
@@ -279,8 +304,9 @@ class RelayMethod(ReuseMethod):
         def choose(dev: torch.Tensor | None, inf: torch.Tensor | None, span_idx: torch.Tensor) -> torch.Tensor:
             always_mask = is_always(span_idx)
             if sel.top_r is not None:
-                prior = by_pos.get("prior", span_idx.device).index_select(0, span_idx) if sel.pos_prior else None
-                return select_top(dev, inf, always_mask, sel.top_r, prior, sel.pos_prior or 0.0)
+                priors = [(by_pos.get(name, span_idx.device).index_select(0, span_idx), weights[name])
+                          for name in scores]
+                return select_top(dev, inf, always_mask, sel.top_r, priors)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
         dense_idx = torch.cat(dense) if dense else torch.empty(0, dtype=torch.long)

@@ -2,15 +2,19 @@
 
 - ``value_cos_deviation``: how far a span token's fresh V moved from its reused V.
 - ``select_tokens`` (the paper's thresholds) and ``select_top`` (a budget): which span tokens the band keeps.
+- ``position_prior`` and ``away_mass``: scores the budget form can add, known before the band runs.
 - ``prune_mask``: which kept tokens a band layer above the selection drops.
 - ``drift_shift``: the mean K/V move that the tokens not computed at a layer get.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvrelay.errors import ScheduleError
+from kvrelay.model.layers import attention_probs, visible_mask
 from kvrelay.model.schedule import LayerView, count_checks_out, rows_of
 from kvrelay.reuse.band import Kept
 
@@ -53,17 +57,40 @@ def position_prior(span_pos: torch.Tensor) -> torch.Tensor:
     return 1 / (1 + span_pos.float() / POSITION_SCALE_TOKENS)
 
 
+@torch.no_grad()
+def away_mass(layer: torch.nn.Module, rope, h: torch.Tensor, keys: torch.Tensor, start_pos: int, src_start: int,
+              window: int | None) -> torch.Tensor:
+    """How much of its attention each stored token of a span paid, where it was computed, to context outside the
+    span: [m] fp32, summed over heads. ``h`` [m, hidden]: the layer's input for the span's tokens (those carried
+    from the call that stored it), the span's last m tokens at stored positions [src_start + s - m, src_start + s)
+    for a span of s tokens; ``keys`` [Hkv, >= src_start + s, hd]: the stored keys there, from the stored sequence's
+    first token (at position ``start_pos``). The outside is every key before ``src_start`` except the sequence's
+    first position, an attention sink that is the same token wherever the span goes.
+
+    That context is what a reused span no longer has: a token that read much of it moves more when it is reused
+    elsewhere (Cache-Craft's cue). On SmolLM2 GSM8K train calls it ranks the span tokens whose keys move most
+    better than the new tokens' attention does (BENCHMARKS.md, session 29).
+    """
+    num_keys = keys.shape[1]
+    rel = torch.arange(num_keys - h.shape[0], num_keys, device=h.device)  # the m tokens' stored places
+    q, _, _ = layer.project(h, *rope.cos_sin(rel + start_pos, h.dtype, start_pos + num_keys))  # q [H, m, hd]
+    probs = attention_probs(q, keys, visible_mask(rel, num_keys, window))  # [H, m, num_keys]
+    first = 1 if start_pos == 0 else 0
+    return probs[:, :, first:src_start].sum(dim=(0, 2))
+
+
 def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,
-               top_r: float, prior: torch.Tensor | None = None, prior_weight: float = 0.0) -> torch.Tensor:
+               top_r: float, priors: Sequence[tuple[torch.Tensor, float]] = ()) -> torch.Tensor:
     """Budget form: ``always_mask`` plus the round(top_r x n) tokens with the highest mean-normalized
-    deviation + influence (a missing or all-zero score adds nothing), plus ``prior_weight`` x the mean-normalized
-    ``prior`` (``position_prior``). Bool [n]."""
+    deviation + influence (a missing or all-zero score adds nothing), plus weight x the mean-normalized score of
+    each (score [n], weight) in ``priors`` (``position_prior``, ``away_mass``). Bool [n]."""
     score = torch.zeros(always_mask.shape, dtype=torch.float32, device=always_mask.device)
     for part in (deviation, influence):
         if part is not None and part.numel() and float(part.mean()) > 0:
             score += part.float() / part.float().mean()
-    if prior is not None and prior_weight and prior.numel():
-        score += prior_weight * prior.float() / prior.float().mean()
+    for prior, weight in priors:
+        if weight and prior.numel() and float(prior.mean()) > 0:
+            score += weight * prior.float() / prior.float().mean()
     keep = always_mask.clone()
     num_keep = min(round(top_r * score.numel()), int((score > 0).sum()))
     if num_keep:

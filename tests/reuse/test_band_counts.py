@@ -55,6 +55,7 @@ SPECS = [
     "relay[l_start=1,l_det=1,l_end=3,top_r=0.4,l_pre=1,l_suf=1,prune=2,prune_by=peers,drift=0.5]",
     "relay[l_start=1,l_det=2,l_end=2,top_r=0.5,l_pre=2,l_suf=1]",  # the band ends where it selects
     "relay[l_start=0,l_det=1,l_end=3,top_r=0.3,l_pre=2,l_suf=1,prune=1,drift=0.3,pos_prior=1]",
+    "relay[l_start=2,l_det=2,l_end=3,top_r=0.3,l_pre=2,l_suf=1,pre_dense=true,prune=0.5,drift=0.5,away=1]",
     "cacheblend[check_layer=1,ratio=0.3]",
 ]
 

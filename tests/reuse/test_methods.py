@@ -13,7 +13,9 @@ from kvrelay.model import schedule as schedule_module
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import LayerView
 from kvrelay.reuse import get_method
+from kvrelay.reuse import relay as relay_module
 from kvrelay.reuse.base import CallInput, SpanRef
+from kvrelay.reuse.relay_select import away_mass
 from tests.helpers import generate, publish, tiny_lm
 
 L = 4  # layers of the tiny model
@@ -556,3 +558,25 @@ def test_relay_admits_by_the_position_prior_where_it_is_set(setup, writes):
         admitted[name] = _computed(writes, 3, SPAN_ROWS)  # above the admission: the admitted span tokens
     assert admitted["prior"] == set(range(6))  # round(0.25 x 24): the span's first six
     assert len(admitted["influence"]) == 6 and admitted["influence"] != admitted["prior"]
+
+
+def test_relay_admits_by_the_stored_attention_away_from_the_span_where_it_is_set(setup, writes, monkeypatch):
+    """With a heavy ``away`` weight the admission takes the span tokens with the most ``away_mass``, read for the
+    span's stored tokens from the carried layer-2 states and the stored keys. (In this random model the mass
+    falls with the place in the span, so a stand-in score, reversed, tells it from the position prior.)"""
+    lm, store, _, _ = setup
+    span = store.get("up")
+    want = away_mass(lm.model.model.layers[2], lm.model.rope_of(2), span.hidden_rows(2, 20, 44), span.k[2], 0, 20,
+                     lm.config.window_at(2))  # [24]: the output's tokens
+    got = []
+
+    def reversed_mass(*args):
+        got.append(away_mass(*args))
+        return got[-1].flip(0)
+
+    monkeypatch.setattr(relay_module, "away_mass", reversed_mass)
+    writes.clear()
+    _run(setup, "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]")
+    assert len(got) == 1
+    torch.testing.assert_close(got[0], want)
+    assert _computed(writes, 3, SPAN_ROWS) == set(range(18, 24))  # round(0.25 x 24) by the reversed mass

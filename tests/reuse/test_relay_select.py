@@ -95,11 +95,48 @@ def test_position_prior_ranks_a_spans_early_tokens_first_in_the_budget():
     assert torch.allclose(prior, torch.tensor([1.0, 0.5, 0.25, 0.125]))
     assert select_top(dev, inf, none, 0.5).nonzero().flatten().tolist() == [2, 3]  # influence alone
     # weight 1: 0.5 + 2.13, 0.5 + 1.07, 1.5 + 0.53, 1.5 + 0.27 -> the span's opening and its third token
-    assert select_top(dev, inf, none, 0.5, prior, 1.0).nonzero().flatten().tolist() == [0, 2]
-    assert select_top(dev, inf, none, 0.5, prior, 0.0).nonzero().flatten().tolist() == [2, 3]  # weight 0: none
+    assert select_top(dev, inf, none, 0.5, [(prior, 1.0)]).nonzero().flatten().tolist() == [0, 2]
+    assert select_top(dev, inf, none, 0.5, [(prior, 0.0)]).nonzero().flatten().tolist() == [2, 3]  # weight 0: none
     assert get_method("relay[top_r=0.3,pos_prior=1]").pos_prior == 1.0
     with pytest.raises(ConfigError, match="pos_prior needs top_r"):
         get_method("relay[pos_prior=1]")
     with pytest.raises(ConfigError, match="pos_prior must be >= 0"):
         get_method("relay[top_r=0.3,pos_prior=-1]")
 
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])  # gemma3's layer 2 attends in an 8-token window
+def test_away_mass_is_the_stored_attention_outside_the_span_but_the_sink(family):
+    from kvrelay.cache.kv import SequenceKV
+    from kvrelay.engine.call import run_plan
+    from kvrelay.model.schedule import StaticSchedule
+    from kvrelay.reuse.base import Plan
+    from kvrelay.reuse.relay_select import away_mass
+    from tests.helpers import hf_model, tiny_lm
+
+    lm, layer, n = tiny_lm(family), 2, 30
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(1))
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n)
+    result, _ = run_plan(lm, ids, Plan(StaticSchedule(torch.arange(n))), cache, None, capture_layers=(layer,))
+    hidden = result.captured[layer][1]  # [n, hidden]: every token active
+    hf = hf_model(family)
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        probs = hf(ids[None], output_attentions=True).attentions[layer][0]  # [H, n, n]
+    src_start, src_end, num_carried = 12, 26, 10  # a 14-token span whose first 4 tokens are not carried
+    got = away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), hidden[src_end - num_carried : src_end],
+                    cache.k[layer][:, :src_end], 0, src_start, lm.config.window_at(layer))
+    want = probs[:, src_end - num_carried : src_end, 1:src_start].sum(dim=(0, 2))
+    assert got.shape == (num_carried,)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # a span that starts after the sink has nothing outside it
+    assert not away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), hidden[1:src_end],
+                         cache.k[layer][:, :src_end], 0, 1, lm.config.window_at(layer)).any()
+
+
+def test_away_needs_the_budget_form():
+    assert get_method("relay[top_r=0.3,away=2]").away == 2.0
+    with pytest.raises(ConfigError, match="away needs top_r"):
+        get_method("relay[away=1]")
+    with pytest.raises(ConfigError, match="away must be >= 0"):
+        get_method("relay[top_r=0.3,away=-1]")
