@@ -57,7 +57,7 @@ def recall_at(signal: torch.Tensor, oracle: torch.Tensor, k: int) -> float:
     return len(top_o & set(signal.topk(k).indices.tolist())) / k
 
 
-def away_mass(lm, ids: list[int], first: int, last: int, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+def fresh_away_mass(lm, ids: list[int], first: int, last: int, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """layer -> [last - first]: per token of ``ids[first:last]``, the attention (summed over heads) it pays, in a
     fresh prefill of ``ids[:last]``, to positions outside [first, itself] other than position 0."""
     n = last
@@ -101,9 +101,10 @@ def call_signals(lm, call: CallInput, store, layers: tuple[int, ...]) -> dict[st
         q, _, _ = lm.model.model.layers[layer].project(h_new, *rope.cos_sin(new_idx, h_new.dtype, n))
         probs = attention_probs(q, fresh.k[layer][:, :n], visible_mask(new_idx, n, lm.config.window_at(layer)))
         out[f"influence@{layer}"] = probs.sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n]
-    src = [away_mass(lm, list(store.get(ld.span_id).token_ids), ld.src_start, ld.src_end, layers)
+    src = [fresh_away_mass(lm, list(store.get(ld.span_id).token_ids), ld.src_start, ld.src_end, layers)
            for ld in reuse.approx]
-    dst = [away_mass(lm, call.prompt_ids, ld.dst_start, ld.dst_start + ld.num_tokens, layers) for ld in reuse.approx]
+    dst = [fresh_away_mass(lm, call.prompt_ids, ld.dst_start, ld.dst_start + ld.num_tokens, layers)
+           for ld in reuse.approx]
     for layer in layers:
         out[f"away_src@{layer}"] = torch.cat([m[layer] for m in src])
         out[f"away_dst@{layer}"] = torch.cat([m[layer] for m in dst])

@@ -53,16 +53,19 @@ from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import Entry, LayerView, StaticSchedule
 from kvrelay.reuse.band import BandSchedule, Kept
-from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad
 from kvrelay.reuse.profile import layer_profile
 from kvrelay.reuse.relay_select import (
     PRUNE_RULES,
+    SINK_LEN,
     away_mass,
     drift_shift,
+    fill_unmeasured,
     position_prior,
     prune_mask,
     select_tokens,
     select_top,
+    shared_context_len,
     value_cos_deviation,
 )
 from kvrelay.reuse.spans import collect_reuse
@@ -111,6 +114,22 @@ def _recalibration_flags(profile, workload: str) -> str:
     recorded = profile.workload_selectors[workload].get("calibration", {}).get("selector_workloads", {})
     name, data = next(iter(recorded.items()), (workload, "default"))
     return f" --for-workload --workload {name}" + (f" --data {data}" if data != "default" else "")
+
+
+def _lost_context_mass(lm, call: CallInput, load: SpanLoad, span, h: torch.Tensor, layer: int) -> torch.Tensor | None:
+    """``away_mass`` at ``layer`` of a carried span's tokens (``h``: their states there), or None where it is not
+    measured: a span stored without its sequence's start, or one that lost no context (its stored context precedes
+    it in the new prompt too, or it has none but the sink)."""
+    if span.start_pos != 0:
+        return None
+    context_start = load.src_start - shared_context_len(call.prompt_ids, load.dst_start, span.token_ids,
+                                                        load.src_start)
+    if context_start <= SINK_LEN:
+        return None
+    device, dtype = lm.model.device, lm.model.dtype  # a span may be held elsewhere (a tier's spans are on the CPU)
+    keys = span.k[layer][:, : load.src_end].to(device, dtype)  # [Hkv, src_end, hd]
+    return away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), h.to(device, dtype), keys,
+                     context_start, lm.config.window_at(layer))
 
 
 @dataclass
@@ -255,8 +274,13 @@ class RelayMethod(ReuseMethod):
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
         sel = self.selector_settings(lm, call.role)
         carried, carried_h, from_zero, always, dense = [], [], [], [], []
-        # by prompt position: ``away_mass``, kept where the model is (a copy back per span would make a GPU wait)
+        if sel.away and start == 0:
+            raise ConfigError("relay: away reads the span tokens' states carried to L_start, which is 0 here: "
+                              "set l_start > 0")
+        # by prompt position: ``away_mass`` where measured, kept where the model is (a copy back per span would
+        # make a GPU wait)
         away = torch.zeros(len(call.prompt_ids), device=lm.model.device) if sel.away else None
+        measured = torch.zeros(len(call.prompt_ids), dtype=torch.bool, device=lm.model.device)
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
             num_dense = min(sel.l_pre, load.num_tokens) if sel.pre_dense else 0
@@ -271,10 +295,8 @@ class RelayMethod(ReuseMethod):
             if h is not None:
                 carried.append(idx)
                 carried_h.append(h)
-                if away is not None:  # a span with no carried state has none: it adds nothing to the score
-                    keys = span.k[start][:, : load.src_end].to(h.device)  # [Hkv, src_end, hd]
-                    away[idx] = away_mass(lm.model.model.layers[start], lm.model.rope_of(start), h, keys,
-                                          span.start_pos, load.src_start, lm.config.window_at(start)).float()
+                if away is not None and (mass := _lost_context_mass(lm, call, load, span, h, start)) is not None:
+                    away[idx], measured[idx] = mass, True
             else:
                 from_zero.append(idx)
         entries = {}  # (at start == 0 nothing is carried: every span token is in from_zero)
@@ -293,8 +315,8 @@ class RelayMethod(ReuseMethod):
             for load in reuse.approx:
                 span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
             scores["prior"] = position_prior(span_pos)
-        if away is not None:
-            scores["away"] = away
+        if away is not None and (filled := fill_unmeasured(away, measured)) is not None:
+            scores["away"] = filled  # a token with no measure counts as average
         by_pos = _OnDevice(always=always_pos, **scores)  # copied to the device once, not per layer
         weights = {"prior": sel.pos_prior, "away": sel.away}
 

@@ -2,7 +2,8 @@
 
 - ``value_cos_deviation``: how far a span token's fresh V moved from its reused V.
 - ``select_tokens`` (the paper's thresholds) and ``select_top`` (a budget): which span tokens the band keeps.
-- ``position_prior`` and ``away_mass``: scores the budget form can add, known before the band runs.
+- ``position_prior`` and ``away_mass``: scores the budget form can add, known before the band runs
+  (``shared_context_len`` and ``fill_unmeasured`` serve the latter).
 - ``prune_mask``: which kept tokens a band layer above the selection drops.
 - ``drift_shift``: the mean K/V move that the tokens not computed at a layer get.
 """
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from kvrelay.errors import ScheduleError
-from kvrelay.model.layers import attention_probs, visible_mask
+from kvrelay.model.layers import DecoderLayer, attention_probs, visible_mask
+from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import LayerView, count_checks_out, rows_of
 from kvrelay.reuse.band import Kept
 
@@ -57,26 +59,52 @@ def position_prior(span_pos: torch.Tensor) -> torch.Tensor:
     return 1 / (1 + span_pos.float() / POSITION_SCALE_TOKENS)
 
 
-@torch.no_grad()
-def away_mass(layer: torch.nn.Module, rope, h: torch.Tensor, keys: torch.Tensor, start_pos: int, src_start: int,
-              window: int | None) -> torch.Tensor:
-    """How much of its attention each stored token of a span paid, where it was computed, to context outside the
-    span: [m] fp32, summed over heads. ``h`` [m, hidden]: the layer's input for the span's tokens (those carried
-    from the call that stored it), the span's last m tokens at stored positions [src_start + s - m, src_start + s)
-    for a span of s tokens; ``keys`` [Hkv, >= src_start + s, hd]: the stored keys there, from the stored sequence's
-    first token (at position ``start_pos``). The outside is every key before ``src_start`` except the sequence's
-    first position, an attention sink that is the same token wherever the span goes.
+SINK_LEN = 1  # a stored sequence's first position: an attention sink, the same token wherever a span goes
+AWAY_ROWS_PER_BLOCK = 256  # queries per attention block: bounds the fp32 [H, rows, keys] probabilities
 
-    That context is what a reused span no longer has: a token that read much of it moves more when it is reused
-    elsewhere (Cache-Craft's cue). On SmolLM2 GSM8K train calls it ranks the span tokens whose keys move most
-    better than the new tokens' attention does (BENCHMARKS.md, session 29).
+
+@torch.no_grad()
+def away_mass(layer: DecoderLayer, rope: RotaryEmbedding, h: torch.Tensor, keys: torch.Tensor, context_start: int,
+              window: int | None) -> torch.Tensor:
+    """How much of its attention each stored token of a span paid, where it was computed, to the context the span
+    no longer has: [m] fp32, summed over heads.
+
+    ``keys`` [Hkv, num_keys, hd]: the stored sequence's keys at ``layer``, from its first token (at position 0) to
+    the span's end; ``h`` [m, hidden]: the layer's input for the last m of those tokens (the span's, carried from
+    the call that stored them). The lost context is keys [SINK_LEN, context_start): what precedes the span where it
+    was stored, less the sink and less what precedes it in the new prompt too (``shared_context_len``).
+
+    A token that read much of that context moves more when it is reused elsewhere (Cache-Craft's cue). On SmolLM2
+    GSM8K train calls it ranks the span tokens whose keys move most better than the new tokens' attention does
+    (BENCHMARKS.md, session 29). Cost: a Q projection of the m tokens and m x num_keys attention scores.
     """
     num_keys = keys.shape[1]
-    rel = torch.arange(num_keys - h.shape[0], num_keys, device=h.device)  # the m tokens' stored places
-    q, _, _ = layer.project(h, *rope.cos_sin(rel + start_pos, h.dtype, start_pos + num_keys))  # q [H, m, hd]
-    probs = attention_probs(q, keys, visible_mask(rel, num_keys, window))  # [H, m, num_keys]
-    first = 1 if start_pos == 0 else 0
-    return probs[:, :, first:src_start].sum(dim=(0, 2))
+    query_pos = torch.arange(num_keys - h.shape[0], num_keys, device=h.device)  # the m tokens' stored positions
+    q, _, _ = layer.project(h, *rope.cos_sin(query_pos, h.dtype, num_keys))  # q [H, m, hd]
+    mass = []
+    for lo in range(0, h.shape[0], AWAY_ROWS_PER_BLOCK):
+        rows = slice(lo, lo + AWAY_ROWS_PER_BLOCK)
+        probs = attention_probs(q[:, rows], keys, visible_mask(query_pos[rows], num_keys, window))  # [H, rows, keys]
+        mass.append(probs[:, :, SINK_LEN:context_start].sum(dim=(0, 2)))
+    return torch.cat(mass)
+
+
+def shared_context_len(prompt_ids: Sequence[int], dst_start: int, stored_ids: Sequence[int], src_start: int) -> int:
+    """How many tokens right before a span are the same in the new prompt and where the span was stored (a ref cut
+    short by the exact prefix or by an earlier ref has its own first tokens there): context the span keeps."""
+    num_shared = 0
+    while (num_shared < min(dst_start, src_start)
+           and prompt_ids[dst_start - 1 - num_shared] == stored_ids[src_start - 1 - num_shared]):
+        num_shared += 1
+    return num_shared
+
+
+def fill_unmeasured(score: torch.Tensor, measured_mask: torch.Tensor) -> torch.Tensor | None:
+    """``score`` with the positions ``measured_mask`` leaves out set to the mean of those it holds, so they count as
+    average in a mean-normalized sum, not as low; None where nothing was measured."""
+    if not bool(measured_mask.any()):
+        return None
+    return torch.where(measured_mask, score, score[measured_mask].mean())
 
 
 def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,

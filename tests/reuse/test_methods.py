@@ -560,23 +560,61 @@ def test_relay_admits_by_the_position_prior_where_it_is_set(setup, writes):
     assert len(admitted["influence"]) == 6 and admitted["influence"] != admitted["prior"]
 
 
-def test_relay_admits_by_the_stored_attention_away_from_the_span_where_it_is_set(setup, writes, monkeypatch):
-    """With a heavy ``away`` weight the admission takes the span tokens with the most ``away_mass``, read for the
-    span's stored tokens from the carried layer-2 states and the stored keys. (In this random model the mass
-    falls with the place in the span, so a stand-in score, reversed, tells it from the position prior.)"""
-    lm, store, _, _ = setup
-    span = store.get("up")
-    want = away_mass(lm.model.model.layers[2], lm.model.rope_of(2), span.hidden_rows(2, 20, 44), span.k[2], 0, 20,
-                     lm.config.window_at(2))  # [24]: the output's tokens
-    got = []
+# (the call's prompt before the output, the ref's length, extra knobs) -> what ``away_mass`` must be given (the
+# carried rows' stored range, the keys' length, where the lost context ends) and the span rows layer 3 computes
+AWAY_CASES = {
+    "whole span": ("head", 24, "", (20, 44, 44, 20), set(range(18, 24))),
+    # the openings computed at every layer are not carried; the ref ends 4 tokens short of the stored span (those 4
+    # are new tokens here); round(0.25 x 18) = 4 admitted
+    "openings, a shorter ref": ("head", 20, ",l_pre=2,pre_dense=true", (22, 40, 40, 20),
+                                {0, 1} | set(range(16, 20)) | set(range(20, 24))),
+    # the prompt's last 3 tokens before the span are the stored ones: not lost context
+    "kept context": ("head+3", 24, "", (20, 44, 44, 17), set(range(18, 24))),
+}
 
-    def reversed_mass(*args):
-        got.append(away_mass(*args))
-        return got[-1].flip(0)
+
+@pytest.mark.parametrize("case", AWAY_CASES)
+def test_relay_admits_by_the_stored_attention_to_the_lost_context(setup, writes, monkeypatch, case):
+    """With a heavy ``away`` weight the admission takes the span tokens with the most ``away_mass``, read from the
+    carried layer-2 states and the stored keys up to the ref's end. (In this random model the mass falls with the
+    place in the span, so a stand-in score, reversed, tells it from the position prior.)"""
+    lm, store, call, _ = setup
+    before, ref_len, knobs, (h_from, h_to, num_keys, context_start), admitted = AWAY_CASES[case]
+    span = store.get("up")
+    ids = list(call.prompt_ids)
+    if before == "head+3":
+        ids[4:7] = span.token_ids[17:20]
+    given = []
+
+    def reversed_mass(layer, rope, h, keys, context_start, window):
+        given.append((h, keys.shape[1], context_start))
+        return away_mass(layer, rope, h, keys, context_start, window).flip(0)
 
     monkeypatch.setattr(relay_module, "away_mass", reversed_mass)
     writes.clear()
-    _run(setup, "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]")
-    assert len(got) == 1
-    torch.testing.assert_close(got[0], want)
-    assert _computed(writes, 3, SPAN_ROWS) == set(range(18, 24))  # round(0.25 x 24) by the reversed mass
+    generate(lm, CallInput(ids, [SpanRef(7, 7 + ref_len, "up", 20, "output")]),
+             get_method(f"relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100{knobs}]"), store, ONE)
+    assert len(given) == 1
+    torch.testing.assert_close(given[0][0], span.hidden_rows(2, h_from, h_to))
+    assert given[0][1:] == (num_keys, context_start)
+    assert _computed(writes, 3, SPAN_ROWS) == admitted
+
+
+def test_relay_refuses_away_without_carried_states(setup):
+    with pytest.raises(ConfigError, match="away reads the span tokens' states carried to L_start"):
+        _run(setup, "relay[l_start=0,l_det=1,l_end=3,top_r=0.25,away=1]")
+
+
+def test_relay_measures_no_away_mass_on_a_span_stored_without_its_start(setup, monkeypatch):
+    """A span whose stored sequence does not start at position 0 lacks part of the context its tokens attended to:
+    it is not measured (and its tokens count as average)."""
+    lm, store, call, _ = setup
+    up = store.get("up")
+    store.put("up-tail", StoredSpan(up.token_ids[5:], 5, up.k[:, :, 5:], up.v[:, :, 5:], up.fingerprint,
+                                    {2: up.hidden_rows(2, 5, 44)}, 0))
+    given = []
+    monkeypatch.setattr(relay_module, "away_mass", lambda *args: given.append(args))
+    spec = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]"
+    out = generate(lm, CallInput(call.prompt_ids, [SpanRef(7, 31, "up-tail", 15, "output")]), get_method(spec),
+                   store, ONE)
+    assert not given and out.stats.num_reused_tokens == 24

@@ -4,11 +4,24 @@
 import pytest
 import torch
 
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.engine.call import run_plan
 from kvrelay.errors import ConfigError
-from kvrelay.model.schedule import LayerView
-from kvrelay.reuse import get_method
+from kvrelay.model.schedule import LayerView, StaticSchedule
+from kvrelay.reuse import get_method, relay_select
+from kvrelay.reuse.base import Plan
 from kvrelay.reuse.relay import RelayMethod
-from kvrelay.reuse.relay_select import drift_shift, position_prior, prune_mask, select_tokens, select_top
+from kvrelay.reuse.relay_select import (
+    away_mass,
+    drift_shift,
+    fill_unmeasured,
+    position_prior,
+    prune_mask,
+    select_tokens,
+    select_top,
+    shared_context_len,
+)
+from tests.helpers import hf_model, tiny_lm
 
 
 def test_selector_sets_on_hand_made_vectors():
@@ -104,16 +117,10 @@ def test_position_prior_ranks_a_spans_early_tokens_first_in_the_budget():
         get_method("relay[top_r=0.3,pos_prior=-1]")
 
 
-
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])  # gemma3's layer 2 attends in an 8-token window
-def test_away_mass_is_the_stored_attention_outside_the_span_but_the_sink(family):
-    from kvrelay.cache.kv import SequenceKV
-    from kvrelay.engine.call import run_plan
-    from kvrelay.model.schedule import StaticSchedule
-    from kvrelay.reuse.base import Plan
-    from kvrelay.reuse.relay_select import away_mass
-    from tests.helpers import hf_model, tiny_lm
-
+@pytest.mark.parametrize("rows_per_block", [256, 3])  # one attention block, or several
+def test_away_mass_is_the_stored_attention_to_the_lost_context(family, rows_per_block, monkeypatch):
+    monkeypatch.setattr(relay_select, "AWAY_ROWS_PER_BLOCK", rows_per_block)
     lm, layer, n = tiny_lm(family), 2, 30
     ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(1))
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n)
@@ -123,15 +130,36 @@ def test_away_mass_is_the_stored_attention_outside_the_span_but_the_sink(family)
     hf.config._attn_implementation = "eager"
     with torch.no_grad():
         probs = hf(ids[None], output_attentions=True).attentions[layer][0]  # [H, n, n]
-    src_start, src_end, num_carried = 12, 26, 10  # a 14-token span whose first 4 tokens are not carried
+    # a 14-token span stored at 12-25 whose first 4 tokens are not carried; its last 2 stored predecessors are
+    # kept in the new prompt, so the lost context is 1-9
+    src_end, num_carried, context_start = 26, 10, 10
     got = away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), hidden[src_end - num_carried : src_end],
-                    cache.k[layer][:, :src_end], 0, src_start, lm.config.window_at(layer))
-    want = probs[:, src_end - num_carried : src_end, 1:src_start].sum(dim=(0, 2))
+                    cache.k[layer][:, :src_end], context_start, lm.config.window_at(layer))
+    want = probs[:, src_end - num_carried : src_end, 1:context_start].sum(dim=(0, 2))
     assert got.shape == (num_carried,)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    # a span that starts after the sink has nothing outside it
-    assert not away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), hidden[1:src_end],
-                         cache.k[layer][:, :src_end], 0, 1, lm.config.window_at(layer)).any()
+
+
+def test_shared_context_is_the_run_of_equal_tokens_right_before_the_span():
+    stored = [9, 1, 2, 3, 4, 5, 6]  # the span starts at 4 (token 4)
+    assert shared_context_len([7, 8, 4, 5], 2, stored, 4) == 0
+    assert shared_context_len([7, 3, 4, 5], 2, stored, 4) == 1
+    assert shared_context_len([1, 2, 3, 4, 5], 3, stored, 4) == 3  # the prompt starts there: nothing more to compare
+    assert shared_context_len([5, 9, 1, 2, 3, 4], 5, stored, 4) == 4  # all of it, the sink included
+    assert shared_context_len([7, 8, 4], 0, stored, 4) == 0
+
+
+def test_unmeasured_tokens_count_as_average():
+    score = torch.tensor([0.2, 0.0, 1.6, 0.0])
+    measured = torch.tensor([True, False, True, True])  # the last one measured, and 0: it lost nothing
+    filled = fill_unmeasured(score, measured)
+    assert torch.allclose(filled, torch.tensor([0.2, 0.6, 1.6, 0.0]))
+    assert fill_unmeasured(score, torch.zeros(4, dtype=torch.bool)) is None
+    # with a heavy weight the token with no measure ranks as average (over 0.2), not as lost nothing
+    inf = torch.ones(4)
+    none = torch.zeros(4, dtype=torch.bool)
+    assert select_top(None, inf, none, 0.5, [(filled, 100.0)]).nonzero().flatten().tolist() == [1, 2]
+    assert select_top(None, inf, none, 0.5, [(score, 100.0)]).nonzero().flatten().tolist() == [0, 2]
 
 
 def test_away_needs_the_budget_form():
