@@ -60,12 +60,12 @@ from kvrelay.reuse.relay_select import (
     SINK_LEN,
     away_mass,
     drift_shift,
-    fill_unmeasured,
     position_prior,
     prune_mask,
     select_tokens,
     select_top,
     shared_context_len,
+    spread_with_mean,
     value_cos_deviation,
 )
 from kvrelay.reuse.spans import collect_reuse
@@ -117,15 +117,15 @@ def _recalibration_flags(profile, workload: str) -> str:
 
 
 def _lost_context_mass(lm, call: CallInput, load: SpanLoad, span, h: torch.Tensor, layer: int) -> torch.Tensor | None:
-    """``away_mass`` at ``layer`` of a carried span's tokens (``h``: their states there), or None where it is not
-    measured: a span stored without its sequence's start, or one that lost no context (its stored context precedes
-    it in the new prompt too, or it has none but the sink)."""
+    """``away_mass`` at ``layer`` of a carried span's tokens (``h``: their states there): zeros for a span that lost
+    no context (its stored context precedes it in the new prompt too, or it has none but the sink), None for one
+    stored without its sequence's start (its tokens attended to context the store does not hold: not measured)."""
     if span.start_pos != 0:
         return None
     context_start = load.src_start - shared_context_len(call.prompt_ids, load.dst_start, span.token_ids,
                                                         load.src_start)
     if context_start <= SINK_LEN:
-        return None
+        return torch.zeros(h.shape[0], device=lm.model.device)
     device, dtype = lm.model.device, lm.model.dtype  # a span may be held elsewhere (a tier's spans are on the CPU)
     keys = span.k[layer][:, : load.src_end].to(device, dtype)  # [Hkv, src_end, hd]
     return away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), h.to(device, dtype), keys,
@@ -277,10 +277,7 @@ class RelayMethod(ReuseMethod):
         if sel.away and start == 0:
             raise ConfigError("relay: away reads the span tokens' states carried to L_start, which is 0 here: "
                               "set l_start > 0")
-        # by prompt position: ``away_mass`` where measured, kept where the model is (a copy back per span would
-        # make a GPU wait)
-        away = torch.zeros(len(call.prompt_ids), device=lm.model.device) if sel.away else None
-        measured = torch.zeros(len(call.prompt_ids), dtype=torch.bool, device=lm.model.device)
+        away_parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (prompt positions, their ``away_mass``)
         for load in reuse.approx:
             idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
             num_dense = min(sel.l_pre, load.num_tokens) if sel.pre_dense else 0
@@ -295,8 +292,8 @@ class RelayMethod(ReuseMethod):
             if h is not None:
                 carried.append(idx)
                 carried_h.append(h)
-                if away is not None and (mass := _lost_context_mass(lm, call, load, span, h, start)) is not None:
-                    away[idx], measured[idx] = mass, True
+                if sel.away and (mass := _lost_context_mass(lm, call, load, span, h, start)) is not None:
+                    away_parts.append((idx, mass))
             else:
                 from_zero.append(idx)
         entries = {}  # (at start == 0 nothing is carried: every span token is in from_zero)
@@ -315,8 +312,9 @@ class RelayMethod(ReuseMethod):
             for load in reuse.approx:
                 span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
             scores["prior"] = position_prior(span_pos)
-        if away is not None and (filled := fill_unmeasured(away, measured)) is not None:
-            scores["away"] = filled  # a token with no measure counts as average
+        if away_parts:  # by prompt position, on the model's device; a token with no measure counts as average
+            scores["away"] = spread_with_mean(torch.cat([m for _, m in away_parts]),
+                                              torch.cat([i for i, _ in away_parts]), len(call.prompt_ids))
         by_pos = _OnDevice(always=always_pos, **scores)  # copied to the device once, not per layer
         weights = {"prior": sel.pos_prior, "away": sel.away}
 

@@ -3,7 +3,7 @@
 - ``value_cos_deviation``: how far a span token's fresh V moved from its reused V.
 - ``select_tokens`` (the paper's thresholds) and ``select_top`` (a budget): which span tokens the band keeps.
 - ``position_prior`` and ``away_mass``: scores the budget form can add, known before the band runs
-  (``shared_context_len`` and ``fill_unmeasured`` serve the latter).
+  (``shared_context_len`` and ``spread_with_mean`` serve the latter).
 - ``prune_mask``: which kept tokens a band layer above the selection drops.
 - ``drift_shift``: the mean K/V move that the tokens not computed at a layer get.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrelay.errors import ScheduleError
-from kvrelay.model.layers import DecoderLayer, attention_probs, visible_mask
+from kvrelay.model.layers import DecoderLayer, attention_probs, repeat_kv, visible_mask
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import LayerView, count_checks_out, rows_of
 from kvrelay.reuse.band import Kept
@@ -81,6 +81,7 @@ def away_mass(layer: DecoderLayer, rope: RotaryEmbedding, h: torch.Tensor, keys:
     num_keys = keys.shape[1]
     query_pos = torch.arange(num_keys - h.shape[0], num_keys, device=h.device)  # the m tokens' stored positions
     q, _, _ = layer.project(h, *rope.cos_sin(query_pos, h.dtype, num_keys))  # q [H, m, hd]
+    keys = repeat_kv(keys.float(), q.shape[0] // keys.shape[0])  # [H, num_keys, hd], once for every block
     mass = []
     for lo in range(0, h.shape[0], AWAY_ROWS_PER_BLOCK):
         rows = slice(lo, lo + AWAY_ROWS_PER_BLOCK)
@@ -99,12 +100,11 @@ def shared_context_len(prompt_ids: Sequence[int], dst_start: int, stored_ids: Se
     return num_shared
 
 
-def fill_unmeasured(score: torch.Tensor, measured_mask: torch.Tensor) -> torch.Tensor | None:
-    """``score`` with the positions ``measured_mask`` leaves out set to the mean of those it holds, so they count as
-    average in a mean-normalized sum, not as low; None where nothing was measured."""
-    if not bool(measured_mask.any()):
-        return None
-    return torch.where(measured_mask, score, score[measured_mask].mean())
+def spread_with_mean(values: torch.Tensor, positions: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """[num_positions]: ``values`` at ``positions``, their mean everywhere else, so that tokens with no measure count
+    as average in a mean-normalized sum, not as low. One copy of ``positions`` to the values' device, no read back."""
+    out = values.mean().expand(num_positions).clone()
+    return out.index_copy_(0, positions.to(values.device), values)
 
 
 def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, always_mask: torch.Tensor,

@@ -605,16 +605,44 @@ def test_relay_refuses_away_without_carried_states(setup):
         _run(setup, "relay[l_start=0,l_det=1,l_end=3,top_r=0.25,away=1]")
 
 
-def test_relay_measures_no_away_mass_on_a_span_stored_without_its_start(setup, monkeypatch):
+def test_relay_counts_a_span_stored_without_its_start_as_average(setup, monkeypatch):
     """A span whose stored sequence does not start at position 0 lacks part of the context its tokens attended to:
-    it is not measured (and its tokens count as average)."""
+    it is not measured, and its tokens get the measured ones' mean in the admission's score."""
     lm, store, call, _ = setup
     up = store.get("up")
     store.put("up-tail", StoredSpan(up.token_ids[5:], 5, up.k[:, :, 5:], up.v[:, :, 5:], up.fingerprint,
                                     {2: up.hidden_rows(2, 5, 44)}, 0))
-    given = []
-    monkeypatch.setattr(relay_module, "away_mass", lambda *args: given.append(args))
+    ids = list(call.prompt_ids) + list(up.token_ids[20:28])  # the output again, its first 8 tokens, at 36-43
+    refs = [SpanRef(7, 31, "up", 20, "output"), SpanRef(36, 44, "up-tail", 15, "output")]
+    priors = []
+    real_select_top = relay_module.select_top
+
+    def spy(dev, inf, always_mask, top_r, given=()):
+        priors.extend(given)
+        return real_select_top(dev, inf, always_mask, top_r, given)
+
+    monkeypatch.setattr(relay_module, "select_top", spy)
     spec = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]"
-    out = generate(lm, CallInput(call.prompt_ids, [SpanRef(7, 31, "up-tail", 15, "output")]), get_method(spec),
-                   store, ONE)
-    assert not given and out.stats.num_reused_tokens == 24
+    generate(lm, CallInput(ids, refs), get_method(spec), store, ONE)
+    (away, weight), = priors  # one admission, one prior: the mass by span token, the up span's then the tail's
+    mass = away_mass(lm.model.model.layers[2], lm.model.rope_of(2), up.hidden_rows(2, 20, 44), up.k[2], 20,
+                     lm.config.window_at(2))
+    assert weight == 100 and away.shape == (24 + 7,)  # the last prompt token is always computed
+    torch.testing.assert_close(away[:24], mass)
+    torch.testing.assert_close(away[24:], mass.mean().expand(7))
+
+
+def test_relay_scores_a_span_that_lost_no_context_as_zero(setup, monkeypatch):
+    """A span preceded in the new prompt by every stored token before it but the sink lost nothing: its mass is 0,
+    measured (not average), without computing any attention."""
+    lm, store, _, _ = setup
+    up = store.get("up")
+    ids = [up.token_ids[0] + 1] + list(up.token_ids[1:44]) + [1, 2, 3, 4, 5]  # another first token: no exact prefix
+    priors, called = [], []
+    real_select_top = relay_module.select_top
+    monkeypatch.setattr(relay_module, "select_top", lambda *args: priors.extend(args[4]) or real_select_top(*args))
+    monkeypatch.setattr(relay_module, "away_mass", lambda *args: called.append(args))
+    spec = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]"
+    generate(lm, CallInput(ids, [SpanRef(20, 44, "up", 20, "output")]), get_method(spec), store, ONE)
+    (away, _), = priors
+    assert not called and away.shape == (24,) and not away.any()

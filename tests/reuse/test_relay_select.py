@@ -14,12 +14,12 @@ from kvrelay.reuse.relay import RelayMethod
 from kvrelay.reuse.relay_select import (
     away_mass,
     drift_shift,
-    fill_unmeasured,
     position_prior,
     prune_mask,
     select_tokens,
     select_top,
     shared_context_len,
+    spread_with_mean,
 )
 from tests.helpers import hf_model, tiny_lm
 
@@ -150,16 +150,13 @@ def test_shared_context_is_the_run_of_equal_tokens_right_before_the_span():
 
 
 def test_unmeasured_tokens_count_as_average():
-    score = torch.tensor([0.2, 0.0, 1.6, 0.0])
-    measured = torch.tensor([True, False, True, True])  # the last one measured, and 0: it lost nothing
-    filled = fill_unmeasured(score, measured)
-    assert torch.allclose(filled, torch.tensor([0.2, 0.6, 1.6, 0.0]))
-    assert fill_unmeasured(score, torch.zeros(4, dtype=torch.bool)) is None
-    # with a heavy weight the token with no measure ranks as average (over 0.2), not as lost nothing
+    values = torch.tensor([0.2, 1.6, 0.0])  # the last one measured, and 0: it lost nothing
+    spread = spread_with_mean(values, torch.tensor([0, 2, 3]), 5)
+    assert torch.allclose(spread, torch.tensor([0.2, 0.6, 1.6, 0.0, 0.6]))
+    # with a heavy weight a token with no measure (1) ranks as average, over a measured low one (0)
     inf = torch.ones(4)
     none = torch.zeros(4, dtype=torch.bool)
-    assert select_top(None, inf, none, 0.5, [(filled, 100.0)]).nonzero().flatten().tolist() == [1, 2]
-    assert select_top(None, inf, none, 0.5, [(score, 100.0)]).nonzero().flatten().tolist() == [0, 2]
+    assert select_top(None, inf, none, 0.5, [(spread[:4], 100.0)]).nonzero().flatten().tolist() == [1, 2]
 
 
 def test_away_needs_the_budget_form():
