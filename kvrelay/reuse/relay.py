@@ -56,6 +56,7 @@ from kvrelay.reuse.band import BandSchedule, Kept
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad
 from kvrelay.reuse.profile import layer_profile
 from kvrelay.reuse.relay_select import (
+    AWAY_MAX_SCORES,
     PRUNE_RULES,
     SINK_LEN,
     away_mass,
@@ -118,9 +119,10 @@ def _recalibration_flags(profile, workload: str) -> str:
 
 def _lost_context_mass(lm, call: CallInput, load: SpanLoad, span, h: torch.Tensor, layer: int) -> torch.Tensor | None:
     """``away_mass`` at ``layer`` of a carried span's tokens (``h``: their states there): zeros for a span that lost
-    no context (its stored context precedes it in the new prompt too, or it has none but the sink), None for one
-    stored without its sequence's start (its tokens attended to context the store does not hold: not measured)."""
-    if span.start_pos != 0:
+    no context (its stored context precedes it in the new prompt too, or it has none but the sink); None (not
+    measured) for one stored without its sequence's start (its tokens attended to context the store does not hold)
+    and for one whose attention would cost more than ``AWAY_MAX_SCORES`` scores per head."""
+    if span.start_pos != 0 or h.shape[0] * load.src_end > AWAY_MAX_SCORES:
         return None
     context_start = load.src_start - shared_context_len(call.prompt_ids, load.dst_start, span.token_ids,
                                                         load.src_start)

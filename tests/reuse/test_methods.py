@@ -646,3 +646,17 @@ def test_relay_scores_a_span_that_lost_no_context_as_zero(setup, monkeypatch):
     generate(lm, CallInput(ids, [SpanRef(20, 44, "up", 20, "output")]), get_method(spec), store, ONE)
     (away, _), = priors
     assert not called and away.shape == (24,) and not away.any()
+
+
+def test_relay_does_not_measure_a_span_past_the_score_budget(setup, monkeypatch):
+    """The mass costs a span's carried tokens x its stored keys in scores (24 x 44 here): past the budget the span
+    is not measured."""
+    called = []
+    monkeypatch.setattr(relay_module, "away_mass", lambda *args: called.append(args) or torch.zeros(24))
+    spec = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]"
+    monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44 - 1)
+    _run(setup, spec)
+    assert not called
+    monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44)
+    _run(setup, spec)
+    assert len(called) == 1
