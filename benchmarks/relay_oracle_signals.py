@@ -37,6 +37,7 @@ from kvrelay.eval.harness import environment
 from kvrelay.model.layers import attention_probs, visible_mask
 from kvrelay.model.schedule import StaticSchedule
 from kvrelay.reuse.base import CallInput, Plan
+from kvrelay.reuse.relay_select import away_mass
 from kvrelay.reuse.spans import collect_reuse
 from kvrelay.weights.loader import load_model
 
@@ -59,20 +60,13 @@ def recall_at(signal: torch.Tensor, oracle: torch.Tensor, k: int) -> float:
 
 def fresh_away_mass(lm, ids: list[int], first: int, last: int, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """layer -> [last - first]: per token of ``ids[first:last]``, the attention (summed over heads) it pays, in a
-    fresh prefill of ``ids[:last]``, to positions outside [first, itself] other than position 0."""
-    n = last
-    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    result, _ = run_plan(lm, torch.tensor(ids[:n]), Plan(StaticSchedule(torch.arange(n))), cache, None,
+    fresh prefill of ``ids[:last]``, to positions outside [first, itself] other than position 0 (``away_mass`` with
+    every position before ``first`` lost)."""
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=last + 1)
+    result, _ = run_plan(lm, torch.tensor(ids[:last]), Plan(StaticSchedule(torch.arange(last))), cache, None,
                          capture_layers=tuple(sorted(set(layers))))
-    rows = torch.arange(first, last)
-    out = {}
-    for layer in layers:
-        active, hidden = result.captured[layer]
-        h = hidden.index_select(0, rows) if active.numel() == n else hidden[torch.isin(active, rows)]
-        q, _, _ = lm.model.model.layers[layer].project(h, *lm.model.rope_of(layer).cos_sin(rows, h.dtype, n))
-        probs = attention_probs(q, cache.k[layer][:, :n], visible_mask(rows, n, lm.config.window_at(layer)))
-        out[layer] = probs[:, :, 1:first].sum(dim=(0, 2))  # of [H, m, n]
-    return out
+    return {layer: away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), result.captured[layer][1][first:],
+                             cache.k[layer][:, :last], first, lm.config.window_at(layer)) for layer in layers}
 
 
 def call_signals(lm, call: CallInput, store, layers: tuple[int, ...]) -> dict[str, torch.Tensor] | None:

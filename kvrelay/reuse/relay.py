@@ -75,8 +75,7 @@ SELECTORS = ("both", "deviation", "influence")
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "pre_dense": None, "top_r": None,
-                  "prune": None, "prune_by": None, "drift": None, "pos_prior": None,
-                  "away": None}
+                  "prune": None, "prune_by": None, "drift": None, "pos_prior": None, "away": None}
 
 
 @dataclass(frozen=True)

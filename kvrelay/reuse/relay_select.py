@@ -117,12 +117,9 @@ def select_top(deviation: torch.Tensor | None, influence: torch.Tensor | None, a
     deviation + influence (a missing or all-zero score adds nothing), plus weight x the mean-normalized score of
     each (score [n], weight) in ``priors`` (``position_prior``, ``away_mass``). Bool [n]."""
     score = torch.zeros(always_mask.shape, dtype=torch.float32, device=always_mask.device)
-    for part in (deviation, influence):
-        if part is not None and part.numel() and float(part.mean()) > 0:
-            score += part.float() / part.float().mean()
-    for prior, weight in priors:
-        if weight and prior.numel() and float(prior.mean()) > 0:
-            score += weight * prior.float() / prior.float().mean()
+    for part, weight in ((deviation, 1.0), (influence, 1.0), *priors):
+        if part is not None and weight and part.numel() and float(part.mean()) > 0:
+            score += weight * part.float() / part.float().mean()
     keep = always_mask.clone()
     num_keep = min(round(top_r * score.numel()), int((score > 0).sum()))
     if num_keep:

@@ -560,6 +560,7 @@ def test_relay_admits_by_the_position_prior_where_it_is_set(setup, writes):
     assert len(admitted["influence"]) == 6 and admitted["influence"] != admitted["prior"]
 
 
+AWAY_SPEC = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100{}]"  # a heavy weight: the mass decides
 # (the call's prompt before the output, the ref's length, extra knobs) -> what ``away_mass`` must be given (the
 # carried rows' stored range, the keys' length, where the lost context ends) and the span rows layer 3 computes
 AWAY_CASES = {
@@ -571,6 +572,20 @@ AWAY_CASES = {
     # the prompt's last 3 tokens before the span are the stored ones: not lost context
     "kept context": ("head+3", 24, "", (20, 44, 44, 17), set(range(18, 24))),
 }
+
+
+@pytest.fixture
+def admission_priors(monkeypatch) -> list:
+    """The (score, weight) priors relay's budget form is given, in the order of its calls."""
+    priors = []
+    real_select_top = relay_module.select_top
+
+    def spy(dev, inf, always_mask, top_r, given=()):
+        priors.extend(given)
+        return real_select_top(dev, inf, always_mask, top_r, given)
+
+    monkeypatch.setattr(relay_module, "select_top", spy)
+    return priors
 
 
 @pytest.mark.parametrize("case", AWAY_CASES)
@@ -593,7 +608,7 @@ def test_relay_admits_by_the_stored_attention_to_the_lost_context(setup, writes,
     monkeypatch.setattr(relay_module, "away_mass", reversed_mass)
     writes.clear()
     generate(lm, CallInput(ids, [SpanRef(7, 7 + ref_len, "up", 20, "output")]),
-             get_method(f"relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100{knobs}]"), store, ONE)
+             get_method(AWAY_SPEC.format(knobs)), store, ONE)
     assert len(given) == 1
     torch.testing.assert_close(given[0][0], span.hidden_rows(2, h_from, h_to))
     assert given[0][1:] == (num_keys, context_start)
@@ -605,7 +620,7 @@ def test_relay_refuses_away_without_carried_states(setup):
         _run(setup, "relay[l_start=0,l_det=1,l_end=3,top_r=0.25,away=1]")
 
 
-def test_relay_counts_a_span_stored_without_its_start_as_average(setup, monkeypatch):
+def test_relay_counts_a_span_stored_without_its_start_as_average(setup, admission_priors):
     """A span whose stored sequence does not start at position 0 lacks part of the context its tokens attended to:
     it is not measured, and its tokens get the measured ones' mean in the admission's score."""
     lm, store, call, _ = setup
@@ -614,17 +629,8 @@ def test_relay_counts_a_span_stored_without_its_start_as_average(setup, monkeypa
                                     {2: up.hidden_rows(2, 5, 44)}, 0))
     ids = list(call.prompt_ids) + list(up.token_ids[20:28])  # the output again, its first 8 tokens, at 36-43
     refs = [SpanRef(7, 31, "up", 20, "output"), SpanRef(36, 44, "up-tail", 15, "output")]
-    priors = []
-    real_select_top = relay_module.select_top
-
-    def spy(dev, inf, always_mask, top_r, given=()):
-        priors.extend(given)
-        return real_select_top(dev, inf, always_mask, top_r, given)
-
-    monkeypatch.setattr(relay_module, "select_top", spy)
-    spec = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]"
-    generate(lm, CallInput(ids, refs), get_method(spec), store, ONE)
-    (away, weight), = priors  # one admission, one prior: the mass by span token, the up span's then the tail's
+    generate(lm, CallInput(ids, refs), get_method(AWAY_SPEC.format("")), store, ONE)
+    (away, weight), = admission_priors  # one admission, one prior: by span token, the up span's then the tail's
     mass = away_mass(lm.model.model.layers[2], lm.model.rope_of(2), up.hidden_rows(2, 20, 44), up.k[2], 20,
                      lm.config.window_at(2))
     assert weight == 100 and away.shape == (24 + 7,)  # the last prompt token is always computed
@@ -632,19 +638,16 @@ def test_relay_counts_a_span_stored_without_its_start_as_average(setup, monkeypa
     torch.testing.assert_close(away[24:], mass.mean().expand(7))
 
 
-def test_relay_scores_a_span_that_lost_no_context_as_zero(setup, monkeypatch):
+def test_relay_scores_a_span_that_lost_no_context_as_zero(setup, monkeypatch, admission_priors):
     """A span preceded in the new prompt by every stored token before it but the sink lost nothing: its mass is 0,
     measured (not average), without computing any attention."""
     lm, store, _, _ = setup
     up = store.get("up")
     ids = [up.token_ids[0] + 1] + list(up.token_ids[1:44]) + [1, 2, 3, 4, 5]  # another first token: no exact prefix
-    priors, called = [], []
-    real_select_top = relay_module.select_top
-    monkeypatch.setattr(relay_module, "select_top", lambda *args: priors.extend(args[4]) or real_select_top(*args))
+    called = []
     monkeypatch.setattr(relay_module, "away_mass", lambda *args: called.append(args))
-    spec = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]"
-    generate(lm, CallInput(ids, [SpanRef(20, 44, "up", 20, "output")]), get_method(spec), store, ONE)
-    (away, _), = priors
+    generate(lm, CallInput(ids, [SpanRef(20, 44, "up", 20, "output")]), get_method(AWAY_SPEC.format("")), store, ONE)
+    (away, _), = admission_priors
     assert not called and away.shape == (24,) and not away.any()
 
 
@@ -653,10 +656,9 @@ def test_relay_does_not_measure_a_span_past_the_score_budget(setup, monkeypatch)
     is not measured."""
     called = []
     monkeypatch.setattr(relay_module, "away_mass", lambda *args: called.append(args) or torch.zeros(24))
-    spec = "relay[l_start=2,l_det=2,l_end=3,top_r=0.25,l_suf=0,away=100]"
     monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44 - 1)
-    _run(setup, spec)
+    _run(setup, AWAY_SPEC.format(""))
     assert not called
     monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44)
-    _run(setup, spec)
+    _run(setup, AWAY_SPEC.format(""))
     assert len(called) == 1
