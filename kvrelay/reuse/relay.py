@@ -377,6 +377,9 @@ class RelayMethod(ReuseMethod):
                                 prune if sel.prune is not None else None, admit if admits else None,
                                 drift if sel.drift else None)
         num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0
-        note = f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0" \
-            if num_from_zero else None
-        return Plan(schedule, reuse.loads, note=note)
+        notes = [f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0"] \
+            if num_from_zero else []
+        num_unmeasured = sum(i.numel() for i in carried) - sum(i.numel() for i, _ in away_parts) if sel.away else 0
+        if num_unmeasured:  # their spans were stored without their start or past the score budget
+            notes.append(f"{num_unmeasured} span tokens had no away measure: scored as the others' mean")
+        return Plan(schedule, reuse.loads, note="; ".join(notes) or None)

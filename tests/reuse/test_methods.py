@@ -657,8 +657,8 @@ def test_relay_does_not_measure_a_span_past_the_score_budget(setup, monkeypatch)
     called = []
     monkeypatch.setattr(relay_module, "away_mass", lambda *args: called.append(args) or torch.zeros(24))
     monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44 - 1)
-    _run(setup, AWAY_SPEC.format(""))
-    assert not called
+    out = _run(setup, AWAY_SPEC.format(""))
+    assert not called and out.stats.note == "24 span tokens had no away measure: scored as the others' mean"
     monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44)
-    _run(setup, AWAY_SPEC.format(""))
+    assert _run(setup, AWAY_SPEC.format("")).stats.note is None
     assert len(called) == 1
