@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="score relay's selectors along full's first N greedy tokens (teacher-forced: the KL "
                            "there, and whether greedy@N matches) and choose by that KL; 0: by the first token's "
                            "(default: 32)")
-    prof.add_argument("--out", default=None, help="profile JSON file (default: the cache, keyed by model fingerprint)")
+    prof.add_argument("--out", default=None, help="a copy of the profile JSON here too; the profile relay reads is the "
+                      "one in the cache, keyed by model fingerprint, which is written either way")
     prof.add_argument("--plot", default=None, help="PNG file of the curves")
     prof.set_defaults(fn=_cmd_profile)
     gen = sub.add_parser("generate", help="one chat completion with the engine")
