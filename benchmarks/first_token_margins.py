@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from paired_calls import load_rows
@@ -20,7 +21,7 @@ from paired_calls import load_rows
 from kvrelay.eval.report import is_near_tie
 
 BIN_EDGES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 1.0)
-TARGET = 0.95  # issue 23's first-token share
+TARGET_SHARE = 0.95  # issue 23's first-token agreement
 
 
 def by_margin(rows: list[dict]) -> list[dict]:
@@ -43,7 +44,8 @@ def summarize(rows: list[dict]) -> dict:
     clear = [r for r in rows if not is_near_tie(r["full_first_margin"])]
     return {"calls": len(rows), "agree": len(rows) - misses, "misses": misses,
             "clear_calls": len(clear), "clear_agree": sum(r["first_token_agree"] for r in clear),
-            "misses_allowed_at_target": int(len(rows) * (1 - TARGET) + 1e-9),
+            # misses that leave agreement >= the target: n - ceil(target x n) (rounded first: 0.95 x 600 is 570)
+            "misses_allowed_at_target": len(rows) - math.ceil(round(TARGET_SHARE * len(rows), 9)),
             "calls_under_0.01": sum(b["calls"] for b in tiny),
             "misses_under_0.01": sum(b["calls"] - b["agree"] for b in tiny), "bins": bins}
 
@@ -59,8 +61,8 @@ def main() -> None:
     for method in args.methods:
         s = out["methods"][method] = summarize(list(load_rows(args.files, method).values()))
         print(f"{method}: {s['agree']}/{s['calls']} agree; {s['misses']} misses, {s['misses_allowed_at_target']} "
-              f"allowed at {TARGET}; {s['misses_under_0.01']} of them among the {s['calls_under_0.01']} calls with "
-              f"margin < 0.01; clear calls {s['clear_agree']}/{s['clear_calls']}")
+              f"allowed at {TARGET_SHARE}; {s['misses_under_0.01']} of them among the {s['calls_under_0.01']} calls "
+              f"with margin < 0.01; clear calls {s['clear_agree']}/{s['clear_calls']}")
         for b in s["bins"]:
             if b["calls"]:
                 print(f"  margin [{b['lo']}, {b['hi']}): {b['agree']}/{b['calls']} agree, mean KL {b['mean_kl']:.4f}")

@@ -30,20 +30,17 @@ Usage: python benchmarks/relay_drift_study.py --problems 20 --offset 100 --ratio
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from relay_oracle import loaded_cache
+from relay_oracle import fresh_prefill, loaded_cache
 from relay_oracle_signals import fresh_away_mass
 from relay_train_points import calls_parser
 
-from kvrelay.cache.kv import SequenceKV
-from kvrelay.engine.call import run_plan
 from kvrelay.eval.calibration_calls import downstream_calls
 from kvrelay.eval.harness import environment
 from kvrelay.model.rope import undo_rotary
-from kvrelay.model.schedule import StaticSchedule
-from kvrelay.reuse.base import Plan
 from kvrelay.reuse.spans import collect_reuse
 from kvrelay.weights.loader import load_model
 
@@ -70,7 +67,9 @@ def ridge(target_feat: torch.Tensor, source_feat: torch.Tensor, source_move: tor
     return move_mean + (target_feat - feat_mean) @ torch.linalg.solve(gram, xs.mT @ (source_move - move_mean))
 
 
-def by_group(groups_t: torch.Tensor, groups_s: torch.Tensor, move_s: torch.Tensor, estimate, shape) -> torch.Tensor:
+def by_group(groups_t: torch.Tensor, groups_s: torch.Tensor, move_s: torch.Tensor,
+             estimate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape: torch.Size | tuple[int, ...]
+             ) -> torch.Tensor:
     """[H, nt, d]: per target group, ``estimate(target rows, source rows)`` over the sources of the same group, else
     the sources' mean."""
     out = move_s.mean(1, keepdim=True).expand(shape).clone()
@@ -89,7 +88,7 @@ def main() -> None:
     lm = load_model(args.model)
     ratios = tuple(float(r) for r in args.ratios.split(","))
     sums: dict[str, list[float]] = {}  # "share/kv/predictor" -> [<D,P>, |P|^2, |D|^2]
-    num_calls = [0]
+    num_calls = 0
 
     def add(key: str, move: torch.Tensor, estimate: torch.Tensor) -> None:
         s = sums.setdefault(key, [0.0, 0.0, 0.0])
@@ -98,19 +97,19 @@ def main() -> None:
         s[2] += float(move.pow(2).sum())
 
     def on_call(call, store) -> None:
+        nonlocal num_calls
         n = len(call.prompt_ids)
         reuse = collect_reuse(call, store, lm.fingerprint)
         span_idx = reuse.approx_idx()
         if not span_idx.numel():
             return
-        num_calls[0] += 1
+        num_calls += 1
         span_of = torch.cat([torch.full((ld.num_tokens,), i) for i, ld in enumerate(reuse.approx)])
         place = torch.cat([torch.arange(ld.num_tokens) for ld in reuse.approx]).float()  # a token's place in its span
-        fresh = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-        run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), fresh, None)
+        _, fresh = fresh_prefill(lm, call)
         loaded = loaded_cache(lm, call, store, reuse.loads)
         m = span_idx.numel()
-        lost = torch.cat([fresh_away_mass(lm, list(store.get(ld.span_id).token_ids), ld.src_start, ld.src_end,
+        lost_mass = torch.cat([fresh_away_mass(lm, list(store.get(ld.span_id).token_ids), ld.src_start, ld.src_end,
                                           (FROM_LAYER,))[FROM_LAYER] for ld in reuse.approx]).float()  # [m]
         for layer in range(FROM_LAYER, lm.config.num_layers):
             cos, sin = lm.model.rope_of(layer).cos_sin(span_idx, torch.float32, n)
@@ -126,7 +125,7 @@ def main() -> None:
                 src = torch.zeros(m, dtype=torch.bool)
                 src[v_dev.topk(num_src).indices] = True
                 for kv, move, feat in (("k", k_fresh - k_used, k_used), ("v", v_fresh - v_used, v_used)):
-                    move_t, move_s = move[:, ~src], move[:, src]
+                    move_t, move_s = move[:, ~src], move[:, src]  # [Hkv, targets, hd], [Hkv, sources, hd]
                     shape = move_t.shape
                     preds = {"mean": move_s.mean(1, keepdim=True).expand(shape),
                              "span_mean": by_group(span_of[~src], span_of[src], move_s,
@@ -140,7 +139,7 @@ def main() -> None:
                     for t in TEMPERATURES:
                         preds[f"kernel_k@{t}"] = kernel(k_used[:, ~src], k_used[:, src], move_s, t)
                         preds[f"kernel_v@{t}"] = kernel(v_used[:, ~src], v_used[:, src], move_s, t)
-                    weight = lost[~src] / lost[src].mean().clamp_min(1e-6)  # [targets]
+                    weight = lost_mass[~src] / lost_mass[src].mean().clamp_min(1e-6)  # [targets]
                     preds["mean_by_away"] = move_s.mean(1, keepdim=True) * weight[None, :, None]
                     for penalty in RIDGE_PENALTIES:
                         preds[f"ridge@{penalty}"] = ridge(feat[:, ~src], feat[:, src], move_s, penalty)
@@ -154,9 +153,9 @@ def main() -> None:
                         "explained_at_shipped": (2 * SHIPPED_DRIFT * dp - SHIPPED_DRIFT ** 2 * pp) / dd}
     Path(args.json).write_text(json.dumps({
         "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-        "num_calls": num_calls[0], "ratios": ratios, "from_layer": FROM_LAYER, "environment": environment("cpu"),
+        "num_calls": num_calls, "ratios": ratios, "from_layer": FROM_LAYER, "environment": environment("cpu"),
         "summary": summary}, indent=1) + "\n")
-    print(f"{num_calls[0]} calls; share of the targets' squared move explained (best scale, at {SHIPPED_DRIFT})")
+    print(f"{num_calls} calls; share of the targets' squared move explained (best scale, at {SHIPPED_DRIFT})")
     for key, s in summary.items():
         print(f"  {key:22s} {s['explained_at_best']:.3f} (x{s['best_scale']:+.2f})  {s['explained_at_shipped']:+.3f}")
 

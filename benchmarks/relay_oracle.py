@@ -81,6 +81,24 @@ class TopRelay(RelayMethod):
         return plan
 
 
+def fresh_prefill(lm, call: CallInput, capture_layers: tuple[int, ...] = ()):
+    """A full prefill of the call's prompt into a cache of its own: (the run's result, whose logits are full's first
+    token's, with the hidden states of ``capture_layers``; the cache)."""
+    n = len(call.prompt_ids)
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
+    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), cache, None,
+                         capture_layers=capture_layers)
+    return result, cache
+
+
+def schedule_logits(lm, call: CallInput, store: KVStore, schedule, loads: list) -> tuple[torch.Tensor, float]:
+    """First-token logits and reuse (1 - computed token-layers / all) of ``schedule`` over the call's ``loads``."""
+    n = len(call.prompt_ids)
+    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
+    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(schedule, loads), cache, store)
+    return result.logits, 1 - result.num_computed_token_layers / (n * lm.config.num_layers)
+
+
 def loaded_cache(lm, call: CallInput, store: KVStore, loads: list) -> SequenceKV:
     """A sequence cache holding the call's reused K/V as loaded (re-rotated, not repaired)."""
     cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=len(call.prompt_ids) + 1)
@@ -119,11 +137,8 @@ def oracle_active(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio:
 def oracle_logits(lm, call: CallInput, store: KVStore, fresh: SequenceKV, ratio: float,
                   pre: int = 0) -> tuple[torch.Tensor, float]:
     """First-token logits and reuse of the oracle's selection (``oracle_active``)."""
-    n, num_layers = len(call.prompt_ids), lm.config.num_layers
     active, loads = oracle_active(lm, call, store, fresh, ratio, pre)
-    cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(active), loads), cache, store)
-    return result.logits, 1 - result.num_computed_token_layers / (n * num_layers)
+    return schedule_logits(lm, call, store, StaticSchedule(active), loads)
 
 
 def train_calls_parser(description: str) -> argparse.ArgumentParser:

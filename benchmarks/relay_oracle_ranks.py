@@ -17,35 +17,34 @@ import json
 from pathlib import Path
 
 import torch
-from relay_oracle import ORACLE_FROM_LAYER, loaded_cache
+from relay_oracle import ORACLE_FROM_LAYER, fresh_prefill, loaded_cache, schedule_logits
 from relay_train_points import calls_parser
 
-from kvrelay.cache.kv import SequenceKV
-from kvrelay.engine.call import run_plan
+from kvrelay.cache.store import KVStore
 from kvrelay.eval.calibration_calls import downstream_calls
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.model.layers import attention_probs, visible_mask
 from kvrelay.model.schedule import StaticSchedule
-from kvrelay.reuse.base import Plan
+from kvrelay.reuse.base import CallInput, SpanLoad
 from kvrelay.reuse.spans import collect_reuse
 from kvrelay.weights.loader import load_model
 
 
-def rankings(lm, call, store) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, list, torch.Tensor] | None:
+def rankings(lm, call: CallInput, store: KVStore
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, list[SpanLoad], torch.Tensor] | None:
     """(name -> score [m] over the approximate span tokens, their prompt positions, the new tokens', the loads,
-    full's first-token logits); None without approximate spans."""
+    full's first-token logits); None without approximate spans. Keys are compared as cached (rotated): both sides
+    of a difference sit at the same position, so the rotation keeps its norm."""
     n, num_layers = len(call.prompt_ids), lm.config.num_layers
     reuse = collect_reuse(call, store, lm.fingerprint)
     span_idx = reuse.approx_idx()
     if not span_idx.numel():
         return None
-    fresh = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), fresh, None,
-                         capture_layers=tuple(range(num_layers)))
+    result, fresh = fresh_prefill(lm, call, tuple(range(num_layers)))
     loaded = loaded_cache(lm, call, store, reuse.loads)
     k_dist = (loaded.k[:, :, span_idx] - fresh.k[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt()  # [L, m]
-    v_dist = (loaded.v[:, :, span_idx] - fresh.v[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt()
+    v_dist = (loaded.v[:, :, span_idx] - fresh.v[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt()  # [L, m]
     new_idx = reuse.new_idx(n)
     attn = []
     for layer in range(num_layers):
@@ -56,6 +55,7 @@ def rankings(lm, call, store) -> tuple[dict[str, torch.Tensor], torch.Tensor, to
         attn.append(probs.sum(dim=(0, 1)).index_select(0, span_idx))  # of [H, n_new, n]
     attn = torch.stack(attn)[ORACLE_FROM_LAYER:]  # [L - from, m]
     k_dist, v_dist = k_dist[ORACLE_FROM_LAYER:], v_dist[ORACLE_FROM_LAYER:]
+    # the key move alone is relay_oracle's ranking; the others weight a move by what the new tokens read of it
     scores = {"key": k_dist.mean(0), "attn*(k+v)": (attn * (k_dist + v_dist)).sum(0), "attn*v": (attn * v_dist).sum(0),
               "attn": attn.sum(0)}
     return scores, span_idx, new_idx, reuse.loads, result.logits
@@ -75,18 +75,14 @@ def main() -> None:
         if found is None:
             return
         scores, span_idx, new_idx, loads, full_logits = found
-        n = len(call.prompt_ids)
         for ratio in ratios:
             top_k = max(1, round(ratio * span_idx.numel()))
             for name, score in scores.items():
                 active = torch.cat([new_idx, span_idx[score.topk(top_k).indices]]).unique()
-                cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-                result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(active), loads), cache,
-                                     store)
+                logits, reuse = schedule_logits(lm, call, store, StaticSchedule(active), loads)
                 rows.setdefault(f"{ratio} {name}", []).append({
-                    "kl": kl_first_token(full_logits, result.logits),
-                    "reuse": 1 - result.num_computed_token_layers / (n * lm.config.num_layers),
-                    "agree": first_token_agrees(full_logits, result.logits)})
+                    "kl": kl_first_token(full_logits, logits), "reuse": reuse,
+                    "agree": first_token_agrees(full_logits, logits)})
 
     downstream_calls(lm, args.workload, None, args.problems, (), on_call, "calls", True, args.offset)
     summary = {name: {k: sum(float(r[k]) for r in rs) / len(rs) for k in ("kl", "reuse", "agree")}

@@ -9,8 +9,11 @@ token is its fresh prefill's K/V minus the loaded (re-rotated, unrepaired) one:
 - ``none``: no move (the plain oracle);
 - ``exact``: each token's own true move (every K/V equals the fresh prefill's: a check of the machinery, KL ~0);
 - ``span mean``: the mean true move of the token's span, every token of it included (session 21's drift oracle);
-- ``recomputed mean xA``: A x the mean true move of the recomputed tokens (what a drift could read, scaled);
-- ``recomputed span mean xA``: the same within the token's span.
+- ``recomputed mean xA``: A x the mean true move of the recomputed tokens (relay's drift reads the move of the tokens
+  it recomputes; here they are the oracle's tokens and their move is read from the fresh prefill, so this is an
+  optimistic stand-in for it);
+- ``recomputed span mean xA``: the same within the token's span (the mean of all recomputed tokens for a span with
+  none recomputed).
 
 Usage: python benchmarks/relay_oracle_shift.py --problems 20 --offset 100 --ratios 0,0.045,0.1 --json OUT.json
 """
@@ -21,21 +24,21 @@ import json
 from pathlib import Path
 
 import torch
-from relay_oracle import ORACLE_FROM_LAYER, loaded_cache
+from relay_oracle import ORACLE_FROM_LAYER, fresh_prefill, loaded_cache, schedule_logits
 from relay_train_points import calls_parser
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.engine.call import run_plan
+from kvrelay.cache.store import KVStore
 from kvrelay.eval.calibration_calls import downstream_calls
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.model.rope import undo_rotary
 from kvrelay.model.schedule import KVShift, LayerView, StaticSchedule
-from kvrelay.reuse.base import Plan
-from kvrelay.reuse.spans import collect_reuse
+from kvrelay.reuse.base import CallInput
+from kvrelay.reuse.spans import ReusePlan, collect_reuse
 from kvrelay.weights.loader import load_model
 
-SCALES = (0.15, 0.35)  # the study's best single scale near a 5% share, and relay's shipped drift
+MEAN_SCALES = (0.15, 0.35)  # relay_drift_study's best single scale near a 5% share, and SmolLM2's shipped drift
 
 
 class ShiftedStatic(StaticSchedule):
@@ -44,7 +47,8 @@ class ShiftedStatic(StaticSchedule):
 
     has_layer_hook = True
 
-    def __init__(self, active_idx: torch.Tensor, shifts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    def __init__(self, active_idx: torch.Tensor,
+                 shifts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         super().__init__(active_idx)
         self.shifts = shifts
 
@@ -55,7 +59,8 @@ class ShiftedStatic(StaticSchedule):
         return KVShift(*self.shifts[view.layer])
 
 
-def moves(lm, call, store, reuse, fresh: SequenceKV) -> tuple[torch.Tensor, torch.Tensor]:
+def moves(lm, call: CallInput, store: KVStore, reuse: ReusePlan, fresh: SequenceKV
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """True moves of the approximate span tokens, fresh - loaded: K with RoPE undone and V, [L, Hkv, m, hd] each."""
     n, span_idx = len(call.prompt_ids), reuse.approx_idx()
     loaded = loaded_cache(lm, call, store, reuse.loads)
@@ -64,7 +69,7 @@ def moves(lm, call, store, reuse, fresh: SequenceKV) -> tuple[torch.Tensor, torc
         cos, sin = lm.model.rope_of(layer).cos_sin(span_idx, torch.float32, n)
         dk.append(undo_rotary(fresh.k[layer][:, span_idx].float() - loaded.k[layer][:, span_idx].float(), cos, sin))
         dv.append(fresh.v[layer][:, span_idx].float() - loaded.v[layer][:, span_idx].float())
-    return torch.stack(dk), torch.stack(dv)
+    return torch.stack(dk), torch.stack(dv)  # L x [Hkv, m, hd] -> [L, Hkv, m, hd]
 
 
 def corrections(dk: torch.Tensor, dv: torch.Tensor, chosen: torch.Tensor, span_of: torch.Tensor
@@ -74,8 +79,8 @@ def corrections(dk: torch.Tensor, dv: torch.Tensor, chosen: torch.Tensor, span_o
     out = {"exact": (dk[:, :, left], dv[:, :, left])}
 
     def by_span(d: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
-        est = d[:, :, among].mean(2, keepdim=True).expand(-1, -1, int(left.sum()), -1).clone() if among.any() \
-            else torch.zeros_like(d[:, :, left])
+        # [L, Hkv, 1, hd] -> [L, Hkv, t, hd]: every target starts from the mean over all of ``among`` (never empty)
+        est = d[:, :, among].mean(2, keepdim=True).expand(-1, -1, int(left.sum()), -1).clone()
         for s in span_of[left].unique():
             rows, pool = span_of[left] == s, among & (span_of == s)
             if pool.any():
@@ -84,7 +89,7 @@ def corrections(dk: torch.Tensor, dv: torch.Tensor, chosen: torch.Tensor, span_o
 
     every = torch.ones_like(chosen)
     out["span mean"] = (by_span(dk, every), by_span(dv, every))
-    for scale in SCALES:
+    for scale in MEAN_SCALES:
         if chosen.any():
             mean_k, mean_v = dk[:, :, chosen].mean(2, keepdim=True), dv[:, :, chosen].mean(2, keepdim=True)
             out[f"recomputed mean x{scale}"] = (scale * mean_k.expand_as(dk[:, :, left]),
@@ -110,27 +115,23 @@ def main() -> None:
         if not span_idx.numel():
             return
         span_of = torch.cat([torch.full((ld.num_tokens,), i) for i, ld in enumerate(reuse.approx)])
-        fresh = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-        full, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), fresh, None)
+        full, fresh = fresh_prefill(lm, call)
         dk, dv = moves(lm, call, store, reuse, fresh)
-        rank = dk[ORACLE_FROM_LAYER:].norm(dim=-1).pow(2).sum(1).sqrt().mean(0)  # [m]: relay_oracle's key distance
+        key_move = dk[ORACLE_FROM_LAYER:].norm(dim=-1).pow(2).sum(1).sqrt().mean(0)  # [m]: relay_oracle's ranking
         new_idx = reuse.new_idx(n)
         for ratio in ratios:
             chosen = torch.zeros(span_idx.numel(), dtype=torch.bool)
             if ratio > 0:
-                chosen[rank.topk(max(1, round(ratio * span_idx.numel()))).indices] = True
+                chosen[key_move.topk(max(1, round(ratio * span_idx.numel()))).indices] = True
             active = torch.cat([new_idx, span_idx[chosen]]).unique()
             fixes = {"none": None, **corrections(dk, dv, chosen, span_of)}
             for name, fix in fixes.items():
                 shifts = {} if fix is None else {layer: (span_idx[~chosen], fix[0][layer], fix[1][layer])
                                                  for layer in range(1, num_layers)}
-                cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-                result, _ = run_plan(lm, torch.tensor(call.prompt_ids),
-                                     Plan(ShiftedStatic(active, shifts), reuse.loads), cache, store)
+                logits, reuse_rate = schedule_logits(lm, call, store, ShiftedStatic(active, shifts), reuse.loads)
                 rows.setdefault(f"{ratio} {name}", []).append({
-                    "kl": kl_first_token(full.logits, result.logits),
-                    "reuse": 1 - result.num_computed_token_layers / (n * num_layers),
-                    "agree": first_token_agrees(full.logits, result.logits)})
+                    "kl": kl_first_token(full.logits, logits), "reuse": reuse_rate,
+                    "agree": first_token_agrees(full.logits, logits)})
 
     downstream_calls(lm, args.workload, None, args.problems, (), on_call, "calls", True, args.offset)
     summary = {name: {k: sum(float(r[k]) for r in rs) / len(rs) for k in ("kl", "reuse", "agree")}

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 import torch
-from relay_oracle import ORACLE_FROM_LAYER, key_distance
+from relay_oracle import ORACLE_FROM_LAYER, fresh_prefill, key_distance
 from relay_train_points import calls_parser
 
 from kvrelay.cache.kv import SequenceKV
@@ -76,9 +76,7 @@ def call_signals(lm, call: CallInput, store, layers: tuple[int, ...]) -> dict[st
     span_idx = reuse.approx_idx()
     if not span_idx.numel():
         return None
-    fresh = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=n + 1)
-    result, _ = run_plan(lm, torch.tensor(call.prompt_ids), Plan(StaticSchedule(torch.arange(n))), fresh, None,
-                         capture_layers=tuple(sorted(set(layers))))
+    result, fresh = fresh_prefill(lm, call, tuple(sorted(set(layers))))
     k_diff, loaded = key_distance(lm, call, store, fresh, reuse)  # [L, m]
     out = {"oracle": k_diff[ORACLE_FROM_LAYER:].mean(0)}
     position = torch.cat([torch.arange(ld.num_tokens) for ld in reuse.approx]).float()

@@ -174,6 +174,8 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | S
     profile.l_start, profile.l_det, profile.l_end = band
     profile.selector = _relay_knobs(knobs)
     profile.selector_scores = {spec: _score_dict(s) for spec, s in {**scores, "epic": epic}.items()}
+    # the band search's record stays; an earlier selector pass's (or a note on it) describes scores no longer held
+    profile.calibration = {k: v for k, v in profile.calibration.items() if not k.startswith("selector_")}
     profile.calibration["selector_problems"] = num_problems
     names = [workload] if isinstance(workload, str) else list(workload)
     profile.calibration["selector_workloads"] = {name: calibration_data(data, name) or "default" for name in names}

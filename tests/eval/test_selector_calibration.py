@@ -77,9 +77,14 @@ def test_calibrate_selector_writes_the_choice_its_scores_and_its_detection_layer
         return out
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
-    profile = calibrate_selector(None, _profile(), ["gsm8k-chain3", "humaneval-adr"], None, 4, progress=False,
+    before = _profile()
+    before.calibration |= {"selector_problems": 30, "selector_rescored": "a note on an earlier pass's scores"}
+    profile = calibrate_selector(None, before, ["gsm8k-chain3", "humaneval-adr"], None, 4, progress=False,
                                  offset=100)
     assert profile.selector == {k: v for k, v in at_start.items() if k != AT_START}
+    # the band search's record kept, the earlier selector pass's replaced, its note gone
+    assert profile.calibration["problems"] == 4 and profile.calibration["selector_problems"] == 4
+    assert "selector_rescored" not in profile.calibration
     assert profile.layers == (2, 2, 7) and profile.searched_band == [2, 3, 7]  # detected where the states enter
     assert profile.selector_scores[best] == {"kl": 0.01, "reuse": 0.70, "path_kl": 0.004, "greedy": 0.8}
     assert profile.selector_scores["epic"] == epic._asdict()
