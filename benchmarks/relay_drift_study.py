@@ -70,13 +70,13 @@ def ridge(target_feat: torch.Tensor, source_feat: torch.Tensor, source_move: tor
 def by_group(groups_t: torch.Tensor, groups_s: torch.Tensor, move_s: torch.Tensor,
              estimate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape: torch.Size | tuple[int, ...]
              ) -> torch.Tensor:
-    """[H, nt, d]: per target group, ``estimate(target rows, source rows)`` over the sources of the same group, else
-    the sources' mean."""
-    out = move_s.mean(1, keepdim=True).expand(shape).clone()
+    """[..., nt, d]: per target group, ``estimate(target rows, source rows)`` over the sources of the same group, else
+    the sources' mean (tokens on the second-to-last dimension of ``move_s`` [..., ns, d] and of ``shape``)."""
+    out = move_s.mean(-2, keepdim=True).expand(shape).clone()
     for g in groups_t.unique():
         rows, src = (groups_t == g).nonzero().flatten(), (groups_s == g).nonzero().flatten()
         if src.numel():
-            out[:, rows] = estimate(rows, src)
+            out[..., rows, :] = estimate(rows, src)
     return out
 
 

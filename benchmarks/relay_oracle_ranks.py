@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import torch
-from relay_oracle import ORACLE_FROM_LAYER, fresh_prefill, loaded_cache, schedule_logits
+from relay_oracle import ORACLE_FROM_LAYER, fresh_prefill, key_distance, schedule_logits
 from relay_train_points import calls_parser
 
 from kvrelay.cache.store import KVStore
@@ -42,8 +42,7 @@ def rankings(lm, call: CallInput, store: KVStore
     if not span_idx.numel():
         return None
     result, fresh = fresh_prefill(lm, call, tuple(range(num_layers)))
-    loaded = loaded_cache(lm, call, store, reuse.loads)
-    k_dist = (loaded.k[:, :, span_idx] - fresh.k[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt()  # [L, m]
+    k_dist, loaded = key_distance(lm, call, store, fresh, reuse)  # [L, m]
     v_dist = (loaded.v[:, :, span_idx] - fresh.v[:, :, span_idx]).float().pow(2).sum(dim=(1, 3)).sqrt()  # [L, m]
     new_idx = reuse.new_idx(n)
     attn = []

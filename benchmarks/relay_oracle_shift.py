@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 import torch
+from relay_drift_study import by_group
 from relay_oracle import ORACLE_FROM_LAYER, fresh_prefill, loaded_cache, schedule_logits
 from relay_train_points import calls_parser
 
@@ -79,13 +80,10 @@ def corrections(dk: torch.Tensor, dv: torch.Tensor, chosen: torch.Tensor, span_o
     out = {"exact": (dk[:, :, left], dv[:, :, left])}
 
     def by_span(d: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
-        # [L, Hkv, 1, hd] -> [L, Hkv, t, hd]: every target starts from the mean over all of ``among`` (never empty)
-        est = d[:, :, among].mean(2, keepdim=True).expand(-1, -1, int(left.sum()), -1).clone()
-        for s in span_of[left].unique():
-            rows, pool = span_of[left] == s, among & (span_of == s)
-            if pool.any():
-                est[:, :, rows] = d[:, :, pool].mean(2, keepdim=True)
-        return est
+        """[L, Hkv, t, hd]: each target's span mean over ``among`` (never empty), else the mean over all of it."""
+        pool = d[:, :, among]  # [L, Hkv, sources, hd]
+        return by_group(span_of[left], span_of[among], pool, lambda rows, src: pool[:, :, src].mean(2, keepdim=True),
+                        d[:, :, left].shape)
 
     every = torch.ones_like(chosen)
     out["span mean"] = (by_span(dk, every), by_span(dv, every))
