@@ -20,7 +20,8 @@ METHODS: dict[str, str] = {
     "full": "kvrelay.reuse.full:FullMethod", "prefix": "kvrelay.reuse.prefix:PrefixMethod",
     "naive": "kvrelay.reuse.naive:NaiveMethod", "cacheblend": "kvrelay.reuse.cacheblend:CacheBlendMethod",
     "epic": "kvrelay.reuse.epic:EpicMethod", "relay": "kvrelay.reuse.relay:RelayMethod",
-    "kvcomm": "kvrelay.reuse.kvcomm:KVCommMethod", "rksc": "kvrelay.branches.rksc:RKSCMethod",
+    "kvcomm": "kvrelay.reuse.kvcomm:KVCommMethod",
+    "relay_anchors": "kvrelay.reuse.relay_anchors:RelayAnchorsMethod", "rksc": "kvrelay.branches.rksc:RKSCMethod",
 }
 
 #: methods that plan single agent calls of a pipeline; ``rksc`` plans branches (workload gsm8k-branches)

@@ -1,0 +1,141 @@
+"""``relay_anchors`` (ours): relay whose span tokens first move by cross-call anchors, then relay repairs the rest.
+
+Relay recomputes a few span tokens and leaves the others' K/V as stored; those K/V are off by how the new context
+moves them. That move repeats across calls of the same pipeline (``move_pool``): a token the same agent reads in the
+same place, whose stored key looks alike, moved alike. So each call of a role first runs as a dense prefill
+(counted as a fallback) until the role has ``anchor_calls`` of them; ``observe`` records every span token's true
+move in those. From then on a call loads its spans as relay does, adds ``anchor_scale`` x each span token's
+estimated move (the ``anchor_k`` nearest pool tokens' moves, by their stored keys at ``anchor_layer``) to the loaded
+K/V (a ``KVPatch``), and runs relay's band on top: its detection reads the deviation left after the anchors, and
+the tokens it recomputes overwrite their anchored K/V. ``relay_anchors[l_start=L,l_det=L,l_end=L]`` (L the number
+of layers: the empty band) computes no span token at all: naive plus anchors.
+
+A role is the agent (its system prompt's ``CallInput.role``, else its name) and the placeholder the span fills
+(``SpanRef.name``; the span's index among the call's approximate spans where the ref has no name, as for spans the
+server finds by matching token runs). A call with any role still learning runs dense as a whole. Learning stops once a
+role has its ``anchor_calls``: the pool then holds those calls (at most ``anchor_max_tokens`` tokens per role, the
+oldest calls dropped first; about (1 + 2 L) x Hkv x hd x 2 bytes a token). Every relay knob works as in ``relay``
+(the profile's selector and band when none is given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.store import KVStore
+from kvrelay.errors import ConfigError
+from kvrelay.reuse.base import CallInput, KVPatch, Plan, SpanLoad
+from kvrelay.reuse.move_pool import MovePool
+from kvrelay.reuse.prefix import PrefixMethod
+from kvrelay.reuse.relay import RelayMethod
+from kvrelay.reuse.spans import collect_reuse
+
+
+@dataclass
+class _Learn:
+    """A dense prefill planned to teach the pool: the call's approximate spans and their roles."""
+
+    approx: list[SpanLoad]
+    roles: list[str]
+
+
+def _positions(start: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, start + num_tokens, device=device)
+
+
+@dataclass
+class RelayAnchorsMethod(RelayMethod):
+    anchor_calls: int = 16  # dense calls per role before its anchors are used (they teach the pool)
+    anchor_max_tokens: int = 8192  # most pool tokens kept per role (the oldest calls' go first)
+    anchor_k: int = 8  # nearest pool tokens mixed per span token
+    anchor_temp: float = 0.02  # softmax temperature over their cosine similarities
+    anchor_layer: int | None = None  # the layer whose stored keys match tokens (None: the middle layer)
+    anchor_scale: float = 1.0  # share of the estimated move added
+    pool: MovePool | None = field(default=None, init=False, repr=False)
+    name = "relay_anchors"
+    stateful = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.anchor_calls < 1 or self.anchor_max_tokens < 1 or self.anchor_k < 1:
+            raise ConfigError("relay_anchors: anchor_calls, anchor_max_tokens and anchor_k must be >= 1")
+        if self.anchor_temp <= 0:
+            raise ConfigError(f"relay_anchors: anchor_temp must be > 0, got {self.anchor_temp}")
+        if not 0 <= self.anchor_scale <= 2:
+            raise ConfigError(f"relay_anchors: anchor_scale must be in [0, 2], got {self.anchor_scale}")
+        if self.anchor_layer is not None and self.anchor_layer < 0:
+            raise ConfigError(f"relay_anchors: anchor_layer must be >= 0, got {self.anchor_layer}")
+
+    def _pool(self, lm) -> MovePool:
+        if self.pool is None:
+            layer = lm.config.num_layers // 2 if self.anchor_layer is None else self.anchor_layer
+            if layer >= lm.config.num_layers:
+                raise ConfigError(f"relay_anchors: anchor_layer {layer} >= the model's {lm.config.num_layers} layers")
+            self.pool = MovePool(layer, self.anchor_max_tokens, self.anchor_k, self.anchor_temp, lm.model.device)
+        return self.pool
+
+    def settings(self, lm) -> dict:
+        return super().settings(lm) | {"anchor_layer": self._pool(lm).match_layer}
+
+    @staticmethod
+    def roles(call: CallInput, approx: list[SpanLoad]) -> list[str]:
+        """Per approximate span: '<agent role or name>/<the placeholder it fills>', or '.../#<its index among the
+        call's approximate spans>' where its ref has no name."""
+        agent, out = call.role or call.name, []
+        for i, load in enumerate(approx):
+            ref = next((r for r in call.refs if r.start <= load.dst_start < r.end), None)
+            out.append(f"{agent}/{ref.name}" if ref is not None and ref.name else f"{agent}/#{i}")
+        return out
+
+    def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        pool = self._pool(lm)
+        reuse = collect_reuse(call, store, lm.fingerprint)
+        roles = self.roles(call, reuse.approx)
+        learning = [r for r in roles if pool.num_calls(r) < self.anchor_calls]
+        if learning:
+            plan = PrefixMethod().plan(call, store, lm)
+            plan.fallback = (f"relay_anchors: role {learning[0]!r} has {pool.num_calls(learning[0])} of its "
+                             f"{self.anchor_calls} dense calls (anchor_calls); this one teaches it")
+            plan.state = _Learn(reuse.approx, roles)
+            return plan
+        plan = super().plan(call, store, lm)
+        rope = lm.model.rope
+        for load, role in zip(reuse.approx, roles, strict=True):
+            span = store.get(load.span_id)
+            layer = pool.match_layer
+            # [Hkv, n, hd], rotated where they were stored (a tier's spans are on the CPU)
+            keys = span.k[layer, :, load.src_start : load.src_end].to(pool.device, torch.float32)
+            src_pos = _positions(span.start_pos + load.src_start, load.num_tokens, pool.device)
+            moves = pool.estimate(role, rope.shift_keys(keys, -src_pos, layer=layer), lm.config.num_layers)
+            if moves is None:
+                continue
+            k_move, v_move = moves
+            if self.anchor_scale != 1:
+                k_move, v_move = self.anchor_scale * k_move, self.anchor_scale * v_move
+            k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
+            dst_pos = _positions(load.dst_start, load.num_tokens, pool.device)
+            # float32: the cache rounds once, to its own dtype
+            plan.patches.append(KVPatch(load.dst_start, rope.shift_keys(k_move, dst_pos), v_move, add=True))
+        return plan
+
+    def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
+        if not isinstance(plan.state, _Learn) or store is None:
+            return
+        pool, rope = self._pool(lm), lm.model.rope
+        for load, role in zip(plan.state.approx, plan.state.roles, strict=True):
+            if load.span_id not in store:
+                continue
+            span = store.get(load.span_id)
+            src = slice(load.src_start, load.src_end)
+            dst = slice(load.dst_start, load.dst_start + load.num_tokens)
+            device = pool.device  # float32 before RoPE is undone: a bf16 cache's keys would round twice
+            stored_k = span.k[:, :, src].to(device, torch.float32)  # [L, Hkv, n, hd]
+            stored_free = rope.shift_keys(stored_k, -_positions(span.start_pos + load.src_start, load.num_tokens,
+                                                                device))
+            fresh_k = cache.k[:, :, dst].to(device, torch.float32)
+            fresh_free = rope.shift_keys(fresh_k, -_positions(load.dst_start, load.num_tokens, device))
+            v_move = cache.v[:, :, dst].to(device, torch.float32) - span.v[:, :, src].to(device, torch.float32)
+            pool.add(role, stored_free[pool.match_layer], fresh_free - stored_free, v_move)
