@@ -46,6 +46,15 @@ def _positions(start: int, num_tokens: int, device: torch.device) -> torch.Tenso
     return torch.arange(start, start + num_tokens, device=device)
 
 
+def _stored_keys_free(rope, span, load: SpanLoad, device: torch.device, layer: int | None = None) -> torch.Tensor:
+    """The loaded tokens' stored keys with RoPE undone at the positions they were stored at, float32 on ``device``:
+    [L, Hkv, n, hd], or one ``layer``'s [Hkv, n, hd] (float32 first: a bf16 span's keys would round twice)."""
+    keys = span.k[:, :, load.src_start : load.src_end] if layer is None else \
+        span.k[layer, :, load.src_start : load.src_end]
+    src_pos = _positions(span.start_pos + load.src_start, load.num_tokens, device)
+    return rope.shift_keys(keys.to(device, torch.float32), -src_pos, layer=layer)
+
+
 @dataclass
 class RelayAnchorsMethod(RelayMethod):
     anchor_calls: int = 16  # dense calls per role before its anchors are used (they teach the pool)
@@ -105,11 +114,9 @@ class RelayAnchorsMethod(RelayMethod):
         rope = lm.model.rope
         for load, role in zip(reuse.approx, roles, strict=True):
             span = store.get(load.span_id)
-            layer = pool.match_layer
-            # [Hkv, n, hd], rotated where they were stored (a tier's spans are on the CPU)
-            keys = span.k[layer, :, load.src_start : load.src_end].to(pool.device, torch.float32)
-            src_pos = _positions(span.start_pos + load.src_start, load.num_tokens, pool.device)
-            moves = pool.estimate(role, rope.shift_keys(keys, -src_pos, layer=layer), lm.config.num_layers)
+            # a tier's spans are on the CPU: the pool's device decides
+            keys_free = _stored_keys_free(rope, span, load, pool.device, pool.match_layer)  # [Hkv, n, hd]
+            moves = pool.estimate(role, keys_free, lm.config.num_layers)
             if moves is None:
                 continue
             k_move, v_move = moves
@@ -132,9 +139,7 @@ class RelayAnchorsMethod(RelayMethod):
             src = slice(load.src_start, load.src_end)
             dst = slice(load.dst_start, load.dst_start + load.num_tokens)
             device = pool.device  # float32 before RoPE is undone: a bf16 cache's keys would round twice
-            stored_k = span.k[:, :, src].to(device, torch.float32)  # [L, Hkv, n, hd]
-            stored_free = rope.shift_keys(stored_k, -_positions(span.start_pos + load.src_start, load.num_tokens,
-                                                                device))
+            stored_free = _stored_keys_free(rope, span, load, device)  # [L, Hkv, n, hd]
             fresh_k = cache.k[:, :, dst].to(device, torch.float32)
             fresh_free = rope.shift_keys(fresh_k, -_positions(load.dst_start, load.num_tokens, device))
             v_move = cache.v[:, :, dst].to(device, torch.float32) - span.v[:, :, src].to(device, torch.float32)
