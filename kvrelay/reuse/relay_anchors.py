@@ -5,17 +5,19 @@ moves them. That move repeats across calls of the same pipeline (``move_pool``):
 same place, whose stored key looks alike, moved alike. So each call of a role first runs as a dense prefill
 (counted as a fallback) until the role has ``anchor_calls`` of them; ``observe`` records every span token's true
 move in those. From then on a call loads its spans as relay does, adds ``anchor_scale`` x each span token's
-estimated move (the ``anchor_k`` nearest pool tokens' moves, by their stored keys at ``anchor_layer``) to the loaded
+estimated move (the ``anchor_k`` nearest index rows' moves, by their stored keys at ``anchor_layer``) to the loaded
 K/V (a ``KVPatch``), and runs relay's band on top: its detection reads the deviation left after the anchors, and
 the tokens it recomputes overwrite their anchored K/V. ``relay_anchors[l_start=L,l_det=L,l_end=L]`` (L the number
 of layers: the empty band) computes no span token at all: naive plus anchors.
 
 A role is the agent (its system prompt's ``CallInput.role``, else its name) and the placeholder the span fills
 (``SpanRef.name``; the span's index among the call's approximate spans where the ref has no name, as for spans the
-server finds by matching token runs). A call with any role still learning runs dense as a whole. Learning stops once a
-role has its ``anchor_calls``: the pool then holds those calls (at most ``anchor_max_tokens`` tokens per role, the
-oldest calls dropped first; about (1 + 2 L) x Hkv x hd x 2 bytes a token). Every relay knob works as in ``relay``
-(the profile's selector and band when none is given).
+server finds by matching token runs). A call with any role still learning runs dense as a whole (and teaches only
+the roles still learning). Learning stops once a role has its ``anchor_calls``: its pool (at most
+``anchor_max_tokens`` tokens, the oldest calls dropped first; (1 + 2 L) x Hkv x hd x 2 bytes a token) is then frozen
+into an index of at most ``anchor_centroids`` rows matched in ``anchor_dim`` dimensions (``MovePool.freeze``), built
+after that last learning call rather than on a served one. Every relay knob works as in ``relay`` (the profile's
+selector and band when none is given).
 """
 
 from __future__ import annotations
@@ -57,10 +59,12 @@ def _stored_keys_free(rope, span, load: SpanLoad, device: torch.device, layer: i
 
 @dataclass
 class RelayAnchorsMethod(RelayMethod):
-    anchor_calls: int = 16  # dense calls per role before its anchors are used (they teach the pool)
-    anchor_max_tokens: int = 8192  # most pool tokens kept per role (the oldest calls' go first)
-    anchor_k: int = 8  # nearest pool tokens mixed per span token
-    anchor_temp: float = 0.02  # softmax temperature over their cosine similarities
+    anchor_calls: int = 128  # dense calls per role before its anchors are used (they teach the pool)
+    anchor_max_tokens: int = 32768  # most pool tokens kept per role while it learns (the oldest calls' go first)
+    anchor_k: int = 8  # nearest index rows mixed per span token
+    anchor_temp: float = 0.05  # softmax temperature over their cosine similarities
+    anchor_dim: int = 32  # the match keys' dimensions: the features' top principal directions (0: the features)
+    anchor_centroids: int = 4096  # the most index rows per role: k-means clusters of its tokens (0: every token)
     anchor_layer: int | None = None  # the layer whose stored keys match tokens (None: the middle layer)
     anchor_scale: float = 1.0  # share of the estimated move added
     pool: MovePool | None = field(default=None, init=False, repr=False)
@@ -71,6 +75,9 @@ class RelayAnchorsMethod(RelayMethod):
         super().__post_init__()
         if self.anchor_calls < 1 or self.anchor_max_tokens < 1 or self.anchor_k < 1:
             raise ConfigError("relay_anchors: anchor_calls, anchor_max_tokens and anchor_k must be >= 1")
+        if self.anchor_dim < 0 or self.anchor_centroids < 0:
+            raise ConfigError(f"relay_anchors: anchor_dim and anchor_centroids must be >= 0, got {self.anchor_dim}, "
+                              f"{self.anchor_centroids}")
         if self.anchor_temp <= 0:
             raise ConfigError(f"relay_anchors: anchor_temp must be > 0, got {self.anchor_temp}")
         if not 0 <= self.anchor_scale <= 2:
@@ -83,7 +90,8 @@ class RelayAnchorsMethod(RelayMethod):
             layer = lm.config.num_layers // 2 if self.anchor_layer is None else self.anchor_layer
             if layer >= lm.config.num_layers:
                 raise ConfigError(f"relay_anchors: anchor_layer {layer} >= the model's {lm.config.num_layers} layers")
-            self.pool = MovePool(layer, self.anchor_max_tokens, self.anchor_k, self.anchor_temp, lm.model.device)
+            self.pool = MovePool(layer, self.anchor_max_tokens, self.anchor_k, self.anchor_temp, lm.model.device,
+                                 self.anchor_dim, self.anchor_centroids)
         return self.pool
 
     def settings(self, lm) -> dict:
@@ -133,8 +141,8 @@ class RelayAnchorsMethod(RelayMethod):
             return
         pool, rope = self._pool(lm), lm.model.rope
         for load, role in zip(plan.state.approx, plan.state.roles, strict=True):
-            if load.span_id not in store:
-                continue
+            if load.span_id not in store or pool.num_calls(role) >= self.anchor_calls:
+                continue  # an evicted span teaches nothing; a role done learning has its index
             span = store.get(load.span_id)
             src = slice(load.src_start, load.src_end)
             dst = slice(load.dst_start, load.dst_start + load.num_tokens)
@@ -144,3 +152,5 @@ class RelayAnchorsMethod(RelayMethod):
             fresh_free = rope.shift_keys(fresh_k, -_positions(load.dst_start, load.num_tokens, device))
             v_move = cache.v[:, :, dst].to(device, torch.float32) - span.v[:, :, src].to(device, torch.float32)
             pool.add(role, stored_free[pool.match_layer], fresh_free - stored_free, v_move)
+            if pool.num_calls(role) >= self.anchor_calls:
+                pool.freeze(role)  # its index is built here, after a learning call, not on a served one

@@ -1,0 +1,197 @@
+"""On a GPU: ``relay_anchors`` on the device — its estimate exact where it should be, and what its anchors cost.
+
+1. exact: the qwen2 and gemma3 toys of the tests, on the device, in fp32 and bf16. A pool taught by the very call it
+   then serves (``anchor_k=1``) gives every span token its own true move, so naive plus anchors (the empty band) must
+   reproduce ``full``'s span K/V and first-token distribution, where ``naive`` does not (the CPU test
+   ``test_learning_calls_then_anchors_reproduce_full``, here on the device: pool, index with and without a projection,
+   ``embedding_bag`` and re-rotation).
+2. bench: ``random:llama3-8b`` in bf16 on gsm8k-chain3, or copy-agents:5's long calls (timing only: random weights
+   say nothing of fidelity): TTFT of full, prefix, naive, epic, relay's GPU form, naive plus anchors and
+   relay_anchors with the GPU form's band. The
+   pools learn on ``--warm-problems`` problems, then every role's pool gets more learning calls of random moves
+   up to ``--pool-tokens`` tokens (the most a role keeps by default) and is frozen: its index (principal directions,
+   k-means clusters) is built as a real pool's would be, so building, matching and mixing cost what they would.
+
+Usage: python benchmarks/gpu_anchors.py --json OUT [--device cuda] [--tokenizer DIR] [--parts exact,bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the tests' toy models
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check import prepare  # noqa: E402
+
+from kvrelay.cache.store import KVStore  # noqa: E402
+from kvrelay.eval.fidelity import kl_first_token  # noqa: E402
+from kvrelay.eval.harness import Bench, BenchConfig, environment  # noqa: E402
+from kvrelay.model.lm import LoadedModel  # noqa: E402
+from kvrelay.model.sampling import SamplingConfig  # noqa: E402
+from kvrelay.pipeline.workloads import copy_agents  # noqa: E402
+from kvrelay.reuse import get_method  # noqa: E402
+from kvrelay.reuse.base import CallInput, SpanRef  # noqa: E402
+from kvrelay.reuse.relay_anchors import RelayAnchorsMethod  # noqa: E402
+from kvrelay.weights import loader  # noqa: E402
+from tests.helpers import generate, publish, tiny_lm  # noqa: E402
+
+# relay's GPU form (BENCHMARKS, session 28: admission at layer 2 to the top layer, no pruning or drift)
+GPU_BAND = "l_start=2,l_det=2,l_end={top},top_r=0.3,l_pre=6,l_suf=0,pre_dense=true"
+
+
+def _exact_one(family: str, dtype: torch.dtype, device: str, dim: int) -> dict:
+    tl = tiny_lm(family)
+    lm = LoadedModel(tl.name, tl.model.to(device, dtype), tl.tokenizer, tl.config, tl.fingerprint, tl.source)
+    store = KVStore(1 << 30)
+    up_prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    up = generate(lm, up_prompt, "full", store, SamplingConfig(max_new_tokens=24, temperature=1.0, seed=0),
+                  keep_cache=True)
+    publish(store, "p/up", up, lm)
+    call = CallInput([1, 2, 3, 4, 5, 6, 7] + up.output_ids + [9, 8, 7, 6, 5],
+                     [SpanRef(7, 31, "p/up", 20, "output", "up")], name="agent")
+    n = lm.config.num_layers
+    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=1,anchor_dim={dim},l_start={n},l_det={n},l_end={n}]")
+    one = SamplingConfig(max_new_tokens=1)
+    taught = generate(lm, call, method, store, one)
+    full = generate(lm, call, "full", store, one, keep_cache=True)
+    naive = generate(lm, call, "naive", store, one, keep_cache=True)
+    out = generate(lm, call, method, store, one, keep_cache=True)
+    span = slice(7, 31)
+    row = {"taught_fallback": taught.stats.fallback is not None, "served_fallback": out.stats.fallback,
+           "pool_device": str(method.pool.device),
+           "span_k_max_diff": float((out.cache.k[:, :, span].float() - full.cache.k[:, :, span].float()).abs().max()),
+           "span_v_max_diff": float((out.cache.v[:, :, span].float() - full.cache.v[:, :, span].float()).abs().max()),
+           "naive_span_k_max_diff": float((naive.cache.k[:, :, span].float()
+                                           - full.cache.k[:, :, span].float()).abs().max()),
+           "kl_naive": kl_first_token(full.first_logits, naive.first_logits),
+           "kl_anchors": kl_first_token(full.first_logits, out.first_logits)}
+    row["ok"] = (row["taught_fallback"] and row["served_fallback"] is None and row["kl_naive"] > 0
+                 and row["kl_anchors"] < row["kl_naive"] / (100 if dtype == torch.float32 else 5))
+    print(f"exact {family} {dtype} dim {dim}: {json.dumps(row)}", flush=True)
+    return row
+
+
+def exact(device: str) -> dict:
+    return {f"{family}/{str(dtype).removeprefix('torch.')}/dim{dim}": _exact_one(family, dtype, device, dim)
+            for family in ("qwen2", "gemma3") for dtype in (torch.float32, torch.bfloat16) for dim in (0, 6)}
+
+
+def _top_up(bench: Bench, pool_tokens: int) -> dict:
+    """Add to every learning role's pool calls of random moves up to ``pool_tokens`` tokens (timing only), then
+    freeze it (its index built, as the last learning call would): returns the sizes and the seconds freezing took."""
+    sizes: dict = {}
+    for name, meth in bench.methods.items():
+        if not isinstance(meth, RelayAnchorsMethod) or meth.pool is None:
+            continue
+        pool, cfg = meth.pool, bench.lm.config
+        gen = torch.Generator(device=pool.device).manual_seed(0)
+        t0 = time.perf_counter()
+        for role in list(pool._roles):
+            while pool.num_tokens(role) < pool_tokens:  # in calls of at most 2,048 tokens: bounded temporaries
+                shape = (cfg.num_layers, cfg.num_kv_heads, min(2048, pool_tokens - pool.num_tokens(role)),
+                         cfg.head_dim)
+                feat = torch.randn(shape[1:], generator=gen, device=pool.device)
+                pool.add(role, feat, torch.randn(shape, generator=gen, device=pool.device).mul_(0.01),
+                         torch.randn(shape, generator=gen, device=pool.device).mul_(0.01))
+            sizes[f"{name} {role} tokens"] = pool.num_tokens(role)
+            pool.freeze(role)
+            sizes[f"{name} {role} index rows"] = pool.num_entries(role)
+        sizes[f"{name} freeze_s"] = time.perf_counter() - t0
+        sizes[f"{name} nbytes"] = pool.nbytes
+    return sizes
+
+
+def bench(lm: LoadedModel, device: str, workload: str, problems: int, warm: int, pool_tokens: int, repeats: int,
+          output_tokens: int) -> dict:
+    n = lm.config.num_layers
+    band = GPU_BAND.format(top=n - 1)
+    methods = ("full", "prefix", "naive", "epic", f"relay[{band}]",
+               f"relay_anchors[anchor_calls={warm + 1},l_start={n},l_det={n},l_end={n}]",
+               f"relay_anchors[anchor_calls={warm + 1},{band}]")  # the top-up is the last learning call
+    cfg = BenchConfig(workload=workload, methods=methods, limit=problems, model=lm.name, device=device,
+                      repeats=repeats, greedy_tokens=4, warm_problems=warm)
+    b = Bench(cfg, lm=lm)
+    if workload.startswith("copy-agents"):  # long calls: 512-token context, forced outputs of output_tokens each
+        b.workload = copy_agents(int(workload.partition(":")[2] or 5), 512, output_tokens)
+    sizes: dict = {}
+    warm_up = b._warm_up
+
+    def warm_then_top_up(progress: bool) -> list[str]:
+        ids = warm_up(progress)
+        sizes.update(_top_up(b, pool_tokens))
+        return ids
+
+    b._warm_up = warm_then_top_up
+    t0 = time.perf_counter()
+    result = b.run(progress=False)
+    result["pool_sizes"] = sizes
+    print(f"bench {workload} {problems} problems: {time.perf_counter() - t0:.0f} s; pools {sizes}", flush=True)
+    calls = result["calls"]
+    groups = {"all": calls}
+    if workload.startswith("copy-agents"):  # the last agent's call is the long one
+        groups["last agent"] = [c for c in calls if c["agent"] == calls[-1]["agent"]]
+    result["summary"] = {}
+    for group, rows_of_group in groups.items():
+        summary = result["summary"][group] = {}
+        for m in methods:
+            rows = [c for c in rows_of_group if c["method"] == m]
+            summary[m] = s = {"ttft_ms": statistics.median(r["ttft_ms"] for r in rows),
+                              "full_ms": statistics.median(r["full_ttft_ms"] for r in rows),
+                              "ideal_ms": statistics.median(r["ideal_ttft_ms"] for r in rows),
+                              "prompt_tokens": statistics.median(r["num_prompt_tokens"] for r in rows),
+                              "num_calls": len(rows), "fallbacks": sum(r["fallback"] is not None for r in rows)}
+            print(f"  {group}: {m:100s} {s['ttft_ms']:7.1f} ms (full {s['full_ms']:.1f}, ideal {s['ideal_ms']:.1f}; "
+                  f"{s['num_calls']} calls, {s['prompt_tokens']} tokens, {s['fallbacks']} fallbacks)", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--parts", default="exact,bench")
+    ap.add_argument("--model", default="random:llama3-8b")
+    ap.add_argument("--workload", default="gsm8k-chain3", help="gsm8k-chain3 or copy-agents:N")
+    ap.add_argument("--output-tokens", type=int, default=1024, help="copy-agents: tokens of each agent's output")
+    ap.add_argument("--problems", type=int, default=3, help="problems measured")
+    ap.add_argument("--warm-problems", type=int, default=2, help="problems the pools learn on first")
+    ap.add_argument("--pool-tokens", type=int, default=32768, help="tokens per role after the random top-up")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokenizer", default=None, help="folder with the default model's converted tokenizer")
+    args = ap.parse_args()
+    prepare("gpu_anchors", args.device, args.json, args.tokenizer)
+    result: dict = {"env": environment(args.device), "parts": {}, "errors": {}}
+    parts = args.parts.split(",")
+
+    def step(name: str, fn) -> None:
+        if name not in parts:
+            return
+        t0 = time.perf_counter()
+        try:
+            result["parts"][name] = fn()
+        except Exception:  # one part's failure must not cost the other's GPU time
+            result["errors"][name] = traceback.format_exc()
+            print(result["errors"][name], file=sys.stderr, flush=True)
+        result.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+
+    torch.manual_seed(0)
+    step("exact", lambda: exact(args.device))
+    if "bench" in parts:
+        lm = loader.load_model(args.model, device=args.device)
+        step("bench", lambda: bench(lm, args.device, args.workload, args.problems, args.warm_problems,
+                                    args.pool_tokens, args.repeats, args.output_tokens))
+    print("errors:", list(result["errors"]) or "none")
+
+
+if __name__ == "__main__":
+    main()
