@@ -22,7 +22,6 @@ import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the tests' toy models
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check import prepare  # noqa: E402
+from gpu_check import part_runner, prepare  # noqa: E402
 
 from kvrelay.cache.store import KVStore  # noqa: E402
 from kvrelay.eval.fidelity import kl_first_token  # noqa: E402
@@ -170,23 +169,10 @@ def main() -> None:
     args = ap.parse_args()
     prepare("gpu_anchors", args.device, args.json, args.tokenizer)
     result: dict = {"env": environment(args.device), "parts": {}, "errors": {}}
-    parts = args.parts.split(",")
-
-    def step(name: str, fn) -> None:
-        if name not in parts:
-            return
-        t0 = time.perf_counter()
-        try:
-            result["parts"][name] = fn()
-        except Exception:  # one part's failure must not cost the other's GPU time
-            result["errors"][name] = traceback.format_exc()
-            print(result["errors"][name], file=sys.stderr, flush=True)
-        result.setdefault("seconds", {})[name] = time.perf_counter() - t0
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-
+    step = part_runner(args.parts.split(","), result, args.json)
     torch.manual_seed(0)
     step("exact", lambda: exact(args.device))
-    if "bench" in parts:
+    if "bench" in args.parts.split(","):
         lm = loader.load_model(args.model, device=args.device)
         step("bench", lambda: bench(lm, args.device, args.workload, args.problems, args.warm_problems,
                                     args.pool_tokens, args.repeats, args.output_tokens))

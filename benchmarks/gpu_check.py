@@ -354,6 +354,26 @@ def prepare(prog: str, device: str, json_path: str, tokenizer: str | None) -> No
         use_tokenizer(tokenizer)
 
 
+def part_runner(parts: list[str], result: dict, json_path: str):
+    """``step(name, fn)``: runs ``fn`` when ``name`` is one of ``parts``, records its return value (or its traceback)
+    and its seconds in ``result``, and writes ``result`` to ``json_path``. One part's failure must not cost the
+    others' GPU time."""
+
+    def step(name: str, fn) -> None:
+        if name not in parts:
+            return
+        t0 = time.perf_counter()
+        try:
+            result["parts"][name] = fn()
+        except Exception:
+            result["errors"][name] = traceback.format_exc()
+            print(result["errors"][name], file=sys.stderr, flush=True)
+        result.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        Path(json_path).write_text(json.dumps(result, indent=1, default=str))
+
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -375,17 +395,7 @@ def main() -> None:
     def save() -> None:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
 
-    def step(name: str, fn) -> None:
-        if name not in parts:
-            return
-        t0 = time.perf_counter()
-        try:
-            result["parts"][name] = fn()
-        except Exception:  # one part's failure must not cost the others' GPU time
-            result["errors"][name] = traceback.format_exc()
-            print(result["errors"][name], file=sys.stderr, flush=True)
-        result.setdefault("seconds", {})[name] = time.perf_counter() - t0
-        save()
+    step = part_runner(parts, result, args.json)
 
     torch.manual_seed(0)
     step("parity", lambda: parity(args.device))

@@ -13,11 +13,11 @@ keys at the match layer; the same weights at every layer and head, so matching c
 span).
 
 More pooled calls match better (``benchmarks/relay_anchor_index.py``; BENCHMARKS.md, session 32), but a bigger
-pool costs more to search and to hold. So a role's pool is searched through an *index* (``MoveIndex``): the features centered and
-projected on their top ``dim`` principal directions, and the tokens grouped into at most ``num_centroids`` spherical
-k-means clusters in that space, each carrying its members' mean move. ``freeze`` builds a role's index
-once its learning is over and frees the raw tokens; ``dim=0`` and ``num_centroids=0`` search the raw pool (unit-norm
-keys, every token)."""
+pool costs more to search and to hold. So a role's pool is searched through an *index* (``MoveIndex``): the features
+centered and projected on their top ``dim`` principal directions, and the tokens grouped into at most
+``num_centroids`` spherical k-means clusters in that space, each carrying its members' mean move. ``freeze`` builds
+a role's index once its learning is over and frees the raw tokens; ``dim=0`` and ``num_centroids=0`` search the raw
+pool (unit-norm keys, every token)."""
 
 from __future__ import annotations
 
