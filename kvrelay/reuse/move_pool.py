@@ -191,8 +191,7 @@ class MovePool:
             centered = feat - mean
             _, vectors = torch.linalg.eigh(centered.T @ centered)  # ascending eigenvalues; vectors [F, F]
             basis = vectors[:, -dim:].contiguous()  # [F, d]: the top d directions
-            index = MoveIndex(torch.empty(0, device=self.device), pool.moves, mean, basis)
-            index.keys = index.match(feat)
+            index = MoveIndex(torch.nn.functional.normalize(centered @ basis, dim=-1), pool.moves, mean, basis)
         else:
             index = MoveIndex(feat, pool.moves)
         if self.num_centroids and index.keys.shape[0] > self.num_centroids:

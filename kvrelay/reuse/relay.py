@@ -69,7 +69,7 @@ from kvrelay.reuse.relay_select import (
     spread_with_mean,
     value_cos_deviation,
 )
-from kvrelay.reuse.spans import collect_reuse
+from kvrelay.reuse.spans import ReusePlan, collect_reuse
 
 SELECTORS = ("both", "deviation", "influence")
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
@@ -269,7 +269,10 @@ class RelayMethod(ReuseMethod):
         return (start,) if 0 < start < lm.config.num_layers else ()
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
-        reuse = collect_reuse(call, store, lm.fingerprint)
+        return self.plan_reuse(call, store, lm, collect_reuse(call, store, lm.fingerprint))
+
+    def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan) -> Plan:
+        """``plan`` on the call's reuse already collected (a subclass that reads it first need not collect it twice)."""
         start, det, end = self.layers(lm, call.role)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)

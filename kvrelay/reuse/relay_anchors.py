@@ -118,7 +118,7 @@ class RelayAnchorsMethod(RelayMethod):
                              f"{self.anchor_calls} dense calls (anchor_calls); this one teaches it")
             plan.state = _Learn(reuse.approx, roles)
             return plan
-        plan = super().plan(call, store, lm)
+        plan = self.plan_reuse(call, store, lm, reuse)
         rope = lm.model.rope
         for load, role in zip(reuse.approx, roles, strict=True):
             span = store.get(load.span_id)
