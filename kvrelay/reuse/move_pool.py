@@ -17,7 +17,12 @@ pool costs more to search and to hold. So a role's pool is searched through an *
 centered and projected on their top ``dim`` principal directions, and the tokens grouped into at most
 ``num_centroids`` spherical k-means clusters in that space, each carrying its members' mean move. ``freeze`` builds
 a role's index once its learning is over and frees the raw tokens; ``dim=0`` and ``num_centroids=0`` search the raw
-pool (unit-norm keys, every token)."""
+pool (unit-norm keys, every token).
+
+Each index row also keeps how far its tokens' moves spread about its own (a cluster's members about their mean; 0 for
+a single token), so an estimate knows what it is likely to miss: the mixed rows' tokens spread about the estimate by
+sum_i w_i (spread_i + |move_i - estimate|^2) (``estimate_with_residual``). The tokens with the largest such residual
+are the ones worth recomputing (``relay_anchors``' ``anchor_select``)."""
 
 from __future__ import annotations
 
@@ -38,6 +43,16 @@ class MoveIndex:
     moves: torch.Tensor  # [C, 2 * L * Hkv * hd] moves (a token's, or a cluster's mean), fp16
     mean: torch.Tensor | None = None  # [Hkv * hd] the features' mean, subtracted before projecting
     basis: torch.Tensor | None = None  # [Hkv * hd, d] their top principal directions
+    # [C] float32: per row, its members' mean squared distance from its move (0 for a row of one token)
+    spread: torch.Tensor | None = None
+    move_sq: torch.Tensor | None = None  # [C] float32: per row, its move's squared norm
+
+    def __post_init__(self) -> None:
+        if self.spread is None:
+            self.spread = torch.zeros(self.keys.shape[0], device=self.keys.device)
+        if self.move_sq is None:
+            self.move_sq = torch.cat([m.float().pow(2).sum(1) for m in self.moves.split(KMEANS_CHUNK)]) \
+                if self.moves.shape[0] else torch.zeros(0, device=self.keys.device)
 
     def match(self, feat: torch.Tensor) -> torch.Tensor:
         """[n, d] unit-norm match keys of unit-norm features [n, Hkv * hd]."""
@@ -47,7 +62,8 @@ class MoveIndex:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.keys, self.moves, self.mean, self.basis) if t is not None)
+        return sum(t.nbytes for t in (self.keys, self.moves, self.mean, self.basis, self.spread, self.move_sq)
+                   if t is not None)
 
 
 @dataclass
@@ -186,23 +202,32 @@ class MovePool:
         # at most P - 1 directions carry the centered features' spread; at dim >= F the features are matched as they
         # are (the projection would only rotate them)
         dim = min(self.dim, feat.shape[0] - 1)
+        mean = basis = None
         if self.dim and 0 < dim < feat.shape[1]:
             mean = feat.mean(0)
             centered = feat - mean
             _, vectors = torch.linalg.eigh(centered.T @ centered)  # ascending eigenvalues; vectors [F, F]
             basis = vectors[:, -dim:].contiguous()  # [F, d]: the top d directions
-            index = MoveIndex(torch.nn.functional.normalize(centered @ basis, dim=-1), pool.moves, mean, basis)
+            keys = torch.nn.functional.normalize(centered @ basis, dim=-1)  # [P, d]
         else:
-            index = MoveIndex(feat, pool.moves)
-        if self.num_centroids and index.keys.shape[0] > self.num_centroids:
-            cent, assignment = _kmeans(index.keys, self.num_centroids)
+            keys = feat
+        if not self.num_centroids or keys.shape[0] <= self.num_centroids:
+            index = MoveIndex(keys, pool.moves, mean, basis)
+        else:
+            cent, assignment = _kmeans(keys, self.num_centroids)
             sums = torch.zeros(self.num_centroids, pool.moves.shape[1], device=self.device)  # [C, 2 L Hkv hd]
             for rows, moves in zip(assignment.split(KMEANS_CHUNK), pool.moves.split(KMEANS_CHUNK), strict=True):
                 sums.index_add_(0, rows, moves.float())
             counts = torch.bincount(assignment, minlength=self.num_centroids)
             filled = counts > 0
-            index.keys = cent[filled]  # [C', d]
-            index.moves = (sums[filled] / counts[filled, None]).half()  # [C', 2 L Hkv hd]: each cluster's mean move
+            means = (sums[filled] / counts[filled, None]).half()  # [C', 2 L Hkv hd]: each cluster's mean move
+            row_of = torch.cumsum(filled.long(), 0) - 1  # a cluster's row among the filled ones
+            row = row_of[assignment]  # [P]
+            dist_sq = torch.cat([(moves.float() - means[rows].float()).pow(2).sum(1)  # [P]: from its cluster's mean
+                                 for rows, moves in zip(row.split(KMEANS_CHUNK), pool.moves.split(KMEANS_CHUNK),
+                                                        strict=True)])
+            spread, _ = _group_sums(dist_sq.unsqueeze(1), row, means.shape[0])  # [C', 1]
+            index = MoveIndex(cent[filled], means, mean, basis, spread.squeeze(1) / counts[filled])
         pool.index = index
         return index
 
@@ -210,6 +235,19 @@ class MovePool:
         """The estimated (K, V) moves [L, Hkv, n, hd] (float32 on the pool's device, keys without RoPE) of a span of
         ``role`` whose stored keys without RoPE at the match layer are ``keys_free`` [Hkv, n, hd]: per token, the
         softmax(cos / temperature)-weighted mean of its ``top_k`` nearest index rows' moves. None: no pool."""
+        out = self._estimate(role, keys_free, num_layers, with_residual=False)
+        return None if out is None else out[:2]
+
+    def estimate_with_residual(self, role: str, keys_free: torch.Tensor, num_layers: int
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``estimate``'s (K, V) moves and, per token, the squared move the estimate is expected to miss [n] (float32):
+        the tokens behind its rows, weighted as the rows are, spread about the estimate by
+        sum_i w_i (spread_i + |move_i|^2) - |estimate|^2 (a mixture's variance). The tokens it misses most are the
+        ones worth recomputing (``relay_anchors``' ``anchor_select``)."""
+        return self._estimate(role, keys_free, num_layers, with_residual=True)
+
+    def _estimate(self, role: str, keys_free: torch.Tensor, num_layers: int, with_residual: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         index = self.index(role)
         if index is None:
             return None
@@ -222,5 +260,9 @@ class MovePool:
         weight = torch.softmax(top.values / self.temperature, dim=-1)  # [n, k]
         mixed = torch.nn.functional.embedding_bag(top.indices, index.moves, per_sample_weights=weight.half(),
                                                   mode="sum").float()  # [n, 2 * L * Hkv * hd]
+        residual = None
+        if with_residual:
+            expected_sq = (weight * (index.spread[top.indices] + index.move_sq[top.indices])).sum(-1)  # [n]
+            residual = (expected_sq - torch.linalg.vector_norm(mixed, dim=1).square()).clamp(min=0)
         both = mixed.view(-1, 2 * num_layers, hkv, hd).permute(1, 2, 0, 3)  # -> [2L, Hkv, n, hd]
-        return both[:num_layers], both[num_layers:]
+        return both[:num_layers], both[num_layers:], residual

@@ -33,6 +33,9 @@ the KV an upstream prompt built) are re-rotated to their new positions, then:
   tokens that paid most attention, in the call that stored them, to context outside their span
   (``away_mass``: what a reused span no longer reads; one Q projection of the carried span tokens at L_start
   and their attention over the stored keys there, before the band runs).
+  A subclass may hand ``plan_reuse`` more such priors by prompt position (``relay_anchors``: the move its anchors
+  expect to miss). ``selector=priors`` ranks by the priors alone (no deviation, no influence): with ``L_det ==
+  L_start`` the band then admits its tokens before any of them is computed and reads nothing to choose them.
 
 The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
 yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
@@ -71,7 +74,8 @@ from kvrelay.reuse.relay_select import (
 )
 from kvrelay.reuse.spans import ReusePlan, collect_reuse
 
-SELECTORS = ("both", "deviation", "influence")
+SELECTORS = ("both", "deviation", "influence", "priors")  # priors: the budget form's priors alone
+RESERVED_PRIORS = frozenset({"always", "prior", "away"})  # names plan_reuse uses itself
 # the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
 # no pruning inside the band
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "pre_dense": None, "top_r": None,
@@ -96,7 +100,7 @@ class SelectorSettings:
 
 
 class _OnDevice:
-    """CPU tensors by name, each copied to a device on first use there (a copy per layer would make a GPU wait)."""
+    """Tensors by name, each copied to a device on first use there (a copy per layer would make a GPU wait)."""
 
     def __init__(self, **tensors: torch.Tensor) -> None:
         self._copies = {(name, t.device): t for name, t in tensors.items()}
@@ -142,7 +146,7 @@ class RelayMethod(ReuseMethod):
     l_suf: int | None = None  # keep each span's last l_suf tokens
     l_pre: int | None = None  # also keep each span's first l_pre tokens (ours; EPIC's idea inside relay's band)
     top_r: float | None = None  # budget form: keep this share of span tokens by score (None: the tau_* thresholds)
-    selector: str = "both"  # both | deviation | influence (ablations)
+    selector: str = "both"  # both | deviation | influence (ablations) | priors (the budget form's priors alone)
     band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
     # True: each span's first l_pre tokens are computed at every layer from the embedding, as EPIC computes
     # them, instead of entering the band at L_start from the upstream hidden state and leaving it at L_end
@@ -167,6 +171,10 @@ class RelayMethod(ReuseMethod):
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
             raise ConfigError(f"relay: selector must be one of {SELECTORS}, got {self.selector!r}")
+        if self.selector == "priors" and (self.top_r is None or not (self.pos_prior or self.away
+                                                                     or self.has_own_prior())):
+            raise ConfigError("relay: selector=priors needs top_r and a prior to rank by (pos_prior, away, or the "
+                              "method's own, such as relay_anchors' anchor_select)")
         if any(v is not None and v < 0 for v in (self.l_suf, self.l_pre, self.tau_dev, self.tau_inf)):
             raise ConfigError("relay: l_suf, l_pre, tau_dev and tau_inf must be >= 0")
         if self.top_r is not None and not 0 <= self.top_r <= 1:
@@ -193,6 +201,10 @@ class RelayMethod(ReuseMethod):
             raise ConfigError("relay: away needs top_r (it adds to the budget form's score)")
         if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
             raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
+
+    def has_own_prior(self) -> bool:
+        """Whether this method hands ``plan_reuse`` a prior of its own (a subclass's; relay has none)."""
+        return False
 
     @property
     def own_selector(self) -> bool:
@@ -271,8 +283,11 @@ class RelayMethod(ReuseMethod):
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         return self.plan_reuse(call, store, lm, collect_reuse(call, store, lm.fingerprint))
 
-    def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan) -> Plan:
-        """``plan`` on the call's reuse already collected (a subclass that reads it first need not collect it twice)."""
+    def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan,
+                   priors: dict[str, tuple[torch.Tensor, float]] | None = None) -> Plan:
+        """``plan`` on the call's reuse already collected (a subclass that reads it first need not collect it twice).
+        ``priors``: more of the budget form's priors, name -> (a score by prompt position [num prompt tokens], its
+        weight), as a subclass knows them (``relay_anchors``: the move its anchors expect to miss)."""
         start, det, end = self.layers(lm, call.role)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
@@ -319,8 +334,12 @@ class RelayMethod(ReuseMethod):
         if away_parts:  # by prompt position, on the model's device; a token with no measure counts as average
             scores["away"] = spread_with_mean(torch.cat([m for _, m in away_parts]),
                                               torch.cat([i for i, _ in away_parts]), len(call.prompt_ids))
-        by_pos = _OnDevice(always=always_pos, **scores)  # copied to the device once, not per layer
         weights = {"prior": sel.pos_prior, "away": sel.away}
+        for name, (score, weight) in (priors or {}).items():
+            if name in RESERVED_PRIORS:
+                raise ValueError(f"relay: prior {name!r} is taken (reserved: {sorted(RESERVED_PRIORS)})")
+            scores[name], weights[name] = score, weight
+        by_pos = _OnDevice(always=always_pos, **scores)  # copied to the device once, not per layer
 
         def is_always(span_idx: torch.Tensor) -> torch.Tensor:
             return by_pos.get("always", span_idx.device).index_select(0, span_idx)
@@ -344,7 +363,7 @@ class RelayMethod(ReuseMethod):
         def influence(view: LayerView, query_rows: torch.Tensor, span_idx: torch.Tensor) -> torch.Tensor | None:
             """The attention the call's new tokens (among ``query_rows``) pay each span token, over heads and
             queries."""
-            if self.selector == "deviation":
+            if self.selector not in ("both", "influence"):
                 return None
             if new_pos is not None:
                 is_new = new_pos.to(query_rows.device).index_select(0, view.active_idx.index_select(0, query_rows))
@@ -354,7 +373,7 @@ class RelayMethod(ReuseMethod):
             return view.attention_probs(query_rows).sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n_keys]
 
         def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-            dev = value_cos_deviation(view, span_rows) if self.selector != "influence" else None
+            dev = value_cos_deviation(view, span_rows) if self.selector in ("both", "deviation") else None
             span_idx = view.active_idx.index_select(0, span_rows)
             return choose(dev, influence(view, new_rows, span_idx), span_idx)
 

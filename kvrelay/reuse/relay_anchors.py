@@ -10,6 +10,13 @@ K/V (a ``KVPatch``), and runs relay's band on top: its detection reads the devia
 the tokens it recomputes overwrite their anchored K/V. ``relay_anchors[l_start=L,l_det=L,l_end=L]`` (L the number
 of layers: the empty band) computes no span token at all: naive plus anchors.
 
+With ``anchor_select`` (budget form: ``top_r``), relay's score also ranks the span tokens by the squared move their
+anchors are expected to miss (``MovePool.estimate_with_residual``: how far the tokens behind the mixed index rows
+spread about the estimate). With ``selector=priors`` and ``l_det == l_start`` that is the only ranking, read before
+the band runs: ``relay_anchors[l_start=2,l_det=2,l_end=T,top_r=0.02,l_pre=0,l_suf=0,selector=priors,anchor_select=1]``
+(T the top layer) recomputes the 2% of span tokens the anchors estimate worst and costs no detection layer
+(``benchmarks/relay_anchor_select.py``, BENCHMARKS.md "Session 33").
+
 A role is the agent (its system prompt's ``CallInput.role``, else its name) and the placeholder the span fills
 (``SpanRef.name``; the span's index among the call's approximate spans where the ref has no name, as for spans the
 server finds by matching token runs). A call with any role still learning runs dense as a whole (and teaches only
@@ -26,9 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
+from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, SpanLoad
 from kvrelay.reuse.move_pool import MovePool
 from kvrelay.reuse.prefix import PrefixMethod
@@ -48,7 +56,8 @@ def _positions(start: int, num_tokens: int, device: torch.device) -> torch.Tenso
     return torch.arange(start, start + num_tokens, device=device)
 
 
-def _stored_keys_free(rope, span, load: SpanLoad, device: torch.device, layer: int | None = None) -> torch.Tensor:
+def stored_keys_free(rope: RotaryEmbedding, span: StoredSpan, load: SpanLoad, device: torch.device,
+                     layer: int | None = None) -> torch.Tensor:
     """The loaded tokens' stored keys with RoPE undone at the positions they were stored at, float32 on ``device``:
     [L, Hkv, n, hd], or one ``layer``'s [Hkv, n, hd] (float32 first: a bf16 span's keys would round twice)."""
     keys = span.k[:, :, load.src_start : load.src_end] if layer is None else \
@@ -67,6 +76,9 @@ class RelayAnchorsMethod(RelayMethod):
     anchor_centroids: int = 4096  # the most index rows per role: k-means clusters of its tokens (0: every token)
     anchor_layer: int | None = None  # the layer whose stored keys match tokens (None: the middle layer)
     anchor_scale: float = 1.0  # share of the estimated move added
+    # budget form (needs top_r): add anchor_select x the mean-normalized move the anchors expect to miss
+    # (``MovePool.estimate_with_residual``) to the score, so relay's band recomputes the tokens they estimate worst
+    anchor_select: float | None = None
     pool: MovePool | None = field(default=None, init=False, repr=False)
     name = "relay_anchors"
     stateful = True
@@ -82,8 +94,15 @@ class RelayAnchorsMethod(RelayMethod):
             raise ConfigError(f"relay_anchors: anchor_temp must be > 0, got {self.anchor_temp}")
         if not 0 <= self.anchor_scale <= 2:
             raise ConfigError(f"relay_anchors: anchor_scale must be in [0, 2], got {self.anchor_scale}")
+        if self.anchor_select is not None and self.anchor_select < 0:
+            raise ConfigError(f"relay_anchors: anchor_select must be >= 0, got {self.anchor_select}")
+        if self.anchor_select and self.top_r is None:
+            raise ConfigError("relay_anchors: anchor_select needs top_r (it adds to the budget form's score)")
         if self.anchor_layer is not None and self.anchor_layer < 0:
             raise ConfigError(f"relay_anchors: anchor_layer must be >= 0, got {self.anchor_layer}")
+
+    def has_own_prior(self) -> bool:
+        return bool(self.anchor_select)
 
     def _pool(self, lm) -> MovePool:
         if self.pool is None:
@@ -118,22 +137,32 @@ class RelayAnchorsMethod(RelayMethod):
                              f"{self.anchor_calls} dense calls (anchor_calls); this one teaches it")
             plan.state = _Learn(reuse.approx, roles)
             return plan
-        plan = self.plan_reuse(call, store, lm, reuse)
-        rope = lm.model.rope
+        rope, patches = lm.model.rope, []
+        # [num prompt tokens]: by prompt position, the squared move each span token's anchors are expected to miss
+        missed = torch.zeros(len(call.prompt_ids), device=pool.device) if self.anchor_select else None
         for load, role in zip(reuse.approx, roles, strict=True):
             span = store.get(load.span_id)
             # a tier's spans are on the CPU: the pool's device decides
-            keys_free = _stored_keys_free(rope, span, load, pool.device, pool.match_layer)  # [Hkv, n, hd]
-            moves = pool.estimate(role, keys_free, lm.config.num_layers)
-            if moves is None:
+            keys_free = stored_keys_free(rope, span, load, pool.device, pool.match_layer)  # [Hkv, n, hd]
+            estimate = pool.estimate_with_residual(role, keys_free, lm.config.num_layers)
+            if estimate is None:
                 continue
-            k_move, v_move = moves
+            k_move, v_move, residual = estimate  # [L, Hkv, n, hd] twice, [n]
             if self.anchor_scale != 1:
+                # a scaled estimate also misses (1 - scale) of itself
+                residual = residual + (1 - self.anchor_scale) ** 2 * (
+                    torch.linalg.vector_norm(k_move, dim=(0, 1, 3)).square()
+                    + torch.linalg.vector_norm(v_move, dim=(0, 1, 3)).square())
                 k_move, v_move = self.anchor_scale * k_move, self.anchor_scale * v_move
             k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
             dst_pos = _positions(load.dst_start, load.num_tokens, pool.device)
             # float32: the cache rounds once, to its own dtype
-            plan.patches.append(KVPatch(load.dst_start, rope.shift_keys(k_move, dst_pos), v_move, add=True))
+            patches.append(KVPatch(load.dst_start, rope.shift_keys(k_move, dst_pos), v_move, add=True))
+            if missed is not None:
+                missed[load.dst_start : load.dst_start + load.num_tokens] = residual
+        priors = {"anchor": (missed, self.anchor_select)} if missed is not None else None
+        plan = self.plan_reuse(call, store, lm, reuse, priors)
+        plan.patches.extend(patches)
         return plan
 
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
@@ -147,7 +176,7 @@ class RelayAnchorsMethod(RelayMethod):
             src = slice(load.src_start, load.src_end)
             dst = slice(load.dst_start, load.dst_start + load.num_tokens)
             device = pool.device  # float32 before RoPE is undone: a bf16 cache's keys would round twice
-            stored_free = _stored_keys_free(rope, span, load, device)  # [L, Hkv, n, hd]
+            stored_free = stored_keys_free(rope, span, load, device)  # [L, Hkv, n, hd]
             fresh_k = cache.k[:, :, dst].to(device, torch.float32)
             fresh_free = rope.shift_keys(fresh_k, -_positions(load.dst_start, load.num_tokens, device))
             v_move = cache.v[:, :, dst].to(device, torch.float32) - span.v[:, :, src].to(device, torch.float32)

@@ -1,5 +1,6 @@
-"""relay_anchors and its move pool: exact estimates on hand-made tensors, the learning calls, and a pool taught by
-the very call it then serves reproducing full (the moves' layout, sign and re-rotation all checked at once)."""
+"""relay_anchors: the learning calls, a pool taught by the very call it then serves reproducing full (the moves'
+layout, sign and re-rotation all checked at once), and relay's band choosing what the anchors miss. The pool itself:
+test_move_pool.py."""
 
 import pytest
 import torch
@@ -10,154 +11,17 @@ from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.reuse.move_pool import MovePool
 from tests.helpers import generate, publish, tiny_lm
 
 ONE = SamplingConfig(max_new_tokens=1)
-L, HKV, HD = 3, 2, 4
-
-
-def _moves(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(HKV, n, HD, generator=gen), torch.randn(L, HKV, n, HD, generator=gen),
-            torch.randn(L, HKV, n, HD, generator=gen))
-
-
-def test_pool_top1_returns_the_matching_tokens_moves():
-    pool = MovePool(match_layer=1, max_tokens=100, top_k=1, temperature=0.02)
-    feat, dk, dv = _moves(5, 0)
-    pool.add("a#0", feat, dk, dv)
-    est_k, est_v = pool.estimate("a#0", feat[:, [3, 0]], L)  # tokens 3 and 0 again
-    torch.testing.assert_close(est_k, dk[:, :, [3, 0]].half().float())
-    torch.testing.assert_close(est_v, dv[:, :, [3, 0]].half().float())
-    assert pool.estimate("b#0", feat, L) is None  # another role has no pool
-
-
-def test_pool_mixes_its_top_k_by_softmax_of_cosine():
-    pool = MovePool(match_layer=0, max_tokens=100, top_k=2, temperature=0.5)
-    feat = torch.zeros(HKV, 3, HD)
-    feat[0, 0, 0], feat[0, 1, 1], feat[0, 2, 2] = 1.0, 1.0, 1.0  # orthogonal unit features
-    dk = torch.arange(3.0).view(1, 1, 3, 1).expand(L, HKV, 3, HD).contiguous()  # token j moved by j
-    pool.add("r", feat, dk, -dk)
-    query = torch.zeros(HKV, 1, HD)
-    query[0, 0, 0], query[0, 0, 1] = 0.8, 0.6  # cos 0.8 to token 0, 0.6 to token 1, 0 to token 2
-    est_k, est_v = pool.estimate("r", query, L)
-    w = torch.softmax(torch.tensor([0.8, 0.6]) / 0.5, 0)
-    expected = float(w[0] * 0 + w[1] * 1)
-    assert est_k.shape == (L, HKV, 1, HD)
-    torch.testing.assert_close(est_k, torch.full((L, HKV, 1, HD), expected), atol=2e-3, rtol=0)
-    torch.testing.assert_close(est_v, -est_k)
-
-
-def test_pool_drops_its_oldest_calls_past_max_tokens():
-    pool = MovePool(match_layer=0, max_tokens=8, top_k=1, temperature=0.02)
-    for seed in range(3):
-        pool.add("r", *_moves(5, seed))
-    assert pool.num_calls("r") == 3
-    assert pool.num_tokens("r") == 5  # 15 > 8 and 10 > 8: the first two calls' tokens are gone
-    feat, dk, _ = _moves(5, 2)
-    torch.testing.assert_close(pool.estimate("r", feat, L)[0], dk.half().float())
-
-
-def test_index_projects_on_the_features_top_principal_directions():
-    """Features spread along two axes, with a small ripple on a third: a 2-dim index matches by the two axes alone
-    (the query nearest token 0 there, but nearest token 1 in the full space, gets token 0's move)."""
-    feat = torch.zeros(1, 6, 4)
-    angles = torch.linspace(0, 3, 6)
-    feat[0, :, 0], feat[0, :, 1] = torch.cos(angles), torch.sin(angles)
-    feat[0, :, 2] = torch.tensor([0.0, 0.3, 0.0, 0.0, 0.0, 0.0])
-    moves = torch.arange(6.0).view(1, 1, 6, 1).expand(L, 1, 6, 4).contiguous()  # token j moved by j
-    query = feat[:, [0]].clone()
-    query[0, 0, 1] += 0.3  # between tokens 0 and 1 on the circle (nearer 0) ...
-    query[0, 0, 2] = 0.3  # ... but with token 1's ripple
-    for dim, expected in ((2, 0.0), (0, 1.0)):
-        pool = MovePool(match_layer=0, max_tokens=100, top_k=1, temperature=0.02, dim=dim)
-        pool.add("r", feat, moves, -moves)
-        est_k, _ = pool.estimate("r", query, L)
-        assert float(est_k[0, 0, 0, 0]) == expected, dim
-        index = pool.index("r")
-        unit = torch.nn.functional.normalize(feat[0], dim=-1).half().float()  # pooled in fp16
-        if dim == 0:
-            assert index.basis is None and torch.equal(index.keys, unit)  # the unit-norm features themselves
-            continue
-        torch.testing.assert_close(index.basis.T @ index.basis, torch.eye(2))  # orthonormal directions
-        centered = unit - unit.mean(0)
-        torch.testing.assert_close(index.keys, torch.nn.functional.normalize(centered @ index.basis, dim=-1))
-        # the two directions hold nearly all the centered features' spread (the ripple is the rest)
-        assert float((centered @ index.basis).pow(2).sum() / centered.pow(2).sum()) > 0.97
-
-
-def test_raw_index_is_the_cosine_top_k_over_every_pooled_token():
-    """dim=0, num_centroids=0: the estimate is the softmax(cos / t) mean of the top-k pooled tokens by the cosine of
-    their features (a reference written here, not the pool's path)."""
-    feat, dk, dv = _moves(30, 3)
-    pool = MovePool(match_layer=0, max_tokens=100, top_k=4, temperature=0.1)
-    pool.add("r", feat[:, :20], dk[:, :, :20], dv[:, :, :20])
-    est_k, est_v = pool.estimate("r", feat[:, 20:], L)
-    flat = torch.nn.functional.normalize(feat.transpose(0, 1).flatten(1), dim=-1)  # [30, Hkv * hd]
-    sim = flat[20:] @ flat[:20].half().float().T
-    top = sim.topk(4, dim=-1)
-    weight = torch.softmax(top.values / 0.1, -1)  # [10, 4]
-    ref_k = (dk[:, :, :20].half().float()[:, :, top.indices] * weight[None, None, :, :, None]).sum(3)
-    torch.testing.assert_close(est_k, ref_k, atol=5e-3, rtol=0)
-    assert est_v.shape == ref_k.shape
-
-
-def test_kmeans_index_rows_carry_their_members_mean_move():
-    """Two tight groups of tokens and two clusters: the index has two rows, each the mean move of its group."""
-    gen = torch.Generator().manual_seed(0)
-    centers = torch.eye(HD)[:2]  # two orthogonal directions
-    groups = torch.tensor([0, 1, 0, 0, 1, 1, 0])
-    feat = (centers[groups] + 0.01 * torch.randn(7, HD, generator=gen)).unsqueeze(0).expand(HKV, 7, HD).contiguous()
-    dk = torch.randn(L, HKV, 7, HD, generator=gen)
-    pool = MovePool(match_layer=0, max_tokens=100, top_k=1, temperature=0.02, num_centroids=2)
-    pool.add("r", feat, dk, 2 * dk)
-    query = centers[[1, 0]].unsqueeze(0).expand(HKV, 2, HD).contiguous()
-    est_k, est_v = pool.estimate("r", query, L)
-    assert pool.num_entries("r") == 2
-    for i, group in enumerate((1, 0)):
-        mean = dk[:, :, groups == group].half().float().mean(2)
-        torch.testing.assert_close(est_k[:, :, i], mean, atol=2e-3, rtol=0)
-        torch.testing.assert_close(est_v[:, :, i], 2 * mean, atol=4e-3, rtol=0)
-
-
-def test_kmeans_seeds_empty_clusters_again_when_tokens_repeat():
-    """Repeated tokens make duplicate seeds; the cluster they leave empty is seeded again, so three distinct features
-    give three rows although two of the evenly spaced seeds are copies of one (feature 0's second cluster would stay
-    empty, ties going to the first, and feature 1, nearer feature 2's seed, would share its cluster)."""
-    base = torch.eye(HD)[:3]
-    base[1] = torch.nn.functional.normalize(torch.tensor([0.0, 1.0, 1.0, 0.0]), dim=0)
-    rows = torch.tensor([0] * 8 + [1, 2])  # seeds at rows 0, 4 and 9: feature 0 twice, feature 2
-    feat = base[rows].unsqueeze(0).expand(HKV, 10, HD).contiguous()
-    dk = torch.arange(10.0).view(1, 1, 10, 1).expand(L, HKV, 10, HD).contiguous()
-    pool = MovePool(match_layer=0, max_tokens=100, top_k=1, temperature=0.02, num_centroids=3)
-    pool.add("r", feat, dk, dk)
-    est_k, _ = pool.estimate("r", base.unsqueeze(0).expand(HKV, 3, HD).contiguous(), L)
-    assert pool.num_entries("r") == 3
-    torch.testing.assert_close(est_k[0, 0, :, 0], torch.tensor([3.5, 8.0, 9.0]))  # each feature's own mean move
-
-
-def test_freeze_keeps_the_index_and_frees_the_tokens():
-    pool = MovePool(match_layer=1, max_tokens=100, top_k=2, temperature=0.1, dim=3, num_centroids=4)
-    feat, dk, dv = _moves(9, 0)
-    pool.add("r", feat, dk, dv)
-    before = pool.estimate("r", feat, L)
-    pool.freeze("r")
-    assert pool.num_tokens("r") == 0 and pool.num_entries("r") == 4
-    role = pool._roles["r"]
-    assert role.feat.untyped_storage().nbytes() == 0 and role.moves.untyped_storage().nbytes() == 0  # freed
-    # 4 rows of 3-dim float32 keys and fp16 moves, the mean and the basis (float32)
-    assert pool.nbytes == 4 * (3 * 4 + 2 * L * HKV * HD * 2) + (HKV * HD) * 4 + (HKV * HD) * 3 * 4
-    for a, b in zip(pool.estimate("r", feat, L), before, strict=True):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="frozen"):
-        pool.add("r", feat, dk, dv)
 
 
 def test_bad_knobs_are_config_errors():
     for spec in ("relay_anchors[anchor_calls=0]", "relay_anchors[anchor_temp=0]", "relay_anchors[anchor_k=0]",
                  "relay_anchors[anchor_scale=3]", "relay_anchors[anchor_layer=-1]", "relay_anchors[anchor_dim=-1]",
-                 "relay_anchors[anchor_centroids=-1]"):
+                 "relay_anchors[anchor_centroids=-1]", "relay_anchors[anchor_select=-1,top_r=0.1]",
+                 "relay_anchors[anchor_select=1]", "relay[selector=priors]",  # no top_r
+                 "relay[selector=priors,top_r=0.1]", "relay_anchors[selector=priors,top_r=0.1]"):  # no prior
         with pytest.raises(ConfigError):
             get_method(spec)
 
@@ -167,11 +31,12 @@ def lm():
     return tiny_lm("qwen2")
 
 
-def _downstream(lm, store) -> CallInput:
-    """An upstream call's sampled output, published, read by a downstream prompt in a new context."""
+def _downstream(lm, store, capture_layers: tuple[int, ...] = ()) -> CallInput:
+    """An upstream call's sampled output, published (with the hidden states of ``capture_layers``), read by a
+    downstream prompt in a new context."""
     up_prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     up = generate(lm, up_prompt, "full", store, SamplingConfig(max_new_tokens=24, temperature=1.0, seed=0),
-                  keep_cache=True)
+                  capture_layers=capture_layers, keep_cache=True)
     publish(store, "p/up", up, lm)
     head, tail = [1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5]
     return CallInput(head + up.output_ids + tail, [SpanRef(7, 31, "p/up", 20, "output", "up")], name="agent")
@@ -317,3 +182,43 @@ def test_a_role_done_learning_is_served_from_its_clusters(lm):
     v_rows = index.moves.float().view(8, 2 * n, -1)[:, n:]  # [8, L, Hkv * hd]: each cluster's V moves
     expected_v = v_rows[nearest].view(24, n, lm.config.num_kv_heads, -1).permute(1, 2, 0, 3)  # -> [L, Hkv, 24, hd]
     torch.testing.assert_close(plan.patches[0].v[1:], expected_v[1:], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("start", [0, 1])  # 0: every span token enters and is selected at layer 0; 1: admitted
+def test_anchor_select_recomputes_the_tokens_the_anchors_expect_to_miss_most(lm, monkeypatch, start):
+    """With ``selector=priors`` and ``anchor_select``, relay's budget form ranks the span tokens by the residual the
+    pool expects (``estimate_with_residual``, by prompt position) alone: the band keeps exactly the top_r of them,
+    chosen where they enter (l_start = l_det = 1: admitted from their carried states before any is computed) or at
+    layer 0."""
+    import kvrelay.reuse.relay as relay_module
+
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, capture_layers=(start,) if start else ())
+    n = lm.config.num_layers
+    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=3,anchor_temp=0.5,l_start={start},l_det={start},"
+                        f"l_end={n - 1},top_r=0.25,l_pre=0,l_suf=0,selector=priors,anchor_select=1]")
+    generate(lm, call, method, store, ONE)  # teaches the pool
+    chosen = []
+    select_top = relay_module.select_top
+
+    def spy(deviation, influence, *args, **kwargs):
+        assert deviation is None and influence is None  # the priors alone rank
+        keep = select_top(deviation, influence, *args, **kwargs)
+        chosen.append(keep)
+        return keep
+
+    monkeypatch.setattr(relay_module, "select_top", spy)
+    out = generate(lm, call, method, store, ONE)
+    assert out.stats.fallback is None and out.stats.note is None and len(chosen) == 1  # (no span recomputed whole)
+    # the 12 new tokens run every layer; the 6 kept span tokens run layers 1 up; at start 0 all 24 span tokens also
+    # get their K/V at layer 0, where the selection reads them (admitted at 1, the 18 refused are never computed)
+    assert out.stats.num_computed_token_layers == 12 * n + 6 * (n - 1) + (24 if start == 0 else 0)
+    span, rope = store.get("p/up"), lm.model.rope
+    from kvrelay.model.rope import undo_rotary
+
+    cos, sin = rope.cos_sin(torch.arange(span.start_pos + 20, span.start_pos + 44), torch.float32)
+    keys_free = undo_rotary(span.k[method.pool.match_layer, :, 20:44].float(), cos, sin)
+    residual = method.pool.estimate_with_residual("agent/up", keys_free, n)[2]  # [24], prompt positions 7..30
+    assert residual.unique().numel() > 12  # a ranking, not ties
+    kept = chosen[0].nonzero().squeeze(1)  # rows of the span tokens, in prompt order
+    assert kept.tolist() == sorted(residual.topk(6).indices.tolist())
