@@ -222,3 +222,34 @@ def test_anchor_select_recomputes_the_tokens_the_anchors_expect_to_miss_most(lm,
     assert residual.unique().numel() > 12  # a ranking, not ties
     kept = chosen[0].nonzero().squeeze(1)  # rows of the span tokens, in prompt order
     assert kept.tolist() == sorted(residual.topk(6).indices.tolist())
+
+
+def test_a_scaled_estimate_expects_to_miss_what_the_scale_leaves_out(lm, monkeypatch):
+    """With anchor_scale s the patch adds s x the estimate, so each token's prior is the pool's expected residual plus
+    (1 - s)^2 x |estimate|^2."""
+    import kvrelay.reuse.relay as relay_module
+
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store)
+    n = lm.config.num_layers
+    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=3,anchor_temp=0.5,anchor_scale=0.5,l_start=0,l_det=0,"
+                        f"l_end={n - 1},top_r=0.25,l_pre=0,l_suf=0,selector=priors,anchor_select=1]")
+    generate(lm, call, method, store, ONE)
+    seen = []
+    select_top = relay_module.select_top
+
+    def spy(deviation, influence, always_mask, top_r, priors=()):
+        seen.append([score for score, _ in priors])
+        return select_top(deviation, influence, always_mask, top_r, priors)
+
+    monkeypatch.setattr(relay_module, "select_top", spy)
+    generate(lm, call, method, store, ONE)
+    span, rope = store.get("p/up"), lm.model.rope
+    from kvrelay.model.rope import undo_rotary
+
+    cos, sin = rope.cos_sin(torch.arange(span.start_pos + 20, span.start_pos + 44), torch.float32)
+    keys_free = undo_rotary(span.k[method.pool.match_layer, :, 20:44].float(), cos, sin)
+    k_move, v_move, residual = method.pool.estimate_with_residual("agent/up", keys_free, n)
+    expected = residual + 0.25 * (k_move.pow(2).sum((0, 1, 3)) + v_move.pow(2).sum((0, 1, 3)))
+    assert len(seen) == 1 and len(seen[0]) == 1
+    torch.testing.assert_close(seen[0][0], expected, rtol=1e-5, atol=1e-6)
