@@ -56,19 +56,16 @@ from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import Entry, LayerView, StaticSchedule
 from kvrelay.reuse.band import BandSchedule, Kept
-from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad
+from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
 from kvrelay.reuse.profile import layer_profile
 from kvrelay.reuse.relay_select import (
-    AWAY_MAX_SCORES,
     PRUNE_RULES,
-    SINK_LEN,
-    away_mass,
     drift_shift,
+    lost_context_mass,
     position_prior,
     prune_mask,
     select_tokens,
     select_top,
-    shared_context_len,
     spread_with_mean,
     value_cos_deviation,
 )
@@ -118,23 +115,6 @@ def _recalibration_flags(profile, workload: str) -> str:
     recorded = profile.workload_selectors[workload].get("calibration", {}).get("selector_workloads", {})
     name, data = next(iter(recorded.items()), (workload, "default"))
     return f" --for-workload --workload {name}" + (f" --data {data}" if data != "default" else "")
-
-
-def _lost_context_mass(lm, call: CallInput, load: SpanLoad, span, h: torch.Tensor, layer: int) -> torch.Tensor | None:
-    """``away_mass`` at ``layer`` of a carried span's tokens (``h``: their states there): zeros for a span that lost
-    no context (its stored context precedes it in the new prompt too, or it has none but the sink); None (not
-    measured) for one stored without its sequence's start (its tokens attended to context the store does not hold)
-    and for one whose attention would cost more than ``AWAY_MAX_SCORES`` scores per head."""
-    if span.start_pos != 0 or h.shape[0] * load.src_end > AWAY_MAX_SCORES:
-        return None
-    context_start = load.src_start - shared_context_len(call.prompt_ids, load.dst_start, span.token_ids,
-                                                        load.src_start)
-    if context_start <= SINK_LEN:
-        return torch.zeros(h.shape[0], device=lm.model.device)
-    device, dtype = lm.model.device, lm.model.dtype  # a span may be held elsewhere (a tier's spans are on the CPU)
-    keys = span.k[layer][:, : load.src_end].to(device, dtype)  # [Hkv, src_end, hd]
-    return away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), h.to(device, dtype), keys,
-                     context_start, lm.config.window_at(layer))
 
 
 @dataclass
@@ -311,7 +291,7 @@ class RelayMethod(ReuseMethod):
             if h is not None:
                 carried.append(idx)
                 carried_h.append(h)
-                if sel.away and (mass := _lost_context_mass(lm, call, load, span, h, start)) is not None:
+                if sel.away and (mass := lost_context_mass(lm, call, load, span, h, start)) is not None:
                     away_parts.append((idx, mass))
             else:
                 from_zero.append(idx)

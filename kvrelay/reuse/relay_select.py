@@ -14,11 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrelay.cache.kv import StoredSpan
 from kvrelay.errors import ScheduleError
 from kvrelay.model.layers import DecoderLayer, attention_probs, repeat_kv, visible_mask
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import LayerView, count_checks_out, rows_of
 from kvrelay.reuse.band import Kept
+from kvrelay.reuse.base import CallInput, SpanLoad
 
 # 1 - cos below this is float noise (fresh vs reused V of the same input through different matmul
 # shapes), not a deviation; SmolLM2's real mid-layer deviations average ~1e-2.
@@ -172,3 +174,21 @@ def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float,
         return Kept(always_mask.clone(), always_mask.numel())
     keep = (deviation >= prune * deviation[~always_mask].mean()) | always_mask
     return Kept(keep, int(keep.sum()))
+
+
+def lost_context_mass(lm, call: CallInput, load: SpanLoad, span: StoredSpan, h: torch.Tensor, layer: int
+                      ) -> torch.Tensor | None:
+    """``away_mass`` at ``layer`` of a carried span's tokens (``h``: their states there): zeros for a span that lost
+    no context (its stored context precedes it in the new prompt too, or it has none but the sink); None (not
+    measured) for one stored without its sequence's start (its tokens attended to context the store does not hold)
+    and for one whose attention would cost more than ``AWAY_MAX_SCORES`` scores per head."""
+    if span.start_pos != 0 or h.shape[0] * load.src_end > AWAY_MAX_SCORES:
+        return None
+    context_start = load.src_start - shared_context_len(call.prompt_ids, load.dst_start, span.token_ids,
+                                                        load.src_start)
+    if context_start <= SINK_LEN:
+        return torch.zeros(h.shape[0], device=lm.model.device)
+    device, dtype = lm.model.device, lm.model.dtype  # a span may be held elsewhere (a tier's spans are on the CPU)
+    keys = span.k[layer][:, : load.src_end].to(device, dtype)  # [Hkv, src_end, hd]
+    return away_mass(lm.model.model.layers[layer], lm.model.rope_of(layer), h.to(device, dtype), keys,
+                     context_start, lm.config.window_at(layer))

@@ -14,6 +14,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import LayerView
 from kvrelay.reuse import get_method
 from kvrelay.reuse import relay as relay_module
+from kvrelay.reuse import relay_select as relay_select_module
 from kvrelay.reuse.base import CallInput, SpanRef
 from kvrelay.reuse.relay_select import away_mass
 from tests.helpers import generate, publish, tiny_lm
@@ -605,7 +606,7 @@ def test_relay_admits_by_the_stored_attention_to_the_lost_context(setup, writes,
         given.append((h, keys.shape[1], context_start))
         return away_mass(layer, rope, h, keys, context_start, window).flip(0)
 
-    monkeypatch.setattr(relay_module, "away_mass", reversed_mass)
+    monkeypatch.setattr(relay_select_module, "away_mass", reversed_mass)
     writes.clear()
     generate(lm, CallInput(ids, [SpanRef(7, 7 + ref_len, "up", 20, "output")]),
              get_method(AWAY_SPEC.format(knobs)), store, ONE)
@@ -645,7 +646,7 @@ def test_relay_scores_a_span_that_lost_no_context_as_zero(setup, monkeypatch, ad
     up = store.get("up")
     ids = [up.token_ids[0] + 1] + list(up.token_ids[1:44]) + [1, 2, 3, 4, 5]  # another first token: no exact prefix
     called = []
-    monkeypatch.setattr(relay_module, "away_mass", lambda *args: called.append(args))
+    monkeypatch.setattr(relay_select_module, "away_mass", lambda *args: called.append(args))
     generate(lm, CallInput(ids, [SpanRef(20, 44, "up", 20, "output")]), get_method(AWAY_SPEC.format("")), store, ONE)
     (away, _), = admission_priors
     assert not called and away.shape == (24,) and not away.any()
@@ -655,10 +656,10 @@ def test_relay_does_not_measure_a_span_past_the_score_budget(setup, monkeypatch)
     """The mass costs a span's carried tokens x its stored keys in scores (24 x 44 here): past the budget the span
     is not measured."""
     called = []
-    monkeypatch.setattr(relay_module, "away_mass", lambda *args: called.append(args) or torch.zeros(24))
-    monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44 - 1)
+    monkeypatch.setattr(relay_select_module, "away_mass", lambda *args: called.append(args) or torch.zeros(24))
+    monkeypatch.setattr(relay_select_module, "AWAY_MAX_SCORES", 24 * 44 - 1)
     out = _run(setup, AWAY_SPEC.format(""))
     assert not called and out.stats.note == "24 span tokens had no away measure: scored as the others' mean"
-    monkeypatch.setattr(relay_module, "AWAY_MAX_SCORES", 24 * 44)
+    monkeypatch.setattr(relay_select_module, "AWAY_MAX_SCORES", 24 * 44)
     assert _run(setup, AWAY_SPEC.format("")).stats.note is None
     assert len(called) == 1
