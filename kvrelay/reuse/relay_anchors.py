@@ -98,6 +98,10 @@ class RelayAnchorsMethod(RelayMethod):
             raise ConfigError(f"relay_anchors: anchor_select must be >= 0, got {self.anchor_select}")
         if self.anchor_select and self.top_r is None:
             raise ConfigError("relay_anchors: anchor_select needs top_r (it adds to the budget form's score)")
+        if self.anchor_select and self.anchor_k == 1 and self.anchor_centroids == 0:
+            # one raw row per token and one row mixed: every estimate is a single token's move, expected to miss nothing
+            raise ConfigError("relay_anchors: anchor_select ranks by how far the mixed rows' tokens spread, which is 0 "
+                              "with anchor_k=1 over the raw pool (anchor_centroids=0): raise anchor_k or use clusters")
         if self.anchor_layer is not None and self.anchor_layer < 0:
             raise ConfigError(f"relay_anchors: anchor_layer must be >= 0, got {self.anchor_layer}")
 

@@ -21,7 +21,8 @@ def test_bad_knobs_are_config_errors():
                  "relay_anchors[anchor_scale=3]", "relay_anchors[anchor_layer=-1]", "relay_anchors[anchor_dim=-1]",
                  "relay_anchors[anchor_centroids=-1]", "relay_anchors[anchor_select=-1,top_r=0.1]",
                  "relay_anchors[anchor_select=1]", "relay[selector=priors]",  # no top_r
-                 "relay[selector=priors,top_r=0.1]", "relay_anchors[selector=priors,top_r=0.1]"):  # no prior
+                 "relay[selector=priors,top_r=0.1]", "relay_anchors[selector=priors,top_r=0.1]",  # no prior
+                 "relay_anchors[anchor_select=1,top_r=0.1,anchor_k=1,anchor_centroids=0]"):  # nothing to rank by
         with pytest.raises(ConfigError):
             get_method(spec)
 
