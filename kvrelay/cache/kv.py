@@ -318,8 +318,10 @@ class SequenceKV:
         self._v[:, :, rows] = v
         return n if delta else 0
 
-    def patch(self, dst_start: int, k: torch.Tensor, v: torch.Tensor, add: bool) -> None:
-        """Add to (``add``) or set positions [dst_start, dst_start + n); k, v: [L, Hkv, n, hd]."""
+    def patch(self, dst_start: int, k: torch.Tensor, v: torch.Tensor, add: bool,
+              rope: RotaryEmbedding | None = None) -> None:
+        """Add to (``add``) or set positions [dst_start, dst_start + n); k, v: [L, Hkv, n, hd]. With ``rope``, ``k``
+        is without RoPE and is rotated for those positions as it is written."""
         n = k.shape[2]
         self.ensure_capacity(dst_start + n)
         self._flush_all()
@@ -327,9 +329,14 @@ class SequenceKV:
         if add:
             if not bool(self.filled[:, rows].all()):
                 raise ScheduleError(f"offsets patched onto positions {dst_start}..{dst_start + n} with no loaded K/V")
-            self.k[:, :, rows] += k.to(self.device, self.dtype)
+            if rope is not None:
+                rope.add_keys_at(k.to(self.device), dst_start, self.k[:, :, rows])
+            else:
+                self.k[:, :, rows] += k.to(self.device, self.dtype)
             self.v[:, :, rows] += v.to(self.device, self.dtype)
         else:
+            if rope is not None:
+                k = rope.shift_keys(k, torch.arange(dst_start, dst_start + n, device=k.device))
             self.k[:, :, rows] = k.to(self.device, self.dtype)
             self.v[:, :, rows] = v.to(self.device, self.dtype)
             self.filled[:, rows] = True

@@ -97,7 +97,7 @@ def shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
     prefill, and says so (counted as a fallback in the stats)."""
     if model.rope.can_shift:
         return plan
-    if plan.patches:  # patched keys were rotated for their positions by the method
+    if plan.patches:  # patched keys are rotated for their positions (by the method, or by the cache)
         return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot rotate patched keys; "
                                          "recomputed with a full prefill")
     for load in plan.loads:
@@ -129,6 +129,6 @@ def run_plan(lm: LoadedModel, ids: torch.Tensor, plan: Plan, cache: SequenceKV, 
         span = store.get(load.span_id)
         num_shifted += cache.load_span(span, load.dst_start, lm.model.rope, load.src_start, load.src_end)
     for patch in plan.patches:
-        cache.patch(patch.dst_start, patch.k, patch.v, patch.add)
+        cache.patch(patch.dst_start, patch.k, patch.v, patch.add, lm.model.rope if patch.keys_free else None)
     plan.schedule.capture_layers = tuple(capture_layers)
     return lm.model.prefill(ids, cache, plan.schedule), num_shifted

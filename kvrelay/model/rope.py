@@ -130,6 +130,24 @@ class RotaryEmbedding:
         angle = inv * float(delta)  # [hd / 2], or [L, 1, 1, hd / 2] with per-layer bases
         rotate_halves_into(keys, angle.cos(), angle.sin(), out)
 
+    def add_keys_at(self, keys_free: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        """``out += keys_free`` rotated for positions [start, start + n): keys without RoPE [..., n, hd] (every
+        layer's [L, Hkv, n, hd] with per-layer bases), ``out`` the cache's rows of the same shape. fp32, in place,
+        with no temporaries of the keys' size (a rotation then an add would write two). Other dtypes: rotate
+        with ``shift_keys`` and add."""
+        if keys_free.dtype != torch.float32 or out.dtype != torch.float32:
+            out += self.shift_keys(keys_free, torch.arange(start, start + keys_free.shape[-2],
+                                                           device=keys_free.device)).to(out.dtype)
+            return
+        inv = self._inv_for(keys_free, None).to(keys_free.device)
+        pos = torch.arange(start, start + keys_free.shape[-2], device=keys_free.device, dtype=torch.float32)
+        angle = pos[:, None] * inv  # [n, hd / 2], or [L, 1, n, hd / 2] with per-layer bases
+        cos, sin = angle.cos(), angle.sin()
+        half = keys_free.shape[-1] // 2
+        x1, x2, o1, o2 = keys_free[..., :half], keys_free[..., half:], out[..., :half], out[..., half:]
+        o1.addcmul_(x1, cos).addcmul_(x2, sin, value=-1)  # += x1 cos - x2 sin
+        o2.addcmul_(x2, cos).addcmul_(x1, sin)  # += x2 cos + x1 sin
+
     def shift_factors(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of a ``delta``-position shift, for ``rotate_halves_into``: [hd / 2] each, or [L, 1, 1, hd / 2]
         with per-layer bases (index them by layer). Computed once, they serve a span's every layer."""

@@ -44,6 +44,29 @@ def test_shift_into_a_cache_slice_equals_the_shift(preset):
     assert not cache[:, :, :4].any() and not cache[:, :, 13:].any()  # nothing written outside the slice
 
 
+@pytest.mark.parametrize("preset", ["tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # in place; another dtype via a rotated copy
+def test_keys_added_at_positions_are_the_keys_rotated_there(preset, dtype):
+    """``add_keys_at`` adds position-free keys rotated for [start, start + n) to a strided cache slice, layer by
+    layer with each layer's base; it leaves the rest of the cache alone. Checked against ``apply_rotary`` with
+    the positions' own cos/sin tables (not ``shift_keys``)."""
+    from kvrelay.weights.presets import PRESETS
+
+    config = PRESETS[preset]
+    rope = RotaryEmbedding(config)
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(config.num_layers, config.num_kv_heads, 9, config.head_dim, generator=gen)  # [L, Hkv, n, hd]
+    cache = torch.randn(config.num_layers, config.num_kv_heads, 20, config.head_dim, generator=gen).to(dtype)
+    before = cache.clone()
+    rope.add_keys_at(keys, 37, cache[:, :, 4:13])
+    positions = torch.arange(37, 46)
+    ropes = [rope.local if rope.local and config.is_local(i) else rope for i in range(config.num_layers)]
+    rotated = torch.stack([apply_rotary(keys[i], *r.cos_sin(positions, torch.float32)) for i, r in enumerate(ropes)])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(cache[:, :, 4:13].float(), before[:, :, 4:13].float() + rotated, atol=tol, rtol=tol)
+    assert torch.equal(cache[:, :, :4], before[:, :, :4]) and torch.equal(cache[:, :, 13:], before[:, :, 13:])
+
+
 def test_layer0_keys_moved_from_p_to_p_prime_equal_fresh_keys():
     lm = tiny_lm("llama3")  # llama3 frequency scaling: still a pure rotation
     model, n_pad = lm.model, 9

@@ -104,7 +104,9 @@ def test_anchor_scale_zero_is_naive_exactly(lm):
 def test_a_taught_span_served_at_another_position_gets_its_moves_rerotated_there(lm):
     """The pool is matched on stored keys with RoPE undone at their own positions, and the moves are rotated for
     the new ones: a call that puts the same span 3 positions later gets, with top_k=1, each token's taught move
-    rotated for its new position (read here with ``undo_rotary``/``apply_rotary``, not the method's ``shift_keys``)."""
+    rotated for its new position (read here with ``undo_rotary``/``apply_rotary``, not the cache's ``add_keys_at``):
+    the plan hands the cache the moves without RoPE, and the cache holds the loaded keys plus the rotated moves."""
+    from kvrelay.cache.kv import SequenceKV
     from kvrelay.model.rope import apply_rotary, undo_rotary
 
     store = KVStore(1 << 30)
@@ -119,10 +121,18 @@ def test_a_taught_span_served_at_another_position_gets_its_moves_rerotated_there
     cos, sin = rope.cos_sin(src_pos, torch.float32)
     keys_free = undo_rotary(span.k[layer, :, 20:44].float(), cos, sin)
     dk, dv = method.pool.estimate("agent/up", keys_free, lm.config.num_layers)
+    patch = plan.patches[0]
+    assert patch.keys_free and patch.add
+    torch.testing.assert_close(patch.k[1:], dk[1:])
+    torch.testing.assert_close(patch.v[1:], dv[1:])
+    assert not patch.k[0].any()  # layer 0 untouched
+    cache = SequenceKV(lm.config, torch.float32, "cpu")
+    cache.load_span(span, 10, rope, 20, 44)
+    loaded_k, loaded_v = cache.k[:, :, 10:34].clone(), cache.v[:, :, 10:34].clone()
+    cache.patch(patch.dst_start, patch.k, patch.v, patch.add, rope)
     cos, sin = rope.cos_sin(torch.arange(10, 34), torch.float32)
-    torch.testing.assert_close(plan.patches[0].k[1:], apply_rotary(dk, cos, sin)[1:], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(plan.patches[0].v[1:], dv[1:])
-    assert not plan.patches[0].k[0].any()  # layer 0 untouched
+    torch.testing.assert_close(cache.k[:, :, 10:34], loaded_k + apply_rotary(patch.k, cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, 10:34], loaded_v + patch.v)
 
 
 def test_roles_follow_the_placeholder_when_an_earlier_span_is_gone(lm):
