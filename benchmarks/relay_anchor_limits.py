@@ -11,8 +11,9 @@ script asks, with the span K/V set by hand (``KVShift`` from a full prefill, as 
 - ``a quarter of the residual``: every anchored K/V moved a quarter of the way to the true one;
 - ``call mean xC``: the anchors plus C x the mean of the residual they leave over the call's span tokens, per
   layer, head and channel (the best a single shift per call could add: an oracle);
-- ``top r true + band mean xC``: the top r of the span tokens by the expected residual get their true K/V (what the
-  band computes), and the others C x those tokens' mean residual (what they could tell the rest within the call);
+- ``top r true + band mean xC``: the top r of the span tokens by the expected residual get their true K/V at every
+  layer (the best the band, which computes them from L_start, could give them), and the others the anchors plus C x
+  those tokens' mean residual (what they could tell the rest within the call);
 
 and, as the methods run (``--bands``, ``relay_anchors`` knobs after its band from the profile's L_start to the top):
 ranking the band by the new tokens' attention (``selector=both``/``influence``) besides or instead of the expected
@@ -29,7 +30,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from relay_anchor_select import ONE, scores_of
+from relay_anchor_select import ONE, run_methods, scores_of
 from relay_oracle import fresh_prefill, schedule_logits
 from relay_oracle_shift import ShiftedStatic, moves
 from relay_train_points import calls_parser
@@ -117,12 +118,18 @@ def main() -> None:
     def learn(call, store) -> None:
         Engine(lm, store, capture_layers=capture).generate(call, teacher, GenerateOptions(ONE.sampling, learn=True))
 
+    taught_on = {"model": lm.name, "workload": args.workload, "pool_offset": args.pool_offset,
+                 "pool_problems": args.pool_problems}
     if args.pool_cache and Path(args.pool_cache).exists():
-        teacher.pool = torch.load(args.pool_cache, weights_only=False)
+        cached = torch.load(args.pool_cache, weights_only=False)
+        if not isinstance(cached, dict) or cached.get("taught_on") != taught_on:
+            ap.error(f"--pool-cache {args.pool_cache} holds no pool taught on "
+                     f"{taught_on}: give another file")
+        teacher.pool = cached["pool"]
     else:
         downstream_calls(lm, args.workload, None, args.pool_problems, capture, learn, "pool", True, args.pool_offset)
         if args.pool_cache:
-            torch.save(teacher.pool, args.pool_cache)
+            torch.save({"taught_on": taught_on, "pool": teacher.pool}, args.pool_cache)
     for spec in specs[2:]:
         methods[spec].pool = teacher.pool
     rows: dict[str, list[float]] = {}
@@ -133,11 +140,7 @@ def main() -> None:
         if not span_idx.numel():
             return
         full, fresh = fresh_prefill(lm, call)
-        engine = Engine(lm, store, methods.values(), capture_layers=capture)
-        for spec, method in methods.items():
-            out = engine.generate(call, method, ONE)
-            if out.stats.fallback:
-                raise SystemExit(f"{spec}: {out.stats.fallback} (a role the pool problems did not all teach)")
+        for spec, out in run_methods(lm, call, store, methods, capture).items():
             rows.setdefault(f"runs: {spec}", []).append(kl_first_token(full.logits, out.first_logits))
         new_idx = reuse.new_idx(len(call.prompt_ids))
         dk, dv = moves(lm, call, store, reuse, fresh)  # [L, Hkv, m, hd]
@@ -157,6 +160,7 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({
         "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
         "pool_offset": args.pool_offset, "pool_problems": args.pool_problems, "ratio": args.ratio,
+        "bands": args.bands, "pool_cache": args.pool_cache,
         "environment": environment("cpu"), "summary": summary, "calls": rows}, indent=1) + "\n")
     for name, s in summary.items():
         below = "" if s["calls below the anchors"] is None else f"  below the anchors {s['calls below the anchors']}"

@@ -68,6 +68,17 @@ def scores_of(method: RelayAnchorsMethod, lm: LoadedModel, call: CallInput, stor
     return ak, av, torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts])
 
 
+def run_methods(lm: LoadedModel, call: CallInput, store: KVStore, methods: dict, capture: tuple[int, ...]) -> dict:
+    """spec -> each method's one-token run of ``call`` on one engine; a method that fell back stops the study (a role
+    the pool problems did not all teach)."""
+    engine, outs = Engine(lm, store, methods.values(), capture_layers=capture), {}
+    for spec, method in methods.items():
+        outs[spec] = engine.generate(call, method, ONE)
+        if outs[spec].stats.fallback:
+            raise SystemExit(f"{spec}: {outs[spec].stats.fallback} (a role the pool problems did not all teach)")
+    return outs
+
+
 def main() -> None:
     ap = calls_parser(__doc__.splitlines()[0], problems=20, path_tokens=False)
     ap.add_argument("--pool-offset", type=int, default=120)
@@ -100,11 +111,7 @@ def main() -> None:
         if not reuse.approx_idx().numel():
             return
         full, fresh = fresh_prefill(lm, call)
-        engine = Engine(lm, store, methods.values(), capture_layers=capture)
-        for spec, method in methods.items():
-            out = engine.generate(call, method, ONE)
-            if out.stats.fallback:
-                raise SystemExit(f"{spec}: {out.stats.fallback} (a role the pool problems did not all teach)")
+        for spec, out in run_methods(lm, call, store, methods, capture).items():
             stats = out.stats
             rows.setdefault(spec, []).append({"kl": kl_first_token(full.logits, out.first_logits),
                                               "reuse": stats.num_reused_token_layers / stats.num_prompt_token_layers,

@@ -129,6 +129,6 @@ def run_plan(lm: LoadedModel, ids: torch.Tensor, plan: Plan, cache: SequenceKV, 
         span = store.get(load.span_id)
         num_shifted += cache.load_span(span, load.dst_start, lm.model.rope, load.src_start, load.src_end)
     for patch in plan.patches:
-        cache.patch(patch.dst_start, patch.k, patch.v, patch.add, lm.model.rope if patch.keys_free else None)
+        cache.patch(patch.dst_start, patch.k, patch.v, patch.add, lm.model.rope if patch.keys_without_rope else None)
     plan.schedule.capture_layers = tuple(capture_layers)
     return lm.model.prefill(ids, cache, plan.schedule), num_shifted

@@ -132,12 +132,13 @@ class RotaryEmbedding:
 
     def add_keys_at(self, keys_free: torch.Tensor, start: int, out: torch.Tensor) -> None:
         """``out += keys_free`` rotated for positions [start, start + n): keys without RoPE [..., n, hd] (every
-        layer's [L, Hkv, n, hd] with per-layer bases), ``out`` the cache's rows of the same shape. fp32, in place,
-        with no temporaries of the keys' size (a rotation then an add would write two). Other dtypes: rotate
-        with ``shift_keys`` and add."""
+        layer's [L, Hkv, n, hd] with per-layer bases), ``out`` the cache's rows of the same shape. fp32: in place,
+        with no temporaries of the keys' size but the cos/sin of the angles ([n, hd / 2]; [L, 1, n, hd / 2] with
+        per-layer bases); a rotation then an add would write two. Other dtypes: a rotated fp32 copy, added and
+        rounded once to ``out``'s dtype."""
         if keys_free.dtype != torch.float32 or out.dtype != torch.float32:
-            out += self.shift_keys(keys_free, torch.arange(start, start + keys_free.shape[-2],
-                                                           device=keys_free.device)).to(out.dtype)
+            out += self.shift_keys(keys_free.float(), torch.arange(start, start + keys_free.shape[-2],
+                                                                   device=keys_free.device))
             return
         inv = self._inv_for(keys_free, None).to(keys_free.device)
         pos = torch.arange(start, start + keys_free.shape[-2], device=keys_free.device, dtype=torch.float32)

@@ -78,14 +78,14 @@ class SpanLoad:
 class KVPatch:
     """K/V a method writes into the sequence cache after the loads: ``add`` offsets to loaded rows,
     or set rows that no stored span holds (KVCOMM's template segments). Both at prompt positions
-    [dst_start, dst_start + n), keys rotated for those positions, or (``keys_free``) without RoPE: the cache
+    [dst_start, dst_start + n), keys rotated for those positions, or (``keys_without_rope``) without RoPE: the cache
     then rotates them as it writes them (one pass over the rows instead of a rotated copy and an add)."""
 
     dst_start: int
-    k: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim]
+    k: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim], post-RoPE unless keys_without_rope
     v: torch.Tensor  # [num_layers, num_kv_heads, n, head_dim]
     add: bool
-    keys_free: bool = False
+    keys_without_rope: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -149,11 +149,14 @@ class RelayAnchorsMethod(RelayMethod):
             # a tier's spans are on the CPU: the pool's device decides
             keys_free = stored_keys_free(rope, span, load, pool.device, pool.match_layer)  # [Hkv, n, hd]
             # the residual only where a prior reads it (its norms cost about as much as the match)
-            estimate = pool.estimate_with_residual(role, keys_free, lm.config.num_layers) if missed is not None \
-                else pool.estimate(role, keys_free, lm.config.num_layers)
+            if missed is not None:
+                estimate = pool.estimate_with_residual(role, keys_free, lm.config.num_layers)
+            else:
+                estimate = pool.estimate(role, keys_free, lm.config.num_layers)
+                estimate = None if estimate is None else (*estimate, None)
             if estimate is None:
                 continue
-            k_move, v_move, residual = estimate if missed is not None else (*estimate, None)  # [L, Hkv, n, hd] x2, [n]
+            k_move, v_move, residual = estimate  # [L, Hkv, n, hd] twice, [n] or None
             if self.anchor_scale != 1:
                 if residual is not None:  # a scaled estimate also misses (1 - scale) of itself
                     residual = residual + (1 - self.anchor_scale) ** 2 * (
@@ -161,9 +164,9 @@ class RelayAnchorsMethod(RelayMethod):
                         + torch.linalg.vector_norm(v_move, dim=(0, 1, 3)).square())
                 k_move, v_move = self.anchor_scale * k_move, self.anchor_scale * v_move
             k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
-            # float32 and without RoPE: the cache rotates the key moves for their positions as it adds them, and
-            # rounds once, to its own dtype
-            patches.append(KVPatch(load.dst_start, k_move, v_move, add=True, keys_free=True))
+            # float32 and without RoPE: the cache rotates the key moves for their positions as it adds them (and
+            # rounds once, to its own dtype)
+            patches.append(KVPatch(load.dst_start, k_move, v_move, add=True, keys_without_rope=True))
             if missed is not None:
                 missed[load.dst_start : load.dst_start + load.num_tokens] = residual
         priors = {"anchor": (missed, self.anchor_select)} if missed is not None else None

@@ -67,6 +67,25 @@ def test_keys_added_at_positions_are_the_keys_rotated_there(preset, dtype):
     assert torch.equal(cache[:, :, :4], before[:, :, :4]) and torch.equal(cache[:, :, 13:], before[:, :, 13:])
 
 
+def test_a_cache_patch_with_rope_rotates_its_keys_for_their_positions():
+    """``SequenceKV.patch`` with ``rope``: keys without RoPE are rotated for the rows they go to, whether they set the
+    rows or are added to loaded ones; values are written as given."""
+    from kvrelay.weights.presets import PRESETS
+
+    config = PRESETS["tiny"]
+    rope = RotaryEmbedding(config)
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(config.num_layers, config.num_kv_heads, 5, config.head_dim, generator=gen) for _ in range(2))
+    rotated = apply_rotary(k, *rope.cos_sin(torch.arange(7, 12), torch.float32))
+    cache = SequenceKV(config, torch.float32, "cpu")
+    cache.patch(7, k, v, add=False, rope=rope)
+    torch.testing.assert_close(cache.k[:, :, 7:12], rotated, atol=1e-5, rtol=0)
+    assert torch.equal(cache.v[:, :, 7:12], v)
+    cache.patch(7, k, v, add=True, rope=rope)
+    torch.testing.assert_close(cache.k[:, :, 7:12], 2 * rotated, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache.v[:, :, 7:12], 2 * v)
+
+
 def test_layer0_keys_moved_from_p_to_p_prime_equal_fresh_keys():
     lm = tiny_lm("llama3")  # llama3 frequency scaling: still a pure rotation
     model, n_pad = lm.model, 9

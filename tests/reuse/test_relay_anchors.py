@@ -122,7 +122,7 @@ def test_a_taught_span_served_at_another_position_gets_its_moves_rerotated_there
     keys_free = undo_rotary(span.k[layer, :, 20:44].float(), cos, sin)
     dk, dv = method.pool.estimate("agent/up", keys_free, lm.config.num_layers)
     patch = plan.patches[0]
-    assert patch.keys_free and patch.add
+    assert patch.keys_without_rope and patch.add
     torch.testing.assert_close(patch.k[1:], dk[1:])
     torch.testing.assert_close(patch.v[1:], dv[1:])
     assert not patch.k[0].any()  # layer 0 untouched
@@ -264,3 +264,11 @@ def test_a_scaled_estimate_expects_to_miss_what_the_scale_leaves_out(lm, monkeyp
     expected = residual + 0.25 * (k_move.pow(2).sum((0, 1, 3)) + v_move.pow(2).sum((0, 1, 3)))
     assert len(seen) == 1 and len(seen[0]) == 1
     torch.testing.assert_close(seen[0][0], expected, rtol=1e-5, atol=1e-6)
+    # the patch adds half the estimate, with the prior read (here) and without (naive plus anchors)
+    naive_anchors = get_method(f"relay_anchors[anchor_calls=1,anchor_k=3,anchor_temp=0.5,anchor_scale=0.5,"
+                               f"l_start={n},l_det={n},l_end={n}]")
+    naive_anchors.pool = method.pool
+    for plan in (method.plan(call, store, lm), naive_anchors.plan(call, store, lm)):
+        assert len(plan.patches) == 1 and plan.patches[0].keys_without_rope
+        torch.testing.assert_close(plan.patches[0].k[1:], 0.5 * k_move[1:])
+        torch.testing.assert_close(plan.patches[0].v[1:], 0.5 * v_move[1:])
