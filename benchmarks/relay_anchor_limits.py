@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 from relay_anchor_select import ONE, run_methods, scores_of
-from relay_oracle import fresh_prefill, schedule_logits
-from relay_oracle_shift import ShiftedStatic, moves
+from relay_oracle_shift import moved_logits, moves, span_call
 from relay_train_points import calls_parser
 
 from kvrelay.engine import Engine, GenerateOptions
@@ -40,7 +39,6 @@ from kvrelay.eval.calibration_calls import downstream_calls
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.reuse import get_method
-from kvrelay.reuse.spans import collect_reuse
 from kvrelay.weights.loader import load_model
 
 BANDS = ("top_r=0.02,selector=priors,anchor_select=1;top_r=0.02,selector=both,anchor_select=1;"
@@ -135,19 +133,16 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
 
     def on_call(call, store) -> None:
-        reuse = collect_reuse(call, store, lm.fingerprint)
-        span_idx = reuse.approx_idx()
-        if not span_idx.numel():
+        scored = span_call(lm, call, store)
+        if scored is None:
             return
-        full, fresh = fresh_prefill(lm, call)
+        reuse, full, fresh = scored
         for spec, out in run_methods(lm, call, store, methods, capture).items():
             rows.setdefault(f"runs: {spec}", []).append(kl_first_token(full.logits, out.first_logits))
-        new_idx = reuse.new_idx(len(call.prompt_ids))
         dk, dv = moves(lm, call, store, reuse, fresh)  # [L, Hkv, m, hd]
         ak, av, residual, _ = scores_of(teacher, lm, call, store, reuse)
         for name, (mk, mv) in variants(dk, dv, ak, av, residual, args.ratio).items():
-            shifts = {layer: (span_idx, mk[layer], mv[layer]) for layer in range(1, lm.config.num_layers)}
-            logits, _ = schedule_logits(lm, call, store, ShiftedStatic(new_idx, shifts), reuse.loads)
+            logits = moved_logits(lm, call, store, reuse, mk, mv)
             rows.setdefault(name, []).append(kl_first_token(full.logits, logits))
         for name, value in shares(dk, dv, ak, av).items():
             rows.setdefault(f"share: {name}", []).append(value)

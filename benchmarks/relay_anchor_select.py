@@ -29,8 +29,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from relay_oracle import fresh_prefill, schedule_logits
-from relay_oracle_shift import ShiftedStatic, moves
+from relay_oracle_shift import moved_logits, moves, span_call
 from relay_train_points import calls_parser
 
 from kvrelay.cache.store import KVStore
@@ -43,7 +42,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput
 from kvrelay.reuse.relay_anchors import RelayAnchorsMethod, stored_keys_free
-from kvrelay.reuse.spans import ReusePlan, collect_reuse
+from kvrelay.reuse.spans import ReusePlan
 from kvrelay.weights.loader import load_model
 
 # relay's band from its profile's L_start (where the carried states enter; 2 on SmolLM2) to the top, admitting the top_r
@@ -107,16 +106,16 @@ def main() -> None:
     rows: dict[str, list[dict]] = {}
 
     def on_call(call, store) -> None:
-        reuse = collect_reuse(call, store, lm.fingerprint)
-        if not reuse.approx_idx().numel():
+        scored = span_call(lm, call, store)
+        if scored is None:
             return
-        full, fresh = fresh_prefill(lm, call)
+        reuse, full, fresh = scored
         for spec, out in run_methods(lm, call, store, methods, capture).items():
             stats = out.stats
             rows.setdefault(spec, []).append({"kl": kl_first_token(full.logits, out.first_logits),
                                               "reuse": stats.num_reused_token_layers / stats.num_prompt_token_layers,
                                               "ttft_ms": stats.ttft_ms})
-        span_idx, new_idx = reuse.approx_idx(), reuse.new_idx(len(call.prompt_ids))
+        span_idx = reuse.approx_idx()
         dk, dv = moves(lm, call, store, reuse, fresh)  # [L, Hkv, m, hd]
         ak, av, residual, expected = scores_of(teacher, lm, call, store, reuse)
         true_move = dk[1:].pow(2).sum((0, 1, 3)) + dv[1:].pow(2).sum((0, 1, 3))
@@ -130,8 +129,7 @@ def main() -> None:
                 chosen = torch.zeros(span_idx.numel(), dtype=torch.bool, device=score.device)
                 chosen[score.topk(round(ratio * span_idx.numel())).indices] = True
                 mk, mv = torch.where(chosen[:, None], dk, ak), torch.where(chosen[:, None], dv, av)
-                shifts = {layer: (span_idx, mk[layer], mv[layer]) for layer in range(1, lm.config.num_layers)}
-                logits, _ = schedule_logits(lm, call, store, ShiftedStatic(new_idx, shifts), reuse.loads)
+                logits = moved_logits(lm, call, store, reuse, mk, mv)
                 key = "anchors alone" if ratio == 0 else f"exact top {ratio} by {name}"
                 rows.setdefault(key, []).append({"kl": kl_first_token(full.logits, logits)})
 

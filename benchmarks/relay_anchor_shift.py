@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from relay_oracle import ORACLE_FROM_LAYER, fresh_prefill, loaded_cache, schedule_logits
-from relay_oracle_shift import ShiftedStatic, moves
+from relay_oracle_shift import ShiftedStatic, moves, span_call
 from relay_train_points import calls_parser
 
 from kvrelay.cache.store import KVStore
@@ -101,11 +101,11 @@ def main() -> None:
     rows_out: dict[str, list[dict]] = {}
 
     def on_call(call, store) -> None:
-        reuse = collect_reuse(call, store, lm.fingerprint)
-        span_idx = reuse.approx_idx()
-        if not span_idx.numel():
+        scored = span_call(lm, call, store)
+        if scored is None:
             return
-        full, fresh = fresh_prefill(lm, call)
+        reuse, full, fresh = scored
+        span_idx = reuse.approx_idx()
         dk, dv = moves(lm, call, store, reuse, fresh)
         feat = loaded_keys(lm, call, store, reuse)
         roles = roles_of(call, reuse)

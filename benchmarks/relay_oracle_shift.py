@@ -35,6 +35,7 @@ from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.model.rope import undo_rotary
 from kvrelay.model.schedule import KVShift, LayerView, StaticSchedule
+from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse.base import CallInput
 from kvrelay.reuse.spans import ReusePlan, collect_reuse
 from kvrelay.weights.loader import load_model
@@ -58,6 +59,23 @@ class ShiftedStatic(StaticSchedule):
 
     def adjust_kv(self, view: LayerView) -> KVShift | None:
         return KVShift(*self.shifts[view.layer])
+
+
+def span_call(lm, call: CallInput, store: KVStore) -> tuple[ReusePlan, PrefillResult, SequenceKV] | None:
+    """A scored call's reuse plan and its fresh prefill (result, cache), or None where it relays no span token."""
+    reuse = collect_reuse(call, store, lm.fingerprint)
+    if not reuse.approx_idx().numel():
+        return None
+    return reuse, *fresh_prefill(lm, call)
+
+
+def moved_logits(lm, call: CallInput, store: KVStore, reuse: ReusePlan, k_move: torch.Tensor, v_move: torch.Tensor
+                 ) -> torch.Tensor:
+    """First-token logits with the call's new tokens computed and every approximate span token's loaded K/V moved by
+    (k_move, v_move) [L, Hkv, m, hd] (keys before RoPE) at layers 1 up."""
+    span_idx, new_idx = reuse.approx_idx(), reuse.new_idx(len(call.prompt_ids))
+    shifts = {layer: (span_idx, k_move[layer], v_move[layer]) for layer in range(1, lm.config.num_layers)}
+    return schedule_logits(lm, call, store, ShiftedStatic(new_idx, shifts), reuse.loads)[0]
 
 
 def moves(lm, call: CallInput, store: KVStore, reuse: ReusePlan, fresh: SequenceKV

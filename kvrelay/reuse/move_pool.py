@@ -235,7 +235,7 @@ class MovePool:
         """The estimated (K, V) moves [L, Hkv, n, hd] (float32 on the pool's device, keys without RoPE) of a span of
         ``role`` whose stored keys without RoPE at the match layer are ``keys_free`` [Hkv, n, hd]: per token, the
         softmax(cos / temperature)-weighted mean of its ``top_k`` nearest index rows' moves. None: no pool."""
-        out = self._estimate(role, keys_free, num_layers, with_residual=False)
+        out = self.estimate_moves(role, keys_free, num_layers, with_residual=False)
         return None if out is None else out[:2]
 
     def estimate_with_residual(self, role: str, keys_free: torch.Tensor, num_layers: int
@@ -244,10 +244,12 @@ class MovePool:
         the tokens behind its rows, weighted as the rows are, spread about the estimate by
         sum_i w_i (spread_i + |move_i|^2) - |estimate|^2 (a mixture's variance). The tokens it misses most are the
         ones worth recomputing (``relay_anchors``' ``anchor_select``)."""
-        return self._estimate(role, keys_free, num_layers, with_residual=True)
+        return self.estimate_moves(role, keys_free, num_layers, with_residual=True)
 
-    def _estimate(self, role: str, keys_free: torch.Tensor, num_layers: int, with_residual: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    def estimate_moves(self, role: str, keys_free: torch.Tensor, num_layers: int, with_residual: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """``estimate``'s (K, V) moves and ``estimate_with_residual``'s residual where ``with_residual`` asks for it
+        (else None: its norms cost about as much as the match). None: no pool."""
         index = self.index(role)
         if index is None:
             return None

@@ -148,12 +148,8 @@ class RelayAnchorsMethod(RelayMethod):
             span = store.get(load.span_id)
             # a tier's spans are on the CPU: the pool's device decides
             keys_free = stored_keys_free(rope, span, load, pool.device, pool.match_layer)  # [Hkv, n, hd]
-            # the residual only where a prior reads it (its norms cost about as much as the match)
-            if missed is not None:
-                estimate = pool.estimate_with_residual(role, keys_free, lm.config.num_layers)
-            else:
-                estimate = pool.estimate(role, keys_free, lm.config.num_layers)
-                estimate = None if estimate is None else (*estimate, None)
+            # the residual only where a prior reads it
+            estimate = pool.estimate_moves(role, keys_free, lm.config.num_layers, with_residual=missed is not None)
             if estimate is None:
                 continue
             k_move, v_move, residual = estimate  # [L, Hkv, n, hd] twice, [n] or None
