@@ -26,6 +26,7 @@ Usage: python benchmarks/relay_anchor_limits.py --problems 20 --offset 100 --poo
 from __future__ import annotations
 
 import json
+import pickle
 import statistics
 from pathlib import Path
 
@@ -119,7 +120,10 @@ def main() -> None:
     taught_on = {"model": lm.name, "workload": args.workload, "pool_offset": args.pool_offset,
                  "pool_problems": args.pool_problems}
     if args.pool_cache and Path(args.pool_cache).exists():
-        cached = torch.load(args.pool_cache, weights_only=False)
+        try:
+            cached = torch.load(args.pool_cache, weights_only=False)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            ap.error(f"--pool-cache {args.pool_cache} cannot be read ({exc}): delete it to teach the pool again")
         if not isinstance(cached, dict) or cached.get("taught_on") != taught_on:
             ap.error(f"--pool-cache {args.pool_cache} holds no pool taught on "
                      f"{taught_on}: give another file")
