@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 from relay_anchor_limits import top_mask
+from relay_anchor_select import open_pool_study, pool_parser
 from relay_oracle_shift import moved_logits, moves, span_call
-from relay_train_points import calls_parser
 
 from kvrelay.data.datasets import data_root
 from kvrelay.eval.calibration_calls import downstream_calls
@@ -45,10 +45,11 @@ from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.reuse import get_method
 from kvrelay.reuse.relay_anchors import RelayAnchorsMethod, stored_keys_free
-from kvrelay.weights.loader import load_model
 
 FEAT_LAYERS = (2, 4, 8, 15, 22, 29)  # the stored K/V a regression reads
-RIDGE_LAMBDA = 0.1  # x the mean diagonal of the features' Gram matrix (best of 1e-3..1 on the scratch run)
+# x the mean diagonal of the features' Gram matrix; it and BLEND were picked on a scratch run on the default train calls
+# (problems 100-119; the test calls are the clean split)
+RIDGE_LAMBDA = 0.1
 BLEND = 0.5
 
 
@@ -90,6 +91,14 @@ def split_moves(flat: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torc
     """[n, 2 L Hkv hd] -> K and V [n, L, Hkv hd] (float32)."""
     both = flat.float().view(flat.shape[0], 2 * num_layers, -1)  # [n, 2L, Hkv hd]
     return both[:, :num_layers], both[:, num_layers:]
+
+
+def unflat_moves(flat: torch.Tensor, num_layers: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flat_moves`` undone: [n, 2 L Hkv hd] -> K and V [L, Hkv, n, hd] (float32, new tensors)."""
+    k, v = split_moves(flat, num_layers)  # [n, L, Hkv hd] each
+    n = flat.shape[0]
+    # [n, L, Hkv hd] -> [n, L, Hkv, hd] -> [L, Hkv, n, hd]
+    return tuple(t.reshape(n, num_layers, -1, head_dim).permute(1, 2, 0, 3).contiguous() for t in (k, v))
 
 
 @dataclass
@@ -173,21 +182,13 @@ def readout_ms(num_tokens: int, num_features: int, num_outputs: int, rank: int |
 
 
 def main() -> None:
-    ap = calls_parser(__doc__.splitlines()[0], problems=20, path_tokens=False)
-    ap.add_argument("--pool-offset", type=int, default=120)
-    ap.add_argument("--pool-problems", type=int, default=128)
+    ap = pool_parser(__doc__.splitlines()[0])
     ap.add_argument("--test-problems", type=int, default=20, help="also score this many GSM8K test problems (0: none)")
     ap.add_argument("--ratios", default="0.02,0.03", help="the shares given their true K/V in the band rows, a list")
     ap.add_argument("--ranks", default="64", help="the blend's readout also cut to these ranks, a comma list")
     ap.add_argument("--oracle-upto", default="3,6", help="the oracle rows' top true layers, a comma list")
-    args = ap.parse_args()
-    if args.pool_offset < args.offset + args.problems and args.offset < args.pool_offset + args.pool_problems:
-        ap.error("the pool problems and the scored problems overlap: move --pool-offset")
-    torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    args, lm, _, capture = open_pool_study(ap)
     num_layers, rope = lm.config.num_layers, lm.model.rope
-    start = get_method("relay").layers(lm)[0]
-    capture = (start,) if start else ()
     anchors: RelayAnchorsMethod = get_method(f"relay_anchors[anchor_calls={args.pool_problems}]")
     pool = anchors._pool(lm)
     uptos = [int(u) for u in args.oracle_upto.split(",") if u]
@@ -251,6 +252,8 @@ def main() -> None:
             est: dict[str, list[torch.Tensor]] = {"anchors": [], "blend": [], **{f"blend r{r}": [] for r in ranks}}
             truth, residual = [], []
             for load, role, feat, span_dk, span_dv in spans:
+                if role not in ridges:
+                    raise SystemExit(f"role {role!r} of a scored call has no pool: the pool problems never taught it")
                 true = flat_moves(span_dk, span_dv)
                 keys_free = stored_keys_free(rope, store.get(load.span_id), load, pool.device, pool.match_layer)
                 ak, av, res = pool.estimate_with_residual(role, keys_free, num_layers)
@@ -260,6 +263,7 @@ def main() -> None:
                     tally(name, role, true, e)
                 for upto in uptos:
                     tally(f"anchors, layers {upto + 1} up", role, true, knn, upto + 1)
+                    tally(f"ridge, layers {upto + 1} up", role, true, ridge, upto + 1)
                     tally(f"oracle: true layers 1-{upto}, scored {upto + 1} up", role, true,
                           oracles[role, upto](oracle_features(feat, true, num_layers, upto)), upto + 1)
                 for rank in ranks:
@@ -279,11 +283,7 @@ def main() -> None:
                     flat = torch.cat(parts)
                     if mask is not None:
                         flat = torch.where(mask[:, None], true, flat)
-                    k, v = split_moves(flat, num_layers)  # [m, L, Hkv hd]
-                    m = flat.shape[0]
-                    # [m, L, Hkv hd] -> [L, Hkv, m, hd]
-                    k_move = k.view(m, num_layers, -1, lm.config.head_dim).permute(1, 2, 0, 3).clone()
-                    v_move = v.view(m, num_layers, -1, lm.config.head_dim).permute(1, 2, 0, 3).clone()
+                    k_move, v_move = unflat_moves(flat, num_layers, lm.config.head_dim)  # [L, Hkv, m, hd] each
                     k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
                     logits = moved_logits(lm, call, store, reuse, k_move, v_move)
                     kls.setdefault(label, []).append(kl_first_token(full.logits, logits))
@@ -297,6 +297,7 @@ def main() -> None:
     results = {"train": score(None, args.offset, args.problems, "train")}
     if args.test_problems:
         results["test"] = score(str(data_root() / "gsm8k" / "test_dev.jsonl"), 0, args.test_problems, "test")
+    env = environment("cpu")  # before the timings set one thread
     num_tokens = round(statistics.median(r["span_tokens_median"] for r in results.values()))
     num_features = next(iter(ridges.values())).weight.shape[0]
     num_outputs = 2 * num_layers * lm.config.num_kv_heads * lm.config.head_dim
@@ -308,7 +309,7 @@ def main() -> None:
         "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
         "test_problems": args.test_problems, "pool_offset": args.pool_offset, "pool_problems": args.pool_problems,
         "ratios": ratios, "ranks": ranks, "feat_layers": FEAT_LAYERS, "ridge_lambda": RIDGE_LAMBDA, "blend": BLEND,
-        "environment": environment("cpu"), "readout_ms_a_call": timing, "results": results}, indent=1) + "\n")
+        "threads": args.threads, "environment": env, "readout_ms_a_call": timing, "results": results}, indent=1) + "\n")
     for split, res in results.items():
         for name, by_role in res["explained"].items():
             print(f"{split:5s} {name:45s} K {by_role['all']['K']:.3f}  V {by_role['all']['V']:.3f}")

@@ -31,16 +31,14 @@ import statistics
 from pathlib import Path
 
 import torch
-from relay_anchor_select import ONE, run_methods, scores_of
+from relay_anchor_select import ONE, open_pool_study, pool_parser, run_methods, scores_of
 from relay_oracle_shift import moved_logits, moves, span_call
-from relay_train_points import calls_parser
 
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.calibration_calls import downstream_calls
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.reuse import get_method
-from kvrelay.weights.loader import load_model
 
 BANDS = ("top_r=0.02,selector=priors,anchor_select=1;top_r=0.02,selector=both,anchor_select=1;"
          "top_r=0.02,selector=both,anchor_select=3;top_r=0.02,selector=influence;top_r=0.03,selector=both,anchor_select=1")
@@ -91,21 +89,13 @@ def shares(dk: torch.Tensor, dv: torch.Tensor, ak: torch.Tensor, av: torch.Tenso
 
 
 def main() -> None:
-    ap = calls_parser(__doc__.splitlines()[0], problems=20, path_tokens=False)
-    ap.add_argument("--pool-offset", type=int, default=120)
-    ap.add_argument("--pool-problems", type=int, default=128)
+    ap = pool_parser(__doc__.splitlines()[0])
     ap.add_argument("--ratio", type=float, default=0.02, help="the band's share for the band-mean variants")
     ap.add_argument("--bands", default=BANDS, help="relay_anchors band knobs run as methods, a ';' list")
     ap.add_argument("--pool-cache", help="a file holding the taught pool: read if it exists, else written (a pickle: "
                                          "only a file this script wrote)")
-    args = ap.parse_args()
-    if args.pool_offset < args.offset + args.problems and args.offset < args.pool_offset + args.pool_problems:
-        ap.error("the pool problems and the scored problems overlap: move --pool-offset")
-    torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    args, lm, start, capture = open_pool_study(ap)
     top = lm.config.num_layers - 1
-    start = get_method("relay").layers(lm)[0]  # the profile's L_start: the carried states the band needs
-    capture = (start,) if start else ()
     calls = f"anchor_calls={args.pool_problems}"
     band = f"l_start={start},l_det={start},l_end={top},l_pre=0,l_suf=0"
     specs = ["relay", f"relay_anchors[{calls},l_start={top + 1},l_det={top + 1},l_end={top + 1}]",

@@ -24,6 +24,7 @@ Usage: python benchmarks/relay_anchor_select.py --problems 20 --offset 100 --poo
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -78,19 +79,31 @@ def run_methods(lm: LoadedModel, call: CallInput, store: KVStore, methods: dict,
     return outs
 
 
-def main() -> None:
-    ap = calls_parser(__doc__.splitlines()[0], problems=20, path_tokens=False)
+def pool_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of a study that teaches one anchors' pool on calibration (train) problems and scores others."""
+    ap = calls_parser(description, problems=20, path_tokens=False)
     ap.add_argument("--pool-offset", type=int, default=120)
     ap.add_argument("--pool-problems", type=int, default=128)
-    ap.add_argument("--ratios", default="0.02,0.03,0.05", help="shares of the span tokens recomputed, a comma list")
+    return ap
+
+
+def open_pool_study(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, LoadedModel, int, tuple[int, ...]]:
+    """Parse ``pool_parser``'s flags (the pool problems must not overlap the scored ones), set the threads and load
+    the model: (the flags, the model, the profile's L_start, the layers whose hidden states the band needs carried)."""
     args = ap.parse_args()
     if args.pool_offset < args.offset + args.problems and args.offset < args.pool_offset + args.pool_problems:
         ap.error("the pool problems and the scored problems overlap: move --pool-offset")
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
-    top, ratios = lm.config.num_layers - 1, [float(r) for r in args.ratios.split(",")]
     start = get_method("relay").layers(lm)[0]  # the profile's L_start: the carried states the band needs
-    capture = (start,) if start else ()
+    return args, lm, start, (start,) if start else ()
+
+
+def main() -> None:
+    ap = pool_parser(__doc__.splitlines()[0])
+    ap.add_argument("--ratios", default="0.02,0.03,0.05", help="shares of the span tokens recomputed, a comma list")
+    args, lm, start, capture = open_pool_study(ap)
+    top, ratios = lm.config.num_layers - 1, [float(r) for r in args.ratios.split(",")]
     calls = f"anchor_calls={args.pool_problems}"  # the pool problems teach every role its learning calls, no more
     specs = ["relay", f"relay_anchors[{calls},l_start={top + 1},l_det={top + 1},l_end={top + 1}]",
              *(f"relay_anchors[{calls},{ANCHOR_BAND.format(start=start, top=top, r=r)}]" for r in ratios)]

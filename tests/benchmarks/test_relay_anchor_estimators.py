@@ -11,9 +11,9 @@ from benchmarks.relay_anchor_estimators import (
     low_rank,
     oracle_features,
     place_features,
-    readout_ms,
     split_moves,
     token_features,
+    unflat_moves,
 )
 
 L, HKV, N, HD = 4, 2, 5, 3
@@ -112,9 +112,22 @@ def test_low_rank_keeps_the_directions_its_predictions_use():
     assert not torch.allclose(one(x), model(x), atol=1e-2)
 
 
-def test_readout_ms_is_a_positive_time():
-    assert readout_ms(4, 8, 16, None, repeats=3) > 0
-    assert readout_ms(4, 8, 16, 2, repeats=3) > 0
+def test_low_rank_weighs_outputs_by_their_spread_not_the_features_variance():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(500, 2, generator=gen) * torch.tensor([2.0, 1.0])
+    w = torch.tensor([[1.0, 0.0], [0.0, 3.0]])  # output 0 spreads 2 x 1 = 2, output 1 spreads 1 x 3 = 3
+    model = fit_ridge(x, x @ w, lam=1e-9)
+    one = low_rank(model, x, 1)  # output 1 is kept (a metric C instead of C^1/2 would rank output 0 first: 4 > 3)
+    full, cut = model(x), one(x)
+    assert (cut[:, 1] - full[:, 1]).square().mean() < 0.01 * full[:, 1].var()  # (the sample's correlation leaks a
+    assert cut[:, 0].var() < 0.01 * full[:, 0].var()  # little of output 0 into the kept direction)
+
+
+def test_unflat_moves_undo_flat_moves():
+    gen = torch.Generator().manual_seed(8)
+    k, v = torch.randn(L, HKV, N, HD, generator=gen), torch.randn(L, HKV, N, HD, generator=gen)
+    back_k, back_v = unflat_moves(flat_moves(k, v), L, HD)
+    assert torch.equal(back_k, k) and torch.equal(back_v, v)
 
 
 def test_low_rank_ranks_directions_by_the_predictions_not_the_weights():
