@@ -31,8 +31,8 @@ import statistics
 from pathlib import Path
 
 import torch
-from relay_anchor_select import ONE, open_pool_study, pool_parser, run_methods, scores_of
-from relay_oracle_shift import moved_logits, moves, span_call
+from relay_anchor_select import ONE, open_pool_study, pool_parser, scored_runs, scores_of
+from relay_oracle_shift import moved_logits
 
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.calibration_calls import downstream_calls
@@ -127,13 +127,12 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
 
     def on_call(call, store) -> None:
-        scored = span_call(lm, call, store)
+        scored = scored_runs(lm, call, store, methods, capture)
         if scored is None:
             return
-        reuse, full, fresh = scored
-        for spec, out in run_methods(lm, call, store, methods, capture).items():
+        reuse, full, outs, (dk, dv) = scored  # dk, dv: [L, Hkv, m, hd]
+        for spec, out in outs.items():
             rows.setdefault(f"runs: {spec}", []).append(kl_first_token(full.logits, out.first_logits))
-        dk, dv = moves(lm, call, store, reuse, fresh)  # [L, Hkv, m, hd]
         ak, av, residual, _ = scores_of(teacher, lm, call, store, reuse)
         for name, (mk, mv) in variants(dk, dv, ak, av, residual, args.ratio).items():
             logits = moved_logits(lm, call, store, reuse, mk, mv)

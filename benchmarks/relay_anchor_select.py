@@ -79,6 +79,16 @@ def run_methods(lm: LoadedModel, call: CallInput, store: KVStore, methods: dict,
     return outs
 
 
+def scored_runs(lm: LoadedModel, call: CallInput, store: KVStore, methods: dict, capture: tuple[int, ...]):
+    """A scored call's reuse plan, ``full``'s result, ``run_methods``' outputs and the span tokens' true moves (K, V)
+    [L, Hkv, m, hd]; None where the call relays no span token."""
+    scored = span_call(lm, call, store)
+    if scored is None:
+        return None
+    reuse, full, fresh = scored
+    return reuse, full, run_methods(lm, call, store, methods, capture), moves(lm, call, store, reuse, fresh)
+
+
 def pool_parser(description: str) -> argparse.ArgumentParser:
     """The flags of a study that teaches one anchors' pool on calibration (train) problems and scores others."""
     ap = calls_parser(description, problems=20, path_tokens=False)
@@ -119,17 +129,16 @@ def main() -> None:
     rows: dict[str, list[dict]] = {}
 
     def on_call(call, store) -> None:
-        scored = span_call(lm, call, store)
+        scored = scored_runs(lm, call, store, methods, capture)
         if scored is None:
             return
-        reuse, full, fresh = scored
-        for spec, out in run_methods(lm, call, store, methods, capture).items():
+        reuse, full, outs, (dk, dv) = scored  # dk, dv: [L, Hkv, m, hd]
+        for spec, out in outs.items():
             stats = out.stats
             rows.setdefault(spec, []).append({"kl": kl_first_token(full.logits, out.first_logits),
                                               "reuse": stats.num_reused_token_layers / stats.num_prompt_token_layers,
                                               "ttft_ms": stats.ttft_ms})
         span_idx = reuse.approx_idx()
-        dk, dv = moves(lm, call, store, reuse, fresh)  # [L, Hkv, m, hd]
         ak, av, residual, expected = scores_of(teacher, lm, call, store, reuse)
         true_move = dk[1:].pow(2).sum((0, 1, 3)) + dv[1:].pow(2).sum((0, 1, 3))
         true_residual = (dk - ak)[1:].pow(2).sum((0, 1, 3)) + (dv - av)[1:].pow(2).sum((0, 1, 3))
