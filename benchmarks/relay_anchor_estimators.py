@@ -191,9 +191,18 @@ def main() -> None:
     num_layers, rope = lm.config.num_layers, lm.model.rope
     anchors: RelayAnchorsMethod = get_method(f"relay_anchors[anchor_calls={args.pool_problems}]")
     pool = anchors._pool(lm)
-    uptos = [int(u) for u in args.oracle_upto.split(",") if u]
-    ratios = [float(r) for r in args.ratios.split(",") if r]
-    ranks = [int(r) for r in args.ranks.split(",") if r]
+    try:
+        uptos = [int(u) for u in args.oracle_upto.split(",") if u]
+        ratios = [float(r) for r in args.ratios.split(",") if r]
+        ranks = [int(r) for r in args.ranks.split(",") if r]
+    except ValueError as exc:
+        ap.error(f"--oracle-upto, --ratios and --ranks take comma lists of numbers ({exc})")
+    if not all(1 <= u < num_layers - 1 for u in uptos):
+        ap.error(f"--oracle-upto: each must be in 1..{num_layers - 2} (the model has {num_layers} layers)")
+    if args.test_problems and not args.workload.startswith("gsm8k"):
+        ap.error("--test-problems reads GSM8K's test file: give a GSM8K workload or --test-problems 0")
+    if not all(0 < r <= 1 for r in ratios) or not all(r >= 1 for r in ranks):
+        ap.error("--ratios must be in (0, 1] and --ranks >= 1")
 
     def span_rows(call, store):
         """Per approximate span of a call with any: (load, role, features [n, F], true moves [n, 2 L Hkv hd]); and
