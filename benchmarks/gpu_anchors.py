@@ -4,10 +4,13 @@
    then serves (``anchor_k=1``) gives every span token its own true move, so naive plus anchors (the empty band) must
    reproduce ``full``'s span K/V and first-token distribution, where ``naive`` does not (the CPU test
    ``test_learning_calls_then_anchors_reproduce_full``, here on the device: pool, index with and without a projection,
-   ``embedding_bag`` and re-rotation).
+   ``embedding_bag`` and the key moves rotated by the cache as it adds them, ``KVPatch.keys_without_rope``). The 2%
+   priors point (``selector=priors,anchor_select=1``) on the same pool admits nothing (every expected residual is 0)
+   and must match it; with ``anchor_k=2`` (positive residuals, the 6 worst of 24 tokens recomputed) it must agree
+   with the same run on the CPU (fp32).
 2. bench: ``random:llama3-8b`` in bf16 on gsm8k-chain3, or copy-agents:5's long calls (timing only: random weights
-   say nothing of fidelity): TTFT of full, prefix, naive, epic, relay's GPU form, naive plus anchors and
-   relay_anchors with the GPU form's band. The
+   say nothing of fidelity): TTFT of full, prefix, naive, epic, relay's GPU form, naive plus anchors,
+   relay_anchors with the GPU form's band and the 2% priors point (``PRIORS_2PC``). The
    pools learn on ``--warm-problems`` problems, then every role's pool gets more learning calls of random moves
    up to ``--pool-tokens`` tokens (the most a role keeps by default) and is frozen: its index (principal directions,
    k-means clusters) is built as a real pool's would be, so building, matching and mixing cost what they would.
@@ -47,35 +50,95 @@ from tests.helpers import generate, publish, tiny_lm  # noqa: E402
 GPU_BAND = "l_start=2,l_det=2,l_end={top},top_r=0.3,l_pre=6,l_suf=0,pre_dense=true"
 
 
-def _exact_one(family: str, dtype: torch.dtype, device: str, dim: int) -> dict:
+# the point of sessions 33-34: the 2% of span tokens whose anchors are expected to miss most, recomputed from layer 2
+PRIORS_2PC = "l_start=2,l_det=2,l_end={top},top_r=0.02,l_pre=0,l_suf=0,selector=priors,anchor_select=1"
+ONE = SamplingConfig(max_new_tokens=1)
+SPAN = slice(7, 31)
+
+
+def _toy_call(family: str, dtype: torch.dtype, device: str, output_ids: list[int] | None = None):
+    """The toy on ``device``, a store holding an upstream's 24-token output (``output_ids``: forced, else sampled) with
+    layer 2's input carried (the priors point's band admits from it, as a served call's would), and a call reading it
+    at another place: (lm, store, call)."""
     tl = tiny_lm(family)
     lm = LoadedModel(tl.name, tl.model.to(device, dtype), tl.tokenizer, tl.config, tl.fingerprint, tl.source)
     store = KVStore(1 << 30)
     up_prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     up = generate(lm, up_prompt, "full", store, SamplingConfig(max_new_tokens=24, temperature=1.0, seed=0),
-                  keep_cache=True)
+                  keep_cache=True, capture_layers=(2,), forced_output_ids=output_ids)
     publish(store, "p/up", up, lm)
     call = CallInput([1, 2, 3, 4, 5, 6, 7] + up.output_ids + [9, 8, 7, 6, 5],
                      [SpanRef(7, 31, "p/up", 20, "output", "up")], name="agent")
+    return lm, store, call
+
+
+def _served(lm, store: KVStore, call: CallInput, spec: str):
+    """A pool taught by ``call`` itself (its one learning call), then ``call`` served: (taught, served)."""
+    method = get_method(spec)
+    return generate(lm, call, method, store, ONE), generate(lm, call, method, store, ONE, keep_cache=True)
+
+
+def _span_diff(a, b, kv: str) -> float:
+    return float((getattr(a.cache, kv)[:, :, SPAN].float().cpu() - getattr(b.cache, kv)[:, :, SPAN].float().cpu())
+                 .abs().max())
+
+
+def _exact_one(family: str, dtype: torch.dtype, device: str, dim: int) -> dict:
+    lm, store, call = _toy_call(family, dtype, device)
     n = lm.config.num_layers
-    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=1,anchor_dim={dim},l_start={n},l_det={n},l_end={n}]")
-    one = SamplingConfig(max_new_tokens=1)
-    taught = generate(lm, call, method, store, one)
-    full = generate(lm, call, "full", store, one, keep_cache=True)
-    naive = generate(lm, call, "naive", store, one, keep_cache=True)
-    out = generate(lm, call, method, store, one, keep_cache=True)
-    span = slice(7, 31)
-    row = {"taught_fallback": taught.stats.fallback is not None, "served_fallback": out.stats.fallback,
-           "pool_device": str(method.pool.device),
-           "span_k_max_diff": float((out.cache.k[:, :, span].float() - full.cache.k[:, :, span].float()).abs().max()),
-           "span_v_max_diff": float((out.cache.v[:, :, span].float() - full.cache.v[:, :, span].float()).abs().max()),
-           "naive_span_k_max_diff": float((naive.cache.k[:, :, span].float()
-                                           - full.cache.k[:, :, span].float()).abs().max()),
-           "kl_naive": kl_first_token(full.first_logits, naive.first_logits),
-           "kl_anchors": kl_first_token(full.first_logits, out.first_logits)}
-    row["ok"] = (row["taught_fallback"] and row["served_fallback"] is None and row["kl_naive"] > 0
-                 and row["kl_anchors"] < row["kl_naive"] / (100 if dtype == torch.float32 else 5))
+    full = generate(lm, call, "full", store, ONE, keep_cache=True)
+    naive = generate(lm, call, "naive", store, ONE, keep_cache=True)
+    row: dict = {"naive_span_k_max_diff": _span_diff(naive, full, "k"),
+                 "naive_span_v_max_diff": _span_diff(naive, full, "v"),
+                 "kl_naive": kl_first_token(full.first_logits, naive.first_logits)}
+    # naive plus anchors (the empty band), then the 2% priors point, each with anchor_k=1: every span token gets its
+    # own true move. The pool's 24 tokens are under anchor_centroids (so anchor_select is allowed): the index keeps
+    # a row per token, the expected residual is 0, the band admits nothing and must leave the span as the anchors
+    # set it (their key moves rotated by the cache as it adds them).
+    for name, band in (("anchors", f"l_start={n},l_det={n},l_end={n}"), ("priors", PRIORS_2PC.format(top=n - 1))):
+        taught, out = _served(lm, store, call, f"relay_anchors[anchor_calls=1,anchor_k=1,anchor_dim={dim},{band}]")
+        row |= {f"{name}_taught_fallback": taught.stats.fallback is not None,
+                f"{name}_served_fallback": out.stats.fallback, f"{name}_note": out.stats.note,
+                f"{name}_recomputed_token_layers": out.stats.num_recomputed_token_layers,
+                f"{name}_span_k_max_diff": _span_diff(out, full, "k"),
+                f"{name}_span_v_max_diff": _span_diff(out, full, "v"),
+                f"kl_{name}": kl_first_token(full.first_logits, out.first_logits)}
+    # the bar, against naive's error: the KL under naive's / 100 in fp32, / 5 in bf16 (session 32's), and the span's
+    # K and V within naive's max error there / 100 in fp32, / 10 in bf16 (exact but for rounding). The KL alone is
+    # not enough: on these toys the first token hardly reads the span's keys, and key moves rotated twice or not at
+    # all (planted on the CPU) kept the qwen2 KL at 6e-9 while the span keys were further off than naive's.
+    div = (100, 100, 100) if dtype == torch.float32 else (5, 10, 10)
+    row["ok"] = row["kl_naive"] > 0 and row["priors_note"] is None and all(  # no note: admitted from layer 2's input
+        row[f"{name}_taught_fallback"] and row[f"{name}_served_fallback"] is None
+        and row[f"kl_{name}"] < row["kl_naive"] / div[0]
+        and row[f"{name}_span_k_max_diff"] < row["naive_span_k_max_diff"] / div[1]
+        and row[f"{name}_span_v_max_diff"] < row["naive_span_v_max_diff"] / div[2] for name in ("anchors", "priors"))
+    if dtype == torch.float32:  # the priors band selecting: the same call on this machine's CPU is the reference
+        row["selecting"] = _selecting(family, dim, device, lm, store, call, row["naive_span_k_max_diff"])
+        row["ok"] = row["ok"] and row["selecting"]["ok"]
     print(f"exact {family} {dtype} dim {dim}: {json.dumps(row)}", flush=True)
+    return row
+
+
+def _selecting(family: str, dim: int, device: str, lm, store: KVStore, call: CallInput, naive_diff: float) -> dict:
+    """The priors band as it selects: anchor_k=2 mixes each token's own row with its nearest other's, so every
+    token's expected residual is positive and distinct, and top_r=0.25 recomputes the 6 worst of 24 from layer 2's
+    carried input. Relay's band from a carried input is no exact recompute, so the bar is agreement with the CPU
+    (fp32): the same recomputed token-layers, and span K/V within naive's span key error / 100 of the CPU's (a
+    token selected on one side and not the other moves its K/V at layers 2 up by about its whole move)."""
+    n = lm.config.num_layers
+    spec = (f"relay_anchors[anchor_calls=1,anchor_k=2,anchor_dim={dim},l_start=2,l_det=2,l_end={n - 1},top_r=0.25,"
+            "l_pre=0,l_suf=0,selector=priors,anchor_select=1]")
+    _, out = _served(lm, store, call, spec)
+    _, ref = _served(*_toy_call(family, torch.float32, "cpu", call.prompt_ids[SPAN]), spec)
+    row = {"fallback": out.stats.fallback, "note": out.stats.note,
+           "recomputed_token_layers": out.stats.num_recomputed_token_layers,
+           "cpu_recomputed_token_layers": ref.stats.num_recomputed_token_layers,
+           "span_k_max_diff_vs_cpu": _span_diff(out, ref, "k"), "span_v_max_diff_vs_cpu": _span_diff(out, ref, "v"),
+           "kl_vs_cpu": kl_first_token(ref.first_logits.float().cpu(), out.first_logits.float().cpu())}
+    row["ok"] = (row["fallback"] is None and row["note"] is None and row["recomputed_token_layers"] == 6 * (n - 2)
+                 == row["cpu_recomputed_token_layers"]
+                 and max(row["span_k_max_diff_vs_cpu"], row["span_v_max_diff_vs_cpu"]) < naive_diff / 100)
     return row
 
 
@@ -115,7 +178,8 @@ def bench(lm: LoadedModel, device: str, workload: str, problems: int, warm: int,
     band = GPU_BAND.format(top=n - 1)
     methods = ("full", "prefix", "naive", "epic", f"relay[{band}]",
                f"relay_anchors[anchor_calls={warm + 1},l_start={n},l_det={n},l_end={n}]",
-               f"relay_anchors[anchor_calls={warm + 1},{band}]")  # the top-up is the last learning call
+               f"relay_anchors[anchor_calls={warm + 1},{band}]",  # the top-up is the last learning call
+               f"relay_anchors[anchor_calls={warm + 1},{PRIORS_2PC.format(top=n - 1)}]")
     cfg = BenchConfig(workload=workload, methods=methods, limit=problems, model=lm.name, device=device,
                       repeats=repeats, greedy_tokens=4, warm_problems=warm)
     b = Bench(cfg, lm=lm)
@@ -147,9 +211,12 @@ def bench(lm: LoadedModel, device: str, workload: str, problems: int, warm: int,
                               "full_ms": statistics.median(r["full_ttft_ms"] for r in rows),
                               "ideal_ms": statistics.median(r["ideal_ttft_ms"] for r in rows),
                               "prompt_tokens": statistics.median(r["num_prompt_tokens"] for r in rows),
-                              "num_calls": len(rows), "fallbacks": sum(r["fallback"] is not None for r in rows)}
+                              "num_calls": len(rows), "fallbacks": sum(r["fallback"] is not None for r in rows),
+                              "recompute_frac": sum(r["recomputed_token_layers"] for r in rows)
+                              / max(1, sum(r["reused_span_token_layers"] for r in rows))}
             print(f"  {group}: {m:100s} {s['ttft_ms']:7.1f} ms (full {s['full_ms']:.1f}, ideal {s['ideal_ms']:.1f}; "
-                  f"{s['num_calls']} calls, {s['prompt_tokens']} tokens, {s['fallbacks']} fallbacks)", flush=True)
+                  f"{s['num_calls']} calls, {s['prompt_tokens']} tokens, {s['fallbacks']} fallbacks, recompute "
+                  f"{s['recompute_frac']:.4f})", flush=True)
     return result
 
 
