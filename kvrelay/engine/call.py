@@ -101,7 +101,7 @@ def shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
         return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot rotate patched keys; "
                                          "recomputed with a full prefill")
     for load in plan.loads:
-        if store.get(load.span_id).start_pos + load.src_start != load.dst_start:
+        if plan.span_of(load, store).start_pos + load.src_start != load.dst_start:
             return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot move keys "
                                              f"(span {load.span_id!r}); recomputed with a full prefill")
     return plan
@@ -126,7 +126,7 @@ def run_plan(lm: LoadedModel, ids: torch.Tensor, plan: Plan, cache: SequenceKV, 
     Returns the prefill's result and the number of reused tokens moved to a new position."""
     num_shifted = 0
     for load in plan.loads:
-        span = store.get(load.span_id)
+        span = plan.span_of(load, store)
         num_shifted += cache.load_span(span, load.dst_start, lm.model.rope, load.src_start, load.src_end)
     for patch in plan.patches:
         cache.patch(patch.dst_start, patch.k, patch.v, patch.add, lm.model.rope if patch.keys_without_rope else None)

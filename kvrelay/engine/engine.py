@@ -232,7 +232,8 @@ class Engine:
     def publish(self, span_id: str, out: GenerationOutput, pin: bool = False, store: KVStore | None = None
                 ) -> StoredSpan:
         """Store a call's prompt KV + decode KV (+ captured hidden states) as one span at position 0, in
-        ``store`` (default: the engine's)."""
+        ``store`` (default: the engine's); then each of the engine's methods may prepare what it needs of the span
+        (``ReuseMethod.on_publish``), outside any call's TTFT."""
         store = self.store if store is None else store
         if store is None:
             raise ConfigError("publish needs an engine with a store")
@@ -247,6 +248,8 @@ class Engine:
             hidden, hidden_from = dict(out.decode_hidden), len(out.prompt_ids)
         span = out.cache.export(0, len(seq_ids), seq_ids, self.lm.fingerprint, hidden, hidden_from)
         store.put(span_id, span, pin=pin)
+        for method in self._methods.values():  # outside any call's TTFT: what a method prepares of the span
+            method.on_publish(span_id, span, store, self.lm)
         return span
 
     # ------------------------------------------------------------------ internals

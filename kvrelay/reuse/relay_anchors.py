@@ -17,6 +17,12 @@ the band runs: ``relay_anchors[l_start=2,l_det=2,l_end=T,top_r=0.02,l_pre=0,l_su
 (T the top layer) recomputes the 2% of span tokens the anchors estimate worst and costs no detection layer
 (``benchmarks/relay_anchor_select.py``, BENCHMARKS.md "Session 33").
 
+The anchors of a span depend only on it and on the role reading it, so they are made when the span is published
+(``on_publish``, outside any call's TTFT) for the roles done learning that read spans of its kind, and kept for the
+last ``anchor_prepare`` (span, role) pairs (``anchor_prep``): a call then loads such a span with its anchors already
+added, as naive loads the stored one. A span published elsewhere (a shared tier's), or dropped from that set, gets
+its anchors on the call, as with ``anchor_prepare=0``.
+
 A role is the agent (its system prompt's ``CallInput.role``, else its name) and the placeholder the span fills
 (``SpanRef.name``; the span's index among the call's approximate spans where the ref has no name, as for spans the
 server finds by matching token runs). A call with any role still learning runs dense as a whole (and teaches only
@@ -37,6 +43,7 @@ from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
+from kvrelay.reuse.anchor_prep import PreparedSpan, PreparedSpans, anchored_span
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, SpanLoad
 from kvrelay.reuse.move_pool import MovePool
 from kvrelay.reuse.prefix import PrefixMethod
@@ -79,7 +86,11 @@ class RelayAnchorsMethod(RelayMethod):
     # budget form (needs top_r): add anchor_select x the mean-normalized move the anchors expect to miss
     # (``MovePool.estimate_with_residual``) to the score, so relay's band recomputes the tokens they estimate worst
     anchor_select: float | None = None
+    # the most (span, role) pairs kept with their anchors added when the span was published (``anchor_prep``: the
+    # call then loads them as naive does); 0: every call computes its anchors itself
+    anchor_prepare: int = 16
     pool: MovePool | None = field(default=None, init=False, repr=False)
+    prepared: PreparedSpans = field(default=None, init=False, repr=False)
     name = "relay_anchors"
     stateful = True
 
@@ -102,6 +113,9 @@ class RelayAnchorsMethod(RelayMethod):
             # one raw row per token and one row mixed: every estimate is a single token's move, expected to miss nothing
             raise ConfigError("relay_anchors: anchor_select ranks by how far the mixed rows' tokens spread, which is 0 "
                               "with anchor_k=1 over the raw pool (anchor_centroids=0): raise anchor_k or use clusters")
+        if self.anchor_prepare < 0:
+            raise ConfigError(f"relay_anchors: anchor_prepare must be >= 0, got {self.anchor_prepare}")
+        self.prepared = PreparedSpans(self.anchor_prepare)
         if self.anchor_layer is not None and self.anchor_layer < 0:
             raise ConfigError(f"relay_anchors: anchor_layer must be >= 0, got {self.anchor_layer}")
 
@@ -130,6 +144,42 @@ class RelayAnchorsMethod(RelayMethod):
             out.append(f"{agent}/{ref.name}" if ref is not None and ref.name else f"{agent}/#{i}")
         return out
 
+    def _estimate(self, role: str, span: StoredSpan, load: SpanLoad, lm
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The anchors' (K, V) moves [L, Hkv, n, hd] (keys without RoPE; layer 0 zero) of ``load``'s tokens of
+        ``span`` as ``role`` reads them, scaled, and the squared move each is expected to miss [n] (where
+        ``anchor_select`` reads it, else None). None: the role has no pool."""
+        pool = self._pool(lm)
+        # a tier's spans are on the CPU: the pool's device decides
+        keys_free = stored_keys_free(lm.model.rope, span, load, pool.device, pool.match_layer)  # [Hkv, n, hd]
+        estimate = pool.estimate_moves(role, keys_free, lm.config.num_layers, with_residual=bool(self.anchor_select))
+        if estimate is None:
+            return None
+        k_move, v_move, residual = estimate  # [L, Hkv, n, hd] twice, [n] or None
+        if self.anchor_scale != 1:
+            if residual is not None:  # a scaled estimate also misses (1 - scale) of itself
+                residual = residual + (1 - self.anchor_scale) ** 2 * (
+                    torch.linalg.vector_norm(k_move, dim=(0, 1, 3)).square()
+                    + torch.linalg.vector_norm(v_move, dim=(0, 1, 3)).square())
+            k_move, v_move = self.anchor_scale * k_move, self.anchor_scale * v_move
+        k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
+        return k_move, v_move, residual
+
+    def _ready(self, role: str) -> bool:
+        return self.pool is not None and self.pool.num_calls(role) >= self.anchor_calls
+
+    def on_publish(self, span_id: str, span: StoredSpan, store: KVStore, lm) -> None:
+        """Prepare ``span`` with its anchors added for every role done learning that read spans of its kind
+        (``anchor_prep``): its calls then load it as naive loads the stored span."""
+        if not self.anchor_prepare or self.pool is None:
+            return
+        whole = SpanLoad(span_id, 0, len(span), span.start_pos)
+        for role in self.prepared.roles_reading(span):
+            if self._ready(role) and (estimate := self._estimate(role, span, whole, lm)) is not None:
+                k_move, v_move, residual = estimate
+                self.prepared.put(span_id, role, PreparedSpan(span, anchored_span(span, k_move, v_move, lm.model.rope),
+                                                              residual))
+
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         pool = self._pool(lm)
         reuse = collect_reuse(call, store, lm.fingerprint)
@@ -141,33 +191,34 @@ class RelayAnchorsMethod(RelayMethod):
                              f"{self.anchor_calls} dense calls (anchor_calls); this one teaches it")
             plan.state = _Learn(reuse.approx, roles)
             return plan
-        rope, patches = lm.model.rope, []
+        patches, derived, renamed = [], {}, {}
         # [num prompt tokens]: by prompt position, the squared move each span token's anchors are expected to miss
         missed = torch.zeros(len(call.prompt_ids), device=pool.device) if self.anchor_select else None
         for load, role in zip(reuse.approx, roles, strict=True):
             span = store.get(load.span_id)
-            # a tier's spans are on the CPU: the pool's device decides
-            keys_free = stored_keys_free(rope, span, load, pool.device, pool.match_layer)  # [Hkv, n, hd]
-            # the residual only where a prior reads it
-            estimate = pool.estimate_moves(role, keys_free, lm.config.num_layers, with_residual=missed is not None)
+            dst = slice(load.dst_start, load.dst_start + load.num_tokens)
+            prepared = self.prepared.get(load.span_id, role, span)
+            if prepared is not None:  # its anchors were added when it was published: load that span instead
+                span_id = f"{load.span_id}@anchors:{role}"
+                derived[span_id] = prepared.span
+                renamed[load] = SpanLoad(span_id, load.src_start, load.src_end, load.dst_start)
+                if missed is not None:
+                    missed[dst] = prepared.residual[load.src_start : load.src_end].to(missed.device)
+                continue
+            estimate = self._estimate(role, span, load, lm)
             if estimate is None:
                 continue
-            k_move, v_move, residual = estimate  # [L, Hkv, n, hd] twice, [n] or None
-            if self.anchor_scale != 1:
-                if residual is not None:  # a scaled estimate also misses (1 - scale) of itself
-                    residual = residual + (1 - self.anchor_scale) ** 2 * (
-                        torch.linalg.vector_norm(k_move, dim=(0, 1, 3)).square()
-                        + torch.linalg.vector_norm(v_move, dim=(0, 1, 3)).square())
-                k_move, v_move = self.anchor_scale * k_move, self.anchor_scale * v_move
-            k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
+            k_move, v_move, residual = estimate
             # float32 and without RoPE: the cache rotates the key moves for their positions as it adds them (and
             # rounds once, to its own dtype)
             patches.append(KVPatch(load.dst_start, k_move, v_move, add=True, keys_without_rope=True))
             if missed is not None:
-                missed[load.dst_start : load.dst_start + load.num_tokens] = residual
+                missed[dst] = residual
         priors = {"anchor": (missed, self.anchor_select)} if missed is not None else None
         plan = self.plan_reuse(call, store, lm, reuse, priors)
         plan.patches.extend(patches)
+        plan.loads = [renamed.get(load, load) for load in plan.loads]
+        plan.derived.update(derived)
         return plan
 
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
@@ -178,6 +229,7 @@ class RelayAnchorsMethod(RelayMethod):
             if load.span_id not in store or pool.num_calls(role) >= self.anchor_calls:
                 continue  # an evicted span teaches nothing; a role done learning has its index
             span = store.get(load.span_id)
+            self.prepared.note_read(role, span)
             src = slice(load.src_start, load.src_end)
             dst = slice(load.dst_start, load.dst_start + load.num_tokens)
             device = pool.device  # float32 before RoPE is undone: a bf16 cache's keys would round twice
