@@ -2,11 +2,12 @@
 
 The anchors' estimate of a span token's move reads only the token's stored key and the role that reads it (the agent
 and the placeholder the span fills), nothing else of the call: so it can be made when the span is published, outside
-any call's TTFT. A role learns which spans it reads by their first ``SIGNATURE_LEN`` tokens (the publishing call's
-opening: its chat template and system prompt, the same for every call of an agent); a published span is prepared for
-each frozen role that read spans so opened. A later call of that role loads the prepared span as ``naive`` loads the
-stored one: no match, no mix and no patch on the call. Where a span was not prepared (published elsewhere, dropped
-from the bounded set, or re-published under its id since) the call computes its anchors itself, as before.
+any call's TTFT. A role learns which spans it reads by their openings: the tokens every span it read begins with (the
+publishing call's chat template and system prompt, the same for every call of an agent; at least ``MIN_OPENING``
+tokens, else another kind); a published span is prepared for each frozen role that read spans so opened. A later
+call of that role loads the prepared span as ``naive`` loads the stored one: no match, no mix and no patch on the
+call. Where a span was not prepared (published elsewhere, dropped from the bounded set, or published again under its
+id since) the call computes its anchors itself.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import torch
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.model.rope import RotaryEmbedding
 
-SIGNATURE_LEN = 32  # the opening tokens that name a span's kind (its publisher's template and system prompt)
+MIN_OPENING = 8  # the fewest opening tokens two spans of one kind share (a chat template's header is shorter)
+MAX_OPENING = 64  # the most opening tokens kept of a kind
 
 
-def signature(span: StoredSpan) -> tuple[int, ...]:
-    """The kind of span ``span`` is: its first ``SIGNATURE_LEN`` token ids."""
-    return tuple(span.token_ids[:SIGNATURE_LEN])
+def _common_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def anchored_span(span: StoredSpan, k_move: torch.Tensor, v_move: torch.Tensor, rope: RotaryEmbedding) -> StoredSpan:
@@ -51,17 +53,25 @@ class PreparedSpans:
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
-        self._read_by: dict[str, set[tuple[int, ...]]] = {}  # role -> signatures of the spans it read
+        self._read_by: dict[str, list[tuple[int, ...]]] = {}  # role -> the openings of the kinds of span it read
         self._entries: OrderedDict[tuple[str, str], PreparedSpan] = OrderedDict()
 
     def note_read(self, role: str, span: StoredSpan) -> None:
-        """``role`` read (part of) ``span`` in a learning call."""
-        self._read_by.setdefault(role, set()).add(signature(span))
+        """``role`` read (part of) ``span`` in a learning call: a kind it read whose opening ``span`` shares for at
+        least ``MIN_OPENING`` tokens is cut to what they share, else ``span``'s opening is a new kind."""
+        ids, openings = tuple(span.token_ids[:MAX_OPENING]), self._read_by.setdefault(role, [])
+        for i, opening in enumerate(openings):
+            if (common := _common_len(opening, ids)) >= MIN_OPENING:
+                openings[i] = opening[:common]
+                return
+        openings.append(ids)
 
     def roles_reading(self, span: StoredSpan) -> list[str]:
-        """The roles that read spans of ``span``'s kind, in the order they first read one."""
-        sig = signature(span)
-        return [role for role, sigs in self._read_by.items() if sig in sigs]
+        """The roles that read spans of ``span``'s kind (spans that begin with one of its openings), in the order
+        they first read one."""
+        ids = tuple(span.token_ids[:MAX_OPENING])
+        return [role for role, openings in self._read_by.items()
+                if any(ids[: len(opening)] == opening for opening in openings)]
 
     def put(self, span_id: str, role: str, prepared: PreparedSpan) -> None:
         if self.max_entries <= 0:

@@ -35,6 +35,7 @@ selector and band when none is given).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +92,8 @@ class RelayAnchorsMethod(RelayMethod):
     anchor_prepare: int = 16
     pool: MovePool | None = field(default=None, init=False, repr=False)
     prepared: PreparedSpans = field(default=None, init=False, repr=False)
+    # per span prepared at publish: (roles prepared, its tokens, ms); the bench's JSON reports it (``settings``)
+    prepare_log: list[tuple[int, int, float]] = field(default_factory=list, init=False, repr=False)
     name = "relay_anchors"
     stateful = True
 
@@ -132,7 +135,13 @@ class RelayAnchorsMethod(RelayMethod):
         return self.pool
 
     def settings(self, lm) -> dict:
-        return super().settings(lm) | {"anchor_layer": self._pool(lm).match_layer}
+        out = super().settings(lm) | {"anchor_layer": self._pool(lm).match_layer}
+        if self.prepare_log:  # the anchors' time moved from the calls to publishing: how much it is
+            ms = sorted(m for _, _, m in self.prepare_log)
+            out["prepared_at_publish"] = {"spans": len(ms), "roles": sum(r for r, _, _ in self.prepare_log),
+                                          "tokens": sum(n for _, n, _ in self.prepare_log),
+                                          "median_ms": ms[len(ms) // 2], "max_ms": ms[-1], "total_ms": sum(ms)}
+        return out
 
     @staticmethod
     def roles(call: CallInput, approx: list[SpanLoad]) -> list[str]:
@@ -173,12 +182,16 @@ class RelayAnchorsMethod(RelayMethod):
         (``anchor_prep``): its calls then load it as naive loads the stored span."""
         if not self.anchor_prepare or self.pool is None:
             return
+        t0, num_roles = time.perf_counter(), 0
         whole = SpanLoad(span_id, 0, len(span), span.start_pos)
         for role in self.prepared.roles_reading(span):
             if self._ready(role) and (estimate := self._estimate(role, span, whole, lm)) is not None:
                 k_move, v_move, residual = estimate
                 self.prepared.put(span_id, role, PreparedSpan(span, anchored_span(span, k_move, v_move, lm.model.rope),
                                                               residual))
+                num_roles += 1
+        if num_roles:  # what publishing costs now (the host's time: on a GPU, what was queued)
+            self.prepare_log.append((num_roles, len(span), (time.perf_counter() - t0) * 1e3))
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         pool = self._pool(lm)

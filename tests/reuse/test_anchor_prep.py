@@ -11,7 +11,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.rope import apply_rotary
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
-from kvrelay.reuse.anchor_prep import SIGNATURE_LEN, PreparedSpans, anchored_span, signature
+from kvrelay.reuse.anchor_prep import MAX_OPENING, MIN_OPENING, PreparedSpans, anchored_span
 from kvrelay.reuse.base import CallInput, SpanRef
 from tests.helpers import generate, publish, tiny_lm
 
@@ -47,19 +47,36 @@ def test_anchored_span_adds_the_key_moves_rotated_for_the_spans_own_positions():
     assert out.start_pos == 5 and out.hidden is span.hidden and torch.equal(span.k, k)  # the source untouched
 
 
-def test_roles_and_the_bound():
-    def span(first: int) -> StoredSpan:
-        kv = torch.zeros(1, 1, SIGNATURE_LEN + 2, 2)
-        return StoredSpan(tuple([first] * (SIGNATURE_LEN + 2)), 0, kv, kv, "f")
+def _span(opening: list[int], rest: int) -> StoredSpan:
+    ids = tuple(opening + [rest] * 5)
+    kv = torch.zeros(1, 1, len(ids), 2)
+    return StoredSpan(ids, 0, kv, kv, "f")
 
-    a, b = span(1), span(2)
+
+def test_a_role_reads_the_kinds_of_span_whose_openings_it_saw():
+    """A kind is the opening its spans share (at least MIN_OPENING tokens): spans of one publisher, whatever their
+    question, are one kind; spans whose openings part sooner are another."""
+    solver, critic = list(range(10, 10 + MIN_OPENING + 4)), list(range(10, 10 + MIN_OPENING - 1)) + [99] * 5
     prepared = PreparedSpans(2)
-    prepared.note_read("critic/answer", a)
-    prepared.note_read("final/answer", a)
-    prepared.note_read("final/critique", b)
-    assert prepared.roles_reading(span(1)) == ["critic/answer", "final/answer"]  # by signature, not by object
-    assert prepared.roles_reading(span(3)) == []
-    assert signature(a) == (1,) * SIGNATURE_LEN
+    prepared.note_read("critic/answer", _span(solver, 1))
+    prepared.note_read("critic/answer", _span(solver, 2))  # another question: the same kind, its opening cut
+    prepared.note_read("final/critique", _span(critic, 1))
+    assert prepared.roles_reading(_span(critic, 3)) == []  # one span read: all of its opening is the kind's
+    prepared.note_read("final/critique", _span(critic, 2))
+    assert prepared._read_by["critic/answer"] == [tuple(solver)]
+    assert prepared.roles_reading(_span(solver, 3)) == ["critic/answer"]  # by opening, not by object
+    assert prepared.roles_reading(_span(critic, 3)) == ["final/critique"]  # parts from the solver's too soon
+    assert prepared.roles_reading(_span(list(range(50, 60)), 1)) == []
+    prepared.note_read("critic/answer", _span(critic, 1))
+    assert len(prepared._read_by["critic/answer"]) == 2  # a second kind, not the first one cut short
+    long = _span(list(range(MAX_OPENING + 10)), 1)
+    prepared.note_read("x", long)
+    assert prepared.roles_reading(long) == ["x"] and len(prepared._read_by["x"][0]) == MAX_OPENING
+
+
+def test_the_prepared_set_is_bounded():
+    a, b = _span(list(range(MIN_OPENING)), 1), _span(list(range(MIN_OPENING)), 2)
+    prepared = PreparedSpans(2)
     for i in range(3):
         prepared.put(f"s{i}", "critic/answer", object.__new__(type("P", (), {"source": a})))
     assert len(prepared) == 2 and prepared.get("s0", "critic/answer", a) is None  # the oldest dropped
@@ -89,6 +106,8 @@ def test_a_prepared_span_gives_the_call_its_anchors_without_computing_them(band)
     assert len(method.prepared) == 0
     Engine(lm, store, [method]).publish("p/up", up)
     assert len(method.prepared) == 1
+    logged = method.settings(lm)["prepared_at_publish"]
+    assert (logged["spans"], logged["roles"], logged["tokens"]) == (1, 1, len(up.prompt_ids) + len(up.output_ids))
     plan = method.plan(call, store, lm)
     assert not plan.patches and [load.span_id for load in plan.loads] == ["p/up@anchors:agent/up"]
     prepared = generate(lm, call, method, store, ONE, keep_cache=True)
