@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         cache = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=len(ids) + args.steps + 1)
         t0 = time.perf_counter()
         for load in plan.loads:
-            cache.load_span(engine.store.get(load.span_id), load.dst_start, lm.model.rope, load.src_start,
+            cache.load_span(plan.span_of(load, engine.store), load.dst_start, lm.model.rope, load.src_start,
                             load.src_end)
         copied = sum(load.num_tokens for load in plan.loads) - sum(r.num_tokens for r in cache._refs)
         token = int(lm.model.prefill(ids, cache, plan.schedule).logits.argmax())

@@ -15,6 +15,7 @@ relay needs, whoever drives it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import Sampler, SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class Engine:
         # measured prefill token-layers/s on this device (a running mean): a shared tier weighs a fetch
         # against recomputing with it
         self.compute_token_layers_per_s: float | None = None
+        self.num_publish_errors = 0  # methods' ``on_publish`` that raised (logged; the span was stored all the same)
         if store is not None:
             store.set_fingerprint(lm.fingerprint)
         for spec in methods:
@@ -249,7 +253,12 @@ class Engine:
         span = out.cache.export(0, len(seq_ids), seq_ids, self.lm.fingerprint, hidden, hidden_from)
         store.put(span_id, span, pin=pin)
         for method in self._methods.values():  # outside any call's TTFT: what a method prepares of the span
-            method.on_publish(span_id, span, store, self.lm)
+            try:
+                method.on_publish(span_id, span, store, self.lm)
+            except Exception as exc:  # noqa: BLE001 - a method that fails to prepare computes on the call instead
+                self.num_publish_errors += 1
+                log.warning("%s could not prepare span %r at publish (%s: %s); its calls compute what they need",
+                            method.name, span_id, type(exc).__name__, exc)
         return span
 
     # ------------------------------------------------------------------ internals

@@ -3,7 +3,7 @@
 The anchors' estimate of a span token's move reads only the token's stored key and the role that reads it (the agent
 and the placeholder the span fills), nothing else of the call: so it can be made when the span is published, outside
 any call's TTFT. A role learns which spans it reads by their openings: the tokens every span it read begins with (the
-publishing call's chat template and system prompt, the same for every call of an agent; at least ``MIN_OPENING``
+publishing call's chat template and system prompt, the same for every call of an agent; at least ``MIN_OPENING_TOKENS``
 tokens, else another kind); a published span is prepared for each frozen role that read spans so opened. A later
 call of that role loads the prepared span as ``naive`` loads the stored one: no match, no mix and no patch on the
 call. Where a span was not prepared (published elsewhere, dropped from the bounded set, or published again under its
@@ -12,16 +12,17 @@ id since) the call computes its anchors itself.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+import statistics
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import torch
 
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.model.rope import RotaryEmbedding
 
-MIN_OPENING = 8  # the fewest opening tokens two spans of one kind share (a chat template's header is shorter)
-MAX_OPENING = 64  # the most opening tokens kept of a kind
+MIN_OPENING_TOKENS = 8  # the fewest opening tokens two spans of one kind share (SmolLM2's agents part after 6)
+MAX_OPENING_TOKENS = 64  # the most opening tokens kept of a kind
 
 
 def _common_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -48,8 +49,8 @@ class PreparedSpan:
 
 
 class PreparedSpans:
-    """The spans each role reads, by signature, and at most ``max_entries`` prepared (span id, role) pairs (the ones
-    prepared longest ago dropped first)."""
+    """The kinds of span each role reads (by opening), and at most ``max_entries`` prepared (span id, role) pairs
+    (the ones prepared longest ago dropped first)."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
@@ -58,10 +59,10 @@ class PreparedSpans:
 
     def note_read(self, role: str, span: StoredSpan) -> None:
         """``role`` read (part of) ``span`` in a learning call: a kind it read whose opening ``span`` shares for at
-        least ``MIN_OPENING`` tokens is cut to what they share, else ``span``'s opening is a new kind."""
-        ids, openings = tuple(span.token_ids[:MAX_OPENING]), self._read_by.setdefault(role, [])
+        least ``MIN_OPENING_TOKENS`` tokens is cut to what they share, else ``span``'s opening is a new kind."""
+        ids, openings = tuple(span.token_ids[:MAX_OPENING_TOKENS]), self._read_by.setdefault(role, [])
         for i, opening in enumerate(openings):
-            if (common := _common_len(opening, ids)) >= MIN_OPENING:
+            if (common := _common_len(opening, ids)) >= MIN_OPENING_TOKENS:
                 openings[i] = opening[:common]
                 return
         openings.append(ids)
@@ -69,11 +70,12 @@ class PreparedSpans:
     def roles_reading(self, span: StoredSpan) -> list[str]:
         """The roles that read spans of ``span``'s kind (spans that begin with one of its openings), in the order
         they first read one."""
-        ids = tuple(span.token_ids[:MAX_OPENING])
+        ids = tuple(span.token_ids[:MAX_OPENING_TOKENS])
         return [role for role, openings in self._read_by.items()
                 if any(ids[: len(opening)] == opening for opening in openings)]
 
     def put(self, span_id: str, role: str, prepared: PreparedSpan) -> None:
+        """Keep ``prepared`` as ``role``'s span for ``span_id`` (none with ``max_entries`` 0)."""
         if self.max_entries <= 0:
             return
         self._entries.pop((span_id, role), None)
@@ -88,3 +90,40 @@ class PreparedSpans:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for work queued on a GPU, so that a wall-clock time covers it (no-op elsewhere)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class PrepareStats:
+    """What preparing at publish cost (the latest ``MAX_TIMES`` spans' times) and how the calls' spans were served."""
+
+    MAX_TIMES = 4096
+    num_spans: int = 0  # spans prepared for at least one role
+    num_role_tokens: int = 0  # tokens prepared, summed over the roles each span was prepared for
+    total_ms: float = 0.0
+    num_loads_prepared: int = 0  # a call's spans loaded prepared
+    num_loads_on_call: int = 0  # a call's spans whose anchors the call computed
+    times_ms: deque = field(default_factory=lambda: deque(maxlen=PrepareStats.MAX_TIMES))
+
+    def add_span(self, num_role_tokens: int, ms: float) -> None:
+        self.num_spans += 1
+        self.num_role_tokens += num_role_tokens
+        self.total_ms += ms
+        self.times_ms.append(ms)
+
+    def count_load(self, prepared: bool) -> None:
+        if prepared:
+            self.num_loads_prepared += 1
+        else:
+            self.num_loads_on_call += 1
+
+    def summary(self) -> dict:
+        times = list(self.times_ms)
+        return {"num_spans": self.num_spans, "num_role_tokens": self.num_role_tokens, "total_ms": self.total_ms,
+                "median_ms": statistics.median(times) if times else None, "max_ms": max(times, default=None),
+                "num_loads_prepared": self.num_loads_prepared, "num_loads_on_call": self.num_loads_on_call}

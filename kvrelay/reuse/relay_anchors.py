@@ -43,8 +43,9 @@ import torch
 from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
+from kvrelay.model.lm import LoadedModel
 from kvrelay.model.rope import RotaryEmbedding
-from kvrelay.reuse.anchor_prep import PreparedSpan, PreparedSpans, anchored_span
+from kvrelay.reuse.anchor_prep import PreparedSpan, PreparedSpans, PrepareStats, anchored_span, sync_device
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, SpanLoad
 from kvrelay.reuse.move_pool import MovePool
 from kvrelay.reuse.prefix import PrefixMethod
@@ -91,9 +92,9 @@ class RelayAnchorsMethod(RelayMethod):
     # call then loads them as naive does); 0: every call computes its anchors itself
     anchor_prepare: int = 16
     pool: MovePool | None = field(default=None, init=False, repr=False)
-    prepared: PreparedSpans = field(default=None, init=False, repr=False)
-    # per span prepared at publish: (roles prepared, its tokens, ms); the bench's JSON reports it (``settings``)
-    prepare_log: list[tuple[int, int, float]] = field(default_factory=list, init=False, repr=False)
+    prepared: PreparedSpans | None = field(default=None, init=False, repr=False)
+    # what preparing at publish cost and how the calls' spans were served; the bench's JSON reports it (``settings``)
+    prepare_stats: PrepareStats = field(default_factory=PrepareStats, init=False, repr=False)
     name = "relay_anchors"
     stateful = True
 
@@ -136,11 +137,8 @@ class RelayAnchorsMethod(RelayMethod):
 
     def settings(self, lm) -> dict:
         out = super().settings(lm) | {"anchor_layer": self._pool(lm).match_layer}
-        if self.prepare_log:  # the anchors' time moved from the calls to publishing: how much it is
-            ms = sorted(m for _, _, m in self.prepare_log)
-            out["prepared_at_publish"] = {"spans": len(ms), "roles": sum(r for r, _, _ in self.prepare_log),
-                                          "tokens": sum(n for _, n, _ in self.prepare_log),
-                                          "median_ms": ms[len(ms) // 2], "max_ms": ms[-1], "total_ms": sum(ms)}
+        if self.prepare_stats.num_spans or self.prepare_stats.num_loads_prepared:
+            out["prepared_at_publish"] = self.prepare_stats.summary()  # the anchors' time moved to publishing
         return out
 
     @staticmethod
@@ -177,21 +175,23 @@ class RelayAnchorsMethod(RelayMethod):
     def _ready(self, role: str) -> bool:
         return self.pool is not None and self.pool.num_calls(role) >= self.anchor_calls
 
-    def on_publish(self, span_id: str, span: StoredSpan, store: KVStore, lm) -> None:
+    def on_publish(self, span_id: str, span: StoredSpan, store: KVStore, lm: LoadedModel) -> None:
         """Prepare ``span`` with its anchors added for every role done learning that read spans of its kind
         (``anchor_prep``): its calls then load it as naive loads the stored span."""
-        if not self.anchor_prepare or self.pool is None:
-            return
-        t0, num_roles = time.perf_counter(), 0
+        if not self.anchor_prepare or self.pool is None or not lm.model.rope.can_shift:
+            return  # (a RoPE that cannot shift: the calls fall back to full prefill whatever is prepared)
+        sync_device(self.pool.device)  # the time is the work's, not what was queued before it
+        t0, num_role_tokens = time.perf_counter(), 0
         whole = SpanLoad(span_id, 0, len(span), span.start_pos)
         for role in self.prepared.roles_reading(span):
             if self._ready(role) and (estimate := self._estimate(role, span, whole, lm)) is not None:
                 k_move, v_move, residual = estimate
                 self.prepared.put(span_id, role, PreparedSpan(span, anchored_span(span, k_move, v_move, lm.model.rope),
                                                               residual))
-                num_roles += 1
-        if num_roles:  # what publishing costs now (the host's time: on a GPU, what was queued)
-            self.prepare_log.append((num_roles, len(span), (time.perf_counter() - t0) * 1e3))
+                num_role_tokens += len(span)
+        if num_role_tokens:
+            sync_device(self.pool.device)
+            self.prepare_stats.add_span(num_role_tokens, (time.perf_counter() - t0) * 1e3)
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         pool = self._pool(lm)
@@ -211,6 +211,7 @@ class RelayAnchorsMethod(RelayMethod):
             span = store.get(load.span_id)
             dst = slice(load.dst_start, load.dst_start + load.num_tokens)
             prepared = self.prepared.get(load.span_id, role, span)
+            self.prepare_stats.count_load(prepared is not None)
             if prepared is not None:  # its anchors were added when it was published: load that span instead
                 span_id = f"{load.span_id}@anchors:{role}"
                 derived[span_id] = prepared.span

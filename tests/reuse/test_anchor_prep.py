@@ -11,7 +11,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.rope import apply_rotary
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
-from kvrelay.reuse.anchor_prep import MAX_OPENING, MIN_OPENING, PreparedSpans, anchored_span
+from kvrelay.reuse.anchor_prep import MAX_OPENING_TOKENS, MIN_OPENING_TOKENS, PreparedSpans, anchored_span
 from kvrelay.reuse.base import CallInput, SpanRef
 from tests.helpers import generate, publish, tiny_lm
 
@@ -54,9 +54,10 @@ def _span(opening: list[int], rest: int) -> StoredSpan:
 
 
 def test_a_role_reads_the_kinds_of_span_whose_openings_it_saw():
-    """A kind is the opening its spans share (at least MIN_OPENING tokens): spans of one publisher, whatever their
-    question, are one kind; spans whose openings part sooner are another."""
-    solver, critic = list(range(10, 10 + MIN_OPENING + 4)), list(range(10, 10 + MIN_OPENING - 1)) + [99] * 5
+    """A kind is the opening its spans share (at least MIN_OPENING_TOKENS tokens): spans of one publisher, whatever
+    their question, are one kind; spans whose openings part sooner are another."""
+    solver = list(range(10, 10 + MIN_OPENING_TOKENS + 4))
+    critic = list(range(10, 10 + MIN_OPENING_TOKENS - 1)) + [99] * 5
     prepared = PreparedSpans(2)
     prepared.note_read("critic/answer", _span(solver, 1))
     prepared.note_read("critic/answer", _span(solver, 2))  # another question: the same kind, its opening cut
@@ -69,13 +70,13 @@ def test_a_role_reads_the_kinds_of_span_whose_openings_it_saw():
     assert prepared.roles_reading(_span(list(range(50, 60)), 1)) == []
     prepared.note_read("critic/answer", _span(critic, 1))
     assert len(prepared._read_by["critic/answer"]) == 2  # a second kind, not the first one cut short
-    long = _span(list(range(MAX_OPENING + 10)), 1)
+    long = _span(list(range(MAX_OPENING_TOKENS + 10)), 1)
     prepared.note_read("x", long)
-    assert prepared.roles_reading(long) == ["x"] and len(prepared._read_by["x"][0]) == MAX_OPENING
+    assert prepared.roles_reading(long) == ["x"] and len(prepared._read_by["x"][0]) == MAX_OPENING_TOKENS
 
 
 def test_the_prepared_set_is_bounded():
-    a, b = _span(list(range(MIN_OPENING)), 1), _span(list(range(MIN_OPENING)), 2)
+    a, b = _span(list(range(MIN_OPENING_TOKENS)), 1), _span(list(range(MIN_OPENING_TOKENS)), 2)
     prepared = PreparedSpans(2)
     for i in range(3):
         prepared.put(f"s{i}", "critic/answer", object.__new__(type("P", (), {"source": a})))
@@ -107,13 +108,18 @@ def test_a_prepared_span_gives_the_call_its_anchors_without_computing_them(band)
     Engine(lm, store, [method]).publish("p/up", up)
     assert len(method.prepared) == 1
     logged = method.settings(lm)["prepared_at_publish"]
-    assert (logged["spans"], logged["roles"], logged["tokens"]) == (1, 1, len(up.prompt_ids) + len(up.output_ids))
+    assert (logged["num_spans"], logged["num_role_tokens"]) == (1, len(up.prompt_ids) + len(up.output_ids))
+    estimate = method.pool.estimate_moves
+    method.pool.estimate_moves = None  # a prepared call computes no anchors: calling it would raise
     plan = method.plan(call, store, lm)
+    method.pool.estimate_moves = estimate
     assert not plan.patches and [load.span_id for load in plan.loads] == ["p/up@anchors:agent/up"]
     prepared = generate(lm, call, method, store, ONE, keep_cache=True)
     publish(store, "p/up", up, lm)  # the same KV, a new span object: the prepared one is not used
     assert len(method.plan(call, store, lm).patches) == 1
     on_call = generate(lm, call, method, store, ONE, keep_cache=True)
+    logged = method.settings(lm)["prepared_at_publish"]
+    assert (logged["num_loads_prepared"], logged["num_loads_on_call"]) == (2, 2)  # plan + call each way
     assert prepared.stats.fallback is None and on_call.stats.fallback is None
     assert prepared.stats.num_computed_token_layers == on_call.stats.num_computed_token_layers
     if band:
@@ -143,3 +149,22 @@ def test_only_spans_of_a_kind_the_role_read_are_prepared():
     assert len(method.prepared) == 0
     engine.publish("p/up", up)
     assert len(method.prepared) == 1
+
+
+def test_a_method_that_fails_to_prepare_leaves_the_span_published(caplog):
+    """``on_publish`` raising is logged and counted; the span is stored all the same and the engine keeps working."""
+    lm = tiny_lm("qwen2")
+    store = KVStore(1 << 30)
+    up, call = _upstream(lm, store)
+    n = lm.config.num_layers
+    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=2,anchor_centroids=8,l_start={n},l_det={n},l_end={n}]")
+    generate(lm, call, method, store, ONE)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    method.pool.estimate_moves = broken
+    engine = Engine(lm, store, [method])
+    span = engine.publish("p/again", up)
+    assert store.get("p/again") is span and engine.num_publish_errors == 1
+    assert "could not prepare span 'p/again'" in caplog.text and "out of memory" in caplog.text
