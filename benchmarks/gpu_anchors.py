@@ -113,6 +113,9 @@ def _exact_one(family: str, dtype: torch.dtype, device: str, dim: int) -> dict:
         and row[f"kl_{name}"] < row["kl_naive"] / div[0]
         and row[f"{name}_span_k_max_diff"] < row["naive_span_k_max_diff"] / div[1]
         and row[f"{name}_span_v_max_diff"] < row["naive_span_v_max_diff"] / div[2] for name in ("anchors", "priors"))
+    row["prepared"] = _prepared(lm, store, call, dim, row["naive_span_k_max_diff"], row["naive_span_v_max_diff"],
+                                dtype)
+    row["ok"] = row["ok"] and row["prepared"]["ok"]
     if dtype == torch.float32:  # the priors band selecting: the same call on this machine's CPU is the reference
         row["selecting"] = _selecting(family, dim, device, lm, store, call, row["naive_span_k_max_diff"])
         row["ok"] = row["ok"] and row["selecting"]["ok"]
@@ -139,6 +142,37 @@ def _selecting(family: str, dim: int, device: str, lm, store: KVStore, call: Cal
     row["ok"] = (row["fallback"] is None and row["note"] is None and row["recomputed_token_layers"] == 6 * (n - 2)
                  == row["cpu_recomputed_token_layers"]
                  and max(row["span_k_max_diff_vs_cpu"], row["span_v_max_diff_vs_cpu"]) < naive_diff / 100)
+    return row
+
+
+def _prepared(lm, store: KVStore, call: CallInput, dim: int, naive_k: float, naive_v: float, dtype) -> dict:
+    """The anchors made at publish (``anchor_prepare``, session 36) on the device: after its role learned, the span is
+    prepared (``on_publish``, as ``Engine.publish`` calls it) and the call loads it with no patch. It must give what
+    the same call gives with its anchors computed on the call (a second method taught alike, ``anchor_prepare=0``):
+    the same recomputed token-layers of the selecting priors band (anchor_k=2, top_r=0.25, ranked by the prepared
+    residual), span K/V within naive's error / 100 in fp32 and / 10 in bf16 (the two paths round the moves at
+    different steps)."""
+    n = lm.config.num_layers
+    spec = (f"relay_anchors[anchor_calls=1,anchor_k=2,anchor_dim={dim},l_start=2,l_det=2,l_end={n - 1},top_r=0.25,"
+            "l_pre=0,l_suf=0,selector=priors,anchor_select=1{}]")
+    method, on_call = get_method(spec.format("")), get_method(spec.format(",anchor_prepare=0"))
+    for m in (method, on_call):
+        generate(lm, call, m, store, ONE)  # each taught by the call itself
+    method.on_publish("p/up", store.get("p/up"), store, lm)
+    plan = method.plan(call, store, lm)
+    out = generate(lm, call, method, store, ONE, keep_cache=True)
+    ref = generate(lm, call, on_call, store, ONE, keep_cache=True)
+    row = {"num_prepared": len(method.prepared), "plan_patches": len(plan.patches),
+           "recomputed_token_layers": out.stats.num_recomputed_token_layers,
+           "on_call_recomputed_token_layers": ref.stats.num_recomputed_token_layers,
+           "span_k_max_diff_vs_on_call": _span_diff(out, ref, "k"),
+           "span_v_max_diff_vs_on_call": _span_diff(out, ref, "v"),
+           "kl_vs_on_call": kl_first_token(ref.first_logits.float().cpu(), out.first_logits.float().cpu())}
+    div = 100 if dtype == torch.float32 else 10
+    row["ok"] = (row["num_prepared"] == 1 and row["plan_patches"] == 0 and out.stats.fallback is None
+                 and row["recomputed_token_layers"] == row["on_call_recomputed_token_layers"] > 0
+                 and row["span_k_max_diff_vs_on_call"] < naive_k / div
+                 and row["span_v_max_diff_vs_on_call"] < naive_v / div)
     return row
 
 
@@ -179,7 +213,8 @@ def bench(lm: LoadedModel, device: str, workload: str, problems: int, warm: int,
     methods = ("full", "prefix", "naive", "epic", f"relay[{band}]",
                f"relay_anchors[anchor_calls={warm + 1},l_start={n},l_det={n},l_end={n}]",
                f"relay_anchors[anchor_calls={warm + 1},{band}]",  # the top-up is the last learning call
-               f"relay_anchors[anchor_calls={warm + 1},{PRIORS_2PC.format(top=n - 1)}]")
+               f"relay_anchors[anchor_calls={warm + 1},{PRIORS_2PC.format(top=n - 1)}]",  # anchors prepared at publish
+               f"relay_anchors[anchor_calls={warm + 1},{PRIORS_2PC.format(top=n - 1)},anchor_prepare=0]")  # on the call
     cfg = BenchConfig(workload=workload, methods=methods, limit=problems, model=lm.name, device=device,
                       repeats=repeats, greedy_tokens=4, warm_problems=warm)
     b = Bench(cfg, lm=lm)
