@@ -17,6 +17,7 @@ from kvrelay.model.lm import LoadedModel
 from kvrelay.model.schedule import Schedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import Plan
+from kvrelay.weights.devices import sync_device  # noqa: F401 - kvrelay.engine's name for it
 
 
 @dataclass
@@ -84,12 +85,6 @@ class GenerationOutput:
     def confidence(self) -> float:
         """Mean top-1 probability over the generated tokens (RKSC's branch confidence); 0 with none."""
         return sum(self.top1_probs) / len(self.top1_probs) if self.top1_probs else 0.0
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for queued GPU work, so wall-clock timings cover it (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def shiftable(plan: Plan, store: KVStore | None, model) -> Plan:

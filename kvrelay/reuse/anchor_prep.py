@@ -92,12 +92,6 @@ class PreparedSpans:
         return len(self._entries)
 
 
-def sync_device(device: torch.device) -> None:
-    """Wait for work queued on a GPU, so that a wall-clock time covers it (no-op elsewhere)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class PrepareStats:
     """What preparing at publish cost (the latest ``MAX_TIMES`` spans' times) and how the calls' spans were served."""

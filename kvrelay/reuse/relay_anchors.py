@@ -45,12 +45,13 @@ from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.rope import RotaryEmbedding
-from kvrelay.reuse.anchor_prep import PreparedSpan, PreparedSpans, PrepareStats, anchored_span, sync_device
+from kvrelay.reuse.anchor_prep import PreparedSpan, PreparedSpans, PrepareStats, anchored_span
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, SpanLoad
 from kvrelay.reuse.move_pool import MovePool
 from kvrelay.reuse.prefix import PrefixMethod
 from kvrelay.reuse.relay import RelayMethod
 from kvrelay.reuse.spans import collect_reuse
+from kvrelay.weights.devices import sync_device
 
 
 @dataclass
@@ -197,7 +198,7 @@ class RelayAnchorsMethod(RelayMethod):
         pool = self._pool(lm)
         reuse = collect_reuse(call, store, lm.fingerprint)
         roles = self.roles(call, reuse.approx)
-        learning = [r for r in roles if pool.num_calls(r) < self.anchor_calls]
+        learning = [r for r in roles if not self._ready(r)]
         if learning:
             plan = PrefixMethod().plan(call, store, lm)
             plan.fallback = (f"relay_anchors: role {learning[0]!r} has {pool.num_calls(learning[0])} of its "

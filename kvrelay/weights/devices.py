@@ -35,3 +35,9 @@ def check_device(device: str | torch.device) -> torch.device:
     if parsed.type == "cpu" and parsed.index not in (None, 0):
         raise DeviceError(f"device {device!r}: the CPU has no index {parsed.index}; use cpu")
     return parsed
+
+
+def sync_device(device: torch.device | str) -> None:
+    """Wait for the work queued on a GPU, so that a wall-clock time covers it (no-op on other devices)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
