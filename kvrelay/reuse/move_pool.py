@@ -74,6 +74,7 @@ class _RolePool:
     num_calls: int = 0  # dense calls seen, those dropped included
     index: MoveIndex | None = None  # built from feat and moves when first searched; reset by add
     frozen: bool = False  # the index is final and feat/moves are gone
+    side: torch.Tensor | None = None  # [P, S] fp16: per token, what a caller keeps beside it (``add``'s ``side``)
 
 
 def _group_sums(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +148,7 @@ class MovePool:
     def nbytes(self) -> int:
         total = 0
         for p in self._roles.values():
-            total += p.feat.nbytes + p.moves.nbytes
+            total += p.feat.nbytes + p.moves.nbytes + (p.side.nbytes if p.side is not None else 0)
             if p.index is not None:
                 total += p.index.nbytes - (p.index.moves.nbytes if p.index.moves is p.moves else 0)
         return total
@@ -157,28 +158,48 @@ class MovePool:
         feat = keys_free.to(self.device, torch.float32).transpose(0, 1).flatten(1)  # [Hkv, n, hd] -> [n, Hkv * hd]
         return torch.nn.functional.normalize(feat, dim=-1)
 
-    def add(self, role: str, keys_free: torch.Tensor, k_move: torch.Tensor, v_move: torch.Tensor) -> None:
+    def add(self, role: str, keys_free: torch.Tensor, k_move: torch.Tensor, v_move: torch.Tensor,
+            side: torch.Tensor | None = None) -> None:
         """One dense call's span of ``role``: its stored keys without RoPE at the match layer [Hkv, n, hd] and its
-        true moves at every layer, [L, Hkv, n, hd] each (keys without RoPE)."""
+        true moves at every layer, [L, Hkv, n, hd] each (keys without RoPE). ``side`` [n, S]: what the caller keeps
+        per token beside them (kept and dropped with the token, read back by ``rows``; every call of a role gives it
+        or none does)."""
         num_tokens = k_move.shape[2]
         both = torch.cat([k_move, v_move]).to(self.device).permute(2, 0, 1, 3)  # [2L, Hkv, n, hd] -> [n, 2L, Hkv, hd]
         feat, moves = self.features(keys_free).half(), both.reshape(num_tokens, -1).half()  # -> [n, 2 * L * Hkv * hd]
+        side = None if side is None else side.to(self.device, torch.float16)
+        if side is not None and side.shape[0] != num_tokens:
+            raise ValueError(f"MovePool: side has {side.shape[0]} rows for {num_tokens} tokens")
         pool = self._roles.get(role)
         if pool is None:
-            pool = self._roles[role] = _RolePool(feat, moves)
+            pool = self._roles[role] = _RolePool(feat, moves, side=side)
         else:
             if pool.frozen:
                 raise ValueError(f"MovePool: role {role!r} is frozen (its learning is over)")
             if moves.shape[1] != pool.moves.shape[1]:
                 raise ValueError(f"MovePool: role {role!r} holds moves of {pool.moves.shape[1]} values per token, "
                                  f"got {moves.shape[1]} (another model?)")
+            if (side is None) != (pool.side is None) or (side is not None and side.shape[1] != pool.side.shape[1]):
+                raise ValueError(f"MovePool: role {role!r}'s calls must all give side rows of one width, or none")
             pool.feat, pool.moves = torch.cat([pool.feat, feat]), torch.cat([pool.moves, moves])
+            if side is not None:
+                pool.side = torch.cat([pool.side, side])
         pool.call_lens.append(num_tokens)
         pool.num_calls += 1
         pool.index = None
         while pool.feat.shape[0] > self.max_tokens and len(pool.call_lens) > 1:
             drop = pool.call_lens.pop(0)
             pool.feat, pool.moves = pool.feat[drop:].clone(), pool.moves[drop:].clone()
+            if pool.side is not None:
+                pool.side = pool.side[drop:].clone()
+
+    def rows(self, role: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``role``'s pooled tokens before ``freeze``: their side rows [P, S] (None if its calls gave none) and
+        moves [P, 2 * L * Hkv * hd], fp16, row for row."""
+        pool = self._roles[role]
+        if pool.frozen:
+            raise ValueError(f"MovePool: role {role!r} is frozen: its rows are gone")
+        return pool.side, pool.moves
 
     def freeze(self, role: str) -> None:
         """End ``role``'s learning: build its index now (not on a served call) and free the raw tokens."""
@@ -187,7 +208,7 @@ class MovePool:
             return
         self.index(role)
         pool.feat, pool.moves = pool.feat.new_empty(0, pool.feat.shape[1]), pool.moves.new_empty(0, pool.moves.shape[1])
-        pool.frozen = True
+        pool.side, pool.frozen = None, True
 
     def index(self, role: str) -> MoveIndex | None:
         """``role``'s index (built now if its pool changed since); None: no pool. Building it holds, besides the pool,

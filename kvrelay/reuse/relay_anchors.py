@@ -17,6 +17,11 @@ the band runs: ``relay_anchors[l_start=2,l_det=2,l_end=T,top_r=0.02,l_pre=0,l_su
 (T the top layer) recomputes the 2% of span tokens the anchors estimate worst and costs no detection layer
 (``benchmarks/relay_anchor_select.py``, BENCHMARKS.md "Session 33").
 
+With ``anchor_blend`` = b > 0 the estimate is (1 - b) x the anchors' plus b x a ridge readout of the token's
+stored K/V at a few layers and its place in its span (``move_readout``), fitted per role on the same learning calls
+when the role's learning ends; its [tokens x features] by [features x moves] product suits spans prepared at
+publish. The tokens the band recomputes are still ranked by the anchors' expected miss.
+
 The anchors of a span depend only on it and on the role reading it, so they are made when the span is published
 (``on_publish``, outside any call's TTFT) for the roles done learning that read spans of its kind, and kept for the
 last ``anchor_prepare`` (span, role) pairs (``anchor_prep``): a call then loads such a span with its anchors already
@@ -48,6 +53,7 @@ from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.reuse.anchor_prep import PreparedSpan, PreparedSpans, PrepareStats, anchored_span
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, SpanLoad
 from kvrelay.reuse.move_pool import MovePool
+from kvrelay.reuse.move_readout import MoveReadout, readout_features, readout_layers
 from kvrelay.reuse.prefix import PrefixMethod
 from kvrelay.reuse.relay import RelayMethod
 from kvrelay.reuse.spans import collect_reuse
@@ -92,7 +98,11 @@ class RelayAnchorsMethod(RelayMethod):
     # the most (span, role) pairs kept with their anchors added when the span was published (``anchor_prep``: the
     # call then loads them as naive does); 0: every call computes its anchors itself
     anchor_prepare: int = 16
+    # share of the estimate from the ridge readout of the stored K/V (``move_readout``; 0: the anchors alone)
+    anchor_blend: float = 0.0
+    anchor_ridge: float = 0.1  # the readout's penalty, x its features' mean variance
     pool: MovePool | None = field(default=None, init=False, repr=False)
+    readout: MoveReadout | None = field(default=None, init=False, repr=False)
     prepared: PreparedSpans | None = field(default=None, init=False, repr=False)
     # what preparing at publish cost and how the calls' spans were served; the bench's JSON reports it (``settings``)
     prepare_stats: PrepareStats = field(default_factory=PrepareStats, init=False, repr=False)
@@ -121,6 +131,11 @@ class RelayAnchorsMethod(RelayMethod):
         if self.anchor_prepare < 0:
             raise ConfigError(f"relay_anchors: anchor_prepare must be >= 0, got {self.anchor_prepare}")
         self.prepared = PreparedSpans(self.anchor_prepare)
+        if not 0 <= self.anchor_blend <= 1:
+            raise ConfigError(f"relay_anchors: anchor_blend must be in [0, 1], got {self.anchor_blend}")
+        if self.anchor_ridge <= 0:
+            raise ConfigError(f"relay_anchors: anchor_ridge must be > 0, got {self.anchor_ridge}")
+        self.readout = MoveReadout(self.anchor_ridge) if self.anchor_blend else None
         if self.anchor_layer is not None and self.anchor_layer < 0:
             raise ConfigError(f"relay_anchors: anchor_layer must be >= 0, got {self.anchor_layer}")
 
@@ -164,6 +179,8 @@ class RelayAnchorsMethod(RelayMethod):
         if estimate is None:
             return None
         k_move, v_move, residual = estimate  # [L, Hkv, n, hd] twice, [n] or None
+        if self.readout is not None:
+            k_move, v_move = self._blend(role, span, load, lm, k_move, v_move)
         if self.anchor_scale != 1:
             if residual is not None:  # a scaled estimate also misses (1 - scale) of itself
                 residual = residual + (1 - self.anchor_scale) ** 2 * (
@@ -172,6 +189,25 @@ class RelayAnchorsMethod(RelayMethod):
             k_move, v_move = self.anchor_scale * k_move, self.anchor_scale * v_move
         k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
         return k_move, v_move, residual
+
+    def _readout_features(self, span: StoredSpan, load: SpanLoad, lm, device: torch.device) -> torch.Tensor:
+        """``readout_features`` of ``load``'s tokens of ``span`` [n, F], on ``device``."""
+        rope, layers = lm.model.rope, readout_layers(lm.config.num_layers)
+        keys = torch.stack([stored_keys_free(rope, span, load, device, layer) for layer in layers])  # [F, Hkv, n, hd]
+        values = span.v[list(layers), :, load.src_start : load.src_end].to(device)  # [F, Hkv, n, hd]
+        return readout_features(keys, values, load.src_start, len(span))
+
+    def _blend(self, role: str, span: StoredSpan, load: SpanLoad, lm, k_move: torch.Tensor, v_move: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1 - anchor_blend) x the anchors' moves plus anchor_blend x the readout's, [L, Hkv, n, hd] each (the
+        anchors' alone where the role has no readout)."""
+        moves = self.readout.predict(role, self._readout_features(span, load, lm, self.pool.device))
+        if moves is None:
+            return k_move, v_move
+        num_layers, hkv, hd = k_move.shape[0], k_move.shape[1], k_move.shape[3]
+        both = moves.view(-1, 2 * num_layers, hkv, hd).permute(1, 2, 0, 3)  # [n, 2L Hkv hd] -> [2L, Hkv, n, hd]
+        b = self.anchor_blend
+        return (1 - b) * k_move + b * both[:num_layers], (1 - b) * v_move + b * both[num_layers:]
 
     def _ready(self, role: str) -> bool:
         return self.pool is not None and self.pool.num_calls(role) >= self.anchor_calls
@@ -252,6 +288,9 @@ class RelayAnchorsMethod(RelayMethod):
             fresh_k = cache.k[:, :, dst].to(device, torch.float32)
             fresh_free = rope.shift_keys(fresh_k, -_positions(load.dst_start, load.num_tokens, device))
             v_move = cache.v[:, :, dst].to(device, torch.float32) - span.v[:, :, src].to(device, torch.float32)
-            pool.add(role, stored_free[pool.match_layer], fresh_free - stored_free, v_move)
+            side = None if self.readout is None else self._readout_features(span, load, lm, device)
+            pool.add(role, stored_free[pool.match_layer], fresh_free - stored_free, v_move, side)
             if pool.num_calls(role) >= self.anchor_calls:
+                if self.readout is not None:
+                    self.readout.fit(role, *pool.rows(role))
                 pool.freeze(role)  # its index is built here, after a learning call, not on a served one

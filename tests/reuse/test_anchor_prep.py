@@ -90,8 +90,9 @@ def test_the_prepared_set_is_bounded():
         get_method("relay_anchors[anchor_prepare=-1]")
 
 
-@pytest.mark.parametrize("band", [False, True])  # naive plus anchors; the 25% band they expect to miss most
-def test_a_prepared_span_gives_the_call_its_anchors_without_computing_them(band):
+# naive plus anchors; the 25% band they expect to miss most; that band on anchors blended with the ridge readout
+@pytest.mark.parametrize(("band", "blend"), [(False, 0.0), (True, 0.0), (True, 0.5)])
+def test_a_prepared_span_gives_the_call_its_anchors_without_computing_them(band, blend):
     """A span published (through an engine that holds the method) after its reading role is done learning is
     prepared for that role. The call then loads it under a derived id with no patch, and its cache, recompute and
     first-token logits equal those of the same call whose span was published again without the method (so its
@@ -102,7 +103,7 @@ def test_a_prepared_span_gives_the_call_its_anchors_without_computing_them(band)
     n = lm.config.num_layers
     knobs = "l_start=1,l_det=1,l_end=2,top_r=0.25,l_pre=0,l_suf=0,selector=priors,anchor_select=1" if band else \
         f"l_start={n},l_det={n},l_end={n}"
-    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=2,anchor_centroids=8,{knobs}]")
+    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=2,anchor_centroids=8,anchor_blend={blend},{knobs}]")
     generate(lm, call, method, store, ONE)  # teaches and freezes agent/up
     assert len(method.prepared) == 0
     Engine(lm, store, [method]).publish("p/up", up)
