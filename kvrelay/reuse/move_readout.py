@@ -45,24 +45,30 @@ def readout_features(keys_free: torch.Tensor, values: torch.Tensor, first: int, 
 
 @dataclass
 class Readout:
-    """moves = (features - x_mean) @ weight + y_mean."""
+    """moves = (features - x_mean) @ weight + y_mean, the weight whole or as a product of two."""
 
     x_mean: torch.Tensor  # [F]
-    weight: torch.Tensor  # [F, D]
+    weight: torch.Tensor  # [F, D], or [F, r] where ``out`` is set
     y_mean: torch.Tensor  # [D]
+    out: torch.Tensor | None = None  # [r, D]: the output directions of a rank-r weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.y_mean, x.to(self.weight.device, torch.float32) - self.x_mean, self.weight)
+        xc = x.to(self.weight.device, torch.float32) - self.x_mean  # [n, F]
+        if self.out is None:
+            return torch.addmm(self.y_mean, xc, self.weight)
+        return torch.addmm(self.y_mean, xc @ self.weight, self.out)  # [n, F] @ [F, r] @ [r, D]
 
     @property
     def nbytes(self) -> int:
-        return self.x_mean.nbytes + self.weight.nbytes + self.y_mean.nbytes
+        return sum(t.nbytes for t in (self.x_mean, self.weight, self.y_mean, self.out) if t is not None)
 
 
-def fit_readout(x: torch.Tensor, y: torch.Tensor, lam: float) -> Readout:
+def fit_readout(x: torch.Tensor, y: torch.Tensor, lam: float, rank: int = 0) -> Readout:
     """Ridge regression with an intercept of moves ``y`` [P, D] on features ``x`` [P, F] (either may be fp16; read
     in row chunks), in float32 on their device: the penalty is ``lam`` x the mean diagonal of the centered Gram
-    matrix, a strength that does not depend on the features' scale."""
+    matrix, a strength that does not depend on the features' scale. ``rank`` > 0: the weight is then cut to the
+    ``rank`` output directions that carry most of its predictions' variance on ``x`` (the top right singular
+    vectors of C^1/2 W, C the features' covariance), a readout of F x r + r x D products a token (0: whole)."""
     if x.shape[0] != y.shape[0] or x.shape[0] < 1:
         raise ValueError(f"fit_readout: need as many feature rows as move rows, at least 1; got {x.shape[0]} and "
                          f"{y.shape[0]}")
@@ -76,22 +82,27 @@ def fit_readout(x: torch.Tensor, y: torch.Tensor, lam: float) -> Readout:
         gram.addmm_(xc.T, xc)
         xty.addmm_(xc.T, ys.float() - y_mean)
     ridge = lam * gram.diagonal().mean().clamp_min(1e-12)
-    gram.diagonal().add_(ridge)
-    return Readout(x_mean, torch.linalg.solve(gram, xty), y_mean)
+    weight = torch.linalg.solve(gram + ridge * torch.eye(gram.shape[0], device=gram.device), xty)  # [F, D]
+    if not 0 < rank < min(weight.shape):
+        return Readout(x_mean, weight, y_mean)
+    values, vectors = torch.linalg.eigh(gram / num_rows)  # the features' covariance: [F], [F, F]
+    half = (vectors * values.clamp_min(0).sqrt()) @ vectors.T  # C^1/2
+    out = torch.linalg.svd(half @ weight, full_matrices=False)[2][:rank].contiguous()  # [r, D]
+    return Readout(x_mean, weight @ out.T, y_mean, out)
 
 
 class MoveReadout:
     """Per role, a ``Readout`` from ``readout_features`` to the moves in ``MovePool``'s row layout (K then V at
     every layer), fitted once when the role's learning ends."""
 
-    def __init__(self, lam: float) -> None:
-        if lam <= 0:
-            raise ValueError(f"MoveReadout: the ridge penalty must be > 0, got {lam}")
-        self.lam = lam
+    def __init__(self, lam: float, rank: int = 0) -> None:
+        if lam <= 0 or rank < 0:
+            raise ValueError(f"MoveReadout: need a ridge penalty > 0 and a rank >= 0, got {lam}, {rank}")
+        self.lam, self.rank = lam, rank
         self._roles: dict[str, Readout] = {}
 
     def fit(self, role: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        self._roles[role] = fit_readout(x, y, self.lam)
+        self._roles[role] = fit_readout(x, y, self.lam, self.rank)
 
     def predict(self, role: str, x: torch.Tensor) -> torch.Tensor | None:
         """[n, D] float32 moves of tokens with features ``x`` [n, F]; None: ``role`` was never fitted."""

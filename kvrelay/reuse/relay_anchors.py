@@ -20,7 +20,8 @@ the band runs: ``relay_anchors[l_start=2,l_det=2,l_end=T,top_r=0.02,l_pre=0,l_su
 With ``anchor_blend`` = b > 0 the estimate is (1 - b) x the anchors' plus b x a ridge readout of the token's
 stored K/V at a few layers and its place in its span (``move_readout``), fitted per role on the same learning calls
 when the role's learning ends; its [tokens x features] by [features x moves] product suits spans prepared at
-publish. The tokens the band recomputes are still ranked by the anchors' expected miss.
+publish (``anchor_rank`` = r > 0 cuts it to r output directions: F x r + r x D a token). The tokens the band
+recomputes are still ranked by the anchors' expected miss.
 
 The anchors of a span depend only on it and on the role reading it, so they are made when the span is published
 (``on_publish``, outside any call's TTFT) for the roles done learning that read spans of its kind, and kept for the
@@ -101,6 +102,7 @@ class RelayAnchorsMethod(RelayMethod):
     # share of the estimate from the ridge readout of the stored K/V (``move_readout``; 0: the anchors alone)
     anchor_blend: float = 0.0
     anchor_ridge: float = 0.1  # the readout's penalty, x its features' mean variance
+    anchor_rank: int = 0  # the readout cut to this many output directions (0: whole; ``move_readout.fit_readout``)
     pool: MovePool | None = field(default=None, init=False, repr=False)
     readout: MoveReadout | None = field(default=None, init=False, repr=False)
     prepared: PreparedSpans | None = field(default=None, init=False, repr=False)
@@ -133,9 +135,10 @@ class RelayAnchorsMethod(RelayMethod):
         self.prepared = PreparedSpans(self.anchor_prepare)
         if not 0 <= self.anchor_blend <= 1:
             raise ConfigError(f"relay_anchors: anchor_blend must be in [0, 1], got {self.anchor_blend}")
-        if self.anchor_ridge <= 0:
-            raise ConfigError(f"relay_anchors: anchor_ridge must be > 0, got {self.anchor_ridge}")
-        self.readout = MoveReadout(self.anchor_ridge) if self.anchor_blend else None
+        if self.anchor_ridge <= 0 or self.anchor_rank < 0:
+            raise ConfigError(f"relay_anchors: anchor_ridge must be > 0 and anchor_rank >= 0, got {self.anchor_ridge}, "
+                              f"{self.anchor_rank}")
+        self.readout = MoveReadout(self.anchor_ridge, self.anchor_rank) if self.anchor_blend else None
         if self.anchor_layer is not None and self.anchor_layer < 0:
             raise ConfigError(f"relay_anchors: anchor_layer must be >= 0, got {self.anchor_layer}")
 

@@ -45,6 +45,26 @@ def test_fit_readout_recovers_an_affine_map_with_its_intercept():
     assert MoveReadout(0.1).predict("nobody", test) is None
 
 
+def test_a_rank_cut_readout_keeps_the_directions_its_predictions_use():
+    """Moves that vary along one output direction (plus a constant) are read back by a rank-1 readout as by the
+    whole one; a rank-1 cut of moves along two directions is not."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(400, 6, generator=gen) * torch.tensor([3.0, 1, 1, 1, 0.3, 0.1])  # unequal feature scales
+    a, u, w, c = (torch.randn(6, generator=gen), torch.randn(12, generator=gen), torch.randn(12, generator=gen),
+                  torch.randn(12, generator=gen))
+    y = (x @ a)[:, None] * u + c  # [400, 12]: one direction
+    test = torch.randn(7, 6, generator=gen)
+    whole, cut = fit_readout(x, y, lam=1e-6), fit_readout(x, y, lam=1e-6, rank=1)
+    assert cut.out.shape == (1, 12) and cut.weight.shape == (6, 1) and cut.nbytes < whole.nbytes
+    torch.testing.assert_close(cut(test), whole(test), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(fit_readout(x, y, lam=1e-6, rank=6)(test), whole(test))  # rank >= F: whole
+    y2 = y + (x @ torch.randn(6, generator=gen))[:, None] * w  # a second direction
+    assert not torch.allclose(fit_readout(x, y2, lam=1e-6, rank=1)(test), fit_readout(x, y2, lam=1e-6)(test),
+                              atol=0.1)
+    torch.testing.assert_close(fit_readout(x, y2, lam=1e-6, rank=2)(test), fit_readout(x, y2, lam=1e-6)(test),
+                               atol=1e-3, rtol=1e-3)
+
+
 def test_the_pools_side_rows_stay_with_their_tokens():
     pool = MovePool(match_layer=0, max_tokens=6, top_k=1, temperature=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -66,7 +86,7 @@ def test_the_pools_side_rows_stay_with_their_tokens():
 
 def test_bad_blend_knobs_are_config_errors():
     for spec in ("relay_anchors[anchor_blend=-0.1]", "relay_anchors[anchor_blend=1.5]",
-                 "relay_anchors[anchor_ridge=0]"):
+                 "relay_anchors[anchor_ridge=0]", "relay_anchors[anchor_rank=-1]"):
         with pytest.raises(ConfigError):
             get_method(spec)
 
