@@ -110,5 +110,9 @@ class MoveReadout:
         return None if readout is None else readout(x)
 
     @property
+    def num_roles(self) -> int:
+        return len(self._roles)
+
+    @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self._roles.values())

@@ -158,6 +158,8 @@ class RelayAnchorsMethod(RelayMethod):
         out = super().settings(lm) | {"anchor_layer": self._pool(lm).match_layer}
         if self.prepare_stats.num_spans or self.prepare_stats.num_loads_prepared:
             out["prepared_at_publish"] = self.prepare_stats.summary()  # the anchors' time moved to publishing
+        if self.readout is not None and self.readout.num_roles:
+            out["readout"] = {"num_roles": self.readout.num_roles, "nbytes": self.readout.nbytes}
         return out
 
     @staticmethod

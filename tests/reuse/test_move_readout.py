@@ -112,6 +112,7 @@ def test_a_readout_taught_by_the_call_it_serves_reproduces_full(family):
         method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=1,anchor_blend={blend},anchor_ridge=1e-7,"
                             f"l_start={n},l_det={n},l_end={n}]")
         generate(lm, call, method, store, ONE)  # teaches, fits and freezes agent/up
+        assert method.settings(lm)["readout"] == {"num_roles": 1, "nbytes": method.readout.nbytes}
         assert method.readout.nbytes > 0
         out = generate(lm, call, method, store, ONE, keep_cache=True)
         assert out.stats.fallback is None
