@@ -1,0 +1,119 @@
+"""How to weigh ``relay_anchors``' two estimates: the blend's weight and the readout's penalty, on calibration calls.
+
+``relay_anchors[anchor_blend=b]`` moves each span token by (1 - b) x its anchors' estimate plus b x a ridge readout of
+its stored K/V (``move_readout``; penalty ``anchor_ridge`` x the features' mean variance). Session 35's study picked
+b = 0.5 and a penalty of 0.1 from the share of the move explained; this script scores the methods as they run, with
+relay's band on top, on calibration (train) calls. One ``relay_anchors`` pool learns through the method's own
+learning calls on ``--pool-problems`` problems from ``--pool-offset``; the rows it keeps for the readout are copied
+before it freezes, a readout is fitted per penalty in ``--ridges``, and every method shares the pool. Scored calls:
+``--problems`` from ``--offset`` (none of them a pool problem). First-token KL against ``full`` on the same prompt
+ids, mean over calls, with relay (shipped) beside.
+
+Usage: python benchmarks/relay_anchor_blend.py --problems 20 --offset 100 --pool-offset 120 --pool-problems 128 \\
+    --top-r 0.06 --blends 0.5,0.65,0.8 --ridges 0.03,0.1,0.3 --json OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from relay_anchor_select import ANCHOR_BAND, ONE, open_pool_study, pool_parser, scored_runs
+
+from kvrelay.engine import Engine, GenerateOptions
+from kvrelay.eval.calibration_calls import downstream_calls
+from kvrelay.eval.fidelity import kl_first_token
+from kvrelay.eval.harness import environment
+from kvrelay.reuse import get_method
+from kvrelay.reuse.move_pool import MovePool
+from kvrelay.reuse.move_readout import MoveReadout
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def teach_keeping_rows(teach: Callable[[], None]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``teach`` (learning calls of a ``relay_anchors`` with ``anchor_blend`` > 0) and return, per role frozen
+    meanwhile, the rows its readout was fitted from: (features [P, F], moves [P, 2 L Hkv hd]), fp16. ``freeze``
+    drops the pool's references to them; these keep them."""
+    rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    freeze = MovePool.freeze
+
+    def keep_rows(pool: MovePool, role: str) -> None:
+        if not pool._roles[role].frozen:
+            rows[role] = pool.rows(role)
+        freeze(pool, role)
+
+    MovePool.freeze = keep_rows
+    try:
+        teach()
+    finally:
+        MovePool.freeze = freeze
+    return rows
+
+
+def main() -> None:
+    ap = pool_parser(__doc__.splitlines()[0])
+    ap.add_argument("--top-r", type=float, default=0.06, help="the band's share of the span tokens")
+    ap.add_argument("--blends", default="0.5,0.65,0.8", help="anchor_blend values, a comma list")
+    ap.add_argument("--ridges", default="0.03,0.1,0.3", help="anchor_ridge values, a comma list")
+    args, lm, start, capture = open_pool_study(ap)
+    try:
+        blends, ridges = floats(args.blends), floats(args.ridges)
+    except ValueError as exc:
+        ap.error(f"--blends and --ridges take comma lists of numbers ({exc})")
+    if not all(0 < b <= 1 for b in blends) or not all(r > 0 for r in ridges):
+        ap.error("--blends must be in (0, 1] and --ridges > 0")
+    top = lm.config.num_layers - 1
+    band = ANCHOR_BAND.format(start=start, top=top, r=args.top_r)
+    calls = f"anchor_calls={args.pool_problems}"
+    teacher = get_method(f"relay_anchors[{calls},{band},anchor_blend=0.5]")
+    rows = teach_keeping_rows(lambda: downstream_calls(
+        lm, args.workload, None, args.pool_problems, capture,
+        lambda call, store: Engine(lm, store, capture_layers=capture).generate(
+            call, teacher, GenerateOptions(ONE.sampling, learn=True)),
+        "pool", True, args.pool_offset))
+    readouts = {}
+    for lam in ridges:
+        readouts[lam] = MoveReadout(lam)
+        for role, (side, moves) in rows.items():
+            readouts[lam].fit(role, side, moves)
+    rows.clear()
+    methods = {"relay": get_method("relay"), f"anchors + {args.top_r}": get_method(f"relay_anchors[{calls},{band}]")}
+    for blend in blends:
+        for lam in ridges:
+            spec = f"relay_anchors[{calls},{band},anchor_blend={blend},anchor_ridge={lam}]"
+            methods[spec] = get_method(spec)
+            methods[spec].readout = readouts[lam]
+    for name, method in methods.items():
+        if name != "relay":
+            method.pool = teacher.pool
+    kls: dict[str, list[float]] = {}
+
+    def on_call(call, store) -> None:
+        scored = scored_runs(lm, call, store, methods, capture)
+        if scored is None:
+            return
+        _, full, outs, _ = scored
+        for name, out in outs.items():
+            kls.setdefault(name, []).append(kl_first_token(full.logits, out.first_logits))
+
+    downstream_calls(lm, args.workload, None, args.problems, capture, on_call, "scored", True, args.offset)
+    summary = {name: {"mean": statistics.mean(v), "median": statistics.median(v),
+                      "below_relay": sum(a < b for a, b in zip(v, kls["relay"], strict=True))}
+               for name, v in kls.items()}
+    Path(args.json).write_text(json.dumps({
+        "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
+        "pool_offset": args.pool_offset, "pool_problems": args.pool_problems, "top_r": args.top_r,
+        "blends": blends, "ridges": ridges, "environment": environment("cpu"), "summary": summary, "calls": kls},
+        indent=1) + "\n")
+    for name, s in summary.items():
+        print(f"{name:110s} KL {s['mean']:.5f} median {s['median']:.5f} below relay {s['below_relay']}")
+
+
+if __name__ == "__main__":
+    main()
