@@ -12,6 +12,7 @@ from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.reuse import get_method
 from kvrelay.reuse.move_pool import MovePool
 from kvrelay.reuse.move_readout import MoveReadout, fit_readout, place_features, readout_layers
+from kvrelay.reuse.spans import collect_reuse
 from tests.helpers import generate, tiny_lm
 from tests.reuse.test_relay_anchors import ONE, _downstream
 
@@ -123,7 +124,7 @@ def test_a_readout_taught_by_the_call_it_serves_reproduces_full(family):
 
 def test_the_blend_mixes_the_two_estimates_by_its_share():
     """anchor_blend=b's moves are (1 - b) x the anchors' plus b x the readout's, on a role whose readout is
-    fitted to a constant move (so the two differ)."""
+    cut to its mean move (its weight zeroed), so the two differ."""
     lm = tiny_lm("qwen2")
     store = KVStore(1 << 30)
     call = _downstream(lm, store)
@@ -131,7 +132,6 @@ def test_the_blend_mixes_the_two_estimates_by_its_share():
     method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=1,anchor_blend=0.25,l_start={n},l_det={n},"
                         f"l_end={n},anchor_prepare=0]")
     generate(lm, call, method, store, ONE)
-    from kvrelay.reuse.spans import collect_reuse
     load = collect_reuse(call, store, lm.fingerprint).approx[0]
     span = store.get(load.span_id)
     readout = method.readout._roles["agent/up"]
