@@ -4,8 +4,8 @@
 its stored K/V (``move_readout``; penalty ``anchor_ridge`` x the features' mean variance). Session 35's study picked
 b = 0.5 and a penalty of 0.1 from the share of the move explained; this script scores the methods as they run, with
 relay's band on top, on calibration (train) calls. One ``relay_anchors`` pool learns through the method's own
-learning calls on ``--pool-problems`` problems from ``--pool-offset``; the rows it keeps for the readout are copied
-before it freezes, a readout is fitted per penalty in ``--ridges``, and every method shares the pool. Scored calls:
+learning calls on ``--pool-problems`` problems from ``--pool-offset``; the rows it keeps for the readout are kept
+past its freeze, a readout is fitted per penalty in ``--ridges``, and every method shares the pool. Scored calls:
 ``--problems`` from ``--offset`` (none of them a pool problem). First-token KL against ``full`` on the same prompt
 ids, mean over calls, with relay (shipped) beside.
 
@@ -36,7 +36,7 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def teach_keeping_rows(teach: Callable[[], None]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def teach_keeping_rows(teach: Callable[[], object]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Run ``teach`` (learning calls of a ``relay_anchors`` with ``anchor_blend`` > 0) and return, per role frozen
     meanwhile, the rows its readout was fitted from: (features [P, F], moves [P, 2 L Hkv hd]), fp16. ``freeze``
     drops the pool's references to them; these keep them."""

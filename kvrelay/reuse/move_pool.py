@@ -115,9 +115,9 @@ def _kmeans(keys: torch.Tensor, num_clusters: int) -> tuple[torch.Tensor, torch.
 class MovePool:
     """Per role, span tokens' stored keys at ``match_layer`` and their true K/V moves, on ``device``; at most
     ``max_tokens`` per role (the oldest calls' tokens go first; a single call larger than that is kept whole).
-    Each pooled token takes (Hkv + 2 x L x Hkv) x hd x 2 bytes until ``freeze``; a frozen role keeps its index
-    (``num_centroids`` rows at most). ``dim``: the match keys' dimensions (0: the features themselves);
-    ``num_centroids``: the most index rows (0: one per token)."""
+    Each pooled token takes (Hkv + 2 x L x Hkv) x hd x 2 bytes, plus its side row's S x 2, until ``freeze``; a
+    frozen role keeps its index (``num_centroids`` rows at most). ``dim``: the match keys' dimensions (0: the
+    features themselves); ``num_centroids``: the most index rows (0: one per token)."""
 
     def __init__(self, match_layer: int, max_tokens: int, top_k: int, temperature: float,
                  device: torch.device | str = "cpu", dim: int = 0, num_centroids: int = 0) -> None:

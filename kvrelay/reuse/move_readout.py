@@ -20,7 +20,7 @@ READOUT_CHUNK = 4096  # pooled rows per step of the fit (bounds the float32 copi
 
 def readout_layers(num_layers: int) -> tuple[int, ...]:
     """The layers whose stored K/V the readout reads: 2, 4, 8, the middle, three quarters and the top (SmolLM2's
-    30 layers: 2, 4, 8, 15, 22, 29, the study's), those past the model's top dropped."""
+    30 layers: 2, 4, 8, 15, 22, 29, the study's); on a smaller model those past its top become the top, once."""
     top = num_layers - 1
     picks = (2, 4, 8, num_layers // 2, (num_layers // 2 + top) // 2, top)
     return tuple(sorted({min(layer, top) for layer in picks}))
@@ -86,9 +86,9 @@ def fit_readout(x: torch.Tensor, y: torch.Tensor, lam: float, rank: int = 0) -> 
     if not 0 < rank < min(weight.shape):
         return Readout(x_mean, weight, y_mean)
     values, vectors = torch.linalg.eigh(gram / num_rows)  # the features' covariance: [F], [F, F]
-    half = (vectors * values.clamp_min(0).sqrt()) @ vectors.T  # C^1/2
-    out = torch.linalg.svd(half @ weight, full_matrices=False)[2][:rank].contiguous()  # [r, D]
-    return Readout(x_mean, weight @ out.T, y_mean, out)
+    cov_sqrt = (vectors * values.clamp_min(0).sqrt()) @ vectors.T  # [F, F]: C^1/2
+    out = torch.linalg.svd(cov_sqrt @ weight, full_matrices=False)[2][:rank].contiguous()  # [r, D]
+    return Readout(x_mean, weight @ out.T, y_mean, out)  # weight [F, D] @ [D, r] -> [F, r]
 
 
 class MoveReadout:
@@ -102,6 +102,7 @@ class MoveReadout:
         self._roles: dict[str, Readout] = {}
 
     def fit(self, role: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Fit ``role``'s readout from features ``x`` [P, F] and moves ``y`` [P, D] (``fit_readout``)."""
         self._roles[role] = fit_readout(x, y, self.lam, self.rank)
 
     def predict(self, role: str, x: torch.Tensor) -> torch.Tensor | None:

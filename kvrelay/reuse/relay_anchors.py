@@ -33,7 +33,8 @@ A role is the agent (its system prompt's ``CallInput.role``, else its name) and 
 (``SpanRef.name``; the span's index among the call's approximate spans where the ref has no name, as for spans the
 server finds by matching token runs). A call with any role still learning runs dense as a whole (and teaches only
 the roles still learning). Learning stops once a role has its ``anchor_calls``: its pool (at most
-``anchor_max_tokens`` tokens, the oldest calls dropped first; (1 + 2 L) x Hkv x hd x 2 bytes a token) is then frozen
+``anchor_max_tokens`` tokens, the oldest calls dropped first; (1 + 2 L) x Hkv x hd x 2 bytes a token, and with
+``anchor_blend`` (2 F Hkv hd + 2) x 2 more for the readout's features) is then frozen
 into an index of at most ``anchor_centroids`` rows matched in ``anchor_dim`` dimensions (``MovePool.freeze``), built
 after that last learning call rather than on a served one. Every relay knob works as in ``relay`` (the profile's
 selector and band when none is given).
@@ -41,6 +42,7 @@ selector and band when none is given).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -135,9 +137,11 @@ class RelayAnchorsMethod(RelayMethod):
         self.prepared = PreparedSpans(self.anchor_prepare)
         if not 0 <= self.anchor_blend <= 1:
             raise ConfigError(f"relay_anchors: anchor_blend must be in [0, 1], got {self.anchor_blend}")
-        if self.anchor_ridge <= 0 or self.anchor_rank < 0:
+        if not math.isfinite(self.anchor_ridge) or self.anchor_ridge <= 0 or self.anchor_rank < 0:
             raise ConfigError(f"relay_anchors: anchor_ridge must be > 0 and anchor_rank >= 0, got {self.anchor_ridge}, "
                               f"{self.anchor_rank}")
+        if self.anchor_rank and not self.anchor_blend:
+            raise ConfigError("relay_anchors: anchor_rank cuts the readout, which only anchor_blend > 0 uses")
         self.readout = MoveReadout(self.anchor_ridge, self.anchor_rank) if self.anchor_blend else None
         if self.anchor_layer is not None and self.anchor_layer < 0:
             raise ConfigError(f"relay_anchors: anchor_layer must be >= 0, got {self.anchor_layer}")
@@ -187,7 +191,8 @@ class RelayAnchorsMethod(RelayMethod):
         if self.readout is not None:
             k_move, v_move = self._blend(role, span, load, lm, k_move, v_move)
         if self.anchor_scale != 1:
-            if residual is not None:  # a scaled estimate also misses (1 - scale) of itself
+            # a scaled estimate also misses (1 - scale) of itself (of the blended estimate where anchor_blend is set)
+            if residual is not None:
                 residual = residual + (1 - self.anchor_scale) ** 2 * (
                     torch.linalg.vector_norm(k_move, dim=(0, 1, 3)).square()
                     + torch.linalg.vector_norm(v_move, dim=(0, 1, 3)).square())
@@ -296,6 +301,6 @@ class RelayAnchorsMethod(RelayMethod):
             side = None if self.readout is None else self._readout_features(span, load, lm, device)
             pool.add(role, stored_free[pool.match_layer], fresh_free - stored_free, v_move, side)
             if pool.num_calls(role) >= self.anchor_calls:
-                if self.readout is not None:
+                if self.readout is not None:  # before freeze, which frees the rows it reads
                     self.readout.fit(role, *pool.rows(role))
                 pool.freeze(role)  # its index is built here, after a learning call, not on a served one
