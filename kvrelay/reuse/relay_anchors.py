@@ -200,10 +200,13 @@ class RelayAnchorsMethod(RelayMethod):
         k_move[0], v_move[0] = 0, 0  # layer 0's K/V depend on token and position only
         return k_move, v_move, residual
 
-    def _readout_features(self, span: StoredSpan, load: SpanLoad, lm, device: torch.device) -> torch.Tensor:
-        """``readout_features`` of ``load``'s tokens of ``span`` [n, F], on ``device``."""
+    def _readout_features(self, span: StoredSpan, load: SpanLoad, lm, device: torch.device,
+                          keys_free: torch.Tensor | None = None) -> torch.Tensor:
+        """``readout_features`` of ``load``'s tokens of ``span`` [n, F], on ``device``. ``keys_free``: those tokens'
+        stored keys without RoPE at every layer [L, Hkv, n, hd], where the caller has them (else undone here)."""
         rope, layers = lm.model.rope, readout_layers(lm.config.num_layers)
-        keys = torch.stack([stored_keys_free(rope, span, load, device, layer) for layer in layers])  # [F, Hkv, n, hd]
+        keys = keys_free[list(layers)] if keys_free is not None else \
+            torch.stack([stored_keys_free(rope, span, load, device, layer) for layer in layers])  # [F, Hkv, n, hd]
         values = span.v[list(layers), :, load.src_start : load.src_end].to(device)  # [F, Hkv, n, hd]
         return readout_features(keys, values, load.src_start, len(span))
 
@@ -298,7 +301,7 @@ class RelayAnchorsMethod(RelayMethod):
             fresh_k = cache.k[:, :, dst].to(device, torch.float32)
             fresh_free = rope.shift_keys(fresh_k, -_positions(load.dst_start, load.num_tokens, device))
             v_move = cache.v[:, :, dst].to(device, torch.float32) - span.v[:, :, src].to(device, torch.float32)
-            side = None if self.readout is None else self._readout_features(span, load, lm, device)
+            side = None if self.readout is None else self._readout_features(span, load, lm, device, stored_free)
             pool.add(role, stored_free[pool.match_layer], fresh_free - stored_free, v_move, side)
             if pool.num_calls(role) >= self.anchor_calls:
                 if self.readout is not None:  # before freeze, which frees the rows it reads
