@@ -9,6 +9,9 @@ past its freeze, a readout is fitted per penalty in ``--ridges``, and every meth
 ``--problems`` from ``--offset`` (none of them a pool problem). First-token KL against ``full`` on the same prompt
 ids, mean over calls, with relay (shipped) beside.
 
+``--top-r`` and ``--tops`` (comma lists) score bands of several shares and several top layers (``l_end``) with every
+blend and penalty: a band that stops below the last layer recomputes fewer token-layers per token.
+
 Usage: python benchmarks/relay_anchor_blend.py --problems 20 --offset 100 --pool-offset 120 --pool-problems 128 \\
     --top-r 0.06 --blends 0.5,0.65,0.8 --ridges 0.03,0.1,0.3 --json OUT.json
 """
@@ -58,18 +61,22 @@ def teach_keeping_rows(teach: Callable[[], object]) -> dict[str, tuple[torch.Ten
 
 def main() -> None:
     ap = pool_parser(__doc__.splitlines()[0])
-    ap.add_argument("--top-r", type=float, default=0.06, help="the band's share of the span tokens")
+    ap.add_argument("--top-r", default="0.06", help="the band's shares of the span tokens, a comma list")
+    ap.add_argument("--tops", default="", help="the band's top layers (l_end), a comma list (default: the last)")
     ap.add_argument("--blends", default="0.5,0.65,0.8", help="anchor_blend values, a comma list")
     ap.add_argument("--ridges", default="0.03,0.1,0.3", help="anchor_ridge values, a comma list")
     args, lm, start, capture = open_pool_study(ap)
     try:
-        blends, ridges = floats(args.blends), floats(args.ridges)
+        blends, ridges, shares = floats(args.blends), floats(args.ridges), floats(args.top_r)
+        tops = [int(t) for t in args.tops.split(",") if t] or [lm.config.num_layers - 1]
     except ValueError as exc:
-        ap.error(f"--blends and --ridges take comma lists of numbers ({exc})")
-    if not all(0 < b <= 1 for b in blends) or not all(r > 0 for r in ridges):
-        ap.error("--blends must be in (0, 1] and --ridges > 0")
-    top = lm.config.num_layers - 1
-    band = ANCHOR_BAND.format(start=start, top=top, r=args.top_r)
+        ap.error(f"--blends, --ridges, --top-r and --tops take comma lists of numbers ({exc})")
+    if not all(0 < b <= 1 for b in blends) or not all(r > 0 for r in ridges) or not all(0 < r <= 1 for r in shares):
+        ap.error("--blends and --top-r must be in (0, 1] and --ridges > 0")
+    if not all(start <= t < lm.config.num_layers for t in tops):
+        ap.error(f"--tops must be layers from L_start {start} to {lm.config.num_layers - 1}")
+    bands = {(r, t): ANCHOR_BAND.format(start=start, top=t, r=r) for r in shares for t in tops}
+    band = bands[shares[0], tops[-1]]
     calls = f"anchor_calls={args.pool_problems}"
     teacher = get_method(f"relay_anchors[{calls},{band},anchor_blend=0.5]")
     rows = teach_keeping_rows(lambda: downstream_calls(
@@ -83,16 +90,18 @@ def main() -> None:
         for role, (side, moves) in rows.items():
             readouts[lam].fit(role, side, moves)
     rows.clear()
-    methods = {"relay": get_method("relay"), f"anchors + {args.top_r}": get_method(f"relay_anchors[{calls},{band}]")}
-    for blend in blends:
-        for lam in ridges:
-            spec = f"relay_anchors[{calls},{band},anchor_blend={blend},anchor_ridge={lam}]"
-            methods[spec] = get_method(spec)
-            methods[spec].readout = readouts[lam]
+    methods = {"relay": get_method("relay"), f"anchors + {shares[0]}": get_method(f"relay_anchors[{calls},{band}]")}
+    for each_band in bands.values():
+        for blend in blends:
+            for lam in ridges:
+                spec = f"relay_anchors[{calls},{each_band},anchor_blend={blend},anchor_ridge={lam}]"
+                methods[spec] = get_method(spec)
+                methods[spec].readout = readouts[lam]
     for name, method in methods.items():
         if name != "relay":
             method.pool = teacher.pool
     kls: dict[str, list[float]] = {}
+    recomputed: dict[str, list[int]] = {}  # span token-layers computed again, per call
 
     def on_call(call, store) -> None:
         scored = scored_runs(lm, call, store, methods, capture)
@@ -101,18 +110,21 @@ def main() -> None:
         _, full, outs, _ = scored
         for name, out in outs.items():
             kls.setdefault(name, []).append(kl_first_token(full.logits, out.first_logits))
+            recomputed.setdefault(name, []).append(out.stats.num_recomputed_token_layers)
 
     downstream_calls(lm, args.workload, None, args.problems, capture, on_call, "scored", True, args.offset)
     summary = {name: {"mean": statistics.mean(v), "median": statistics.median(v),
-                      "below_relay": sum(a < b for a, b in zip(v, kls["relay"], strict=True))}
+                      "below_relay": sum(a < b for a, b in zip(v, kls["relay"], strict=True)),
+                      "recomputed_token_layers": statistics.mean(recomputed[name])}
                for name, v in kls.items()}
     Path(args.json).write_text(json.dumps({
         "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-        "pool_offset": args.pool_offset, "pool_problems": args.pool_problems, "top_r": args.top_r,
+        "pool_offset": args.pool_offset, "pool_problems": args.pool_problems, "top_r": shares, "tops": tops,
         "blends": blends, "ridges": ridges, "environment": environment("cpu"), "summary": summary, "calls": kls},
         indent=1) + "\n")
     for name, s in summary.items():
-        print(f"{name:110s} KL {s['mean']:.5f} median {s['median']:.5f} below relay {s['below_relay']}")
+        print(f"{name:110s} KL {s['mean']:.5f} median {s['median']:.5f} below relay {s['below_relay']} "
+              f"recomputed {s['recomputed_token_layers']:.0f}")
 
 
 if __name__ == "__main__":

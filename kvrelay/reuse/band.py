@@ -6,8 +6,9 @@
   are all computed below ``select_layer``. There every one gets its fresh Q/K/V (the fresh V is the
   deviation signal, the fresh K what the influence attention reads), the selector keeps some, and
   only those run that layer's attention and MLP (a dropped token costs its Q/K/V projection there,
-  not a whole layer) and stay through ``end_layer`` (inclusive); above it, all read the reused KV as
-  is. Every span token's K/V at ``select_layer`` is fresh, so it counts as computed there.
+  not a whole layer) and stay through ``end_layer`` (inclusive: there they get their fresh K/V and skip
+  attention and MLP, whose output nothing reads); above it, all read the reused KV as is. Every span
+  token's K/V at ``select_layer`` is fresh, so it counts as computed there.
 - with an ``admit`` function (every span token entering at ``select_layer`` from carried hidden states,
   and a selector that needs none of their own Q/K/V: their fresh K/V there would equal the reused),
   the selection happens before they join: it reads the new tokens' Q/K/V and the reused keys, and the
@@ -126,9 +127,14 @@ class BandSchedule(Schedule):
     def needs_prev_kv(self, layer: int) -> bool:
         return (self._admit is None and layer == self.select_layer) or self._prunes_at(layer)
 
-    def selects_before_attention(self, layer: int) -> bool:
-        # at the band's top everyone is dropped anyway, unless pruning there saves their attention and MLP
+    def _chooses_at(self, layer: int) -> bool:
+        """Whether the selector or ``prune`` picks span tokens at ``layer`` (at a band's top that selects there, only
+        its count is kept: every span token leaves there anyway)."""
         return (self._admit is None and layer == self.select_layer != self.end_layer) or self._prunes_at(layer)
+
+    def selects_before_attention(self, layer: int) -> bool:
+        # at the band's top the span tokens' output feeds nothing: they need their K/V there, not attention and MLP
+        return self._chooses_at(layer) or (layer == self.end_layer and self._num_span(layer) > 0)
 
     def admits_at(self, layer: int) -> bool:
         return self._admit is not None and layer == self.select_layer
@@ -139,7 +145,7 @@ class BandSchedule(Schedule):
         return kept
 
     def adjust_kv(self, view: LayerView) -> KVShift | None:
-        if self._drift is None:
+        if self._drift is None or not self._chooses_at(view.layer):
             return None
         span_rows, _, num_span = self._span_rows(view)  # (also moves the span mask beside the active set)
         num_targets = self.span_idx.numel() - num_span  # span tokens not computed at this layer
@@ -164,13 +170,18 @@ class BandSchedule(Schedule):
         if not num_span:
             return None
         new_rows = rows_of(~is_span, view.active_idx.numel() - num_span)
+        if not self._chooses_at(view.layer):  # the band's top
+            self._num_span_active = 0
+            return new_rows
         if view.layer == self.select_layer:
             chosen = _counted(self.selector(view, span_rows, new_rows))
             self.num_selected = chosen.num
         else:
             chosen = _counted(self.prune(view, span_rows, new_rows))
             self.num_pruned += num_span - chosen.num
-        self._num_span_active = chosen.num
+        self._num_span_active = 0 if view.layer == self.end_layer else chosen.num
+        if view.layer == self.end_layer:
+            return new_rows
         keep = torch.ones_like(is_span)
         keep[span_rows] = chosen.mask
         return rows_of(keep, view.active_idx.numel() - num_span + chosen.num)

@@ -60,7 +60,7 @@ def _make_setup(family: str):
     return lm, engine.store, call
 
 
-def _prefill(setup, schedule_cls):
+def _prefill(setup, schedule_cls, hooked: int = SELECT):
     lm, store, call = setup
     reuse = collect_reuse(call, store, lm.fingerprint)
     schedule = schedule_cls(reuse.new_idx(len(call.prompt_ids)), {0: Entry(reuse.approx_idx())}, SELECT, END,
@@ -69,7 +69,7 @@ def _prefill(setup, schedule_cls):
     for load in reuse.loads:
         cache.load_span(store.get(load.span_id), load.dst_start, lm.model.rope, load.src_start, load.src_end)
     rows_in_mlp: list[int] = []
-    hook = lm.model.model.layers[SELECT].mlp.register_forward_hook(
+    hook = lm.model.model.layers[hooked].mlp.register_forward_hook(
         lambda module, args, out: rows_in_mlp.append(args[0].shape[0]))
     try:
         result = lm.model.prefill(torch.tensor(call.prompt_ids), cache, schedule)
@@ -96,6 +96,24 @@ def test_dropped_tokens_skip_the_select_layers_attention_and_mlp(setup):
     _, _, _, whole_rows = _prefill(setup, _SelectAfterLayer)
     assert whole_rows == [num_new + 20]  # the whole layer for every active token
     assert cheap_rows == [num_new + 10]  # only the new tokens and the 10 kept span tokens
+
+
+def test_span_tokens_skip_the_band_tops_attention_and_mlp(setup):
+    """At the band's top a span token's output feeds nothing: its fresh K/V are written (the whole-layer reference
+    gives the same cache and logits, above), and only the new tokens run that layer's MLP."""
+    lm, _, call = setup
+    num_new = len(call.prompt_ids) - 20
+    cheap, _, cheap_cache, cheap_rows = _prefill(setup, BandSchedule, hooked=END)
+    whole, _, _, whole_rows = _prefill(setup, _SelectAfterLayer, hooked=END)
+    assert whole_rows == [num_new + 10] and cheap_rows == [num_new]
+    assert cheap.num_computed_token_layers == whole.num_computed_token_layers  # their K/V there count as computed
+    reuse = collect_reuse(call, setup[1], lm.fingerprint)
+    loaded = SequenceKV(lm.config, lm.model.dtype, "cpu", capacity=len(call.prompt_ids) + 1)
+    for load in reuse.loads:
+        loaded.load_span(setup[1].get(load.span_id), load.dst_start, lm.model.rope, load.src_start, load.src_end)
+    span = reuse.approx_idx()
+    fresh = (cheap_cache.v[END, :, span] != loaded.v[END, :, span]).any(dim=(0, 2))  # [20]: written at the top
+    assert int(fresh.sum()) == 10
 
 
 # ---------------------------------------------------------------- gradual filtering and admission
@@ -161,8 +179,9 @@ def test_pruning_drops_tokens_before_each_band_layers_attention(setup):
     dropped = {}
     result, schedule, cache, reference, rows = _run_band(setup, prune=_drop_first_kept(dropped))
     assert schedule.num_selected == 10 and schedule.num_pruned == 2
-    # the top half of 20 span tokens runs layer 1's MLP; one fewer at each band layer above it
-    assert rows == {0: num_new + 20, 1: num_new + 10, 2: num_new + 9, 3: num_new + 8}
+    # the top half of 20 span tokens runs layer 1's MLP, one fewer layer 2's; at the band's top (3) none does: the
+    # 8 left there need only their K/V
+    assert rows == {0: num_new + 20, 1: num_new + 10, 2: num_new + 9, 3: num_new}
     # every active token counts at a layer: all 20 span tokens' Q/K/V at 1, the 10 kept at 2, the 9 at 3
     assert result.num_computed_token_layers == 4 * num_new + 20 + 20 + 10 + 9
     # the token pruned at layer 2: its K/V there are fresh, above it the reused ones
@@ -201,8 +220,9 @@ def test_admission_computes_only_the_admitted_span_tokens(setup):
     assert schedule.num_selected == 10
     assert torch.equal(seen["active"], torch.tensor([i for i in range(len(call.prompt_ids)) if not 6 <= i < 26]))
     assert seen["probs"].shape[-1] == len(call.prompt_ids)  # the new tokens over every key, reused ones included
-    # layers 0 and SELECT-1: new tokens only; from SELECT to the band's end: they and the 10 admitted
-    assert rows == {0: num_new, 1: num_new + 10, 2: num_new + 10, 3: num_new + 10}
+    # layers 0 and SELECT-1: new tokens only; from SELECT below the band's end: they and the 10 admitted; at the end
+    # the admitted need only their K/V
+    assert rows == {0: num_new, 1: num_new + 10, 2: num_new + 10, 3: num_new}
     assert result.num_computed_token_layers == 4 * num_new + 3 * 10
     refused = span[span % 2 == 1]
     for layer in range(4):  # a refused token is never written: the reused K/V at every layer
