@@ -9,8 +9,9 @@ past its freeze, a readout is fitted per penalty in ``--ridges``, and every meth
 ``--problems`` from ``--offset`` (none of them a pool problem). First-token KL against ``full`` on the same prompt
 ids, mean over calls, with relay (shipped) beside.
 
-``--top-r`` and ``--tops`` (comma lists) score bands of several shares and several top layers (``l_end``) with every
-blend and penalty: a band that stops below the last layer recomputes fewer token-layers per token.
+``--top-r``, ``--starts`` and ``--tops`` (comma lists) score bands of several shares, first layers (``l_start`` =
+``l_det``) and top layers (``l_end``) with every blend and penalty: a band that starts higher or stops below the last
+layer recomputes fewer token-layers per token.
 
 Usage: python benchmarks/relay_anchor_blend.py --problems 20 --offset 100 --pool-offset 120 --pool-problems 128 \\
     --top-r 0.06 --blends 0.5,0.65,0.8 --ridges 0.03,0.1,0.3 --json OUT.json
@@ -63,20 +64,25 @@ def main() -> None:
     ap = pool_parser(__doc__.splitlines()[0])
     ap.add_argument("--top-r", default="0.06", help="the band's shares of the span tokens, a comma list")
     ap.add_argument("--tops", default="", help="the band's top layers (l_end), a comma list (default: the last)")
+    ap.add_argument("--starts", default="", help="the band's first layers (l_start = l_det; carried states enter "
+                    "there), a comma list (default: the profile's L_start)")
     ap.add_argument("--blends", default="0.5,0.65,0.8", help="anchor_blend values, a comma list")
     ap.add_argument("--ridges", default="0.03,0.1,0.3", help="anchor_ridge values, a comma list")
     args, lm, start, capture = open_pool_study(ap)
     try:
         blends, ridges, shares = floats(args.blends), floats(args.ridges), floats(args.top_r)
         tops = [int(t) for t in args.tops.split(",") if t] or [lm.config.num_layers - 1]
+        starts = [int(t) for t in args.starts.split(",") if t] or [start]
     except ValueError as exc:
-        ap.error(f"--blends, --ridges, --top-r and --tops take comma lists of numbers ({exc})")
+        ap.error(f"--blends, --ridges, --top-r, --starts and --tops take comma lists of numbers ({exc})")
     if not all(0 < b <= 1 for b in blends) or not all(r > 0 for r in ridges) or not all(0 < r <= 1 for r in shares):
         ap.error("--blends and --top-r must be in (0, 1] and --ridges > 0")
-    if not all(start <= t < lm.config.num_layers for t in tops):
-        ap.error(f"--tops must be layers from L_start {start} to {lm.config.num_layers - 1}")
-    bands = {(r, t): ANCHOR_BAND.format(start=start, top=t, r=r) for r in shares for t in tops}
-    band = bands[shares[0], tops[-1]]
+    if not all(0 < first <= t < lm.config.num_layers for first in starts for t in tops):
+        ap.error(f"--starts and --tops must be layers with 0 < start <= top < {lm.config.num_layers}")
+    capture = tuple(sorted(set(capture) | set(starts)))  # every band's carried states
+    bands = {(r, first, t): ANCHOR_BAND.format(start=first, top=t, r=r)
+             for r in shares for first in starts for t in tops}
+    band = ANCHOR_BAND.format(start=start, top=lm.config.num_layers - 1, r=shares[0])
     calls = f"anchor_calls={args.pool_problems}"
     teacher = get_method(f"relay_anchors[{calls},{band},anchor_blend=0.5]")
     rows = teach_keeping_rows(lambda: downstream_calls(
@@ -119,7 +125,8 @@ def main() -> None:
                for name, v in kls.items()}
     Path(args.json).write_text(json.dumps({
         "model": lm.name, "workload": args.workload, "offset": args.offset, "problems": args.problems,
-        "pool_offset": args.pool_offset, "pool_problems": args.pool_problems, "top_r": shares, "tops": tops,
+        "pool_offset": args.pool_offset, "pool_problems": args.pool_problems, "top_r": shares, "starts": starts,
+        "tops": tops,
         "blends": blends, "ridges": ridges, "environment": environment("cpu"), "summary": summary, "calls": kls},
         indent=1) + "\n")
     for name, s in summary.items():

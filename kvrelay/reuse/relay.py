@@ -48,7 +48,7 @@ calibrated selector moved.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -264,14 +264,19 @@ class RelayMethod(ReuseMethod):
         return self.plan_reuse(call, store, lm, collect_reuse(call, store, lm.fingerprint))
 
     def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan,
-                   priors: dict[str, tuple[torch.Tensor, float]] | None = None) -> Plan:
+                   priors: dict[str, tuple[torch.Tensor, float]] | None = None, share: float | None = None) -> Plan:
         """``plan`` on the call's reuse already collected (a subclass that reads it first need not collect it twice).
         ``priors``: more of the budget form's priors, name -> (a score by prompt position [num prompt tokens], its
-        weight), as a subclass knows them (``relay_anchors``: the move its anchors expect to miss)."""
+        weight), as a subclass knows them (``relay_anchors``: the move its anchors expect to miss). ``share``: this
+        call's budget in place of ``top_r`` (the budget form only)."""
         start, det, end = self.layers(lm, call.role)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
         sel = self.selector_settings(lm, call.role)
+        if share is not None:
+            if sel.top_r is None:
+                raise ValueError("relay: a call's share replaces top_r, which only the budget form has")
+            sel = replace(sel, top_r=share)
         carried, carried_h, from_zero, always, dense = [], [], [], [], []
         if sel.away and start == 0:
             raise ConfigError("relay: away reads the span tokens' states carried to L_start, which is 0 here: "

@@ -15,7 +15,9 @@ anchors are expected to miss (``MovePool.estimate_with_residual``: how far the t
 spread about the estimate). With ``selector=priors`` and ``l_det == l_start`` that is the only ranking, read before
 the band runs: ``relay_anchors[l_start=2,l_det=2,l_end=T,top_r=0.02,l_pre=0,l_suf=0,selector=priors,anchor_select=1]``
 (T the top layer) recomputes the 2% of span tokens the anchors estimate worst and costs no detection layer
-(``benchmarks/relay_anchor_select.py``, BENCHMARKS.md "Session 33").
+(``benchmarks/relay_anchor_select.py``, BENCHMARKS.md "Session 33"). With ``anchor_tau`` the band's size is set per
+call instead: as many tokens as the anchors expect to miss more than ``anchor_tau`` (squared move), so a call whose
+spans the anchors know well recomputes few and one they know badly recomputes more.
 
 With ``anchor_blend`` = b > 0 the estimate is (1 - b) x the anchors' plus b x a ridge readout of the token's
 stored K/V at a few layers and its place in its span (``move_readout``), fitted per role on the same learning calls
@@ -98,6 +100,9 @@ class RelayAnchorsMethod(RelayMethod):
     # budget form (needs top_r): add anchor_select x the mean-normalized move the anchors expect to miss
     # (``MovePool.estimate_with_residual``) to the score, so relay's band recomputes the tokens they estimate worst
     anchor_select: float | None = None
+    # threshold form of the band's size (needs anchor_select): a call recomputes as many span tokens as its anchors
+    # expect to miss more than this squared move (top_r's count replaced per call; the ranking stays the score's)
+    anchor_tau: float | None = None
     # the most (span, role) pairs kept with their anchors added when the span was published (``anchor_prep``: the
     # call then loads them as naive does); 0: every call computes its anchors itself
     anchor_prepare: int = 16
@@ -132,6 +137,9 @@ class RelayAnchorsMethod(RelayMethod):
             # one raw row per token and one row mixed: every estimate is a single token's move, expected to miss nothing
             raise ConfigError("relay_anchors: anchor_select ranks by how far the mixed rows' tokens spread, which is 0 "
                               "with anchor_k=1 over the raw pool (anchor_centroids=0): raise anchor_k or use clusters")
+        if self.anchor_tau is not None and (not self.anchor_select or not self.anchor_tau > 0):
+            raise ConfigError(f"relay_anchors: anchor_tau must be > 0 and needs anchor_select (it counts the tokens "
+                              f"whose expected miss passes it), got anchor_tau={self.anchor_tau}")
         if self.anchor_prepare < 0:
             raise ConfigError(f"relay_anchors: anchor_prepare must be >= 0, got {self.anchor_prepare}")
         self.prepared = PreparedSpans(self.anchor_prepare)
@@ -279,11 +287,19 @@ class RelayAnchorsMethod(RelayMethod):
             if missed is not None:
                 missed[dst] = residual
         priors = {"anchor": (missed, self.anchor_select)} if missed is not None else None
-        plan = self.plan_reuse(call, store, lm, reuse, priors)
+        plan = self.plan_reuse(call, store, lm, reuse, priors, self._share(missed, reuse.approx))
         plan.patches.extend(patches)
         plan.loads = [renamed.get(load, load) for load in plan.loads]
         plan.derived.update(derived)
         return plan
+
+    def _share(self, missed: torch.Tensor | None, approx: list[SpanLoad]) -> float | None:
+        """With ``anchor_tau``: the share of the call's span tokens whose expected miss ``missed`` (by prompt position)
+        passes it, the band's budget in place of ``top_r`` (one read of a count from the device); else None. Other
+        positions hold 0, under every ``anchor_tau``."""
+        if self.anchor_tau is None or missed is None or not approx:
+            return None
+        return int((missed > self.anchor_tau).sum()) / sum(load.num_tokens for load in approx)
 
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
         if not isinstance(plan.state, _Learn) or store is None:

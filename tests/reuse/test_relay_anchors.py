@@ -22,7 +22,8 @@ def test_bad_knobs_are_config_errors():
                  "relay_anchors[anchor_centroids=-1]", "relay_anchors[anchor_select=-1,top_r=0.1]",
                  "relay_anchors[anchor_select=1]", "relay[selector=priors]",  # no top_r
                  "relay[selector=priors,top_r=0.1]", "relay_anchors[selector=priors,top_r=0.1]",  # no prior
-                 "relay_anchors[anchor_select=1,top_r=0.1,anchor_k=1,anchor_centroids=0]"):  # nothing to rank by
+                 "relay_anchors[anchor_select=1,top_r=0.1,anchor_k=1,anchor_centroids=0]",  # nothing to rank by
+                 "relay_anchors[anchor_tau=1,top_r=0.1]", "relay_anchors[anchor_tau=0,anchor_select=1,top_r=0.1]"):
         with pytest.raises(ConfigError):
             get_method(spec)
 
@@ -233,6 +234,42 @@ def test_anchor_select_recomputes_the_tokens_the_anchors_expect_to_miss_most(lm,
     assert residual.unique().numel() > 12  # a ranking, not ties
     kept = chosen[0].nonzero().squeeze(1)  # rows of the span tokens, in prompt order
     assert kept.tolist() == sorted(residual.topk(6).indices.tolist())
+
+
+@pytest.mark.parametrize("quantile", [0.1, 0.5, 0.8])
+def test_anchor_tau_recomputes_the_tokens_expected_to_miss_more_than_it(lm, monkeypatch, quantile):
+    """With ``anchor_tau`` the band's size is the call's count of span tokens whose expected miss passes it (top_r is
+    replaced), ranked as before: they are exactly the ones recomputed."""
+    import kvrelay.reuse.relay as relay_module
+    from kvrelay.model.rope import undo_rotary
+
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, capture_layers=(1,))
+    n = lm.config.num_layers
+    band = f"l_start=1,l_det=1,l_end={n - 1},top_r=0.25,l_pre=0,l_suf=0,selector=priors,anchor_select=1"
+    teacher = get_method(f"relay_anchors[anchor_calls=1,anchor_k=3,anchor_temp=0.5,{band}]")
+    generate(lm, call, teacher, store, ONE)  # teaches the pool
+    span, rope = store.get("p/up"), lm.model.rope
+    cos, sin = rope.cos_sin(torch.arange(span.start_pos + 20, span.start_pos + 44), torch.float32)
+    keys_free = undo_rotary(span.k[teacher.pool.match_layer, :, 20:44].float(), cos, sin)
+    residual = teacher.pool.estimate_with_residual("agent/up", keys_free, n)[2]  # [24], prompt positions 7..30
+    tau = float(residual.quantile(quantile))
+    num_over = int((residual > tau).sum())
+    assert 0 < num_over < 24 and num_over != 6  # not top_r's 6
+    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=3,anchor_temp=0.5,{band},anchor_tau={tau!r}]")
+    method.pool = teacher.pool
+    chosen = []
+    select_top = relay_module.select_top
+
+    def spy(*args, **kwargs):
+        chosen.append(select_top(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(relay_module, "select_top", spy)
+    out = generate(lm, call, method, store, ONE)
+    over = (residual > tau).nonzero().squeeze(1)  # rows of the span tokens, in prompt order
+    assert len(chosen) == 1 and chosen[0].nonzero().squeeze(1).tolist() == over.tolist()
+    assert out.stats.num_computed_token_layers == 12 * n + num_over * (n - 1)
 
 
 def test_a_scaled_estimate_expects_to_miss_what_the_scale_leaves_out(lm, monkeypatch):
