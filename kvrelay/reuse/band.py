@@ -8,7 +8,7 @@
   only those run that layer's attention and MLP (a dropped token costs its Q/K/V projection there,
   not a whole layer) and stay through ``end_layer`` (inclusive: there they get their fresh K/V and skip
   attention and MLP, whose output nothing reads); above it, all read the reused KV as is. Every span
-  token's K/V at ``select_layer`` is fresh, so it counts as computed there.
+  token's K/V at ``select_layer`` is fresh, so it counts as computed there, as at the top.
 - with an ``admit`` function (every span token entering at ``select_layer`` from carried hidden states,
   and a selector that needs none of their own Q/K/V: their fresh K/V there would equal the reused),
   the selection happens before they join: it reads the new tokens' Q/K/V and the reused keys, and the
@@ -128,8 +128,9 @@ class BandSchedule(Schedule):
         return (self._admit is None and layer == self.select_layer) or self._prunes_at(layer)
 
     def _chooses_at(self, layer: int) -> bool:
-        """Whether the selector or ``prune`` picks span tokens at ``layer`` (at a band's top that selects there, only
-        its count is kept: every span token leaves there anyway)."""
+        """Whether the selector or ``prune`` picks span tokens at ``layer``: the selector not where the band's top is
+        its select layer (every span token leaves there anyway); ``prune`` at every band layer above the select one,
+        its top included (where it only counts and drifts: the kept tokens skip attention and MLP there too)."""
         return (self._admit is None and layer == self.select_layer != self.end_layer) or self._prunes_at(layer)
 
     def selects_before_attention(self, layer: int) -> bool:

@@ -48,7 +48,7 @@ calibrated selector moved.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -264,19 +264,19 @@ class RelayMethod(ReuseMethod):
         return self.plan_reuse(call, store, lm, collect_reuse(call, store, lm.fingerprint))
 
     def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan,
-                   priors: dict[str, tuple[torch.Tensor, float]] | None = None, share: float | None = None) -> Plan:
+                   priors: dict[str, tuple[torch.Tensor, float]] | None = None,
+                   count_over: tuple[str, float] | None = None) -> Plan:
         """``plan`` on the call's reuse already collected (a subclass that reads it first need not collect it twice).
         ``priors``: more of the budget form's priors, name -> (a score by prompt position [num prompt tokens], its
-        weight), as a subclass knows them (``relay_anchors``: the move its anchors expect to miss). ``share``: this
-        call's budget in place of ``top_r`` (the budget form only)."""
+        weight), as a subclass knows them (``relay_anchors``: the move its anchors expect to miss). ``count_over``:
+        (a prior's name, a threshold): the budget form keeps as many of the band's candidates (beside those always
+        kept) as that prior scores above the threshold, in place of ``top_r`` x their number."""
         start, det, end = self.layers(lm, call.role)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
         sel = self.selector_settings(lm, call.role)
-        if share is not None:
-            if sel.top_r is None:
-                raise ValueError("relay: a call's share replaces top_r, which only the budget form has")
-            sel = replace(sel, top_r=share)
+        if count_over is not None and (sel.top_r is None or count_over[0] not in (priors or {})):
+            raise ValueError(f"relay: count_over {count_over[0]!r} needs the budget form (top_r) and that prior")
         carried, carried_h, from_zero, always, dense = [], [], [], [], []
         if sel.away and start == 0:
             raise ConfigError("relay: away reads the span tokens' states carried to L_start, which is 0 here: "
@@ -334,7 +334,11 @@ class RelayMethod(ReuseMethod):
             if sel.top_r is not None:
                 priors = [(by_pos.get(name, span_idx.device).index_select(0, span_idx), weights[name])
                           for name in scores]
-                return select_top(dev, inf, always_mask, sel.top_r, priors)
+                top_r = sel.top_r
+                if count_over is not None and span_idx.numel():  # one read of a count back, once per call
+                    over = by_pos.get(count_over[0], span_idx.device).index_select(0, span_idx) > count_over[1]
+                    top_r = int((over & ~always_mask).sum()) / span_idx.numel()
+                return select_top(dev, inf, always_mask, top_r, priors)
             return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
 
         dense_idx = torch.cat(dense) if dense else torch.empty(0, dtype=torch.long)

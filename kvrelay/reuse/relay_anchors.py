@@ -101,7 +101,8 @@ class RelayAnchorsMethod(RelayMethod):
     # (``MovePool.estimate_with_residual``) to the score, so relay's band recomputes the tokens they estimate worst
     anchor_select: float | None = None
     # threshold form of the band's size (needs anchor_select): a call recomputes as many span tokens as its anchors
-    # expect to miss more than this squared move (top_r's count replaced per call; the ranking stays the score's)
+    # expect to miss more than this squared move (top_r's count replaced per call; the ranking stays the score's;
+    # besides those always kept, l_pre and l_suf; a span whose role has no anchors expects to miss 0 and adds none)
     anchor_tau: float | None = None
     # the most (span, role) pairs kept with their anchors added when the span was published (``anchor_prep``: the
     # call then loads them as naive does); 0: every call computes its anchors itself
@@ -287,19 +288,12 @@ class RelayAnchorsMethod(RelayMethod):
             if missed is not None:
                 missed[dst] = residual
         priors = {"anchor": (missed, self.anchor_select)} if missed is not None else None
-        plan = self.plan_reuse(call, store, lm, reuse, priors, self._share(missed, reuse.approx))
+        count_over = ("anchor", self.anchor_tau) if self.anchor_tau is not None and priors else None
+        plan = self.plan_reuse(call, store, lm, reuse, priors, count_over)
         plan.patches.extend(patches)
         plan.loads = [renamed.get(load, load) for load in plan.loads]
         plan.derived.update(derived)
         return plan
-
-    def _share(self, missed: torch.Tensor | None, approx: list[SpanLoad]) -> float | None:
-        """With ``anchor_tau``: the share of the call's span tokens whose expected miss ``missed`` (by prompt position)
-        passes it, the band's budget in place of ``top_r`` (one read of a count from the device); else None. Other
-        positions hold 0, under every ``anchor_tau``."""
-        if self.anchor_tau is None or missed is None or not approx:
-            return None
-        return int((missed > self.anchor_tau).sum()) / sum(load.num_tokens for load in approx)
 
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
         if not isinstance(plan.state, _Learn) or store is None:

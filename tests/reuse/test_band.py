@@ -78,7 +78,9 @@ def _prefill(setup, schedule_cls, hooked: int = SELECT):
     return result, schedule, cache, rows_in_mlp
 
 
-def test_selection_before_attention_keeps_the_same_tokens_and_output(setup):
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])  # gemma3: sliding windows, the kept tokens' own mask
+def test_selection_before_attention_keeps_the_same_tokens_and_output(family):
+    setup = _make_setup(family)
     cheap, cheap_sched, cheap_cache, _ = _prefill(setup, BandSchedule)
     whole, whole_sched, whole_cache, _ = _prefill(setup, _SelectAfterLayer)
     assert cheap_sched.num_selected == whole_sched.num_selected == 10  # the top half of 20 span tokens
@@ -180,7 +182,7 @@ def test_pruning_drops_tokens_before_each_band_layers_attention(setup):
     result, schedule, cache, reference, rows = _run_band(setup, prune=_drop_first_kept(dropped))
     assert schedule.num_selected == 10 and schedule.num_pruned == 2
     # the top half of 20 span tokens runs layer 1's MLP, one fewer layer 2's; at the band's top (3) none does: the
-    # 8 left there need only their K/V
+    # 9 there need only their K/V
     assert rows == {0: num_new + 20, 1: num_new + 10, 2: num_new + 9, 3: num_new}
     # every active token counts at a layer: all 20 span tokens' Q/K/V at 1, the 10 kept at 2, the 9 at 3
     assert result.num_computed_token_layers == 4 * num_new + 20 + 20 + 10 + 9

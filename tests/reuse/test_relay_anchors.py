@@ -272,6 +272,37 @@ def test_anchor_tau_recomputes_the_tokens_expected_to_miss_more_than_it(lm, monk
     assert out.stats.num_computed_token_layers == 12 * n + num_over * (n - 1)
 
 
+def test_anchor_tau_counts_only_the_tokens_not_kept_anyway(lm, monkeypatch):
+    """The span's last ``l_suf`` tokens are kept whatever their score: the threshold counts the others only."""
+    import kvrelay.reuse.relay as relay_module
+    from kvrelay.model.rope import undo_rotary
+
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, capture_layers=(1,))
+    n = lm.config.num_layers
+    band = f"l_start=1,l_det=1,l_end={n - 1},top_r=0.25,l_pre=0,l_suf=4,selector=priors,anchor_select=1"
+    teacher = get_method(f"relay_anchors[anchor_calls=1,anchor_k=3,anchor_temp=0.5,{band}]")
+    generate(lm, call, teacher, store, ONE)
+    span, rope = store.get("p/up"), lm.model.rope
+    cos, sin = rope.cos_sin(torch.arange(span.start_pos + 20, span.start_pos + 44), torch.float32)
+    keys_free = undo_rotary(span.k[teacher.pool.match_layer, :, 20:44].float(), cos, sin)
+    residual = teacher.pool.estimate_with_residual("agent/up", keys_free, n)[2]  # [24]
+    tau = float(residual[:20].quantile(0.5))  # over the 20 not kept anyway: 10 above
+    assert int((residual[20:] > tau).sum()) > 0  # the kept ones would add to a count over all 24
+    method = get_method(f"relay_anchors[anchor_calls=1,anchor_k=3,anchor_temp=0.5,{band},anchor_tau={tau!r}]")
+    method.pool = teacher.pool
+    budgets = []
+    select_top = relay_module.select_top
+
+    def spy(deviation, influence, always_mask, top_r, priors=()):
+        budgets.append(round(top_r * always_mask.numel()))
+        return select_top(deviation, influence, always_mask, top_r, priors)
+
+    monkeypatch.setattr(relay_module, "select_top", spy)
+    generate(lm, call, method, store, ONE)
+    assert budgets == [int((residual[:20] > tau).sum())] == [10]
+
+
 def test_a_scaled_estimate_expects_to_miss_what_the_scale_leaves_out(lm, monkeypatch):
     """With anchor_scale s the patch adds s x the estimate, so each token's prior is the pool's expected residual plus
     (1 - s)^2 x |estimate|^2."""
