@@ -60,6 +60,26 @@ def teach_keeping_rows(teach: Callable[[], object]) -> dict[str, tuple[torch.Ten
     return rows
 
 
+def score_calls(lm, args, methods: dict, capture: tuple[int, ...]
+                ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Each method's first-token KL against ``full`` and its span token-layers computed again, per scored call (the
+    ``--problems`` from ``--offset``), by name."""
+    kls: dict[str, list[float]] = {}
+    recomputed: dict[str, list[int]] = {}
+
+    def on_call(call, store) -> None:
+        scored = scored_runs(lm, call, store, methods, capture)
+        if scored is None:
+            return
+        _, full, outs, _ = scored
+        for name, out in outs.items():
+            kls.setdefault(name, []).append(kl_first_token(full.logits, out.first_logits))
+            recomputed.setdefault(name, []).append(out.stats.num_recomputed_token_layers)
+
+    downstream_calls(lm, args.workload, None, args.problems, capture, on_call, "scored", True, args.offset)
+    return kls, recomputed
+
+
 def main() -> None:
     ap = pool_parser(__doc__.splitlines()[0])
     ap.add_argument("--top-r", default="0.06", help="the band's shares of the span tokens, a comma list")
@@ -106,19 +126,7 @@ def main() -> None:
     for name, method in methods.items():
         if name != "relay":
             method.pool = teacher.pool
-    kls: dict[str, list[float]] = {}
-    recomputed: dict[str, list[int]] = {}  # span token-layers computed again, per call
-
-    def on_call(call, store) -> None:
-        scored = scored_runs(lm, call, store, methods, capture)
-        if scored is None:
-            return
-        _, full, outs, _ = scored
-        for name, out in outs.items():
-            kls.setdefault(name, []).append(kl_first_token(full.logits, out.first_logits))
-            recomputed.setdefault(name, []).append(out.stats.num_recomputed_token_layers)
-
-    downstream_calls(lm, args.workload, None, args.problems, capture, on_call, "scored", True, args.offset)
+    kls, recomputed = score_calls(lm, args, methods, capture)
     summary = {name: {"mean": statistics.mean(v), "median": statistics.median(v),
                       "below_relay": sum(a < b for a, b in zip(v, kls["relay"], strict=True)),
                       "recomputed_token_layers": statistics.mean(recomputed[name])}

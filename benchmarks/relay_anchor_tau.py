@@ -20,12 +20,11 @@ import statistics
 from pathlib import Path
 
 import torch
-from relay_anchor_blend import floats
-from relay_anchor_select import ANCHOR_BAND, ONE, open_pool_study, pool_parser, scored_runs
+from relay_anchor_blend import floats, score_calls
+from relay_anchor_select import ANCHOR_BAND, ONE, open_pool_study, pool_parser
 
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.calibration_calls import downstream_calls
-from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.reuse import get_method
 from kvrelay.reuse.relay_anchors import RelayAnchorsMethod
@@ -86,19 +85,7 @@ def main() -> None:
     for name, method in methods.items():
         if name != "relay":
             method.pool, method.readout = teacher.pool, teacher.readout
-    kls: dict[str, list[float]] = {}
-    recomputed: dict[str, list[int]] = {}  # span token-layers computed again, per call
-
-    def on_call(call, store) -> None:
-        scored = scored_runs(lm, call, store, methods, capture)
-        if scored is None:
-            return
-        _, full, outs, _ = scored
-        for name, out in outs.items():
-            kls.setdefault(name, []).append(kl_first_token(full.logits, out.first_logits))
-            recomputed.setdefault(name, []).append(out.stats.num_recomputed_token_layers)
-
-    downstream_calls(lm, args.workload, None, args.problems, capture, on_call, "scored", True, args.offset)
+    kls, recomputed = score_calls(lm, args, methods, capture)
 
     def p90(values: list[int]) -> float:
         return float(torch.quantile(torch.tensor(values, dtype=torch.float64), 0.9))
