@@ -171,18 +171,17 @@ class BandSchedule(Schedule):
         if not num_span:
             return None
         new_rows = rows_of(~is_span, view.active_idx.numel() - num_span)
-        if not self._chooses_at(view.layer):  # the band's top
-            self._num_span_active = 0
-            return new_rows
-        if view.layer == self.select_layer:
-            chosen = _counted(self.selector(view, span_rows, new_rows))
-            self.num_selected = chosen.num
-        else:
-            chosen = _counted(self.prune(view, span_rows, new_rows))
-            self.num_pruned += num_span - chosen.num
-        self._num_span_active = 0 if view.layer == self.end_layer else chosen.num
-        if view.layer == self.end_layer:
-            return new_rows
-        keep = torch.ones_like(is_span)
-        keep[span_rows] = chosen.mask
-        return rows_of(keep, view.active_idx.numel() - num_span + chosen.num)
+        if self._chooses_at(view.layer):
+            if view.layer == self.select_layer:
+                chosen = _counted(self.selector(view, span_rows, new_rows))
+                self.num_selected = chosen.num
+            else:
+                chosen = _counted(self.prune(view, span_rows, new_rows))
+                self.num_pruned += num_span - chosen.num
+            if view.layer != self.end_layer:
+                self._num_span_active = chosen.num
+                keep = torch.ones_like(is_span)
+                keep[span_rows] = chosen.mask
+                return rows_of(keep, view.active_idx.numel() - num_span + chosen.num)
+        self._num_span_active = 0  # the band's top: its span tokens need only their K/V here
+        return new_rows
