@@ -1,4 +1,12 @@
-"""Next-token choice: greedy, or temperature with nucleus (top-p) sampling."""
+"""Next-token choice: greedy, or temperature with nucleus (top-p) sampling.
+
+Sampling is numerically safe for every temperature and top_p the config accepts: the softmax runs in
+float64 on logits shifted by their maximum (so ``(logit - max) / temperature`` is <= 0 and never
+overflows, however small the temperature), a temperature below ``MIN_TEMPERATURE`` is greedy, and
+top-p always keeps the most likely token (a top_p that would round to 0 in float32 still samples).
+Logits the model got wrong (NaN, +inf, or nothing allowed) raise ``SamplingError`` instead of
+sampling garbage, so the caller can fail that one sequence.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.errors import ConfigError
+
+# Below this the distribution is the argmax for any logit gap float32 logits resolve, so the sampler
+# takes the argmax outright (ties aside, what sampling at that temperature would give).
+MIN_TEMPERATURE = 1e-6
+
+
+class SamplingError(RuntimeError):
+    """Logits no token can be sampled from (NaN, +inf, or every token masked): the model's fault, not the
+    request's, and that sequence's alone."""
 
 
 def _is_int(value: object) -> bool:
@@ -21,7 +38,8 @@ def _is_finite(value: object) -> bool:
 @dataclass(frozen=True)
 class SamplingConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate at most (>= 1)"})
-    temperature: float = field(default=0.0, metadata={"help": "softmax temperature, finite, >= 0; 0 = greedy"})
+    temperature: float = field(default=0.0, metadata={"help": "softmax temperature, finite, >= 0; 0 = greedy "
+                                                              f"(as is anything below {MIN_TEMPERATURE:g})"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]; 1 = off"})
     seed: int = field(default=0, metadata={"help": "random seed of the sampler (integer)"})
 
@@ -36,6 +54,18 @@ class SamplingConfig:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64 - 1] (a torch.Generator's seed), "
                               f"got {self.seed!r}")
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    """Refuse logits nothing can be sampled from: NaN, +inf, or all -inf (every token masked)."""
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        raise SamplingError("the model produced non-finite logits (NaN or +inf) for this sequence")
+    if not bool(torch.isfinite(logits).any()):
+        raise SamplingError("every token's logit is -inf: no token can be sampled")
+
 
 class Sampler:
     def __init__(self, config: SamplingConfig) -> None:
@@ -44,13 +74,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] -> token id."""
-        if self.config.temperature == 0:
+        _check_logits(logits)
+        if self.config.greedy:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.config.temperature, dim=-1)
+        scores = logits.detach().to(device="cpu", dtype=torch.float64)
+        # shifted by the max first: every exponent is <= 0, the top token's is exactly 0 (no overflow, no NaN)
+        probs = torch.softmax((scores - scores.max()) / self.config.temperature, dim=-1)
         if self.config.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest set whose mass reaches top_p (the top token always stays)
+            # keep the smallest set whose mass reaches top_p; the top token always stays (its preceding mass is 0)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= self.config.top_p
+            drop[0] = False
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
