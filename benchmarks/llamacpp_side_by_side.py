@@ -37,7 +37,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse import PIPELINE_METHODS, get_method
-from kvrelay.weights.loader import DEFAULT_MODEL, _alias_path, cache_dir, load_model
+from kvrelay.weights.loader import DEFAULT_MODEL, cache_dir, gguf_path, load_model
 
 SHIPPED_FORMAT = "Q4_1"
 PEERS = ("prefix", "cache_reuse")
@@ -45,7 +45,7 @@ PEERS = ("prefix", "cache_reuse")
 
 def gguf_files(model: str, formats: list[str], out_dir: Path) -> dict[str, Path]:
     """The shipped GGUF and, written once into ``out_dir``, the other formats from its weights."""
-    shipped = _alias_path(model)
+    shipped = gguf_path(model)
     files = {}
     for fmt in formats:
         if fmt == SHIPPED_FORMAT:

@@ -1,4 +1,4 @@
-"""Issue 22: fetching a span from each tier vs recomputing its tokens, per span size.
+"""Fetching a span from each tier vs recomputing its tokens, per span size.
 
 For each span size (tokens): the prefill time of that many tokens on the model (what a miss
 costs: the tokens are computed at every layer), and the time to fetch a span of that size from
@@ -7,36 +7,69 @@ read, checksum, decode into tensors, insert into the memory tier: what ``span_id
 a memory miss). Spans carry SmolLM2-135M's K/V shapes and one layer of hidden states (a relay span).
 Also: how a process learns of spans published elsewhere (announcement log vs a key scan).
 
-    PYTHONPATH=. python benchmarks/tier_fetch.py --json benchmarks/results/tier_fetch.json
+    python benchmarks/tier_fetch.py --json benchmarks/results/tier_fetch.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import redis
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvrelay.cache.kv import SequenceKV, StoredSpan  # noqa: E402
-from kvrelay.cache.store import KVStore  # noqa: E402
-from kvrelay.engine.engine import Engine, GenerateOptions  # noqa: E402
-from kvrelay.eval.harness import environment  # noqa: E402
-from kvrelay.eval.stats import timed_median_ms  # noqa: E402
-from kvrelay.model.sampling import SamplingConfig  # noqa: E402
-from kvrelay.tier.backends.disk import DiskBackend  # noqa: E402
-from kvrelay.tier.backends.redis import PREFIX, RedisBackend  # noqa: E402
-from kvrelay.tier.tiered import TieredStore  # noqa: E402
-from kvrelay.weights.loader import load_model  # noqa: E402
-from tests.tier.conftest import RedisServer  # noqa: E402
+from kvrelay.cache.kv import SequenceKV, StoredSpan
+from kvrelay.cache.store import KVStore
+from kvrelay.engine.engine import Engine, GenerateOptions
+from kvrelay.eval.harness import environment
+from kvrelay.eval.stats import timed_median_ms
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.tier.backends.disk import DiskBackend
+from kvrelay.tier.backends.redis import PREFIX, RedisBackend
+from kvrelay.tier.tiered import TieredStore
+from kvrelay.weights.loader import load_model
 
 BIG_BYTES = 1 << 34
+
+
+@contextlib.contextmanager
+def local_redis(maxmemory: str = "4gb", start_timeout_s: float = 10.0) -> Iterator[str]:
+    """A throwaway redis-server on a free loopback port (no persistence, LRU eviction); yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        sys.exit("redis-server is not installed: `make install` installs the Debian package")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def prefill_ms(engine: Engine, ids: list[int], repeats: int) -> tuple[float, StoredSpan]:
@@ -100,10 +133,8 @@ def main() -> None:
     lm = load_model(args.model, progress=False)
     engine = Engine(lm, KVStore(BIG_BYTES), methods=("full",))
     num_layers = lm.config.num_layers
-    server = RedisServer(maxmemory="4gb").start()
-    tmp = tempfile.TemporaryDirectory()
-    try:
-        tiers = {"disk": lambda: DiskBackend(tmp.name), "redis": lambda: RedisBackend(server.url, timeout_s=30)}
+    with local_redis() as redis_url, tempfile.TemporaryDirectory() as tmp_dir:
+        tiers = {"disk": lambda: DiskBackend(tmp_dir), "redis": lambda: RedisBackend(redis_url, timeout_s=30)}
         rows = []
         engine.generate(list(range(100, 164)), "full", GenerateOptions(SamplingConfig(max_new_tokens=1)))  # warm-up
         for n in [int(s) for s in args.sizes.split(",")]:
@@ -126,15 +157,11 @@ def main() -> None:
                 row[f"{name}_crossover_token_layers_per_s"] = round(n * num_layers / (fetch / 1e3))
             rows.append(row)
             print(json.dumps(row))
-        server.client().flushall()
-        tmp_ann = tempfile.TemporaryDirectory()
-        ann = {"disk": announcements(lambda: DiskBackend(tmp_ann.name), 1000),
-               "redis": announcements(tiers["redis"], 1000)}
-        tmp_ann.cleanup()
+        redis.Redis.from_url(redis_url, socket_timeout=2).flushall()
+        with tempfile.TemporaryDirectory() as ann_dir:
+            ann = {"disk": announcements(lambda: DiskBackend(ann_dir), 1000),
+                   "redis": announcements(tiers["redis"], 1000)}
         print(json.dumps(ann))
-    finally:
-        server.stop()
-        tmp.cleanup()
     if args.json:
         args.json.write_text(json.dumps({"env": environment("cpu"), "model": args.model, "rows": rows,
                                          "announcements": ann}, indent=1) + "\n")

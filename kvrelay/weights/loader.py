@@ -175,6 +175,11 @@ def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
     return tokenizer_from_gguf(read_metadata(_open(path)))
 
 
+def gguf_path(alias: str) -> Path:
+    """The GGUF file an embedded model alias ships as (assembled from its package's chunks on first use)."""
+    return _alias_path(alias)
+
+
 def _alias_path(alias: str) -> Path:
     package, filename, install = ALIASES[alias]
     spec = importlib.util.find_spec(package)  # locate without importing the package
