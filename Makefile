@@ -38,12 +38,12 @@ demo: $(VENV)/.installed
 	KVRELAY_MAKE_START=$(MAKE_START) KVRELAY_INSTALLED_AT=$$(cat $<) $(VENV)/bin/kvrelay demo
 
 test: install
-	$(PY) -m ruff check kvrelay tests benchmarks
+	$(PY) -m ruff check kvrelay tests benchmarks research
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: install
-	$(PY) -m ruff check kvrelay tests benchmarks
+	$(PY) -m ruff check kvrelay tests benchmarks research
 	$(VENV)/bin/lint-imports
 
 bench: install
