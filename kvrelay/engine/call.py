@@ -36,6 +36,9 @@ class CallStats:
     exit_layer: int | None = None  # the layer a schedule's exit test stopped the prefill at, if it did
     # a shared tier's fetch-or-recompute decisions for this call's lookups, with their inputs
     tier_decisions: list[dict] = field(default_factory=list)
+    # prefill forwards the call ran in (more than one: chunked between other requests' decode steps, and then
+    # ``ttft_ms`` is the wall time over all of them, the steps between included)
+    num_prefill_chunks: int = 1
 
     @property
     def num_prompt_token_layers(self) -> int:
@@ -119,11 +122,17 @@ def run_plan(lm: LoadedModel, ids: torch.Tensor, plan: Plan, cache: SequenceKV, 
              capture_layers: tuple[int, ...] = ()) -> tuple[PrefillResult, int]:
     """Load and patch the plan's reused K/V into ``cache``, then the scheduled prefill of ``ids`` ([n]).
     Returns the prefill's result and the number of reused tokens moved to a new position."""
+    num_shifted = load_plan(lm, plan, cache, store)
+    plan.schedule.capture_layers = tuple(capture_layers)
+    return lm.model.prefill(ids, cache, plan.schedule), num_shifted
+
+
+def load_plan(lm: LoadedModel, plan: Plan, cache: SequenceKV, store: KVStore | None) -> int:
+    """Load and patch the plan's reused K/V into ``cache``; the number of reused tokens moved to a new position."""
     num_shifted = 0
     for load in plan.loads:
         span = plan.span_of(load, store)
         num_shifted += cache.load_span(span, load.dst_start, lm.model.rope, load.src_start, load.src_end)
     for patch in plan.patches:
         cache.patch(patch.dst_start, patch.k, patch.v, patch.add, lm.model.rope if patch.keys_without_rope else None)
-    plan.schedule.capture_layers = tuple(capture_layers)
-    return lm.model.prefill(ids, cache, plan.schedule), num_shifted
+    return num_shifted

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import Sampler, SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method
+
+if TYPE_CHECKING:
+    from kvrelay.engine.prefill import PrefillTask
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,9 @@ class Sequence:
     stats: CallStats
     output_ids: list[int] = field(default_factory=list)
     top1_probs: list[float] = field(default_factory=list)
-    stop_reason: str | None = None  # set when the sequence is done: "stop", "length", "forced", "cancelled"
+    stop_reason: str | None = None  # set when the sequence is done: "stop", "length", "forced", "cancelled", "error"
+    # with stop_reason "error": what failed this sequence's sampling or forward (the rest of its batch went on)
+    error: Exception | None = None
     prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     decode_rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [hidden] per step
     decode_ms: float = 0.0
@@ -136,6 +142,16 @@ class Engine:
         return tuple(sorted(self._capture))
 
     # ------------------------------------------------------------------ one call, step by step
+    def begin(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
+              options: GenerateOptions | None = None, store: KVStore | None = None) -> PrefillTask:
+        """``start`` as a task the caller advances a token budget at a time (chunked prefill, between other
+        calls' decode steps); ``task.sequence()`` once it is done. A prompt that does not fit raises here."""
+        from kvrelay.engine.prefill import PrefillTask  # it builds Sequences: imported here, not at the top
+
+        call = call if isinstance(call, CallInput) else CallInput(list(call))
+        return PrefillTask(self, call, self.method(method), options or GenerateOptions(),
+                           self.store if store is None else store)
+
     def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
               options: GenerateOptions | None = None, store: KVStore | None = None) -> Sequence:
         """Plan, load reused KV, scheduled prefill and first token. ``stats.ttft_ms`` covers all of it.
@@ -183,18 +199,37 @@ class Engine:
         """One decode step for every sequence not done: feed its last token, sample the next.
 
         Returns, per sequence, the token it appended this step (None when it stopped or was done).
+        A sequence whose sampling or forward fails is failed alone (``stop_reason`` "error", the exception in
+        ``error``); the others go on. When the batched forward raises, the step is rerun one sequence at a
+        time, so only the culprit fails.
         """
         live = [s for s in sequences if not s.done]
         out: dict[int, int | None] = {}
         if live:
             t0 = time.perf_counter()
-            logits = self._decode([s.output_ids[-1] for s in live], live)  # [B, vocab]
-            sync_device(self.lm.model.device)
+            marks = [_DecodeMark(s) for s in live]
+            try:
+                logits = self._decode([s.output_ids[-1] for s in live], live)  # [B, vocab]
+                sync_device(self.lm.model.device)
+            except Exception as exc:  # noqa: BLE001 - contained: the culprit fails, the others step again
+                for mark in marks:
+                    mark.restore()
+                if len(live) == 1:
+                    self._fail_sequence(live[0], "decode forward", exc)
+                    return [None for _ in sequences]
+                log.warning("a batched decode step of %d sequences failed (%s: %s); stepping them one by one",
+                            len(live), type(exc).__name__, exc)
+                for seq in live:
+                    out[id(seq)] = self.step([seq])[0]
+                return [out.get(id(s)) for s in sequences]
             elapsed_ms = (time.perf_counter() - t0) * 1e3
             for row, seq in enumerate(live):
                 seq.decode_ms += elapsed_ms  # every row waits for the whole batch
                 before = len(seq.output_ids)
-                self._accept(seq, logits[row])
+                try:
+                    self._accept(seq, logits[row])
+                except Exception as exc:  # noqa: BLE001 - this row's sampling failed: this sequence alone
+                    self._fail_sequence(seq, "sampling", exc)
                 out[id(seq)] = seq.output_ids[-1] if len(seq.output_ids) > before else None
         return [out.get(id(s)) for s in sequences]
 
@@ -223,7 +258,10 @@ class Engine:
         seq = self.start(call, method, options)
         while not seq.done:
             self.step([seq])
-        return self.finish(seq)
+        out = self.finish(seq)
+        if seq.error is not None:
+            raise seq.error
+        return out
 
     def generate_batch(self, calls: list[CallInput | list[int]], method: str | ReuseMethod = "full",
                        options: GenerateOptions | None = None) -> list[GenerationOutput]:
@@ -231,7 +269,11 @@ class Engine:
         seqs = [self.start(call, method, options) for call in calls]
         while not all(s.done for s in seqs):
             self.step(seqs)
-        return [self.finish(s) for s in seqs]
+        outs = [self.finish(s) for s in seqs]
+        for seq in seqs:
+            if seq.error is not None:
+                raise seq.error
+        return outs
 
     def publish(self, span_id: str, out: GenerationOutput, pin: bool = False, store: KVStore | None = None
                 ) -> StoredSpan:
@@ -283,6 +325,13 @@ class Engine:
         if len(seq.output_ids) >= seq.options.sampling.max_new_tokens:
             seq.stop_reason = "length"
 
+    @staticmethod
+    def _fail_sequence(seq: Sequence, stage: str, exc: Exception) -> None:
+        """Mark ``seq`` failed (its caller reports it); the step goes on for the others."""
+        seq.error, seq.stop_reason = exc, "error"
+        log.error("%s failed for one sequence (%s: %s); that sequence is failed alone", stage,
+                  type(exc).__name__, exc, exc_info=exc)
+
     def _force(self, seq: Sequence) -> None:
         """The forced output's KV (and captured hidden states) by one more prefill chunk."""
         forced = list(seq.options.forced_output_ids or ())
@@ -302,3 +351,17 @@ class Engine:
         """Feed ``token_ids[b]`` to ``seqs[b]``; logits [B, vocab]. Captures decode-phase hidden states."""
         return self.lm.model.decode(token_ids, [s.cache for s in seqs], self.capture_layers,
                                     [s.decode_rows for s in seqs])
+
+
+class _DecodeMark:
+    """A sequence's decode state before a step (cache length, captured rows), to undo a forward that raised
+    partway so the step can be rerun."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq, self.length = seq, seq.cache.length
+        self.num_rows = {layer: len(rows) for layer, rows in seq.decode_rows.items()}
+
+    def restore(self) -> None:
+        self.seq.cache.length = self.length
+        for layer in list(self.seq.decode_rows):
+            del self.seq.decode_rows[layer][self.num_rows.get(layer, 0):]

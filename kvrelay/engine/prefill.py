@@ -1,0 +1,162 @@
+"""Chunked prefill: one call's prefill as a task the server advances a token budget at a time.
+
+A long prompt prefilled in one forward stalls every running stream for as long as it takes. As vLLM
+and SGLang schedule, the server instead runs a prefill in chunks of a token budget between decode
+steps of the running batch: ``Engine.begin`` returns a ``PrefillTask``; each ``advance(budget)``
+computes at most that many prompt tokens (the first one plans and loads the reused KV too), and once
+``done`` the task's ``sequence()`` is what ``Engine.start`` would have returned.
+
+Which plans chunk: a schedule whose active set is fixed in advance (no layer hook, no exit test, every
+token entering at layer 0: ``full``, ``prefix``, ``naive``, ``epic``, ``kvcomm``) computes each of its
+active tokens at every layer from its embedding, so it can run as consecutive pieces of its active
+tokens, each reading the KV of everything before it from the cache: the same KV and logits as one
+forward, up to float rounding. A schedule that selects tokens as it goes (CacheBlend's and
+RelayCaching's band, RKSC's exit) reads the new tokens while it selects, so it runs in one piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from kvrelay.cache.kv import SequenceKV
+from kvrelay.cache.store import KVStore
+from kvrelay.engine.call import CallStats, check_fits, load_plan, shiftable, sync_device
+from kvrelay.model.sampling import Sampler
+from kvrelay.model.schedule import Schedule, StaticSchedule
+from kvrelay.model.transformer import PrefillResult
+from kvrelay.reuse import CallInput, Plan, ReuseMethod
+
+
+def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | None:
+    """The tokens a schedule computes at every layer ([m] ascending prompt indices), when its active set is
+    fixed in advance; None for a schedule that selects as it goes (it must run in one piece)."""
+    if schedule.has_layer_hook or schedule.has_exit_test:
+        return None
+    entries = schedule.entries(num_tokens)
+    if set(entries) != {0} or entries[0].hidden is not None:
+        return None
+    return torch.unique(entries[0].token_idx.to(torch.long).cpu())  # sorted, each once
+
+
+class PrefillTask:
+    """One call's plan, reused-KV load and prefill, run a budget of prompt tokens at a time."""
+
+    def __init__(self, engine, call: CallInput, method: ReuseMethod, options, store: KVStore | None) -> None:
+        self.engine, self.call, self.method, self.options, self.store = engine, call, method, options, store
+        self.total = check_fits(engine.lm, call.prompt_ids, options.num_new_tokens)  # refuse before any work
+        self.ids = torch.tensor(call.prompt_ids, dtype=torch.long)
+        self.plan: Plan | None = None
+        self.cache: SequenceKV | None = None
+        self._active: torch.Tensor | None = None  # chunked plans: the schedule's active tokens
+        self._num_done = 0  # of them, computed so far
+        self._result: PrefillResult | None = None  # the last piece's (its logits are the first token's)
+        self._num_computed_token_layers = 0
+        self._captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._num_shifted = 0
+        self._decisions: list = []
+        self._t0: float | None = None
+        self._end_s: float | None = None
+        self.compute_ms = 0.0  # time spent in this task's own work (planning, loads, prefill pieces)
+        self.num_chunks = 0
+
+    @property
+    def done(self) -> bool:
+        return self._end_s is not None
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Prompt tokens still to compute (before planning: the whole prompt, the most it can be)."""
+        if self.done:
+            return 0
+        if self._active is None:
+            return len(self.call.prompt_ids)
+        return int(self._active.numel()) - self._num_done
+
+    def advance(self, budget_tokens: int) -> int:
+        """Compute up to ``budget_tokens`` more prompt tokens (at least one piece); the number computed. A plan
+        that cannot chunk runs whole on its first call."""
+        if self.done:
+            return 0
+        model = self.engine.lm.model
+        sync_device(model.device)
+        start_s = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = start_s
+            self._prepare()
+        if self._active is None:  # one piece: the method's own schedule over the whole prompt
+            self.plan.schedule.capture_layers = self.engine.capture_layers
+            self._take(model.prefill(self.ids, self.cache, self.plan.schedule))
+            num = len(self.call.prompt_ids)
+            self._num_done = num
+        else:
+            num = min(max(1, int(budget_tokens)), self.num_remaining_tokens)
+            if num > 0:
+                piece = self._active[self._num_done : self._num_done + num]
+                schedule = StaticSchedule(piece)
+                schedule.capture_layers = self.engine.capture_layers
+                self._take(model.prefill(self.ids[: int(piece[-1]) + 1], self.cache, schedule))
+                self._num_done += num
+        sync_device(model.device)
+        end_s = time.perf_counter()
+        self.compute_ms += (end_s - start_s) * 1e3
+        if self._active is None or self._num_done >= self._active.numel():
+            self._end_s = end_s
+        return num
+
+    def _prepare(self) -> None:
+        lm = self.engine.lm
+        if self.store is not None:
+            self.store.take_decisions()  # drop lookups made outside this call
+        plan = shiftable(self.method.plan(self.call, self.store, lm), self.store, lm.model)
+        self.cache = plan.make_cache(self.total + 1) if plan.make_cache is not None else \
+            SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=self.total + 1)
+        self._num_shifted = load_plan(lm, plan, self.cache, self.store)
+        self.plan = plan
+        self._decisions = self.store.take_decisions() if self.store is not None else []
+        self._active = static_active_idx(plan.schedule, len(self.call.prompt_ids))
+        if self._active is not None and (not self._active.numel() or int(self._active[-1]) != len(self.ids) - 1):
+            self._active = None  # the schedule's own forward raises what is wrong with it
+
+    def _take(self, result: PrefillResult) -> None:
+        self._result = result
+        self.num_chunks += 1
+        self._num_computed_token_layers += result.num_computed_token_layers
+        for layer, (idx, h) in result.captured.items():
+            self._captured.setdefault(layer, []).append((idx, h))
+
+    def sequence(self):
+        """The running call once the prefill is done, its first token sampled: what ``Engine.start`` returns."""
+        from kvrelay.engine.engine import Sequence  # the engine module builds tasks: imported here, not above
+        if not self.done or self.cache is None:
+            raise RuntimeError("the prefill is not done (advance it first) or was cancelled")
+        engine, lm, call, plan, result = self.engine, self.engine.lm, self.call, self.plan, self._result
+        ttft_ms = (self._end_s - self._t0) * 1e3
+        if self.options.learn:
+            self.method.observe(call, plan, self.cache, self.store, lm)
+        stats = CallStats(self.method.name, len(call.prompt_ids), lm.config.num_layers, plan.num_reused_tokens,
+                          self._num_computed_token_layers, self._num_shifted, ttft_ms, fallback=plan.fallback,
+                          note=plan.note, exit_layer=result.exit_layer,
+                          tier_decisions=[dataclasses.asdict(d) for d in self._decisions],
+                          num_prefill_chunks=self.num_chunks)
+        engine._observe_rate(self._num_computed_token_layers, self.compute_ms, self.store)
+        prompt_hidden = {}
+        for layer, pieces in self._captured.items():
+            idx = torch.cat([i for i, _ in pieces])
+            if idx.numel() == len(self.ids):
+                prompt_hidden[layer] = torch.cat([h for _, h in pieces])
+        seq = Sequence(call, self.method, self.options, plan, self.cache, Sampler(self.options.sampling),
+                       result.logits, stats, prompt_hidden=prompt_hidden)
+        if self.options.forced_output_ids is not None:
+            engine._force(seq)
+        else:
+            engine._accept(seq, result.logits)
+        return seq
+
+    def cancel(self) -> None:
+        """Drop the task's KV (the client went away before its first token); it computes nothing more."""
+        self.cache, self._result, self._captured = None, None, {}
+        self._active, self._num_done = torch.empty(0, dtype=torch.long), 0
+        self._end_s = self._end_s or time.perf_counter()

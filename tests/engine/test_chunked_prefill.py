@@ -1,0 +1,97 @@
+"""Chunked prefill (``Engine.begin`` -> ``PrefillTask``) gives what one-shot ``Engine.start`` gives."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvrelay.cache.store import KVStore
+from kvrelay.engine import Engine, GenerateOptions, prefill
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.reuse.base import CallInput, SpanRef
+from tests.helpers import generate, publish, tiny_lm
+
+CHUNKED = ["full", "prefix", "naive", "epic"]  # their active set is fixed in advance
+ONE_PIECE = ["cacheblend"]  # its band selects as it goes: one forward
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["llama3", "gemma3"])  # gemma3: sliding windows across chunk edges
+def setup(request):
+    lm = tiny_lm(request.param)
+    store = KVStore(1 << 30)
+    upstream = generate(lm, _prompt(24, 1), "full", store, SamplingConfig(max_new_tokens=10), keep_cache=True,
+                        capture_layers=(1,))
+    publish(store, "up", upstream, lm)
+    # the upstream prompt as an exact prefix, its output moved 3 positions later, then 29 new tokens
+    ids = upstream.prompt_ids + _prompt(3, 6) + upstream.output_ids + _prompt(29, 5)
+    return lm, store, CallInput(ids, refs=[SpanRef(27, 37, "up", 24)])
+
+
+def _chunked(engine: Engine, call: CallInput, method: str, budget: int, options: GenerateOptions):
+    task = engine.begin(call, method, options)
+    assert task.num_remaining_tokens == len(call.prompt_ids)  # before it plans: at most the whole prompt
+    pieces = [task.advance(budget)]  # plans, loads the reused KV, runs the first piece
+    while not task.done:
+        remaining = task.num_remaining_tokens
+        pieces.append(task.advance(budget))
+        assert task.num_remaining_tokens == (0 if task.done else remaining - pieces[-1])
+    return task.sequence(), pieces
+
+
+@pytest.mark.parametrize("method", CHUNKED + ONE_PIECE)
+@pytest.mark.parametrize("budget", [1, 7, 16])
+def test_chunked_prefill_gives_the_one_shot_logits_kv_and_tokens(setup, method, budget):
+    lm, store, call = setup
+    engine = Engine(lm, store, capture_layers=(1,))
+    options = GenerateOptions(SamplingConfig(max_new_tokens=6), keep_cache=True)
+    whole = engine.start(call, method, options)
+    seq, pieces = _chunked(engine, call, method, budget, options)
+    n = len(call.prompt_ids)
+    if method in CHUNKED:
+        assert all(0 < p <= budget for p in pieces) and len(pieces) > 1
+        assert seq.stats.num_prefill_chunks == len(pieces)
+    else:
+        assert pieces == [n] and seq.stats.num_prefill_chunks == 1
+    torch.testing.assert_close(seq.first_logits, whole.first_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(seq.cache.k[:, :, :n], whole.cache.k[:, :, :n], atol=1e-4, rtol=0)
+    torch.testing.assert_close(seq.cache.v[:, :, :n], whole.cache.v[:, :, :n], atol=1e-4, rtol=0)
+    for field in ("num_prompt_tokens", "num_reused_tokens", "num_computed_token_layers", "num_shifted_tokens",
+                  "fallback"):
+        assert getattr(seq.stats, field) == getattr(whole.stats, field), field
+    assert seq.prompt_hidden.keys() == whole.prompt_hidden.keys()
+    for layer, h in whole.prompt_hidden.items():
+        torch.testing.assert_close(seq.prompt_hidden[layer], h, atol=1e-4, rtol=0)
+    for s in (seq, whole):  # the decode that follows: token for token
+        while not s.done:
+            engine.step([s])
+    assert seq.output_ids == whole.output_ids
+    assert engine.finish(seq).text == engine.finish(whole).text
+
+
+def test_a_prompt_over_the_context_is_refused_before_any_work(setup):
+    from kvrelay.errors import ContextLengthError
+
+    lm, store, _ = setup
+    with pytest.raises(ContextLengthError):
+        Engine(lm, store).begin(_prompt(lm.config.max_position_embeddings, 0), "full")
+
+
+def test_ttft_covers_the_wall_time_between_chunks(setup, monkeypatch):
+    """``ttft_ms`` runs from the first piece to the last, whatever ran between; the compute time is the pieces'."""
+    lm, store, call = setup
+    engine = Engine(lm, store)
+    task = engine.begin(call, "full", GenerateOptions(SamplingConfig(max_new_tokens=2)))
+    clock = iter([10.0, 10.1, 20.0, 20.1, 30.0, 30.1])  # each piece: its start, its end
+    monkeypatch.setattr(prefill, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    while not task.done:
+        task.advance(len(call.prompt_ids) // 3 + 1)
+    seq = task.sequence()
+    assert seq.stats.num_prefill_chunks == 3
+    assert seq.stats.ttft_ms == pytest.approx(20.1e3)  # 10.0 s -> 30.1 s
+    assert task.compute_ms == pytest.approx(300.0)  # three pieces of 0.1 s
