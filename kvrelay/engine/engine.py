@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,6 +45,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class LogitsMask(Protocol):
+    """A per-sequence constraint on the next token (e.g. a grammar), applied before sampling. Stateful: one
+    object per call (``generate_batch`` cannot share one), told every token the call takes."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """[vocab] logits with the tokens not allowed now at -inf (a stop token only once the output is complete)."""
+
+    def advance(self, token_id: int) -> None:
+        """The sequence took ``token_id`` (a stop token included)."""
+
+
 @dataclass(frozen=True)
 class GenerateOptions:
     """How one call runs (the method is chosen separately)."""
@@ -57,6 +68,7 @@ class GenerateOptions:
     # one more decode step when generation stops at max_new_tokens, so the last output token has KV
     # too (what ``publish`` stores); None: as keep_cache
     feed_last: bool | None = None
+    logits_mask: LogitsMask | None = None  # this call's own constraint (see ``LogitsMask``)
 
     def __post_init__(self) -> None:
         if self.forced_output_ids is not None:
@@ -316,7 +328,10 @@ class Engine:
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample from ``logits`` ([vocab]) and append, or mark the sequence done."""
-        next_id = seq.sampler(logits)
+        mask = seq.options.logits_mask
+        next_id = seq.sampler(logits if mask is None else mask.apply(logits))
+        if mask is not None:
+            mask.advance(next_id)
         seq.top1_probs.append(float(torch.softmax(logits.float(), dim=-1).max()))
         if next_id in self.lm.tokenizer.stop_ids:
             seq.stop_reason = "stop"

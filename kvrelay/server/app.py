@@ -8,10 +8,7 @@ are turned into a JSON response or an SSE stream. A client that disconnects canc
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import secrets
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,13 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine import Engine
-from kvrelay.errors import KvRelayError
-from kvrelay.reuse import PIPELINE_METHODS, get_method, role_key
 from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.chat_route import queue_chat
+from kvrelay.server.context import AppContext
 from kvrelay.server.metrics import ServerMetrics
-from kvrelay.server.prompting import PromptBuild, chat_ids, completion_ids
+from kvrelay.server.prompting import PromptBuild, completion_ids
 from kvrelay.server.protocol import (
-    ROLES,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +36,6 @@ from kvrelay.server.responses import Reply, error_of, stream_error_chunk
 from kvrelay.server.scheduler import EngineWorker, Job
 
 log = logging.getLogger("kvrelay.server")
-_DISCONNECT_POLL_S = 0.1
 
 
 class BodyLimit:
@@ -70,10 +65,6 @@ class ServerSettings:
     max_running: int = 8
     max_body_bytes: int = 8 << 20
     default_max_tokens: int = 256  # chat requests without max_tokens (bounded by the context)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -> FastAPI:
@@ -121,76 +112,13 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
 
     # ------------------------------------------------------------------ helpers
-    def namespace_of(request: Request, cache_salt: str | None) -> str:
-        parts = []
-        if settings.api_keys:
-            auth = request.headers.get("authorization", "")
-            key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-            if key not in settings.api_keys:
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                               "authentication_error", code="invalid_api_key")
-            parts.append("k" + _digest(key))
-        if cache_salt:
-            parts.append("s" + _digest(cache_salt))
-        return "/".join(parts)
-
-    def check_common(body, request: Request) -> tuple[str, str]:
-        namespace = namespace_of(request, body.cache_salt)
-        if body.model != model_id:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_id!r}",
-                           param="model", code="model_not_found")
-        if body.n != 1:
-            raise ApiError(400, "n > 1 is not supported: send n separate requests", param="n", code="unsupported")
-        if len(body.stop_list()) > 4:
-            raise ApiError(400, "at most 4 stop sequences", param="stop", code="invalid_value")
-        method = (body.kvrelay.method if body.kvrelay and body.kvrelay.method else settings.method).strip()
-        try:
-            name = get_method(method).name
-        except KvRelayError as exc:
-            raise ApiError(400, str(exc), param="kvrelay.method", code="invalid_value") from exc
-        if name not in PIPELINE_METHODS:
-            raise ApiError(400, f"method {name!r} cannot serve single calls; use one of {', '.join(PIPELINE_METHODS)}",
-                           param="kvrelay.method", code="invalid_value")
-        return namespace, method
-
-    def make_job(body, namespace: str, method: str, build, max_tokens: int | None, default_max_tokens: int,
-                 num_top_logprobs: int | None) -> tuple[Job, asyncio.Queue]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def emit(event: dict) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                pass
-
-        job = Job(build, namespace, method, max_tokens, default_max_tokens, body.temperature, body.top_p,
-                  secrets.randbits(63) if body.seed is None else body.seed, body.stop_list(), num_top_logprobs,
-                  bool(body.kvrelay and body.kvrelay.debug), emit,
-                  cache_output=not body.kvrelay or body.kvrelay.cache_output,
-                  first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs))
-        return job, events
-
-    async def next_event(request: Request, job: Job, events: asyncio.Queue) -> dict | None:
-        """The job's next event, or None when the client disconnected (the job is then cancelled).
-
-        The connection is checked every ``_DISCONNECT_POLL_S`` whether or not events keep coming, since
-        a decoding job emits faster than that.
-        """
-        while True:
-            now = time.monotonic()
-            if now - job.disconnect_checked_s >= _DISCONNECT_POLL_S:
-                job.disconnect_checked_s = now
-                if await request.is_disconnected():
-                    worker.cancel(job)
-                    return None
-            try:
-                return await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                continue
+    ctx = AppContext(worker, catalog, metrics, settings, tokenizer, model_id)
+    app.state.context = ctx
+    namespace_of, check_common, make_job, next_event = ctx.namespace_of, ctx.check_common, ctx.make_job, \
+        ctx.next_event
 
     async def respond(request: Request, body, job: Job, events: asyncio.Queue, reply: Reply) -> Response:
-        worker.submit(job)
+        """The submitted ``job``'s answer: one JSON body, or an SSE stream."""
         first = await next_event(request, job, events)
         if first is None:
             return Response(status_code=499)
@@ -253,33 +181,8 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         metrics.requests.labels("chat").inc()
-        namespace, method = check_common(body, request)
-        if not body.messages:
-            raise ApiError(400, "messages must hold at least one message", param="messages", code="empty_messages")
-        messages = []
-        for i, m in enumerate(body.messages):
-            if m.role not in ROLES:
-                raise ApiError(400, f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
-                               param=f"messages.{i}.role", code="invalid_value")
-            if m.content is None and m.role != "assistant":
-                raise ApiError(400, f"messages[{i}] has no content", param=f"messages.{i}.content",
-                               code="invalid_value")
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
-        system = next((m["content"] for m in messages if m["role"] == "system"), "")
-        agent = request.headers.get("x-kvrelay-agent") or "sys-" + _digest(system)
-
-        def build():
-            catalog.learn_published(namespace)  # completions other replicas returned: splice them as generated
-            try:
-                return chat_ids(tokenizer, messages, catalog.registry, namespace), agent
-            except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)
-                raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages",
-                               code="invalid_value") from exc
-
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        job, events = make_job(body, namespace, method, build, body.max_completion_tokens or body.max_tokens,
-                               settings.default_max_tokens, top)
-        job.role = role_key(system)
+        queued = queue_chat(body, request, ctx)
+        job, events = queued.job, queued.events
         return await respond(request, body, job, events, Reply(model_id, True, body.logprobs))
 
     @app.post("/v1/completions")
@@ -310,6 +213,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
             return completion_ids(tokenizer, prompt, catalog.registry, namespace), agent
 
         job, events = make_job(body, namespace, method, build, body.max_tokens, 16, body.logprobs)
+        worker.submit(job)
         return await respond(request, body, job, events, Reply(model_id, False, body.logprobs is not None))
 
     return app

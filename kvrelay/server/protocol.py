@@ -7,6 +7,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvrelay.server.tool_protocol import ResponseFormat, ToolCall, ToolChoice, ToolDef
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -56,6 +58,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may then be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -89,6 +93,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # None: True (OpenAI's default)
+    response_format: ResponseFormat | None = None
+    # the deprecated function-calling fields: refused with a 400 (kvrelay.server.tools), not dropped
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 class CompletionRequest(_Sampling):

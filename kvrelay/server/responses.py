@@ -1,4 +1,5 @@
-"""OpenAI response bodies and SSE chunks from the worker's events (``delta``, ``done``, ``error``)."""
+"""OpenAI response bodies and SSE chunks from the worker's events (``delta``, ``done``, ``error``; their shapes
+are in kvrelay.server.chat_route)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ class Reply:
             entries = [e for d in deltas for e in (d.get("logprobs") or [])]
         choice: dict = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": self._logprobs(entries)}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": done["text"]}
+            calls = done.get("tool_calls") or []
+            choice["message"] = {"role": "assistant", "content": done["text"] or (None if calls else "")}
+            if calls:
+                choice["message"]["tool_calls"] = [_tool_call(c) for c in calls]
         else:
             choice["text"] = done["text"]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -69,7 +73,14 @@ class Reply:
 
     def delta_chunk(self, event: dict) -> str:
         choice: dict = {"index": 0, "logprobs": self._logprobs(event.get("logprobs")), "finish_reason": None}
-        if self.chat:
+        if self.chat and event.get("tool_call"):
+            piece = event["tool_call"]
+            call: dict = {"index": piece["index"], "function": {"arguments": piece["arguments"]}}
+            if piece["id"] is not None:
+                call.update(id=piece["id"], type="function")
+                call["function"]["name"] = piece["name"]
+            choice["delta"] = {"tool_calls": [call]}
+        elif self.chat:
             choice["delta"] = {"content": event["text"]}
         else:
             choice["text"] = event["text"]
@@ -85,6 +96,10 @@ class Reply:
         if include_usage:
             chunks.append(self._chunk([], usage=self.usage(done), kvrelay=done["kvrelay"]))
         return chunks + ["data: [DONE]\n\n"]
+
+
+def _tool_call(call: dict) -> dict:
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
 def error_of(event: dict) -> ApiError:

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -50,6 +51,10 @@ class Job:
     cache_output: bool = True
     role: str = ""  # ``role_key`` of the request's system message (a profile's workload selectors match it)
     first_token_logprobs: bool = False
+    # tool calling: splits the output into content and tool-call deltas (kvrelay.server.tools.ToolStream)
+    tool_stream: Any = None
+    # constrained decoding: ``new_mask()`` gives the call's LogitsMask (kvrelay.server.grammar.Constraint)
+    constraint: Any = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)
     disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked
@@ -190,7 +195,8 @@ class EngineWorker:
             max_tokens = job.max_tokens or min(job.default_max_tokens, room)
             sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
             job.built = self.catalog.build_call(prompt, job.namespace, agent, job.role)
-            job.seq = self.engine.start(job.built.call, job.method, GenerateOptions(sampling, keep_cache=True),
+            job.seq = self.engine.start(job.built.call, job.method, GenerateOptions(
+                sampling, keep_cache=True, logits_mask=job.constraint.new_mask() if job.constraint else None),
                                         store=self.catalog.view(job.namespace))
         except ApiError as exc:
             self._release(job)
@@ -225,7 +231,13 @@ class EngineWorker:
         if hit:
             job.seq.cancel()
         if delta:
-            job.emit({"type": "delta", "text": delta, "logprobs": self._logprobs_upto(job)})
+            self._emit_deltas(job, [{"type": "delta", "text": delta}] if job.tool_stream is None
+                              else job.tool_stream.feed(delta))
+
+    def _emit_deltas(self, job: Job, events: list[dict]) -> None:
+        """Send delta events; the logprobs of the tokens since the last sent ride on the first one."""
+        for i, event in enumerate(events):
+            job.emit({**event, "logprobs": self._logprobs_upto(job) if i == 0 else None})
 
     def _logprobs_upto(self, job: Job) -> list[dict] | None:
         if job.num_top_logprobs is None:
@@ -251,8 +263,14 @@ class EngineWorker:
         span_id = self._publish(job, out, text) if job.cache_output else None
         out.cache = None
         delta = job.matcher.flush(text)
-        if delta:
-            job.emit({"type": "delta", "text": delta, "logprobs": self._logprobs_upto(job)})
+        finish_reason = "stop" if stop_string or out.stop_reason == "stop" else "length"
+        if job.tool_stream is None:
+            self._emit_deltas(job, [{"type": "delta", "text": delta}] if delta else [])
+            answer = {"text": text, "tool_calls": [], "finish_reason": finish_reason}
+        else:
+            fed = job.tool_stream.feed(delta) if delta else []
+            deltas, answer = job.tool_stream.close(finish_reason)
+            self._emit_deltas(job, fed + deltas)
         stats = out.stats
         ext = {"method": stats.method, "reuse_rate": stats.reuse_rate,
                "num_reused_tokens": stats.num_reused_tokens,
@@ -272,8 +290,7 @@ class EngineWorker:
         self.metrics.computed_token_layers.inc(stats.num_computed_token_layers)
         self.metrics.recomputed_token_layers.inc(max(stats.num_recomputed_token_layers, 0))
         self.metrics.generated_tokens.inc(len(out.output_ids))
-        job.emit({"type": "done", "finish_reason": "stop" if stop_string or out.stop_reason == "stop" else "length",
-                  "text": text, "num_prompt_tokens": stats.num_prompt_tokens,
+        job.emit({"type": "done", **answer, "num_prompt_tokens": stats.num_prompt_tokens,
                   "num_completion_tokens": len(out.output_ids),
                   "num_cached_tokens": stats.num_reused_tokens, "kvrelay": ext})
 

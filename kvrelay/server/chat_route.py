@@ -1,0 +1,100 @@
+"""The chat-completions request, checked, rendered and queued: what ``/v1/chat/completions`` and the Responses
+API share.
+
+``queue_chat(body, request, ctx)`` takes a pydantic-valid ``ChatCompletionRequest``, checks the rest (roles,
+tool-call history, tools, tool_choice, response_format: an ApiError 400 naming the field), renders the prompt
+(tools included), sets up constrained decoding and the tool-call parser, and submits the job (a full queue is
+an ApiError 429). It returns a ``QueuedChat``: the job and the asyncio queue its events arrive on; read them
+with ``ctx.next_event(request, job, events)`` (None: the client went away, the job is cancelled).
+
+Events (dicts, in order: any number of deltas, then one done or one error):
+
+- text of the message content::
+
+    {"type": "delta", "text": str, "logprobs": list[dict] | None}
+
+- a piece of a tool call (``text`` is ""). A call's first piece has its ``id`` ("call_...") and ``name``, and
+  ``arguments`` ""; each later piece has ``id`` and ``name`` None and a piece of the arguments' JSON text
+  (the pieces of one index concatenated are that call's ``arguments``)::
+
+    {"type": "delta", "text": "", "tool_call": {"index": int, "id": str | None, "name": str | None,
+                                                "arguments": str}, "logprobs": list[dict] | None}
+
+- the end::
+
+    {"type": "done", "finish_reason": "stop" | "length" | "tool_calls",
+     "text": str,                  # the message content (calls not included); "" when only calls came
+     "tool_calls": [{"id": str, "name": str, "arguments": str}],   # [] without calls
+     "num_prompt_tokens": int, "num_completion_tokens": int, "num_cached_tokens": int, "kvrelay": dict}
+
+  ``finish_reason`` is "tool_calls" when at least one call completed; "length" when max_tokens cut the output
+  (a call cut off then is not in ``tool_calls``: its text is in ``text``, and may have been streamed as
+  tool-call pieces before the cut, as OpenAI streams it).
+
+- a failure: ``{"type": "error", "status": int, "message": str, "param": str | None, "code": str | None}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from kvrelay.reuse import role_key
+from kvrelay.server.context import AppContext, digest
+from kvrelay.server.prompting import chat_ids
+from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest
+from kvrelay.server.scheduler import Job
+from kvrelay.server.tools import ToolPlan, ToolStream, check_tool_messages, plan_tools, render_messages
+
+
+@dataclass
+class QueuedChat:
+    job: Job
+    events: asyncio.Queue
+    tools: ToolPlan | None  # None: the tools are hidden (tool_choice "none") or there are none
+
+
+def _check_messages(body: ChatCompletionRequest) -> None:
+    if not body.messages:
+        raise ApiError(400, "messages must hold at least one message", param="messages", code="empty_messages")
+    for i, m in enumerate(body.messages):
+        if m.role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
+                           param=f"messages.{i}.role", code="invalid_value")
+        if m.content is None and not (m.role == "assistant"):
+            raise ApiError(400, f"messages[{i}] has no content", param=f"messages.{i}.content",
+                           code="invalid_value")
+    check_tool_messages(body)
+
+
+def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
+    """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
+    namespace, method = ctx.check_common(body, request)
+    _check_messages(body)
+    plan = plan_tools(body)
+    from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
+
+    constraint = constraint_for(plan, body.response_format, ctx.tokenizer)
+    messages = render_messages(body, plan)
+    system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")
+    agent = request.headers.get("x-kvrelay-agent") or "sys-" + digest(system)
+    tokenizer, catalog = ctx.tokenizer, ctx.catalog
+
+    def build():
+        catalog.learn_published(namespace)  # completions other replicas returned: splice them as generated
+        try:
+            return chat_ids(tokenizer, messages, catalog.registry, namespace), agent
+        except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)
+            raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages",
+                           code="invalid_value") from exc
+
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    job, events = ctx.make_job(body, namespace, method, build, body.max_completion_tokens or body.max_tokens,
+                               ctx.settings.default_max_tokens, top,
+                               tool_stream=ToolStream(plan) if plan is not None else None,
+                               constraint=constraint)
+    job.role = role_key(system)
+    ctx.worker.submit(job)
+    return QueuedChat(job, events, plan)

@@ -1,0 +1,113 @@
+"""The app's shared objects and the request plumbing every route uses (tenant, common checks, jobs, events).
+
+One ``AppContext`` per app: the chat, completions and Responses routes all resolve the tenant, check the
+common parameters, queue a ``Job`` and read its events the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from kvrelay.errors import KvRelayError
+from kvrelay.reuse import PIPELINE_METHODS, get_method
+from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.protocol import ApiError
+from kvrelay.server.scheduler import EngineWorker, Job
+
+if TYPE_CHECKING:
+    from kvrelay.server.app import ServerSettings
+
+DISCONNECT_POLL_S = 0.1
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class AppContext:
+    worker: EngineWorker
+    catalog: SpanCatalog
+    metrics: ServerMetrics
+    settings: ServerSettings
+    tokenizer: Any
+    model_id: str
+
+    def namespace_of(self, request: Request, cache_salt: str | None) -> str:
+        """The tenant's namespace: its API key's digest (when keys are set) and its ``cache_salt``'s."""
+        parts = []
+        if self.settings.api_keys:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            if key not in self.settings.api_keys:
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                               "authentication_error", code="invalid_api_key")
+            parts.append("k" + digest(key))
+        if cache_salt:
+            parts.append("s" + digest(cache_salt))
+        return "/".join(parts)
+
+    def check_common(self, body, request: Request) -> tuple[str, str]:
+        """The request's namespace and reuse method, after the checks every generating route shares."""
+        namespace = self.namespace_of(request, body.cache_salt)
+        if body.model != self.model_id:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+        if body.n != 1:
+            raise ApiError(400, "n > 1 is not supported: send n separate requests", param="n", code="unsupported")
+        if len(body.stop_list()) > 4:
+            raise ApiError(400, "at most 4 stop sequences", param="stop", code="invalid_value")
+        method = (body.kvrelay.method if body.kvrelay and body.kvrelay.method else self.settings.method).strip()
+        try:
+            name = get_method(method).name
+        except KvRelayError as exc:
+            raise ApiError(400, str(exc), param="kvrelay.method", code="invalid_value") from exc
+        if name not in PIPELINE_METHODS:
+            raise ApiError(400, f"method {name!r} cannot serve single calls; use one of {', '.join(PIPELINE_METHODS)}",
+                           param="kvrelay.method", code="invalid_value")
+        return namespace, method
+
+    def make_job(self, body, namespace: str, method: str, build, max_tokens: int | None, default_max_tokens: int,
+                 num_top_logprobs: int | None, **extra: Any) -> tuple[Job, asyncio.Queue]:
+        """A job for ``body`` and the asyncio queue its events arrive on; ``extra``: more ``Job`` fields."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event: dict) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+        job = Job(build, namespace, method, max_tokens, default_max_tokens, body.temperature, body.top_p,
+                  secrets.randbits(63) if body.seed is None else body.seed, body.stop_list(), num_top_logprobs,
+                  bool(body.kvrelay and body.kvrelay.debug), emit,
+                  cache_output=not body.kvrelay or body.kvrelay.cache_output,
+                  first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs), **extra)
+        return job, events
+
+    async def next_event(self, request: Request, job: Job, events: asyncio.Queue) -> dict | None:
+        """The job's next event, or None when the client disconnected (the job is then cancelled).
+
+        The connection is checked every ``DISCONNECT_POLL_S`` whether or not events keep coming, since
+        a decoding job emits faster than that.
+        """
+        while True:
+            now = time.monotonic()
+            if now - job.disconnect_checked_s >= DISCONNECT_POLL_S:
+                job.disconnect_checked_s = now
+                if await request.is_disconnected():
+                    self.worker.cancel(job)
+                    return None
+            try:
+                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue

@@ -1,0 +1,29 @@
+"""JSON schemas a request brings (tool parameters, ``response_format``): checked before anything runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from kvrelay.server.protocol import ApiError
+
+
+def check_schema(schema: Any, param: str, arguments: bool = False) -> None:
+    """A 400 naming ``param`` unless ``schema`` is a valid JSON schema (an object schema when ``arguments``:
+    a tool's arguments are a JSON object)."""
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param} must be a JSON schema object", param=param, code="invalid_value")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise ApiError(400, f"{param} is not a valid JSON schema: {exc.message}", param=param,
+                       code="invalid_value") from exc
+    if arguments and schema.get("type", "object") != "object":
+        raise ApiError(400, f"{param} must describe a JSON object (type \"object\"): a tool's arguments are one",
+                       param=param, code="invalid_value")
+
+
+def is_valid(instance: Any, schema: dict) -> bool:
+    return Draft202012Validator(schema).is_valid(instance)

@@ -1,0 +1,319 @@
+"""Tool calling on chat completions: the request's tools checked and rendered into the prompt, the model's
+output parsed back into OpenAI ``tool_calls``.
+
+The model-agnostic format (used for every template that has no tool support of its own, which includes both
+embedded models): the tools' JSON schemas go into the system message, and a call is written
+
+    <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
+
+several calls one per line. Constrained decoding (kvrelay.server.grammar) forces exactly this text, so the
+rendering of an assistant message's ``tool_calls`` in a later request (``call_text``) is byte for byte what
+the model generated: the registry then finds that text and splices the generated ids, and the next step
+reuses their decode KV. Tool results go back as a user turn of ``<tool_response>`` blocks (templates such as
+Gemma 3's accept only alternating user/model turns).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from kvrelay.server.protocol import ApiError, ChatCompletionRequest, ChatMessage
+from kvrelay.server.tool_protocol import FunctionDef, NamedToolChoice
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_SEP = "\n"  # between two calls of one turn
+_HEAD_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+EMPTY_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tool parameters ask for."""
+
+    functions: tuple[FunctionDef, ...]  # the tools the prompt shows (none when tool_choice is "none")
+    mode: str  # "auto": text or calls; "required": at least one call; "named": one call of ``forced_name``
+    forced_name: str | None = None
+    parallel: bool = True  # several calls in one turn
+
+    def schema_of(self, name: str) -> dict:
+        for f in self.functions:
+            if f.name == name:
+                return f.parameters if f.parameters is not None else EMPTY_ARGUMENTS_SCHEMA
+        raise KeyError(name)
+
+    @property
+    def callable_names(self) -> tuple[str, ...]:
+        return (self.forced_name,) if self.forced_name else tuple(f.name for f in self.functions)
+
+
+def call_prefix(name: str) -> str:
+    """The fixed text before a call's arguments (the grammar forces it, ``call_text`` renders it)."""
+    return f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": '
+
+
+def call_text(name: str, arguments: str) -> str:
+    return f"{call_prefix(name)}{arguments}}}{CALL_CLOSE}"
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+# ---------------------------------------------------------------------- request side
+def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan (None: no tool calling), or an ApiError 400 naming the field at fault."""
+    from kvrelay.server.schemas import check_schema  # jsonschema: imported with the first tool request
+
+    if body.functions is not None or body.function_call is not None:
+        param = "functions" if body.functions is not None else "function_call"
+        raise ApiError(400, f"{param} is the deprecated function-calling API and is not supported: send tools "
+                            "and tool_choice", param=param, code="unsupported")
+    tools = body.tools or []
+    names = [t.function.name for t in tools]
+    for i, t in enumerate(tools):
+        if names.index(t.function.name) != i:
+            raise ApiError(400, f"tools[{i}].function.name {t.function.name!r} is given twice",
+                           param=f"tools.{i}.function.name", code="invalid_value")
+        if t.function.parameters is not None:
+            check_schema(t.function.parameters, f"tools.{i}.function.parameters", arguments=True)
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+    if body.response_format is not None and body.response_format.type != "text" and tools and choice != "none":
+        raise ApiError(400, "response_format (JSON output) and tool calls cannot both be asked for: set "
+                            "tool_choice to \"none\" or drop response_format", param="response_format",
+                       code="unsupported")
+    if choice == "none":
+        return None
+    parallel = body.parallel_tool_calls is not False
+    functions = tuple(t.function for t in tools)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names the function {choice.function.name!r}, which is not one of "
+                                f"the tools ({', '.join(names)})", param="tool_choice.function.name",
+                           code="invalid_value")
+        return ToolPlan(functions, "named", choice.function.name, parallel=False)
+    return ToolPlan(functions, choice, None, parallel)
+
+
+def tool_system_text(functions: tuple[FunctionDef, ...]) -> str:
+    """The model-agnostic tool instructions appended to the system message."""
+    lines = ["You can call these tools. Each is a JSON object with the tool's name, what it does and the "
+             "JSON schema of its arguments:"]
+    for f in functions:
+        spec = {"name": f.name, "description": f.description or "",
+                "parameters": f.parameters if f.parameters is not None else EMPTY_ARGUMENTS_SCHEMA}
+        lines.append(json.dumps(spec, ensure_ascii=False))
+    lines.append(f'To call a tool, answer with {CALL_OPEN}{{"name": <tool name>, "arguments": <arguments '
+                 f"object>}}{CALL_CLOSE}, one call per line. The results come back as <tool_response> blocks.")
+    return "\n".join(lines)
+
+
+def _assistant_text(m: ChatMessage) -> str:
+    text = m.text()
+    calls = [call_text(c.function.name, c.function.arguments) for c in (m.tool_calls or [])]
+    return text + CALL_SEP.join(calls)
+
+
+def render_messages(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dict[str, str]]:
+    """The messages as the chat template receives them: the tools in the system message, an assistant's calls
+    in the call format, tool results (and a user message right after them) merged into one user turn.
+    Message checks (roles, content) are the caller's."""
+    out: list[dict[str, str]] = []
+    names_by_id = {c.id: c.function.name for m in body.messages for c in (m.tool_calls or [])}
+    for m in body.messages:
+        role = "system" if m.role == "developer" else m.role
+        if role == "assistant" and m.tool_calls:
+            out.append({"role": "assistant", "content": _assistant_text(m)})
+        elif role == "tool":
+            name = names_by_id.get(m.tool_call_id or "", "")
+            block = f'<tool_response name="{name}">\n{m.text()}\n</tool_response>' if name else \
+                f"<tool_response>\n{m.text()}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("tool_turn"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_turn": "1"})
+        elif role == "user" and out and out[-1].get("tool_turn"):
+            out[-1]["content"] += "\n\n" + m.text()
+        else:
+            out.append({"role": role, "content": m.text()})
+    for m in out:
+        m.pop("tool_turn", None)
+    if plan is not None:
+        text = tool_system_text(plan.functions)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def check_tool_messages(body: ChatCompletionRequest) -> None:
+    """Tool-call history the prompt can render: a tool message answers a call made before it."""
+    seen: set[str] = set()
+    for i, m in enumerate(body.messages):
+        if m.tool_calls and m.role != "assistant":
+            raise ApiError(400, f"messages[{i}] has tool_calls but role {m.role!r}: only an assistant makes calls",
+                           param=f"messages.{i}.tool_calls", code="invalid_value")
+        for c in m.tool_calls or []:
+            seen.add(c.id)
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise ApiError(400, f"messages[{i}] is a tool result without tool_call_id",
+                               param=f"messages.{i}.tool_call_id", code="invalid_value")
+            if m.tool_call_id not in seen:
+                raise ApiError(400, f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no earlier tool call",
+                               param=f"messages.{i}.tool_call_id", code="invalid_value")
+
+
+# ---------------------------------------------------------------------- output side
+@dataclass
+class _Call:
+    index: int
+    body: str = ""  # text after CALL_OPEN
+    id: str = field(default_factory=new_call_id)
+    name: str | None = None
+    num_sent_arg_chars: int = 0
+
+
+class ToolStream:
+    """Splits the model's output text into content and tool calls, as streaming deltas and a final answer.
+
+    ``feed`` takes each new piece of text and returns delta events (see kvrelay.server.chat_route); ``close``
+    returns the last deltas and the done event's fields. A call counts only when it closed and parses into a
+    known tool's name and a JSON arguments object; a call cut off by max_tokens is text, and the answer's
+    finish_reason stays "length".
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.pending = ""  # text outside calls not sent yet (a possible start of CALL_OPEN)
+        self.text_parts: list[str] = []
+        self.call: _Call | None = None
+        self.calls: list[dict] = []
+        self.num_calls_opened = 0
+
+    def feed(self, delta: str) -> list[dict]:
+        events: list[dict] = []
+        if self.call is None:
+            self.pending += delta
+        else:
+            self.call.body += delta
+        while True:
+            if self.call is None:
+                at = self.pending.find(CALL_OPEN)
+                if at < 0:
+                    keep = _held_back(self.pending, CALL_OPEN)
+                    self._text(self.pending[: len(self.pending) - keep], events)
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return events
+                self._text(self.pending[:at], events)
+                self.call = _Call(self.num_calls_opened, self.pending[at + len(CALL_OPEN) :])
+                self.num_calls_opened += 1
+                self.pending = ""
+            end = self.call.body.find(CALL_CLOSE)
+            if end < 0:
+                self._stream_call(self.call, self.call.body, events)
+                return events
+            rest = self.call.body[end + len(CALL_CLOSE) :]
+            self._close_call(self.call, self.call.body[:end], events)
+            self.call, self.pending = None, rest
+
+    def close(self, finish_reason: str) -> tuple[list[dict], dict]:
+        """The remaining deltas and {"text", "tool_calls", "finish_reason"} of the done event."""
+        events: list[dict] = []
+        if self.call is not None:  # cut off inside a call: its text is content, never a call
+            self._text(CALL_OPEN + self.call.body, events)
+            self.call = None
+        self._text(self.pending, events)
+        self.pending = ""
+        text = "".join(self.text_parts)
+        if self.calls and finish_reason != "length":
+            finish_reason = "tool_calls"
+            if not text.strip():
+                text = ""
+        return events, {"text": text, "tool_calls": list(self.calls), "finish_reason": finish_reason}
+
+    # ------------------------------------------------------------------ internals
+    def _text(self, text: str, events: list[dict]) -> None:
+        if text:
+            self.text_parts.append(text)
+            events.append({"type": "delta", "text": text})
+
+    def _stream_call(self, call: _Call, body: str, events: list[dict]) -> None:
+        """Stream what is certain of an open call: its name, then its arguments up to the last '}' (which may
+        close the call rather than the arguments)."""
+        head = _HEAD_RE.match(body)
+        if head is None:
+            return
+        if call.name is None:
+            try:
+                call.name = json.loads(f'"{head.group(1)}"')
+            except json.JSONDecodeError:
+                return
+            events.append({"type": "delta", "text": "", "tool_call": {"index": call.index, "id": call.id,
+                                                                      "name": call.name, "arguments": ""}})
+        args = body[head.end() :]
+        safe = args.rfind("}")
+        if safe > call.num_sent_arg_chars:
+            self._args(call, args[call.num_sent_arg_chars : safe], events)
+            call.num_sent_arg_chars = safe
+
+    def _close_call(self, call: _Call, body: str, events: list[dict]) -> None:
+        arguments = _arguments_of(body, self.plan)
+        if arguments is None:  # not a well-formed call of a known tool: it stays text
+            self._text(CALL_OPEN + body + CALL_CLOSE, events)
+            return
+        self._stream_call(call, body, events)  # the head piece, if the call closed within one delta
+        if not arguments.startswith(_sent_args(body, call)):
+            self._text(CALL_OPEN + body + CALL_CLOSE, events)
+            return
+        self._args(call, arguments[call.num_sent_arg_chars :], events)
+        self.calls.append({"id": call.id, "name": call.name, "arguments": arguments})
+
+    def _args(self, call: _Call, piece: str, events: list[dict]) -> None:
+        if piece:
+            events.append({"type": "delta", "text": "", "tool_call": {"index": call.index, "id": None,
+                                                                      "name": None, "arguments": piece}})
+
+
+def _sent_args(body: str, call: _Call) -> str:
+    head = _HEAD_RE.match(body)
+    return body[head.end() :][: call.num_sent_arg_chars] if head else ""
+
+
+def _arguments_of(body: str, plan: ToolPlan) -> str | None:
+    """The arguments' JSON text of a call's body, or None unless it is a call of a known tool with an object."""
+    head = _HEAD_RE.match(body)
+    if head is None:
+        return None
+    try:
+        whole = json.loads(body)
+        name = json.loads(f'"{head.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(whole, dict) or set(whole) != {"name", "arguments"} or name not in plan.callable_names:
+        return None
+    rest = body[head.end() :].rstrip()
+    if not rest.endswith("}"):
+        return None
+    arguments = rest[:-1].rstrip()
+    try:
+        if not isinstance(whole["arguments"], dict) or json.loads(arguments) != whole["arguments"]:
+            return None
+    except json.JSONDecodeError:
+        return None
+    return arguments
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that could start ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
