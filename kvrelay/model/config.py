@@ -12,10 +12,34 @@ from typing import Any
 
 from kvrelay.errors import ConfigError, UnsupportedModelError
 
-# model_type (HF) -> family flags. Everything here is a Llama-shaped decoder: RMSNorm, SwiGLU MLP,
-# rotate-half RoPE, grouped-query attention. Families differ in qkv bias, q/k norm, sliding window.
-# Gemma 3 adds (1 + w) norms around attention and MLP, a GELU MLP, scaled embeddings, local/global layers.
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """How a family's block differs from Llama's, in one place: the modules read these, not the family name.
+
+    Everything supported is a Llama-shaped decoder (RMSNorm, gated MLP, rotate-half RoPE, grouped-query
+    attention); per-checkpoint differences (qkv bias, q/k norm, windows) are ``ModelConfig`` fields instead.
+    """
+
+    norm_offset: bool = False  # RMSNorm scales by (1 + w): weights are stored as offsets from 1
+    activation: str = "silu"  # the MLP gate: "silu" or "gelu_tanh"
+    sandwich_norms: bool = False  # a norm on the attention output and around the MLP, not only before them
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+
+    def __post_init__(self) -> None:
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ConfigError(f"family traits: activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
+
+
+# model_type (HF) -> what sets the family apart (Gemma 3 also has local/global layers: ``layer_types``)
+FAMILIES: dict[str, FamilyTraits] = {
+    "llama": FamilyTraits(),
+    "mistral": FamilyTraits(),
+    "qwen2": FamilyTraits(),
+    "qwen3": FamilyTraits(),
+    "gemma3": FamilyTraits(norm_offset=True, activation="gelu_tanh", sandwich_norms=True, embed_scale=True),
+}
+SUPPORTED_FAMILIES = tuple(FAMILIES)
 GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar")
 
 
@@ -81,8 +105,8 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", "default")
 
     @property
-    def gemma(self) -> bool:
-        return self.family == "gemma3"
+    def traits(self) -> FamilyTraits:
+        return FAMILIES[self.family]
 
     def is_local(self, layer: int) -> bool:
         """Whether ``layer`` attends within the sliding window (with the local RoPE base, if any)."""

@@ -45,12 +45,6 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
     return sdpa_kernel(_CUDA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
-# On CUDA, SDPA runs an explicit mask over grouped K/V heads in its math kernel only (the scores materialized,
-# a dozen kernels a layer); K/V repeated per query head take the memory-efficient kernel (BENCHMARKS.md,
-# session 28). A module switch, for that A/B.
-REPEAT_KV_UNDER_MASK_ON_CUDA = True
-
-
 def repeat_kv(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """[Hkv, m, hd] -> [Hkv * group_size, m, hd]: query heads j*group_size .. (j+1)*group_size-1 read kv head j
     (HF's order)."""
@@ -62,7 +56,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               causal: bool) -> torch.Tensor:
     """q [H, n, hd] against k, v [Hkv, m, hd] -> [n, H * hd]. ``mask``: bool [n, m], True = visible."""
     gqa = q.shape[0] != k.shape[0]
-    if gqa and mask is not None and q.device.type == "cuda" and REPEAT_KV_UNDER_MASK_ON_CUDA:
+    # On CUDA, SDPA runs an explicit mask over grouped K/V heads in its math kernel only (the scores
+    # materialized, a dozen kernels a layer); K/V repeated per query head take the memory-efficient kernel.
+    if gqa and mask is not None and q.device.type == "cuda":
         k, v, gqa = repeat_kv(k, q.shape[0] // k.shape[0]), repeat_kv(v, q.shape[0] // k.shape[0]), False
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
@@ -88,17 +84,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
-        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and scale after casting back, as transformers does (bitwise parity);
-        # Gemma scales by (1 + w) before the cast.
+        # an offset norm (Gemma) scales by (1 + w) before the cast.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype) if self.gemma else self.weight * xf.to(x.dtype)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype) if self.offset else self.weight * xf.to(x.dtype)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,8 +140,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.traits.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.traits.norm_offset)
         self.qk_norm = cfg.qk_norm
         # Gemma 3 scales scores by query_pre_attn_scalar ** -0.5: folded into q, so every attention
         # (SDPA's default head_dim ** -0.5, attention_probs) sees the same scores
@@ -195,7 +191,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self._gate_up_w: torch.Tensor | None = None
-        self.gelu = cfg.gemma  # Gemma: GELU (tanh approximation) instead of SiLU
+        self.gelu = cfg.traits.activation == "gelu_tanh"
         self.int4_gate_up: Int4Weight | None = None
         self.int4_down: Int4Weight | None = None
 
@@ -222,14 +218,15 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        offset = cfg.traits.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.mlp = MLP(cfg)
-        self.gemma = cfg.gemma
-        if cfg.gemma:  # Gemma normalises each block's output too (HF's post_attention_layernorm is that one)
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
+        self.sandwich = cfg.traits.sandwich_norms
+        if self.sandwich:  # each block's output is normalised too (HF's post_attention_layernorm is that one)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,7 +235,7 @@ class DecoderLayer(nn.Module):
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer's second half: residual + output projection, then the MLP block. h [n, hidden]."""
-        if self.gemma:
+        if self.sandwich:
             h = h + self.post_attention_layernorm(self.self_attn.out(attn_out))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = h + self.self_attn.out(attn_out)

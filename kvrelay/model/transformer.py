@@ -64,7 +64,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.traits.norm_offset)
 
 
 @dataclass
@@ -112,8 +112,8 @@ class Transformer(nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(token_ids)
-        # Gemma scales by sqrt(hidden), that scalar rounded to the model dtype (as transformers does)
-        return h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype) if self.config.gemma else h
+        # scaled by sqrt(hidden), that scalar rounded to the model dtype (as transformers does)
+        return h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype) if self.config.traits.embed_scale else h
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(h)

@@ -22,17 +22,17 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 # Gemma 3 norms its blocks' inputs and outputs: llama.cpp's ffn_norm is the MLP's input norm there.
-_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                       "post_attention_norm": "post_attention_layernorm",
-                       "post_ffw_norm": "post_feedforward_layernorm"}
+_SANDWICH_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                         "post_attention_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
+def _hf_name(gguf_name: str, sandwich_norms: bool = False) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        mapped = (_GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES).get(part)
+        mapped = (_SANDWICH_LAYER_NAMES if sandwich_norms else _LAYER_NAMES).get(part)
         return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
     mapped = _TOP_NAMES.get(stem)
     return None if mapped is None else f"{mapped}.{suffix}"
@@ -88,7 +88,7 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], ModelC
     tensors = tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", disable=not progress,
                    leave=False)
     for t in tensors:
-        name = _hf_name(t.name, config.gemma)
+        name = _hf_name(t.name, config.traits.sandwich_norms)
         if name is None:
             if t.name.startswith("rope_freqs"):
                 continue  # llama3 frequency factors: recomputed from the config
@@ -100,8 +100,8 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], ModelC
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         arr = np.asarray(arr).reshape(shape)
         arr = _in_hf_row_order(arr, name, config)
-        if config.gemma and name.endswith("norm.weight"):
-            arr = arr - 1.0  # llama.cpp's converter stores Gemma's norm weights as (1 + w); ours hold w
+        if config.traits.norm_offset and name.endswith("norm.weight"):
+            arr = arr - 1.0  # llama.cpp's converter stores offset norms' weights as (1 + w); ours hold w
         state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # writable copy
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -147,7 +147,7 @@ def read_int4_blocks(path: Path, config: ModelConfig) -> Int4Blocks:
     reader = _open(path)
     blocks = {}
     for t in reader.tensors:
-        name = _hf_name(t.name, config.gemma)
+        name = _hf_name(t.name, config.traits.sandwich_norms)
         kind = _INT4_TYPES.get(t.tensor_type.name)
         if name is None or kind is None or not name.startswith("model.layers."):
             continue

@@ -149,7 +149,7 @@ def build_random(preset: str, device: str | torch.device, dtype: torch.dtype, se
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(0.0 if config.gemma else 1.0)
+                p.fill_(0.0 if config.traits.norm_offset else 1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
