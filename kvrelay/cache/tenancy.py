@@ -110,3 +110,37 @@ class NamespaceLedger:
             if self.pins.get(namespace, 0) == 0:  # a running request's namespace is in use
                 out.append(namespace)
         return out
+
+
+# What a reuse method learns across calls (KVCOMM's anchor pools, relay_anchors' move pools) is keyed by the agent or
+# role that taught it. Keyed so alone, one tenant's calls would serve another's: whether a tenant's call passes the
+# gate (its cached tokens, its fallback text) would tell it which documents another tenant sent. So every such key
+# carries the namespace of the store view the call runs on. The default namespace keeps the bare key (pipelines and
+# benchmarks, which run in no namespace, see the keys they always did); a namespace's keys are
+# "<namespace>\0<key>": namespaces are digests ("k<hex>/s<hex>") and agent names come from HTTP headers or
+# pipeline specs, neither of which can hold a NUL, so no key of one namespace equals a key of another.
+NAMESPACE_SEPARATOR = "\0"
+
+
+def namespace_of(store: object) -> str:
+    """The namespace ``store`` is bound to: a ``StoreView``'s (the server's ``CatalogView``), else the default ""
+    (a whole store, or none)."""
+    namespace = getattr(store, "namespace", None)
+    return namespace if isinstance(namespace, str) else ""
+
+
+def scoped_key(namespace: str, key: str) -> str:
+    """``key`` as learned state of ``namespace`` keeps it: the bare key in the default namespace."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{key}" if namespace else key
+
+
+def key_namespace(key: str) -> str:
+    """The namespace a ``scoped_key`` belongs to."""
+    namespace, sep, _ = key.partition(NAMESPACE_SEPARATOR)
+    return namespace if sep else ""
+
+
+def unscoped_key(key: str) -> str:
+    """The key a ``scoped_key`` was made from (what a message to the namespace's own client may show)."""
+    _, sep, rest = key.partition(NAMESPACE_SEPARATOR)
+    return rest if sep else key

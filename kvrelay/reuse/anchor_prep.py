@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.cache.kv import StoredSpan
+from kvrelay.cache.tenancy import key_namespace
 from kvrelay.model.rope import RotaryEmbedding
 
 MIN_OPENING_TOKENS = 8  # the fewest opening tokens two spans of one kind share (SmolLM2's agents part after 6)
@@ -49,13 +50,16 @@ class PreparedSpan:
 
 
 class PreparedSpans:
-    """The kinds of span each role reads (by opening), and at most ``max_entries`` prepared (span id, role) pairs
-    (the ones prepared longest ago dropped first)."""
+    """The kinds of span each role reads (by opening), and at most ``max_entries`` prepared (span id, role) pairs per
+    namespace (the one a role's ``cache.tenancy.scoped_key`` names; the ones prepared longest ago dropped first): one
+    tenant's spans never push another's out, so whether a call finds its span prepared depends on its own tenant's
+    publishing alone."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self._read_by: dict[str, list[tuple[int, ...]]] = {}  # role -> the openings of the kinds of span it read
-        self._entries: OrderedDict[tuple[str, str], PreparedSpan] = OrderedDict()
+        # namespace -> (span id, role) -> its prepared span, oldest first
+        self._entries: dict[str, OrderedDict[tuple[str, str], PreparedSpan]] = {}
 
     def note_read(self, role: str, span: StoredSpan) -> None:
         """``role`` read (part of) ``span`` in a learning call: a kind it read whose opening ``span`` shares for at
@@ -78,18 +82,19 @@ class PreparedSpans:
         """Keep ``prepared`` as ``role``'s span for ``span_id`` (none with ``max_entries`` 0)."""
         if self.max_entries <= 0:
             return
-        self._entries.pop((span_id, role), None)
-        self._entries[span_id, role] = prepared
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        entries = self._entries.setdefault(key_namespace(role), OrderedDict())
+        entries.pop((span_id, role), None)
+        entries[span_id, role] = prepared
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
 
     def get(self, span_id: str, role: str, source: StoredSpan) -> PreparedSpan | None:
         """The prepared span of ``role`` for ``span_id``, if it was made from ``source`` (the store's span now)."""
-        prepared = self._entries.get((span_id, role))
+        prepared = self._entries.get(key_namespace(role), {}).get((span_id, role))
         return prepared if prepared is not None and prepared.source is source else None
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(entries) for entries in self._entries.values())
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """``kvcomm`` (KVCOMM, NeurIPS'25, arXiv 2510.12872): reuse shared spans, add anchor-estimated offsets.
 
 A prompt is template segments and placeholders (a task input, an upstream agent's output). For each
-placeholder the method keeps an online anchor pool per agent (anchors.py). A call is planned
-all-or-nothing:
+placeholder the method keeps an online anchor pool per agent (anchors.py), and per namespace: the
+pools and templates one tenant's calls build serve that tenant's calls only (``cache.tenancy``). A
+call is planned all-or-nothing:
 
 - every placeholder needs ``warmup`` anchors at least as long as it, and the gate's softmax over
   their value distances must be decisive: normalized entropy <= ``gamma``; otherwise the call runs
@@ -38,6 +39,7 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
+from kvrelay.cache.tenancy import namespace_of, scoped_key, unscoped_key
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
@@ -132,8 +134,14 @@ class KVCommMethod(ReuseMethod):
                               f"warmup={self.warmup}, max_anchors={self.max_anchors}, evict_window={self.evict_window}")
 
     @staticmethod
-    def pool_key(call: CallInput, ref: SpanRef) -> str:
-        return f"{call.name}/{ref.name or ref.span_id}"
+    def pool_key(call: CallInput, ref: SpanRef, namespace: str = "") -> str:
+        """The pool of ``ref``'s placeholder in ``call``'s agent, in the namespace of the store the call runs on: a
+        tenant's calls never read another's anchors or templates (``cache.tenancy.scoped_key``)."""
+        return scoped_key(namespace, f"{call.name}/{ref.name or ref.span_id}")
+
+    @staticmethod
+    def template_key(call: CallInput, namespace: str = "") -> str:
+        return scoped_key(namespace, call.name)
 
     @property
     def pool_bytes(self) -> int:
@@ -162,7 +170,7 @@ class KVCommMethod(ReuseMethod):
             patches.append(KVPatch(ref.start, dk, mix(d.weights, [a.dv for a in d.anchors], m), add=True))
             covered[ref.start : ref.start + m] = True
         if self.reuse_template:
-            for patch in self._template_patches(call, layout, decisions, rope, computed_from):
+            for patch in self._template_patches(call, layout, decisions, rope, computed_from, namespace_of(store)):
                 patches.append(patch)
                 covered[patch.dst_start : patch.dst_start + patch.num_tokens] = True
         active = (~covered).nonzero().flatten()
@@ -174,18 +182,19 @@ class KVCommMethod(ReuseMethod):
         joined by "; " (a call can miss on several at once; the bench counts each reason)."""
         if not layout.refs:
             return [], "no placeholder to reuse"
-        decisions, reasons = [], []
+        decisions, reasons, namespace = [], [], namespace_of(store)
         for ref in layout.refs:
-            key = self.pool_key(call, ref)
+            key = self.pool_key(call, ref, namespace)
+            shown = unscoped_key(key)  # the reasons go to the namespace's own client: its keys, without the namespace
             if store is None or ref.span_id not in store:
-                reasons.append(f"span {ref.span_id!r} of placeholder {key!r} is not in the store")
+                reasons.append(f"span {ref.span_id!r} of placeholder {shown!r} is not in the store")
                 continue
             pool = self.pools.get(key)
             anchors = (pool.anchors if self.short_anchors else pool.eligible(ref.num_tokens)) if pool else []
             if len(anchors) < self.warmup:
                 num_pooled = len(pool.anchors) if pool else 0
                 longer = "" if self.short_anchors else f" >= {ref.num_tokens} tokens"
-                reasons.append(f"placeholder {key!r} has {len(anchors)} of {self.warmup} anchors{longer} "
+                reasons.append(f"placeholder {shown!r} has {len(anchors)} of {self.warmup} anchors{longer} "
                                f"({num_pooled} pooled)")
                 continue
             span = store.get(ref.span_id)
@@ -195,16 +204,12 @@ class KVCommMethod(ReuseMethod):
             per_anchor = None  # one weight per anchor, when the gate or the next segment needs it
             if self.gate_distance == "relative" or weights.shape[-1] > 1:
                 per_anchor = torch.softmax(-dist.value_distances() / self.temperature, dim=0)  # [A]
-            if self.gate_distance == "relative":
-                gate_weights, nearest = per_anchor, ""
-            else:
-                l2 = dist.l2()  # [A]
-                gate_weights = torch.softmax(-l2, dim=0)
-                nearest = ", nearest L2 " + ", ".join(f"{x:.1f}" for x in l2.sort().values[:3].tolist())
+            # the reason names the gate's entropy, never distances to the pool's values: a server returns it to clients
+            gate_weights = per_anchor if self.gate_distance == "relative" else torch.softmax(-dist.l2(), dim=0)  # [A]
             entropy = normalized_entropy(gate_weights)
             if entropy > self.gamma:
-                reasons.append(f"placeholder {key!r} anchor entropy {entropy:.2f} > gamma {self.gamma} "
-                               f"({len(anchors)} anchors{nearest})")
+                reasons.append(f"placeholder {shown!r} anchor entropy {entropy:.2f} > gamma {self.gamma} "
+                               f"({len(anchors)} anchors)")
                 continue
             seg_weights = weights if weights.shape[-1] == 1 else per_anchor[:, None, None, None]
             num_covered = min(ref.num_tokens, max(a.num_tokens for a in anchors))
@@ -212,8 +217,8 @@ class KVCommMethod(ReuseMethod):
         return (decisions, None) if not reasons else ([], "; ".join(reasons))
 
     def _template_patches(self, call: CallInput, layout: _Layout, decisions: list[_Decision],
-                          rope: RotaryEmbedding, computed_from: int) -> list[KVPatch]:
-        template = self.templates.get(call.name)
+                          rope: RotaryEmbedding, computed_from: int, namespace: str) -> list[KVPatch]:
+        template = self.templates.get(self.template_key(call, namespace))
         if template is None or len(template) != len(layout.segs):
             return []
         patches = []
@@ -249,12 +254,13 @@ class KVCommMethod(ReuseMethod):
         if not isinstance(plan.state, _Layout):  # not planned here (e.g. turned into a full prefill upstream)
             return
         layout = plan.state  # a dense prefill: one new anchor per placeholder
-        rope = lm.model.rope
-        if call.name not in self.templates:  # the agent's first dense prefill is its template base
-            self.templates[call.name] = [
+        rope, namespace = lm.model.rope, namespace_of(store)
+        template_key = self.template_key(call, namespace)
+        if template_key not in self.templates:  # the agent's first dense prefill is its template base
+            self.templates[template_key] = [
                 TemplateSegment(tuple(call.prompt_ids[s:e]), rope.shift_keys(cache.k[:, :, s:e], -s).clone(),
                                 cache.v[:, :, s:e].clone()) for s, e in layout.segs]
-        template = self.templates[call.name]
+        template = self.templates[template_key]
         for j, ref in enumerate(layout.refs):
             if store is None or ref.span_id not in store:
                 continue
@@ -269,7 +275,8 @@ class KVCommMethod(ReuseMethod):
                 base = template[j + 1]
                 anchor.seg_ids = seg_ids
                 anchor.seg_dk, anchor.seg_dv = self._offsets(rope, cache, s, e, base.k_rel, base.v, 0)
-            pool = self.pools.setdefault(self.pool_key(call, ref), AnchorPool(self.max_anchors, self.evict_window))
+            pool = self.pools.setdefault(self.pool_key(call, ref, namespace),
+                                         AnchorPool(self.max_anchors, self.evict_window))
             pool.add(anchor)
 
     def _offsets(self, rope: RotaryEmbedding, cache: SequenceKV, start: int, end: int, base_k: torch.Tensor,

@@ -52,6 +52,7 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
+from kvrelay.cache.tenancy import key_namespace, namespace_of, scoped_key, unscoped_key
 from kvrelay.errors import ConfigError
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.rope import RotaryEmbedding
@@ -241,8 +242,10 @@ class RelayAnchorsMethod(RelayMethod):
             return  # (a RoPE that cannot shift: the calls fall back to full prefill whatever is prepared)
         sync_device(self.pool.device)  # the time is the work's, not what was queued before it
         t0, num_role_tokens = time.perf_counter(), 0
-        whole = SpanLoad(span_id, 0, len(span), span.start_pos)
+        whole, namespace = SpanLoad(span_id, 0, len(span), span.start_pos), namespace_of(store)
         for role in self.prepared.roles_reading(span):
+            if key_namespace(role) != namespace:  # another tenant's role: its anchors never touch this span
+                continue
             if self._ready(role) and (estimate := self._estimate(role, span, whole, lm)) is not None:
                 k_move, v_move, residual = estimate
                 self.prepared.put(span_id, role, PreparedSpan(span, anchored_span(span, k_move, v_move, lm.model.rope),
@@ -255,12 +258,13 @@ class RelayAnchorsMethod(RelayMethod):
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         pool = self._pool(lm)
         reuse = collect_reuse(call, store, lm.fingerprint)
-        roles = self.roles(call, reuse.approx)
+        namespace = namespace_of(store)  # a tenant's calls learn and read its own roles only
+        roles = [scoped_key(namespace, role) for role in self.roles(call, reuse.approx)]
         learning = [r for r in roles if not self._ready(r)]
         if learning:
             plan = PrefixMethod().plan(call, store, lm)
-            plan.fallback = (f"relay_anchors: role {learning[0]!r} has {pool.num_calls(learning[0])} of its "
-                             f"{self.anchor_calls} dense calls (anchor_calls); this one teaches it")
+            plan.fallback = (f"relay_anchors: role {unscoped_key(learning[0])!r} has {pool.num_calls(learning[0])} "
+                             f"of its {self.anchor_calls} dense calls (anchor_calls); this one teaches it")
             plan.state = _Learn(reuse.approx, roles)
             return plan
         patches, derived, renamed = [], {}, {}
@@ -272,7 +276,7 @@ class RelayAnchorsMethod(RelayMethod):
             prepared = self.prepared.get(load.span_id, role, span)
             self.prepare_stats.count_load(prepared is not None)
             if prepared is not None:  # its anchors were added when it was published: load that span instead
-                span_id = f"{load.span_id}@anchors:{role}"
+                span_id = f"{load.span_id}@anchors:{unscoped_key(role)}"
                 derived[span_id] = prepared.span
                 renamed[load] = SpanLoad(span_id, load.src_start, load.src_end, load.dst_start)
                 if missed is not None:

@@ -6,6 +6,7 @@ import torch
 
 from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
+from kvrelay.cache.tenancy import scoped_key
 from kvrelay.engine import Engine
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import apply_rotary
@@ -88,6 +89,19 @@ def test_the_prepared_set_is_bounded():
     assert len(none) == 0
     with pytest.raises(ConfigError):
         get_method("relay_anchors[anchor_prepare=-1]")
+
+
+def test_each_namespace_has_its_own_bound():
+    """One tenant publishing many spans never drops another's prepared spans: whether a call finds its span prepared
+    (and so its exact K/V, rounded once at publish) depends on its own tenant alone."""
+    a = _span(list(range(MIN_OPENING_TOKENS)), 1)
+    prepared = PreparedSpans(2)
+    b_role = scoped_key("kB", "critic/answer")
+    prepared.put("b0", b_role, object.__new__(type("P", (), {"source": a})))
+    for i in range(5):
+        prepared.put(f"a{i}", scoped_key("kA", "critic/answer"), object.__new__(type("P", (), {"source": a})))
+    assert prepared.get("b0", b_role, a) is not None
+    assert prepared.get("a4", b_role, a) is None and len(prepared) == 3
 
 
 # naive plus anchors; the 25% band they expect to miss most; that band on anchors blended with the ridge readout
