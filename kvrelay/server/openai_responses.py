@@ -1,0 +1,175 @@
+"""``POST /v1/responses`` (OpenAI's Responses API, the OpenAI Agents SDK's default) and ``GET``/``DELETE``
+of stored responses.
+
+A request is translated into a chat-completions request (kvrelay.server.responses_input) and runs through
+the very same job path as ``/v1/chat/completions``: the same namespace, reuse method, output registry,
+tool prompt and constrained decoding, and the same ``kvrelay`` extension object on the response. The
+worker's events are rendered as a response object or the Responses SSE events
+(kvrelay.server.responses_events). ``store`` (default true) keeps the conversation under the caller's
+namespace so a later ``previous_response_id`` continues it (kvrelay.server.response_store); its KV is
+found again like any other quoted output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvrelay.server.chat_route import queue_chat
+from kvrelay.server.context import AppContext
+from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validation_message
+from kvrelay.server.response_store import ResponseStore
+from kvrelay.server.responses import error_of
+from kvrelay.server.responses_events import ResponseRender
+from kvrelay.server.responses_input import ResponsesRequest, chat_body, input_messages
+
+# chat-completions parameter names, as the Responses request spells them (for 400s raised after translation)
+_PARAM_NAMES = ((re.compile(r"(tools(?:\.\d+|\[\d+\]))\.function\."), r"\1."),
+                (re.compile(r"response_format\.json_schema\."), "text.format."),
+                (re.compile(r"response_format"), "text.format"),
+                (re.compile(r"tool_choice\.function\."), "tool_choice."),
+                (re.compile(r"max_completion_tokens"), "max_output_tokens"))
+
+
+def responses_param(text: str | None) -> str | None:
+    """A chat-completions parameter path (or a message naming one) in the Responses request's terms."""
+    if text is None:
+        return None
+    for pattern, replacement in _PARAM_NAMES:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _in_responses_terms(exc: ApiError) -> ApiError:
+    return ApiError(exc.status, responses_param(exc.message), exc.type, responses_param(exc.param), exc.code,
+                    exc.headers)
+
+
+def _assistant_message(done: dict) -> dict:
+    """The response's output as the chat message a later turn's history holds."""
+    calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in done.get("tool_calls") or []]
+    message: dict = {"role": "assistant", "content": done["text"] or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> APIRouter:
+    """The routes; ``store``: where ``store: true`` responses live (a fresh bounded one by default)."""
+    router = APIRouter()
+    store = store if store is not None else ResponseStore()
+
+    def chat_request(body: ResponsesRequest, namespace: str) -> tuple[ChatCompletionRequest, list[dict]]:
+        history: list[dict] = []
+        if body.previous_response_id:
+            previous = store.get(namespace, body.previous_response_id)
+            if previous is None:
+                raise ApiError(400, f"previous response {body.previous_response_id!r} not found: it was not stored "
+                               "(store=false), was evicted, or belongs to another namespace (API key, cache_salt)",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = previous.messages
+        messages = input_messages(body.input)
+        if not history and not messages:
+            raise ApiError(400, "input is empty", param="input", code="invalid_value")
+        try:
+            chat = ChatCompletionRequest.model_validate(chat_body(body, history, messages))
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise ApiError(400, responses_param(message), param=responses_param(param), code="invalid_value") from exc
+        return chat, history + messages
+
+    def keep(body: ResponsesRequest, namespace: str, conversation: list[dict], done: dict, response: dict) -> None:
+        if body.store is not False:
+            store.put(namespace, response["id"], conversation + [_assistant_message(done)], response)
+
+    @router.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request) -> Response:
+        ctx.metrics.requests.labels("responses").inc()
+        namespace = ctx.namespace_of(request, body.cache_salt)
+        chat, conversation = chat_request(body, namespace)
+        try:
+            queued = queue_chat(chat, request, ctx)
+        except ApiError as exc:
+            raise _in_responses_terms(exc) from exc
+        job, events = queued.job, queued.events
+        render = ResponseRender(body, ctx.model_id)
+        first = await ctx.next_event(request, job, events)
+        if first is None:
+            return Response(status_code=499)
+        if first["type"] == "error":
+            raise _in_responses_terms(error_of(first))
+        if not body.stream:
+            deltas, event = [], first
+            while event["type"] == "delta":
+                deltas.append(event)
+                event = await ctx.next_event(request, job, events)
+                if event is None:
+                    return Response(status_code=499)
+            if event["type"] == "error":
+                raise _in_responses_terms(error_of(event))
+            response = render.full(deltas, event)
+            keep(body, namespace, conversation, event, response)
+            return JSONResponse(response)
+
+        async def sse() -> AsyncIterator[str]:
+            finished = False
+            try:
+                for line in render.start():
+                    yield line
+                event = first
+                while True:
+                    if event["type"] == "delta":
+                        for line in _delta_events(render, event):
+                            yield line
+                    elif event["type"] == "done":
+                        lines = render.finish(event)
+                        keep(body, namespace, conversation, event, render.envelope(render.status_of(event), event))
+                        for line in lines:
+                            yield line
+                        finished = True
+                        return
+                    else:
+                        finished = True
+                        err = _in_responses_terms(error_of(event))
+                        yield render.error(err.status, err.message, err.param, err.code)
+                        return
+                    event = await events.get()
+            finally:
+                if not finished:  # the client went away mid-stream: stop decoding, free its KV
+                    ctx.worker.cancel(job)
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def stored(request: Request, response_id: str, cache_salt: str | None):
+        namespace = ctx.namespace_of(request, cache_salt)
+        entry = store.get(namespace, response_id)
+        if entry is None:
+            raise ApiError(404, f"response {response_id!r} not found in this namespace", param="response_id",
+                           code="not_found")
+        return namespace, entry
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request, cache_salt: str | None = None) -> dict:
+        return stored(request, response_id, cache_salt)[1].response
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request, cache_salt: str | None = None) -> dict:
+        namespace, _ = stored(request, response_id, cache_salt)
+        store.delete(namespace, response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    return router
+
+
+def _delta_events(render: ResponseRender, event: dict) -> list[str]:
+    """SSE events of one chat delta event (shapes: kvrelay.server.chat_route)."""
+    call = event.get("tool_call")
+    if call is not None:
+        return render.call_piece(call["index"], call["id"], call["name"], call["arguments"])
+    return render.text(event["text"], event.get("logprobs"))

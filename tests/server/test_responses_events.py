@@ -1,0 +1,101 @@
+"""Response objects and SSE events of ``/v1/responses``, checked against the official client's types."""
+
+from __future__ import annotations
+
+import json
+
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from kvrelay.server.responses_events import ResponseRender
+from kvrelay.server.responses_input import ResponsesRequest
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+KV = {"method": "epic", "num_reused_tokens": 3}
+
+
+def done(text: str, calls: list[dict] | None = None, finish: str = "stop") -> dict:
+    return {"type": "done", "text": text, "tool_calls": calls, "finish_reason": finish, "num_prompt_tokens": 10,
+            "num_completion_tokens": 4, "num_cached_tokens": 3, "kvrelay": KV}
+
+
+def render(**kw) -> ResponseRender:
+    return ResponseRender(ResponsesRequest(model="m", input="x", **kw), "m")
+
+
+def parse(lines: list[str]) -> list:
+    events = []
+    for line in lines:
+        head, data = line.split("\n")[:2]
+        body = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {body['type']}"
+        events.append(EVENTS.validate_python(body))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+CALL = {"id": "call_1", "name": "get", "arguments": '{"city": "Paris"}'}
+
+
+def test_full_text_response_is_a_valid_response_with_cached_tokens():
+    body = render(instructions="sys", metadata={"k": "v"}).full([], done("hello"))
+    r = Response.model_validate(body)
+    assert r.output_text == "hello" and r.status == "completed" and r.instructions == "sys"
+    assert r.usage.input_tokens_details.cached_tokens == 3 and r.usage.total_tokens == 14
+    assert body["kvrelay"] == KV and r.metadata == {"k": "v"}
+
+
+def test_full_tool_calls_and_incomplete():
+    r = Response.model_validate(render(tools=[{"type": "function", "name": "get"}]).full([], done("", [CALL],
+                                                                                                   "tool_calls")))
+    assert [(o.type, o.call_id, o.name, o.arguments) for o in r.output] == [
+        ("function_call", "call_1", "get", CALL["arguments"])]
+    cut = Response.model_validate(render(max_output_tokens=4).full([], done("abcd", finish="length")))
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_text_stream_events_in_order_and_final_response_matches():
+    r = render()
+    lines = r.start() + r.text("hel") + r.text("lo") + r.finish(done("hello"))
+    events = parse(lines)
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "hello"
+    final = events[-1].response
+    assert final.output_text == "hello" and final.output[0].id == events[2].item.id
+    assert final.usage.input_tokens_details.cached_tokens == 3
+
+
+def test_call_stream_text_then_calls_and_unstreamed_calls_still_appear():
+    r = render()
+    lines = (r.start() + r.text("ok") + r.call_piece(0, "call_1", "get", '{"city": ') + r.call_piece(0, None, None,
+             '"Paris"}') + r.finish(done("ok", [CALL, {"id": "call_2", "name": "get", "arguments": "{}"}],
+                                        "tool_calls")))
+    events = parse(lines)
+    kinds = [e.type for e in events]
+    assert kinds.index("response.output_text.done") < kinds.index("response.function_call_arguments.delta")
+    args = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(a.arguments, a.output_index) for a in args] == [(CALL["arguments"], 1), ("{}", 2)]
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.output_index == 1)
+    assert pieces == CALL["arguments"]
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call", "function_call"]
+    assert [o.call_id for o in final.output[1:]] == ["call_1", "call_2"]
+    added = [e.item.id for e in events if e.type == "response.output_item.added"]
+    assert added == [o.id for o in final.output]
+
+
+def test_empty_answer_still_streams_a_message_and_length_is_incomplete():
+    r = render()
+    events = parse(r.start() + r.finish(done("", finish="length")))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].type == "message"
+    assert events[-1].response.output[0].status == "incomplete"
+
+
+def test_error_event_shape():
+    r = render()
+    event = parse([r.error(400, "bad", "input", "invalid_value")])[0]
+    assert event.type == "error" and event.message == "bad" and event.code == "invalid_value"
