@@ -1,0 +1,39 @@
+"""BENCHMARKS.md's tables are what ``benchmarks/make_tables.py`` makes from the committed JSON, and the results kept
+in the tree are the ones those tables read, within the size budget."""
+
+from __future__ import annotations
+
+import re
+
+import make_tables
+from table_render import RESULTS
+
+RESULTS_BUDGET_BYTES = 5 * 10**6
+
+
+def test_benchmarks_md_is_what_the_json_gives():
+    text = make_tables.BENCHMARKS_MD.read_text()
+    assert make_tables.regenerate(text) == text, "run: python benchmarks/make_tables.py"
+
+
+def test_a_number_edited_by_hand_is_caught():
+    text = make_tables.BENCHMARKS_MD.read_text()
+    block = next(make_tables.BLOCK.finditer(text))
+    body = block["body"]
+    digit = re.search(r"\| (\d)", body)
+    edited_body = body[:digit.start(1)] + str((int(digit[1]) + 1) % 10) + body[digit.end(1):]
+    edited = text[:block.start("body")] + edited_body + text[block.end("body"):]
+    assert edited != text
+    assert make_tables.regenerate(edited) == text
+
+
+def test_every_table_is_placed_and_reads_files_that_exist():
+    text = make_tables.BENCHMARKS_MD.read_text()
+    assert {m["key"] for m in make_tables.BLOCK.finditer(text)} == set(make_tables.TABLES)
+    missing = [name for name in make_tables.result_files() if not (RESULTS / name).is_file()]
+    assert missing == []
+
+
+def test_results_in_the_tree_fit_the_budget():
+    num_bytes = sum(p.stat().st_size for p in RESULTS.rglob("*") if p.is_file())
+    assert num_bytes <= RESULTS_BUDGET_BYTES, f"benchmarks/results holds {num_bytes / 1e6:.1f} MB"
