@@ -1,52 +1,79 @@
 #!/usr/bin/env bash
-# Every table in BENCHMARKS.md (CPU, SmolLM2-135M). Results: benchmarks/results/*.json and *.png.
-# Usage: bash benchmarks/run_all.sh            (about an hour on 2 cores)
+# Every result JSON that BENCHMARKS.md's tables read, then the tables (CPU; several hours on 2 cores).
+# Each table's caption in BENCHMARKS.md names the exact command behind it; this script runs them in order.
+# Usage: bash benchmarks/run_all.sh [methods|engine|serving|tier|llamacpp|tables]   (default: all of them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K=.venv/bin/kvrelay
+PY=.venv/bin/python
 R=benchmarks/results
-ALL=full,prefix,naive,cacheblend,epic,relay
-# 1. RelayCaching layer profile on GSM8K train (shipped in kvrelay/profiles/ for the default model)
-$K profile --problems 16 --out $R/relay-profile-smollm2-135m.json --plot $R/relay-profile-smollm2-135m.png
-cp "$(ls -t "${KVRELAY_CACHE:-$HOME/.cache/kvrelay}"/profiles/relay-*.json | head -1)" kvrelay/profiles/
-# 2. agent mode, every method on the same calls
-$K bench --workload gsm8k-chain3 --methods $ALL --limit 10 --json $R/gsm8k-chain3.json --plot $R
-# ... and at 50 problems (issue 4): two lanes of one torch thread side by side (--offset), merged by
-# make_tables.py from the per-call rows; prefix is measured anyway (it reuses nothing on these workloads).
-# The two relay variants (band to the top layer, span openings kept) were chosen on GSM8K *train*
-# (10 problems, see BENCHMARKS.md), not on these problems.
-RELAY_TOP="relay[l_start=1,l_det=2,l_end=29,l_pre=4,l_suf=4,tau_dev=3,tau_inf=3],relay[l_start=1,l_det=2,l_end=29,l_pre=16]"
-for lane in 0 1; do
-  for w in gsm8k-chain3 humaneval-adr; do
-    OMP_NUM_THREADS=1 $K bench --workload $w --limit 25 --offset $((25 * lane)) --repeats 1 \
-      --methods "full,naive,cacheblend,epic,relay,$RELAY_TOP" --json $R/$w-lane$lane.json
-  done &
-done
-wait
-# 2c. (session 5) relay with the profile chosen by fidelity, on the same 50 problems, and copy-agents' last agent.
-# The lanes above ran relay with session 4's profile (18/27/29); a re-run of them uses the shipped one.
-OMP_NUM_THREADS=1 $K bench --workload gsm8k-chain3 --limit 50 --repeats 1 --methods relay \
-  --json $R/gsm8k-chain3-relay-s5.json &
-OMP_NUM_THREADS=1 $K bench --workload humaneval-adr --limit 50 --repeats 1 --methods relay \
-  --json $R/humaneval-adr-relay-s5.json &
-wait
-for a in 2 3 4 5; do
-  $K bench --workload copy-agents:$a --methods relay --limit 3 --greedy-tokens 8 --json $R/copy-agents-$a-relay-s5.json
-done
-for a in 2 3 4 5; do
-  $K bench --workload copy-agents:$a --methods $ALL --limit 2 --json $R/copy-agents-$a.json --plot $R
-done
-$K bench --workload humaneval-adr --methods $ALL --limit 8 --json $R/humaneval-adr.json --plot $R
-# 3. end to end: task accuracy (gsm8k-chain3: 50 problems in two lanes of one torch thread, merged by make_tables)
-for lane in 0 1; do
-  OMP_NUM_THREADS=1 $K bench --workload gsm8k-chain3 --methods full,prefix,relay --mode e2e --limit 25 \
-    --offset $((25 * lane)) --json $R/gsm8k-chain3-e2e-lane$lane.json &
-done
-wait
-for w in gsm8k-fc3 mmlu-fc3 humaneval-fc3; do
-  $K bench --workload $w --methods $ALL --limit 5 --json $R/$w.json --plot $R
-done
-# 4. sweep: fidelity against reuse for every method's knob (one figure); session 10: 12 problems with the shipped
-# (fidelity-chosen) profile, relay's l_pre variant beside its thresholds and ablations
-$K bench --workload gsm8k-chain3 --limit 12 --repeats 1 --json $R/sweep-gsm8k-chain3.json --plot $R/sweep \
-  --methods "naive,epic[k=4],epic[k=16],epic[k=48],cacheblend[ratio=0.05],cacheblend[ratio=0.15],cacheblend[ratio=0.4],relay[tau_dev=3,tau_inf=3],relay,relay[tau_dev=1,tau_inf=1],relay[selector=deviation],relay[selector=influence],relay[l_pre=4,l_suf=4,tau_dev=3,tau_inf=3],relay[l_pre=16]"
+TRAIN=../shared/data/gsm8k/train.jsonl
+BENCH="env OMP_NUM_THREADS=1 $K bench --repeats 1"   # two lanes of one torch thread run side by side
+ANCHORS="relay_anchors[l_start=2,l_det=2,l_end=29,l_pre=0,l_suf=0,selector=priors,anchor_select=1,top_r=0.06,anchor_blend=0.5"
+GEMMA_GSM8K="relay[l_start=3,l_det=3,l_end=11,l_pre=16,l_suf=0,top_r=0.4,prune=0.25,drift=0.5]"
+
+methods() {
+  # two lanes per workload (--offset), merged by make_tables.py from their per-call rows
+  for off in 0 25; do
+    $BENCH --workload gsm8k-chain3 --model smollm2-135m --limit 25 --offset $off --warm-problems 128 \
+      --warm-data $TRAIN --methods "full,prefix,naive,relay,$ANCHORS,anchor_tau=273.988],$ANCHORS,anchor_tau=262.923]" \
+      --json $R/smollm2-gsm8k-chain3-anchors-lane$off.json &
+  done; wait
+  for off in 300 325; do
+    $BENCH --workload gsm8k-chain3 --model smollm2-135m --limit 25 --offset $off --methods full,prefix,epic,relay \
+      --json $R/smollm2-gsm8k-chain3-lane$off.json &
+  done; wait
+  for off in 50 75; do
+    $BENCH --workload humaneval-adr --model smollm2-135m --limit 25 --offset $off \
+      --methods full,prefix,naive,epic,relay --json $R/smollm2-humaneval-adr-lane$off.json &
+  done; wait
+  # Gemma's gsm8k-chain3 table reads one file that merges these lanes with the baselines' runs (make_tables.py
+  # names them); a rerun with every method in the lanes gives the same rows:
+  for off in 0 25; do
+    $BENCH --workload gsm8k-chain3 --model gemma3-270m --limit 25 --offset $off \
+      --methods "full,prefix,naive,cacheblend,epic,$GEMMA_GSM8K" --json $R/gemma3-gsm8k-chain3-lane$off.json &
+  done; wait
+  for off in 0 25; do
+    $BENCH --workload humaneval-adr --model gemma3-270m --limit 25 --offset $off --warm-problems 20 \
+      --methods "full,prefix,naive,epic,relay,relay_anchors,relay_anchors[l_start=18,l_det=18,l_end=18]" \
+      --json $R/gemma3-humaneval-adr-lane$off.json &
+  done; wait
+  for n in 2 3 4 5; do
+    $K bench --workload copy-agents:$n --model smollm2-135m --limit 2 --repeats 3 \
+      --methods full,prefix,naive,cacheblend,epic,relay --json $R/copy-agents-$n.json
+  done
+  for w in gsm8k-fc3 mmlu-fc3 humaneval-fc3; do
+    $BENCH --workload $w --model smollm2-135m --limit 50 --warm-problems 50 --methods full,prefix,kvcomm \
+      --json $R/kvcomm-$w-warm.json
+  done
+  for lane in 0 1; do
+    env OMP_NUM_THREADS=1 $K bench --workload gsm8k-branches --model smollm2-135m --limit 25 --offset $((25 * lane)) \
+      --methods "full,prefix,rksc,rksc[batch_decode=false]" --json $R/rksc-gsm8k-branches-lane$lane.json &
+  done; wait
+}
+
+engine() { $PY benchmarks/bench_engine.py --repeats 9 --json $R/engine_cpu.json; }
+
+serving() {
+  OMP_NUM_THREADS=1 $K serve --model smollm2-135m --methods naive,epic,relay --port 8049 & local pid=$!
+  $PY benchmarks/serve_chain.py --base-url http://127.0.0.1:8049/v1 --limit 10 --methods naive,epic,relay \
+    --json $R/serve-chain.json
+  kill $pid; wait $pid || true
+  $K serve --model smollm2-135m --port 8012 & pid=$!
+  $PY benchmarks/serve_load.py --base-url http://127.0.0.1:8012/v1 --clients 1,8 --seconds 60,120 --server-pid $pid \
+    --json $R/serve-load.json
+  kill $pid; wait $pid || true
+  $PY benchmarks/serve_index.py --json $R/serve-index.json
+}
+
+tier() { $PY benchmarks/tier_fetch.py --json $R/tier_fetch.json; }
+
+llamacpp() {  # needs: pip install -e '.[bench]'
+  OMP_NUM_THREADS=1 $PY benchmarks/llamacpp_side_by_side.py --workloads gsm8k-chain3,copy-agents:5 --limit 10 \
+    --copy-limit 1 --methods full,prefix,naive,cacheblend,epic,relay,kvcomm --json $R/llamacpp-side-by-side.json
+}
+
+tables() { $PY benchmarks/make_tables.py; }
+
+if [ $# -eq 0 ]; then set -- methods engine serving tier llamacpp tables; fi
+for step in "$@"; do "$step"; done

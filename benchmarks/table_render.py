@@ -63,8 +63,12 @@ def _bench_runs(names: Sequence[str]) -> tuple[dict, list[tuple[str, dict, dict]
     merged = docs[0] if len(docs) == 1 else merge_results(docs)
     runs = []
     for name, d in zip(names, docs, strict=True):
-        lanes = d.get("lanes") or [{"config": d["config"], "env": d["env"]}]
-        runs += [(name, lane["config"], lane["env"]) for lane in lanes]
+        if "lanes" in d:  # merged after the fact: each lane wrote its own file
+            stem = name.removesuffix(".json").removesuffix("-combined")
+            runs += [(f"{stem}-lane{lane['config']['offset']}.json", lane["config"], lane["env"])
+                     for lane in d["lanes"]]
+        else:
+            runs.append((name, d["config"], d["env"]))
     return merged, runs
 
 
