@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine import Engine
+from kvrelay.server.access import add_keyed_docs, check_metrics_access, docs_urls
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.chat_route import queue_chat
 from kvrelay.server.context import AppContext
@@ -61,6 +62,7 @@ class BodyLimit:
 class ServerSettings:
     method: str = "epic"
     api_keys: frozenset[str] = field(default_factory=frozenset)
+    metrics_key: str | None = None  # the bearer token /metrics needs (``server.access``)
     max_queue: int = 64
     max_running: int = 8
     max_body_bytes: int = 8 << 20
@@ -82,7 +84,8 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         finally:
             worker.stop()
 
-    app = FastAPI(title="kvrelay", lifespan=lifespan)
+    app = FastAPI(title="kvrelay", lifespan=lifespan, **docs_urls(settings.api_keys))
+    add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
     app.state.worker, app.state.catalog, app.state.metrics = worker, catalog, metrics
 
     # ------------------------------------------------------------------ errors: OpenAI's JSON, never a traceback
@@ -170,7 +173,8 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
         return {"status": "ok", "model": model_id, "method": settings.method, "running": worker.num_running}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        check_metrics_access(request, settings.api_keys, settings.metrics_key)  # every tenant's sums: the operator's
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

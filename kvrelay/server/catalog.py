@@ -7,8 +7,8 @@ also tells the index and the registry about every span the store evicts.
 
 from __future__ import annotations
 
-import itertools
 import re
+import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,8 +52,8 @@ class CallBuild:
     framing: list[tuple[int, int]] = field(default_factory=list)  # prompt ranges no later run may match
 
 
-# a published completion's span id says where its output starts: "span-<origin>-<n>-p<prompt tokens>"
-_OUTPUT_SPAN = re.compile(r"^span-[0-9a-f]+-\d+-p(\d+)$")
+# a published completion's span id says where its output starts: "span-<origin>-<random>-p<prompt tokens>"
+_OUTPUT_SPAN = re.compile(r"^span-[0-9a-f]+-[0-9a-f]+-p(\d+)$")
 
 
 class SpanCatalog:
@@ -67,13 +67,14 @@ class SpanCatalog:
         self.fingerprint = fingerprint
         self.index = TokenIndex(block_len=block_len)
         self.registry = OutputRegistry()
-        self._counter = itertools.count()
         # span ids are unique across processes: replicas on one shared tier must never overwrite each other
         self._origin = uuid.uuid4().hex[:12]
 
     def new_span_id(self, num_prompt_tokens: int | None = None) -> str:
-        """A span id unique across processes; a completion's says where its output starts."""
-        span_id = f"span-{self._origin}-{next(self._counter)}"
+        """A span id unique across processes; a completion's says where its output starts. Random per span, not a
+        count: a tenant that sees its own span ids (``kvrelay.debug``) must not learn from their gaps how many
+        completions other tenants got in between. Nothing orders spans by id (the index keeps its own order)."""
+        span_id = f"span-{self._origin}-{secrets.token_hex(8)}"
         return span_id if num_prompt_tokens is None else f"{span_id}-p{num_prompt_tokens}"
 
     def owns(self, namespace: str, span_id: str) -> bool:

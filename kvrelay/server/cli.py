@@ -35,6 +35,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="one API key per line; requests then need 'Authorization: Bearer <key>', and each key "
                         "gets its own cache namespace")
+    p.add_argument("--metrics-key", default=None, metavar="FILE",
+                   help="a file holding the bearer token /metrics then needs (for a Prometheus scrape job's "
+                        "credentials_file); with --api-keys and without it, /metrics is off, since it sums every "
+                        "tenant's traffic (docs/tenants.md)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
     p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
     p.add_argument("--store", default="memory",
@@ -64,6 +68,7 @@ def build_app(args: argparse.Namespace):
     from kvrelay.engine import Engine
     from kvrelay.flags import dataclass_from_args, load_model_from
     from kvrelay.reuse import get_method, split_method_specs
+    from kvrelay.server.access import read_metrics_key
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import MatchConfig, SpanCatalog
     from kvrelay.tier.tiered import open_store
@@ -76,6 +81,7 @@ def build_app(args: argparse.Namespace):
     for spec in (args.method, *extra_methods):
         get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
+    metrics_key = read_metrics_key(args.metrics_key)
     tenancy = dataclass_from_args(TenancyConfig, args)
     match = dataclass_from_args(MatchConfig, args)
     lm = load_model_from(args)
@@ -86,6 +92,7 @@ def build_app(args: argparse.Namespace):
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, match=match, decode=lm.tokenizer.decode)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running)
+    settings.metrics_key = metrics_key
     return create_app(engine, catalog, settings)
 
 
