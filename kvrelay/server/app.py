@@ -25,6 +25,7 @@ from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.chat_route import queue_chat
 from kvrelay.server.context import AppContext
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.openai_responses import responses_router
 from kvrelay.server.prompting import PromptBuild, completion_ids
 from kvrelay.server.protocol import (
     ApiError,
@@ -117,6 +118,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     # ------------------------------------------------------------------ helpers
     ctx = AppContext(worker, catalog, metrics, settings, tokenizer, model_id)
     app.state.context = ctx
+    app.include_router(responses_router(ctx))  # POST /v1/responses, GET/DELETE of stored responses
     namespace_of, check_common, make_job, next_event = ctx.namespace_of, ctx.check_common, ctx.make_job, \
         ctx.next_event
 
