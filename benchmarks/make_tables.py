@@ -1,11 +1,11 @@
 """BENCHMARKS.md's tables, regenerated from the result JSON each one names (no number typed by hand).
 
-BENCHMARKS.md holds hand-written text and, between ``<!-- table: KEY -->`` and ``<!-- /table -->``, tables this
-script writes. ``TABLES`` below says which JSON files in ``benchmarks/results/`` each table is made from; those files
-are the only results the tree keeps (``--files`` lists them).
+BENCHMARKS.md and docs/methods.md hold hand-written text and, between ``<!-- table: KEY -->`` and
+``<!-- /table -->``, tables this script writes. ``TABLES`` below says which JSON files in ``benchmarks/results/`` each
+table is made from; those files are the only results the tree keeps (``--files`` lists them).
 
-    python benchmarks/make_tables.py            # rewrite BENCHMARKS.md's tables in place
-    python benchmarks/make_tables.py --check    # exit 1 if BENCHMARKS.md differs from what the JSON gives
+    python benchmarks/make_tables.py            # rewrite the documents' tables in place
+    python benchmarks/make_tables.py --check    # exit 1 if a document differs from what the JSON gives
     python benchmarks/make_tables.py --files    # the JSON files the tables read
 """
 
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import table_render as render
 
-BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+DOCUMENTS = (BENCHMARKS_MD, ROOT / "docs" / "methods.md")
 BLOCK = re.compile(r"(<!-- table: (?P<key>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 BASELINES = {"full": "full", "prefix": "prefix", "naive": "naive", "cacheblend": "cacheblend", "epic": "epic"}
@@ -36,10 +38,11 @@ class Table:
 
     files: tuple[str, ...]
     make: Callable[[], str]
+    rows: dict[str, str] | None = None  # a method table's rows: method as the JSON names it -> label
 
 
 def _bench(files: tuple[str, ...], rows: dict[str, str]) -> Table:
-    return Table(files, lambda: render.bench_table(files, rows))
+    return Table(files, lambda: render.bench_table(files, rows), rows)
 
 
 def _one(name: str, fn: Callable[[str], str]) -> Table:
@@ -81,45 +84,67 @@ TABLES: dict[str, Table] = {
 }
 
 
+# docs/methods.md's overview: the shipped methods' rows of the per-workload tables above
+SUMMARY_ROWS = {
+    "smollm2-gsm8k-relay-anchors": ("naive", "relay", ANCHORS_TAU), "smollm2-gsm8k-epic": ("epic", "relay"),
+    "smollm2-humaneval": ("naive", "epic", "relay"),
+    "gemma3-gsm8k": ("naive", "cacheblend", "epic", GEMMA_GSM8K_ENTRY),
+    "gemma3-humaneval": ("naive", "epic", "relay", "relay_anchors")}
+SUMMARY = tuple((TABLES[key].files, {m: TABLES[key].rows[m] for m in methods}) for key, methods in SUMMARY_ROWS.items())
+TABLES["methods-summary"] = Table(tuple(f for files, _ in SUMMARY for f in files),
+                                  lambda: render.summary_table(SUMMARY))
+
+
 def result_files() -> list[str]:
     return sorted({name for table in TABLES.values() for name in table.files})
 
 
-def regenerate(text: str) -> str:
-    """``text`` with every table block rewritten from its JSON; an unknown key or a table never placed is an error."""
+def regenerate(text: str) -> tuple[str, set[str]]:
+    """``text`` with every table block rewritten from its JSON, and the keys of the blocks it holds."""
     seen: set[str] = set()
 
     def fill(m: re.Match) -> str:
         key = m["key"]
         if key not in TABLES:
-            raise SystemExit(f"BENCHMARKS.md names table {key!r}, which make_tables.py does not define")
+            raise SystemExit(f"a document names table {key!r}, which make_tables.py does not define")
         seen.add(key)
         return f"{m[1]}{TABLES[key].make()}\n{m[4]}"
 
-    out = BLOCK.sub(fill, text)
-    if missing := sorted(set(TABLES) - seen):
-        raise SystemExit(f"tables defined but not placed in BENCHMARKS.md: {', '.join(missing)}")
+    return BLOCK.sub(fill, text), seen
+
+
+def regenerate_all() -> dict[Path, tuple[str, str]]:
+    """Per document: (its text now, its text regenerated); every table must be placed in some document."""
+    out, placed = {}, set()
+    for path in DOCUMENTS:
+        text = path.read_text()
+        new, seen = regenerate(text)
+        out[path], placed = (text, new), placed | seen
+    if missing := sorted(set(TABLES) - placed):
+        raise SystemExit(f"tables defined but placed in no document: {', '.join(missing)}")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 if BENCHMARKS.md is not what the JSON gives")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a document is not what the JSON gives")
     mode.add_argument("--files", action="store_true", help="print the JSON files the tables read")
     args = parser.parse_args()
     if args.files:
         print("\n".join(result_files()))
         return
-    text = BENCHMARKS_MD.read_text()
-    new = regenerate(text)
-    if args.check:
-        if new != text:
+    stale = False
+    for path, (text, new) in regenerate_all().items():
+        if new == text:
+            continue
+        if args.check:
+            stale = True
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
-                                                       "BENCHMARKS.md", "generated"))
-            sys.exit(1)
-        return
-    BENCHMARKS_MD.write_text(new)
+                                                       path.name, "generated"))
+        else:
+            path.write_text(new)
+    sys.exit(1 if stale else 0)
 
 
 if __name__ == "__main__":

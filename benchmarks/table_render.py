@@ -75,11 +75,11 @@ def _bench_runs(names: Sequence[str]) -> tuple[dict, list[tuple[str, dict, dict]
 def bench_table(names: Sequence[str], rows: dict[str, str]) -> str:
     """Agent-mode rows of one model x workload. ``rows``: method as the JSON names it -> label shown (in order)."""
     d, runs = _bench_runs(names)
-    problems = sorted({c["problem_id"] for c in d["calls"]}, key=lambda p: int(re.findall(r"\d+", p)[-1]))
     commits = ", ".join(dict.fromkeys(env["commit"] for _, _, env in runs))
     machines = "; ".join(dict.fromkeys(env["machine"] for _, _, env in runs))
     warm = d.get("warm_problem_ids") or []
-    lines = [f"{d['model']}, {d['workload']}, {len(problems)} problems ({problems[0]} to {problems[-1]}), "
+    num_problems = len({c["problem_id"] for c in d["calls"]})
+    lines = [f"{d['model']}, {d['workload']}, {num_problems} problems ({_problem_range(d)}), "
              f"{d['results']['full']['n_calls']} downstream calls" + (f", pools warmed on {len(warm)} problems"
                                                                        if warm else "")
              + f"; {d['env']['device']}, {machines}; commit {commits}; {_files(names)}", "",
@@ -101,6 +101,28 @@ def bench_table(names: Sequence[str], rows: dict[str, str]) -> str:
     if specs:
         lines.append("Rows: " + "; ".join(specs) + ".")
     return "\n".join(lines)
+
+
+def _problem_range(d: dict) -> str:
+    problems = sorted({c["problem_id"] for c in d["calls"]}, key=lambda p: int(re.findall(r"\d+", p)[-1]))
+    return f"{problems[0]} to {problems[-1]}"
+
+
+def summary_table(groups: Sequence[tuple[Sequence[str], dict[str, str]]]) -> str:
+    """One row per method x model x workload, read from the same files as the per-workload tables."""
+    lines = ["| model | workload (problems) | method | speedup vs full | share of ideal | reuse | 1st-token agree | "
+             "KL(full‖m) | greedy@32 |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for names, rows in groups:
+        d, _ = _bench_runs(names)
+        for method, label in rows.items():
+            s = d["results"][method]
+            share = s["speedup_vs_full"] / s["ideal_speedup"]
+            lines.append(f"| {d['model']} | {d['workload']} ({_problem_range(d)}) | {label} | "
+                         f"{fmt(s['speedup_vs_full'], '.2f', '×')} | {share:.2f} | {fmt(s['reuse_rate'], '.3f')} | "
+                         f"{fmt(s['first_token_agreement'], '.2f')} | {fmt(s['kl_first_token'], '.4f')} | "
+                         f"{fmt(s['greedy_match_rate'], '.2f')} |")
+    files = [name for names, _ in groups for name in names]
+    return "\n".join([*lines, "", f"Files (in `benchmarks/results/`): {_files(files)}."])
 
 
 def copy_agents_table(names: Sequence[str], methods: Sequence[str]) -> str:
