@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -33,14 +33,12 @@ from kvrelay.engine.call import (
     shiftable,
     sync_device,
 )
+from kvrelay.engine.prefill import PrefillTask
 from kvrelay.errors import ConfigError
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import Sampler, SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method
-
-if TYPE_CHECKING:
-    from kvrelay.engine.prefill import PrefillTask
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +156,9 @@ class Engine:
               options: GenerateOptions | None = None, store: KVStore | None = None) -> PrefillTask:
         """``start`` as a task the caller advances a token budget at a time (chunked prefill, between other
         calls' decode steps); ``task.sequence()`` once it is done. A prompt that does not fit raises here."""
-        from kvrelay.engine.prefill import PrefillTask  # it builds Sequences: imported here, not at the top
-
         call = call if isinstance(call, CallInput) else CallInput(list(call))
         return PrefillTask(self, call, self.method(method), options or GenerateOptions(),
-                           self.store if store is None else store)
+                           self.store if store is None else store, Sequence)
 
     def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
               options: GenerateOptions | None = None, store: KVStore | None = None) -> Sequence:

@@ -44,8 +44,12 @@ def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | Non
 class PrefillTask:
     """One call's plan, reused-KV load and prefill, run a budget of prompt tokens at a time."""
 
-    def __init__(self, engine, call: CallInput, method: ReuseMethod, options, store: KVStore | None) -> None:
+    def __init__(self, engine, call: CallInput, method: ReuseMethod, options, store: KVStore | None,
+                 sequence_type: type) -> None:
+        """``engine``, ``options``, ``sequence_type``: the ``Engine``, its ``GenerateOptions`` and ``Sequence`` (this
+        module sits below the engine's)."""
         self.engine, self.call, self.method, self.options, self.store = engine, call, method, options, store
+        self._sequence_type = sequence_type
         self.total = check_fits(engine.lm, call.prompt_ids, options.num_new_tokens)  # refuse before any work
         self.ids = torch.tensor(call.prompt_ids, dtype=torch.long)
         self.plan: Plan | None = None
@@ -129,7 +133,6 @@ class PrefillTask:
 
     def sequence(self):
         """The running call once the prefill is done, its first token sampled: what ``Engine.start`` returns."""
-        from kvrelay.engine.engine import Sequence  # the engine module builds tasks: imported here, not above
         if not self.done or self.cache is None:
             raise RuntimeError("the prefill is not done (advance it first) or was cancelled")
         engine, lm, call, plan, result = self.engine, self.engine.lm, self.call, self.plan, self._result
@@ -147,7 +150,7 @@ class PrefillTask:
             idx = torch.cat([i for i, _ in pieces])
             if idx.numel() == len(self.ids):
                 prompt_hidden[layer] = torch.cat([h for _, h in pieces])
-        seq = Sequence(call, self.method, self.options, plan, self.cache, Sampler(self.options.sampling),
+        seq = self._sequence_type(call, self.method, self.options, plan, self.cache, Sampler(self.options.sampling),
                        result.logits, stats, prompt_hidden=prompt_hidden)
         if self.options.forced_output_ids is not None:
             engine._force(seq)

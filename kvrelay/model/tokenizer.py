@@ -64,12 +64,17 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (e.g. <|im_start|>) are parsed."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self._encoding(text).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """``encode`` plus each token's (start, end) character range in ``text``."""
-        enc = self.backend.encode(text, add_special_tokens=False)
+        enc = self._encoding(text)
         return enc.ids, [tuple(o) for o in enc.offsets]
+
+    def _encoding(self, text: str):
+        # ``encode_batch`` releases the GIL while it runs (``encode`` holds it): a huge text tokenized on a
+        # server's request thread does not freeze the engine thread
+        return self.backend.encode_batch([text], add_special_tokens=False)[0]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

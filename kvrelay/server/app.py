@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine import Engine
+from kvrelay.errors import ConfigError
 from kvrelay.server.access import add_keyed_docs, check_metrics_access, docs_urls
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.chat_route import queue_chat
@@ -35,28 +36,50 @@ from kvrelay.server.protocol import (
     validation_message,
 )
 from kvrelay.server.responses import Reply, error_of, stream_error_chunk
-from kvrelay.server.scheduler import EngineWorker, Job
+from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, EngineWorker, Job
 
 log = logging.getLogger("kvrelay.server")
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """The body passed the limit while it arrived (the app's HTTP error handler answers it: a 413)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body of more than {max_bytes} bytes is over the limit of {max_bytes} bytes")
+
+
 class BodyLimit:
-    """413 for a request whose Content-Length is over the limit. Plain ASGI, not ``@app.middleware``:
-    that wrapper hides the client's disconnect from the handlers, which must see it to cancel."""
+    """413 for a request body over the limit: at once from its Content-Length, else (a chunked body, or one whose
+    length was not given) as soon as the bytes received pass the limit, without reading the rest. Plain ASGI,
+    not ``@app.middleware``: that wrapper hides the client's disconnect from the handlers, which must see it to
+    cancel."""
 
     def __init__(self, app, max_bytes: int, metrics: ServerMetrics) -> None:
         self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            size = dict(scope["headers"]).get(b"content-length", b"")
-            if size.isdigit() and int(size) > self.max_bytes:
-                self.metrics.errors.labels("413").inc()
-                response = error_response(413, f"request body of {int(size)} bytes is over the limit of "
-                                               f"{self.max_bytes} bytes", code="request_too_large")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = dict(scope["headers"]).get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.max_bytes:
+            self.metrics.errors.labels("413").inc()
+            response = error_response(413, f"request body of {int(size)} bytes is over the limit of "
+                                           f"{self.max_bytes} bytes", code="request_too_large")
+            await response(scope, receive, send)
+            return
+        num_bytes = 0
+
+        async def counted_receive() -> dict:
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 @dataclass
@@ -68,12 +91,20 @@ class ServerSettings:
     max_running: int = 8
     max_body_bytes: int = 8 << 20
     default_max_tokens: int = 256  # chat requests without max_tokens (bounded by the context)
+    # prompt tokens prefilled per turn between two decode steps of the running batch (chunked prefill): a long
+    # prompt delays each running stream's next token by one such piece at most
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 1:
+            raise ConfigError(f"--prefill-chunk-tokens must be an integer >= 1, got {self.prefill_chunk_tokens!r}")
 
 
 def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics()
     metrics.store_budget_bytes.set(catalog.store.budget_bytes)
-    worker = EngineWorker(engine, catalog, metrics, settings.max_queue, settings.max_running)
+    worker = EngineWorker(engine, catalog, metrics, settings.max_queue, settings.max_running,
+                          settings.prefill_chunk_tokens)
     tokenizer = engine.lm.tokenizer
     model_id = engine.lm.name
 
@@ -104,7 +135,8 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.errors.labels(str(exc.status_code)).inc()
-        code = {404: "not_found", 400: "invalid_value"}.get(exc.status_code)  # 400: a body JSON cannot read
+        # 400: a body JSON cannot read; 413: a body that passed the limit while it arrived (BodyLimit)
+        code = {404: "not_found", 400: "invalid_value", 413: "request_too_large"}.get(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error", code=code)
 
     @app.exception_handler(Exception)

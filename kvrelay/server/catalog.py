@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ class SpanCatalog:
         self.fingerprint = fingerprint
         self.index = TokenIndex(block_len=block_len)
         self.registry = OutputRegistry()
+        # the server tokenizes and matches requests on threads of their own while the engine thread publishes:
+        # the index and the pins a lookup takes change under one lock (the store and the registry have their own)
+        self._lock = threading.RLock()
         # span ids are unique across processes: replicas on one shared tier must never overwrite each other
         self._origin = uuid.uuid4().hex[:12]
 
@@ -90,19 +94,21 @@ class SpanCatalog:
             framing: list[tuple[int, int]] | tuple[()] = ()) -> list[str]:
         """Store ``span`` in ``namespace`` (the store evicts only that namespace's spans to fit; a
         StoreFullError stores nothing) and index its tokens, the ``framing`` ranges left unmatchable."""
-        evicted = self.store.put(span_id, span, pin, namespace)
-        for victim in (*evicted, *self.store.take_reclaimed()):  # expired namespaces' spans too
-            self._forget(victim)
-        self.index.add(span_id, span.token_ids, namespace, framing)
-        return evicted
+        with self._lock:
+            evicted = self.store.put(span_id, span, pin, namespace)
+            for victim in (*evicted, *self.store.take_reclaimed()):  # expired namespaces' spans too
+                self._forget(victim)
+            self.index.add(span_id, span.token_ids, namespace, framing)
+            return evicted
 
     def register(self, output: RegisteredOutput) -> bool:
         return self.registry.add(output)
 
     def drop(self, namespace: str, span_id: str) -> None:
-        if self.store.contains(span_id, namespace):
-            self.store.remove(span_id, namespace)
-        self._forget(span_id)
+        with self._lock:
+            if self.store.contains(span_id, namespace):
+                self.store.remove(span_id, namespace)
+            self._forget(span_id)
 
     def _forget(self, span_id: str) -> None:
         self.index.remove(span_id)
@@ -112,6 +118,10 @@ class SpanCatalog:
     def build_call(self, prompt: PromptBuild, namespace: str, agent: str, role: str = "") -> CallBuild:
         """The call with its SpanRefs: quoted outputs (kind "output"), then the exact prefix, then the
         longest runs shared with stored spans (kind "input"); the spans they read are pinned."""
+        with self._lock:
+            return self._build_call(prompt, namespace, agent, role)
+
+    def _build_call(self, prompt: PromptBuild, namespace: str, agent: str, role: str) -> CallBuild:
         ids = prompt.ids
         refs: list[SpanRef] = []
         covered: list[tuple[int, int]] = []
@@ -143,6 +153,11 @@ class SpanCatalog:
         call (none without a tier), and register their completions; a hit on one is fetched when the
         tier's cost model says it pays. The server calls it once per request, before building the prompt."""
         published = self.store.poll_published(namespace, self.fingerprint)
+        with self._lock:
+            self._learn(namespace, published)
+        return len(published)
+
+    def _learn(self, namespace: str, published: list) -> None:
         for p in published:
             if p.start_pos != 0:
                 continue
@@ -152,13 +167,13 @@ class SpanCatalog:
                 output_ids = tuple(p.token_ids[int(m[1]):])
                 self.registry.add(RegisteredOutput(self.decode(list(output_ids)), output_ids, p.span_id, int(m[1]),
                                                    namespace))
-        return len(published)
 
     def unpin(self, built: CallBuild) -> None:
-        for span_id in built.pinned:
-            if self.store.contains(span_id, built.namespace) and self.store.is_pinned(span_id, built.namespace):
-                self.store.unpin(span_id, built.namespace)
-        built.pinned = []
+        with self._lock:
+            for span_id in built.pinned:
+                if self.store.contains(span_id, built.namespace) and self.store.is_pinned(span_id, built.namespace):
+                    self.store.unpin(span_id, built.namespace)
+            built.pinned = []
 
 
 def _framing(content_ranges: list[tuple[int, int]], num_tokens: int) -> list[tuple[int, int]]:

@@ -17,6 +17,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.flags import add_dataclass_flags, add_model_flags
     from kvrelay.server.catalog import MatchConfig
+    from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
     from kvrelay.weights.loader import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
@@ -41,6 +42,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "tenant's traffic (docs/tenants.md)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
     p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
+                   help="prompt tokens prefilled between two decode steps of the running requests (chunked "
+                        f"prefill: a long prompt delays the others' next token by one such piece; default "
+                        f"{DEFAULT_PREFILL_CHUNK_TOKENS})")
     p.add_argument("--store", default="memory",
                    help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
                         "replicas on the same tier reuse each other's spans (credentials are never printed)")
@@ -91,7 +96,7 @@ def build_app(args: argparse.Namespace):
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, match=match, decode=lm.tokenizer.decode)
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
-                              max_running=args.max_running)
+                              max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens)
     settings.metrics_key = metrics_key
     return create_app(engine, catalog, settings)
 

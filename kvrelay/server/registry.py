@@ -7,6 +7,7 @@ re-tokenizing), so that the upstream's decode KV matches token for token. No tor
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -39,6 +40,9 @@ class OutputRegistry:
         self._by_key: dict[tuple[str, str], OrderedDict[str, RegisteredOutput]] = {}
         self._by_span: dict[str, list[RegisteredOutput]] = {}
         self._count: dict[str, int] = {}  # namespace -> entries
+        # requests are matched on threads of their own while the engine thread registers and evicts: changes and
+        # the snapshot of one key's holders are taken under this lock (a lookup per offset holds it only then)
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_span.values())
@@ -47,6 +51,11 @@ class OutputRegistry:
         """Register ``output``; False (nothing registered) for texts too short to be told apart."""
         if len(output.text) < self.min_chars or len(output.output_ids) < self.min_tokens:
             return False
+        with self._lock:
+            self._add(output)
+        return True
+
+    def _add(self, output: RegisteredOutput) -> None:
         key = (output.namespace, output.text[: self.key_chars])
         holders = self._by_key.setdefault(key, OrderedDict())
         old = holders.pop(output.text, None)
@@ -55,10 +64,13 @@ class OutputRegistry:
         holders[output.text] = output  # the newest registration of a text wins
         self._by_span.setdefault(output.span_id, []).append(output)
         self._count[output.namespace] = self._count.get(output.namespace, 0) + 1
-        return True
 
     def remove_span(self, span_id: str) -> None:
         """Forget every output whose KV lives in ``span_id`` (the span was evicted)."""
+        with self._lock:
+            self._remove_span(span_id)
+
+    def _remove_span(self, span_id: str) -> None:
         for output in list(self._by_span.get(span_id, [])):
             key = (output.namespace, output.text[: self.key_chars])
             holders = self._by_key.get(key)
@@ -86,7 +98,9 @@ class OutputRegistry:
             holders = self._by_key.get((namespace, content[i : i + k]))
             if not holders:
                 continue
-            for text, output in holders.items():
+            with self._lock:
+                holders = list(holders.items())
+            for text, output in holders:
                 if content.startswith(text, i):
                     hits.append(TextHit(i, i + len(text), output))
         chosen: list[TextHit] = []

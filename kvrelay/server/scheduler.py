@@ -1,10 +1,18 @@
 """The engine worker: one thread owns the engine and runs schedule -> run -> postprocess.
 
-Each turn it (1) drops requests whose clients went away, (2) admits the oldest waiting request
-(tokenize, match against the store, plan, reused-KV load, prefill, first token: one prefill between
-decode steps, so running streams never stall for long), (3) runs one batched ``engine.step`` for all
-running requests, and (4) hands tokens back to the asyncio side through the request's ``emit``
-callback (``loop.call_soon_threadsafe``). The queue is FIFO and bounded; a full queue is a 429.
+Each turn it (1) drops requests whose clients went away, (2) admits waiting requests while fewer than
+``max_running`` are prefilling or decoding, (3) advances their prefills within a token budget
+(``prefill_chunk_tokens``; chunked prefill, as vLLM and SGLang schedule: a long prompt runs in pieces
+between decode steps, so it never stalls the running streams for more than one piece), (4) runs one
+batched ``engine.step`` for all running requests, and (5) hands tokens back to the asyncio side through
+the request's ``emit`` callback (``loop.call_soon_threadsafe``). The queue is FIFO and bounded; a full
+queue is a 429.
+
+Tokenizing and matching a request (``prepare``) is the costly part of admission that needs no model: the
+server runs it on a thread of its own before ``submit`` (the tokenizer releases the GIL), so a huge body
+never holds the engine thread. The prefill budget goes to the request with the fewest tokens left first
+(a short request is not held behind a long one's pieces); one that got no budget for
+``_MAX_SKIPPED_TURNS`` turns goes first, so a long prompt is never starved.
 """
 
 from __future__ import annotations
@@ -14,14 +22,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, Sequence
+from kvrelay.engine.prefill import PrefillTask
 from kvrelay.errors import KvRelayError, StoreFullError
-from kvrelay.model.sampling import SamplingConfig
+from kvrelay.model.sampling import SamplingConfig, SamplingError
 from kvrelay.server.catalog import CallBuild, SpanCatalog
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
@@ -30,6 +40,9 @@ from kvrelay.server.registry import RegisteredOutput
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, encode_logprobs, token_logprobs
 
 log = logging.getLogger("kvrelay.server")
+DEFAULT_PREFILL_CHUNK_TOKENS = 512  # prompt tokens prefilled per turn, between two decode steps
+_MAX_SKIPPED_TURNS = 4  # a prefill that got no budget this many turns goes first
+_PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
 
 
 @dataclass
@@ -61,6 +74,9 @@ class Job:
     # worker state
     seq: Sequence | None = None
     built: CallBuild | None = None
+    sampling: SamplingConfig | None = None  # set by ``prepare``
+    task: PrefillTask | None = None  # while its prefill runs
+    num_skipped_turns: int = 0  # turns its prefill got no budget
     matcher: StopMatcher | None = None
     decoder: IncrementalDecoder | None = None
     logprobs: list[dict] = field(default_factory=list)
@@ -85,15 +101,24 @@ class _RecordingSampler:
 
 class EngineWorker:
     def __init__(self, engine: Engine, catalog: SpanCatalog, metrics: ServerMetrics, max_queue: int = 64,
-                 max_running: int = 8) -> None:
+                 max_running: int = 8, prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
+        """``max_running``: requests prefilling or decoding at once; ``prefill_chunk_tokens``: prompt tokens
+        prefilled per turn, between two decode steps."""
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.engine, self.catalog, self.metrics = engine, catalog, metrics
         self.max_queue, self.max_running = max_queue, max_running
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.tokenizer = engine.lm.tokenizer
         self.context_tokens = engine.lm.config.max_position_embeddings
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
+        self._prefilling: list[Job] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self._paused = False
+        self._num_preparing = 0  # submitted jobs still being tokenized and matched (they count as queued)
+        self._prepare_pool = ThreadPoolExecutor(max_workers=_PREPARE_THREADS, thread_name_prefix="kvrelay-prepare")
         self._thread = threading.Thread(target=self._loop, name="kvrelay-engine", daemon=True)
 
     # ------------------------------------------------------------------ asyncio side
@@ -104,18 +129,82 @@ class EngineWorker:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=30)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if self._thread.ident is not None:  # a worker driven turn by turn (``run_turn``) never started its thread
+            self._thread.join(timeout=30)
+
+    def pause(self) -> None:
+        """Debug hook: the worker finishes its turn and runs no other until ``resume`` (requests still queue,
+        and a full queue is still a 429). Tests use it to make requests overlap for sure."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def prepare(self, job: Job) -> None:
+        """Tokenize and match ``job`` (its ``build``, the catalog's lookup; the spans it reads get pinned): the part
+        of admission that needs no model. The server runs it off the engine thread before ``submit``; a job
+        submitted unprepared is prepared at admission. Raises ApiError for a prompt that cannot be served."""
+        prompt, agent = job.build()
+        n = len(prompt.ids)
+        room = self.context_tokens - n
+        if n == 0:
+            raise ApiError(400, "the prompt is empty", param="messages", code="empty_prompt")
+        if room < 1 or (job.max_tokens is not None and job.max_tokens > room):
+            raise ApiError(400, f"the prompt has {n} tokens and asks for up to {job.max_tokens or 1} new ones, "
+                           f"over the model's context of {self.context_tokens} tokens",
+                           param="messages", code="context_length_exceeded")
+        max_tokens = job.max_tokens or min(job.default_max_tokens, room)
+        job.sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
+        job.built = self.catalog.build_call(prompt, job.namespace, agent, job.role)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (FIFO); a full queue is an ApiError 429."""
+        """Queue ``job``; a full queue is an ApiError 429. An unprepared job is prepared on the worker's prepare
+        threads first (its errors arrive as error events), then joins the queue (FIFO from there)."""
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + self._num_preparing >= self.max_queue:
+                self._release(job)
                 self.metrics.rejected.inc()
                 raise ApiError(429, f"the server queue is full ({self.max_queue} waiting requests); retry later",
                                "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-            self._waiting.append(job)
-            self.metrics.queue_depth.set(len(self._waiting))
-            self._cond.notify_all()
+            if job.built is None:
+                self._num_preparing += 1
+            else:
+                self._queue(job)
+                return
+        self._prepare_pool.submit(self._prepare_then_queue, job)
+
+    def _queue(self, job: Job) -> None:  # holding ``_cond``
+        self._waiting.append(job)
+        self.metrics.queue_depth.set(len(self._waiting))
+        self._cond.notify_all()
+
+    def _prepare_then_queue(self, job: Job) -> None:
+        """On a prepare thread: tokenize and match, then queue; a request that cannot be served is answered here."""
+        try:
+            if not job.cancelled.is_set():
+                self.prepare(job)
+        except ApiError as exc:
+            job.emit({"type": "error", "status": exc.status, "message": exc.message, "param": exc.param,
+                      "code": exc.code})
+        except KvRelayError as exc:
+            job.emit({"type": "error", "status": 400, "message": str(exc), "param": None, "code": "invalid_value"})
+        except Exception:
+            log.exception("preparing a request failed")
+            job.emit({"type": "error", "status": 500, "message": "internal error while starting this request",
+                      "param": None, "code": "internal_error"})
+        else:
+            with self._cond:
+                if job.cancelled.is_set():
+                    self._release(job)
+                else:
+                    self._queue(job)
+        finally:
+            with self._cond:
+                self._num_preparing -= 1
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop it from the queue, or stop it at the next step (its KV is freed)."""
@@ -123,6 +212,7 @@ class EngineWorker:
         with self._cond:
             if job in self._waiting:
                 self._waiting.remove(job)
+                self._release(job)
                 self.metrics.queue_depth.set(len(self._waiting))
                 self.metrics.cancelled.inc()
             self._cond.notify_all()
@@ -131,73 +221,87 @@ class EngineWorker:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_prefilling(self) -> int:
+        return len(self._prefilling)
+
     # ------------------------------------------------------------------ the worker thread
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and (self._paused or not (self._waiting or self._running
+                                                                   or self._prefilling)):
                     self._cond.wait()
                 if self._stopping:
                     break
-                job = self._waiting.popleft() if self._waiting and len(self._running) < self.max_running else None
-                self.metrics.queue_depth.set(len(self._waiting))
-            try:
-                self._turn(job)
-            except Exception:  # a bug must not kill the worker: fail what is running, keep serving
-                log.exception("engine worker turn failed")
-                for failed in list(self._running) + ([job] if job is not None and job not in self._running else []):
-                    self._fail(failed, 500, "internal error in the engine worker", "internal_error")
-        for job in list(self._running) + list(self._waiting):
+            self.run_turn()
+        for job in list(self._running) + list(self._prefilling) + list(self._waiting):
             self._fail(job, 503, "the server is shutting down", "shutting_down")
 
-    def _turn(self, job: Job | None) -> None:
+    def run_turn(self) -> None:
+        """One turn: admit, prefill within the budget, one decode step, finish. The worker thread loops on it; a
+        test may drive a worker it never started turn by turn."""
+        with self._cond:
+            jobs = []
+            while self._waiting and len(self._running) + len(self._prefilling) + len(jobs) < self.max_running:
+                jobs.append(self._waiting.popleft())
+            self.metrics.queue_depth.set(len(self._waiting))
+        try:
+            self._turn(jobs)
+        except Exception:  # a bug must not kill the worker: fail what is running, keep serving
+            log.exception("engine worker turn failed")
+            for failed in list(self._running) + list(self._prefilling) + [j for j in jobs if j.seq is None
+                                                                          and j.task is None]:
+                self._fail(failed, 500, "internal error in the engine worker", "internal_error")
+
+    def _turn(self, jobs: list[Job]) -> None:
         for running in list(self._running):
             if running.cancelled.is_set():
                 self._finish(running, client_gone=True)
-        if job is not None and not job.cancelled.is_set():
-            self._admit(job)
+        for job in list(self._prefilling):
+            if job.cancelled.is_set():
+                self._drop_prefill(job)
+        for job in jobs:
+            if job.cancelled.is_set():
+                self._release(job)
+            else:
+                self._admit(job)
+        self._prefill(self.prefill_chunk_tokens)
         live = [j for j in self._running if not j.seq.done]
         if live:
             tokens = self.engine.step([j.seq for j in live])
             self.metrics.decode_batch.observe(len(live))
             for j, token in zip(live, tokens, strict=True):
                 if token is not None:
-                    self._emit_text(j)
+                    self._contained(j, self._emit_text)
         for j in list(self._running):
-            if j.seq.done:
-                self._finish(j)
+            if j.seq.error is not None:  # its sampling or forward failed in the step: it alone fails
+                self._fail(j, 500, _engine_failure_message(j.seq.error), "internal_error")
+            elif j.seq.done:
+                self._contained(j, self._finish)
         self.metrics.running.set(len(self._running))
-        self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running))
+        self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running)
+                                           + sum(_cache_bytes(j.task) for j in self._prefilling))
         self.metrics.observe_store(self.catalog.store)
 
     def _admit(self, job: Job) -> None:
-        """Start ``job`` and add it to the decode batch. A bug it meets fails it alone (a 500); the
-        requests already running go on."""
+        """Start ``job``'s prefill (preparing it first if the server did not). A bug it meets fails it alone
+        (a 500); the requests already running go on."""
         try:
             if self._start(job):
-                self._begin(job)
+                self._prefilling.append(job)
         except Exception:
             log.exception("starting a request failed")
             self._fail(job, 500, "internal error while starting this request", "internal_error")
 
     def _start(self, job: Job) -> bool:
-        """Build, match, plan and prefill: True when its sequence started, False when it was answered an error."""
+        """Prepare (if not yet) and begin its prefill: True when it began, False when it was answered an error."""
         try:
-            prompt, agent = job.build()
-            n = len(prompt.ids)
-            room = self.context_tokens - n
-            if n == 0:
-                raise ApiError(400, "the prompt is empty", param="messages", code="empty_prompt")
-            if room < 1 or (job.max_tokens is not None and job.max_tokens > room):
-                raise ApiError(400, f"the prompt has {n} tokens and asks for up to {job.max_tokens or 1} new ones, "
-                               f"over the model's context of {self.context_tokens} tokens",
-                               param="messages", code="context_length_exceeded")
-            max_tokens = job.max_tokens or min(job.default_max_tokens, room)
-            sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
-            job.built = self.catalog.build_call(prompt, job.namespace, agent, job.role)
-            job.seq = self.engine.start(job.built.call, job.method, GenerateOptions(
-                sampling, keep_cache=True, logits_mask=job.constraint.new_mask() if job.constraint else None),
-                                        store=self.catalog.view(job.namespace))
+            if job.built is None:
+                self.prepare(job)
+            job.task = self.engine.begin(job.built.call, job.method, GenerateOptions(
+                job.sampling, keep_cache=True, logits_mask=job.constraint.new_mask() if job.constraint else None),
+                                         store=self.catalog.view(job.namespace))
         except ApiError as exc:
             self._release(job)
             job.emit({"type": "error", "status": exc.status, "message": exc.message, "param": exc.param,
@@ -209,8 +313,42 @@ class EngineWorker:
             return False
         return True
 
+    def _prefill(self, budget_tokens: int) -> None:
+        """Advance the prefills within this turn's budget of prompt tokens: the fewest tokens left first, one
+        skipped ``_MAX_SKIPPED_TURNS`` turns before all. A finished one joins the decode batch, its first token out
+        at once. A request whose prefill fails is failed alone."""
+        order = sorted(self._prefilling, key=lambda j: (j.num_skipped_turns < _MAX_SKIPPED_TURNS,
+                                                        j.task.num_remaining_tokens))
+        for job in order:
+            if budget_tokens <= 0:
+                job.num_skipped_turns += 1
+                continue
+            job.num_skipped_turns = 0
+            try:
+                budget_tokens -= job.task.advance(budget_tokens)
+                if job.task.done:
+                    job.seq = job.task.sequence()
+                    job.task = None
+                    self._prefilling.remove(job)
+                    self._begin(job)
+            except (ApiError, KvRelayError) as exc:
+                status, code = (exc.status, exc.code) if isinstance(exc, ApiError) else (400, "invalid_value")
+                message = exc.message if isinstance(exc, ApiError) else str(exc)
+                self._fail(job, status, message, code)
+            except Exception:
+                log.exception("prefilling a request failed")
+                self._fail(job, 500, "internal error while starting this request", "internal_error")
+
+    def _drop_prefill(self, job: Job) -> None:
+        """The client went away while its prompt was prefilling: its KV is freed, nothing is published."""
+        self._prefilling.remove(job)
+        job.task.cancel()
+        job.task = None
+        self._release(job)
+        self.metrics.cancelled.inc()
+
     def _begin(self, job: Job) -> None:
-        """The admitted request joins the decode batch: its metrics, stop matcher, logprobs, first token out."""
+        """The prefilled request joins the decode batch: its metrics, stop matcher, logprobs, first token out."""
         self._running.append(job)  # first: a failure below then finishes its sequence in ``_fail``
         job.first_token_s = time.perf_counter()
         self.metrics.ttft.observe(job.first_token_s - job.created_s)
@@ -314,7 +452,20 @@ class EngineWorker:
         if job.built is not None:
             self.catalog.unpin(job.built)
 
+    def _contained(self, job: Job, handle: Callable[[Job], None]) -> None:
+        """Run one request's post-processing (text out, finish); a bug it meets fails that request alone."""
+        try:
+            handle(job)
+        except Exception:
+            log.exception("serving one request failed")
+            self._fail(job, 500, "internal error while serving this request", "internal_error")
+
     def _fail(self, job: Job, status: int, message: str, code: str) -> None:
+        if job in self._prefilling:
+            self._prefilling.remove(job)
+        if job.task is not None:
+            job.task.cancel()
+            job.task = None
         if job in self._running:
             self._running.remove(job)
             if job.seq is not None:
@@ -322,6 +473,13 @@ class EngineWorker:
                 self.engine.finish(job.seq).cache = None
         self._release(job)
         job.emit({"type": "error", "status": status, "message": message, "param": None, "code": code})
+
+
+def _engine_failure_message(error: Exception) -> str:
+    """What a client is told when its sequence failed in a decode step: the sampler's own words (they name no
+    server internals), otherwise nothing of the exception."""
+    reason = f": {error}" if isinstance(error, SamplingError) else ""
+    return f"generation failed for this request{reason}; other requests were not affected"
 
 
 def _ids_of_text(tokenizer, output_ids: list[int], text: str) -> list[int] | None:
@@ -332,7 +490,7 @@ def _ids_of_text(tokenizer, output_ids: list[int], text: str) -> list[int] | Non
     return None
 
 
-def _cache_bytes(seq: Sequence | None) -> int:
-    if seq is None or seq.cache is None:
+def _cache_bytes(holder: Sequence | PrefillTask | None) -> int:
+    if holder is None or holder.cache is None:
         return 0
-    return sum(t.numel() * t.element_size() for t in seq.cache.storages)
+    return sum(t.numel() * t.element_size() for t in holder.cache.storages)

@@ -75,3 +75,72 @@ def test_a_request_that_breaks_while_it_is_started_fails_alone(monkeypatch, wher
     assert good.events[-1]["type"] == "done" and good.events[-1]["num_completion_tokens"] == GOOD_TOKENS
     assert worker.num_running == 0
     assert worker.metrics.registry.get_sample_value("kvrelay_sequence_kv_bytes") == 0  # the failed one's KV too
+
+
+def _prepared(worker: EngineWorker, ids: list[int], emit, max_tokens: int, method: str = "full") -> Job:
+    job = Job(lambda: (PromptBuild(ids, []), "agent"), "ns", method, max_tokens, max_tokens, 0.0, 1.0, 0, [], None,
+              False, emit)
+    worker.prepare(job)  # what the server's prepare threads do before the queue
+    return job
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny")
+
+
+def _worker(lm, chunk_tokens: int) -> EngineWorker:
+    store = KVStore(1 << 28)
+    return EngineWorker(Engine(lm, store), SpanCatalog(store, lm.fingerprint), ServerMetrics(),
+                        prefill_chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize("method", ["full", "epic"])
+def test_a_long_prompt_prefills_in_chunks_while_the_running_request_decodes_every_turn(tiny, method):
+    """Driven turn by turn (no thread, no timing): while a long prompt prefills, the running request gets one
+    token per turn, and a short request sent meanwhile is prefilled in its first turn, ahead of the long one."""
+    chunk = 64
+    worker = _worker(tiny, chunk)
+    running = _prepared(worker, tiny.tokenizer.encode("a prompt that decodes for a while"), _Events(), 200, method)
+    worker.submit(running)
+    worker.run_turn()
+    assert running.seq is not None and worker.num_running == 1
+    long_ids = tiny.tokenizer.encode("word " * 600)
+    long = _prepared(worker, long_ids, _Events(), 4, method)
+    worker.submit(long)
+    num_turns = 0
+    short = None
+    while long.seq is None:
+        before = len(running.seq.output_ids)
+        worker.run_turn()
+        num_turns += 1
+        assert len(running.seq.output_ids) == before + 1  # a decode token in every turn of the long prefill
+        if num_turns == 2:  # mid-prefill: a short request arrives
+            short = _prepared(worker, tiny.tokenizer.encode("short one"), _Events(), 4, method)
+            worker.submit(short)
+        if num_turns == 3:
+            assert short.seq is not None and long.seq is None  # the short one went first, the long one goes on
+    assert num_turns >= len(long_ids) // chunk  # it really ran in pieces of the budget
+    assert long.seq.stats.num_prefill_chunks >= len(long_ids) // chunk
+    assert long.seq.stats.num_prompt_tokens == len(long_ids)
+    while worker.num_running:
+        worker.run_turn()
+    assert long.emit.events[-1]["type"] == "done" and short.emit.events[-1]["type"] == "done"
+    assert running.emit.events[-1]["num_completion_tokens"] == 200
+    worker.stop()
+
+
+def test_a_prefill_starved_by_short_requests_goes_first_after_a_few_turns(tiny):
+    """Short requests keep using the whole budget: the long prompt still advances every few turns."""
+    worker = _worker(tiny, 8)
+    worker.max_running = 64
+    long = _prepared(worker, tiny.tokenizer.encode("word " * 40), _Events(), 2)
+    worker.submit(long)
+    progress = []
+    for turn in range(12):
+        for _ in range(2):  # two fresh 5-token prompts per turn: more than the budget of 8
+            worker.submit(_prepared(worker, tiny.tokenizer.encode(f"s{turn} x y"), _Events(), 1))
+        worker.run_turn()
+        progress.append(long.task.num_remaining_tokens if long.task is not None else 0)
+    assert progress[-1] < progress[0]  # it was never starved for good
+    worker.stop()
