@@ -106,7 +106,7 @@ class RKSCMethod(ReuseMethod):
     batch_decode: bool = True
     skip_top: float = 0.70  # CGEE (a): skip the verifier when the top branch confidence is >= this ...
     skip_gap: float = 0.06  # ... and leads the second by >= this
-    # CGEE (b) defaults from benchmarks/calibrate_cgee.py on 8 GSM8K *train* problems (64 verifier calls):
+    # CGEE (b) defaults from research/calibrate_cgee.py on 8 GSM8K *train* problems (64 verifier calls):
     # on SmolLM2-135M no intermediate layer's yes/no verdict is reliable, so the only setting with a
     # per-call error <= 1% there is one that (almost) never exits. BENCHMARKS.md shows a bolder one.
     exit_theta: float = 0.25  # exit once next-token entropy < theta nats (0 = never exit) ...

@@ -42,7 +42,7 @@ ENTER_AT, BELOW_TOP = "enter_at", "end_below_top"
 BAND_KNOBS = (AT_START, ENTER_AT, BELOW_TOP)
 # (ENTER_AT, BELOW_TOP, top_r, prune, drift) of the candidates with a band of their own: with a budget, also with
 # the drift correction at half the recomputed tokens' move (on Gemma 3's GSM8K train calls it is what keeps the
-# continuation's copy of a span: BENCHMARKS.md, "Session 25")
+# continuation's copy of a span)
 BAND_FAMILY = tuple((s, b, r, p, d) for s in (2, 3, 4) for b in (4, 6)
                     for r, p, d in ((0.0, None, None), (0.3, 0.25, None), (0.4, 0.25, None),
                                     (0.3, 0.25, 0.5), (0.4, 0.25, 0.5)))
@@ -65,12 +65,12 @@ SELECTOR_CANDIDATES: tuple[dict, ...] = (
     *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": p, "pre_dense": True, **d}
       for r, n, p in ((0.3, 6, 0.1), (0.2, 8, 0.1), (0.25, 8, 0.1), (0.25, 8, 0.15)) for d in ({}, {"drift": 0.35})),
     # two of them admitting a span's early tokens first (``position_prior`` beside the influence): on SmolLM2's
-    # GSM8K train calls it lowered the continuation's KL (BENCHMARKS.md, session 27)
+    # GSM8K train calls it lowered the continuation's KL
     *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": 0.1, "pre_dense": True, "pos_prior": 1.0, **d}
       for r, n in ((0.3, 6), (0.25, 8)) for d in ({}, {"drift": 0.35})),
     # the same two admitting first the span tokens that read most, where they were stored, of the context they no
     # longer have (``away_mass``): on SmolLM2's GSM8K train calls it ranks the tokens whose keys move most better
-    # than the influence does (BENCHMARKS.md, session 29)
+    # than the influence does (``research/relay_oracle_signals.py``)
     *({AT_START: True, "top_r": r, "l_pre": n, "l_suf": 0, "prune": 0.1, "pre_dense": True, "away": 3.0, **d}
       for r, n in ((0.3, 6), (0.25, 8)) for d in ({}, {"drift": 0.35})),
     # a band of their own (``ENTER_AT``, ``BELOW_TOP``): the openings EPIC computes (16) entering early from the
@@ -113,7 +113,7 @@ def _rank_score(score: tuple) -> float:
 
 # when no selector meets the first-token KL bar, the choice keeps those within this share of the lowest KL (the
 # band search's tolerance): dropping the bar instead let a selector at 1.07x epic's KL win over one at 0.43x on
-# the greedy share of 3 calls in 40 (BENCHMARKS.md, "Session 24")
+# the greedy share of 3 calls in 40
 KL_GIVE_WAY = 0.1
 
 
@@ -142,8 +142,8 @@ def choose_selector(scores: dict[str, tuple], paper: str, reuse_bar: float | Non
 
 
 # the dominance bar calibration aims at: relay's first-token KL at most 0.5 x epic's at epic's reuse, with a
-# margin: from train calls to test problems relay's KL ratio to epic's rose by 10-15% on both models
-# (BENCHMARKS.md, "Session 23"), so a point chosen right at the bar lands above it
+# margin: from train calls to test problems relay's KL ratio to epic's rose by 10-15% on both models, so a point
+# chosen right at the bar lands above it
 KL_SHARE_OF_EPIC = 0.5 * 0.8
 
 

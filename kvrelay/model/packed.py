@@ -7,7 +7,7 @@ layout, ran the same products 2-5x faster from 8 rows up, and that one-row outpu
 (BENCHMARKS.md, "Weights packed for oneDNN"; the smaller products of one row are within 20% either way).
 The precision is the same: fp32 products summed in another order move SmolLM2's real logits by up to
 1.1e-4 from transformers' (3e-6 of their size; on the plain path they were equal, see
-benchmarks/real_weights_parity.py), with the same argmax. These are the two ops torch's own compiler uses
+research/real_weights_parity.py), with the same argmax. These are the two ops torch's own compiler uses
 for frozen weights on CPU (``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise``).
 
 The packed form is a second copy of each weight it serves (a model's weight bytes again). It is used only

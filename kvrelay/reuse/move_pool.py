@@ -3,7 +3,7 @@
 A span token relayed into a new prompt keeps the K/V it had where it was stored; in the new context its true K/V differ
 by a *move* (fresh - stored, keys with RoPE undone). Within one call the tokens a method recomputes say little about the
 others' moves; across calls of the same pipeline the moves repeat: a token in the same role (the agent reading it, the
-span's place in that agent's prompt) whose stored key looks alike moved alike (``benchmarks/relay_anchor_study.py``:
+span's place in that agent's prompt) whose stored key looks alike moved alike (``research/relay_anchor_study.py``:
 over 40 GSM8K train calls of SmolLM2, the moves of the 8 nearest tokens of the other problems explain 44% of the key
 move and 32% of the value move at their best scale, against 5.5% and 2.5% for the mean move of the call's own top 5% of
 span tokens by value deviation, the ones relay would recompute). ``MovePool`` keeps, per role, the stored keys at one
@@ -12,7 +12,7 @@ token's move as the softmax-weighted mean of the moves of its ``top_k`` nearest 
 keys at the match layer; the same weights at every layer and head, so matching costs one [tokens x rows] product per
 span).
 
-More pooled calls match better (``benchmarks/relay_anchor_index.py``; BENCHMARKS.md, session 32), but a bigger
+More pooled calls match better (``research/relay_anchor_index.py``), but a bigger
 pool costs more to search and to hold. So a role's pool is searched through an *index* (``MoveIndex``): the features
 centered and projected on their top ``dim`` principal directions, and the tokens grouped into at most
 ``num_centroids`` spherical k-means clusters in that space, each carrying its members' mean move. ``freeze`` builds

@@ -4,7 +4,7 @@ The anchors (``move_pool``) estimate a token's move from the moves of tokens who
 alike. A ridge regression from the token's stored keys (RoPE undone) and values at a few layers (``readout_layers``)
 and its place in its span, fitted per role on the same learning calls, explains about as much of the move, and partly
 other parts of it: half of each explains 0.04-0.05 more of the key move and 0.03-0.04 more of the value move than
-the anchors alone on held-out GSM8K calls (``benchmarks/relay_anchor_estimators.py``, BENCHMARKS.md "Session 35").
+the anchors alone on held-out GSM8K calls (``research/relay_anchor_estimators.py``).
 Its readout is a [tokens x features] by [features x moves] product (2,306 by 11,520 on SmolLM2: about 0.5 ms a
 token on one CPU thread), affordable where a span's anchors are made at publish rather than on the call.
 """

@@ -15,7 +15,7 @@ anchors are expected to miss (``MovePool.estimate_with_residual``: how far the t
 spread about the estimate). With ``selector=priors`` and ``l_det == l_start`` that is the only ranking, read before
 the band runs: ``relay_anchors[l_start=2,l_det=2,l_end=T,top_r=0.02,l_pre=0,l_suf=0,selector=priors,anchor_select=1]``
 (T the top layer) recomputes the 2% of span tokens the anchors estimate worst and costs no detection layer
-(``benchmarks/relay_anchor_select.py``, BENCHMARKS.md "Session 33"). With ``anchor_tau`` the band's size is set per
+(``research/relay_anchor_select.py``). With ``anchor_tau`` the band's size is set per
 call instead: as many tokens as the anchors expect to miss more than ``anchor_tau`` (squared move), so a call whose
 spans the anchors know well recomputes few and one they know badly recomputes more.
 

@@ -57,7 +57,7 @@ POSITION_SCALE_TOKENS = 16.0
 def position_prior(span_pos: torch.Tensor) -> torch.Tensor:
     """1 / (1 + position in its span / 16) per token ([n], fp32): a span's early tokens first. A span token's
     position alone finds more of the tokens whose recompute helps the continuation most than influence does
-    (BENCHMARKS.md, session 27)."""
+    (``research/relay_oracle_signals.py``)."""
     return 1 / (1 + span_pos.float() / POSITION_SCALE_TOKENS)
 
 
@@ -82,7 +82,7 @@ def away_mass(layer: DecoderLayer, rope: RotaryEmbedding, h: torch.Tensor, keys:
 
     A token that read much of that context moves more when it is reused elsewhere (Cache-Craft's cue). On SmolLM2
     GSM8K train calls it ranks the span tokens whose keys move most better than the new tokens' attention does
-    (BENCHMARKS.md, session 29). Cost: a Q projection of the m tokens and m x num_keys attention scores.
+    (``research/relay_oracle_signals.py``). Cost: a Q projection of the m tokens and m x num_keys attention scores.
     """
     num_keys = keys.shape[1]
     query_pos = torch.arange(num_keys - h.shape[0], num_keys, device=h.device)  # the m tokens' stored positions
