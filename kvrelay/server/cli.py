@@ -120,5 +120,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"(store: {redact(args.store)}; decode weights: {app.state.worker.engine.lm.decode_weights}; "
           f"matmuls: {app.state.worker.engine.lm.matmuls}; threads: {torch.get_num_threads()})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    from kvrelay.server.http_protocol import JsonErrorH11Protocol
+
+    # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                http=JsonErrorH11Protocol)
     return 0

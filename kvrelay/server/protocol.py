@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvrelay.server.tool_protocol import ResponseFormat, ToolCall, ToolChoice, ToolDef
 
@@ -17,6 +19,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = redact_paths(message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
@@ -27,26 +30,82 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    body = {"error": {"message": redact_paths(message), "type": type_, "param": _text(param), "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+# an absolute filesystem path's directories (not a URL's, not an API route): an error names no server path
+_SERVER_DIRS = re.compile(r"(?<![\w:/.~-])/(?!v1/)(?:[^\s/'\"`,;:()\[\]{}<>]+/)+")
+
+
+def redact_paths(message: str) -> str:
+    """``message`` with the directories of any absolute path replaced (a file's own name stays, as the clue), and
+    as valid Unicode (a lone surrogate it quotes from a request escaped, so the error JSON can be encoded)."""
+    return _SERVER_DIRS.sub("<server path>/", _text(message))
+
+
+def _text(text: str | None) -> str | None:
+    """``text`` as valid Unicode: lone surrogates escaped (\\udfff)."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _lone_surrogate_at(value: Any) -> str | None:
+    """Where in ``value`` (strings, lists, dicts, models that are not request bodies) a string holds a lone
+    surrogate ("" for ``value`` itself), or None. Iterative: as deep as JSON nests, no recursion limit."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                where = f"{path}.{_text(str(key))[:64]}"
+                stack.extend(((where, key), (where, sub)))
+        elif isinstance(item, list | tuple):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in enumerate(item))
+        elif isinstance(item, BaseModel) and not isinstance(item, _Body):  # a _Body checked its own fields
+            stack.extend((f"{path}.{name}", sub) for name, sub in item.__dict__.items())
+    return None
 
 
 class _Body(BaseModel):
     # agent frameworks send parameters we do not implement (presence_penalty, user, tools...): ignored
     model_config = ConfigDict(extra="ignore")
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """A lone surrogate (JSON's "\\udfff" alone) is no Unicode text: a 400 naming the field, as OpenAI, not a
+        tokenizer's 500 later."""
+        where = _lone_surrogate_at(value)
+        if where is not None:
+            raise PydanticCustomError("lone_surrogate", "holds a lone surrogate ({where}), which is not valid "
+                                      "Unicode text", {"where": f"at {where.lstrip('.')}" if where else "a \\uD800-"
+                                                       "\\uDFFF escape without its pair"})
+        return value
+
+
+# OpenAI is strict where a lax parser would coerce: true is no max_tokens, "yes" no stream, "42" no seed.
+# Numbers stay numbers: a float field takes an integer (temperature: 1), as OpenAI does.
+StrictInt = Annotated[int, Strict()]
+StrictBool = Annotated[bool, Strict()]
+StrictFloat = Annotated[float, Strict()]
+
 
 class KvrelayOptions(_Body):
     method: str | None = None  # a reuse method spec, e.g. "epic" or "relay[l_pre=4]"
-    debug: bool = False  # add prompt ids, refs, output ids and the span id to the kvrelay object
-    cache_output: bool = True  # False: this completion is not stored for later requests (probes, one-offs)
+    debug: StrictBool = False  # add prompt ids, refs, output ids and the span id to the kvrelay object
+    cache_output: StrictBool = True  # False: this completion is not stored for later requests (probes, one-offs)
     # the first token's log-probabilities over the whole vocabulary (base64 of little-endian float32), so a
     # client can measure a method's KL against a `full` call on the same prompt; ~4 bytes x vocab per response
-    first_token_logprobs: bool = False
+    first_token_logprobs: StrictBool = False
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ContentPart(_Body):
@@ -71,14 +130,14 @@ class ChatMessage(_Body):
 
 class _Sampling(_Body):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     # what torch.Generator.manual_seed takes; without one each request draws its own (as OpenAI samples)
-    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    n: StrictInt = Field(default=1, ge=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
     kvrelay: KvrelayOptions | None = None
@@ -90,9 +149,9 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # None: True (OpenAI's default)
@@ -103,18 +162,31 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    prompt: str | list[str] | list[StrictInt]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: StrictBool = False
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable message (and the offending parameter) from pydantic's errors."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # a value no member of a union takes gives one error per member: the one that got furthest names the problem
+    # ("messages.0.content.0.text: holds a lone surrogate", not "messages.0.content: Input should be a valid string")
+    field_errors = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(errors[0].get("loc", ()))[:2]]
+    first = max(field_errors, key=lambda e: len(_field_loc(e)))
+    loc = _field_loc(first)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg', '')}", None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def _field_loc(error: dict[str, Any]) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the member of a union in an error's location ("str", "list[int]"): not a field."""
+    return isinstance(part, str) and (not part.isidentifier() or part in ("str", "int", "float", "bool", "list",
+                                                                          "dict", "none"))
