@@ -1,13 +1,32 @@
 """Any-offset token matching against stored spans: where does a prompt repeat stored tokens?
 
-Pure Python, no torch. Every stored span's tokens are cut into aligned blocks of ``block_len``
-tokens (offsets 0, B, 2B, ...), each indexed by a polynomial hash. A query is hashed at *every*
-offset with a rolling hash (O(1) per offset), so a stored block is found wherever it sits in the
-prompt. Each hit is verified token by token and extended left and right to the maximal common run.
+Pure Python, no torch. Every stored span's tokens are cut into aligned blocks of ``block_len`` tokens
+(offsets 0, B, 2B, ...). A query is hashed at *every* offset, so a stored block is found wherever it
+sits in the prompt, and each hit is extended left and right to the maximal common run.
 
-Guarantee: a run of at least ``2 * block_len - 1`` tokens shared with a span always covers one of
-the span's aligned blocks, so it is always found; shorter runs are found when they happen to cover
-one. The exact prefix has its own chained-hash lookup (as the store's), so it is exact to the token.
+How holders are kept, and why the lookup is linear. A block's holders are grouped by the block
+before them (none at a span's start) and, inside a group, by everything after the block: holders
+of one member (same previous block, same block, same tokens to the span's end) give the same run
+against any prompt, so a member is checked once, however many spans it stands for. At query offset
+``i`` the group whose previous block equals the prompt's block at ``i - B`` is skipped whole: its
+runs reach back a full block, so they were found from their first block, at ``i - B`` or before.
+Extensions are compared by prefix hashes (O(1) per probe), galloping from the end that would beat
+the runs already found; a run contained in an earlier one (from a span at least as preferred) is
+dropped. On ``n`` identical tokens this is O(n) work: each offset adds one token past the previous
+run. Hashes only steer the search: ``find`` compares every run it returns token by token.
+
+Guarantee. Every maximal run of at least ``2 * block_len - 1`` tokens that the prompt shares with any
+span of the namespace is contained in a run ``find_runs`` returns (the same prompt offsets or more),
+however many spans hold its blocks: such a run covers a whole aligned block of its span, its first
+such block has a previous block that differs from the prompt's (or none), so its group is visited
+there. The one exception is a collision of the 61-bit hash (random base per index) between different
+blocks, which can hide a run but never returns a false one. Shorter runs are found when they cover an
+aligned block. ``find`` then leaves no free stretch of ``max(min_tokens, 2 * block_len - 1)`` prompt
+tokens that some span shares (see ``find``).
+
+Cost. Work per lookup is O(prompt tokens * B) in the worst case over anchors, plus one O(1) check per
+*distinct* member of a visited group (spans that differ after the block) and O(log) per extension;
+it does not grow with the number of spans holding identical content around a block.
 
 Everything is scoped by a namespace: a span indexed under one namespace is never returned for a
 query in another.
@@ -17,12 +36,41 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections import OrderedDict
+import secrets
+from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 MATCH_PREFERENCES = ("oldest", "longest")
-_MOD = (1 << 61) - 1  # a Mersenne prime: the hash stays a Python int below 2**61
-_BASE = 1_000_003
+_MOD = (1 << 61) - 1  # a Mersenne prime: hashes stay Python ints below 2**61 (they fit an int64 array)
+
+
+class PolyHash:
+    """Polynomial hash of token sequences: ``sub(prefix(x), a, b)`` hashes ``x[a:b]`` in O(1).
+
+    The base is random per instance, so nobody can craft token lists that collide on purpose."""
+
+    def __init__(self, base: int | None = None) -> None:
+        self.base = base if base is not None else (1 << 20) + secrets.randbelow(_MOD - (1 << 21))
+        self._powers = [1]
+
+    def prefix(self, token_ids: list[int] | tuple[int, ...]) -> array:
+        """``out[k]`` = hash of ``token_ids[:k]`` (k = 0..len)."""
+        out = array("q", [0])
+        h, base = 0, self.base
+        for t in token_ids:
+            h = (h * base + t + 1) % _MOD
+            out.append(h)
+        return out
+
+    def power(self, k: int) -> int:
+        powers = self._powers
+        while len(powers) <= k:
+            powers.append(powers[-1] * self.base % _MOD)
+        return powers[k]
+
+    def sub(self, prefix: array, start: int, end: int) -> int:
+        return (prefix[end] - prefix[start] * self.power(end - start)) % _MOD
 
 
 @dataclass(frozen=True)
@@ -43,46 +91,39 @@ class TokenMatch:
 class _Entry:
     namespace: str
     token_ids: tuple[int, ...]
+    prefix: array  # PolyHash prefix hashes of token_ids
     order: int = 0  # when the span was added: older spans have smaller numbers
-    block_keys: list[tuple[str, int]] = field(default_factory=list)
-    chain_keys: list[tuple[str, int]] = field(default_factory=list)
+    keys: list[tuple[tuple[str, int], int | None, tuple[int, int]]] = field(default_factory=list)
 
 
-def _block_hash(token_ids: tuple[int, ...] | list[int], start: int, block_len: int) -> int:
-    h = 0
-    for t in token_ids[start : start + block_len]:
-        h = (h * _BASE + t + 1) % _MOD
-    return h
+@dataclass
+class _Member:
+    """Holders (span_id, offset) -> span order that share the previous block, the block and all that follows."""
 
+    holders: dict[tuple[str, int], int] = field(default_factory=dict)
 
-def rolling_hashes(token_ids: list[int] | tuple[int, ...], block_len: int) -> list[int]:
-    """Hash of ``token_ids[i : i + block_len]`` for every i (equal to ``_block_hash`` at that offset)."""
-    n = len(token_ids)
-    if n < block_len:
-        return []
-    top = pow(_BASE, block_len - 1, _MOD)
-    h = _block_hash(token_ids, 0, block_len)
-    out = [h]
-    for i in range(1, n - block_len + 1):
-        h = ((h - (token_ids[i - 1] + 1) * top) * _BASE + token_ids[i + block_len - 1] + 1) % _MOD
-        out.append(h)
-    return out
+    def oldest(self) -> tuple[tuple[str, int], int]:
+        return next(iter(self.holders.items()))  # insertion order is span order: no copy
+
+    def newest(self) -> tuple[tuple[str, int], int]:
+        return next(reversed(self.holders.items()))
 
 
 class TokenIndex:
     """Block index of stored spans' token ids, per namespace."""
 
-    def __init__(self, block_len: int = 16, max_candidates: int = 4) -> None:
-        if block_len <= 0:
-            raise ValueError(f"block_len must be positive, got {block_len}")
+    def __init__(self, block_len: int = 16, hash_base: int | None = None) -> None:
+        if not isinstance(block_len, int) or block_len <= 0:
+            raise ValueError(f"block_len must be a positive integer, got {block_len!r}")
         self.block_len = block_len
-        # a block shared by many spans (a system prompt every request carries) is checked in its newest
-        # few spans only, so lookup time does not grow with the number of spans holding it
-        self.max_candidates = max_candidates
+        self.hasher = PolyHash(hash_base)
         self._spans: dict[str, _Entry] = {}
         self._num_added = 0
-        self._blocks: dict[tuple[str, int], OrderedDict[tuple[str, int], None]] = {}  # -> (span_id, offset)
-        self._chains: dict[tuple[str, int], OrderedDict[str, None]] = {}  # prefix chain hash -> span ids
+        # (namespace, block hash) -> previous block's hash (None: the span's first block)
+        #   -> (hash, length) of the tokens after the block -> member
+        self._groups: dict[tuple[str, int], dict[int | None, dict[tuple[int, int], _Member]]] = {}
+        self.last_work = 0  # steps of the last lookup (offsets, groups, members, tokens, hash probes)
+        self.num_collisions = 0  # candidate runs whose tokens differed (a hash collision): dropped
 
     def __contains__(self, span_id: str) -> bool:
         return span_id in self._spans
@@ -103,18 +144,15 @@ class TokenIndex:
         for start, end in unmatchable:
             ids[start:end] = [-1 - i for i in range(start, min(end, len(ids)))]  # unique, never a real id
         self._num_added += 1
-        entry = _Entry(namespace, tuple(ids), self._num_added)
-        ids, b = entry.token_ids, self.block_len
-        chain = hash(namespace)
-        for off in range(0, len(ids) - b + 1, b):
-            h = _block_hash(ids, off, b)
-            key = (namespace, h)
-            self._blocks.setdefault(key, OrderedDict())[(span_id, off)] = None
-            entry.block_keys.append(key)
-            chain = hash((chain, ids[off : off + b]))
-            ckey = (namespace, chain)
-            self._chains.setdefault(ckey, OrderedDict())[span_id] = None
-            entry.chain_keys.append(ckey)
+        entry = _Entry(namespace, tuple(ids), self.hasher.prefix(ids), self._num_added)
+        b, m, sub, p = self.block_len, len(ids), self.hasher.sub, entry.prefix
+        for off in range(0, m - b + 1, b):
+            gkey = (namespace, sub(p, off, off + b))
+            prev = sub(p, off - b, off) if off else None
+            rkey = (sub(p, off + b, m), m - off - b)
+            member = self._groups.setdefault(gkey, {}).setdefault(prev, {}).setdefault(rkey, _Member())
+            member.holders[(span_id, off)] = entry.order
+            entry.keys.append((gkey, prev, rkey))
         self._spans[span_id] = entry
 
     def remove(self, span_id: str) -> None:
@@ -122,97 +160,58 @@ class TokenIndex:
         entry = self._spans.pop(span_id, None)
         if entry is None:
             return
-        for i, key in enumerate(entry.block_keys):
-            holders = self._blocks[key]
-            holders.pop((span_id, i * self.block_len), None)
-            if not holders:
-                del self._blocks[key]
-        for ckey in entry.chain_keys:
-            holders = self._chains[ckey]
-            holders.pop(span_id, None)
-            if not holders:
-                del self._chains[ckey]
+        for k, (gkey, prev, rkey) in enumerate(entry.keys):
+            groups = self._groups[gkey]
+            members = groups[prev]
+            members[rkey].holders.pop((span_id, k * self.block_len), None)
+            if not members[rkey].holders:
+                del members[rkey]
+                if not members:
+                    del groups[prev]
+                    if not groups:
+                        del self._groups[gkey]
 
     def token_ids(self, span_id: str) -> tuple[int, ...]:
         return self._spans[span_id].token_ids
 
     # ------------------------------------------------------------------ lookup
-    def match_prefix(self, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> TokenMatch | None:
-        """The span of ``namespace`` sharing the longest exact prefix with ``token_ids`` (>= one block)."""
-        b = self.block_len
-        candidates: OrderedDict[str, None] | None = None
-        num_blocks = 0
-        chain = hash(namespace)
-        for off in range(0, len(token_ids) - b + 1, b):
-            chain = hash((chain, tuple(token_ids[off : off + b])))
-            holders = self._chains.get((namespace, chain))
-            if not holders:
-                break
-            candidates, num_blocks = holders, num_blocks + 1
-        if candidates is None:
-            return None
-        best: TokenMatch | None = None
-        for span_id in reversed(candidates):  # newest first among equals
-            src = self._spans[span_id].token_ids
-            n = num_blocks * b
-            if src[:n] != tuple(token_ids[:n]):  # a hash collision: never trust a hash alone
-                continue
-            limit = min(len(token_ids), len(src))
-            while n < limit and src[n] == token_ids[n]:
-                n += 1
-            if best is None or n > best.num_tokens:
-                best = TokenMatch(0, n, span_id, 0)
-        return best
+    def find_runs(self, token_ids: list[int] | tuple[int, ...], namespace: str = "",
+                  prefer: str = "longest") -> list[TokenMatch]:
+        """Candidate runs, in order of query start (then longest first): maximal runs shared with spans of
+        ``namespace`` that cover an aligned block of the span, less those contained in another candidate
+        from a span at least as preferred (``prefer="longest"``: any span; ``"oldest"``: the same span).
 
-    def find_runs(self, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> list[TokenMatch]:
-        """Every maximal run of ``token_ids`` shared with a span of ``namespace`` that covers one of the
-        span's indexed blocks (one per span and alignment), in order of query start."""
-        q = list(token_ids)
-        b, n = self.block_len, len(q)
-        seen: dict[tuple[str, int], int] = {}  # (span, query start - span start) -> end of the run found
-        runs: list[TokenMatch] = []
-        for i, h in enumerate(rolling_hashes(q, b)):
-            holders = self._blocks.get((namespace, h))
-            if not holders:
-                continue
-            for span_id, off in list(reversed(holders))[: self.max_candidates]:
-                diag = (span_id, i - off)
-                if seen.get(diag, -1) > i:  # inside a run of this span already found
-                    continue
-                src = self._spans[span_id].token_ids
-                if tuple(q[i : i + b]) != src[off : off + b]:
-                    continue
-                start, src_start = i, off
-                while start > 0 and src_start > 0 and q[start - 1] == src[src_start - 1]:
-                    start, src_start = start - 1, src_start - 1
-                end, src_end = i + b, off + b
-                while end < n and src_end < len(src) and q[end] == src[src_end]:
-                    end, src_end = end + 1, src_end + 1
-                seen[diag] = end
-                runs.append(TokenMatch(start, end, span_id, src_start))
-        return sorted(runs, key=lambda m: (m.start, -m.num_tokens))
+        Each is the maximal run of its span on its diagonal; a run held by several spans names the newest
+        (``"longest"``) or the oldest (``"oldest"``) of them. Runs are equal under the index's hash;
+        ``find`` checks tokens. See the module docstring for the guarantee."""
+        if prefer not in MATCH_PREFERENCES:
+            raise ValueError(f"prefer must be one of {MATCH_PREFERENCES}, got {prefer!r}")
+        return _Lookup(self, list(token_ids), namespace, prefer == "oldest").run()
 
     def find(self, token_ids: list[int] | tuple[int, ...], namespace: str = "", min_tokens: int = 16,
              covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
-        """Non-overlapping runs shared with stored spans, each at least ``min_tokens`` long.
+        """Non-overlapping runs shared with stored spans, each at least ``min_tokens`` long, in query order.
 
-        Greedy: by length (``prefer="longest"``; ties: earlier query start, then newer span), or from the
-        oldest span first (``prefer="oldest"``: a text is taken where it was first stored, then by length;
-        oldest among the spans checked, a block's ``max_candidates`` newest holders).
-        A run overlapping one already taken (or a ``covered`` query range, e.g. the exact prefix or a chat
-        prompt's framing) keeps its longest free piece, and its other free pieces go back in line.
-        Returned in query order.
+        Greedy over ``find_runs``: by length (``prefer="longest"``; ties: earlier query start, then newer
+        span), or from the oldest span first (``prefer="oldest"``: a text is taken where it was first
+        stored, then by length). A run overlapping one already taken (or a ``covered`` query range, e.g.
+        the exact prefix or a chat prompt's framing) keeps its longest free piece, and its other free
+        pieces go back in line. Every run returned is checked token by token.
+
+        What is left: no candidate keeps a free piece of ``min_tokens`` or more, so (by the guarantee) no
+        free stretch of ``max(min_tokens, 2 * block_len - 1)`` tokens outside ``covered`` is shared with
+        any span of the namespace.
         """
-        if prefer not in MATCH_PREFERENCES:
-            raise ValueError(f"prefer must be one of {MATCH_PREFERENCES}, got {prefer!r}")
+        runs = self.find_runs(token_ids, namespace, prefer)
+        q = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
 
         def rank(m: TokenMatch, k: int) -> tuple[int, ...]:
-            age = self._spans[m.span_id].order if prefer == "oldest" else 0
-            return (age, -m.num_tokens, m.start, k)
+            order = self._spans[m.span_id].order
+            return (order, -m.num_tokens, m.start, k) if prefer == "oldest" else (-m.num_tokens, m.start, -order, k)
 
-        taken: list[tuple[int, int]] = sorted(covered or [])
+        taken = _merged(covered or [])
         chosen: list[TokenMatch] = []
-        line = [(rank(m, k), m) for k, m in enumerate(self.find_runs(token_ids, namespace))]
+        line = [(rank(m, k), m) for k, m in enumerate(runs)]
         heapq.heapify(line)
         while line:
             (*_, k), run = heapq.heappop(line)
@@ -222,25 +221,177 @@ class TokenIndex:
             longest = max(pieces, key=lambda p: p[1] - p[0])  # the first of equals
             for start, end in pieces:
                 piece = TokenMatch(start, end, run.span_id, run.src_start + (start - run.start))
-                if (start, end) == longest:
+                if (start, end) != longest:
+                    heapq.heappush(line, (rank(piece, k), piece))
+                elif q[start:end] != self._spans[run.span_id].token_ids[piece.src_start:piece.src_start + end - start]:
+                    self.num_collisions += 1  # equal hashes, different tokens: never returned
+                else:
                     chosen.append(piece)
                     bisect.insort(taken, (start, end))
-                else:
-                    heapq.heappush(line, (rank(piece, k), piece))
         return sorted(chosen, key=lambda m: m.start)
 
 
+class _Lookup:
+    """One ``find_runs`` sweep over the query's offsets (state shared by its helpers)."""
+
+    def __init__(self, index: TokenIndex, q: list[int], namespace: str, oldest: bool) -> None:
+        self.index, self.q, self.namespace, self.oldest = index, q, namespace, oldest
+        self.prefix = index.hasher.prefix(q)
+        self.work = len(q)
+        self.runs: list[TokenMatch] = []
+        # runs found from the last B offsets: (offset, start, end, span order, span id)
+        self.recent: deque[tuple[int, int, int, int, str]] = deque()
+        # older runs all start further left than any run found now, so only their reach counts: the
+        # furthest end (``longest``), or a staircase of (span order, furthest end of runs from spans at
+        # most that old), both increasing (``oldest``: only an older or the same span dominates)
+        self.old_max_end = -1
+        self.stair_orders: list[int] = []
+        self.stair_ends: list[int] = []
+
+    def run(self) -> list[TokenMatch]:
+        index, q, b = self.index, self.q, self.index.block_len
+        qp, groups_of, namespace = self.prefix, index._groups, self.namespace
+        power_b = index.hasher.power(b)
+        q_prev = None
+        for i in range(len(q) - b + 1):
+            h = (qp[i + b] - qp[i] * power_b) % _MOD  # the query's block at i
+            groups = groups_of.get((namespace, h))
+            if groups:
+                while self.recent and self.recent[0][0] <= i - b:
+                    self._retire(*self.recent.popleft()[2:4])
+                for prev, members in groups.items():
+                    if prev is not None and prev == q_prev:
+                        continue  # reaches back a whole block: found from its first block
+                    self.work += 1
+                    self._visit(i, prev, members)
+            if i + 1 >= b:
+                q_prev = (qp[i + 1] - qp[i + 1 - b] * power_b) % _MOD  # the block before offset i + 1
+        self.index.last_work = self.work
+        return sorted(self.runs, key=lambda m: (m.start, -m.num_tokens))
+
+    def _retire(self, end: int, order: int) -> None:
+        if not self.oldest:
+            self.old_max_end = max(self.old_max_end, end)
+            return
+        orders, ends = self.stair_orders, self.stair_ends
+        k = bisect.bisect_right(orders, order)
+        if k > 0 and ends[k - 1] >= end:
+            return  # an older (or the same) span already reaches as far
+        if k > 0 and orders[k - 1] == order:
+            k -= 1
+            del orders[k], ends[k]
+        j = k
+        while j < len(orders) and ends[j] <= end:
+            j += 1
+        orders[k:j], ends[k:j] = [order], [end]
+
+    def _visit(self, i: int, prev: int | None, members: dict[tuple[int, int], _Member]) -> None:
+        """The runs whose first aligned block sits at query offset ``i`` in this group's holders."""
+        index, q, b = self.index, self.q, self.index.block_len
+        spans = index._spans
+        (span_id, off), _ = next(iter(members.values())).oldest()
+        src = spans[span_id].token_ids
+        left = 0
+        if prev is not None:  # the previous block differs from the prompt's: fewer than B tokens match
+            limit = min(i, b)
+            while left < limit and q[i - 1 - left] == src[off - 1 - left]:
+                left += 1
+            self.work += left + 1
+        start = i - left
+        if len(members) == 1:
+            ordered = [next(iter(members.values())).oldest() if self.oldest else next(iter(members.values())).newest()]
+        elif self.oldest:
+            ordered = sorted((m.oldest() for m in members.values()), key=lambda h: h[1])
+        else:
+            ordered = [m.newest() for m in members.values()]
+        best_end, best_order, best = -1, -1, None
+        for (span_id, off), order in ordered:
+            self.work += 1
+            entry = spans[span_id]
+            cap = i + b + min(len(q) - i - b, len(entry.token_ids) - off - b)
+            need = self._dominated_end(start, order) + 1
+            if self.oldest:
+                need = max(need, best_end + 1)  # older members first: a newer one must reach further
+            else:
+                need = max(need, best_end if order > best_order else best_end + 1)
+            need = max(need, i + b)
+            if need > cap or (need > i + b and not self._equal(i, entry, off, need)):
+                continue
+            end = self._gallop(i, entry, off, need, cap)
+            best_end, best_order = end, order
+            best = TokenMatch(start, end, span_id, off - left)
+            if self.oldest:
+                self._keep(i, best, order)
+        if best is not None and not self.oldest:
+            self._keep(i, best, best_order)
+
+    def _dominated_end(self, start: int, order: int) -> int:
+        """The furthest end of a run found so far that starts at or before ``start``, from a span as preferred
+        (``longest``: any; ``oldest``: one at least as old)."""
+        if self.oldest:
+            k = bisect.bisect_right(self.stair_orders, order)
+            end = self.stair_ends[k - 1] if k else -1
+        else:
+            end = self.old_max_end
+        for _, r_start, r_end, r_order, _ in self.recent:
+            self.work += 1
+            if r_start <= start and r_end > end and (not self.oldest or r_order <= order):
+                end = r_end
+        return end
+
+    def _equal(self, i: int, entry: _Entry, off: int, end: int) -> bool:
+        """Query [i, end) equals the span from ``off`` under the hash."""
+        self.work += 1
+        sub = self.index.hasher.sub
+        return sub(self.prefix, i, end) == sub(entry.prefix, off, off + end - i)
+
+    def _gallop(self, i: int, entry: _Entry, off: int, lo: int, cap: int) -> int:
+        """The end of the run, given that query [i, lo) matches: doubling steps, then bisection."""
+        step, hi = 1, cap + 1  # hi: the first end known not to match (or past the cap)
+        while lo + step <= cap:
+            if not self._equal(i, entry, off, lo + step):
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
+        else:
+            if lo == cap:
+                return lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._equal(i, entry, off, mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _keep(self, i: int, run: TokenMatch, order: int) -> None:
+        self.runs.append(run)
+        self.recent.append((i, run.start, run.end, order, run.span_id))
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint union of ``ranges`` (empty ones dropped)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def _free_pieces(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The maximal sub-ranges of [start, end) that overlap no range of ``taken`` (sorted), in order."""
+    """The maximal sub-ranges of [start, end) that overlap no range of ``taken`` (sorted, disjoint)."""
     pieces = []
     cursor = start
-    for t_start, t_end in taken + [(end, end)]:
-        if t_end <= cursor:
-            continue
-        piece_end = min(t_start, end)
-        if piece_end > cursor:
-            pieces.append((cursor, piece_end))
-        cursor = max(cursor, t_end)
-        if cursor >= end:
-            break
+    k = max(bisect.bisect_right(taken, (start, start)) - 1, 0)  # the last range starting at or before start
+    while k < len(taken) and taken[k][0] < end:
+        t_start, t_end = taken[k]
+        if t_end > cursor:
+            if t_start > cursor:
+                pieces.append((cursor, t_start))
+            cursor = t_end
+        k += 1
+    if cursor < end:
+        pieces.append((cursor, end))
     return pieces

@@ -6,28 +6,22 @@ import random
 import subprocess
 import sys
 
-from kvrelay.server.index import TokenIndex, TokenMatch, _block_hash, rolling_hashes
+from kvrelay.server.index import PolyHash, TokenIndex, TokenMatch
 
 
 def seq(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def test_rolling_hash_equals_block_hash_at_every_offset():
+def test_substring_hash_equals_direct_hash_at_every_range():
     rng = random.Random(0)
-    ids = [rng.randrange(50000) for _ in range(200)]
-    assert rolling_hashes(ids, 16) == [_block_hash(ids, i, 16) for i in range(200 - 16 + 1)]
-    assert rolling_hashes(ids[:10], 16) == []
-
-
-def test_prefix_is_exact_to_the_token():
-    idx = TokenIndex(block_len=4)
-    idx.add("a", seq(0, 10))
-    idx.add("b", seq(0, 6) + [99, 98])
-    assert idx.match_prefix(seq(0, 9) + [7]) == TokenMatch(0, 9, "a", 0)
-    assert idx.match_prefix(seq(0, 6) + [99, 1]) == TokenMatch(0, 7, "b", 0)
-    assert idx.match_prefix(seq(0, 3)) is None  # shorter than one block
-    assert idx.match_prefix([5] + seq(1, 9)) is None
+    ids = [rng.randrange(50000) for _ in range(60)]
+    hasher = PolyHash()
+    prefix = hasher.prefix(ids)
+    for a in range(0, 60, 7):
+        for b in range(a, 61, 5):
+            assert hasher.sub(prefix, a, b) == hasher.sub(hasher.prefix(ids[a:b]), 0, b - a)
+    assert PolyHash().base != PolyHash().base  # random per index: collisions cannot be crafted
 
 
 def test_run_found_at_any_offset_and_extended_both_ways():
@@ -78,7 +72,6 @@ def test_namespaces_never_see_each_other():
     idx = TokenIndex(block_len=4)
     idx.add("a", seq(0, 12), namespace="tenant-a")
     assert idx.find(seq(0, 12), namespace="tenant-b", min_tokens=4) == []
-    assert idx.match_prefix(seq(0, 12), namespace="tenant-b") is None
     assert idx.find(seq(0, 12), namespace="tenant-a", min_tokens=4) == [TokenMatch(0, 12, "a", 0)]
 
 
@@ -88,11 +81,10 @@ def test_removed_spans_leave_the_index():
     idx.add("b", seq(0, 12))
     idx.remove("b")
     assert idx.find(seq(0, 12), min_tokens=4) == [TokenMatch(0, 12, "a", 0)]
-    assert idx.match_prefix(seq(0, 12)) == TokenMatch(0, 12, "a", 0)
     idx.remove("a")
     idx.remove("a")  # unknown ids are ignored
-    assert idx.find(seq(0, 12), min_tokens=4) == [] and idx.match_prefix(seq(0, 12)) is None
-    assert not idx._blocks and not idx._chains and len(idx) == 0
+    assert idx.find(seq(0, 12), min_tokens=4) == []
+    assert not idx._groups and len(idx) == 0
 
 
 def test_newest_span_wins_among_equals():
@@ -100,7 +92,7 @@ def test_newest_span_wins_among_equals():
     idx.add("old", seq(0, 8))
     idx.add("new", seq(0, 8))
     assert idx.find([9] + seq(0, 8), min_tokens=4) == [TokenMatch(1, 9, "new", 0)]
-    assert idx.match_prefix(seq(0, 8)).span_id == "new"
+    assert idx.find([9] + seq(0, 8), min_tokens=4, prefer="oldest") == [TokenMatch(1, 9, "old", 0)]
 
 
 def test_no_torch_import():
