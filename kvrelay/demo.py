@@ -1,5 +1,5 @@
-"""``kvrelay demo``: the main job on the default model. ``make demo`` from a fresh clone takes about 72 s on
-2 nearly free CPU cores, install included (BENCHMARKS.md, also what it took on a loaded machine).
+"""``kvrelay demo``: the main job on the default model. ``make demo`` runs it from a fresh clone,
+install included, and it prints where that time went.
 
 ``gsm8k-chain3`` (solver -> critic -> finalizer) on a few GSM8K problems: ``full``, ``prefix`` and the
 best repair methods side by side on the same downstream calls: TTFT by agent, speedups, reuse,
@@ -27,7 +27,7 @@ from kvrelay.pipeline.workloads import Workload
 from kvrelay.weights.loader import DEFAULT_MODEL, cache_dir
 
 # full and prefix are the references; epic is the most faithful repair per recomputed token-layer on
-# SmolLM2 (BENCHMARKS.md), relay is this project's method. naive and cacheblend add little to the
+# SmolLM2 (docs/methods.md), relay is this project's method. naive and cacheblend add little to the
 # story for their time; kvcomm learns its anchor pools online, so a few problems are all warm-up for it.
 # `kvrelay bench` runs all six.
 DEMO_METHODS = ("full", "prefix", "epic", "relay")

@@ -108,7 +108,7 @@ class RKSCMethod(ReuseMethod):
     skip_gap: float = 0.06  # ... and leads the second by >= this
     # CGEE (b) defaults from research/calibrate_cgee.py on 8 GSM8K *train* problems (64 verifier calls):
     # on SmolLM2-135M no intermediate layer's yes/no verdict is reliable, so the only setting with a
-    # per-call error <= 1% there is one that (almost) never exits. BENCHMARKS.md shows a bolder one.
+    # per-call error <= 1% there is one that (almost) never exits; the study prints bolder ones.
     exit_theta: float = 0.25  # exit once next-token entropy < theta nats (0 = never exit) ...
     exit_eps: float = 0.05  # ... and moved < eps nats since the previous layer
     exit_min_layer: int = 25  # no exit test below this layer (each test costs an LM head)

@@ -109,7 +109,7 @@ BUFFERS = BufferPool()
 # a token and layer (~0.2 moved, the keys rotated). Measured both ways: gsm8k-chain3's spans (60-190 tokens)
 # lose ~8 ms a call read in place, copy-agents:5's (409-1,684) gain up to ~5 ms. Shorter spans are copied
 # whole when loaded (copied a layer at a time instead, the per-layer calls cost ~2 ms more on a gsm8k-chain3
-# call than they saved). (BENCHMARKS.md, "Loads without copies".)
+# call than they saved).
 IN_PLACE_MIN_TOKENS = 256
 
 

@@ -1,11 +1,11 @@
 """4-bit weights for decode steps, read by torch's CPU int4 kernel.
 
 A decode step reads every weight once for one row of activations per sequence, so on CPU it is bound by
-weight bytes: 538 MB a step at fp32 for SmolLM2 (BENCHMARKS.md, "The forward on the AVX-512 EPYC"). A
+weight bytes: 538 MB a step at fp32 for SmolLM2. A
 GGUF's 4-bit blocks (Q4_0/Q4_1/Q4_K: 32 weights share a scale and an offset) are the form
 ``torch._weight_int4pack_mm_for_cpu`` reads, at an eighth of the bytes: the same 4-bit values, but the
 kernel takes scales, zeros and activations in bf16 only and returns bf16, so a step's logits move from
-the fp32 path's (KL ~1e-4, BENCHMARKS.md "Decode on the 4-bit weights"). Only ``Transformer.decode``
+the fp32 path's (KL ~1e-4, research/int4_decode.py). Only ``Transformer.decode``
 runs inside ``decode_steps``; every prefill, whatever its length, keeps the fp32 weights, so the prompt
 KV a store holds and every fidelity number are those of the fp32 path.
 """

@@ -35,7 +35,7 @@ def visible_mask(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torc
 
 
 # On CUDA, SDPA may pick cuDNN's attention, which builds a plan for every new shape: 40-700 ms on the first
-# call at each prompt length on an H200 (BENCHMARKS.md, "On a GPU"), and a server sees a new length on
+# call at each prompt length on an H200 (research/gpu_check.py), and a server sees a new length on
 # nearly every request. Flash and memory-efficient attention have no such cost.
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

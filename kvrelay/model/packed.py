@@ -4,7 +4,7 @@ On CPU ``F.linear`` calls the BLAS torch was built with. On this project's AMD E
 1,024-token prefill's products at about 200 GFLOP/s on two cores and SmolLM2's 49152 x 576 output
 projection of one row in 7 ms; oneDNN's fp32 kernel, given each weight reordered once into its own
 layout, ran the same products 2-5x faster from 8 rows up, and that one-row output projection 5x faster
-(BENCHMARKS.md, "Weights packed for oneDNN"; the smaller products of one row are within 20% either way).
+(research/packed_matmul.py; the smaller products of one row are within 20% either way).
 The precision is the same: fp32 products summed in another order move SmolLM2's real logits by up to
 1.1e-4 from transformers' (3e-6 of their size; on the plain path they were equal, see
 research/real_weights_parity.py), with the same argmax. These are the two ops torch's own compiler uses

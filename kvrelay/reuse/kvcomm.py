@@ -90,7 +90,7 @@ class KVCommMethod(ReuseMethod):
     gate_distance: str = "l2"
     # softmax(-relative value distance / temperature). Distances between different texts cluster at
     # 1.2-1.4 (~sqrt 2: near-orthogonal values) with a spread of ~0.1 on SmolLM2, so 0.01 makes a gap
-    # of a few hundredths decisive; 0.05 leaves most weight vectors near flat (BENCHMARKS.md, "KVCOMM").
+    # of a few hundredths decisive; 0.05 leaves most weight vectors near flat.
     temperature: float = 0.01
     # A placeholder with fewer eligible anchors forces a dense prefill. 2 as in the public code, which
     # makes any placeholder with at most one anchor of its length a new anchor.
@@ -101,7 +101,7 @@ class KVCommMethod(ReuseMethod):
     reuse_template: bool = True  # also reuse template segments (base KV + the anchors' offsets)
     # The last this-many prompt tokens are computed, whatever covers them (1: only the last, as KVCOMM does).
     # Estimated, the template's closing text right before the answer is in effect another problem's KV of
-    # that text; 32 covers it on the fc3 workloads, at about half the speedup (BENCHMARKS.md, "KVCOMM").
+    # that text; 32 covers it on the fc3 workloads, at about half the speedup.
     tail_tokens: int = 1
     # Granularity of the mixing weights (anchors.Distances.weights): "anchor", "layer", "head" or "token". An
     # anchor close in the layers (heads, tokens) that matter may be far in others.
