@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -137,6 +138,133 @@ def phase(base_url: str, model: str, questions: list[str], clients: int, seconds
     return row
 
 
+# ---------------------------------------------------------------------------------------------- hostile requests
+_WORDS = ("the of and to in is was for on that with as by at from his her are were which this be or an had not but "
+          "have they").split()
+HOSTILE_KINDS = ("tiny_temperature", "chunked_huge_body", "long_prompt", "lone_surrogate", "bad_types")
+
+
+def _post_raw(base_url: str, body: bytes, chunked: bool = False, timeout_s: float = 300) -> int:
+    """POST a raw body to chat completions (chunked: no Content-Length, sent in 64 KB pieces); the status."""
+    headers = {"Content-Type": "application/json"}
+    data = body
+    if chunked:
+        data = (body[i : i + (64 << 10)] for i in range(0, len(body), 64 << 10))  # urllib sends an iterable chunked
+        headers["Transfer-Encoding"] = "chunked"
+    req = urllib.request.Request(base_url + "/chat/completions", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return -1  # the server closed the connection on a body it refused mid-way
+
+
+def hostile_body(kind: str, model: str, long_words: int) -> tuple[bytes, bool]:
+    """One hostile request of ``kind`` (issue 54's list): (raw body, send chunked)."""
+    msg = [{"role": "user", "content": "What is 2+2?"}]
+    if kind == "tiny_temperature":
+        return json.dumps({"model": model, "messages": msg, "max_tokens": 24, "temperature": 1e-37}).encode(), False
+    if kind == "chunked_huge_body":
+        return json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * (30 << 20)}]}).encode(), True
+    if kind == "eight_mb_body":  # just under the server's 8 MiB limit: read, tokenized, refused for its length
+        head = json.dumps({"model": model, "messages": [{"role": "user", "content": ""}]}).encode()
+        return head[:-4] + b"y " * (((8 << 20) - len(head) - 16) // 2) + head[-4:], False
+    if kind == "long_prompt":
+        text = " ".join(_WORDS[(k * 7 + k // 31) % len(_WORDS)] for k in range(long_words))  # one token a word
+        return json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4,
+                           "cache_salt": uuid.uuid4().hex}).encode(), False  # its own namespace: nothing reused
+    if kind == "lone_surrogate":
+        return b'{"model": "%s", "prompt": "\\udfff", "max_tokens": 2}' % model.encode(), False
+    return json.dumps({"model": model, "messages": msg, "max_tokens": True, "stream": "yes"}).encode(), False
+
+
+class Hostile(threading.Thread):
+    """Sends hostile requests of ``kinds`` in turn until the deadline; counts statuses (5xx is a failure)."""
+
+    def __init__(self, base_url: str, model: str, kinds: tuple[str, ...], deadline: float, long_words: int) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.model, self.kinds, self.deadline, self.long_words = (base_url, model, kinds, deadline,
+                                                                                  long_words)
+        self.statuses: dict[str, list[int]] = {k: [] for k in kinds}
+
+    def run(self) -> None:
+        i = 0
+        while time.perf_counter() < self.deadline:
+            kind = self.kinds[i % len(self.kinds)]
+            i += 1
+            body, chunked = hostile_body(kind, self.model, self.long_words)
+            if kind == "lone_surrogate":
+                url = self.base_url
+                req = urllib.request.Request(url + "/completions", data=body,
+                                             headers={"Content-Type": "application/json"}, method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=300) as r:
+                        status = r.status
+                except urllib.error.HTTPError as e:
+                    status = e.code
+            else:
+                status = _post_raw(self.base_url, body, chunked)
+            self.statuses[kind].append(status)
+
+
+def probe_ttft(base_url: str, model: str, seconds: float, words: int = 8) -> list[float]:
+    """A short streamed request after another (each in a fresh namespace) for ``seconds``: client TTFTs (ms)."""
+    client = OpenAI(base_url=base_url, api_key="none", timeout=600, max_retries=0)
+    out: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": " ".join(["ping"] * words)}], max_tokens=2,
+            temperature=0, stream=True, extra_body={"cache_salt": uuid.uuid4().hex})
+        first = None
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content is not None:
+                first = time.perf_counter()
+        out.append(((first or time.perf_counter()) - t0) * 1e3)
+    return out
+
+
+def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chunk_tokens: int) -> dict:
+    """Issue 54's target: a short request's TTFT p99 while one client sends an 8K-token prompt and another an 8 MB
+    body, against 3 x its idle TTFT + one prefill chunk (the chunk's time: the idle TTFT of a prompt that long)."""
+    idle = probe_ttft(base_url, model, seconds / 3)
+    chunk = probe_ttft(base_url, model, seconds / 3, words=chunk_tokens)
+    deadline = time.perf_counter() + seconds
+    long_client = Hostile(base_url, model, ("long_prompt",), deadline, long_words)
+    body_client = Hostile(base_url, model, ("eight_mb_body",), deadline, long_words)
+    long_client.start()
+    body_client.start()
+    loaded = probe_ttft(base_url, model, seconds)
+    long_client.join()
+    body_client.join()
+    bound = 3 * percentile(idle, 0.5) + percentile(chunk, 0.5)
+    row = {"idle_ttft_ms_p50": percentile(idle, 0.5), "idle_ttft_ms_p99": percentile(idle, 0.99),
+           "chunk_prefill_ms_p50": percentile(chunk, 0.5), "loaded_ttft_ms_p50": percentile(loaded, 0.5),
+           "loaded_ttft_ms_p99": percentile(loaded, 0.99), "num_probes": len(loaded),
+           "bound_ms": bound, "within_bound": percentile(loaded, 0.99) <= bound,
+           "long_prompt_statuses": long_client.statuses["long_prompt"],
+           "eight_mb_statuses": body_client.statuses["eight_mb_body"]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def hostile_phase(base_url: str, model: str, questions: list[str], clients: int, seconds: float, pid: int | None,
+                  long_words: int) -> dict:
+    """``clients`` normal streaming clients with a thread sending every hostile kind in turn among them."""
+    hostile = Hostile(base_url, model, HOSTILE_KINDS, time.perf_counter() + seconds, long_words)
+    hostile.start()
+    row = phase(base_url, model, questions, clients, seconds, pid)
+    hostile.join()
+    row["hostile_statuses"] = hostile.statuses
+    row["hostile_5xx"] = sum(s >= 500 for v in hostile.statuses.values() for s in v)
+    print(json.dumps({"hostile_statuses": hostile.statuses}), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -145,15 +273,28 @@ def main() -> None:
     parser.add_argument("--server-pid", type=int, default=None)
     parser.add_argument("--data", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--hostile", action="store_true",
+                        help="issue 54's runs: the stall phase (a short request beside an 8K-token prompt and an 8 MB "
+                             "body), then each --clients phase without and with hostile requests among the clients")
+    parser.add_argument("--long-words", type=int, default=8000, help="words of the long prompt (about one token each)")
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="the server's --prefill-chunk-tokens")
     args = parser.parse_args()
     model = OpenAI(base_url=args.base_url, api_key="none").models.list().data[0].id
     questions = [p.inputs["question"] for p in gsm8k_chain3().problems(args.data, 40)]
-    rows = [phase(args.base_url, model, questions, int(c), float(s), args.server_pid)
-            for c, s in zip(args.clients.split(","), args.seconds.split(","), strict=True)]
+    extra = {}
+    if args.hostile:
+        extra["stall"] = stall_phase(args.base_url, model, float(args.seconds.split(",")[0]), args.long_words,
+                                     args.chunk_tokens)
+    rows = []
+    for c, s in zip(args.clients.split(","), args.seconds.split(","), strict=True):
+        rows.append(phase(args.base_url, model, questions, int(c), float(s), args.server_pid))
+        if args.hostile:
+            rows.append({**hostile_phase(args.base_url, model, questions, int(c), float(s), args.server_pid,
+                                         args.long_words), "hostile": True})
     if args.json:
         with open(args.json, "w") as f:
             env = {"machine": platform.machine(), "commit": _commit()}
-            json.dump({"env": env, "model": model, "phases": rows}, f, indent=1)
+            json.dump({"env": env, "model": model, "phases": rows, **extra}, f, indent=1)
 
 
 if __name__ == "__main__":
