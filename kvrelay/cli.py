@@ -1,4 +1,4 @@
-"""Command line: ``kvrelay demo | generate`` (``python -m kvrelay`` too)."""
+"""Command line: ``kvrelay demo | generate | methods`` (``python -m kvrelay`` too)."""
 
 from __future__ import annotations
 
@@ -259,6 +259,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_methods(args: argparse.Namespace) -> int:
+    import json
+
+    from kvrelay.reuse.catalog import format_catalog, method_catalog
+
+    infos = method_catalog(tuple(args.names))
+    print(json.dumps([info.to_dict() for info in infos], indent=1) if args.json else format_catalog(infos))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvrelay.demo import DemoConfig
     from kvrelay.eval.branch_bench import BranchBenchConfig
@@ -343,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="a system message (default: none)")
     add_dataclass_flags(gen, SamplingConfig)
     gen.set_defaults(fn=_cmd_generate)
+    methods = sub.add_parser("methods", help="every reuse method with its settings, defaults and one line of meaning")
+    methods.add_argument("names", nargs="*", help="only these methods (default: every registered one)")
+    methods.add_argument("--json", action="store_true", help="print JSON: a list of {name, summary, settings}")
+    methods.set_defaults(fn=_cmd_methods)
     add_serve_parser(sub)
     return parser
 

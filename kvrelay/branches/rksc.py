@@ -101,26 +101,37 @@ class RKSCSchedule(SuffixSchedule):
 @dataclass
 class RKSCMethod(ReuseMethod):
     name: ClassVar[str] = "rksc"
-    share_prefix: bool = True  # ASKS: read the shared root by reference (false: compute every prompt)
+    share_prefix: bool = field(default=True, metadata={
+        "help": "ASKS: read the shared root by reference (false: compute every prompt)"})
     # decode the B branches in one batch over the shared root (false: one branch after another)
-    batch_decode: bool = True
-    skip_top: float = 0.70  # CGEE (a): skip the verifier when the top branch confidence is >= this ...
-    skip_gap: float = 0.06  # ... and leads the second by >= this
+    batch_decode: bool = field(default=True, metadata={
+        "help": "decode the branches in one batch over the shared root (false: one after another)"})
+    skip_top: float = field(default=0.70, metadata={
+        "help": "CGEE: skip the verifier when the top branch's confidence is >= this"})
+    skip_gap: float = field(default=0.06, metadata={"help": "CGEE: ... and it leads the second branch by >= this"})
     # CGEE (b) defaults from research/calibrate_cgee.py on 8 GSM8K *train* problems (64 verifier calls):
     # on SmolLM2-135M no intermediate layer's yes/no verdict is reliable, so the only setting with a
     # per-call error <= 1% there is one that (almost) never exits; the study prints bolder ones.
-    exit_theta: float = 0.25  # exit once next-token entropy < theta nats (0 = never exit) ...
-    exit_eps: float = 0.05  # ... and moved < eps nats since the previous layer
-    exit_min_layer: int = 25  # no exit test below this layer (each test costs an LM head)
-    block_budget_mb: float = 64.0  # RSBCM byte budget for the runner's block cache
-    policy: str = "rsbcm"  # or "lru"
-    block_half_life_ops: float = 0.0  # RSBCM importance half-life in cache operations (0: none, as in RKSC)
-    block_len: int = 16
-    probe_attention: bool = True  # measure block importance (attention mass) for RSBCM
+    exit_theta: float = field(default=0.25, metadata={
+        "help": "CGEE early exit once next-token entropy < this, in nats (0: never exit)"})
+    exit_eps: float = field(default=0.05, metadata={
+        "help": "... and it moved < this many nats since the previous layer"})
+    exit_min_layer: int = field(default=25, metadata={
+        "help": "no exit test below this layer (each test costs an LM head)"})
+    block_budget_mb: float = field(default=64.0, metadata={
+        "help": "RSBCM byte budget of the runner's block cache, in MB"})
+    policy: str = field(default="rsbcm", metadata={"help": "block cache eviction: rsbcm or lru"})
+    block_half_life_ops: float = field(default=0.0, metadata={
+        "help": "RSBCM importance half-life in cache operations (0: none, as in RKSC)"})
+    block_len: int = field(default=16, metadata={"help": "tokens per cached block"})
+    probe_attention: bool = field(default=True, metadata={
+        "help": "measure block importance (attention mass) for RSBCM"})
     # ASKS, approximate part (opt-in): a verification reuses its branch's decode K/V for the output
     # when the hidden states entering the output agree (mean cosine over layers >= asks_tau)
-    asks_approx: bool = False
-    asks_tau: float = 0.8
+    asks_approx: bool = field(default=False, metadata={
+        "help": "a verification reuses its branch's decode K/V when the hidden states entering the output agree"})
+    asks_tau: float = field(default=0.8, metadata={
+        "help": "mean cosine over layers the hidden states need for asks_approx"})
     # set by the branch runner while it runs a problem
     root: SharedRoot | None = field(default=None, init=False, repr=False)
     exiting: bool = field(default=False, init=False, repr=False)

@@ -7,7 +7,7 @@ every later layer, the rest read the reused KV.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,8 +27,10 @@ def value_l2_deviation(view: LayerView, rows: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class CacheBlendMethod(ReuseMethod):
-    check_layer: int = 1
-    ratio: float = 0.15  # r: share of reused tokens kept recomputed after the check layer
+    check_layer: int = field(default=1, metadata={
+        "help": "layer where the reused tokens' value deviation is read; every reused token is computed up to it"})
+    ratio: float = field(default=0.15, metadata={
+        "help": "share of reused tokens kept recomputed above the check layer: the most deviating there"})
     name = "cacheblend"
 
     def __post_init__(self) -> None:

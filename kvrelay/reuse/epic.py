@@ -6,7 +6,7 @@ fix is to recompute those k tokens fully and reuse the rest as is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +19,7 @@ from kvrelay.reuse.spans import collect_reuse
 
 @dataclass
 class EpicMethod(ReuseMethod):
-    k: int = 16  # tokens recomputed at the start of each reused span
+    k: int = field(default=16, metadata={"help": "tokens recomputed at every layer at the start of each reused span"})
     name = "epic"
 
     def __post_init__(self) -> None:

@@ -82,34 +82,44 @@ class _Decision:
 
 @dataclass
 class KVCommMethod(ReuseMethod):
-    gamma: float = 0.3  # reuse only when the gate weights' entropy / log(#anchors) is at most this
+    gamma: float = field(default=0.3, metadata={
+        "help": "reuse only when the gate weights' entropy / log(#anchors) is at most this"})
     # The gate's distance. "l2": softmax(-|v_new - v_anchor|_2) over the whole placeholder at temperature 1,
     # as KVCOMM's public code gates (its predict_as_anchor); the norm grows with the span, so the weights
     # are near one-hot unless two anchors tie (e.g. the same text twice). "relative": the mixing weights
     # below, whose entropy depends on `temperature`.
-    gate_distance: str = "l2"
+    gate_distance: str = field(default="l2", metadata={
+        "help": "the gate's distance: l2 (as KVCOMM's public code) or relative (the mixing weights')"})
     # softmax(-relative value distance / temperature). Distances between different texts cluster at
     # 1.2-1.4 (~sqrt 2: near-orthogonal values) with a spread of ~0.1 on SmolLM2, so 0.01 makes a gap
     # of a few hundredths decisive; 0.05 leaves most weight vectors near flat.
-    temperature: float = 0.01
+    temperature: float = field(default=0.01, metadata={
+        "help": "softmax temperature of the mixing weights over relative value distances"})
     # A placeholder with fewer eligible anchors forces a dense prefill. 2 as in the public code, which
     # makes any placeholder with at most one anchor of its length a new anchor.
-    warmup: int = 2
-    max_anchors: int = 20  # per placeholder pool
-    evict_window: int = 5  # a full pool evicts the least used of its this-many oldest anchors
-    rotate_offsets: bool = True  # False: absolute key offsets, as the public code stores them
-    reuse_template: bool = True  # also reuse template segments (base KV + the anchors' offsets)
+    warmup: int = field(default=2, metadata={
+        "help": "eligible anchors a placeholder needs before it is reused (fewer: a dense prefill that adds one)"})
+    max_anchors: int = field(default=20, metadata={"help": "anchors kept per placeholder pool"})
+    evict_window: int = field(default=5, metadata={
+        "help": "a full pool evicts the least used of its this-many oldest anchors"})
+    rotate_offsets: bool = field(default=True, metadata={
+        "help": "key offsets stored without RoPE and rotated to the new positions (False: absolute)"})
+    reuse_template: bool = field(default=True, metadata={
+        "help": "also reuse template segments (base KV + the anchors' offsets)"})
     # The last this-many prompt tokens are computed, whatever covers them (1: only the last, as KVCOMM does).
     # Estimated, the template's closing text right before the answer is in effect another problem's KV of
     # that text; 32 covers it on the fc3 workloads, at about half the speedup.
-    tail_tokens: int = 1
+    tail_tokens: int = field(default=1, metadata={
+        "help": "the prompt's last this-many tokens are computed, whatever covers them"})
     # Granularity of the mixing weights (anchors.Distances.weights): "anchor", "layer", "head" or "token". An
     # anchor close in the layers (heads, tokens) that matter may be far in others.
-    mix: str = "anchor"
-    per_layer: bool = False  # the same as mix=layer
+    mix: str = field(default="anchor", metadata={
+        "help": "granularity of the mixing weights: anchor, layer, head or token"})
+    per_layer: bool = field(default=False, metadata={"help": "the same as mix=layer"})
     # Anchors shorter than the placeholder count for the tokens they cover; the tokens past every anchor are
     # computed. Off: a placeholder longer than all but warmup-1 anchors falls back, as in the public code.
-    short_anchors: bool = False
+    short_anchors: bool = field(default=False, metadata={
+        "help": "anchors shorter than the placeholder count for the tokens they cover (the rest computed)"})
     name = "kvcomm"
     stateful = True  # anchor pools fill as calls fall back
     pools: dict[str, AnchorPool] = field(default_factory=dict, init=False, repr=False)

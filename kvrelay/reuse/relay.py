@@ -48,7 +48,7 @@ calibrated selector moved.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -121,31 +121,47 @@ def _recalibration_flags(profile, workload: str) -> str:
 class RelayMethod(ReuseMethod):
     # The selector's knobs. None everywhere: the one the model's profile chose on calibration calls (the paper's
     # without one); any of them set: the paper's values for the others.
-    tau_dev: float | None = None  # deviation >= tau_dev x its mean
-    tau_inf: float | None = None  # influence >= tau_inf x its mean
-    l_suf: int | None = None  # keep each span's last l_suf tokens
-    l_pre: int | None = None  # also keep each span's first l_pre tokens (ours; EPIC's idea inside relay's band)
-    top_r: float | None = None  # budget form: keep this share of span tokens by score (None: the tau_* thresholds)
-    selector: str = "both"  # both | deviation | influence (ablations) | priors (the budget form's priors alone)
-    band: bool = True  # False (ablation): recompute from layer 0, keep the selected tokens to the top
+    tau_dev: float | None = field(default=None, metadata={
+        "help": "keep span tokens whose value deviation at L_det is >= tau_dev x its mean (None: the profile's)"})
+    tau_inf: float | None = field(default=None, metadata={
+        "help": "keep span tokens the call's new tokens attend to >= tau_inf x the mean (None: the profile's)"})
+    l_suf: int | None = field(default=None, metadata={
+        "help": "keep each span's last l_suf tokens (None: the profile's)"})
+    l_pre: int | None = field(default=None, metadata={
+        "help": "keep each span's first l_pre tokens too, EPIC's idea inside the band (None: the profile's)"})
+    top_r: float | None = field(default=None, metadata={
+        "help": "budget form: keep this share of span tokens by score instead of the tau_* thresholds"})
+    selector: str = field(default="both", metadata={
+        "help": "token score: both (deviation + influence), deviation, influence, or priors (budget form's priors)"})
+    band: bool = field(default=True, metadata={
+        "help": "False (ablation): recompute the selected tokens from layer 0 to the top instead of in the band"})
     # True: each span's first l_pre tokens are computed at every layer from the embedding, as EPIC computes
     # them, instead of entering the band at L_start from the upstream hidden state and leaving it at L_end
-    pre_dense: bool | None = None
+    pre_dense: bool | None = field(default=None, metadata={
+        "help": "compute the first l_pre tokens at every layer from the embedding, as EPIC does (None: profile's)"})
     # gradual filtering inside the band (selector knobs too): at each band layer above L_det, drop kept span
     # tokens whose value deviation there is low (``prune_mask``; None: keep them all to L_end)
-    prune: float | None = None
-    prune_by: str | None = None  # share (None) | peers
+    prune: float | None = field(default=None, metadata={
+        "help": "above L_det, drop kept tokens whose value deviation is low at each band layer (None: keep to L_end)"})
+    prune_by: str | None = field(default=None, metadata={
+        "help": "what prune counts: a share of the kept tokens (None) or x their peers' deviation (peers)"})
     # at each pruning layer, add drift x the recomputed span tokens' mean K/V move to the other span tokens
     # (``drift_shift``; None: none)
-    drift: float | None = None
+    drift: float | None = field(default=None, metadata={
+        "help": "at each pruning layer, add drift x the recomputed tokens' mean K/V move to the other span tokens"})
     # budget form: add pos_prior x the mean-normalized ``position_prior`` (a span's early tokens first) to the score
-    pos_prior: float | None = None
+    pos_prior: float | None = field(default=None, metadata={
+        "help": "budget form: add pos_prior x a prior favouring a span's early tokens to the score"})
     # budget form: add away x the mean-normalized ``away_mass`` (the attention a span token paid, where it was
     # stored, to the context it no longer has) to the score; read from the carried states at L_start
-    away: float | None = None
-    l_start: int | None = None  # override the profile's layers
-    l_det: int | None = None
-    l_end: int | None = None
+    away: float | None = field(default=None, metadata={
+        "help": "budget form: add away x the attention a span token paid to context it no longer has to the score"})
+    l_start: int | None = field(default=None, metadata={
+        "help": "first band layer: span tokens recomputed from there on (None: the model's profile)"})
+    l_det: int | None = field(default=None, metadata={
+        "help": "the band layer where the selector picks the tokens kept (None: the model's profile)"})
+    l_end: int | None = field(default=None, metadata={
+        "help": "last band layer: kept tokens recomputed through it, reused above (None: the model's profile)"})
     name = "relay"
 
     def __post_init__(self) -> None:

@@ -90,28 +90,38 @@ def stored_keys_free(rope: RotaryEmbedding, span: StoredSpan, load: SpanLoad, de
 
 @dataclass
 class RelayAnchorsMethod(RelayMethod):
-    anchor_calls: int = 128  # dense calls per role before its anchors are used (they teach the pool)
-    anchor_max_tokens: int = 32768  # most pool tokens kept per role while it learns (the oldest calls' go first)
-    anchor_k: int = 8  # nearest index rows mixed per span token
-    anchor_temp: float = 0.05  # softmax temperature over their cosine similarities
-    anchor_dim: int = 32  # the match keys' dimensions: the features' top principal directions (0: the features)
-    anchor_centroids: int = 4096  # the most index rows per role: k-means clusters of its tokens (0: every token)
-    anchor_layer: int | None = None  # the layer whose stored keys match tokens (None: the middle layer)
-    anchor_scale: float = 1.0  # share of the estimated move added
+    anchor_calls: int = field(default=128, metadata={
+        "help": "dense calls per role before its anchors are used (they teach the pool)"})
+    anchor_max_tokens: int = field(default=32768, metadata={
+        "help": "most pool tokens kept per role while it learns (the oldest calls' go first)"})
+    anchor_k: int = field(default=8, metadata={"help": "nearest index rows mixed per span token"})
+    anchor_temp: float = field(default=0.05, metadata={
+        "help": "softmax temperature over the nearest rows' cosine similarities"})
+    anchor_dim: int = field(default=32, metadata={
+        "help": "match keys' dimensions: the features' top principal directions (0: the features)"})
+    anchor_centroids: int = field(default=4096, metadata={
+        "help": "most index rows per role: k-means clusters of its tokens (0: every token)"})
+    anchor_layer: int | None = field(default=None, metadata={
+        "help": "layer whose stored keys match tokens (None: the middle layer)"})
+    anchor_scale: float = field(default=1.0, metadata={"help": "share of the estimated move added"})
     # budget form (needs top_r): add anchor_select x the mean-normalized move the anchors expect to miss
     # (``MovePool.estimate_with_residual``) to the score, so relay's band recomputes the tokens they estimate worst
-    anchor_select: float | None = None
+    anchor_select: float | None = field(default=None, metadata={
+        "help": "budget form (needs top_r): add this x the move the anchors expect to miss to the score"})
     # threshold form of the band's size (needs anchor_select): a call recomputes as many span tokens as its anchors
     # expect to miss more than this squared move (top_r's count replaced per call; the ranking stays the score's;
     # besides those always kept, l_pre and l_suf; a span whose role has no anchors expects to miss 0 and adds none)
-    anchor_tau: float | None = None
+    anchor_tau: float | None = field(default=None, metadata={
+        "help": "recompute per call the span tokens the anchors expect to miss by more than this (with anchor_select)"})
     # the most (span, role) pairs kept with their anchors added when the span was published (``anchor_prep``: the
     # call then loads them as naive does); 0: every call computes its anchors itself
-    anchor_prepare: int = 16
+    anchor_prepare: int = field(default=16, metadata={
+        "help": "most (span, role) pairs kept with their anchors added at publish (0: each call adds them)"})
     # share of the estimate from the ridge readout of the stored K/V (``move_readout``; 0: the anchors alone)
-    anchor_blend: float = 0.0
-    anchor_ridge: float = 0.1  # the readout's penalty, x its features' mean variance
-    anchor_rank: int = 0  # the readout cut to this many output directions (0: whole; ``move_readout.fit_readout``)
+    anchor_blend: float = field(default=0.0, metadata={
+        "help": "share of the estimate from the ridge readout of the stored K/V (0: the anchors alone)"})
+    anchor_ridge: float = field(default=0.1, metadata={"help": "the readout's penalty, x its features' mean variance"})
+    anchor_rank: int = field(default=0, metadata={"help": "the readout cut to this many output directions (0: whole)"})
     pool: MovePool | None = field(default=None, init=False, repr=False)
     readout: MoveReadout | None = field(default=None, init=False, repr=False)
     prepared: PreparedSpans | None = field(default=None, init=False, repr=False)
