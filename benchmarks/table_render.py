@@ -229,24 +229,31 @@ def engine_table(name: str) -> str:
         f"Command: `python benchmarks/bench_engine.py --repeats 9 --json benchmarks/results/{name}`."])
 
 
-def serve_chain_table(name: str) -> str:
-    """Over HTTP: each downstream call probed with every method and compared with ``full`` on the same messages."""
-    d = load(name)
-    env = d["env"]
-    methods = ",".join(d["results"])
+def serve_chain_table(name: str, inprocess: str) -> str:
+    """Over HTTP: each downstream call probed with every method and compared with ``full`` on the same messages;
+    beside it, the in-process bench on the same problems (``inprocess``)."""
+    d, local = load(name), load(inprocess)
+    env, methods = d["env"], ",".join(d["results"])
     lines = [f"{d['model']}, {d['workload']}, {d['n']} problems over HTTP (`kvrelay serve`, the `openai` client), "
-             f"each method against `full` on the same messages; {env['device']}, {env['machine']}; commit "
-             f"{env['commit']}; `{name}`", "",
-             "| method | calls | reuse | cached tokens (mean) | 1st-token agree | KL(full‖m) | greedy@32 | "
-             "speedup vs full | TTFT ms (median) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"each method against `full` on the same messages, beside `kvrelay bench` in process on the same "
+             f"problems (each pair: HTTP / in process); {env['device']}, {env['machine']}; commit {env['commit']}; "
+             f"`{name}`, `{inprocess}`", "",
+             "| method | calls | reuse | 1st-token agree | KL(full‖m) | greedy@32 | speedup vs full | "
+             "cached tokens (mean, HTTP) |", "|---|---:|---|---|---|---|---|---:|"]
+
+    def pair(s: dict, t: dict, key: str, spec: str, suffix: str = "") -> str:
+        return f"{fmt(s.get(key), spec, suffix)} / {fmt(t.get(key), spec, suffix)}"
+
     for m, s in d["results"].items():
-        lines.append(f"| {m} | {s['n_calls']} | {fmt(s['reuse_rate'], '.3f')} | {s['cached_tokens_mean']:.0f} | "
-                     f"{fmt(s['first_token_agreement'], '.2f')} | {fmt(s.get('kl_first_token'), '.4f')} | "
-                     f"{fmt(s['greedy_match_rate'], '.2f')} | {fmt(s['speedup_vs_full'], '.2f', '×')} | "
-                     f"{fmt(s['ttft_ms_median'], '.0f')} |")
-    lines += ["", f"Command: `OMP_NUM_THREADS=1 kvrelay serve --model {d['model']} --methods {methods} --port 8049` "
+        t = local["results"][m]
+        lines.append(f"| {m} | {s['n_calls']} | {pair(s, t, 'reuse_rate', '.3f')} | "
+                     f"{pair(s, t, 'first_token_agreement', '.2f')} | {pair(s, t, 'kl_first_token', '.4f')} | "
+                     f"{pair(s, t, 'greedy_match_rate', '.2f')} | {pair(s, t, 'speedup_vs_full', '.2f', '×')} | "
+                     f"{s['cached_tokens_mean']:.0f} |")
+    lines += ["", f"Commands: `OMP_NUM_THREADS=1 kvrelay serve --model {d['model']} --methods {methods} --port 8049` "
               f"then `OMP_NUM_THREADS=1 python benchmarks/serve_chain.py --base-url http://127.0.0.1:8049/v1 --limit "
-              f"{d['n']} --methods {methods} --json benchmarks/results/{name}`."]
+              f"{d['n']} --methods {methods} --json benchmarks/results/{name}`; "
+              f"`{bench_command(local['config'], local['env'], inprocess)}`."]
     return "\n".join(lines)
 
 
