@@ -48,6 +48,7 @@ class RemoteSpans:
         self._spans: OrderedDict[tuple[str, str], tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
         self._index: dict[bytes, OrderedDict[str, None]] = {}  # hashes are namespace-seeded: ids suffice
         self._lock = threading.Lock()
+        self.num_bad = 0  # announcements skipped as unreadable
 
     def add(self, namespace: str, fingerprint: str, messages: list[bytes]) -> None:
         with self._lock:
@@ -57,7 +58,10 @@ class RemoteSpans:
                     m = json.loads(raw)
                     span = PublishedSpan(str(m["span_id"]), namespace, fingerprint,
                                          tuple(int(t) for t in m["token_ids"]), int(m["start_pos"]), str(m["origin"]))
+                    if span.start_pos < 0:
+                        raise ValueError("negative start position")
                 except (ValueError, KeyError, TypeError):
+                    self.num_bad += 1
                     log.warning("unreadable announcement skipped")
                     continue
                 queue.append(span)

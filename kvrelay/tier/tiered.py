@@ -6,7 +6,9 @@ in memory is looked up in the tier; the cost model decides whether fetching it p
 recomputing its tokens, and every such decision is recorded (``take_decisions``). The tier never
 fails a request: an unreachable or slow tier, a corrupt value, another model's value — each is a
 miss (a warning where data was bad, one log line when the tier goes down and one when it is back),
-and the tier is retried with exponential backoff meanwhile.
+and the tier is retried with exponential backoff meanwhile. A bad record (an announcement, metadata or
+value that does not decode) is skipped and counted in ``bad_records``, never taken for the tier being
+down: the tier goes on serving and storing every other record.
 
 Spans published elsewhere are announced in the tier; ``poll_published`` and ``on_published`` +
 ``sync`` hand them to whoever indexes spans (the any-offset block index).
@@ -98,6 +100,7 @@ class TieredStore(KVStore):
         self.remote_prefix_poll_s = remote_prefix_poll_s
         self._listeners: list[tuple[str, Callable[[PublishedSpan], Any]]] = []
         self._poll_lock = threading.Lock()
+        self._num_bad = {"metadata": 0, "value": 0}  # records fetched that did not decode
 
     # ------------------------------------------------------------------ settings the engine gives
     def set_compute_rate(self, token_layers_per_s: float | None) -> None:
@@ -106,6 +109,16 @@ class TieredStore(KVStore):
 
     def set_fingerprint(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
+
+    @property
+    def bad_records(self) -> dict[str, int]:
+        """Records of the tier skipped as unreadable since this store opened, by kind: announcements (lines or
+        entries the backend could not read, and messages that are not announcements), span metadata, span values."""
+        return {"announcement": getattr(self.backend, "num_bad_records", 0) + self.remote.num_bad, **self._num_bad}
+
+    def _count_bad(self, kind: str) -> None:
+        with self._lock:
+            self._num_bad[kind] += 1
 
     def take_decisions(self) -> list[FetchDecision]:
         """Fetch/recompute decisions made by this thread since its last call, oldest first."""
@@ -150,6 +163,7 @@ class TieredStore(KVStore):
             meta = SpanMeta.from_bytes(raw_meta)
         except WireError as e:
             log.warning("shared tier %s: %s; treated as a miss", self.url, e)
+            self._count_bad("metadata")
             self._miss(span_id, namespace, "corrupt metadata")
             return None
         if (meta.span_id, meta.namespace, meta.fingerprint) != (span_id, namespace, fp):
@@ -176,6 +190,7 @@ class TieredStore(KVStore):
             span = decode_span(value, span_id, namespace, fp)
         except WireError as e:
             log.warning("shared tier %s: %s; treated as a miss", self.url, e)
+            self._count_bad("value")
             self.decisions.record(replace(decision, action="miss", reason="corrupt value"))
             return None
         fetch_s = time.perf_counter() - t0

@@ -96,8 +96,19 @@ def encode_span(span: StoredSpan, span_id: str, namespace: str) -> tuple[bytes, 
 def decode_span(value: bytes | bytearray | memoryview, span_id: str, namespace: str, fingerprint: str) -> StoredSpan:
     """The span in ``value``; WireError unless it is intact and is ``span_id`` of this namespace and model.
 
-    A ``bytearray`` is taken over (the tensors are views of it, no copy); other buffers are copied.
+    A ``bytearray`` is taken over (the tensors are views of it, no copy); other buffers are copied. Whatever the
+    bytes, the only error is a WireError: a value that passes the checksum but whose header is not one of ours (a
+    writer of another version, or a forged one) is a bad record too, never a failed request.
     """
+    try:
+        return _decode_span(value, span_id, namespace, fingerprint)
+    except WireError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError, struct.error) as e:
+        raise WireError(f"span {span_id!r}: value cannot be decoded ({type(e).__name__}: {e})") from None
+
+
+def _decode_span(value: bytes | bytearray | memoryview, span_id: str, namespace: str, fingerprint: str) -> StoredSpan:
     view = memoryview(value).cast("B")
     prefix = len(MAGIC) + 4
     if view.nbytes < prefix + _DIGEST_BYTES or bytes(view[: len(MAGIC)]) != MAGIC:
@@ -111,6 +122,8 @@ def decode_span(value: bytes | bytearray | memoryview, span_id: str, namespace: 
         h = json.loads(bytes(body[prefix : prefix + header_len]))
     except ValueError as e:
         raise WireError(f"span {span_id!r}: header cannot be parsed ({e})") from None
+    if not isinstance(h, dict):
+        raise WireError(f"span {span_id!r}: header is not an object")
     found = (h.get("span_id"), h.get("namespace"), h.get("fingerprint"))
     if found != (span_id, namespace, fingerprint):
         raise WireError(f"span {span_id!r}: value holds span {found[0]!r} of namespace {found[1]!r} and model "

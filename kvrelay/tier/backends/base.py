@@ -50,6 +50,9 @@ class TierBackend(Protocol):
     """
 
     url: str  # redacted
+    # records the backend skipped as unreadable (an announcement that does not decode): counted, never a failure of
+    # the tier (the tiered store adds them to its ``bad_records``)
+    num_bad_records: int
 
     def put(self, key: str, value: bytes, meta: bytes) -> None:
         """Store ``value`` and its small ``meta`` so that a reader sees both or neither."""

@@ -5,11 +5,16 @@ in the same directory and renamed into place, so a reader sees a whole file or n
 renamed before the metadata, so metadata implies a complete value. Announcements are lines
 appended to ``<channel>.log`` with O_APPEND (one ``write`` each, so lines never interleave); the
 cursor is a byte offset. Files survive the process: a restarted process finds every span again.
+
+A line that is not base64 (a writer killed mid-line, whose remains the next line joins; a hand edit) is
+skipped and counted in ``num_bad_records``, and the cursor moves past it: one bad line never stops the
+announcements after it. A log shorter than the cursor (replaced or truncated) is read again from its start.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import os
 import tempfile
 import time
@@ -29,6 +34,7 @@ class DiskBackend:
             raise ConfigError(f"disk store directory {str(self.root)!r} is not writable")
         self.url = f"disk:{self.root}"
         self.fsync = fsync  # durable across power loss too (slower puts); a process restart needs none
+        self.num_bad_records = 0  # announcement lines skipped as unreadable
         self._remove_stale_temporaries()
 
     def _remove_stale_temporaries(self, min_age_s: float = 600.0) -> None:
@@ -90,12 +96,21 @@ class DiskBackend:
         offset = int(cursor or 0)
         try:
             with open(self.root / (channel + ".log"), "rb") as f:
+                if os.fstat(f.fileno()).st_size < offset:  # replaced or truncated: its lines are new ones
+                    offset = 0
                 f.seek(offset)
                 data = f.read()
         except FileNotFoundError:
             return [], cursor
         complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
-        messages = [base64.b64decode(line) for line in complete.splitlines() if line]
+        messages = []
+        for line in complete.splitlines():
+            if not line:
+                continue
+            try:
+                messages.append(base64.b64decode(line, validate=True))
+            except (binascii.Error, ValueError):
+                self.num_bad_records += 1
         return messages, str(offset + len(complete))
 
     def close(self) -> None:

@@ -7,6 +7,10 @@ pub/sub, nothing is lost while a reader is busy or reconnecting. The server boun
 (``maxmemory`` with an LRU policy); an evicted part of a span (value, metadata, a chunk) is a miss.
 Values over ``chunk_bytes`` are split into chunk keys: Redis caps one value (512 MB by default)
 and serves one client at a time, so one huge value would stall every other client meanwhile.
+
+A stream entry without a message is a bad record: skipped and counted in ``num_bad_records``; the cursor moves past
+it, so it never stops the entries after it. A chunk count that cannot be one (past ``MAX_CHUNKS``) is no request for
+that many keys: the head is returned as the value, a corrupt one (the tiered store's miss, counted there).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from kvrelay.tier.backends.base import TierRefusedError, redact
 
 PREFIX = "kvrelay:"
 CHUNKED = b"KVRCHUNK"  # a value stored in chunks: this marker and the chunk count (a span starts "KVRSPAN1")
+MAX_CHUNKS = 1 << 16  # more chunks than this is a corrupt count, not a span (1 TiB at the default chunk size)
 
 
 class RedisBackend:
@@ -31,6 +36,7 @@ class RedisBackend:
             except ValueError as e:
                 raise ConfigError(f"bad Redis URL {self.url!r}: {redact(str(e))}") from None
         self.client = client
+        self.num_bad_records = 0  # stream entries and chunk counts skipped as unreadable
 
     def put(self, key: str, value: bytes, meta: bytes) -> None:
         vkey = PREFIX + key + ":v"
@@ -54,15 +60,19 @@ class RedisBackend:
 
     @staticmethod
     def _num_chunks(head: bytes | None) -> int | None:
-        if head is None or not head.startswith(CHUNKED) or not head[len(CHUNKED):].isdigit():
+        """The chunk count a chunked value's head holds (None: not chunked; -1: a count that cannot be one)."""
+        if head is None or not head.startswith(CHUNKED):
             return None
-        return int(head[len(CHUNKED):])
+        digits = head[len(CHUNKED):]
+        return int(digits) if digits.isdigit() and 0 < len(digits) <= 6 and int(digits) <= MAX_CHUNKS else -1
 
     def get_value(self, key: str) -> bytes | bytearray | None:
         vkey = PREFIX + key + ":v"
         head = self.client.get(vkey)
         num_chunks = self._num_chunks(head)
         if num_chunks is None:
+            return head
+        if num_chunks < 0:  # not a count: the head itself is the value, which then decodes as a corrupt one
             return head
         parts = self.client.mget([f"{vkey}:{i}" for i in range(num_chunks)])
         if any(p is None for p in parts):
@@ -71,7 +81,7 @@ class RedisBackend:
 
     def delete(self, key: str) -> None:
         vkey = PREFIX + key + ":v"
-        num_chunks = self._num_chunks(self.client.get(vkey)) or 0
+        num_chunks = max(self._num_chunks(self.client.get(vkey)) or 0, 0)
         self.client.delete(PREFIX + key + ":m", vkey, *(f"{vkey}:{i}" for i in range(num_chunks)))
 
     def announce(self, channel: str, message: bytes) -> None:
@@ -82,8 +92,12 @@ class RedisBackend:
         messages = []
         for _stream, entries in reply or ():
             for entry_id, fields in entries:
-                messages.append(fields[b"m"])
                 cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                message = fields.get(b"m") if isinstance(fields, dict) else None
+                if isinstance(message, bytes):
+                    messages.append(message)
+                else:  # not one of ours: past it, counted
+                    self.num_bad_records += 1
         return messages, cursor
 
     def close(self) -> None:
