@@ -48,6 +48,9 @@ class ServerMetrics:
         self.puts_refused = Counter("kvrelay_store_puts_refused",
                                     "spans not stored: the namespace's quota (pinned) or the store (other "
                                     "namespaces' live spans) was full", ["reason"], registry=r)
+        self.tier_bad_records = Counter("kvrelay_tier_bad_records",
+                                        "records of the shared tier skipped as unreadable (announcement, metadata, "
+                                        "value); the tier goes on", ["kind"], registry=r)
         self._seen: dict[str, int] = {}
 
     def observe_store(self, store: KVStore) -> None:
@@ -62,6 +65,9 @@ class ServerMetrics:
                                       for reason, n in tenants.num_refused.items())):
             counter.inc(total - self._seen.get(key, 0))
             self._seen[key] = total
+        for kind, total in getattr(store, "bad_records", {}).items():  # a tiered store's (``tier.tiered``)
+            self.tier_bad_records.labels(kind).inc(total - self._seen.get("bad:" + kind, 0))
+            self._seen["bad:" + kind] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

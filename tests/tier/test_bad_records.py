@@ -132,3 +132,16 @@ def test_a_chunk_count_that_cannot_be_one_asks_for_no_keys():
     reader = TieredStore(1 << 22, RedisBackend("redis://test", client=fakeredis.FakeRedis(server=server)), "fp")
     assert "a" not in reader and reader.bad_records["value"] == 1
 
+
+
+def test_the_server_exports_the_count(tmp_path):
+    from kvrelay.server.metrics import ServerMetrics
+
+    writer, reader = _two_disk_stores(tmp_path)
+    writer.put("x", span(20))
+    _disk(tmp_path)[1]([b"@@@"])
+    metrics = ServerMetrics()
+    for expected in (0, 1, 1):  # counted once, however often the store is observed
+        metrics.observe_store(reader)
+        assert metrics.registry.get_sample_value("kvrelay_tier_bad_records_total", {"kind": "announcement"}) == expected
+        reader.poll_published()
