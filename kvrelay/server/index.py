@@ -247,6 +247,7 @@ class _Lookup:
         self.old_max_end = -1
         self.stair_orders: list[int] = []
         self.stair_ends: list[int] = []
+        self.left_of: dict[tuple[int, int], int] = {}  # (group's previous block, prompt's) -> tokens matching
 
     def run(self) -> list[TokenMatch]:
         index, q, b = self.index, self.q, self.index.block_len
@@ -263,7 +264,7 @@ class _Lookup:
                     if prev is not None and prev == q_prev:
                         continue  # reaches back a whole block: found from its first block
                     self.work += 1
-                    self._visit(i, prev, members)
+                    self._visit(i, prev, q_prev, members)
             if i + 1 >= b:
                 q_prev = (qp[i + 1] - qp[i + 1 - b] * power_b) % _MOD  # the block before offset i + 1
         self.index.last_work = self.work
@@ -285,7 +286,7 @@ class _Lookup:
             j += 1
         orders[k:j], ends[k:j] = [order], [end]
 
-    def _visit(self, i: int, prev: int | None, members: dict[tuple[int, int], _Member]) -> None:
+    def _visit(self, i: int, prev: int | None, q_prev: int | None, members: dict[tuple[int, int], _Member]) -> None:
         """The runs whose first aligned block sits at query offset ``i`` in this group's holders."""
         index, q, b = self.index, self.q, self.index.block_len
         spans = index._spans
@@ -293,10 +294,15 @@ class _Lookup:
         src = spans[span_id].token_ids
         left = 0
         if prev is not None:  # the previous block differs from the prompt's: fewer than B tokens match
-            limit = min(i, b)
-            while left < limit and q[i - 1 - left] == src[off - 1 - left]:
-                left += 1
-            self.work += left + 1
+            left = self.left_of.get((prev, q_prev), -1) if q_prev is not None else -1
+            if left < 0:  # the same two blocks met before (repeated text) match as far as then
+                left, limit = 0, min(i, b)
+                while left < limit and q[i - 1 - left] == src[off - 1 - left]:
+                    left += 1
+                self.work += left
+                if q_prev is not None:
+                    self.left_of[(prev, q_prev)] = left
+            self.work += 1
         start = i - left
         if len(members) == 1:
             ordered = [next(iter(members.values())).oldest() if self.oldest else next(iter(members.values())).newest()]
@@ -309,7 +315,10 @@ class _Lookup:
             self.work += 1
             entry = spans[span_id]
             cap = i + b + min(len(q) - i - b, len(entry.token_ids) - off - b)
-            need = self._dominated_end(start, order) + 1
+            front = self._dominated_end(start, order, cap)
+            if front >= cap:
+                continue  # inside a run already found
+            need = front + 1
             if self.oldest:
                 need = max(need, best_end + 1)  # older members first: a newer one must reach further
             else:
@@ -325,18 +334,22 @@ class _Lookup:
         if best is not None and not self.oldest:
             self._keep(i, best, best_order)
 
-    def _dominated_end(self, start: int, order: int) -> int:
+    def _dominated_end(self, start: int, order: int, cap: int) -> int:
         """The furthest end of a run found so far that starts at or before ``start``, from a span as preferred
-        (``longest``: any; ``oldest``: one at least as old)."""
+        (``longest``: any; ``oldest``: one at least as old); it stops looking once that reaches ``cap``."""
         if self.oldest:
             k = bisect.bisect_right(self.stair_orders, order)
             end = self.stair_ends[k - 1] if k else -1
         else:
             end = self.old_max_end
+        if end >= cap:
+            return end
         for _, r_start, r_end, r_order, _ in self.recent:
             self.work += 1
             if r_start <= start and r_end > end and (not self.oldest or r_order <= order):
                 end = r_end
+                if end >= cap:
+                    break
         return end
 
     def _equal(self, i: int, entry: _Entry, off: int, end: int) -> bool:

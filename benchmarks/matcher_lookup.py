@@ -1,0 +1,176 @@
+"""Any-offset matcher lookup time against the prefill it saves (no torch for the lookups).
+
+    python benchmarks/matcher_lookup.py [--json benchmarks/results/matcher-lookup-cpu.json]
+
+Stored spans are 512 tokens each, 10 / 1,000 / 10,000 of them (added in steps, one index per text kind):
+- random: uniform ids; the prompt is 256-token chunks, each copied from a stored span at a random
+  offset (3 in 4) or fresh;
+- natural: GSM8K train problems (question + answer) tokenized with SmolLM2's tokenizer, spans are
+  windows at random offsets of that stream (they overlap: many spans hold the same blocks, at
+  different alignments); the prompt is chunks copied from spans (3 in 4) or fresh GSM8K test text;
+- repeated: natural spans, one in 100 also holding a run of 16-512 copies of one token (a table
+  rule, padding); the prompt is that token repeated (the matcher's worst case before issue 54).
+
+Lookup = ``TokenIndex.find`` as the server calls it (block 16, ``min_tokens`` 16, ``prefer="oldest"``),
+one fresh prompt per sample: p50 and p99 (nearest rank) over the samples. Saved prefill = tokens
+matched x SmolLM2-135M's prefill time per token, measured here on a 4,096-token prompt (median of 3
+after a warmup; the per-token time grows with context, so this underestimates the saving at 8K-32K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+from kvrelay.server.index import TokenIndex
+
+SPAN_TOKENS = 512
+CHUNK_TOKENS = 256
+SPAN_COUNTS = (10, 1000, 10000)
+PROMPT_TOKENS = (1024, 4096, 8192, 32768)
+SAMPLES = {1024: 30, 4096: 15, 8192: 10, 32768: 5}
+VOCAB = 49152
+DATA = Path("/work/shared/data/gsm8k")
+
+
+def gsm8k_ids(tokenizer, name: str, max_tokens: int) -> list[int]:
+    ids: list[int] = []
+    with open(DATA / name) as f:
+        for line in f:
+            row = json.loads(line)
+            ids += tokenizer.encode(row["question"] + "\n" + row["answer"] + "\n\n")
+            if len(ids) >= max_tokens:
+                break
+    return ids
+
+
+class Kind:
+    """A text kind: how spans and prompts are made."""
+
+    def __init__(self, name: str, rng: random.Random, train: list[int], test: list[int], rule_id: int) -> None:
+        self.name, self.rng, self.train, self.test, self.rule_id = name, rng, train, test, rule_id
+        self.spans: list[list[int]] = []
+
+    def span(self) -> list[int]:
+        rng = self.rng
+        if self.name == "random":
+            return [rng.randrange(VOCAB) for _ in range(SPAN_TOKENS)]
+        at = rng.randrange(len(self.train) - SPAN_TOKENS)
+        ids = self.train[at:at + SPAN_TOKENS]
+        if self.name == "repeated" and rng.random() < 0.01:
+            n = rng.randint(16, SPAN_TOKENS)
+            at = rng.randrange(SPAN_TOKENS - n + 1)
+            ids[at:at + n] = [self.rule_id] * n
+        return ids
+
+    def prompt(self, num_tokens: int) -> list[int]:
+        rng = self.rng
+        if self.name == "repeated":
+            return [self.rule_id] * num_tokens
+        out: list[int] = []
+        while len(out) < num_tokens:
+            if rng.random() < 0.75:
+                src = rng.choice(self.spans)
+                at = rng.randrange(SPAN_TOKENS - CHUNK_TOKENS + 1)
+                out += src[at:at + CHUNK_TOKENS]
+            elif self.name == "random":
+                out += [rng.randrange(VOCAB) for _ in range(CHUNK_TOKENS)]
+            else:
+                at = rng.randrange(len(self.test) - CHUNK_TOKENS)
+                out += self.test[at:at + CHUNK_TOKENS]
+        return out[:num_tokens]
+
+
+def percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]
+
+
+def prefill_ms_per_token(ids: list[int], num_tokens: int) -> float:
+    import torch
+
+    from kvrelay.cache.kv import SequenceKV
+    from kvrelay.weights.loader import load_model
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    lm = load_model("smollm2-135m", progress=False)
+    prompt = torch.tensor(ids[:num_tokens])
+    times = []
+    for k in range(4):
+        t0 = time.perf_counter()
+        lm.model.prefill(prompt, SequenceKV(lm.config, lm.dtype, "cpu", capacity=num_tokens))
+        if k:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times) / num_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--prompt-tokens", default=",".join(map(str, PROMPT_TOKENS)))
+    parser.add_argument("--span-counts", default=",".join(map(str, SPAN_COUNTS)))
+    args = parser.parse_args()
+    from kvrelay.weights.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    t0 = time.perf_counter()
+    train = gsm8k_ids(tokenizer, "train.jsonl", 400_000)
+    test = gsm8k_ids(tokenizer, "test_dev.jsonl", 100_000)
+    rule_id = tokenizer.encode("=====")[0]
+    print(f"tokenized {len(train)} + {len(test)} GSM8K tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+    ms_per_token = prefill_ms_per_token(train, args.prefill_tokens)
+    print(f"SmolLM2-135M prefill: {ms_per_token:.3f} ms/token at {args.prefill_tokens} tokens", flush=True)
+
+    rows = []
+    for name in ("random", "natural", "repeated"):
+        kind = Kind(name, random.Random(0), train, test, rule_id)
+        index = TokenIndex(block_len=16)
+        for num_spans in map(int, args.span_counts.split(",")):
+            t0, before = time.perf_counter(), len(kind.spans)
+            while len(kind.spans) < num_spans:
+                kind.spans.append(kind.span())
+                index.add(f"s{len(kind.spans)}", kind.spans[-1])
+            add_ms = (time.perf_counter() - t0) * 1e3
+            for num_tokens in map(int, args.prompt_tokens.split(",")):
+                times, matched, work = [], [], []
+                for _ in range(SAMPLES[num_tokens]):
+                    q = kind.prompt(num_tokens)
+                    t0 = time.perf_counter()
+                    found = index.find(q, min_tokens=16, prefer="oldest")
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    matched.append(sum(m.num_tokens for m in found))
+                    work.append(index.last_work / num_tokens)
+                p50, p99 = statistics.median(times), percentile(times, 99)
+                saved_ms = statistics.median(matched) * ms_per_token
+                row = {"text": name, "num_spans": num_spans, "prompt_tokens": num_tokens, "samples": len(times),
+                       "lookup_ms_p50": round(p50, 2), "lookup_ms_p99": round(p99, 2),
+                       "matched_tokens_median": statistics.median(matched),
+                       "saved_prefill_ms": round(saved_ms, 1),
+                       "p99_over_saved_prefill": round(p99 / saved_ms, 4) if saved_ms else None,
+                       "p99_over_prompt_prefill": round(p99 / (num_tokens * ms_per_token), 4),
+                       "work_per_token_max": round(max(work), 1),
+                       "add_ms_per_span": round(add_ms / (num_spans - before), 3)}
+                rows.append(row)
+                print(f"{name:8s} spans {num_spans:6d} prompt {num_tokens:6d}: lookup p50 {p50:8.1f} p99 {p99:8.1f} ms,"
+                      f" matched {row['matched_tokens_median']:7.0f}, p99/saved {row['p99_over_saved_prefill']}",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": f"{platform.machine()} {platform.processor()}".strip(),
+                       "python": platform.python_version(), "span_tokens": SPAN_TOKENS,
+                       "prefill": {"model": "smollm2-135m", "prompt_tokens": args.prefill_tokens,
+                                   "ms_per_token": round(ms_per_token, 4),
+                                   "how": "model.prefill of GSM8K tokens, median of 3 after a warmup"},
+                       "lookup": "TokenIndex.find, block 16, min_tokens 16, prefer oldest; one fresh prompt per sample",
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
