@@ -248,6 +248,11 @@ class _Lookup:
         self.stair_orders: list[int] = []
         self.stair_ends: list[int] = []
         self.left_of: dict[tuple[int, int], int] = {}  # (group's previous block, prompt's) -> tokens matching
+        # repeated text meets the same groups at offset after offset: a group whose every member lies inside
+        # the older runs' reach sleeps until its reach (growing a token per offset) could pass them; a block
+        # whose groups all sleep (the prompt's previous block unchanged) is skipped whole
+        self.group_asleep: dict[tuple[int, int | None], int] = {}
+        self.block_asleep: dict[int, tuple[int, int | None]] = {}
 
     def run(self) -> list[TokenMatch]:
         index, q, b = self.index, self.q, self.index.block_len
@@ -257,14 +262,23 @@ class _Lookup:
         for i in range(len(q) - b + 1):
             h = (qp[i + b] - qp[i] * power_b) % _MOD  # the query's block at i
             groups = groups_of.get((namespace, h))
-            if groups:
+            asleep = self.block_asleep.get(h)
+            if groups and (asleep is None or asleep[0] <= i or asleep[1] != q_prev):
                 while self.recent and self.recent[0][0] <= i - b:
                     self._retire(*self.recent.popleft()[2:4])
+                block_wake = len(q)
                 for prev, members in groups.items():
                     if prev is not None and prev == q_prev:
                         continue  # reaches back a whole block: found from its first block
-                    self.work += 1
-                    self._visit(i, prev, q_prev, members)
+                    wake = self.group_asleep.get((h, prev), 0)
+                    if wake <= i:
+                        self.work += 1
+                        wake = self._visit(i, prev, q_prev, members)
+                        if wake > i + 1:
+                            self.group_asleep[(h, prev)] = wake
+                    block_wake = min(block_wake, wake)
+                if block_wake > i + 1:  # while the prompt's previous block stays the same
+                    self.block_asleep[h] = (block_wake, q_prev)
             if i + 1 >= b:
                 q_prev = (qp[i + 1] - qp[i + 1 - b] * power_b) % _MOD  # the block before offset i + 1
         self.index.last_work = self.work
@@ -286,8 +300,10 @@ class _Lookup:
             j += 1
         orders[k:j], ends[k:j] = [order], [end]
 
-    def _visit(self, i: int, prev: int | None, q_prev: int | None, members: dict[tuple[int, int], _Member]) -> None:
-        """The runs whose first aligned block sits at query offset ``i`` in this group's holders."""
+    def _visit(self, i: int, prev: int | None, q_prev: int | None, members: dict[tuple[int, int], _Member]) -> int:
+        """The runs whose first aligned block sits at query offset ``i`` in this group's holders; returns the
+        first offset where the group could give a run again (past ``i + 1`` when every member was inside the
+        older runs: their reach never shrinks, a member's grows by at most a token per offset)."""
         index, q, b = self.index, self.q, self.index.block_len
         spans = index._spans
         (span_id, off), _ = next(iter(members.values())).oldest()
@@ -311,11 +327,13 @@ class _Lookup:
         else:
             ordered = [m.newest() for m in members.values()]
         best_end, best_order, best = -1, -1, None
+        wake = len(q)
         for (span_id, off), order in ordered:
             self.work += 1
             entry = spans[span_id]
             cap = i + b + min(len(q) - i - b, len(entry.token_ids) - off - b)
-            front = self._dominated_end(start, order, cap)
+            front, lasting = self._dominated_end(start, order, cap)
+            wake = min(wake, i + front - cap + 1 if lasting else i + 1)
             if front >= cap:
                 continue  # inside a run already found
             need = front + 1
@@ -333,24 +351,26 @@ class _Lookup:
                 self._keep(i, best, order)
         if best is not None and not self.oldest:
             self._keep(i, best, best_order)
+        return wake
 
-    def _dominated_end(self, start: int, order: int, cap: int) -> int:
+    def _dominated_end(self, start: int, order: int, cap: int) -> tuple[int, bool]:
         """The furthest end of a run found so far that starts at or before ``start``, from a span as preferred
-        (``longest``: any; ``oldest``: one at least as old); it stops looking once that reaches ``cap``."""
+        (``longest``: any; ``oldest``: one at least as old); it stops looking once that reaches ``cap``.
+        Also whether the older runs alone reach ``cap`` (then they still start further left at later offsets)."""
         if self.oldest:
             k = bisect.bisect_right(self.stair_orders, order)
             end = self.stair_ends[k - 1] if k else -1
         else:
             end = self.old_max_end
         if end >= cap:
-            return end
+            return end, True
         for _, r_start, r_end, r_order, _ in self.recent:
             self.work += 1
             if r_start <= start and r_end > end and (not self.oldest or r_order <= order):
                 end = r_end
                 if end >= cap:
                     break
-        return end
+        return end, False
 
     def _equal(self, i: int, entry: _Entry, off: int, end: int) -> bool:
         """Query [i, end) equals the span from ``off`` under the hash."""
