@@ -1,15 +1,47 @@
-"""Constrained decoding: the grammar a request's tools or response_format ask for, as a per-call logits mask."""
+"""Constrained decoding with xgrammar: the grammar a request's tools or response_format ask for, compiled once
+per request, and a per-call ``GrammarMask`` the engine applies before each sample (``GenerateOptions.logits_mask``).
+
+xgrammar is the library because it was the fastest of xgrammar, llguidance and outlines-core per decode step on
+our tokenizers on CPU, with per-request compiles in tens of ms where outlines-core's vocabulary index takes
+seconds (benchmarks/grammar_mask.py, benchmarks/results/grammar-mask-cpu.json), and its structural tags say
+"free text until ``<tool_call>``, then a call of one of these tools" directly.
+
+The grammars (the call format is kvrelay.server.tools'):
+
+- ``tool_choice`` "required": one or more calls (one unless ``parallel_tool_calls``), separated by a newline,
+  and nothing else; a named tool: exactly one call of it;
+- "auto": free text, and from ``<tool_call>`` on a call of a known tool whose arguments follow its schema;
+- ``response_format`` json_object / json_schema: one JSON value of the schema.
+
+Each call's ``{"name": ..., "arguments": `` prefix is forced text and its arguments follow the tool's schema. A
+stop token is allowed only where the grammar may end, so a forced call cannot stop half-way; max_tokens can
+still cut it (the parser then reports no call and finish_reason "length"). Special tokens other than the stop
+tokens, and tokens holding a control character other than tab and newlines, are never allowed while a grammar
+runs (xgrammar reads special tokens as plain text, and lets control-character byte tokens into JSON strings).
+"""
 
 from __future__ import annotations
+
+import json
+import re
+import threading
+
+import numpy as np
+import torch
+import xgrammar as xgr
 
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.schemas import check_schema
 from kvrelay.server.tool_protocol import ResponseFormat
-from kvrelay.server.tools import ToolPlan
+from kvrelay.server.tools import CALL_CLOSE, CALL_OPEN, CALL_SEP, ToolPlan, call_prefix
+
+# control characters JSON forbids unescaped: xgrammar lets their byte tokens into JSON strings on our vocabularies
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
+MAX_JSON_WHITESPACE = 1  # consecutive whitespace characters inside JSON: a small model otherwise may pad forever
 
 
 def check_response_format(fmt: ResponseFormat | None) -> dict | None:
-    """The JSON schema ``fmt`` asks the output to follow ({} for any JSON object), None for free text."""
+    """The JSON schema ``fmt`` asks the output to follow (``{"type": "object"}`` for json_object), None for text."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -22,7 +54,104 @@ def check_response_format(fmt: ResponseFormat | None) -> dict | None:
     return schema
 
 
-def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer):
-    """The request's Constraint, or None when its output is free text."""
-    check_response_format(fmt)
-    return None
+class _Vocabulary:
+    """xgrammar's view of one tokenizer and the tokens a grammar never allows (shared by all requests)."""
+
+    def __init__(self, tokenizer) -> None:
+        size = tokenizer.vocab_size
+        pieces = [tokenizer.backend.id_to_token(i) or "" for i in range(size)]
+        byte_fallback = any(p == "<0x41>" for p in pieces)  # SentencePiece-style vocabularies (Gemma)
+        kind = xgr.VocabType.BYTE_FALLBACK if byte_fallback else xgr.VocabType.BYTE_LEVEL
+        stops = sorted(tokenizer.stop_ids)
+        info = xgr.TokenizerInfo(pieces, kind, vocab_size=size, stop_token_ids=stops)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.size = size
+        special = set(tokenizer.backend.get_added_tokens_decoder()) - set(stops)
+        keep = np.ones(size, dtype=bool)
+        keep[[i for i in special if i < size]] = False
+        keep[[i for i in range(size) if _CONTROL.search(tokenizer.decode([i], skip_special_tokens=False))]] = False
+        # the same packing as xgrammar's bitmask (bit i of word i // 32): AND-ed into every mask
+        self.keep_words = torch.from_numpy(np.packbits(np.pad(keep, (0, -size % 32)), bitorder="little")
+                                           .view(np.int32).copy())
+
+
+_VOCABULARIES: dict[int, _Vocabulary] = {}
+_LOCK = threading.Lock()
+
+
+def _vocabulary(tokenizer) -> _Vocabulary:
+    with _LOCK:
+        vocab = _VOCABULARIES.get(id(tokenizer))
+        if vocab is None:
+            vocab = _VOCABULARIES[id(tokenizer)] = _Vocabulary(tokenizer)
+        return vocab
+
+
+def apply_bitmask(logits: torch.Tensor, words: torch.Tensor, size: int) -> torch.Tensor:
+    """A copy of ``logits`` ([vocab]) with the tokens whose bit is 0 in ``words`` (int32 [ceil(vocab/32)], bit i
+    of word i // 32) at -inf. torch.where over the unpacked bits: several times faster on CPU than xgrammar's
+    own apply kernel (benchmarks/grammar_mask.py)."""
+    bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")[:size].view(np.bool_)
+    allowed = torch.from_numpy(bits).to(logits.device)
+    return torch.where(allowed[: logits.shape[-1]], logits, float("-inf"))
+
+
+class GrammarMask:
+    """One call's grammar state (``kvrelay.engine.engine.LogitsMask``)."""
+
+    def __init__(self, compiled, vocab: _Vocabulary) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab = vocab
+        self.words = xgr.allocate_token_bitmask(1, vocab.size)[0]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        self.matcher.fill_next_token_bitmask(self.words.unsqueeze(0))
+        self.words &= self.vocab.keep_words
+        return apply_bitmask(logits, self.words, self.vocab.size)
+
+    def advance(self, token_id: int) -> None:
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id} its own mask allowed")
+
+
+class Constraint:
+    """A request's compiled grammar; ``new_mask()`` per call (the worker makes one when the call starts)."""
+
+    def __init__(self, compiled, vocab: _Vocabulary) -> None:
+        self.compiled, self.vocab = compiled, vocab
+
+    def new_mask(self) -> GrammarMask:
+        return GrammarMask(self.compiled, self.vocab)
+
+
+def _json_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
+def _tool_format(plan: ToolPlan) -> dict:
+    tags = [{"type": "tag", "begin": call_prefix(name), "content": _json_format(plan.schema_of(name)),
+             "end": "}" + CALL_CLOSE} for name in plan.callable_names]
+    if plan.mode == "auto":
+        return {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags, "at_least_one": False,
+                "stop_after_first": not plan.parallel}
+    return {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEP, "at_least_one": True,
+            "stop_after_first": not plan.parallel}
+
+
+def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer) -> Constraint | None:
+    """The request's compiled grammar, or None when its output is free text; a 400 when the library cannot
+    compile a schema (naming the field)."""
+    schema = check_response_format(fmt)
+    if plan is None and schema is None:
+        return None
+    vocab = _vocabulary(tokenizer)
+    if plan is not None:
+        spec, param = {"type": "structural_tag", "format": _tool_format(plan)}, "tools"
+    else:
+        spec, param = {"type": "structural_tag", "format": _json_format(schema)}, "response_format"
+    try:
+        compiled = vocab.compiler.compile_structural_tag(json.dumps(spec))
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses for schemas it cannot take
+        raise ApiError(400, f"{param}: this JSON schema cannot be used for constrained decoding: {exc}",
+                       param=param, code="invalid_value") from exc
+    return Constraint(compiled, vocab)

@@ -246,8 +246,8 @@ class ToolStream:
             events.append({"type": "delta", "text": text})
 
     def _stream_call(self, call: _Call, body: str, events: list[dict]) -> None:
-        """Stream what is certain of an open call: its name, then its arguments up to the last '}' (which may
-        close the call rather than the arguments)."""
+        """Stream what is certain of an open call: its name, then its arguments up to the last '}' and the
+        whitespace before it (they may close the call rather than the arguments)."""
         head = _HEAD_RE.match(body)
         if head is None:
             return
@@ -259,7 +259,8 @@ class ToolStream:
             events.append({"type": "delta", "text": "", "tool_call": {"index": call.index, "id": call.id,
                                                                       "name": call.name, "arguments": ""}})
         args = body[head.end() :]
-        safe = args.rfind("}")
+        cut = args.rfind("}")
+        safe = len(args[: cut if cut >= 0 else len(args)].rstrip())
         if safe > call.num_sent_arg_chars:
             self._args(call, args[call.num_sent_arg_chars : safe], events)
             call.num_sent_arg_chars = safe

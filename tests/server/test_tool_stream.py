@@ -1,0 +1,140 @@
+"""Tool calls out of the model's text (ToolStream) and tool history into the prompt (render_messages)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvrelay.server.protocol import ApiError, ChatCompletionRequest
+from kvrelay.server.tool_protocol import FunctionDef
+from kvrelay.server.tools import ToolPlan, ToolStream, call_text, plan_tools, render_messages
+
+PLAN = ToolPlan((FunctionDef(name="get_weather"), FunctionDef(name="search")), "auto")
+ARGS = '{"city": "Paris", "days": {"n": 2}}'
+
+
+def run(text: str, pieces: int | None = None, finish_reason: str = "stop", plan: ToolPlan = PLAN):
+    """Feed ``text`` one character at a time (or in ``pieces`` equal parts); all events and the done fields."""
+    stream = ToolStream(plan)
+    step = 1 if pieces is None else max(1, len(text) // pieces)
+    events = []
+    for i in range(0, len(text), step):
+        events += stream.feed(text[i : i + step])
+    last, done = stream.close(finish_reason)
+    return events + last, done
+
+
+def rebuilt(events: list[dict]) -> tuple[str, dict[int, dict]]:
+    """What a client accumulates from the deltas: the content and each call by index."""
+    content, calls = "", {}
+    for e in events:
+        if "tool_call" in e:
+            piece = e["tool_call"]
+            call = calls.setdefault(piece["index"], {"id": None, "name": None, "arguments": ""})
+            if piece["id"] is not None:
+                assert call["id"] is None, "a call's id and name come once, in its first piece"
+                call.update(id=piece["id"], name=piece["name"])
+            call["arguments"] += piece["arguments"]
+        else:
+            content += e["text"]
+    return content, calls
+
+
+@pytest.mark.parametrize("pieces", [None, 3, 1])
+def test_two_calls_parse_and_stream_in_pieces(pieces):
+    text = call_text("get_weather", ARGS) + "\n" + call_text("search", '{"q": "x}"}')
+    events, done = run(text, pieces)
+    assert done["finish_reason"] == "tool_calls" and done["text"] == ""
+    assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("get_weather", ARGS), ("search", '{"q": "x}"}')]
+    content, calls = rebuilt(events)
+    assert content.strip() == ""
+    assert [(calls[i]["id"], calls[i]["name"], calls[i]["arguments"]) for i in (0, 1)] == \
+        [(c["id"], c["name"], c["arguments"]) for c in done["tool_calls"]]
+    assert all(c["id"].startswith("call_") for c in done["tool_calls"])
+    if pieces is None:  # one character at a time: the arguments arrive in several pieces, not at the end only
+        assert sum(1 for e in events if "tool_call" in e and e["tool_call"]["index"] == 0) > 3
+
+
+def test_text_around_a_call_is_content_and_a_partial_marker_is_held_back():
+    events, done = run("Let me look.<tool_call>" + call_text("search", "{}")[len("<tool_call>"):] + " Done <tool")
+    assert done["text"] == "Let me look. Done <tool" and [c["name"] for c in done["tool_calls"]] == ["search"]
+    content, _ = rebuilt(events)
+    assert content == done["text"]
+    stream = ToolStream(PLAN)
+    assert stream.feed("Hi <tool_ca") == [{"type": "delta", "text": "Hi "}]  # "<tool_ca" may open a call
+
+
+def test_a_call_cut_by_max_tokens_is_text_and_length():
+    text = call_text("get_weather", ARGS)[:-8]
+    events, done = run(text, finish_reason="length")
+    assert done == {"text": text, "tool_calls": [], "finish_reason": "length"}
+
+
+@pytest.mark.parametrize("body", ['{"name": "nope", "arguments": {}}', '{"name": "search", "arguments": [1]}',
+                                  '{"name": "search", "arguments": {"a": 1}', '{"name": "search"}'])
+def test_a_malformed_or_unknown_call_stays_text(body):
+    text = "<tool_call>" + body + "</tool_call>"
+    _, done = run(text)
+    assert done["tool_calls"] == [] and done["text"] == text and done["finish_reason"] == "stop"
+
+
+def _request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", **kw)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_history_renders_calls_as_generated_and_results_as_one_user_turn():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    call2 = {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    body = _request(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+                              {"role": "assistant", "content": None, "tool_calls": [call, call2]},
+                              {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+                              {"role": "tool", "tool_call_id": "call_2", "content": "Rain"},
+                              {"role": "user", "content": "Thanks"}],
+                    tools=[WEATHER])
+    messages = render_messages(body, plan_tools(body))
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]  # Gemma's alternation holds
+    assert messages[0]["content"].startswith("Be brief.\n\n") and '"name": "get_weather"' in messages[0]["content"]
+    assert messages[2]["content"] == (call_text("get_weather", '{"city": "Paris"}') + "\n"
+                                      + call_text("get_weather", '{"city": "Rome"}'))
+    assert messages[3]["content"] == ('<tool_response name="get_weather">\nSunny\n</tool_response>\n'
+                                      '<tool_response name="get_weather">\nRain\n</tool_response>\n\nThanks')
+    hidden = render_messages(body, None)  # tool_choice "none": no tool text in the system message
+    assert hidden[0]["content"] == "Be brief."
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "nonsense"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "array"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_parameters_name_the_field(kw, param):
+    with pytest.raises(ApiError) as err:
+        plan_tools(_request(messages=[{"role": "user", "content": "hi"}], **kw))
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_plans():
+    user = [{"role": "user", "content": "hi"}]
+    assert plan_tools(_request(messages=user)) is None
+    assert plan_tools(_request(messages=user, tools=[WEATHER], tool_choice="none")) is None
+    auto = plan_tools(_request(messages=user, tools=[WEATHER]))
+    assert (auto.mode, auto.parallel) == ("auto", True)
+    single = plan_tools(_request(messages=user, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
+    assert (single.mode, single.parallel) == ("required", False)
+    named = plan_tools(_request(messages=user, tools=[WEATHER],
+                                tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert (named.mode, named.callable_names, named.parallel) == ("named", ("get_weather",), False)
+    assert json.loads(json.dumps(named.schema_of("get_weather")))["required"] == ["city"]
