@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, REPO
 from tests.server.live import LiveServer
 
 CHAT = "/v1/chat/completions"
@@ -44,17 +47,112 @@ BAD = [  # (what, path, body or raw text, status, code or None)
     ("unknown route", "/v1/nothing", {}, 404, "not_found"),
 ]
 
+COMPLETIONS = "/v1/completions"
+PROMPT = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+# (what, path, body, the param named): each a 400 where OpenAI's is; sent as JSON with \u escapes
+NAMED = [
+    ("max_tokens true", CHAT, {**OK, "max_tokens": True}, "max_tokens"),
+    ("max_tokens 2.0", CHAT, {**OK, "max_tokens": 2.0}, "max_tokens"),
+    ("max_completion_tokens '2'", CHAT, {**OK, "max_completion_tokens": "2"}, "max_completion_tokens"),
+    ("stream 'yes'", CHAT, {**OK, "stream": "yes"}, "stream"),
+    ("stream 1", CHAT, {**OK, "stream": 1}, "stream"),
+    ("seed '42'", CHAT, {**OK, "seed": "42"}, "seed"),
+    ("logprobs 'yes'", CHAT, {**OK, "logprobs": "yes"}, "logprobs"),
+    ("top_logprobs true", CHAT, {**OK, "logprobs": True, "top_logprobs": True}, "top_logprobs"),
+    ("n '1'", CHAT, {**OK, "n": "1"}, "n"),
+    ("temperature true", CHAT, {**OK, "temperature": True}, "temperature"),
+    ("temperature '0.5'", CHAT, {**OK, "temperature": "0.5"}, "temperature"),
+    ("top_p '1'", CHAT, {**OK, "top_p": "1"}, "top_p"),
+    ("include_usage 1", CHAT, {**OK, "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+    ("kvrelay.debug 'yes'", CHAT, {**OK, "kvrelay": {"debug": "yes"}}, "kvrelay.debug"),
+    ("completion logprobs true", COMPLETIONS, {**PROMPT, "logprobs": True}, "logprobs"),
+    ("echo 'no'", COMPLETIONS, {**PROMPT, "echo": "no"}, "echo"),
+    ("token ids as booleans", COMPLETIONS, {**PROMPT, "prompt": [True, False]}, "prompt.0"),
+    ("token ids as floats", COMPLETIONS, {**PROMPT, "prompt": [1.0, 2.0]}, "prompt.0"),
+    # a lone surrogate: no Unicode text, wherever it is
+    ("surrogate prompt", COMPLETIONS, {**PROMPT, "prompt": "\udfff"}, "prompt"),
+    ("surrogate in a prompt list", COMPLETIONS, {**PROMPT, "prompt": ["a\ud800b"]}, "prompt"),
+    ("surrogate content", CHAT, {**OK, "messages": [{"role": "user", "content": "x\udfff"}]},
+     "messages.0.content"),
+    ("surrogate content part", CHAT, {**OK, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\ud83d"}]}]}, "messages.0.content.0.text"),
+    ("surrogate name", CHAT, {**OK, "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]},
+     "messages.0.name"),
+    ("surrogate role", CHAT, {**OK, "messages": [{"role": "\udfff", "content": "hi"}]}, "messages.0.role"),
+    ("surrogate stop", CHAT, {**OK, "stop": "\udfff"}, "stop"),
+    ("surrogate in a stop list", CHAT, {**OK, "stop": ["ok", "\udfff"]}, "stop"),
+    ("surrogate cache_salt", CHAT, {**OK, "cache_salt": "\ud800"}, "cache_salt"),
+    ("surrogate model", CHAT, {**OK, "model": "\ud800"}, "model"),
+    ("surrogate method", CHAT, {**OK, "kvrelay": {"method": "\ud800"}}, "kvrelay.method"),
+    ("surrogate completion stop", COMPLETIONS, {**PROMPT, "stop": "\udc00"}, "stop"),
+]
+
 
 @pytest.mark.parametrize("what,path,body,status,code", BAD, ids=[b[0] for b in BAD])
 def test_bad_request_gets_its_error(server, what, path, body, status, code):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
-    r = httpx.post(f"{server.url}{path}", timeout=30, **kw)
+    r = _post(server, path, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
     assert err["code"] == code, err
     assert "Traceback" not in r.text
     assert server.alive()
+
+
+def _post(server, path: str, body: dict | str) -> httpx.Response:
+    """``body`` as JSON text (json.dumps escapes a lone surrogate as \\udfff, as a client's JSON encoder does)."""
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"},
+                      timeout=30)
+
+
+@pytest.mark.parametrize("what,path,body,param", NAMED, ids=[b[0] for b in NAMED])
+def test_wrong_types_and_lone_surrogates_are_400s_naming_the_field(server, what, path, body, param):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["param"] == param and err["code"] == "invalid_value", err
+    assert err["message"].startswith(param), err
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 1e-37), ("temperature", 1e-39), ("temperature", 1e-45),
+                                         ("temperature", 5e-324), ("top_p", 1e-46), ("top_p", 5e-324)])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_tiny_sampling_values_are_served(server, path, field, value):
+    """Every value the API accepts samples: no 500 from a softmax that overflows float32."""
+    body = {**(OK if path == CHAT else PROMPT), "max_tokens": 6, "seed": 3, field: value}
+    r = _post(server, path, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_an_error_names_no_server_path(server):
+    """A method without a profile for this model: the error says so, without the server's directories."""
+    r = _post(server, CHAT, {**OK, "kvrelay": {"method": "relay"}})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "profile" in message and ".json" in message, message  # still says what is missing
+    for root in {str(REPO), str(Path.home()), "/root/", "/home/", "/tmp/", "/work/"}:
+        assert root not in message, message
+    assert re.search(r"(?<![\w:/])/[\w.-]+/", message) is None, message
+
+
+def test_a_malformed_request_line_gets_error_json(server):
+    """uvicorn's own 400 (a request h11 cannot parse) is OpenAI's error JSON, and the server keeps serving."""
+    for raw in (b"NOT HTTP AT ALL\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(raw)
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0].startswith(b"HTTP/1.1 400"), response
+        assert b"content-type: application/json" in head.lower(), head
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http_request", err
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_seeds_at_both_ends_of_the_range_are_served_and_one_past_names_the_seed(server):
@@ -118,3 +216,59 @@ def test_full_queue_is_429_with_retry_after():
         assert httpx.post(url, json=body, timeout=60).status_code == 200  # the queue drained: served again
     finally:
         srv.stop()
+
+
+HOSTILE_TEMPERATURE = 1e-37  # the issue's body; on SmolLM2 its float32 softmax overflowed after the first token
+
+
+def _stream_chunks(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def _text_of(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+def test_a_request_that_fails_mid_decode_fails_alone_beside_another_stream():
+    """Two streams in one decode batch (the worker paused until both wait); the hostile one's row turns NaN after
+    its first token (planted: random:tiny's logits are too small to overflow, SmolLM2's were not). It gets an
+    error chunk; the other stream runs to its last token, the same text as when it runs alone."""
+    srv = LiveServer(max_running=4)
+    url = f"{srv.url}{CHAT}"
+    engine = srv.worker.engine
+    decode = engine._decode
+
+    def nan_for_the_hostile_row(token_ids, seqs):
+        logits = decode(token_ids, seqs).clone()  # [B, vocab]
+        for row, seq in enumerate(seqs):
+            if seq.options.sampling.temperature == HOSTILE_TEMPERATURE:
+                logits[row] = float("nan")
+        return logits
+
+    engine._decode = nan_for_the_hostile_row
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    good = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    hostile = {**good, "temperature": HOSTILE_TEMPERATURE, "messages": [{"role": "user", "content": "Hi there"}]}
+    try:
+        srv.worker.pause()
+        with ThreadPoolExecutor(2) as pool:
+            good_chunks = pool.submit(_stream_chunks, url, good)
+            srv.wait_until(lambda: srv.num_waiting() == 1, "the good request waiting")
+            hostile_chunks = pool.submit(_stream_chunks, url, hostile)
+            srv.wait_until(lambda: srv.num_waiting() == 2, "both requests waiting")
+            srv.worker.resume()
+            good_chunks, hostile_chunks = good_chunks.result(), hostile_chunks.result()
+        alone = httpx.post(url, json={**good, "stream": False}, timeout=60).json()
+    finally:
+        srv.stop()
+    assert not any("error" in c for c in good_chunks), good_chunks[-1]
+    assert good_chunks[-1]["usage"]["completion_tokens"] == 24
+    assert [c["choices"][0]["finish_reason"] for c in good_chunks if c.get("choices")][-1] == "length"
+    assert _text_of(good_chunks) == alone["choices"][0]["message"]["content"]
+    assert _text_of(hostile_chunks), hostile_chunks  # its first token came out before its decode step failed
+    err = hostile_chunks[-1]["error"]
+    assert err["code"] == "internal_error" and "not affected" in err["message"], err
