@@ -46,7 +46,8 @@ def test_two_calls_parse_and_stream_in_pieces(pieces):
     text = call_text("get_weather", ARGS) + "\n" + call_text("search", '{"q": "x}"}')
     events, done = run(text, pieces)
     assert done["finish_reason"] == "tool_calls" and done["text"] == ""
-    assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("get_weather", ARGS), ("search", '{"q": "x}"}')]
+    assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [
+        ("get_weather", ARGS), ("search", '{"q": "x}"}')]
     content, calls = rebuilt(events)
     assert content.strip() == ""
     assert [(calls[i]["id"], calls[i]["name"], calls[i]["arguments"]) for i in (0, 1)] == \
