@@ -232,12 +232,8 @@ def _text_of(chunks: list[dict]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
 
-def test_a_request_that_fails_mid_decode_fails_alone_beside_another_stream():
-    """Two streams in one decode batch (the worker paused until both wait); the hostile one's row turns NaN after
-    its first token (planted: random:tiny's logits are too small to overflow, SmolLM2's were not). It gets an
-    error chunk; the other stream runs to its last token, the same text as when it runs alone."""
-    srv = LiveServer(max_running=4)
-    url = f"{srv.url}{CHAT}"
+def _plant_nan_row(srv: LiveServer) -> None:
+    """The hostile request's logits turn NaN in every decode step (its first token, from the prefill, is fine)."""
     engine = srv.worker.engine
     decode = engine._decode
 
@@ -249,6 +245,31 @@ def test_a_request_that_fails_mid_decode_fails_alone_beside_another_stream():
         return logits
 
     engine._decode = nan_for_the_hostile_row
+
+
+def _plant_text_bug(srv: LiveServer) -> None:
+    """Turning the hostile request's second token into text raises (a bug after the step, in the worker)."""
+    worker = srv.worker
+    emit_text = worker._emit_text
+
+    def emit_text_with_a_bug(job):
+        if job.temperature == HOSTILE_TEMPERATURE and len(job.seq.output_ids) >= 2:
+            raise RuntimeError("planted: a bug turning tokens into text")
+        emit_text(job)
+
+    worker._emit_text = emit_text_with_a_bug
+
+
+@pytest.mark.parametrize("plant,message", [(_plant_nan_row, "not affected"), (_plant_text_bug, "internal error")],
+                         ids=["nan_logits", "text_bug"])
+def test_a_request_that_fails_mid_decode_fails_alone_beside_another_stream(plant, message):
+    """Two streams in one decode batch (the worker paused until both wait); the hostile one fails after its first
+    token: its row's logits turn NaN (planted: random:tiny's logits are too small to overflow, SmolLM2's were not),
+    or the worker meets a bug with its text. It gets an error chunk; the other stream runs to its last token, the
+    same text as when it runs alone."""
+    srv = LiveServer(max_running=4)
+    url = f"{srv.url}{CHAT}"
+    plant(srv)
     messages = [{"role": "user", "content": "What is 2+2?"}]
     good = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -271,4 +292,4 @@ def test_a_request_that_fails_mid_decode_fails_alone_beside_another_stream():
     assert _text_of(good_chunks) == alone["choices"][0]["message"]["content"]
     assert _text_of(hostile_chunks), hostile_chunks  # its first token came out before its decode step failed
     err = hostile_chunks[-1]["error"]
-    assert err["code"] == "internal_error" and "not affected" in err["message"], err
+    assert err["code"] == "internal_error" and message in err["message"] and "planted" not in err["message"], err
