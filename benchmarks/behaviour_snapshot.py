@@ -181,9 +181,11 @@ def field_difference(name: str, before, after) -> float:
 
 def compare_rows(before: list[dict], after: list[dict]) -> tuple[dict, list[str]]:
     """Per method and field: {"calls", "calls_differing", "max_diff"}; and the problems (missing calls, fields past
-    tolerance) as lines."""
-    index = {tuple(r[k] for k in KEY): r for r in after}
-    keyed = {tuple(r[k] for k in KEY): r for r in before}
+    tolerance) as lines. Only the problems both snapshots ran are compared (a run stopped early ran fewer)."""
+    lanes = ("model", "workload", "problem_id")
+    common = {tuple(r[k] for k in lanes) for r in before} & {tuple(r[k] for k in lanes) for r in after}
+    index = {tuple(r[k] for k in KEY): r for r in after if tuple(r[k] for k in lanes) in common}
+    keyed = {tuple(r[k] for k in KEY): r for r in before if tuple(r[k] for k in lanes) in common}
     problems = [f"call {k} is in only one snapshot" for k in sorted(set(keyed) ^ set(index))]
     table: dict[str, dict[str, dict]] = defaultdict(dict)
     for key in sorted(set(keyed) & set(index)):
@@ -216,11 +218,17 @@ def settings_changes(before: dict, after: dict) -> list[str]:
 def compare(args: argparse.Namespace) -> int:
     before, after = (json.loads(Path(p).read_text()) for p in args.compare)
     table, problems = compare_rows(before["calls"], after["calls"])
+    compared_problems = {(r["model"], r["workload"], r["problem_id"]) for r in before["calls"]} & {
+        (r["model"], r["workload"], r["problem_id"]) for r in after["calls"]}
     print(f"before: {args.compare[0]} (commit {before['env'].get('commit')}), "
           f"after: {args.compare[1]} (commit {after['env'].get('commit')})")
-    if before["config"] != after["config"] or before.get("num_problems") != after.get("num_problems"):
-        print(f"warning: the snapshots were taken with other settings: {before['config']}, "
-              f"{before.get('num_problems')} problems vs {after['config']}, {after.get('num_problems')} problems")
+    settings = ("methods", "models", "workloads", "greedy_tokens", "max_upstream_tokens")
+    if any(before["config"].get(k) != after["config"].get(k) for k in settings):
+        print(f"warning: the snapshots were taken with other settings: {before['config']} vs {after['config']}")
+    print(f"compared {len(compared_problems)} problems (model, workload, problem) that both ran")
+    if not compared_problems:
+        print("nothing to compare: the snapshots share no problem")
+        return 1
     print(f"tolerances: exact for {', '.join(EXACT)}; kl_first_token within {KL_ATOL:g} nats + {KL_RTOL:g} x KL")
     print("| method | field | calls | calls differing | max difference |\n|---|---|---|---|---|")
     for method, fields in table.items():

@@ -37,6 +37,13 @@ def test_each_kind_of_change_is_past_tolerance(changes):
     assert table["relay"][name]["calls_differing"] == 1
 
 
+def test_only_the_problems_both_ran_are_compared():
+    _, problems = snap.compare_rows([_row(), _row(problem_id="p1")], [_row()])
+    assert problems == []
+    _, problems = snap.compare_rows([_row(), _row(problem_id="p1")], [_row(), _row(problem_id="p1", note="x")])
+    assert len(problems) == 1
+
+
 def test_greedy_difference_counts_tokens_from_the_first_that_differs():
     assert snap.field_difference("greedy_ids", [1, 2, 3, 4], [1, 2, 5, 4]) == 2
     assert snap.field_difference("greedy_ids", [1, 2, 3, 4], [1, 2]) == 2
