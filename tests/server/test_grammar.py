@@ -132,3 +132,15 @@ def test_response_format_json(tokenizer):
         assert isinstance(json.loads(text), dict) if stopped else text.startswith("{")
     assert constraint_for(None, ResponseFormat(type="text"), tokenizer) is None
     assert constraint_for(None, None, tokenizer) is None
+
+
+def test_without_the_grammar_library_a_request_that_needs_it_is_a_clear_400(tokenizer, monkeypatch):
+    from kvrelay.server import grammar
+    from kvrelay.server.protocol import ApiError
+
+    monkeypatch.setattr(grammar, "xgr", None)
+    with pytest.raises(ApiError) as err:
+        constraint_for(None, ResponseFormat(type="json_object"), tokenizer)
+    assert (err.value.status, err.value.param, err.value.code) == (400, "response_format", "unsupported")
+    assert "kvrelay[tools]" in err.value.message
+    assert constraint_for(None, None, tokenizer) is None  # plain text needs no grammar
