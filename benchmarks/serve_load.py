@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -144,8 +145,10 @@ _WORDS = ("the of and to in is was for on that with as by at from his her are we
 HOSTILE_KINDS = ("tiny_temperature", "chunked_huge_body", "long_prompt", "lone_surrogate", "bad_types")
 
 
-def _post_raw(base_url: str, body: bytes, chunked: bool = False, timeout_s: float = 300) -> int:
-    """POST a raw body to chat completions (chunked: no Content-Length, sent in 64 KB pieces); the status."""
+def _post_raw(base_url: str, body: bytes, chunked: bool = False, timeout_s: float = 900,
+              replies: list | None = None) -> int:
+    """POST a raw body to chat completions (chunked: no Content-Length, sent in 64 KB pieces); the status (the
+    JSON reply appended to ``replies``)."""
     headers = {"Content-Type": "application/json"}
     data = body
     if chunked:
@@ -154,12 +157,14 @@ def _post_raw(base_url: str, body: bytes, chunked: bool = False, timeout_s: floa
     req = urllib.request.Request(base_url + "/chat/completions", data=data, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            r.read()
+            reply = r.read()
+            if replies is not None:
+                replies.append(json.loads(reply))
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
     except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return -1  # the server closed the connection on a body it refused mid-way
+        return -1  # the server answered 413 and closed the connection while this client was still sending
 
 
 def hostile_body(kind: str, model: str, long_words: int) -> tuple[bytes, bool]:
@@ -189,6 +194,7 @@ class Hostile(threading.Thread):
         self.base_url, self.model, self.kinds, self.deadline, self.long_words = (base_url, model, kinds, deadline,
                                                                                   long_words)
         self.statuses: dict[str, list[int]] = {k: [] for k in kinds}
+        self.replies: list[dict] = []  # 200 replies (their kvrelay extension: TTFT, prefill chunks)
 
     def run(self) -> None:
         i = 0
@@ -206,7 +212,7 @@ class Hostile(threading.Thread):
                 except urllib.error.HTTPError as e:
                     status = e.code
             else:
-                status = _post_raw(self.base_url, body, chunked)
+                status = _post_raw(self.base_url, body, chunked, replies=self.replies)
             self.statuses[kind].append(status)
 
 
@@ -215,7 +221,7 @@ def probe_ttft(base_url: str, model: str, seconds: float, words: int = 8) -> lis
     client = OpenAI(base_url=base_url, api_key="none", timeout=600, max_retries=0)
     out: list[float] = []
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    while not out or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": " ".join(["ping"] * words)}], max_tokens=2,
@@ -230,20 +236,28 @@ def probe_ttft(base_url: str, model: str, seconds: float, words: int = 8) -> lis
 
 def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chunk_tokens: int) -> dict:
     """Issue 54's target: a short request's TTFT p99 while one client sends an 8K-token prompt and another an 8 MB
-    body, against 3 x its idle TTFT + one prefill chunk (the chunk's time: the idle TTFT of a prompt that long)."""
+    body, against 3 x its idle TTFT + one prefill chunk (a chunk's time: the long prompt's prefill wall time over
+    its number of chunks, as the server reports them). Probes run until the long prompts are done."""
+    probe_ttft(base_url, model, 0.0)  # warm-up (one request: lazy imports, allocations)
     idle = probe_ttft(base_url, model, seconds / 3)
-    chunk = probe_ttft(base_url, model, seconds / 3, words=chunk_tokens)
     deadline = time.perf_counter() + seconds
     long_client = Hostile(base_url, model, ("long_prompt",), deadline, long_words)
     body_client = Hostile(base_url, model, ("eight_mb_body",), deadline, long_words)
     long_client.start()
     body_client.start()
-    loaded = probe_ttft(base_url, model, seconds)
-    long_client.join()
+    loaded: list[float] = []
+    while long_client.is_alive():  # short requests one after another for as long as a long prompt is in flight
+        loaded += probe_ttft(base_url, model, 0.0)
     body_client.join()
-    bound = 3 * percentile(idle, 0.5) + percentile(chunk, 0.5)
+    exts = [r["kvrelay"] for r in long_client.replies]
+    chunk_ms = statistics.mean(e["ttft_ms"] / e["num_prefill_chunks"] for e in exts) if exts else float("nan")
+    bound = 3 * percentile(idle, 0.5) + chunk_ms
     row = {"idle_ttft_ms_p50": percentile(idle, 0.5), "idle_ttft_ms_p99": percentile(idle, 0.99),
-           "chunk_prefill_ms_p50": percentile(chunk, 0.5), "loaded_ttft_ms_p50": percentile(loaded, 0.5),
+           "chunk_prefill_ms_mean": chunk_ms, "chunk_tokens": chunk_tokens,
+           "long_prompt_tokens": [r["usage"]["prompt_tokens"] for r in long_client.replies],
+           "long_prompt_ttft_ms": [e["ttft_ms"] for e in exts],
+           "long_prompt_chunks": [e["num_prefill_chunks"] for e in exts],
+           "loaded_ttft_ms_p50": percentile(loaded, 0.5), "loaded_ttft_ms_max": max(loaded),
            "loaded_ttft_ms_p99": percentile(loaded, 0.99), "num_probes": len(loaded),
            "bound_ms": bound, "within_bound": percentile(loaded, 0.99) <= bound,
            "long_prompt_statuses": long_client.statuses["long_prompt"],
@@ -278,23 +292,31 @@ def main() -> None:
                              "body), then each --clients phase without and with hostile requests among the clients")
     parser.add_argument("--long-words", type=int, default=8000, help="words of the long prompt (about one token each)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="the server's --prefill-chunk-tokens")
+    parser.add_argument("--stall-seconds", type=float, default=60,
+                        help="with --hostile: how long long prompts and 8 MB bodies are sent (0: no stall phase)")
+    parser.add_argument("--section", default=None,
+                        help="write this run under this key of --json, keeping what the file holds (runs on two "
+                             "servers, e.g. two models, in one file)")
     args = parser.parse_args()
     model = OpenAI(base_url=args.base_url, api_key="none").models.list().data[0].id
     questions = [p.inputs["question"] for p in gsm8k_chain3().problems(args.data, 40)]
     extra = {}
-    if args.hostile:
-        extra["stall"] = stall_phase(args.base_url, model, float(args.seconds.split(",")[0]), args.long_words,
-                                     args.chunk_tokens)
+    if args.hostile and args.stall_seconds > 0:
+        extra["stall"] = stall_phase(args.base_url, model, args.stall_seconds, args.long_words, args.chunk_tokens)
     rows = []
-    for c, s in zip(args.clients.split(","), args.seconds.split(","), strict=True):
+    for c, s in zip(args.clients.split(","), args.seconds.split(","), strict=True) if args.clients else ():
         rows.append(phase(args.base_url, model, questions, int(c), float(s), args.server_pid))
         if args.hostile:
             rows.append({**hostile_phase(args.base_url, model, questions, int(c), float(s), args.server_pid,
                                          args.long_words), "hostile": True})
     if args.json:
+        env = {"machine": platform.machine(), "commit": _commit()}
+        result = {"env": env, "model": model, "command": " ".join(sys.argv), "phases": rows, **extra}
+        if args.section:
+            path = Path(args.json)
+            result = {**(json.loads(path.read_text()) if path.exists() else {}), args.section: result}
         with open(args.json, "w") as f:
-            env = {"machine": platform.machine(), "commit": _commit()}
-            json.dump({"env": env, "model": model, "phases": rows, **extra}, f, indent=1)
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

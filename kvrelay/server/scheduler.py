@@ -414,7 +414,7 @@ class EngineWorker:
                "num_reused_tokens": stats.num_reused_tokens,
                "num_computed_token_layers": stats.num_computed_token_layers,
                "num_recomputed_token_layers": stats.num_recomputed_token_layers,
-               "fallback": stats.fallback, "ttft_ms": stats.ttft_ms,
+               "fallback": stats.fallback, "ttft_ms": stats.ttft_ms, "num_prefill_chunks": stats.num_prefill_chunks,
                "queue_ms": (job.first_token_s - job.created_s) * 1e3 - stats.ttft_ms}
         if job.debug:
             call = job.built.call
