@@ -1,9 +1,10 @@
 """Next-token choice: greedy, or temperature with nucleus (top-p) sampling.
 
-Sampling is numerically safe for every temperature and top_p the config accepts: the softmax runs in
-float64 on logits shifted by their maximum (so ``(logit - max) / temperature`` is <= 0 and never
-overflows, however small the temperature), a temperature below ``MIN_TEMPERATURE`` is greedy, and
-top-p always keeps the most likely token (a top_p that would round to 0 in float32 still samples).
+Sampling is numerically safe for every temperature and top_p the config accepts: the logits are shifted
+by their maximum before the temperature divides them (so ``(logit - max) / temperature`` is <= 0, the top
+token's exactly 0: no overflow to inf, no inf - inf = NaN, however small the temperature), a temperature
+below ``MIN_TEMPERATURE`` is greedy (so the divisor is never a float32 denormal or 0), and top-p always
+keeps the most likely token (a top_p that rounds to 0 in float32 still samples).
 Logits the model got wrong (NaN, +inf, or nothing allowed) raise ``SamplingError`` instead of
 sampling garbage, so the caller can fail that one sequence.
 """
@@ -59,14 +60,6 @@ class SamplingConfig:
         return self.temperature < MIN_TEMPERATURE
 
 
-def _check_logits(logits: torch.Tensor) -> None:
-    """Refuse logits nothing can be sampled from: NaN, +inf, or all -inf (every token masked)."""
-    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
-        raise SamplingError("the model produced non-finite logits (NaN or +inf) for this sequence")
-    if not bool(torch.isfinite(logits).any()):
-        raise SamplingError("every token's logit is -inf: no token can be sampled")
-
-
 class Sampler:
     def __init__(self, config: SamplingConfig) -> None:
         self.config = config
@@ -74,12 +67,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] -> token id."""
-        _check_logits(logits)
+        top = float(logits.detach().max())  # NaN if any logit is, +inf if any is, -inf if all are
+        if not math.isfinite(top):
+            raise SamplingError("every token's logit is -inf: no token can be sampled" if top < 0 else
+                                "the model produced non-finite logits (NaN or +inf) for this sequence")
         if self.config.greedy:
-            return int(logits.argmax())
-        scores = logits.detach().to(device="cpu", dtype=torch.float64)
+            return int(logits.argmax())  # the first of tied maxima, as before
+        scores = logits.detach().float().cpu()
         # shifted by the max first: every exponent is <= 0, the top token's is exactly 0 (no overflow, no NaN)
-        probs = torch.softmax((scores - scores.max()) / self.config.temperature, dim=-1)
+        probs = torch.softmax((scores - top) / self.config.temperature, dim=-1)
         if self.config.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest set whose mass reaches top_p; the top token always stays (its preceding mass is 0)

@@ -31,7 +31,7 @@ def test_a_tiny_top_p_keeps_the_top_token(top_p):
         assert Sampler(SamplingConfig(temperature=1.0, top_p=top_p, seed=seed))(logits) == int(logits.argmax())
 
 
-def test_a_temperature_just_above_the_floor_still_samples_in_float64():
+def test_a_temperature_just_above_the_floor_samples_the_tied_top_tokens():
     """Just above the floor the tokens tied with the max (gap 0) are sampled from, nothing else: no overflow."""
     logits = torch.full((50,), -5.0)
     logits[[3, 17]] = 80.0  # two tied top tokens; (80 - (-5)) / 2e-6 overflows float32
@@ -40,7 +40,7 @@ def test_a_temperature_just_above_the_floor_still_samples_in_float64():
 
 
 def test_ordinary_sampling_is_unchanged_in_distribution():
-    """At temperature 1 the float64 sampler draws by softmax(logits): frequencies match within noise."""
+    """At temperature 1 the shifted sampler draws by softmax(logits): frequencies match within noise."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     expected = torch.softmax(logits.double(), -1)
     sampler = Sampler(SamplingConfig(temperature=1.0, seed=7))
