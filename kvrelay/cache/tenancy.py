@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvrelay.errors import ConfigError, KvRelayError
@@ -144,3 +144,16 @@ def unscoped_key(key: str) -> str:
     """The key a ``scoped_key`` was made from (what a message to the namespace's own client may show)."""
     _, sep, rest = key.partition(NAMESPACE_SEPARATOR)
     return rest if sep else key
+
+
+def expired_keys(keys: Iterable[str], store: object) -> list[str]:
+    """The ``scoped_key``s among ``keys`` whose namespace ``store`` (or the store behind a view) holds no span of any
+    more: expired for being idle, or emptied by its own evictions. What a method learned from a namespace lives as
+    long as the namespace does, so tenants that come and go (``cache_salt`` is the client's choice) do not pile up
+    learned state; whether it goes depends on that namespace's own use alone. Default-namespace keys never expire."""
+    base = getattr(store, "store", store)
+    namespaces = getattr(base, "namespaces", None)
+    if not callable(namespaces):
+        return []
+    live = set(namespaces())
+    return [key for key in keys if (ns := key_namespace(key)) and ns not in live]

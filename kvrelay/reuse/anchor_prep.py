@@ -96,6 +96,15 @@ class PreparedSpans:
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._entries.values())
 
+    def drop(self, role: str) -> None:
+        """Forget ``role``: the kinds it read and its prepared spans (its namespace is gone)."""
+        self._read_by.pop(role, None)
+        entries = self._entries.get(key_namespace(role))
+        for key in [key for key in entries or () if key[1] == role]:
+            del entries[key]
+        if entries is not None and not entries:
+            del self._entries[key_namespace(role)]
+
 
 @dataclass
 class PrepareStats:

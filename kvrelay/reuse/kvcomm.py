@@ -39,7 +39,7 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
-from kvrelay.cache.tenancy import namespace_of, scoped_key, unscoped_key
+from kvrelay.cache.tenancy import expired_keys, namespace_of, scoped_key, unscoped_key
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
@@ -255,6 +255,7 @@ class KVCommMethod(ReuseMethod):
 
     # ------------------------------------------------------------------ learning
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
+        self._forget_expired(store)
         if isinstance(plan.state, list):  # a reuse: credit the anchors with the weight they had
             for d in plan.state:
                 per_anchor = d.weights.reshape(len(d.anchors), -1).mean(dim=1)
@@ -288,6 +289,13 @@ class KVCommMethod(ReuseMethod):
             pool = self.pools.setdefault(self.pool_key(call, ref, namespace),
                                          AnchorPool(self.max_anchors, self.evict_window))
             pool.add(anchor)
+
+    def _forget_expired(self, store: KVStore | None) -> None:
+        """Drop the pools and templates of namespaces the store no longer holds (``cache.tenancy.expired_keys``)."""
+        for key in expired_keys(self.pools, store):
+            del self.pools[key]
+        for key in expired_keys(self.templates, store):
+            del self.templates[key]
 
     def _offsets(self, rope: RotaryEmbedding, cache: SequenceKV, start: int, end: int, base_k: torch.Tensor,
                  base_v: torch.Tensor, base_pos: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,6 +129,13 @@ class MovePool:
         self.device = torch.device(device)
         self._roles: dict[str, _RolePool] = {}
 
+    def roles(self) -> list[str]:
+        return list(self._roles)
+
+    def drop(self, role: str) -> None:
+        """Forget ``role``'s pool and index (its namespace is gone)."""
+        self._roles.pop(role, None)
+
     def num_calls(self, role: str) -> int:
         """How many dense calls taught ``role`` (counted even when their tokens have since been dropped)."""
         pool = self._roles.get(role)

@@ -114,6 +114,13 @@ class MoveReadout:
     def num_roles(self) -> int:
         return len(self._roles)
 
+    def roles(self) -> list[str]:
+        return list(self._roles)
+
+    def drop(self, role: str) -> None:
+        """Forget ``role``'s readout (its namespace is gone)."""
+        self._roles.pop(role, None)
+
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self._roles.values())

@@ -52,7 +52,7 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV, StoredSpan
 from kvrelay.cache.store import KVStore
-from kvrelay.cache.tenancy import key_namespace, namespace_of, scoped_key, unscoped_key
+from kvrelay.cache.tenancy import expired_keys, key_namespace, namespace_of, scoped_key, unscoped_key
 from kvrelay.errors import ConfigError
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.rope import RotaryEmbedding
@@ -242,6 +242,15 @@ class RelayAnchorsMethod(RelayMethod):
         b = self.anchor_blend
         return (1 - b) * k_move + b * both[:num_layers], (1 - b) * v_move + b * both[num_layers:]
 
+    def _forget_expired(self, store: KVStore | None) -> None:
+        """Drop the pools, readouts and prepared spans of namespaces the store no longer holds (the roles of an
+        expired tenant; ``cache.tenancy.expired_keys``)."""
+        for role in expired_keys(self.pool.roles() if self.pool is not None else (), store):
+            self.pool.drop(role)
+            self.prepared.drop(role)
+            if self.readout is not None:
+                self.readout.drop(role)
+
     def _ready(self, role: str) -> bool:
         return self.pool is not None and self.pool.num_calls(role) >= self.anchor_calls
 
@@ -310,6 +319,7 @@ class RelayAnchorsMethod(RelayMethod):
         return plan
 
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
+        self._forget_expired(store)
         if not isinstance(plan.state, _Learn) or store is None:
             return
         pool, rope = self._pool(lm), lm.model.rope

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvrelay.cache.store import KVStore
+from kvrelay.cache.tenancy import key_namespace
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse.base import CallInput, SpanRef
@@ -100,3 +101,27 @@ def test_the_fallback_text_shows_no_anchor_distances(lm):
              for k in range(4)]
     assert any("entropy" in t for t in texts)
     assert not any("L2" in t for t in texts)
+
+
+def _learned(method, namespace: str) -> bool:
+    keys = method.pools if hasattr(method, "pools") else method.pool.roles()
+    return any(key_namespace(k) == namespace for k in keys)
+
+
+@pytest.mark.parametrize("method", ["kvcomm[warmup=1]", f"relay_anchors[anchor_calls=1,anchor_blend=0.5,{BAND}]"])
+def test_what_a_namespace_taught_goes_when_the_namespace_expires(lm, method):
+    """Tenants come and go (a cache_salt is the client's choice): what one taught is dropped once its namespace has
+    expired (idle for kv_namespace_idle_s), and only then."""
+    now = [0.0]
+    store = KVStore(1 << 30, namespace_idle_s=10, clock=lambda: now[0])
+    engine = Engine(lm, store, methods=[method])
+    for k in range(2):
+        _session(engine, store.view("kA"), method, doc_seed=k, k=k)
+    m = engine.method(method)
+    assert _learned(m, "kA")
+    now[0] = 5
+    _session(engine, store.view("kB"), method, doc_seed=5, k=0)
+    assert _learned(m, "kA") and _learned(m, "kB")  # A is idle, not expired
+    now[0] = 11  # A's last use was at 0: expired; B's at 5: not
+    _session(engine, store.view("kB"), method, doc_seed=6, k=1)
+    assert not _learned(m, "kA") and _learned(m, "kB")
