@@ -237,13 +237,13 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_de
                         help="hash the whole converted weights file instead of a sample of it (slower, thorough)")
     parser.add_argument("--threads", type=positive_integer, default=None,
                         help="CPU threads torch runs on, >= 1 (default: torch's own, one per core it sees); on cores "
-                             "other processes share, 1 keeps decode steps steady (BENCHMARKS.md, \"Under load\")")
+                             "other processes share, 1 keeps decode steps steady")
     if not int4_decode:
         parser.set_defaults(int4_decode=False)
         return
     parser.add_argument("--int4-decode", action="store_true",
                         help="decode steps on the GGUF's own 4-bit weights (Q4_0/Q4_1/Q4_K, CPU): half the fp32 "
-                             "step time of one sequence on an AVX-512 CPU, less gain in a batch (BENCHMARKS.md), "
+                             "step time of one sequence on an AVX-512 CPU, less gain in a batch (docs/models.md), "
                              "logits within KL ~1e-4 of it; every prefill stays fp32")
 
 

@@ -13,8 +13,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 SESSION = re.compile(r"session [0-9]+", re.I)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-# Pages other work adds beside these docs; a link to one resolves once it exists.
-PENDING_PAGES = {"docs/tenants.md", "docs/agents.md"}
 
 
 def test_readme_and_benchmarks_stay_a_reference():
@@ -44,7 +42,7 @@ def test_relative_links_resolve(doc):
         if "://" in target or target.startswith("mailto:"):
             continue
         path = (doc.parent / target).resolve()
-        if not path.exists() and str(path.relative_to(ROOT)) not in PENDING_PAGES:
+        if not path.exists():
             broken.append(target)
     assert broken == []
 
