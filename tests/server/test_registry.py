@@ -140,8 +140,8 @@ def test_catalog_evicts_only_within_the_namespace():
     cat.put("a", "a#1", ToySpan(tuple(range(100, 108)), 100))
     cat.put("a", "a#2", ToySpan(tuple(range(200, 208)), 100))  # full: a evicts its own oldest, never b's
     assert cat.store.ids("a") == ["a#1", "a#2"] and cat.store.ids("b") == ["b#0"]
-    assert "a#0" not in cat.index and cat.index.match_prefix(list(range(8)), "a") is None
-    assert cat.index.match_prefix(list(range(8)), "b").span_id == "b#0"
+    assert "a#0" not in cat.index and cat.index.find(list(range(8)), "a", min_tokens=4) == []
+    assert [m.span_id for m in cat.index.find(list(range(8)), "b", min_tokens=4)] == ["b#0"]
     with pytest.raises(StoreFullError):  # b cannot push a's spans out, and has nothing else to evict
         cat.put("b", "b#1", ToySpan(tuple(range(8)), 250))
     assert cat.store.ids("a") == ["a#1", "a#2"] and cat.store.ids("b") == ["b#0"]
