@@ -63,7 +63,7 @@ def _check_messages(body: ChatCompletionRequest) -> None:
         if m.role not in ROLES:
             raise ApiError(400, f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
                            param=f"messages.{i}.role", code="invalid_value")
-        if m.content is None and not (m.role == "assistant"):
+        if m.content is None and m.role != "assistant":
             raise ApiError(400, f"messages[{i}] has no content", param=f"messages.{i}.content",
                            code="invalid_value")
     check_tool_messages(body)

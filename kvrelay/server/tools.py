@@ -1,8 +1,9 @@
 """Tool calling on chat completions: the request's tools checked and rendered into the prompt, the model's
 output parsed back into OpenAI ``tool_calls``.
 
-The model-agnostic format (used for every template that has no tool support of its own, which includes both
-embedded models): the tools' JSON schemas go into the system message, and a call is written
+One model-agnostic format for every chat template (neither embedded model's template, SmolLM2's or Gemma 3's,
+has tool support; a template's own tool syntax is not used even where it has one): the tools' JSON schemas go
+into the system message, and a call is written
 
     <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
 
