@@ -36,8 +36,10 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Annotated
 
 import httpx
+from pydantic import BaseModel, Field
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "mmlu" / "astronomy_test.csv"
@@ -45,10 +47,15 @@ FRAMEWORKS = ("agents", "langgraph", "autogen")
 RESEARCHER = "You are a researcher. Call the search tool to find facts, then write short notes from the results."
 WRITER = "You are a writer. Write a two-sentence answer to the question from the research notes."
 REVIEWER = "You are a reviewer. Say whether the draft agrees with the notes and name one fix."
-MAX_TOKENS = {"researcher": 64, "writer": 64, "reviewer": 48}
+# the researcher's budget holds a whole call (a call cut by max_tokens is text, and the flow goes on without it)
+MAX_TOKENS = {"researcher": 160, "writer": 64, "reviewer": 48}
 
 
 # ---------------------------------------------------------------------- the corpus and its search tool
+# a bounded query (the tools' JSON schema says maxLength): SmolLM2 otherwise may write one query until max_tokens
+Query = Annotated[str, Field(max_length=80)]
+
+
 def load_corpus(path: Path) -> list[str]:
     """One document per MMLU row: the question and its correct answer."""
     docs = []
@@ -161,7 +168,7 @@ def run_agents(url: str, model_id: str, docs: list[str], question: str, steps: S
     salt = uuid.uuid4().hex
 
     @function_tool
-    def search_corpus(query: str) -> str:
+    def search_corpus(query: Query) -> str:
         """Search the astronomy notes."""
         return search(docs, query)
 
@@ -197,7 +204,7 @@ def run_langgraph(url: str, model_id: str, docs: list[str], question: str, steps
     salt = uuid.uuid4().hex
 
     @tool
-    def search_corpus(query: str) -> str:
+    def search_corpus(query: Query) -> str:
         """Search the astronomy notes."""
         return search(docs, query)
 
@@ -249,14 +256,23 @@ def run_langgraph(url: str, model_id: str, docs: list[str], question: str, steps
 def run_autogen(url: str, model_id: str, docs: list[str], question: str, steps: Steps) -> None:
     from autogen_agentchat.agents import AssistantAgent
     from autogen_core.models import ModelFamily
+    from autogen_core.tools import BaseTool
     from autogen_ext.models.openai import OpenAIChatCompletionClient
 
     info = {"vision": False, "function_calling": True, "json_output": True, "family": ModelFamily.UNKNOWN,
             "structured_output": True, "multiple_system_messages": False}
 
-    async def search_corpus(query: str) -> str:
-        """Search the astronomy notes."""
-        return search(docs, query)
+    class SearchArgs(BaseModel):
+        query: Query
+
+    class SearchCorpus(BaseTool[SearchArgs, str]):  # a plain function's Annotated hint must be a description
+        def __init__(self) -> None:
+            super().__init__(SearchArgs, str, "search_corpus", "Search the astronomy notes.")
+
+        async def run(self, args: SearchArgs, cancellation_token) -> str:
+            return search(docs, args.query)
+
+    search_corpus = SearchCorpus()
 
     salt = uuid.uuid4().hex
 
