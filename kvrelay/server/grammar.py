@@ -2,10 +2,10 @@
 per request, and a per-call ``GrammarMask`` the engine applies before each sample (``GenerateOptions.logits_mask``).
 
 xgrammar is the library because, on our tokenizers on CPU (benchmarks/grammar_mask.py,
-benchmarks/results/grammar-mask-cpu.json), its mask and advance cost a third to a quarter of llguidance's per
-decode step, and outlines-core, cheaper per step, indexes each schema's regex over the whole vocabulary at compile
-time (0.2 s on SmolLM2's, 4.4 s on Gemma's, per request, against xgrammar's 12 and 138 ms) and cannot say "free
-text until ``<tool_call>``", which xgrammar's structural tags say directly.
+benchmarks/results/grammar-mask-cpu.json), its mask and advance cost a quarter (SmolLM2) to 40% (Gemma) of
+llguidance's per decode step, and outlines-core, cheaper per step, indexes each schema's regex over the whole
+vocabulary at compile time (0.2 s on SmolLM2's, 4.4 s on Gemma's, per request, against xgrammar's 12 and 138 ms)
+and cannot say "free text until ``<tool_call>``", which xgrammar's structural tags say directly.
 
 The grammars (the call format is kvrelay.server.tools'):
 
