@@ -219,7 +219,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         metrics.requests.labels("chat").inc()
-        queued = queue_chat(body, request, ctx)
+        queued = await queue_chat(body, request, ctx)
         job, events = queued.job, queued.events
         return await respond(request, body, job, events, Reply(model_id, True, body.logprobs))
 

@@ -1,7 +1,7 @@
 """The chat-completions request, checked, rendered and queued: what ``/v1/chat/completions`` and the Responses
 API share.
 
-``queue_chat(body, request, ctx)`` takes a pydantic-valid ``ChatCompletionRequest``, checks the rest (roles,
+``await queue_chat(body, request, ctx)`` takes a pydantic-valid ``ChatCompletionRequest``, checks the rest (roles,
 tool-call history, tools, tool_choice, response_format: an ApiError 400 naming the field), renders the prompt
 (tools included), sets up constrained decoding and the tool-call parser, and submits the job (a full queue is
 an ApiError 429). It returns a ``QueuedChat``: the job and the asyncio queue its events arrive on; read them
@@ -69,14 +69,15 @@ def _check_messages(body: ChatCompletionRequest) -> None:
     check_tool_messages(body)
 
 
-def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
+async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
     """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
     namespace, method = ctx.check_common(body, request)
     _check_messages(body)
     plan = plan_tools(body)
     from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
 
-    constraint = constraint_for(plan, body.response_format, ctx.tokenizer)
+    # off the event loop: the grammar library's first setup and a new schema's compile take up to seconds
+    constraint = await asyncio.to_thread(constraint_for, plan, body.response_format, ctx.tokenizer)
     messages = render_messages(body, plan)
     system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")
     agent = request.headers.get("x-kvrelay-agent") or "sys-" + digest(system)

@@ -93,7 +93,7 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
         namespace = ctx.namespace_of(request, body.cache_salt)
         chat, conversation = chat_request(body, namespace)
         try:
-            queued = queue_chat(chat, request, ctx)
+            queued = await queue_chat(chat, request, ctx)
         except ApiError as exc:
             raise _in_responses_terms(exc) from exc
         job, events = queued.job, queued.events
