@@ -12,7 +12,9 @@ The grammars (the call format is kvrelay.server.tools'):
 - ``tool_choice`` "required": one or more calls (one unless ``parallel_tool_calls``), separated by a newline,
   and nothing else; a named tool: exactly one call of it;
 - "auto": free text, and from ``<tool_call>`` on a call of a known tool whose arguments follow its schema;
-- ``response_format`` json_object / json_schema: one JSON value of the schema.
+- ``response_format`` json_object / json_schema: one JSON value of the schema; with "auto" tools, either
+  calls or that JSON value (an agent with tools and a typed final answer); with "required" or a named tool the
+  turn is calls only, so the format does not apply to it.
 
 Each call's ``{"name": ..., "arguments": `` prefix is forced text and its arguments follow the tool's schema. A
 stop token is allowed only where the grammar may end, so a forced call cannot stop half-way; max_tokens can
@@ -133,13 +135,21 @@ def _json_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
-def _tool_format(plan: ToolPlan) -> dict:
+def _calls_format(plan: ToolPlan) -> dict:
+    """One or more calls (one unless parallel), separated by a newline, and nothing else."""
     tags = [{"type": "tag", "begin": call_prefix(name), "content": _json_format(plan.schema_of(name)),
              "end": "}" + CALL_CLOSE} for name in plan.callable_names]
-    if plan.mode == "auto":
-        return {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags, "at_least_one": False,
-                "stop_after_first": not plan.parallel}
     return {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEP, "at_least_one": True,
+            "stop_after_first": not plan.parallel}
+
+
+def _tool_format(plan: ToolPlan, schema: dict | None) -> dict:
+    calls = _calls_format(plan)
+    if plan.mode != "auto":
+        return calls
+    if schema is not None:  # the answer is JSON of the schema, unless the model calls a tool instead
+        return {"type": "or", "elements": [calls, _json_format(schema)]}
+    return {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": calls["tags"], "at_least_one": False,
             "stop_after_first": not plan.parallel}
 
 
@@ -154,7 +164,8 @@ def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer)
         raise ApiError(400, f"{param} needs constrained decoding, and this server has no grammar library: install "
                             "it with pip install 'kvrelay[tools]' (xgrammar)", param=param, code="unsupported")
     vocab = _vocabulary(tokenizer)
-    spec = {"type": "structural_tag", "format": _tool_format(plan) if plan is not None else _json_format(schema)}
+    spec = {"type": "structural_tag",
+            "format": _tool_format(plan, schema) if plan is not None else _json_format(schema)}
     try:
         compiled = vocab.compiler.compile_structural_tag(json.dumps(spec))
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses for schemas it cannot take

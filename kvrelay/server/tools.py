@@ -85,10 +85,6 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
         choice = "auto" if tools else "none"
     if choice != "none" and not tools:
         raise ApiError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
-    if body.response_format is not None and body.response_format.type != "text" and tools and choice != "none":
-        raise ApiError(400, "response_format (JSON output) and tool calls cannot both be asked for: set "
-                            "tool_choice to \"none\" or drop response_format", param="response_format",
-                       code="unsupported")
     if choice == "none":
         return None
     parallel = body.parallel_tool_calls is not False

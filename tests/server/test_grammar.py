@@ -134,6 +134,34 @@ def test_response_format_json(tokenizer):
     assert constraint_for(None, None, tokenizer) is None
 
 
+def test_auto_tools_with_a_json_format_give_a_call_or_the_json_answer(tokenizer):
+    """An agent with tools and a typed final answer (the Agents SDK's tools + output_type): each turn is either
+    calls or JSON of the format, whatever the logits; plain text is neither."""
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "ok": {"type": "boolean"}},
+              "required": ["city", "ok"], "additionalProperties": False}
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "a", "schema": answer}})
+    plan = ToolPlan((FunctionDef(name="tool", parameters=SCHEMAS["enum"]),), "auto", parallel=False)
+    constraint = constraint_for(plan, fmt, tokenizer)
+    kinds = set()
+    for seed in range(8):
+        text, stopped = walk(tokenizer, constraint, seed)
+        assert stopped, text
+        stream = ToolStream(plan)
+        stream.feed(text)
+        _, done = stream.close("stop")
+        if done["tool_calls"]:
+            assert done["text"] == "" and done["finish_reason"] == "tool_calls"
+            Draft202012Validator(SCHEMAS["enum"]).validate(json.loads(done["tool_calls"][0]["arguments"]))
+            kinds.add("call")
+        else:
+            Draft202012Validator(answer).validate(json.loads(text))
+            kinds.add("json")
+    assert kinds == {"call", "json"}  # both branches are open
+    free = allowed(tokenizer, constraint.new_mask())
+    assert tokenizer.encode("Sure")[0] not in free
+
+
 def test_without_the_grammar_library_a_request_that_needs_it_is_a_clear_400(tokenizer, monkeypatch):
     from kvrelay.server import grammar
     from kvrelay.server.protocol import ApiError

@@ -119,7 +119,6 @@ def test_history_renders_calls_as_generated_and_results_as_one_user_turn():
      "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_tool_parameters_name_the_field(kw, param):
     with pytest.raises(ApiError) as err:
