@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvrelay.server.protocol import ApiError, KvrelayOptions
+from kvrelay.server.protocol import ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -30,25 +30,25 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = None
-    stream: bool = False
-    store: bool | None = None  # None: True, as OpenAI
+    stream: StrictBool = False
+    store: StrictBool | None = None  # None: True, as OpenAI
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # refused when set: each changes the answer and has no counterpart here
-    background: bool | None = None
+    background: StrictBool | None = None
     conversation: Any = None
     prompt: Any = None
-    max_tool_calls: int | None = None
+    max_tool_calls: StrictInt | None = None
     # kvrelay's extensions, as on chat completions
-    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     cache_salt: str | None = Field(default=None, max_length=256)
     kvrelay: KvrelayOptions | None = None
 

@@ -49,6 +49,8 @@ BAD = [  # (what, path, body or raw text, status, code or None)
 
 COMPLETIONS = "/v1/completions"
 PROMPT = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+RESPONSES = "/v1/responses"
+INPUT = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
 # (what, path, body, the param named): each a 400 where OpenAI's is; sent as JSON with \u escapes
 NAMED = [
     ("max_tokens true", CHAT, {**OK, "max_tokens": True}, "max_tokens"),
@@ -68,6 +70,10 @@ NAMED = [
     ("kvrelay.debug 'yes'", CHAT, {**OK, "kvrelay": {"debug": "yes"}}, "kvrelay.debug"),
     ("completion logprobs true", COMPLETIONS, {**PROMPT, "logprobs": True}, "logprobs"),
     ("echo 'no'", COMPLETIONS, {**PROMPT, "echo": "no"}, "echo"),
+    ("max_output_tokens true", RESPONSES, {**INPUT, "max_output_tokens": True}, "max_output_tokens"),
+    ("responses stream 'yes'", RESPONSES, {**INPUT, "stream": "yes"}, "stream"),
+    ("responses temperature '0.5'", RESPONSES, {**INPUT, "temperature": "0.5"}, "temperature"),
+    ("responses parallel_tool_calls 1", RESPONSES, {**INPUT, "parallel_tool_calls": 1}, "parallel_tool_calls"),
     ("token ids as booleans", COMPLETIONS, {**PROMPT, "prompt": [True, False]}, "prompt.0"),
     ("token ids as floats", COMPLETIONS, {**PROMPT, "prompt": [1.0, 2.0]}, "prompt.0"),
     # a lone surrogate: no Unicode text, wherever it is
