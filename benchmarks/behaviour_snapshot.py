@@ -139,7 +139,7 @@ def write_snapshot(path: str, result: dict) -> None:
 def record(args: argparse.Namespace) -> int:
     """Problem by problem across the lanes, rewriting the snapshot after each: a run stopped early keeps the
     problems it finished in every lane (``num_problems`` says how many)."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     lanes = []
     for model in args.models:
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-upstream-tokens", type=int, default=64,
                         help="cap on each agent's generated tokens in the reference pipeline (0: the workload's own)")
     parser.add_argument("--store-bytes", type=int, default=4 << 30)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: deterministic; more changes summation order, a rounding check)")
     parser.add_argument("--max-lines", type=int, default=40, help="differences printed at most")
     args = parser.parse_args(argv)
     if args.compare:
@@ -269,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                                    for v in (args.models, args.workloads))
     if "full" not in args.methods:
         parser.error("--methods must include full (fidelity is measured against it)")
-    if args.limit < 1 or args.greedy_tokens < 1 or args.max_upstream_tokens < 0:
-        parser.error("--limit and --greedy-tokens must be >= 1, --max-upstream-tokens >= 0")
+    if args.limit < 1 or args.greedy_tokens < 1 or args.threads < 1 or args.max_upstream_tokens < 0:
+        parser.error("--limit, --greedy-tokens and --threads must be >= 1, --max-upstream-tokens >= 0")
     args.max_upstream_tokens = args.max_upstream_tokens or None
     return record(args)
 
