@@ -209,7 +209,7 @@ def compare_rows(before: list[dict], after: list[dict]) -> tuple[dict, list[str]
 def settings_changes(before: dict, after: dict) -> list[str]:
     """Resolved settings (e.g. relay's layers from a model's profile) that differ, as lines."""
     out = []
-    for run in sorted(set(before) | set(after)):
+    for run in sorted(set(before) & set(after)):  # lanes both ran
         b, a = before.get(run, {}), after.get(run, {})
         out += [f"{run} {m}: {b.get(m)} -> {a.get(m)}" for m in sorted(set(b) | set(a)) if b.get(m) != a.get(m)]
     return out
