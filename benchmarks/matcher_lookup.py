@@ -29,8 +29,8 @@ import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
+from kvrelay.data.datasets import data_root
 from kvrelay.server.index import TokenIndex
 
 SPAN_TOKENS = 512
@@ -39,12 +39,11 @@ SPAN_COUNTS = (10, 1000, 10000)
 PROMPT_TOKENS = (1024, 4096, 8192, 32768)
 SAMPLES = {1024: 30, 4096: 15, 8192: 10, 32768: 5}
 VOCAB = 49152
-DATA = Path("/work/shared/data/gsm8k")
 
 
 def gsm8k_ids(tokenizer, name: str, max_tokens: int) -> list[int]:
     ids: list[int] = []
-    with open(DATA / name) as f:
+    with open(data_root() / "gsm8k" / name) as f:
         for line in f:
             row = json.loads(line)
             ids += tokenizer.encode(row["question"] + "\n" + row["answer"] + "\n\n")
