@@ -65,30 +65,34 @@ class Readout:
 
 def fit_readout(x: torch.Tensor, y: torch.Tensor, lam: float, rank: int = 0) -> Readout:
     """Ridge regression with an intercept of moves ``y`` [P, D] on features ``x`` [P, F] (either may be fp16; read
-    in row chunks), in float32 on their device: the penalty is ``lam`` x the mean diagonal of the centered Gram
-    matrix, a strength that does not depend on the features' scale. ``rank`` > 0: the weight is then cut to the
+    in row chunks), on their device; the normal equations in float64, since with few rows and a small penalty they
+    are too ill-conditioned for float32 (the fit then hangs on the CPU's rounding); the readout is float32. The
+    penalty is ``lam`` x the mean diagonal of the centered Gram matrix, a strength that does not depend on the
+    features' scale. ``rank`` > 0: the weight is then cut to the
     ``rank`` output directions that carry most of its predictions' variance on ``x`` (the top right singular
     vectors of C^1/2 W, C the features' covariance), a readout of F x r + r x D products a token (0: whole)."""
     if x.shape[0] != y.shape[0] or x.shape[0] < 1:
         raise ValueError(f"fit_readout: need as many feature rows as move rows, at least 1; got {x.shape[0]} and "
                          f"{y.shape[0]}")
     num_rows = x.shape[0]
-    x_mean = sum(part.float().sum(0) for part in x.split(READOUT_CHUNK)) / num_rows  # [F]
-    y_mean = sum(part.float().sum(0) for part in y.split(READOUT_CHUNK)) / num_rows  # [D]
-    gram = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float32)  # [F, F]
-    xty = x.new_zeros(x.shape[1], y.shape[1], dtype=torch.float32)  # [F, D]
+    x_mean = sum(part.double().sum(0) for part in x.split(READOUT_CHUNK)) / num_rows  # [F]
+    y_mean = sum(part.double().sum(0) for part in y.split(READOUT_CHUNK)) / num_rows  # [D]
+    gram = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)  # [F, F]
+    xty = x.new_zeros(x.shape[1], y.shape[1], dtype=torch.float64)  # [F, D]
     for xs, ys in zip(x.split(READOUT_CHUNK), y.split(READOUT_CHUNK), strict=True):
-        xc = xs.float() - x_mean  # [c, F]
+        xc = xs.double() - x_mean  # [c, F]
         gram.addmm_(xc.T, xc)
-        xty.addmm_(xc.T, ys.float() - y_mean)
+        xty.addmm_(xc.T, ys.double() - y_mean)
     ridge = lam * gram.diagonal().mean().clamp_min(1e-12)
-    weight = torch.linalg.solve(gram + ridge * torch.eye(gram.shape[0], device=gram.device), xty)  # [F, D]
+    weight = torch.linalg.solve(gram + ridge * torch.eye(gram.shape[0], device=gram.device, dtype=gram.dtype),
+                                xty)  # [F, D]
+    x_mean32, y_mean32 = x_mean.float(), y_mean.float()
     if not 0 < rank < min(weight.shape):
-        return Readout(x_mean, weight, y_mean)
+        return Readout(x_mean32, weight.float(), y_mean32)
     values, vectors = torch.linalg.eigh(gram / num_rows)  # the features' covariance: [F], [F, F]
     cov_sqrt = (vectors * values.clamp_min(0).sqrt()) @ vectors.T  # [F, F]: C^1/2
     out = torch.linalg.svd(cov_sqrt @ weight, full_matrices=False)[2][:rank].contiguous()  # [r, D]
-    return Readout(x_mean, weight @ out.T, y_mean, out)  # weight [F, D] @ [D, r] -> [F, r]
+    return Readout(x_mean32, (weight @ out.T).float(), y_mean32, out.float())  # [F, D] @ [D, r] -> [F, r]
 
 
 class MoveReadout:
