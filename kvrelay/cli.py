@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -364,7 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is then caught below
+        return code
+    except BrokenPipeError:  # the reader went away (``kvrelay methods | head``): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit flush raises nothing
+        return 0
     except (KvRelayError, ValueError, KeyError, OSError) as exc:
         message = str(exc) if not isinstance(exc, KeyError) else str(exc.args[0] if exc.args else exc)
         print(f"kvrelay: error: {' '.join(message.split()) or type(exc).__name__}", file=sys.stderr)

@@ -139,3 +139,15 @@ def test_threads_flag_sets_torch_threads():
 def test_serve_passes_int4_decode_on():
     out = _kvrelay("serve", "--model", "random:tiny", "--int4-decode", "--port", "0")
     assert out.returncode == 2 and "kvrelay serve: error: int4 decode runs a GGUF's 4-bit weights" in out.stderr
+
+
+def test_a_reader_that_closes_the_pipe_early_is_no_error():
+    """``kvrelay methods | head -1``: the listing stops quietly when its reader goes away."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "methods"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the listing is written
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == b"", err
