@@ -39,12 +39,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from fastapi import Request
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from kvrelay.reuse import role_key
 from kvrelay.server.context import AppContext, digest
 from kvrelay.server.prompting import chat_ids
 from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest
+from kvrelay.server.respond import CompletionRender, include_usage, respond
+from kvrelay.server.responses import Reply
 from kvrelay.server.scheduler import Job
 from kvrelay.server.tools import ToolPlan, ToolStream, check_tool_messages, plan_tools, render_messages
 
@@ -99,3 +102,17 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     job.role = role_key(system)
     ctx.worker.submit(job)
     return QueuedChat(job, events, plan)
+
+
+def chat_router(ctx: AppContext) -> APIRouter:
+    """``POST /v1/chat/completions``."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        ctx.metrics.requests.labels("chat").inc()
+        queued = await queue_chat(body, request, ctx)
+        render = CompletionRender(Reply(ctx.model_id, True, body.logprobs), include_usage(body))
+        return await respond(ctx, request, queued.job, queued.events, body.stream, render)
+
+    return router

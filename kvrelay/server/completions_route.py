@@ -1,0 +1,60 @@
+"""``POST /v1/completions``: a text (or token-id) prompt, continued without a chat template."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kvrelay.server.context import AppContext
+from kvrelay.server.prompting import PromptBuild, completion_ids
+from kvrelay.server.protocol import ApiError, CompletionRequest
+from kvrelay.server.respond import CompletionRender, include_usage, respond
+from kvrelay.server.responses import Reply
+
+_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
+
+
+def checked_prompt(body: CompletionRequest, tokenizer) -> str | list[int]:
+    """The one prompt of ``body``: text, or token ids in the vocabulary; an ApiError 400 otherwise."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise ApiError(400, "a list of several prompts is not supported: send one request each",
+                           param="prompt", code="unsupported")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        vocab = tokenizer.vocab_size
+        if not prompt or any(t < 0 or t >= vocab for t in prompt):
+            raise ApiError(400, f"token-id prompts must be non-empty with ids in [0, {vocab})", param="prompt",
+                           code="invalid_value")
+    elif not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo", code="unsupported")
+    return prompt
+
+
+def completions_router(ctx: AppContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        ctx.metrics.requests.labels("completions").inc()
+        namespace, method = ctx.check_common(body, request)
+        prompt = checked_prompt(body, ctx.tokenizer)
+        agent = request.headers.get("x-kvrelay-agent") or "completion"
+        catalog = ctx.catalog
+
+        def build():
+            catalog.learn_published(namespace)  # spans and completions other replicas published to the tier
+            if isinstance(prompt, list):
+                return PromptBuild(list(prompt), []), agent
+            return completion_ids(ctx.tokenizer, prompt, catalog.registry, namespace), agent
+
+        job, events = ctx.make_job(body, namespace, method, build, body.max_tokens, _DEFAULT_MAX_TOKENS,
+                                   body.logprobs)
+        ctx.worker.submit(job)
+        render = CompletionRender(Reply(ctx.model_id, False, body.logprobs is not None), include_usage(body))
+        return await respond(ctx, request, job, events, body.stream, render)
+
+    return router

@@ -1,0 +1,86 @@
+"""Every failure answered as OpenAI's error JSON, never a traceback: the app's exception handlers, and the body
+limit (a 413 before the handler reads a body that is too large)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.protocol import ApiError, error_response, validation_message
+
+log = logging.getLogger("kvrelay.server")
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """The body passed the limit while it arrived (the app's HTTP error handler answers it: a 413)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body of more than {max_bytes} bytes is over the limit of {max_bytes} bytes")
+
+
+class BodyLimit:
+    """413 for a request body over the limit: at once from its Content-Length, else (a chunked body, or one whose
+    length was not given) as soon as the bytes received pass the limit, without reading the rest. Plain ASGI,
+    not ``@app.middleware``: that wrapper hides the client's disconnect from the handlers, which must see it to
+    cancel."""
+
+    def __init__(self, app, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = dict(scope["headers"]).get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.max_bytes:
+            self.metrics.errors.labels("413").inc()
+            response = error_response(413, f"request body of {int(size)} bytes is over the limit of "
+                                           f"{self.max_bytes} bytes", code="request_too_large")
+            await response(scope, receive, send)
+            return
+        num_bytes = 0
+
+        async def counted_receive() -> dict:
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
+def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """ApiError, pydantic's 422 (a 400 here, as OpenAI answers), Starlette's HTTP errors and anything unexpected
+    (a 500 that names no internals), each counted by status."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        metrics.errors.labels(str(exc.status)).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.errors.labels("400").inc()
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        metrics.errors.labels(str(exc.status_code)).inc()
+        # 400: a body JSON cannot read; 413: a body that passed the limit while it arrived (BodyLimit)
+        code = {404: "not_found", 400: "invalid_value", 413: "request_too_large"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", code=code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error", exc_info=exc)
+        metrics.errors.labels("500").inc()
+        return error_response(500, "internal server error", "server_error", code="internal_error")
