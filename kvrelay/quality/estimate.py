@@ -1,0 +1,116 @@
+"""Running estimates of one setting's fidelity against ``full``, with confidence bounds.
+
+Per (namespace, role, setting) the guard keeps the last ``window`` shadow samples: a window rather than a
+decaying average so that the bounds count real samples (a decayed weight has no sample size to put in a bound),
+and so that a rung's estimate is made of recent traffic only.
+
+**Top-1 agreement** is a share of calls: Wilson's score interval.
+
+**First-token KL** (and the continuation's) is nonnegative and heavy-tailed: most calls sit near zero and a few
+spike. A t-interval trusts the sample variance, which stays tiny until the first spike arrives, so it would
+certify a rung after a handful of lucky calls. Empirical Bernstein bounds are valid but pay a range term
+(7/3 x range x log(2/delta) / (n - 1)) that keeps the bound above any useful KL target for the first hundred-odd
+samples. We bound instead the mean of ``min(KL, kl_cap) / kl_cap``, a variable in [0, 1]: among all variables in
+[0, 1] with mean mu, the Bernoulli(mu) has the largest variance, mu(1 - mu), so Wilson's score interval (which
+assumes exactly that variance at every candidate mu) covers any distribution of the clipped KL as well as it
+covers agreement. It never trusts the sample variance: n calls at zero KL still bound the mean by
+kl_cap x z^2 / (n + z^2). The price is the clip: a call above ``kl_cap`` counts as ``kl_cap``. The guard's default
+cap is a few times the target, where such a call is already a clear failure that also flips the top-1 token on
+most calls, and the agreement bound sees that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import NormalDist
+
+
+def wilson_bounds(mean: float, num_samples: int, z: float) -> tuple[float, float]:
+    """Wilson's score interval (lower, upper) for the mean of ``num_samples`` values in [0, 1]; (0, 1) with none."""
+    if num_samples <= 0:
+        return 0.0, 1.0
+    mean = min(max(mean, 0.0), 1.0)
+    z2_n = z * z / num_samples
+    center = (mean + z2_n / 2) / (1 + z2_n)
+    half = z / (1 + z2_n) * math.sqrt(mean * (1 - mean) / num_samples + z2_n / (4 * num_samples))
+    return max(center - half, 0.0), min(center + half, 1.0)
+
+
+def z_for(confidence: float) -> float:
+    """The one-sided normal quantile of ``confidence`` (0.9 -> 1.28)."""
+    return NormalDist().inv_cdf(confidence)
+
+
+@dataclass(frozen=True)
+class Sample:
+    first_token_kl: float
+    top1_agree: bool
+    continuation_kl: float | None
+
+
+class RungEstimate:
+    """The last ``window`` samples of one setting for one role, and their bounds at one-sided ``confidence``."""
+
+    def __init__(self, window: int, kl_cap: float, confidence: float) -> None:
+        self.kl_cap, self.z = kl_cap, z_for(confidence)
+        self.samples: deque[Sample] = deque(maxlen=window)
+        self.num_total = 0  # every sample ever recorded, the window's and older ones
+
+    def add(self, first_token_kl: float, top1_agree: bool, continuation_kl: float | None = None) -> None:
+        self.samples.append(Sample(max(first_token_kl, 0.0), bool(top1_agree),
+                                   None if continuation_kl is None else max(continuation_kl, 0.0)))
+        self.num_total += 1
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    def _kl_values(self, continuation: bool) -> list[float]:
+        if continuation:
+            return [s.continuation_kl for s in self.samples if s.continuation_kl is not None]
+        return [s.first_token_kl for s in self.samples]
+
+    def kl_mean(self, continuation: bool = False) -> float:
+        """The window's mean KL, unclipped (nan with no sample)."""
+        values = self._kl_values(continuation)
+        return sum(values) / len(values) if values else math.nan
+
+    def kl_bounds(self, continuation: bool = False) -> tuple[float, float]:
+        """(lower, upper) bound of the mean of min(KL, kl_cap), in nats."""
+        values = self._kl_values(continuation)
+        clipped = sum(min(v, self.kl_cap) for v in values) / self.kl_cap / len(values) if values else 0.0
+        lower, upper = wilson_bounds(clipped, len(values), self.z)
+        return lower * self.kl_cap, upper * self.kl_cap
+
+    def kl_upper(self) -> float:
+        return self.kl_bounds()[1]
+
+    def agreement_mean(self) -> float:
+        return sum(s.top1_agree for s in self.samples) / len(self.samples) if self.samples else math.nan
+
+    def agreement_bounds(self) -> tuple[float, float]:
+        mean = self.agreement_mean() if self.samples else 0.0
+        return wilson_bounds(mean, len(self.samples), self.z)
+
+    def agreement_upper(self) -> float:
+        return self.agreement_bounds()[1]
+
+    def to_dict(self) -> dict:
+        """The window's estimates and bounds (JSON-ready: no nan, None where there is no sample)."""
+        def num(x: float) -> float | None:
+            return None if math.isnan(x) else round(x, 6)
+
+        kl_low, kl_high = self.kl_bounds()
+        agree_low, agree_high = self.agreement_bounds()
+        cont = self._kl_values(True)
+        out = {"num_samples": self.num_samples, "num_samples_total": self.num_total,
+               "first_token_kl": {"mean": num(self.kl_mean()), "lower": round(kl_low, 6), "upper": round(kl_high, 6)},
+               "top1_agreement": {"mean": num(self.agreement_mean()), "lower": round(agree_low, 6),
+                                  "upper": round(agree_high, 6)}}
+        if cont:
+            c_low, c_high = self.kl_bounds(continuation=True)
+            out["continuation_kl"] = {"mean": num(self.kl_mean(True)), "lower": round(c_low, 6),
+                                      "upper": round(c_high, 6), "num_samples": len(cont)}
+        return out

@@ -1,0 +1,126 @@
+"""The quality guard: per (namespace, role), which rung a call runs at, which calls are shadowed, what was measured.
+
+Everything is keyed by namespace first: a role's state lives under its namespace, so one tenant's observations
+never move another tenant's rung, and ``snapshot(namespace)`` shows that namespace's roles only. The aggregates
+for ``/metrics`` are counts over every namespace and name no namespace or role.
+
+The guard is plain bookkeeping, deterministic and not thread-safe (the server wraps it in one lock).
+Call protocol per live request of a role: ``rung_for`` once when the request picks its method, ``should_shadow``
+once when its first token is out; for a shadowed request, ``record`` once its comparison with ``full`` is done.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvrelay.errors import ConfigError
+from kvrelay.quality.config import QualityConfig
+from kvrelay.quality.ladder import LadderController, Move, RoleState, Rung, check_ladder
+
+
+class QualityGuard:
+    """Rungs per (namespace, role) from a synthetic or live stream of shadow comparisons."""
+
+    def __init__(self, config: QualityConfig | None = None, ladder: tuple[Rung, ...] | None = None) -> None:
+        config = config or QualityConfig()
+        if ladder is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, ladder=check_ladder(ladder))
+        self.config = config
+        self.ladder = config.ladder
+        self.controller = LadderController(config)
+        self._roles: dict[str, dict[str, RoleState]] = {}  # namespace -> role -> state
+        self._num_offers: dict[tuple[str, str], int] = {}  # should_shadow calls per role (the cadence's clock)
+        self._offers_at_rung: dict[tuple[str, str], int] = {}
+        self.num_samples = 0
+        self.num_shadowed = 0
+        self.shadow_cost_ms = 0.0
+        self.moves = Counter()  # "up" / "down" -> count
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.target is not None
+
+    def _state(self, namespace: str, role: str) -> RoleState:
+        roles = self._roles.setdefault(namespace, {})
+        state = roles.get(role)
+        if state is None:
+            state = roles[role] = self.controller.new_role()
+        return state
+
+    def _moved(self, namespace: str, role: str, move: Move | None) -> None:
+        if move is not None:
+            self.moves[move.direction] += 1
+            self._offers_at_rung[(namespace, role)] = 0
+
+    def rung_for(self, namespace: str, role: str) -> Rung:
+        """The rung a new call of (namespace, role) runs at; counts the call (a role may step down here)."""
+        if not self.enabled:
+            return self.ladder[self.config.start_index]
+        state = self._state(namespace, role)
+        self._moved(namespace, role, self.controller.before_call(state))
+        state.num_calls += 1
+        state.calls_at_rung += 1
+        return self.ladder[state.rung_index]
+
+    def should_shadow(self, namespace: str, role: str) -> bool:
+        """Whether this call of (namespace, role) also runs ``full`` as a reference: every one of the first
+        ``first_calls_per_role`` calls at each rung the role arrives at, then one in ``1 / sample_rate`` (by the
+        role's own count of calls, no random numbers). Never with the guard off."""
+        if not self.enabled:
+            return False
+        key = (namespace, role)
+        self._state(namespace, role)
+        at_rung = self._offers_at_rung.get(key, 0)
+        num = self._num_offers.get(key, 0)
+        self._offers_at_rung[key] = at_rung + 1
+        self._num_offers[key] = num + 1
+        every = self.config.sample_every
+        shadow = at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
+        self.num_shadowed += shadow
+        return shadow
+
+    def record(self, namespace: str, role: str, rung_name: str, first_token_kl: float, top1_agree: bool,
+               continuation_kl: float | None = None, shadow_cost_ms: float = 0.0) -> None:
+        """One shadow comparison of a call of (namespace, role) run under ``rung_name`` (a rung, or the method
+        spec a request named itself: estimated, never moving the role). The role may step up here."""
+        if not self.enabled:
+            return
+        for name, value in (("first_token_kl", first_token_kl), ("shadow_cost_ms", shadow_cost_ms)):
+            if not isinstance(value, (int, float)) or value != value or value < 0:
+                raise ConfigError(f"quality record: {name} must be a number >= 0, got {value!r}")
+        if continuation_kl is not None and (continuation_kl != continuation_kl or continuation_kl < 0):
+            raise ConfigError(f"quality record: continuation_kl must be a number >= 0, got {continuation_kl!r}")
+        state = self._state(namespace, role)
+        self.controller.estimate(state, rung_name).add(float(first_token_kl), bool(top1_agree), continuation_kl)
+        self.num_samples += 1
+        self.shadow_cost_ms += float(shadow_cost_ms)
+        self._moved(namespace, role, self.controller.after_sample(state, rung_name))
+
+    def snapshot(self, namespace: str) -> dict:
+        """One namespace's roles: rung, calls, per setting its estimates with bounds, and the moves so far."""
+        roles = {}
+        for role, state in sorted(self._roles.get(namespace, {}).items()):
+            roles[role] = {
+                "rung": self.ladder[state.rung_index].name,
+                "method": self.ladder[state.rung_index].method_spec,
+                "num_calls": state.num_calls,
+                "estimates": {name: est.to_dict() for name, est in sorted(state.estimates.items())},
+                "moves": [{"at_call": m.at_call, "from": m.from_rung, "to": m.to_rung, "reason": m.reason}
+                          for m in state.moves],
+            }
+        return {"target": None if self.config.target is None else {
+                    "kl_max": self.config.target.kl_max, "agreement_min": self.config.target.agreement_min},
+                "ladder": [{"name": r.name, "method": r.method_spec} for r in self.ladder],
+                "sample_rate": self.config.sample_rate, "roles": roles}
+
+    def aggregates(self) -> dict:
+        """Counts over every namespace for ``/metrics``: no namespace, no role named."""
+        per_rung = Counter({r.name: 0 for r in self.ladder})
+        for roles in self._roles.values():
+            for state in roles.values():
+                per_rung[self.ladder[state.rung_index].name] += 1
+        return {"rung_moves": {"up": self.moves["up"], "down": self.moves["down"]},
+                "roles_per_rung": dict(per_rung), "num_samples": self.num_samples,
+                "num_shadowed": self.num_shadowed, "shadow_cost_ms": round(self.shadow_cost_ms, 3)}

@@ -1,0 +1,159 @@
+"""The ladder of reuse settings a role climbs, and the controller that moves each role along it.
+
+A rung is a method spec as ``kvrelay.reuse.get_method`` takes it. The ladder runs from the cheapest rung (most
+reuse, least repair) to the safest; the default one is built from shipped methods only:
+
+- ``naive``: every known span re-rotated, nothing repaired (the most reuse);
+- ``relay``: the model's shipped profile repairs a band of layers (the least KL of every shipped method on every
+  table of BENCHMARKS.md, at 0.64-0.74 reuse);
+- ``prefix``: exact prefix reuse, which equals ``full`` up to float rounding.
+
+``epic`` is left out: on every shipped table it reuses no more than ``relay`` and its KL is higher, so a role that
+``relay`` fails would gain nothing from it. ``full`` is left out because ``prefix`` already is exact.
+
+The controller is deterministic: its decisions are a function of the sequence of calls and observations it was
+given (counters only, no clock, no random numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvrelay.errors import ConfigError
+from kvrelay.quality.estimate import RungEstimate
+
+if TYPE_CHECKING:
+    from kvrelay.quality.config import QualityConfig
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One setting of the ladder: a short name (what the metrics and the endpoint show) and its method spec."""
+
+    name: str
+    method_spec: str
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"rung name {self.name!r} must be a non-empty word (letters, digits, _ or -)")
+        if not self.method_spec.strip():
+            raise ConfigError(f"rung {self.name!r} needs a method spec (e.g. 'relay' or 'epic[k=8]')")
+
+
+#: cheapest -> safest
+DEFAULT_LADDER: tuple[Rung, ...] = (Rung("naive", "naive"), Rung("relay", "relay"), Rung("prefix", "prefix"))
+
+
+def check_ladder(ladder: tuple[Rung, ...]) -> tuple[Rung, ...]:
+    """The ladder as a tuple, or a ConfigError: at least one rung, names unique."""
+    ladder = tuple(ladder)
+    if not ladder:
+        raise ConfigError("a quality ladder needs at least one rung")
+    names = [r.name for r in ladder]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"quality ladder rung names must be unique, got {names}")
+    return ladder
+
+
+@dataclass
+class Move:
+    """One rung change of a role: at its ``at_call``-th call, from one rung index to another, and why."""
+
+    at_call: int
+    from_rung: str
+    to_rung: str
+    reason: str  # "break" (the live rung broke the target) or "inside" (it held well inside for a while)
+
+    @property
+    def direction(self) -> str:
+        return "up" if self.reason == "break" else "down"
+
+
+@dataclass
+class RoleState:
+    """Where one (namespace, role) stands: its rung, its calls, per rung its estimate and back-off."""
+
+    rung_index: int
+    num_calls: int = 0
+    calls_at_rung: int = 0  # calls since the role arrived at its current rung
+    estimates: dict[str, RungEstimate] = field(default_factory=dict)  # by setting name (rungs and named methods)
+    retry_after_call: dict[int, int] = field(default_factory=dict)  # rung index -> first call it may be tried again
+    num_breaks: dict[int, int] = field(default_factory=dict)  # rung index -> times it broke the target
+    moves: list[Move] = field(default_factory=list)
+
+
+class LadderController:
+    """Moves one role along the ladder from what the shadow references measured.
+
+    - **Up** (safer) as soon as the live rung *breaks* the target: once it has ``min_samples`` samples, the upper
+      confidence bound of its mean first-token KL is above ``kl_max``, or its top-1 agreement is *confidently*
+      below ``agreement_min`` (the agreement's upper bound under it). A rung that broke may not be tried again for
+      ``hold_calls`` x 2^(times it broke) calls: a role whose cheap rung is bad stays up, trying it ever more rarely.
+    - **Down** (cheaper) when the live rung has held for ``hold_calls`` calls, its KL upper bound is within
+      ``margin`` x ``kl_max``, its agreement estimate at least ``agreement_min``, and the cheaper rung is not backed
+      off. The cheaper rung then starts from fresh samples (its older ones are what made it break) and is
+      shadowed on every call until it has ``first_calls_per_role`` of them.
+
+    The agreement acts only when confidently bad because top-1 agreement is a coin flip on calls whose top two
+    tokens are near-tied; KL is the graded signal and the one whose bound certifies a rung.
+    """
+
+    def __init__(self, config: QualityConfig) -> None:
+        self.config = config
+        self.ladder = config.ladder
+        self.start_index = config.start_index
+
+    def new_role(self) -> RoleState:
+        return RoleState(rung_index=self.start_index)
+
+    def estimate(self, state: RoleState, setting: str) -> RungEstimate:
+        est = state.estimates.get(setting)
+        if est is None:
+            est = state.estimates[setting] = RungEstimate(self.config.window, self.config.kl_cap,
+                                                          self.config.confidence)
+        return est
+
+    def breaks(self, est: RungEstimate) -> bool:
+        """The estimate breaks the target (only judged once it has ``min_samples`` samples)."""
+        target = self.config.target
+        if target is None or est.num_samples < self.config.min_samples:
+            return False
+        return est.kl_upper() > target.kl_max or est.agreement_upper() < target.agreement_min
+
+    def well_inside(self, est: RungEstimate) -> bool:
+        target = self.config.target
+        if target is None or est.num_samples < self.config.min_samples:
+            return False
+        return (est.kl_upper() <= self.config.margin * target.kl_max
+                and est.agreement_mean() >= target.agreement_min)
+
+    def after_sample(self, state: RoleState, setting: str) -> Move | None:
+        """A sample of ``setting`` was recorded: move the role up when its live rung now breaks the target."""
+        live = self.ladder[state.rung_index]
+        if setting != live.name or not self.breaks(self.estimate(state, live.name)):
+            return None
+        if state.rung_index == len(self.ladder) - 1:
+            return None  # the safest rung has nowhere to go; the snapshot shows it breaking
+        broke = state.rung_index
+        state.num_breaks[broke] = state.num_breaks.get(broke, 0) + 1
+        state.retry_after_call[broke] = state.num_calls + self.config.hold_calls * 2 ** state.num_breaks[broke]
+        return self._move(state, broke + 1, "break")
+
+    def before_call(self, state: RoleState) -> Move | None:
+        """A new call of the role: move it down when its live rung has held well inside the target for a while."""
+        index = state.rung_index
+        if index == 0 or state.calls_at_rung < self.config.hold_calls:
+            return None
+        if state.num_calls < state.retry_after_call.get(index - 1, 0):
+            return None
+        if not self.well_inside(self.estimate(state, self.ladder[index].name)):
+            return None
+        state.estimates.pop(self.ladder[index - 1].name, None)  # fresh evidence for the rung it tries again
+        return self._move(state, index - 1, "inside")
+
+    def _move(self, state: RoleState, to_index: int, reason: str) -> Move:
+        move = Move(state.num_calls, self.ladder[state.rung_index].name, self.ladder[to_index].name, reason)
+        state.rung_index, state.calls_at_rung = to_index, 0
+        state.moves.append(move)
+        return move
