@@ -13,16 +13,17 @@ found again like any other quoted output.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from kvrelay.server.chat_route import queue_chat
 from kvrelay.server.context import AppContext
 from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validation_message
-from kvrelay.server.response_store import ResponseStore
+from kvrelay.server.respond import respond
+from kvrelay.server.response_store import ResponseStore, StoredResponse
 from kvrelay.server.responses import error_of
 from kvrelay.server.responses_events import ResponseRender
 from kvrelay.server.responses_input import ResponsesRequest, chat_body, input_messages
@@ -59,94 +60,83 @@ def _assistant_message(done: dict) -> dict:
     return message
 
 
+def _chat_request(store: ResponseStore, body: ResponsesRequest, namespace: str
+                  ) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat-completions request ``body`` stands for, and the conversation it continues (its history, then its
+    input as chat messages)."""
+    history: list[dict] = []
+    if body.previous_response_id:
+        previous = store.get(namespace, body.previous_response_id)
+        if previous is None:
+            raise ApiError(400, f"previous response {body.previous_response_id!r} not found: it was not stored "
+                           "(store=false), was evicted, or belongs to another namespace (API key, cache_salt)",
+                           param="previous_response_id", code="previous_response_not_found")
+        history = previous.messages
+    messages = input_messages(body.input)
+    if not history and not messages:
+        raise ApiError(400, "input is empty", param="input", code="invalid_value")
+    try:
+        chat = ChatCompletionRequest.model_validate(chat_body(body, history, messages))
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise ApiError(400, responses_param(message), param=responses_param(param), code="invalid_value") from exc
+    return chat, history + messages
+
+
+class _ResponsesAnswer:
+    """The job's events as a response object or the Responses SSE events (an ``EventRender``); with ``store``
+    (the default), the finished response and its conversation are kept for a later ``previous_response_id``."""
+
+    def __init__(self, body: ResponsesRequest, model_id: str, store: ResponseStore, namespace: str,
+                 conversation: list[dict]) -> None:
+        self.render = ResponseRender(body, model_id)
+        self.body, self.store, self.namespace, self.conversation = body, store, namespace, conversation
+
+    def _keep(self, done: dict, response: dict) -> None:
+        if self.body.store is not False:
+            self.store.put(self.namespace, response["id"], self.conversation + [_assistant_message(done)], response)
+
+    def full(self, deltas: list[dict], done: dict) -> dict:
+        response = self.render.full(deltas, done)
+        self._keep(done, response)
+        return response
+
+    def head(self) -> Iterable[str]:
+        return self.render.start()
+
+    def delta_lines(self, delta: dict) -> Iterable[str]:
+        return _delta_events(self.render, delta)
+
+    def done_lines(self, done: dict) -> Iterable[str]:
+        lines = self.render.finish(done)
+        self._keep(done, self.render.envelope(self.render.status_of(done), done))
+        return lines
+
+    def error_of(self, error: dict) -> ApiError:
+        return _in_responses_terms(error_of(error))
+
+    def error_line(self, err: ApiError) -> str:
+        return self.render.error(err.status, err.message, err.param, err.code)
+
+
 def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> APIRouter:
     """The routes; ``store``: where ``store: true`` responses live (a fresh bounded one by default)."""
     router = APIRouter()
     store = store if store is not None else ResponseStore()
 
-    def chat_request(body: ResponsesRequest, namespace: str) -> tuple[ChatCompletionRequest, list[dict]]:
-        history: list[dict] = []
-        if body.previous_response_id:
-            previous = store.get(namespace, body.previous_response_id)
-            if previous is None:
-                raise ApiError(400, f"previous response {body.previous_response_id!r} not found: it was not stored "
-                               "(store=false), was evicted, or belongs to another namespace (API key, cache_salt)",
-                               param="previous_response_id", code="previous_response_not_found")
-            history = previous.messages
-        messages = input_messages(body.input)
-        if not history and not messages:
-            raise ApiError(400, "input is empty", param="input", code="invalid_value")
-        try:
-            chat = ChatCompletionRequest.model_validate(chat_body(body, history, messages))
-        except ValidationError as exc:
-            message, param = validation_message(exc.errors())
-            raise ApiError(400, responses_param(message), param=responses_param(param), code="invalid_value") from exc
-        return chat, history + messages
-
-    def keep(body: ResponsesRequest, namespace: str, conversation: list[dict], done: dict, response: dict) -> None:
-        if body.store is not False:
-            store.put(namespace, response["id"], conversation + [_assistant_message(done)], response)
-
     @router.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request) -> Response:
         ctx.metrics.requests.labels("responses").inc()
         namespace = ctx.namespace_of(request, body.cache_salt)
-        chat, conversation = chat_request(body, namespace)
+        chat, conversation = _chat_request(store, body, namespace)
         try:
             queued = await queue_chat(chat, request, ctx)
         except ApiError as exc:
             raise _in_responses_terms(exc) from exc
-        job, events = queued.job, queued.events
-        render = ResponseRender(body, ctx.model_id)
-        first = await ctx.next_event(request, job, events)
-        if first is None:
-            return Response(status_code=499)
-        if first["type"] == "error":
-            raise _in_responses_terms(error_of(first))
-        if not body.stream:
-            deltas, event = [], first
-            while event["type"] == "delta":
-                deltas.append(event)
-                event = await ctx.next_event(request, job, events)
-                if event is None:
-                    return Response(status_code=499)
-            if event["type"] == "error":
-                raise _in_responses_terms(error_of(event))
-            response = render.full(deltas, event)
-            keep(body, namespace, conversation, event, response)
-            return JSONResponse(response)
+        answer = _ResponsesAnswer(body, ctx.model_id, store, namespace, conversation)
+        return await respond(ctx, request, queued.job, queued.events, bool(body.stream), answer)
 
-        async def sse() -> AsyncIterator[str]:
-            finished = False
-            try:
-                for line in render.start():
-                    yield line
-                event = first
-                while True:
-                    if event["type"] == "delta":
-                        for line in _delta_events(render, event):
-                            yield line
-                    elif event["type"] == "done":
-                        lines = render.finish(event)
-                        keep(body, namespace, conversation, event, render.envelope(render.status_of(event), event))
-                        for line in lines:
-                            yield line
-                        finished = True
-                        return
-                    else:
-                        finished = True
-                        err = _in_responses_terms(error_of(event))
-                        yield render.error(err.status, err.message, err.param, err.code)
-                        return
-                    event = await events.get()
-            finally:
-                if not finished:  # the client went away mid-stream: stop decoding, free its KV
-                    ctx.worker.cancel(job)
-
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def stored(request: Request, response_id: str, cache_salt: str | None):
+    def stored(request: Request, response_id: str, cache_salt: str | None) -> tuple[str, StoredResponse]:
         namespace = ctx.namespace_of(request, cache_salt)
         entry = store.get(namespace, response_id)
         if entry is None:
