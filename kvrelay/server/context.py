@@ -91,7 +91,8 @@ class AppContext:
                   secrets.randbits(63) if body.seed is None else body.seed, body.stop_list(), num_top_logprobs,
                   bool(body.kvrelay and body.kvrelay.debug), emit,
                   cache_output=not body.kvrelay or body.kvrelay.cache_output,
-                  first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs), **extra)
+                  first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs),
+                  method_named=bool(body.kvrelay and body.kvrelay.method and body.kvrelay.method.strip()), **extra)
         return job, events
 
     async def next_event(self, request: Request, job: Job, events: asyncio.Queue) -> dict | None:

@@ -68,6 +68,8 @@ class Job:
     tool_stream: Any = None
     # constrained decoding: ``new_mask()`` gives the call's LogitsMask (kvrelay.server.grammar.Constraint)
     constraint: Any = None
+    method_named: bool = False  # the request named its method: the guard measures it, never replaces it
+    quality: Any = None  # the quality guard's tag (kvrelay.server.quality_serving.QualityTag); None: guard off
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)
     disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked
@@ -120,6 +122,10 @@ class EngineWorker:
         self._num_preparing = 0  # submitted jobs still being tokenized and matched (they count as queued)
         self._prepare_pool = ThreadPoolExecutor(max_workers=_PREPARE_THREADS, thread_name_prefix="kvrelay-prepare")
         self._thread = threading.Thread(target=self._loop, name="kvrelay-engine", daemon=True)
+        # the quality guard (kvrelay.server.quality_setup sets both; None: off): it picks a request's method at
+        # ``prepare`` (ServedGuard) and runs shadow references in idle turns (ShadowRunner)
+        self.quality = None
+        self.shadows = None
 
     # ------------------------------------------------------------------ asyncio side
     def start(self) -> None:
@@ -149,6 +155,9 @@ class EngineWorker:
         of admission that needs no model. The server runs it off the engine thread before ``submit``; a job
         submitted unprepared is prepared at admission. Raises ApiError for a prompt that cannot be served."""
         prompt, agent = job.build()
+        if self.quality is not None:  # the role's rung picks the method, unless the request named its own
+            job.method, job.quality = self.quality.pick(job.namespace, agent, job.method if job.method_named
+                                                        else None, job.method)
         n = len(prompt.ids)
         room = self.context_tokens - n
         if n == 0:
@@ -217,6 +226,9 @@ class EngineWorker:
                 self.metrics.cancelled.inc()
             self._cond.notify_all()
 
+    def _shadow_work(self) -> bool:
+        return self.shadows is not None and self.shadows.has_work
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -230,7 +242,7 @@ class EngineWorker:
         while True:
             with self._cond:
                 while not self._stopping and (self._paused or not (self._waiting or self._running
-                                                                   or self._prefilling)):
+                                                                   or self._prefilling or self._shadow_work())):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -279,6 +291,8 @@ class EngineWorker:
                 self._fail(j, 500, _engine_failure_message(j.seq.error), "internal_error")
             elif j.seq.done:
                 self._contained(j, self._finish)
+        if self.shadows is not None and not self._prefilling and not self._waiting:
+            self.shadows.advance(self.prefill_chunk_tokens)  # lowest priority: no live prefill is waiting
         self.metrics.running.set(len(self._running))
         self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running)
                                            + sum(_cache_bytes(j.task) for j in self._prefilling))
@@ -360,6 +374,8 @@ class EngineWorker:
                 job.logprobs.append(token_logprobs(job.seq.first_logits, job.seq.output_ids[0], job.num_top_logprobs,
                                                    self.tokenizer))
             job.seq.sampler = _RecordingSampler(job.seq.sampler, job, self.tokenizer)
+        if self.shadows is not None and job.quality is not None:  # before its first decode step: taps its logits
+            self.shadows.offer(job.namespace, job.quality.role, job.quality.measured_as, job.seq)
         if job.seq.output_ids:
             self._emit_text(job)
 
@@ -421,6 +437,8 @@ class EngineWorker:
             ext["debug"] = {"prompt_ids": call.prompt_ids, "output_ids": out.output_ids, "span_id": span_id,
                             "refs": [r.__dict__ for r in call.refs], "agent": call.name,
                             "role": call.role}
+        if job.quality is not None:
+            ext["quality"] = job.quality.public()
         if job.first_token_logprobs:
             ext["first_token_logprobs"] = encode_logprobs(out.first_logits)
         self.metrics.requests_done.labels(stats.method).inc()

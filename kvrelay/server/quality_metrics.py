@@ -1,0 +1,65 @@
+"""The quality guard's Prometheus metrics: aggregates over every namespace, never one namespace's content.
+
+Counters of shadow references run and failed and of their compute seconds (what the guard costs), and, read from
+the guard at scrape time, the rung moves so far and a gauge of roles per rung. No label names a namespace or a
+role: ``/metrics`` is the operator's page, and per-tenant detail lives behind each tenant's key
+(``GET /v1/kvrelay/quality``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvrelay.server.quality_serving import ServedGuard
+from kvrelay.server.shadow import ShadowResult
+
+
+class QualityMetrics:
+    """Registered on the server's own registry next to ``ServerMetrics``."""
+
+    def __init__(self, registry: CollectorRegistry, served: ServedGuard) -> None:
+        self.shadow_runs = Counter("kvrelay_quality_shadow_runs", "shadow full references compared with a live "
+                                   "request (the quality guard's samples)", registry=registry)
+        self.shadow_failed = Counter("kvrelay_quality_shadow_failed", "shadow references dropped on an error",
+                                     registry=registry)
+        self.shadow_seconds = Counter("kvrelay_quality_shadow_compute_seconds", "engine time spent on shadow "
+                                      "references (prefill and continuation chunk)", registry=registry)
+        self.disagreements = Counter("kvrelay_quality_shadow_top1_disagreements", "shadow references whose "
+                                     "first token's top-1 differed from full's", registry=registry)
+        registry.register(_GuardCollector(served))
+        self._num_failed_seen = 0
+
+    def observe(self, result: ShadowResult) -> None:
+        self.shadow_runs.inc()
+        self.shadow_seconds.inc(result.shadow_cost_ms / 1e3)
+        if not result.top1_agree:
+            self.disagreements.inc()
+
+    def observe_failures(self, num_failed: int) -> None:
+        """The runner's cumulative failure count, turned into counter increments."""
+        self.shadow_failed.inc(max(num_failed - self._num_failed_seen, 0))
+        self._num_failed_seen = max(num_failed, self._num_failed_seen)
+
+
+class _GuardCollector(Collector):
+    """Rung moves and roles per rung, read from the guard's namespace-safe aggregates when scraped."""
+
+    def __init__(self, served: ServedGuard) -> None:
+        self.served = served
+
+    def collect(self) -> Iterator:
+        aggregates = self.served.aggregates()
+        moves = CounterMetricFamily("kvrelay_quality_rung_moves", "roles moved to another rung, by direction",
+                                    labels=["direction"])
+        for direction, count in sorted(aggregates["rung_moves"].items()):
+            moves.add_metric([direction], count)
+        yield moves
+        roles = GaugeMetricFamily("kvrelay_quality_roles", "roles (over all namespaces) at each rung",
+                                  labels=["rung"])
+        for rung, count in sorted(aggregates["roles_per_rung"].items()):
+            roles.add_metric([rung], count)
+        yield roles

@@ -1,0 +1,208 @@
+"""Shadow references: the server measures its own fidelity on a sample of live requests.
+
+For a request the quality guard samples, the engine worker also runs ``full`` on the very same prompt ids and
+compares it with what the request's own method computed:
+
+- first-token KL(full || method) and top-1 agreement, from the first-token logits;
+- the KL over the first ``CONTINUATION_TOKENS`` tokens of the method's own continuation: those tokens are fed
+  to ``full`` as one chunk after its prompt, and its logits at each of them are compared with the live
+  request's decode-step logits at the same positions (kept for sampled requests only, by a ``LogitsTap``).
+
+A shadow is work nobody waits for, so it runs at the lowest priority: the worker advances it one chunk at a time
+only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT. Its KV
+is private: it is planned without a store (nothing is read, published or counted as reuse) and freed once
+compared. Its compute time is what it costs, counted per shadow and exported (``kvrelay.server.quality_metrics``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvrelay.engine import Engine, GenerateOptions, Sequence
+from kvrelay.engine.prefill import PrefillTask
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.model.schedule import SuffixSchedule
+
+log = logging.getLogger("kvrelay.server")
+CONTINUATION_TOKENS = 4  # tokens of the method's own continuation compared with full's logits on them
+MAX_PENDING_SHADOWS = 8  # sampled requests whose reference waits or runs; a sample beyond it is not taken
+
+
+def kl_nats(full_logits: torch.Tensor, method_logits: torch.Tensor) -> torch.Tensor:
+    """KL(full || method) per row of [..., vocab] logits, in nats (float64: fp32's own rounding floor is ~1e-8)."""
+    log_p = torch.log_softmax(full_logits.double(), -1)
+    log_q = torch.log_softmax(method_logits.double(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
+
+
+class LogitsTap:
+    """A ``LogitsMask`` that keeps the raw logits of a sequence's first ``num_steps`` samples (before the request's
+    own constraint, which it wraps and otherwise leaves alone)."""
+
+    def __init__(self, inner: Any, num_steps: int) -> None:
+        self.inner, self.num_steps = inner, num_steps
+        self.logits: list[torch.Tensor] = []  # [vocab] fp32 each
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if len(self.logits) < self.num_steps:
+            self.logits.append(logits.detach().float().clone())
+        return logits if self.inner is None else self.inner.apply(logits)
+
+    def advance(self, token_id: int) -> None:
+        if self.inner is not None:
+            self.inner.advance(token_id)
+
+
+@dataclass(frozen=True)
+class ShadowResult:
+    """One comparison with ``full``, as recorded into the guard."""
+
+    namespace: str
+    role: str
+    rung: str
+    first_token_kl: float
+    top1_agree: bool
+    continuation_kl: float | None  # None: the request generated no token past its first
+    num_continuation_tokens: int
+    shadow_cost_ms: float
+
+
+@dataclass
+class ShadowJob:
+    """One sampled request's reference: its ``full`` prefill, then the continuation chunk once the live request
+    has decoded far enough (or ended)."""
+
+    namespace: str
+    role: str
+    rung: str
+    prompt_ids: list[int]
+    method_first_logits: torch.Tensor  # [vocab] fp32: the live request's first-token logits
+    live: Sequence  # the live request's sequence (its output ids; its KV is never touched)
+    tap: LogitsTap
+    task: PrefillTask | None = None
+    cost_ms: float = 0.0
+    created_s: float = field(default_factory=time.perf_counter)
+
+    @property
+    def continuation_ready(self) -> bool:
+        return self.live.done or len(self.tap.logits) >= CONTINUATION_TOKENS
+
+
+class ShadowRunner:
+    """The worker's shadow references: ``offer`` right after a live request's first token, ``advance`` in turns
+    with no live prefill waiting. ``guard`` is the quality guard (``should_shadow``, ``record``)."""
+
+    def __init__(self, engine: Engine, guard: Any, on_result=None) -> None:
+        """``on_result(ShadowResult)``: called after each recorded comparison (metrics)."""
+        self.engine, self.guard, self.on_result = engine, guard, on_result
+        self.engine.method("full")
+        self._pending: deque[ShadowJob] = deque()
+        self.num_runs = 0
+        self.num_failed = 0
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def has_work(self) -> bool:
+        """A shadow that could advance now (one waiting only for its live continuation has none)."""
+        return any(s.task is None or not s.task.done or s.continuation_ready for s in self._pending)
+
+    def offer(self, namespace: str, role: str, rung: str, seq: Sequence) -> ShadowJob | None:
+        """After ``seq``'s first token: when the guard samples (namespace, role), queue its reference and tap the
+        sequence's next decode logits. The sequence must not have decoded past its first token yet."""
+        if len(self._pending) >= MAX_PENDING_SHADOWS or not self.guard.should_shadow(namespace, role):
+            return None
+        tap = LogitsTap(seq.options.logits_mask, CONTINUATION_TOKENS)
+        seq.options = dataclasses.replace(seq.options, logits_mask=tap)
+        shadow = ShadowJob(namespace, role, rung, list(seq.prompt_ids), seq.first_logits.detach().float().clone(),
+                           seq, tap)
+        self._pending.append(shadow)
+        return shadow
+
+    def advance(self, budget_tokens: int) -> bool:
+        """One piece of shadow work within ``budget_tokens`` prompt tokens: the first pending shadow that can move
+        prefills a chunk of its prompt, or (prompt done, continuation known) runs its continuation chunk, compares
+        and records. True when something ran."""
+        for shadow in list(self._pending):
+            try:
+                if shadow.task is None or not shadow.task.done:
+                    self._prefill(shadow, budget_tokens)
+                    return True
+                if shadow.continuation_ready:
+                    self._pending.remove(shadow)
+                    self._compare(shadow)
+                    return True
+            except Exception:  # a reference that breaks is dropped; live requests never see it
+                log.exception("a shadow reference failed; it is dropped")
+                self.num_failed += 1
+                if shadow in self._pending:
+                    self._pending.remove(shadow)
+                if shadow.task is not None:
+                    shadow.task.cancel()
+                return True
+        return False
+
+    def _prefill(self, shadow: ShadowJob, budget_tokens: int) -> None:
+        if shadow.task is None:
+            # no store: nothing is looked up, published or counted as reuse; room for the continuation chunk
+            options = GenerateOptions(SamplingConfig(max_new_tokens=CONTINUATION_TOKENS, temperature=0.0),
+                                      keep_cache=True, learn=False)
+            shadow.task = self.engine.begin(shadow.prompt_ids, "full", options, store=_NO_STORE)
+        shadow.task.advance(budget_tokens)
+        shadow.cost_ms = shadow.task.compute_ms
+
+    def _compare(self, shadow: ShadowJob) -> ShadowResult:
+        """The continuation chunk, the comparison, the record; the shadow's KV is freed."""
+        ref = shadow.task.sequence()  # full's first-token logits; its greedy token is not used
+        shadow.task = None
+        num_prompt = len(shadow.prompt_ids)
+        continuation = list(shadow.live.output_ids[: min(len(shadow.tap.logits), CONTINUATION_TOKENS)])
+        continuation_kl = None
+        start_s = time.perf_counter()
+        if continuation:
+            ids = torch.tensor(shadow.prompt_ids + continuation, dtype=torch.long)
+            result = self.engine.lm.model.prefill(ids, ref.cache, SuffixSchedule(num_prompt), all_logits=True)
+            full_logits = result.logits.reshape(len(continuation), -1)  # [num_continuation, vocab]
+            method_logits = torch.stack(shadow.tap.logits[: len(continuation)])  # [num_continuation, vocab]
+            continuation_kl = float(kl_nats(full_logits, method_logits).mean())
+        ref.cache = None
+        shadow.cost_ms += (time.perf_counter() - start_s) * 1e3
+        first_kl = float(kl_nats(ref.first_logits, shadow.method_first_logits))
+        agree = int(ref.first_logits.argmax()) == int(shadow.method_first_logits.argmax())
+        result = ShadowResult(shadow.namespace, shadow.role, shadow.rung, first_kl, agree, continuation_kl,
+                              len(continuation), shadow.cost_ms)
+        self.guard.record(shadow.namespace, shadow.role, shadow.rung, first_kl, agree, continuation_kl,
+                          shadow.cost_ms)
+        self.num_runs += 1
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
+
+    def drop_all(self) -> None:
+        """Free every pending shadow (the worker stops)."""
+        for shadow in self._pending:
+            if shadow.task is not None:
+                shadow.task.cancel()
+        self._pending.clear()
+
+
+class _NoStore:
+    """Passed as a shadow's store so the engine does not fall back to its own: ``full`` reads nothing from it."""
+
+    def take_decisions(self) -> list:
+        return []
+
+    def set_compute_rate(self, rate: float) -> None:
+        pass
+
+
+_NO_STORE = _NoStore()
