@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -24,6 +25,7 @@ from kvrelay.server.context import AppContext
 from kvrelay.server.http_errors import BodyLimit, add_error_handlers
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.openai_responses import responses_router
+from kvrelay.server.quality_setup import install_quality
 from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, EngineWorker
 from kvrelay.server.service_routes import service_router
 
@@ -40,6 +42,9 @@ class ServerSettings:
     # prompt tokens prefilled per turn between two decode steps of the running batch (chunked prefill): a long
     # prompt delays each running stream's next token by one such piece at most
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    # the quality guard (a kvrelay.quality.QualityConfig; None: off, every request runs ``method``); ``kvrelay
+    # serve`` turns it on by default
+    quality: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 1:
@@ -71,4 +76,5 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions
     app.include_router(completions_router(ctx))  # POST /v1/completions
     app.include_router(responses_router(ctx))  # POST /v1/responses, GET/DELETE of stored responses
+    install_quality(app, ctx, engine, settings.quality)  # GET /v1/kvrelay/quality; the guard, its shadows, metrics
     return app

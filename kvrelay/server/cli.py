@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -46,6 +47,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="prompt tokens prefilled between two decode steps of the running requests (chunked "
                         f"prefill: a long prompt delays the others' next token by one such piece; default "
                         f"{DEFAULT_PREFILL_CHUNK_TOKENS})")
+    add_quality_flags(p)
     p.add_argument("--store", default="memory",
                    help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
                         "replicas on the same tier reuse each other's spans (credentials are never printed)")
@@ -53,6 +55,31 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="server log level (default: warning)")
     p.set_defaults(fn=cmd_serve)
     return p
+
+
+def add_quality_flags(p: argparse.ArgumentParser) -> None:
+    """``--quality-target`` and ``--quality-sample``, their defaults and help from ``QualityConfig``'s fields."""
+    from kvrelay.flags import finite_float
+    from kvrelay.quality import QualityConfig
+
+    fields = {f.name: f for f in dataclasses.fields(QualityConfig)}
+    defaults = QualityConfig()
+    p.add_argument("--quality-target", default=str(defaults.target),
+                   help=f"{fields['target'].metadata['help']}: each agent (x-kvrelay-agent or its system prompt) "
+                        f"per tenant climbs a ladder of reuse settings to meet it, measured by shadow full "
+                        f"references (docs/quality.md; default: {defaults.target})")
+    p.add_argument("--quality-sample", type=finite_float, default=defaults.sample_rate,
+                   help=f"{fields['sample_rate'].metadata['help']} (default: {defaults.sample_rate:g})")
+
+
+def quality_config(args: argparse.Namespace):
+    """The guard's config from the flags; None with ``--quality-target off``."""
+    from kvrelay.quality import QualityConfig
+
+    target = QualityConfig.parse_target(args.quality_target)
+    if target is None:
+        return None
+    return QualityConfig(target=target, sample_rate=args.quality_sample)
 
 
 def read_api_keys(path: str | None) -> frozenset[str]:
@@ -88,6 +115,7 @@ def build_app(args: argparse.Namespace):
     keys = read_api_keys(args.api_keys)
     metrics_key = read_metrics_key(args.metrics_key)
     tenancy = dataclass_from_args(TenancyConfig, args)
+    quality = quality_config(args)  # a bad target fails here, before the model loads
     match = dataclass_from_args(MatchConfig, args)
     lm = load_model_from(args)
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
@@ -98,6 +126,7 @@ def build_app(args: argparse.Namespace):
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens)
     settings.metrics_key = metrics_key
+    settings.quality = quality
     return create_app(engine, catalog, settings)
 
 

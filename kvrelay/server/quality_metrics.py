@@ -15,23 +15,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvrelay.server.quality_serving import ServedGuard
-from kvrelay.server.shadow import ShadowResult
+from kvrelay.server.shadow import ShadowResult, ShadowRunner
 
 
 class QualityMetrics:
     """Registered on the server's own registry next to ``ServerMetrics``."""
 
-    def __init__(self, registry: CollectorRegistry, served: ServedGuard) -> None:
+    def __init__(self, registry: CollectorRegistry, served: ServedGuard, runner: ShadowRunner) -> None:
         self.shadow_runs = Counter("kvrelay_quality_shadow_runs", "shadow full references compared with a live "
                                    "request (the quality guard's samples)", registry=registry)
-        self.shadow_failed = Counter("kvrelay_quality_shadow_failed", "shadow references dropped on an error",
-                                     registry=registry)
         self.shadow_seconds = Counter("kvrelay_quality_shadow_compute_seconds", "engine time spent on shadow "
                                       "references (prefill and continuation chunk)", registry=registry)
         self.disagreements = Counter("kvrelay_quality_shadow_top1_disagreements", "shadow references whose "
                                      "first token's top-1 differed from full's", registry=registry)
-        registry.register(_GuardCollector(served))
-        self._num_failed_seen = 0
+        registry.register(_GuardCollector(served, runner))
 
     def observe(self, result: ShadowResult) -> None:
         self.shadow_runs.inc()
@@ -39,17 +36,12 @@ class QualityMetrics:
         if not result.top1_agree:
             self.disagreements.inc()
 
-    def observe_failures(self, num_failed: int) -> None:
-        """The runner's cumulative failure count, turned into counter increments."""
-        self.shadow_failed.inc(max(num_failed - self._num_failed_seen, 0))
-        self._num_failed_seen = max(num_failed, self._num_failed_seen)
-
 
 class _GuardCollector(Collector):
-    """Rung moves and roles per rung, read from the guard's namespace-safe aggregates when scraped."""
+    """Rung moves and roles per rung (the guard's namespace-safe aggregates) and shadows dropped, read when scraped."""
 
-    def __init__(self, served: ServedGuard) -> None:
-        self.served = served
+    def __init__(self, served: ServedGuard, runner: ShadowRunner) -> None:
+        self.served, self.runner = served, runner
 
     def collect(self) -> Iterator:
         aggregates = self.served.aggregates()
@@ -63,3 +55,6 @@ class _GuardCollector(Collector):
         for rung, count in sorted(aggregates["roles_per_rung"].items()):
             roles.add_metric([rung], count)
         yield roles
+        failed = CounterMetricFamily("kvrelay_quality_shadow_failed", "shadow references dropped on an error")
+        failed.add_metric([], self.runner.num_failed)
+        yield failed
