@@ -60,14 +60,16 @@ class QualityConfig:
     sample_rate: float = field(default=0.05, metadata={
         "help": "share of a role's calls also run with full as a shadow reference, after the first calls of "
                 "each rung it moves to (all shadowed); 0: only those"})
-    first_calls_per_role: int = field(default=12, metadata={
+    first_calls_per_role: int = field(default=16, metadata={
         "help": "calls of a role shadowed one by one after it arrives at a rung (and at its first)"})
     ladder: tuple[Rung, ...] = field(default=DEFAULT_LADDER, metadata={"help": "rungs, cheapest to safest"})
     start: str | None = field(default=None, metadata={"help": "rung a new role starts at (None: the safest)"})
     confidence: float = field(default=0.9, metadata={"help": "one-sided confidence of the bounds, in (0.5, 1)"})
     window: int = field(default=32, metadata={"help": "most recent samples per role and rung that estimate it"})
-    min_samples: int = field(default=8, metadata={"help": "samples a rung needs before it is judged"})
-    hold_calls: int = field(default=12, metadata={
+    min_samples: int = field(default=16, metadata={"help": "samples a rung needs before it is judged"})
+    early_break_samples: int = field(default=3, metadata={
+        "help": "samples after which a rung whose KL lower bound is already over the target breaks"})
+    hold_calls: int = field(default=16, metadata={
         "help": "calls a role stays at a rung before trying a cheaper one; x2 per break of that cheaper rung"})
     margin: float = field(default=0.8, metadata={
         "help": "well inside the target: KL upper bound <= margin x the KL target (in (0, 1])"})
@@ -80,10 +82,11 @@ class QualityConfig:
         rate = self.sample_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0 <= rate <= 1):
             raise ConfigError(f"quality sample rate must be a share in [0, 1], got {rate!r}")
-        for name in ("first_calls_per_role", "window", "min_samples", "hold_calls"):
+        for name in ("first_calls_per_role", "window", "min_samples", "early_break_samples", "hold_calls"):
             _positive_int(name, getattr(self, name))
-        if self.min_samples > self.window:
-            raise ConfigError(f"quality min_samples ({self.min_samples}) must not exceed window ({self.window})")
+        if not self.early_break_samples <= self.min_samples <= self.window:
+            raise ConfigError(f"quality needs early_break_samples ({self.early_break_samples}) <= min_samples "
+                              f"({self.min_samples}) <= window ({self.window})")
         if not (isinstance(self.confidence, float) and 0.5 < self.confidence < 1):
             raise ConfigError(f"quality confidence must be in (0.5, 1), got {self.confidence!r}")
         if not (isinstance(self.margin, (int, float)) and 0 < self.margin <= 1):

@@ -50,9 +50,14 @@ class QualityGuard:
         return state
 
     def _moved(self, namespace: str, role: str, move: Move | None) -> None:
-        if move is not None:
-            self.moves[move.direction] += 1
-            self._offers_at_rung[(namespace, role)] = 0
+        """Count a move; a rung the role arrives at is shadowed on every call (``first_calls_per_role``) unless it
+        already has its samples (a safer rung the role came down from: its estimate still stands)."""
+        if move is None:
+            return
+        self.moves[move.direction] += 1
+        state = self._state(namespace, role)
+        known = self.controller.estimate(state, move.to_rung).num_samples >= self.config.min_samples
+        self._offers_at_rung[(namespace, role)] = self.config.first_calls_per_role if known else 0
 
     def rung_for(self, namespace: str, role: str) -> Rung:
         """The rung a new call of (namespace, role) runs at; counts the call (a role may step down here)."""
@@ -66,8 +71,8 @@ class QualityGuard:
 
     def should_shadow(self, namespace: str, role: str) -> bool:
         """Whether this call of (namespace, role) also runs ``full`` as a reference: every one of the first
-        ``first_calls_per_role`` calls at each rung the role arrives at, then one in ``1 / sample_rate`` (by the
-        role's own count of calls, no random numbers). Never with the guard off."""
+        ``first_calls_per_role`` calls of the role and at each rung it arrives at without samples, then one in
+        ``1 / sample_rate`` (by the role's own count of calls, no random numbers). Never with the guard off."""
         if not self.enabled:
             return False
         key = (namespace, role)

@@ -88,8 +88,10 @@ class LadderController:
 
     - **Up** (safer) as soon as the live rung *breaks* the target: once it has ``min_samples`` samples, the upper
       confidence bound of its mean first-token KL is above ``kl_max``, or its top-1 agreement is *confidently*
-      below ``agreement_min`` (the agreement's upper bound under it). A rung that broke may not be tried again for
-      ``hold_calls`` x 2^(times it broke) calls: a role whose cheap rung is bad stays up, trying it ever more rarely.
+      below ``agreement_min`` (the agreement's upper bound under it); earlier, from ``early_break_samples``
+      samples on, when even the KL's lower bound is above ``kl_max`` (a clearly bad rung costs few live calls).
+      A rung that broke may not be tried again for ``hold_calls`` x 2^(times it broke) calls: a role whose cheap
+      rung is bad stays up, trying it ever more rarely.
     - **Down** (cheaper) when the live rung has held for ``hold_calls`` calls, its KL upper bound is within
       ``margin`` x ``kl_max``, its agreement estimate at least ``agreement_min``, and the cheaper rung is not backed
       off. The cheaper rung then starts from fresh samples (its older ones are what made it break) and is
@@ -117,9 +119,14 @@ class LadderController:
     def breaks(self, est: RungEstimate) -> bool:
         """The estimate breaks the target (only judged once it has ``min_samples`` samples)."""
         target = self.config.target
-        if target is None or est.num_samples < self.config.min_samples:
+        if target is None or est.num_samples < self.config.early_break_samples:
             return False
-        return est.kl_upper() > target.kl_max or est.agreement_upper() < target.agreement_min
+        kl_lower, kl_upper = est.kl_bounds()
+        if kl_lower > target.kl_max:
+            return True  # confidently over the target already: no need to wait for min_samples
+        if est.num_samples < self.config.min_samples:
+            return False
+        return kl_upper > target.kl_max or est.agreement_upper() < target.agreement_min
 
     def well_inside(self, est: RungEstimate) -> bool:
         target = self.config.target

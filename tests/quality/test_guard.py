@@ -1,0 +1,67 @@
+"""The guard's sampling cadence, its record checks and its aggregates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvrelay.errors import ConfigError
+from kvrelay.quality import QualityConfig, QualityGuard, Rung
+
+
+def shadows(g: QualityGuard, num_calls: int, namespace: str = "ns", role: str = "r") -> list[int]:
+    out = []
+    for i in range(num_calls):
+        g.rung_for(namespace, role)
+        if g.should_shadow(namespace, role):
+            out.append(i)
+    return out
+
+
+def test_every_early_call_then_one_in_k():
+    g = QualityGuard(dataclasses.replace(QualityConfig(), first_calls_per_role=5, min_samples=4,
+                                         early_break_samples=2, sample_rate=0.1))
+    assert shadows(g, 45) == [0, 1, 2, 3, 4, 10, 20, 30, 40]  # nothing recorded: no move, the cadence alone
+    other = shadows(g, 12, role="other")  # each role has its own count
+    assert other == [0, 1, 2, 3, 4, 10]
+
+
+def test_sample_rate_zero_shadows_only_the_first_calls():
+    g = QualityGuard(dataclasses.replace(QualityConfig(), sample_rate=0.0))
+    assert shadows(g, 100) == list(range(g.config.first_calls_per_role))
+
+
+def test_a_rung_reached_without_samples_is_shadowed_on_every_call_again():
+    cfg = dataclasses.replace(QualityConfig(), start="naive", sample_rate=0.0)
+    g = QualityGuard(cfg)
+    for _ in range(cfg.early_break_samples):
+        rung = g.rung_for("ns", "r")
+        assert g.should_shadow("ns", "r")
+        g.record("ns", "r", rung.name, 5.0, False, None, 1.0)
+    assert g.rung_for("ns", "r").name == "relay"
+    assert all(g.should_shadow("ns", "r") for _ in range(cfg.first_calls_per_role))
+    assert not g.should_shadow("ns", "r")
+
+
+@pytest.mark.parametrize("kwargs", [{"first_token_kl": -0.1}, {"first_token_kl": float("nan")},
+                                    {"shadow_cost_ms": -1.0}, {"continuation_kl": -2.0}])
+def test_bad_records_are_refused_by_name(kwargs):
+    g = QualityGuard()
+    args = {"first_token_kl": 0.0, "top1_agree": True, "continuation_kl": None, "shadow_cost_ms": 0.0, **kwargs}
+    with pytest.raises(ConfigError, match=next(iter(kwargs))):
+        g.record("ns", "r", "relay", **args)
+    assert g.aggregates()["num_samples"] == 0
+
+
+def test_a_custom_ladder_and_aggregates():
+    ladder = (Rung("cheap", "naive"), Rung("safe", "full"))
+    g = QualityGuard(QualityConfig(), ladder=ladder)
+    assert g.rung_for("ns", "r") == Rung("safe", "full")
+    g.record("ns", "r", "safe", 0.0, True, None, 12.5)
+    agg = g.aggregates()
+    assert agg == {"rung_moves": {"up": 0, "down": 0}, "roles_per_rung": {"cheap": 0, "safe": 1},
+                   "num_samples": 1, "num_shadowed": 0, "shadow_cost_ms": 12.5}
+    snap = g.snapshot("ns")
+    assert snap["ladder"] == [{"name": "cheap", "method": "naive"}, {"name": "safe", "method": "full"}]
+    assert snap["roles"]["r"]["estimates"]["safe"]["num_samples"] == 1

@@ -1,0 +1,131 @@
+"""The ladder controller driven by synthetic quality streams (default config unless a test says otherwise)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvrelay.quality import QualityConfig, QualityGuard
+from tests.quality.streams import constant, drive, noisy
+
+GOOD = (0.001, True)
+BAD = (0.4, False)
+
+
+def guard(**changes) -> QualityGuard:
+    return QualityGuard(dataclasses.replace(QualityConfig(), **changes))
+
+
+def moves(g: QualityGuard, namespace: str = "ns", role: str = "agent") -> list[dict]:
+    return g.snapshot(namespace)["roles"][role]["moves"]
+
+
+def test_a_bad_cheap_rung_moves_up_and_stays():
+    g = guard(start="naive")
+    calls = drive(g, constant({"naive": BAD, "relay": GOOD, "prefix": (0.0, True)}), 400)
+    cfg = g.config
+    first_up = next(i for i, (rung, _) in enumerate(calls) if rung != "naive")
+    assert first_up == cfg.early_break_samples  # clearly bad: judged early, not after min_samples
+    # retries of naive back off (hold x 2^breaks: at most 4 in 400 calls), each costing early_break_samples calls
+    naive_later = sum(rung == "naive" for rung, _ in calls[first_up:])
+    assert naive_later <= 4 * cfg.early_break_samples
+    assert sum(rung == "naive" for rung, _ in calls[200:]) <= cfg.early_break_samples
+    assert calls[-1][0] == "relay"
+    assert all(rung != "prefix" for rung, _ in calls)  # relay holds: never further up
+
+
+def test_a_good_role_starts_safe_and_moves_down():
+    g = guard()
+    calls = drive(g, constant({"naive": GOOD, "relay": GOOD, "prefix": (0.0, True)}), 120)
+    assert calls[0][0] == "prefix"
+    cfg = g.config
+    reached = next(i for i, (rung, _) in enumerate(calls) if rung == "naive")
+    assert reached <= 2 * cfg.hold_calls  # one rung per hold
+    assert all(rung == "naive" for rung, _ in calls[reached:])
+    assert [m["reason"] for m in moves(g)] == ["inside", "inside"]
+
+
+def test_a_bound_not_a_mean_decides():
+    """naive's KL is 0.04 on every call: its mean is inside the 0.05 target but, from a window of samples, its
+    upper bound is not; the guard does not keep a role on a rung it cannot certify."""
+    g = guard(start="naive")
+    calls = drive(g, constant({"naive": (0.04, True), "relay": GOOD, "prefix": (0.0, True)}), 40)
+    cfg = g.config
+    assert [rung for rung, _ in calls[:cfg.min_samples + 1]] == ["naive"] * cfg.min_samples + ["relay"]
+    est = g.snapshot("ns")["roles"]["agent"]["estimates"]["naive"]["first_token_kl"]
+    assert est["mean"] < 0.05 < est["upper"]
+
+
+def test_moves_down_only_when_well_inside_the_target():
+    """relay at a KL whose bound is under the target but not under margin x target: the role stays there."""
+    g = guard(start="relay", window=16)
+    drive(g, constant({"naive": GOOD, "relay": (0.015, True), "prefix": (0.0, True)}), 200)
+    est = g.snapshot("ns")["roles"]["agent"]["estimates"]["relay"]["first_token_kl"]
+    assert 0.8 * 0.05 < est["upper"] <= 0.05
+    assert moves(g) == []
+
+
+def test_noise_near_the_target_does_not_flap():
+    """naive a little over the target and relay a little under it, with heavy-tailed noise: the number of moves
+    stays small (the back-off doubles the hold at each break), far below one per hold."""
+    g = guard(start="relay")
+    stream = noisy({"naive": (0.06, 0.9), "relay": (0.01, 0.97), "prefix": (0.0, 1.0)}, seed=3)
+    num_calls = 1000
+    drive(g, stream, num_calls)
+    assert len(moves(g)) <= 12
+    assert len(moves(g)) < num_calls / g.config.hold_calls / 4
+
+
+def test_the_same_stream_gives_the_same_decisions():
+    stream = noisy({"naive": (0.05, 0.9), "relay": (0.02, 0.95), "prefix": (0.0, 1.0)}, seed=7)
+    runs = []
+    for _ in range(2):
+        g = guard()
+        runs.append((drive(g, stream, 300), moves(g), g.snapshot("ns")))
+    assert runs[0] == runs[1]
+    assert runs[0][1]  # something moved, so the comparison says something
+
+
+def test_one_namespace_never_moves_another():
+    g = guard(start="naive")
+    bad = constant({"naive": BAD, "relay": GOOD, "prefix": (0.0, True)})
+    good = constant({"naive": GOOD, "relay": GOOD, "prefix": (0.0, True)})
+    for i in range(60):  # interleaved: the same role name in two tenants
+        for namespace, stream in (("tenant-a", bad), ("tenant-b", good)):
+            rung = g.rung_for(namespace, "agent")
+            if g.should_shadow(namespace, "agent"):
+                kl, agree = stream(i, rung.name)
+                g.record(namespace, "agent", rung.name, kl, agree, None, 1.0)
+    assert g.snapshot("tenant-a")["roles"]["agent"]["rung"] == "relay"
+    b = g.snapshot("tenant-b")["roles"]["agent"]
+    assert b["rung"] == "naive" and b["moves"] == []
+    alone = guard(start="naive")  # tenant-b's traffic without tenant-a's: the very same state
+    drive(alone, good, 60, namespace="tenant-b")
+    assert alone.snapshot("tenant-b") == g.snapshot("tenant-b")
+    assert "tenant-a" not in str(g.snapshot("tenant-b")) and g.snapshot("nobody")["roles"] == {}
+    agg = g.aggregates()
+    assert "tenant" not in str(agg) and "agent" not in str(agg)
+    assert agg["roles_per_rung"] == {"naive": 1, "relay": 1, "prefix": 0}
+
+
+def test_target_off_is_inert():
+    g = guard(target=None, start="naive")
+    calls = drive(g, constant({"naive": BAD, "relay": BAD, "prefix": BAD}), 50)
+    assert calls == [("naive", False)] * 50
+    assert g.snapshot("ns")["roles"] == {} and g.aggregates()["num_samples"] == 0
+
+
+def test_safest_rung_breaking_stays_there():
+    g = guard()
+    calls = drive(g, constant({"naive": BAD, "relay": BAD, "prefix": BAD}), 40)
+    assert {rung for rung, _ in calls} == {"prefix"} and moves(g) == []
+
+
+def test_a_named_method_is_estimated_but_moves_nothing():
+    g = guard(start="naive")
+    for _ in range(20):
+        g.rung_for("ns", "agent")
+        g.record("ns", "agent", "epic[k=8]", 0.5, False, 0.3, 2.0)
+    role = g.snapshot("ns")["roles"]["agent"]
+    assert role["rung"] == "naive" and role["moves"] == []
+    assert role["estimates"]["epic[k=8]"]["num_samples"] == 20
+    assert role["estimates"]["epic[k=8]"]["continuation_kl"]["mean"] == 0.3
