@@ -271,20 +271,28 @@ def _cmd_methods(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvrelay.demo import DemoConfig
-    from kvrelay.eval.branch_bench import BranchBenchConfig
-    from kvrelay.eval.harness import BenchConfig
-    from kvrelay.eval.profiler import SELECTS
-    from kvrelay.model.sampling import SamplingConfig
-    from kvrelay.reuse import PIPELINE_METHODS
     from kvrelay.server.cli import add_serve_parser
-    from kvrelay.weights.loader import DEFAULT_MODEL
 
     parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo_parser, _add_bench_parser, _add_run_parser, _add_profile_parser, _add_generate_parser,
+                _add_methods_parser, add_serve_parser):
+        add(sub)
+    return parser
+
+
+def _add_demo_parser(sub) -> None:
+    from kvrelay.demo import DemoConfig
+
     demo = sub.add_parser("demo", help="gsm8k-chain3 on the default model, every method side by side")
     add_dataclass_flags(demo, DemoConfig)
     demo.set_defaults(fn=_cmd_demo)
+
+
+def _add_bench_parser(sub) -> None:
+    from kvrelay.eval.branch_bench import BranchBenchConfig
+    from kvrelay.eval.harness import BenchConfig
+
     bench = sub.add_parser("bench", help="every method on a named workload: TTFT, reuse, fidelity; table + JSON "
                                          "(gsm8k-branches: full, prefix, rksc per problem)")
     add_dataclass_flags(bench, BenchConfig)
@@ -294,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="result JSON file, rewritten after every problem (checked before the run starts)")
     bench.add_argument("--plot", default=None, help="folder for the PNG plots (created; checked before the run)")
     bench.set_defaults(fn=_cmd_bench)
+
+
+def _add_run_parser(sub) -> None:
+    from kvrelay.reuse import PIPELINE_METHODS
+    from kvrelay.weights.loader import DEFAULT_MODEL
+
     run = sub.add_parser("run", help="run one pipeline (YAML) with a method; print outputs and stats")
     run.add_argument("pipeline", help="pipeline file (YAML): inputs, agents with {name} placeholders")
     run.add_argument("--method", default="full",
@@ -308,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="span store: memory (default), disk:PATH or redis://host:port/db (a shared tier behind "
                           "the memory store; credentials are never printed)")
     run.set_defaults(fn=_cmd_run)
+
+
+def _add_profile_parser(sub) -> None:
+    from kvrelay.eval.profiler import SELECTS
+    from kvrelay.weights.loader import DEFAULT_MODEL
+
     prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (calibrated on GSM8K train)")
     add_model_flags(prof, DEFAULT_MODEL, int4_decode=False)  # the profile relays decode KV: fp32's, always
     prof.add_argument("--workload", default="gsm8k-chain3",
@@ -348,18 +368,25 @@ def build_parser() -> argparse.ArgumentParser:
                       "one in the cache, keyed by model fingerprint, which is written either way")
     prof.add_argument("--plot", default=None, help="PNG file of the curves")
     prof.set_defaults(fn=_cmd_profile)
+
+
+def _add_generate_parser(sub) -> None:
+    from kvrelay.model.sampling import SamplingConfig
+    from kvrelay.weights.loader import DEFAULT_MODEL
+
     gen = sub.add_parser("generate", help="one chat completion with the engine")
     gen.add_argument("prompt", help="the user message (text, taken literally)")
     add_model_flags(gen, DEFAULT_MODEL)
     gen.add_argument("--system", default=None, help="a system message (default: none)")
     add_dataclass_flags(gen, SamplingConfig)
     gen.set_defaults(fn=_cmd_generate)
+
+
+def _add_methods_parser(sub) -> None:
     methods = sub.add_parser("methods", help="every reuse method with its settings, defaults and one line of meaning")
     methods.add_argument("names", nargs="*", help="only these methods (default: every registered one)")
     methods.add_argument("--json", action="store_true", help="print JSON: a list of {name, summary, settings}")
     methods.set_defaults(fn=_cmd_methods)
-    add_serve_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
