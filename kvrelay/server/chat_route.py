@@ -7,31 +7,8 @@ tool-call history, tools, tool_choice, response_format: an ApiError 400 naming t
 an ApiError 429). It returns a ``QueuedChat``: the job and the asyncio queue its events arrive on; read them
 with ``ctx.next_event(request, job, events)`` (None: the client went away, the job is cancelled).
 
-Events (dicts, in order: any number of deltas, then one done or one error):
-
-- text of the message content::
-
-    {"type": "delta", "text": str, "logprobs": list[dict] | None}
-
-- a piece of a tool call (``text`` is ""). A call's first piece has its ``id`` ("call_...") and ``name``, and
-  ``arguments`` ""; each later piece has ``id`` and ``name`` None and a piece of the arguments' JSON text
-  (the pieces of one index concatenated are that call's ``arguments``)::
-
-    {"type": "delta", "text": "", "tool_call": {"index": int, "id": str | None, "name": str | None,
-                                                "arguments": str}, "logprobs": list[dict] | None}
-
-- the end::
-
-    {"type": "done", "finish_reason": "stop" | "length" | "tool_calls",
-     "text": str,                  # the message content (calls not included); "" when only calls came
-     "tool_calls": [{"id": str, "name": str, "arguments": str}],   # [] without calls
-     "num_prompt_tokens": int, "num_completion_tokens": int, "num_cached_tokens": int, "kvrelay": dict}
-
-  ``finish_reason`` is "tool_calls" when at least one call completed; "length" when max_tokens cut the output
-  (a call cut off then is not in ``tool_calls``: its text is in ``text``, and may have been streamed as
-  tool-call pieces before the cut, as OpenAI streams it).
-
-- a failure: ``{"type": "error", "status": int, "message": str, "param": str | None, "code": str | None}``.
+Events: typed, in order any number of ``DeltaEvent`` (content text, or a piece of a tool call), then one
+``DoneEvent`` or one ``ErrorEvent`` (kvrelay.server.events).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from fastapi import Request
 from kvrelay.errors import KvRelayError
 from kvrelay.reuse import PIPELINE_METHODS, get_method
 from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.events import Event
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.scheduler import EngineWorker, Job
@@ -81,7 +82,7 @@ class AppContext:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def emit(event: dict) -> None:
+        def emit(event: Event) -> None:
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
@@ -95,7 +96,7 @@ class AppContext:
                   method_named=bool(body.kvrelay and body.kvrelay.method and body.kvrelay.method.strip()), **extra)
         return job, events
 
-    async def next_event(self, request: Request, job: Job, events: asyncio.Queue) -> dict | None:
+    async def next_event(self, request: Request, job: Job, events: asyncio.Queue) -> Event | None:
         """The job's next event, or None when the client disconnected (the job is then cancelled).
 
         The connection is checked every ``DISCONNECT_POLL_S`` whether or not events keep coming, since

@@ -21,10 +21,11 @@ from pydantic import ValidationError
 
 from kvrelay.server.chat_route import queue_chat
 from kvrelay.server.context import AppContext
+from kvrelay.server.events import DeltaEvent, DoneEvent, ErrorEvent
 from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validation_message
 from kvrelay.server.respond import respond
 from kvrelay.server.response_store import ResponseStore, StoredResponse
-from kvrelay.server.responses import error_of
+from kvrelay.server.responses import tool_call_json
 from kvrelay.server.responses_events import ResponseRender
 from kvrelay.server.responses_input import ResponsesRequest, chat_body, input_messages
 
@@ -50,11 +51,10 @@ def _in_responses_terms(exc: ApiError) -> ApiError:
                     exc.headers)
 
 
-def _assistant_message(done: dict) -> dict:
+def _assistant_message(done: DoneEvent) -> dict:
     """The response's output as the chat message a later turn's history holds."""
-    calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-             for c in done.get("tool_calls") or []]
-    message: dict = {"role": "assistant", "content": done["text"] or (None if calls else "")}
+    calls = [tool_call_json(c) for c in done.tool_calls]
+    message: dict = {"role": "assistant", "content": done.text or (None if calls else "")}
     if calls:
         message["tool_calls"] = calls
     return message
@@ -92,11 +92,11 @@ class _ResponsesAnswer:
         self.render = ResponseRender(body, model_id)
         self.body, self.store, self.namespace, self.conversation = body, store, namespace, conversation
 
-    def _keep(self, done: dict, response: dict) -> None:
+    def _keep(self, done: DoneEvent, response: dict) -> None:
         if self.body.store is not False:
             self.store.put(self.namespace, response["id"], self.conversation + [_assistant_message(done)], response)
 
-    def full(self, deltas: list[dict], done: dict) -> dict:
+    def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         response = self.render.full(deltas, done)
         self._keep(done, response)
         return response
@@ -104,16 +104,16 @@ class _ResponsesAnswer:
     def head(self) -> Iterable[str]:
         return self.render.start()
 
-    def delta_lines(self, delta: dict) -> Iterable[str]:
+    def delta_lines(self, delta: DeltaEvent) -> Iterable[str]:
         return _delta_events(self.render, delta)
 
-    def done_lines(self, done: dict) -> Iterable[str]:
+    def done_lines(self, done: DoneEvent) -> Iterable[str]:
         lines = self.render.finish(done)
         self._keep(done, self.render.envelope(self.render.status_of(done), done))
         return lines
 
-    def error_of(self, error: dict) -> ApiError:
-        return _in_responses_terms(error_of(error))
+    def error_of(self, error: ErrorEvent) -> ApiError:
+        return _in_responses_terms(error.api_error())
 
     def error_line(self, err: ApiError) -> str:
         return self.render.error(err.status, err.message, err.param, err.code)
@@ -157,9 +157,9 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
     return router
 
 
-def _delta_events(render: ResponseRender, event: dict) -> list[str]:
-    """SSE events of one chat delta event (shapes: kvrelay.server.chat_route)."""
-    call = event.get("tool_call")
+def _delta_events(render: ResponseRender, event: DeltaEvent) -> list[str]:
+    """SSE events of one chat delta event."""
+    call = event.tool_call
     if call is not None:
-        return render.call_piece(call["index"], call["id"], call["name"], call["arguments"])
-    return render.text(event["text"], event.get("logprobs"))
+        return render.call_piece(call.index, call.id, call.name, call.arguments)
+    return render.text(event.text, event.logprobs)

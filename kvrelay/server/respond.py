@@ -17,29 +17,30 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvrelay.server.context import AppContext
+from kvrelay.server.events import DeltaEvent, DoneEvent, ErrorEvent
 from kvrelay.server.protocol import ApiError
-from kvrelay.server.responses import Reply, error_of, stream_error_chunk
+from kvrelay.server.responses import Reply, stream_error_chunk
 from kvrelay.server.scheduler import Job
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class EventRender(Protocol):
-    """How one API renders a job's events (shapes: kvrelay.server.chat_route)."""
+    """How one API renders a job's events (kvrelay.server.events)."""
 
-    def full(self, deltas: list[dict], done: dict) -> dict:
+    def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         """The whole response body, after the last delta."""
 
     def head(self) -> Iterable[str]:
         """The SSE lines before the first event's."""
 
-    def delta_lines(self, delta: dict) -> Iterable[str]:
+    def delta_lines(self, delta: DeltaEvent) -> Iterable[str]:
         """The SSE lines of one delta event."""
 
-    def done_lines(self, done: dict) -> Iterable[str]:
+    def done_lines(self, done: DoneEvent) -> Iterable[str]:
         """The SSE lines that end a stream."""
 
-    def error_of(self, error: dict) -> ApiError:
+    def error_of(self, error: ErrorEvent) -> ApiError:
         """An error event as this API words it."""
 
     def error_line(self, err: ApiError) -> str:
@@ -57,21 +58,21 @@ class CompletionRender:
     def __init__(self, reply: Reply, include_usage: bool) -> None:
         self.reply, self.include_usage = reply, include_usage
 
-    def full(self, deltas: list[dict], done: dict) -> dict:
+    def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         return self.reply.full(deltas, done)
 
     def head(self) -> Iterable[str]:
         first = self.reply.first_chunk()
         return [first] if first else []
 
-    def delta_lines(self, delta: dict) -> Iterable[str]:
+    def delta_lines(self, delta: DeltaEvent) -> Iterable[str]:
         return [self.reply.delta_chunk(delta)]
 
-    def done_lines(self, done: dict) -> Iterable[str]:
+    def done_lines(self, done: DoneEvent) -> Iterable[str]:
         return self.reply.final_chunks(done, self.include_usage)
 
-    def error_of(self, error: dict) -> ApiError:
-        return error_of(error)
+    def error_of(self, error: ErrorEvent) -> ApiError:
+        return error.api_error()
 
     def error_line(self, err: ApiError) -> str:
         return stream_error_chunk(err)
@@ -83,23 +84,23 @@ async def respond(ctx: AppContext, request: Request, job: Job, events: asyncio.Q
     first = await ctx.next_event(request, job, events)
     if first is None:
         return Response(status_code=499)
-    if first["type"] == "error":
+    if isinstance(first, ErrorEvent):
         raise render.error_of(first)
     if stream:
         return StreamingResponse(_sse(ctx, job, events, first, render), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     deltas, event = [], first
-    while event["type"] == "delta":
+    while isinstance(event, DeltaEvent):
         deltas.append(event)
         event = await ctx.next_event(request, job, events)
         if event is None:
             return Response(status_code=499)
-    if event["type"] == "error":
+    if isinstance(event, ErrorEvent):
         raise render.error_of(event)
     return JSONResponse(render.full(deltas, event))
 
 
-async def _sse(ctx: AppContext, job: Job, events: asyncio.Queue, first: dict, render: EventRender
+async def _sse(ctx: AppContext, job: Job, events: asyncio.Queue, first: DeltaEvent | DoneEvent, render: EventRender
                ) -> AsyncIterator[str]:
     finished = False
     try:
@@ -107,10 +108,10 @@ async def _sse(ctx: AppContext, job: Job, events: asyncio.Queue, first: dict, re
             yield line
         event = first
         while True:
-            if event["type"] == "delta":
+            if isinstance(event, DeltaEvent):
                 for line in render.delta_lines(event):
                     yield line
-            elif event["type"] == "done":
+            elif isinstance(event, DoneEvent):
                 for line in render.done_lines(event):
                     yield line
                 finished = True

@@ -1,5 +1,5 @@
-"""OpenAI response bodies and SSE chunks from the worker's events (``delta``, ``done``, ``error``; their shapes
-are in kvrelay.server.chat_route)."""
+"""OpenAI response bodies and SSE chunks of chat and text completions, from the worker's events
+(kvrelay.server.events)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 
+from kvrelay.server.events import DeltaEvent, DoneEvent, ToolCall
 from kvrelay.server.protocol import ApiError
 
 
@@ -20,10 +21,10 @@ class Reply:
         self.num_text_chars = 0  # text offsets for completion logprobs
 
     @staticmethod
-    def usage(done: dict) -> dict:
-        return {"prompt_tokens": done["num_prompt_tokens"], "completion_tokens": done["num_completion_tokens"],
-                "total_tokens": done["num_prompt_tokens"] + done["num_completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": done["num_cached_tokens"]}}
+    def usage(done: DoneEvent) -> dict:
+        return {"prompt_tokens": done.num_prompt_tokens, "completion_tokens": done.num_completion_tokens,
+                "total_tokens": done.num_prompt_tokens + done.num_completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.num_cached_tokens}}
 
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         if not self.logprobs or entries is None:
@@ -39,21 +40,21 @@ class Reply:
                 "text_offset": offsets}
 
     # ------------------------------------------------------------------ whole response
-    def full(self, deltas: list[dict], done: dict) -> dict:
+    def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         entries = None
         if self.logprobs:
-            entries = [e for d in deltas for e in (d.get("logprobs") or [])]
-        choice: dict = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": self._logprobs(entries)}
+            entries = [e for d in deltas for e in (d.logprobs or [])]
+        choice: dict = {"index": 0, "finish_reason": done.finish_reason, "logprobs": self._logprobs(entries)}
         if self.chat:
-            calls = done.get("tool_calls") or []
-            choice["message"] = {"role": "assistant", "content": done["text"] or (None if calls else "")}
+            calls = done.tool_calls
+            choice["message"] = {"role": "assistant", "content": done.text or (None if calls else "")}
             if calls:
-                choice["message"]["tool_calls"] = [_tool_call(c) for c in calls]
+                choice["message"]["tool_calls"] = [tool_call_json(c) for c in calls]
         else:
-            choice["text"] = done["text"]
+            choice["text"] = done.text
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(done),
-                "kvrelay": done["kvrelay"]}
+                "kvrelay": done.kvrelay}
 
     # ------------------------------------------------------------------ stream
     def _chunk(self, choices: list[dict], usage: dict | None = None, kvrelay: dict | None = None) -> str:
@@ -71,41 +72,36 @@ class Reply:
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
-    def delta_chunk(self, event: dict) -> str:
-        choice: dict = {"index": 0, "logprobs": self._logprobs(event.get("logprobs")), "finish_reason": None}
-        if self.chat and event.get("tool_call"):
-            piece = event["tool_call"]
-            call: dict = {"index": piece["index"], "function": {"arguments": piece["arguments"]}}
-            if piece["id"] is not None:
-                call.update(id=piece["id"], type="function")
-                call["function"]["name"] = piece["name"]
+    def delta_chunk(self, event: DeltaEvent) -> str:
+        choice: dict = {"index": 0, "logprobs": self._logprobs(event.logprobs), "finish_reason": None}
+        if self.chat and event.tool_call:
+            piece = event.tool_call
+            call: dict = {"index": piece.index, "function": {"arguments": piece.arguments}}
+            if piece.id is not None:
+                call.update(id=piece.id, type="function")
+                call["function"]["name"] = piece.name
             choice["delta"] = {"tool_calls": [call]}
         elif self.chat:
-            choice["delta"] = {"content": event["text"]}
+            choice["delta"] = {"content": event.text}
         else:
-            choice["text"] = event["text"]
+            choice["text"] = event.text
         return self._chunk([choice])
 
-    def final_chunks(self, done: dict, include_usage: bool) -> list[str]:
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": done["finish_reason"]}
+    def final_chunks(self, done: DoneEvent, include_usage: bool) -> list[str]:
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": done.finish_reason}
         if self.chat:
             choice["delta"] = {}
         else:
             choice["text"] = ""
-        chunks = [self._chunk([choice], kvrelay=done["kvrelay"])]
+        chunks = [self._chunk([choice], kvrelay=done.kvrelay)]
         if include_usage:
-            chunks.append(self._chunk([], usage=self.usage(done), kvrelay=done["kvrelay"]))
+            chunks.append(self._chunk([], usage=self.usage(done), kvrelay=done.kvrelay))
         return chunks + ["data: [DONE]\n\n"]
 
 
-def _tool_call(call: dict) -> dict:
-    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
-
-
-def error_of(event: dict) -> ApiError:
-    return ApiError(event["status"], event["message"],
-                    "invalid_request_error" if event["status"] < 500 else "server_error",
-                    event.get("param"), event.get("code"))
+def tool_call_json(call: ToolCall) -> dict:
+    """A finished call as OpenAI's ``tool_calls`` entry."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def stream_error_chunk(err: ApiError) -> str:

@@ -1,4 +1,4 @@
-"""Response objects and SSE events of ``/v1/responses``, from the chat job's events.
+"""Response objects and SSE events of ``/v1/responses``, from the chat job's events (kvrelay.server.events).
 
 One ``ResponseRender`` per request. Non-streaming: ``full(done)`` is the response object. Streaming: the
 SSE events in OpenAI's order, each with a ``sequence_number``:
@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Any
 
+from kvrelay.server.events import DeltaEvent, DoneEvent, ToolCall
 from kvrelay.server.responses_input import ResponsesRequest
 
 
@@ -23,11 +24,11 @@ def _new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def usage_of(done: dict) -> dict:
-    num_in, num_out = done["num_prompt_tokens"], done["num_completion_tokens"]
+def usage_of(done: DoneEvent) -> dict:
+    num_in, num_out = done.num_prompt_tokens, done.num_completion_tokens
     # cache writes are not counted per request (a publish can be skipped later for lack of room): 0, as
     # OpenAI reports for requests that wrote none
-    details = {"cached_tokens": done["num_cached_tokens"], "cache_write_tokens": 0}
+    details = {"cached_tokens": done.num_cached_tokens, "cache_write_tokens": 0}
     return {"input_tokens": num_in, "input_tokens_details": details,
             "output_tokens": num_out, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": num_in + num_out}
@@ -53,7 +54,7 @@ class ResponseRender:
         self.calls_by_index: dict[int, dict] = {}  # function_call items being streamed, by call index
 
     # ------------------------------------------------------------------ the response object
-    def envelope(self, status: str, done: dict | None = None) -> dict:
+    def envelope(self, status: str, done: DoneEvent | None = None) -> dict:
         b = self.body
         fmt = (b.text or {}).get("format") or {"type": "text"}
         response: dict[str, Any] = {
@@ -68,15 +69,15 @@ class ResponseRender:
             "store": b.store is not False, "error": None, "incomplete_details": None, "usage": None}
         if done is not None:
             response["usage"] = usage_of(done)
-            response["kvrelay"] = done["kvrelay"]
-            if done["finish_reason"] == "length":
+            response["kvrelay"] = done.kvrelay
+            if done.finish_reason == "length":
                 response["incomplete_details"] = {"reason": "max_output_tokens"}
             response["completed_at"] = int(time.time()) if status == "completed" else None
         return response
 
     @staticmethod
-    def status_of(done: dict) -> str:
-        return "incomplete" if done["finish_reason"] == "length" else "completed"
+    def status_of(done: DoneEvent) -> str:
+        return "incomplete" if done.finish_reason == "length" else "completed"
 
     def _message_item(self, text: str, status: str) -> dict:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": _logprobs(self.text_logprobs)}
@@ -88,15 +89,15 @@ class ResponseRender:
         return {"id": item_id or _new_id("fc_"), "type": "function_call", "status": status, "call_id": call["id"],
                 "name": call["name"], "arguments": call["arguments"]}
 
-    def full(self, deltas: list[dict], done: dict) -> dict:
+    def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         """The whole response object (non-streaming)."""
-        calls = done.get("tool_calls") or []
+        calls = done.tool_calls
         for d in deltas:
-            self.text_logprobs += d.get("logprobs") or []
+            self.text_logprobs += d.logprobs or []
         status = self.status_of(done)
-        if done["text"] or not calls:
-            self.items.append(self._message_item(done["text"], status))
-        self.items += [self._call_item(c, "completed") for c in calls]
+        if done.text or not calls:
+            self.items.append(self._message_item(done.text, status))
+        self.items += [self._call_item(vars(c), "completed") for c in calls]
         return self.envelope(status, done)
 
     # ------------------------------------------------------------------ stream
@@ -163,12 +164,12 @@ class ResponseRender:
                                    output_index=call["output_index"], delta=arguments))
         return out
 
-    def _close_call(self, call: dict, final: dict | None = None, status: str = "completed") -> list[str]:
+    def _close_call(self, call: dict, final: ToolCall | None = None, status: str = "completed") -> list[str]:
         if call["closed"]:
             return []
         call["closed"] = True
         if final is not None:
-            call["id"], call["name"], call["arguments"] = final["id"], final["name"], final["arguments"]
+            call["id"], call["name"], call["arguments"] = final.id, final.name, final.arguments
         item = self._call_item(call, status, call["item_id"])
         self.items[call["output_index"]] = item
         return [self._event("response.function_call_arguments.done", item_id=item["id"],
@@ -178,19 +179,19 @@ class ResponseRender:
     def _close_calls(self) -> list[str]:
         return [e for call in self.calls_by_index.values() for e in self._close_call(call)]
 
-    def finish(self, done: dict) -> list[str]:
+    def finish(self, done: DoneEvent) -> list[str]:
         """The closing events: the items still open, calls the stream did not show, the final response.
         The done event's calls are authoritative (the streamed pieces are their text as it was decoded)."""
         status = self.status_of(done)
-        calls = done.get("tool_calls") or []
+        calls = done.tool_calls
         out: list[str] = []
-        if not self.had_message and not self.calls_by_index and (done["text"] or not calls):
-            out += self.text(done["text"])  # a text the stream did not show (or an empty answer)
+        if not self.had_message and not self.calls_by_index and (done.text or not calls):
+            out += self.text(done.text)  # a text the stream did not show (or an empty answer)
         if self.message is not None:
-            out += self._close_message(done["text"], status)
+            out += self._close_message(done.text, status)
         for i, final in enumerate(calls):
             if i not in self.calls_by_index:
-                out += self.call_piece(i, final["id"], final["name"], final["arguments"])
+                out += self.call_piece(i, final.id, final.name, final.arguments)
             out += self._close_call(self.calls_by_index[i], final)
         for call in self.calls_by_index.values():  # a call max_output_tokens cut off
             out += self._close_call(call, status="incomplete")

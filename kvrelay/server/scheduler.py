@@ -33,6 +33,7 @@ from kvrelay.engine.prefill import PrefillTask
 from kvrelay.errors import KvRelayError, StoreFullError
 from kvrelay.model.sampling import SamplingConfig, SamplingError
 from kvrelay.server.catalog import CallBuild, SpanCatalog
+from kvrelay.server.events import DeltaEvent, DoneEvent, ErrorEvent, Event, delta_of, tool_calls_of
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.protocol import ApiError
@@ -60,7 +61,7 @@ class Job:
     stop: list[str]
     num_top_logprobs: int | None  # None: no logprobs
     debug: bool
-    emit: Callable[[dict], None]  # thread-safe: delivers an event to the request's asyncio side
+    emit: Callable[[Event], None]  # thread-safe: delivers an event to the request's asyncio side
     cache_output: bool = True
     role: str = ""  # ``role_key`` of the request's system message (a profile's workload selectors match it)
     first_token_logprobs: bool = False
@@ -197,14 +198,12 @@ class EngineWorker:
             if not job.cancelled.is_set():
                 self.prepare(job)
         except ApiError as exc:
-            job.emit({"type": "error", "status": exc.status, "message": exc.message, "param": exc.param,
-                      "code": exc.code})
+            job.emit(ErrorEvent.of(exc))
         except KvRelayError as exc:
-            job.emit({"type": "error", "status": 400, "message": str(exc), "param": None, "code": "invalid_value"})
+            job.emit(ErrorEvent(400, str(exc), None, "invalid_value"))
         except Exception:
             log.exception("preparing a request failed")
-            job.emit({"type": "error", "status": 500, "message": "internal error while starting this request",
-                      "param": None, "code": "internal_error"})
+            job.emit(ErrorEvent(500, "internal error while starting this request", None, "internal_error"))
         else:
             with self._cond:
                 if job.cancelled.is_set():
@@ -318,12 +317,11 @@ class EngineWorker:
                                          store=self.catalog.view(job.namespace))
         except ApiError as exc:
             self._release(job)
-            job.emit({"type": "error", "status": exc.status, "message": exc.message, "param": exc.param,
-                      "code": exc.code})
+            job.emit(ErrorEvent.of(exc))
             return False
         except KvRelayError as exc:
             self._release(job)
-            job.emit({"type": "error", "status": 400, "message": str(exc), "param": None, "code": "invalid_value"})
+            job.emit(ErrorEvent(400, str(exc), None, "invalid_value"))
             return False
         return True
 
@@ -385,13 +383,13 @@ class EngineWorker:
         if hit:
             job.seq.cancel()
         if delta:
-            self._emit_deltas(job, [{"type": "delta", "text": delta}] if job.tool_stream is None
-                              else job.tool_stream.feed(delta))
+            self._emit_deltas(job, [DeltaEvent(delta)] if job.tool_stream is None
+                              else [delta_of(d) for d in job.tool_stream.feed(delta)])
 
-    def _emit_deltas(self, job: Job, events: list[dict]) -> None:
+    def _emit_deltas(self, job: Job, events: list[DeltaEvent]) -> None:
         """Send delta events; the logprobs of the tokens since the last sent ride on the first one."""
         for i, event in enumerate(events):
-            job.emit({**event, "logprobs": self._logprobs_upto(job) if i == 0 else None})
+            job.emit(replace(event, logprobs=self._logprobs_upto(job) if i == 0 else None))
 
     def _logprobs_upto(self, job: Job) -> list[dict] | None:
         if job.num_top_logprobs is None:
@@ -418,13 +416,15 @@ class EngineWorker:
         out.cache = None
         delta = job.matcher.flush(text)
         finish_reason = "stop" if stop_string or out.stop_reason == "stop" else "length"
+        tool_calls: tuple = ()
         if job.tool_stream is None:
-            self._emit_deltas(job, [{"type": "delta", "text": delta}] if delta else [])
-            answer = {"text": text, "tool_calls": [], "finish_reason": finish_reason}
+            self._emit_deltas(job, [DeltaEvent(delta)] if delta else [])
         else:
             fed = job.tool_stream.feed(delta) if delta else []
             deltas, answer = job.tool_stream.close(finish_reason)
-            self._emit_deltas(job, fed + deltas)
+            self._emit_deltas(job, [delta_of(d) for d in fed + deltas])
+            text, tool_calls, finish_reason = answer["text"], tool_calls_of(answer["tool_calls"]), \
+                answer["finish_reason"]
         stats = out.stats
         ext = {"method": stats.method, "reuse_rate": stats.reuse_rate,
                "num_reused_tokens": stats.num_reused_tokens,
@@ -446,9 +446,8 @@ class EngineWorker:
         self.metrics.computed_token_layers.inc(stats.num_computed_token_layers)
         self.metrics.recomputed_token_layers.inc(max(stats.num_recomputed_token_layers, 0))
         self.metrics.generated_tokens.inc(len(out.output_ids))
-        job.emit({"type": "done", **answer, "num_prompt_tokens": stats.num_prompt_tokens,
-                  "num_completion_tokens": len(out.output_ids),
-                  "num_cached_tokens": stats.num_reused_tokens, "kvrelay": ext})
+        job.emit(DoneEvent(finish_reason, text, stats.num_prompt_tokens, len(out.output_ids), stats.num_reused_tokens,
+                           ext, tool_calls))
 
     def _publish(self, job: Job, out: GenerationOutput, text: str) -> str | None:
         """Store the call's prompt + decode KV and register its returned text; the span id, or None."""
@@ -490,7 +489,7 @@ class EngineWorker:
                 job.seq.cancel()
                 self.engine.finish(job.seq).cache = None
         self._release(job)
-        job.emit({"type": "error", "status": status, "message": message, "param": None, "code": code})
+        job.emit(ErrorEvent(status, message, None, code))
 
 
 def _engine_failure_message(error: Exception) -> str:

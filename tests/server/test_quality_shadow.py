@@ -12,6 +12,7 @@ from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.events import DoneEvent, ErrorEvent
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.quality_serving import ServedGuard
@@ -78,7 +79,7 @@ def _job(worker: EngineWorker, ids: list[int], agent: str, max_tokens: int, meth
 
 def _drain(worker: EngineWorker, *jobs: Job) -> None:
     """Turns until every job has ended and no shadow is pending."""
-    while worker.shadows.num_pending or not all(j.emit.events and j.emit.events[-1]["type"] in ("done", "error")
+    while worker.shadows.num_pending or not all(j.emit.events and isinstance(j.emit.events[-1], (DoneEvent, ErrorEvent))
                                                 for j in jobs):
         worker.run_turn()
 
@@ -126,9 +127,9 @@ def test_a_request_not_sampled_gets_no_shadow_and_a_named_method_is_kept(tiny):
     _drain(worker, picked, named)
     assert worker.shadows.num_pending == 0 and not guard.records
     done = picked.emit.events[-1]
-    assert done["type"] == "done" and done["kvrelay"]["method"] == "naive"
-    assert done["kvrelay"]["quality"] == {"role": "a", "rung": "cheap"}
-    assert named.emit.events[-1]["kvrelay"]["method"] == "full"
+    assert isinstance(done, DoneEvent) and done.kvrelay["method"] == "naive"
+    assert done.kvrelay["quality"] == {"role": "a", "rung": "cheap"}
+    assert named.emit.events[-1].kvrelay["method"] == "full"
     worker.stop()
 
 
@@ -178,7 +179,7 @@ def test_the_recorded_numbers_equal_an_offline_computation_of_the_same_kl(tiny):
     worker.submit(reader)
     _drain(worker, reader)
     done = reader.emit.events[-1]
-    assert done["type"] == "done" and done["num_cached_tokens"] > 0 and done["kvrelay"]["method"] == "naive"
+    assert isinstance(done, DoneEvent) and done.num_cached_tokens > 0 and done.kvrelay["method"] == "naive"
     [(namespace, role, rung, first_kl, agree, continuation_kl, cost_ms)] = guard.records
     assert (namespace, role, rung) == (NS, "reader", "cheap") and cost_ms > 0
     offline_kl, offline_agree, offline_continuation_kl, continuation = _offline(

@@ -7,6 +7,7 @@ import json
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from kvrelay.server.events import DoneEvent, ToolCall
 from kvrelay.server.responses_events import ResponseRender
 from kvrelay.server.responses_input import ResponsesRequest
 
@@ -14,9 +15,9 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 KV = {"method": "epic", "num_reused_tokens": 3}
 
 
-def done(text: str, calls: list[dict] | None = None, finish: str = "stop") -> dict:
-    return {"type": "done", "text": text, "tool_calls": calls, "finish_reason": finish, "num_prompt_tokens": 10,
-            "num_completion_tokens": 4, "num_cached_tokens": 3, "kvrelay": KV}
+def done(text: str, calls: list[dict] | None = None, finish: str = "stop") -> DoneEvent:
+    return DoneEvent(finish, text, num_prompt_tokens=10, num_completion_tokens=4, num_cached_tokens=3, kvrelay=KV,
+                     tool_calls=tuple(ToolCall(**c) for c in calls or []))
 
 
 def render(**kw) -> ResponseRender:

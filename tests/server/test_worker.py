@@ -10,6 +10,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.server import scheduler
 from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.events import DoneEvent, ErrorEvent, Event
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.scheduler import EngineWorker, Job
@@ -21,15 +22,15 @@ GOOD_TOKENS = 200
 
 class _Events:
     def __init__(self, other: _Events | None = None) -> None:
-        self.events: list[dict] = []
+        self.events: list[Event] = []
         self.ended, self.first = threading.Event(), threading.Event()
         self.other = other  # whose state to note when this one ends
         self.other_ended_first: bool | None = None
 
-    def __call__(self, event: dict) -> None:
+    def __call__(self, event: Event) -> None:
         self.events.append(event)
         self.first.set()
-        if event["type"] in ("done", "error"):
+        if isinstance(event, (DoneEvent, ErrorEvent)):
             if self.other is not None:
                 self.other_ended_first = self.other.ended.is_set()
             self.ended.set()
@@ -70,9 +71,9 @@ def test_a_request_that_breaks_while_it_is_started_fails_alone(monkeypatch, wher
     finally:
         worker.stop()
     assert bad.other_ended_first is False  # the good request was still running when the bad one failed
-    assert bad.events[-1]["type"] == "error" and bad.events[-1]["status"] == 500
-    assert bad.events[-1]["code"] == "internal_error" and PLANTED not in bad.events[-1]["message"]
-    assert good.events[-1]["type"] == "done" and good.events[-1]["num_completion_tokens"] == GOOD_TOKENS
+    assert isinstance(bad.events[-1], ErrorEvent) and bad.events[-1].status == 500
+    assert bad.events[-1].code == "internal_error" and PLANTED not in bad.events[-1].message
+    assert isinstance(good.events[-1], DoneEvent) and good.events[-1].num_completion_tokens == GOOD_TOKENS
     assert worker.num_running == 0
     assert worker.metrics.registry.get_sample_value("kvrelay_sequence_kv_bytes") == 0  # the failed one's KV too
 
@@ -125,8 +126,8 @@ def test_a_long_prompt_prefills_in_chunks_while_the_running_request_decodes_ever
     assert long.seq.stats.num_prompt_tokens == len(long_ids)
     while worker.num_running:
         worker.run_turn()
-    assert long.emit.events[-1]["type"] == "done" and short.emit.events[-1]["type"] == "done"
-    assert running.emit.events[-1]["num_completion_tokens"] == 200
+    assert isinstance(long.emit.events[-1], DoneEvent) and isinstance(short.emit.events[-1], DoneEvent)
+    assert running.emit.events[-1].num_completion_tokens == 200
     worker.stop()
 
 

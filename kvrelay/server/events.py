@@ -1,0 +1,94 @@
+"""What the engine worker tells a request's HTTP side: typed events, in order any number of ``DeltaEvent``, then one
+``DoneEvent`` or one ``ErrorEvent``. The worker emits them from its thread (``Job.emit``); the routes render them
+as OpenAI JSON or SSE (kvrelay.server.responses, kvrelay.server.responses_events). Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.server.protocol import ApiError
+
+
+@dataclass(frozen=True)
+class ToolCallPiece:
+    """A piece of tool call ``index`` as it streams: its first piece has the call's ``id`` ("call_...") and ``name``
+    and ``arguments`` ""; each later piece has ``id`` and ``name`` None and a piece of the arguments' JSON text (the
+    pieces of one index concatenated are that call's arguments)."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call that closed and parsed: a known tool's name and a JSON arguments object (as text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class DeltaEvent:
+    """Text of the message content, or (``text`` "") a piece of a tool call; ``logprobs``: the OpenAI logprob
+    entries of the tokens since the last delta that carried some (None without logprobs)."""
+
+    text: str
+    tool_call: ToolCallPiece | None = None
+    logprobs: list[dict] | None = None
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The end of a request that was served.
+
+    ``finish_reason`` is "tool_calls" when at least one call completed; "length" when max_tokens cut the output (a
+    call cut off then is not in ``tool_calls``: its text is in ``text``, and may have streamed as tool-call pieces
+    before the cut, as OpenAI streams it). ``text``: the message content (calls not included), "" when only calls
+    came. ``kvrelay``: the response's extension object, as sent.
+    """
+
+    finish_reason: str
+    text: str
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    kvrelay: dict[str, Any]
+    tool_calls: tuple[ToolCall, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """A request that failed: the HTTP status and OpenAI's error fields."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def of(cls, exc: ApiError) -> ErrorEvent:
+        return cls(exc.status, exc.message, exc.param, exc.code)
+
+    def api_error(self) -> ApiError:
+        return ApiError(self.status, self.message, "invalid_request_error" if self.status < 500 else "server_error",
+                        self.param, self.code)
+
+
+Event = DeltaEvent | DoneEvent | ErrorEvent
+
+
+def delta_of(piece: dict) -> DeltaEvent:
+    """A delta of kvrelay.server.tools.ToolStream (``{"text", "tool_call"?}``) as a typed event."""
+    call = piece.get("tool_call")
+    return DeltaEvent(piece["text"], ToolCallPiece(call["index"], call["id"], call["name"], call["arguments"])
+                      if call is not None else None)
+
+
+def tool_calls_of(calls: list[dict]) -> tuple[ToolCall, ...]:
+    """ToolStream's closed calls (``{"id", "name", "arguments"}``) as typed calls."""
+    return tuple(ToolCall(c["id"], c["name"], c["arguments"]) for c in calls)
