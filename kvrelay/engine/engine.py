@@ -33,6 +33,7 @@ from kvrelay.engine.call import (
     shiftable,
     sync_device,
 )
+from kvrelay.engine.constrained import sample_masked
 from kvrelay.engine.prefill import PrefillTask
 from kvrelay.errors import ConfigError
 from kvrelay.model.lm import LoadedModel
@@ -51,7 +52,8 @@ class LogitsMask(Protocol):
         """[vocab] logits with the tokens not allowed now at -inf (a stop token only once the output is complete)."""
 
     def advance(self, token_id: int) -> None:
-        """The sequence took ``token_id`` (a stop token included)."""
+        """The sequence took ``token_id`` (a stop token included); ``kvrelay.engine.constrained.TokenRefused``
+        (state unchanged) when the constraint refuses a token ``apply`` allowed: the engine picks another."""
 
 
 @dataclass(frozen=True)
@@ -325,9 +327,7 @@ class Engine:
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample from ``logits`` ([vocab]) and append, or mark the sequence done."""
         mask = seq.options.logits_mask
-        next_id = seq.sampler(logits if mask is None else mask.apply(logits))
-        if mask is not None:
-            mask.advance(next_id)
+        next_id = seq.sampler(logits) if mask is None else sample_masked(seq.sampler, mask, logits)
         seq.top1_probs.append(float(torch.softmax(logits.float(), dim=-1).max()))
         if next_id in self.lm.tokenizer.stop_ids:
             seq.stop_reason = "stop"

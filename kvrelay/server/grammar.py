@@ -37,6 +37,7 @@ try:  # the ``tools`` extra (see pyproject.toml): without it, requests that need
 except ImportError:
     xgr = None
 
+from kvrelay.engine.constrained import TokenRefused
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.schemas import check_schema
 from kvrelay.server.tool_protocol import ResponseFormat
@@ -117,8 +118,10 @@ class GrammarMask:
         return apply_bitmask(logits, self.words, self.vocab.size)
 
     def advance(self, token_id: int) -> None:
+        """Take ``token_id``; ``TokenRefused`` (the matcher's state unchanged) when xgrammar's matcher refuses a
+        token its own bitmask allowed: the engine then samples another, so the request goes on."""
         if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
-            raise RuntimeError(f"the grammar refused token {token_id} its own mask allowed")
+            raise TokenRefused(f"the grammar refused token {token_id} its own mask allowed")
 
 
 class Constraint:
