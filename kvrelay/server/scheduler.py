@@ -4,9 +4,9 @@ Each turn it (1) drops requests whose clients went away, (2) admits waiting requ
 ``max_running`` are prefilling or decoding, (3) advances their prefills within a token budget
 (``prefill_chunk_tokens``; chunked prefill, as vLLM and SGLang schedule: a long prompt runs in pieces
 between decode steps, so it never stalls the running streams for more than one piece), (4) runs one
-batched ``engine.step`` for all running requests, and (5) hands tokens back to the asyncio side through
-the request's ``emit`` callback (``loop.call_soon_threadsafe``). The queue is FIFO and bounded; a full
-queue is a 429.
+batched ``engine.step`` for all running requests, and (5) hands tokens back to the asyncio side as events
+through the request's ``emit`` callback (``loop.call_soon_threadsafe``; how tokens become events is the
+``Job``'s, kvrelay.server.job). The queue is FIFO and bounded; a full queue is a 429.
 
 Tokenizing and matching a request (``prepare``) is the costly part of admission that needs no model: the
 server runs it on a thread of its own before ``submit`` (the tokenizer releases the GIL), so a huge body
@@ -23,83 +23,26 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any
-
-import torch
+from dataclasses import replace
 
 from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, Sequence
 from kvrelay.engine.prefill import PrefillTask
 from kvrelay.errors import KvRelayError, StoreFullError
 from kvrelay.model.sampling import SamplingConfig, SamplingError
-from kvrelay.server.catalog import CallBuild, SpanCatalog
-from kvrelay.server.events import DeltaEvent, DoneEvent, ErrorEvent, Event, delta_of, tool_calls_of
+from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.events import ErrorEvent
+from kvrelay.server.job import Job, ids_of_text
 from kvrelay.server.metrics import ServerMetrics
-from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
-from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, encode_logprobs, token_logprobs
+from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
+
+__all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its home is kvrelay.server.job
 
 log = logging.getLogger("kvrelay.server")
 DEFAULT_PREFILL_CHUNK_TOKENS = 512  # prompt tokens prefilled per turn, between two decode steps
 _MAX_SKIPPED_TURNS = 4  # a prefill that got no budget this many turns goes first
 _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
-
-
-@dataclass
-class Job:
-    """One request, from the queue to its last token."""
-
-    build: Callable[[], tuple[PromptBuild, str]]  # prompt ids + agent name; runs on the worker (registry access)
-    namespace: str
-    method: str
-    max_tokens: int | None
-    default_max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop: list[str]
-    num_top_logprobs: int | None  # None: no logprobs
-    debug: bool
-    emit: Callable[[Event], None]  # thread-safe: delivers an event to the request's asyncio side
-    cache_output: bool = True
-    role: str = ""  # ``role_key`` of the request's system message (a profile's workload selectors match it)
-    first_token_logprobs: bool = False
-    # tool calling: splits the output into content and tool-call deltas (kvrelay.server.tools.ToolStream)
-    tool_stream: Any = None
-    # constrained decoding: ``new_mask()`` gives the call's LogitsMask (kvrelay.server.grammar.Constraint)
-    constraint: Any = None
-    method_named: bool = False  # the request named its method: the guard measures it, never replaces it
-    quality: Any = None  # the quality guard's tag (kvrelay.server.quality_serving.QualityTag); None: guard off
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    created_s: float = field(default_factory=time.perf_counter)
-    disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked
-    # worker state
-    seq: Sequence | None = None
-    built: CallBuild | None = None
-    sampling: SamplingConfig | None = None  # set by ``prepare``
-    task: PrefillTask | None = None  # while its prefill runs
-    num_skipped_turns: int = 0  # turns its prefill got no budget
-    matcher: StopMatcher | None = None
-    decoder: IncrementalDecoder | None = None
-    logprobs: list[dict] = field(default_factory=list)
-    num_logprobs_sent: int = 0
-    first_token_s: float | None = None
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-class _RecordingSampler:
-    """Wraps a sequence's sampler to keep each step's logprobs (OpenAI ``logprobs``)."""
-
-    def __init__(self, inner, job: Job, tokenizer) -> None:
-        self.inner, self.job, self.tokenizer = inner, job, tokenizer
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        token_id = self.inner(logits)
-        self.job.logprobs.append(token_logprobs(logits, token_id, self.job.num_top_logprobs or 0, self.tokenizer))
-        return token_id
 
 
 class EngineWorker:
@@ -367,37 +310,14 @@ class EngineWorker:
         self.metrics.engine_ttft.observe(job.seq.stats.ttft_ms / 1e3)
         job.matcher = StopMatcher(job.stop)
         job.decoder = IncrementalDecoder(self.tokenizer)
-        if job.num_top_logprobs is not None:
-            if job.seq.output_ids:
-                job.logprobs.append(token_logprobs(job.seq.first_logits, job.seq.output_ids[0], job.num_top_logprobs,
-                                                   self.tokenizer))
-            job.seq.sampler = _RecordingSampler(job.seq.sampler, job, self.tokenizer)
+        job.record_logprobs(self.tokenizer)
         if self.shadows is not None and job.quality is not None:  # before its first decode step: taps its logits
             self.shadows.offer(job.namespace, job.quality.role, job.quality.measured_as, job.seq)
         if job.seq.output_ids:
             self._emit_text(job)
 
-    def _emit_text(self, job: Job) -> None:
-        """Send the text that is final so far (held back: a possible stop-string start, a split character)."""
-        delta, hit = job.matcher.feed(job.decoder.feed(job.seq.output_ids))
-        if hit:
-            job.seq.cancel()
-        if delta:
-            self._emit_deltas(job, [DeltaEvent(delta)] if job.tool_stream is None
-                              else [delta_of(d) for d in job.tool_stream.feed(delta)])
-
-    def _emit_deltas(self, job: Job, events: list[DeltaEvent]) -> None:
-        """Send delta events; the logprobs of the tokens since the last sent ride on the first one."""
-        for i, event in enumerate(events):
-            job.emit(replace(event, logprobs=self._logprobs_upto(job) if i == 0 else None))
-
-    def _logprobs_upto(self, job: Job) -> list[dict] | None:
-        if job.num_top_logprobs is None:
-            return None
-        count = len(job.seq.output_ids)
-        new = job.logprobs[job.num_logprobs_sent : count]
-        job.num_logprobs_sent = count
-        return new
+    def _emit_text(self, job: Job) -> None:  # the step's post-processing of one request (``_contained``)
+        job.emit_text()
 
     def _finish(self, job: Job, client_gone: bool = False) -> None:
         seq = job.seq
@@ -414,40 +334,14 @@ class EngineWorker:
         text = job.matcher.final_text(self.tokenizer.decode(out.output_ids))
         span_id = self._publish(job, out, text) if job.cache_output else None
         out.cache = None
-        delta = job.matcher.flush(text)
-        finish_reason = "stop" if stop_string or out.stop_reason == "stop" else "length"
-        tool_calls: tuple = ()
-        if job.tool_stream is None:
-            self._emit_deltas(job, [DeltaEvent(delta)] if delta else [])
-        else:
-            fed = job.tool_stream.feed(delta) if delta else []
-            deltas, answer = job.tool_stream.close(finish_reason)
-            self._emit_deltas(job, [delta_of(d) for d in fed + deltas])
-            text, tool_calls, finish_reason = answer["text"], tool_calls_of(answer["tool_calls"]), \
-                answer["finish_reason"]
+        done = job.close_output(out, text, stop_string, span_id)  # the last deltas out
         stats = out.stats
-        ext = {"method": stats.method, "reuse_rate": stats.reuse_rate,
-               "num_reused_tokens": stats.num_reused_tokens,
-               "num_computed_token_layers": stats.num_computed_token_layers,
-               "num_recomputed_token_layers": stats.num_recomputed_token_layers,
-               "fallback": stats.fallback, "ttft_ms": stats.ttft_ms, "num_prefill_chunks": stats.num_prefill_chunks,
-               "queue_ms": (job.first_token_s - job.created_s) * 1e3 - stats.ttft_ms}
-        if job.debug:
-            call = job.built.call
-            ext["debug"] = {"prompt_ids": call.prompt_ids, "output_ids": out.output_ids, "span_id": span_id,
-                            "refs": [r.__dict__ for r in call.refs], "agent": call.name,
-                            "role": call.role}
-        if job.quality is not None:
-            ext["quality"] = job.quality.public()
-        if job.first_token_logprobs:
-            ext["first_token_logprobs"] = encode_logprobs(out.first_logits)
         self.metrics.requests_done.labels(stats.method).inc()
         self.metrics.reused_token_layers.inc(stats.num_reused_token_layers)
         self.metrics.computed_token_layers.inc(stats.num_computed_token_layers)
         self.metrics.recomputed_token_layers.inc(max(stats.num_recomputed_token_layers, 0))
         self.metrics.generated_tokens.inc(len(out.output_ids))
-        job.emit(DoneEvent(finish_reason, text, stats.num_prompt_tokens, len(out.output_ids), stats.num_reused_tokens,
-                           ext, tool_calls))
+        job.emit(done)
 
     def _publish(self, job: Job, out: GenerationOutput, text: str) -> str | None:
         """Store the call's prompt + decode KV and register its returned text; the span id, or None."""
@@ -460,7 +354,7 @@ class EngineWorker:
         except StoreFullError:
             self.metrics.publish_skipped.inc()
             return None
-        ids = _ids_of_text(self.tokenizer, published.output_ids, text)
+        ids = ids_of_text(self.tokenizer, published.output_ids, text)
         if ids is not None:
             self.catalog.register(RegisteredOutput(text, tuple(ids), span_id, len(out.prompt_ids), job.namespace))
         return span_id
@@ -497,14 +391,6 @@ def _engine_failure_message(error: Exception) -> str:
     server internals), otherwise nothing of the exception."""
     reason = f": {error}" if isinstance(error, SamplingError) else ""
     return f"generation failed for this request{reason}; other requests were not affected"
-
-
-def _ids_of_text(tokenizer, output_ids: list[int], text: str) -> list[int] | None:
-    """The leading output ids whose decoded text is exactly ``text`` (what a client will quote back)."""
-    for k in range(len(output_ids), max(len(output_ids) - 8, 0) - 1, -1):
-        if tokenizer.decode(output_ids[:k]) == text:
-            return output_ids[:k]
-    return None
 
 
 def _cache_bytes(holder: Sequence | PrefillTask | None) -> int:

@@ -1,0 +1,157 @@
+"""One request from the queue to its last token (``Job``), and how its tokens become the events its HTTP side reads:
+text held back at a possible stop string or a split character, tool-call pieces, logprobs riding on the first delta
+after them, and the done event with the response's ``kvrelay`` object. The engine worker (kvrelay.server.scheduler)
+drives it; this file holds no scheduling.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvrelay.engine import GenerationOutput, Sequence
+from kvrelay.engine.prefill import PrefillTask
+from kvrelay.model.sampling import SamplingConfig
+from kvrelay.server.catalog import CallBuild
+from kvrelay.server.events import DeltaEvent, DoneEvent, Event, ToolCall, delta_of, tool_calls_of
+from kvrelay.server.prompting import PromptBuild
+from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, encode_logprobs, token_logprobs
+
+
+@dataclass
+class Job:
+    """One request, from the queue to its last token."""
+
+    build: Callable[[], tuple[PromptBuild, str]]  # prompt ids + agent name; runs on the worker (registry access)
+    namespace: str
+    method: str
+    max_tokens: int | None
+    default_max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list[str]
+    num_top_logprobs: int | None  # None: no logprobs
+    debug: bool
+    emit: Callable[[Event], None]  # thread-safe: delivers an event to the request's asyncio side
+    cache_output: bool = True
+    role: str = ""  # ``role_key`` of the request's system message (a profile's workload selectors match it)
+    first_token_logprobs: bool = False
+    # tool calling: splits the output into content and tool-call deltas (kvrelay.server.tools.ToolStream)
+    tool_stream: Any = None
+    # constrained decoding: ``new_mask()`` gives the call's LogitsMask (kvrelay.server.grammar.Constraint)
+    constraint: Any = None
+    method_named: bool = False  # the request named its method: the guard measures it, never replaces it
+    quality: Any = None  # the quality guard's tag (kvrelay.server.quality_serving.QualityTag); None: guard off
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    created_s: float = field(default_factory=time.perf_counter)
+    disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked
+    # worker state
+    seq: Sequence | None = None
+    built: CallBuild | None = None
+    sampling: SamplingConfig | None = None  # set by ``prepare``
+    task: PrefillTask | None = None  # while its prefill runs
+    num_skipped_turns: int = 0  # turns its prefill got no budget
+    matcher: StopMatcher | None = None
+    decoder: IncrementalDecoder | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    num_logprobs_sent: int = 0
+    first_token_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    # ------------------------------------------------------------------ its output, as events
+    def record_logprobs(self, tokenizer) -> None:
+        """With logprobs asked: keep the first token's, and each later step's (its sequence's sampler wrapped)."""
+        if self.num_top_logprobs is None:
+            return
+        if self.seq.output_ids:
+            self.logprobs.append(token_logprobs(self.seq.first_logits, self.seq.output_ids[0], self.num_top_logprobs,
+                                                tokenizer))
+        self.seq.sampler = _RecordingSampler(self.seq.sampler, self, tokenizer)
+
+    def emit_text(self) -> None:
+        """Send the text that is final so far (held back: a possible stop-string start, a split character)."""
+        delta, hit = self.matcher.feed(self.decoder.feed(self.seq.output_ids))
+        if hit:
+            self.seq.cancel()
+        if delta:
+            self._emit_deltas([DeltaEvent(delta)] if self.tool_stream is None
+                              else [delta_of(d) for d in self.tool_stream.feed(delta)])
+
+    def _emit_deltas(self, events: list[DeltaEvent]) -> None:
+        """Send delta events; the logprobs of the tokens since the last sent ride on the first one."""
+        for i, event in enumerate(events):
+            self.emit(replace(event, logprobs=self._logprobs_upto() if i == 0 else None))
+
+    def _logprobs_upto(self) -> list[dict] | None:
+        if self.num_top_logprobs is None:
+            return None
+        count = len(self.seq.output_ids)
+        new = self.logprobs[self.num_logprobs_sent : count]
+        self.num_logprobs_sent = count
+        return new
+
+    def close_output(self, out: GenerationOutput, text: str, stop_string: bool, span_id: str | None) -> DoneEvent:
+        """Send the text held back until the end (the tool stream's last pieces too); the done event, not yet sent.
+        ``text``: the whole output (a stop string cut off); ``span_id``: where its KV was published, or None."""
+        delta = self.matcher.flush(text)
+        finish_reason = "stop" if stop_string or out.stop_reason == "stop" else "length"
+        tool_calls: tuple[ToolCall, ...] = ()
+        if self.tool_stream is None:
+            self._emit_deltas([DeltaEvent(delta)] if delta else [])
+        else:
+            fed = self.tool_stream.feed(delta) if delta else []
+            deltas, answer = self.tool_stream.close(finish_reason)
+            self._emit_deltas([delta_of(d) for d in fed + deltas])
+            text, tool_calls, finish_reason = answer["text"], tool_calls_of(answer["tool_calls"]), \
+                answer["finish_reason"]
+        stats = out.stats
+        return DoneEvent(finish_reason, text, stats.num_prompt_tokens, len(out.output_ids), stats.num_reused_tokens,
+                         self._extension(out, span_id), tool_calls)
+
+    def _extension(self, out: GenerationOutput, span_id: str | None) -> dict:
+        """The response's ``kvrelay`` object: what reuse did for this request, and how long it waited."""
+        stats = out.stats
+        ext = {"method": stats.method, "reuse_rate": stats.reuse_rate,
+               "num_reused_tokens": stats.num_reused_tokens,
+               "num_computed_token_layers": stats.num_computed_token_layers,
+               "num_recomputed_token_layers": stats.num_recomputed_token_layers,
+               "fallback": stats.fallback, "ttft_ms": stats.ttft_ms, "num_prefill_chunks": stats.num_prefill_chunks,
+               "queue_ms": (self.first_token_s - self.created_s) * 1e3 - stats.ttft_ms}
+        if self.debug:
+            call = self.built.call
+            ext["debug"] = {"prompt_ids": call.prompt_ids, "output_ids": out.output_ids, "span_id": span_id,
+                            "refs": [r.__dict__ for r in call.refs], "agent": call.name,
+                            "role": call.role}
+        if self.quality is not None:
+            ext["quality"] = self.quality.public()
+        if self.first_token_logprobs:
+            ext["first_token_logprobs"] = encode_logprobs(out.first_logits)
+        return ext
+
+
+class _RecordingSampler:
+    """Wraps a sequence's sampler to keep each step's logprobs (OpenAI ``logprobs``)."""
+
+    def __init__(self, inner, job: Job, tokenizer) -> None:
+        self.inner, self.job, self.tokenizer = inner, job, tokenizer
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        token_id = self.inner(logits)
+        self.job.logprobs.append(token_logprobs(logits, token_id, self.job.num_top_logprobs or 0, self.tokenizer))
+        return token_id
+
+
+def ids_of_text(tokenizer, output_ids: list[int], text: str) -> list[int] | None:
+    """The leading output ids whose decoded text is exactly ``text`` (what a client will quote back)."""
+    for k in range(len(output_ids), max(len(output_ids) - 8, 0) - 1, -1):
+        if tokenizer.decode(output_ids[:k]) == text:
+            return output_ids[:k]
+    return None
