@@ -131,7 +131,9 @@ def role_report(rows: list[dict], config: QualityConfig) -> dict:
         "shadow_share": shadow_ms / (live_ms + shadow_ms) if with_decode and live_ms + shadow_ms else None,
         "shadow_share_prefill_only": shadow_ms / (prefill_ms + shadow_ms) if prefill_ms + shadow_ms else 0.0,
         "rung_calls": {n: sum(t["rung"] == n for t in trace) for n in rung_names},
-        "static": static, "trace": [{k: t[k] for k in ("rung", "shadow", "kl", "agree")} for t in trace],
+        "static": static,
+        # per call: [rung, shadowed, live KL, top-1 agrees]
+        "trace": [[t["rung"], int(t["shadow"]), round(t["kl"], 5), int(t["agree"])] for t in trace],
     }
     report["moves"] = sum(a["rung"] != b["rung"] for a, b in zip(trace, trace[1:], strict=False))
     return report
@@ -144,9 +146,9 @@ def plot_role(path: Path, title: str, report: dict, config: QualityConfig) -> No
     import matplotlib.pyplot as plt
 
     names = [r.name for r in config.ladder]
-    trace = report["trace"]
+    trace = [{"rung": r, "shadow": s, "kl": kl} for r, s, kl, _ in report["trace"]]
     xs = list(range(1, len(trace) + 1))
-    fig, (ax_rung, ax_kl) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    fig, (ax_rung, ax_kl) = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True)
     ax_rung.step(xs, [names.index(t["rung"]) for t in trace], where="mid", color="tab:blue")
     shadowed = [(x, names.index(t["rung"])) for x, t in zip(xs, trace, strict=True) if t["shadow"]]
     if shadowed:
@@ -164,7 +166,7 @@ def plot_role(path: Path, title: str, report: dict, config: QualityConfig) -> No
     ax_kl.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=60)
     plt.close(fig)
 
 
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                           "first_calls_per_role": config.first_calls_per_role,
                           "ladder": [dataclasses.asdict(r) for r in config.ladder], "start": config.start},
                "roles": reports}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        Path(args.json).write_text(json.dumps(out, separators=(",", ":")))
 
 
 if __name__ == "__main__":
