@@ -16,7 +16,7 @@ from kvrelay.errors import ContextLengthError
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.schedule import Schedule
 from kvrelay.model.transformer import PrefillResult
-from kvrelay.reuse import Plan
+from kvrelay.reuse import CallInput, Plan, ReuseMethod
 from kvrelay.weights.devices import sync_device  # noqa: F401 - kvrelay.engine's name for it
 
 
@@ -103,6 +103,34 @@ def shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
             return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot move keys "
                                              f"(span {load.span_id!r}); recomputed with a full prefill")
     return plan
+
+
+def plan_call(lm: LoadedModel, method: ReuseMethod, call: CallInput, store: KVStore | None, total: int
+              ) -> tuple[Plan, SequenceKV]:
+    """The method's plan for ``call`` (a full prefill where keys cannot move) and the sequence KV it runs in, with
+    room for ``total`` tokens and the one fed after them."""
+    plan = shiftable(method.plan(call, store, lm), store, lm.model)
+    cache = plan.make_cache(total + 1) if plan.make_cache is not None else \
+        SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=total + 1)
+    return plan, cache
+
+
+@dataclass
+class Prefilled:
+    """A call's finished prefill, run whole (``Engine.start``) or in chunks (``PrefillTask``): what its running
+    sequence starts from."""
+
+    plan: Plan
+    cache: SequenceKV
+    logits: torch.Tensor  # [vocab] the first token's
+    exit_layer: int | None
+    num_computed_token_layers: int
+    num_shifted_tokens: int
+    ttft_ms: float
+    compute_ms: float  # the prefill's own work, without the waits between chunks (the compute rate's time)
+    prompt_hidden: dict[int, torch.Tensor]  # layer -> [n_prompt, hidden], for layers every prompt row was captured at
+    tier_decisions: list  # the shared tier's fetch-or-recompute decisions for the call's lookups
+    num_prefill_chunks: int = 1
 
 
 def check_fits(lm: LoadedModel, prompt_ids: list[int], num_new: int) -> int:

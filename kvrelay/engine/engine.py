@@ -28,9 +28,10 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine.call import (
     CallStats,
     GenerationOutput,
+    Prefilled,
     check_fits,
+    plan_call,
     run_plan,
-    shiftable,
     sync_device,
 )
 from kvrelay.engine.constrained import sample_masked
@@ -160,7 +161,7 @@ class Engine:
         calls' decode steps); ``task.sequence()`` once it is done. A prompt that does not fit raises here."""
         call = call if isinstance(call, CallInput) else CallInput(list(call))
         return PrefillTask(self, call, self.method(method), options or GenerateOptions(),
-                           self.store if store is None else store, Sequence)
+                           self.store if store is None else store)
 
     def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
               options: GenerateOptions | None = None, store: KVStore | None = None) -> Sequence:
@@ -175,34 +176,39 @@ class Engine:
         lm, model = self.lm, self.lm.model
         total = check_fits(lm, call.prompt_ids, options.num_new_tokens)
         ids = torch.tensor(call.prompt_ids, dtype=torch.long)
-        capture = self.capture_layers
 
         if store is not None:
             store.take_decisions()  # drop lookups made outside this call
         sync_device(model.device)
         t0 = time.perf_counter()
-        plan = shiftable(method.plan(call, store, lm), store, model)
-        cache = plan.make_cache(total + 1) if plan.make_cache is not None else \
-            SequenceKV(lm.config, model.dtype, model.device, capacity=total + 1)
-        result, num_shifted = run_plan(lm, ids, plan, cache, store, capture)
+        plan, cache = plan_call(lm, method, call, store, total)
+        result, num_shifted = run_plan(lm, ids, plan, cache, store, self.capture_layers)
         sync_device(model.device)
         ttft_ms = (time.perf_counter() - t0) * 1e3
         if options.learn:
             method.observe(call, plan, cache, store, lm)
-
         decisions = store.take_decisions() if store is not None else []
-        stats = CallStats(method.name, len(call.prompt_ids), lm.config.num_layers, plan.num_reused_tokens,
-                          result.num_computed_token_layers, num_shifted, ttft_ms, fallback=plan.fallback,
-                          note=plan.note, exit_layer=result.exit_layer,
-                          tier_decisions=[dataclasses.asdict(d) for d in decisions])
-        self._observe_rate(result.num_computed_token_layers, ttft_ms, store)
         prompt_hidden = {layer: h for layer, (idx, h) in result.captured.items() if idx.numel() == len(ids)}
-        seq = Sequence(call, method, options, plan, cache, Sampler(options.sampling), result.logits, stats,
-                       prompt_hidden=prompt_hidden)
+        return self.open_sequence(call, method, options, store, Prefilled(
+            plan, cache, result.logits, result.exit_layer, result.num_computed_token_layers, num_shifted, ttft_ms,
+            ttft_ms, prompt_hidden, decisions))
+
+    def open_sequence(self, call: CallInput, method: ReuseMethod, options: GenerateOptions, store: KVStore | None,
+                      done: Prefilled) -> Sequence:
+        """The running call after its prefill (whole in ``start``, in chunks in ``PrefillTask.sequence``): its stats,
+        the measured compute rate, and its first token sampled (or its forced output's KV)."""
+        stats = CallStats(method.name, len(call.prompt_ids), self.lm.config.num_layers, done.plan.num_reused_tokens,
+                          done.num_computed_token_layers, done.num_shifted_tokens, done.ttft_ms,
+                          fallback=done.plan.fallback, note=done.plan.note, exit_layer=done.exit_layer,
+                          tier_decisions=[dataclasses.asdict(d) for d in done.tier_decisions],
+                          num_prefill_chunks=done.num_prefill_chunks)
+        self._observe_rate(done.num_computed_token_layers, done.compute_ms, store)
+        seq = Sequence(call, method, options, done.plan, done.cache, Sampler(options.sampling), done.logits, stats,
+                       prompt_hidden=done.prompt_hidden)
         if options.forced_output_ids is not None:
             self._force(seq)
         else:
-            self._accept(seq, result.logits)
+            self._accept(seq, done.logits)
         return seq
 
     def step(self, sequences: list[Sequence]) -> list[int | None]:

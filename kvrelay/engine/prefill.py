@@ -16,15 +16,13 @@ RelayCaching's band, RKSC's exit) reads the new tokens while it selects, so it r
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
-from kvrelay.engine.call import CallStats, check_fits, load_plan, shiftable, sync_device
-from kvrelay.model.sampling import Sampler
+from kvrelay.engine.call import Prefilled, check_fits, load_plan, plan_call, sync_device
 from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
@@ -44,12 +42,9 @@ def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | Non
 class PrefillTask:
     """One call's plan, reused-KV load and prefill, run a budget of prompt tokens at a time."""
 
-    def __init__(self, engine, call: CallInput, method: ReuseMethod, options, store: KVStore | None,
-                 sequence_type: type) -> None:
-        """``engine``, ``options``, ``sequence_type``: the ``Engine``, its ``GenerateOptions`` and ``Sequence`` (this
-        module sits below the engine's)."""
+    def __init__(self, engine, call: CallInput, method: ReuseMethod, options, store: KVStore | None) -> None:
+        """``engine``, ``options``: the ``Engine`` and its ``GenerateOptions`` (this module sits below the engine's)."""
         self.engine, self.call, self.method, self.options, self.store = engine, call, method, options, store
-        self._sequence_type = sequence_type
         self.total = check_fits(engine.lm, call.prompt_ids, options.num_new_tokens)  # refuse before any work
         self.ids = torch.tensor(call.prompt_ids, dtype=torch.long)
         self.plan: Plan | None = None
@@ -114,9 +109,7 @@ class PrefillTask:
         lm = self.engine.lm
         if self.store is not None:
             self.store.take_decisions()  # drop lookups made outside this call
-        plan = shiftable(self.method.plan(self.call, self.store, lm), self.store, lm.model)
-        self.cache = plan.make_cache(self.total + 1) if plan.make_cache is not None else \
-            SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=self.total + 1)
+        plan, self.cache = plan_call(lm, self.method, self.call, self.store, self.total)
         self._num_shifted = load_plan(lm, plan, self.cache, self.store)
         self.plan = plan
         self._decisions = self.store.take_decisions() if self.store is not None else []
@@ -135,28 +128,17 @@ class PrefillTask:
         """The running call once the prefill is done, its first token sampled: what ``Engine.start`` returns."""
         if not self.done or self.cache is None:
             raise RuntimeError("the prefill is not done (advance it first) or was cancelled")
-        engine, lm, call, plan, result = self.engine, self.engine.lm, self.call, self.plan, self._result
-        ttft_ms = (self._end_s - self._t0) * 1e3
         if self.options.learn:
-            self.method.observe(call, plan, self.cache, self.store, lm)
-        stats = CallStats(self.method.name, len(call.prompt_ids), lm.config.num_layers, plan.num_reused_tokens,
-                          self._num_computed_token_layers, self._num_shifted, ttft_ms, fallback=plan.fallback,
-                          note=plan.note, exit_layer=result.exit_layer,
-                          tier_decisions=[dataclasses.asdict(d) for d in self._decisions],
-                          num_prefill_chunks=self.num_chunks)
-        engine._observe_rate(self._num_computed_token_layers, self.compute_ms, self.store)
+            self.method.observe(self.call, self.plan, self.cache, self.store, self.engine.lm)
         prompt_hidden = {}
         for layer, pieces in self._captured.items():
             idx = torch.cat([i for i, _ in pieces])
             if idx.numel() == len(self.ids):
                 prompt_hidden[layer] = torch.cat([h for _, h in pieces])
-        seq = self._sequence_type(call, self.method, self.options, plan, self.cache, Sampler(self.options.sampling),
-                       result.logits, stats, prompt_hidden=prompt_hidden)
-        if self.options.forced_output_ids is not None:
-            engine._force(seq)
-        else:
-            engine._accept(seq, result.logits)
-        return seq
+        ttft_ms = (self._end_s - self._t0) * 1e3
+        return self.engine.open_sequence(self.call, self.method, self.options, self.store, Prefilled(
+            self.plan, self.cache, self._result.logits, self._result.exit_layer, self._num_computed_token_layers,
+            self._num_shifted, ttft_ms, self.compute_ms, prompt_hidden, self._decisions, self.num_chunks))
 
     def cancel(self) -> None:
         """Drop the task's KV (the client went away before its first token); it computes nothing more."""
