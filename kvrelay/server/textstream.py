@@ -87,8 +87,10 @@ def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int, tokenizer)
     logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
     entry = _entry(tokenizer, token_id, float(logprobs[token_id]))
     top = torch.topk(logprobs, num_top) if num_top > 0 else None
+    # a token a grammar masked out (-inf) is no alternative, and JSON has no -inf: fewer are listed then
     entry["top_logprobs"] = [] if top is None else [
-        _entry(tokenizer, int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+        _entry(tokenizer, int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+        if v > float("-inf")]
     return entry
 
 
