@@ -1,0 +1,37 @@
+"""``kvrelay serve``'s quality flags: the guard is on by default with QualityConfig's own defaults, ``off`` turns it
+off, and a bad value is a clear error before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.cli import build_parser
+from kvrelay.quality import DEFAULT_TARGET, QualityConfig, QualityTarget
+from kvrelay.server.cli import cmd_serve, quality_config
+
+
+def _serve_args(*flags: str):
+    return build_parser().parse_args(["serve", *flags])
+
+
+def test_the_guard_is_on_by_default_with_the_config_defaults():
+    config = quality_config(_serve_args())
+    assert config == QualityConfig(target=DEFAULT_TARGET, sample_rate=QualityConfig().sample_rate)
+
+
+def test_the_flags_set_target_and_sample_and_off_turns_the_guard_off():
+    config = quality_config(_serve_args("--quality-target", "kl=0.1", "--quality-sample", "0.2"))
+    assert config.target == QualityTarget(kl_max=0.1) and config.sample_rate == 0.2
+    assert quality_config(_serve_args("--quality-target", "off")) is None
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--quality-target", "kl=abc"), "'abc' is not a number"),
+    (("--quality-target", "latency=3"), "expected 'kl=K,agreement=A' or 'off'"),
+    (("--quality-sample", "1.5"), "sample rate must be a share in [0, 1]"),
+])
+def test_a_bad_quality_flag_is_a_clear_error_before_the_model_loads(capsys, flags, words):
+    args = _serve_args("--model", "no-such-model-anywhere", *flags)
+    assert cmd_serve(args) == 2  # the model named is never looked for: the flag is refused first
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and "no-such-model" not in err
