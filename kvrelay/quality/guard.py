@@ -11,6 +11,7 @@ once when its first token is out; for a shadowed request, ``record`` once its co
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from kvrelay.errors import ConfigError
@@ -24,8 +25,6 @@ class QualityGuard:
     def __init__(self, config: QualityConfig | None = None, ladder: tuple[Rung, ...] | None = None) -> None:
         config = config or QualityConfig()
         if ladder is not None:
-            import dataclasses
-
             config = dataclasses.replace(config, ladder=check_ladder(ladder))
         self.config = config
         self.ladder = config.ladder
