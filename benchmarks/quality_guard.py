@@ -13,7 +13,8 @@ and is fed that rung's measured KL and agreement only on the calls it shadows (t
 - quality over the calls after the first 20 (and over all), mean first-token KL and top-1 agreement;
 - reuse (token-layers) against the best single rung that meets the target on that role, chosen in hindsight;
 - the shadow references' share of the compute (their prefills over the live calls' prefill + decode + shadows),
-  and the share counting prefills only (a bound that ignores decoding);
+  the share counting prefills only (a bound that ignores decoding), and the share in a long run, where only
+  ``sample_rate`` of the calls are shadowed;
 - a PNG per role of the rung and the live call's KL over its calls.
 
 ``--calls-json`` replays rows measured earlier (the measurement is the slow part; the replay takes no model).
@@ -118,6 +119,7 @@ def role_report(rows: list[dict], config: QualityConfig) -> dict:
     live_ms = sum(t["prefill_ms"] + (t["decode_ms"] or 0.0) for t in trace)
     shadow_ms = sum(t["shadow_ms"] for t in trace)
     prefill_ms = sum(t["prefill_ms"] for t in trace)
+    full_ms = sum(row["rungs"]["full"]["ttft_ms"] for row in rows)
     guard_reuse, guard_reuse_after = reuse(trace), reuse(after)
     report = {
         "num_calls": len(trace), "num_shadowed": sum(t["shadow"] for t in trace),
@@ -129,6 +131,9 @@ def role_report(rows: list[dict], config: QualityConfig) -> dict:
         "reuse_after_20_vs_best_static": (reuse(after) / reuse([row["rungs"][best] for row in rows][
             QUALITY_AFTER_CALLS:]) if best and after else None),
         "shadow_share": shadow_ms / (live_ms + shadow_ms) if with_decode and live_ms + shadow_ms else None,
+        # past the first calls only the sample rate's share is shadowed: what the references cost in a long run
+        "shadow_share_at_sample_rate": (config.sample_rate * full_ms / (live_ms + config.sample_rate * full_ms)
+                                        if with_decode else None),
         "shadow_share_prefill_only": shadow_ms / (prefill_ms + shadow_ms) if prefill_ms + shadow_ms else 0.0,
         "rung_calls": {n: sum(t["rung"] == n for t in trace) for n in rung_names},
         "static": static,
@@ -221,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
               f"meets {rep['meets_target_after_20']} | reuse {rep['reuse']:.3f} (after 20 {rep['reuse_after_20']:.3f})"
               f" best static {best} {rep['best_static_reuse']} ratio {rep['reuse_vs_best_static']} "
               f"(after 20 {rep['reuse_after_20_vs_best_static']}) | shadow share {rep['shadow_share']} "
-              f"(prefill only {rep['shadow_share_prefill_only']:.3f})")
+              f"(prefill only {rep['shadow_share_prefill_only']:.3f}; "
+              f"at the sample rate {rep['shadow_share_at_sample_rate']})")
         if args.plots:
             plot_role(Path(args.plots) / f"{key.replace('/', '-')}.png", f"{args.model} {key}", rep, config)
     if args.json:
