@@ -1,6 +1,6 @@
 """The quality guard on real calls: the server's guard logic fed only what it would see, scored against every rung.
 
-    OMP_NUM_THREADS=1 python benchmarks/quality_guard.py --model smollm2-135m --limit 40 \
+    OMP_NUM_THREADS=1 python benchmarks/quality_guard.py --model smollm2-135m --limit 30 \
         --json benchmarks/results/quality-guard-smollm2.json --plots benchmarks/results/quality-guard-smollm2
 
 For each workload (problems the guard's defaults were not chosen on: GSM8K test problems from 100, HumanEval
@@ -38,9 +38,9 @@ WORKLOAD_OFFSETS = {"gsm8k-chain3": 100, "humaneval-adr": 100, "mmlu-fc3": 100}
 QUALITY_AFTER_CALLS = 20
 
 
-def replay_role(rows: list[dict], config: QualityConfig, namespace: str = "bench") -> list[dict]:
+def replay_role(rows: list[dict], config: QualityConfig, namespace: str = "bench") -> tuple[list[dict], dict]:
     """The guard over one role's calls in order: per call the rung it ran at, whether it was shadowed, and the
-    live call's measured quality and cost at that rung."""
+    live call's measured quality and cost at that rung; and the guard's aggregates at the end."""
     guard = QualityGuard(config)
     trace = []
     for row in rows:
@@ -55,7 +55,7 @@ def replay_role(rows: list[dict], config: QualityConfig, namespace: str = "bench
                       "prompt_token_layers": got["prompt_token_layers"], "prefill_ms": got["ttft_ms"],
                       "decode_ms": row["decode_ms"], "shadow_ms": row["rungs"]["full"]["ttft_ms"] if shadow else 0.0,
                       "shadow_token_layers": got["prompt_token_layers"] if shadow else 0})
-    return trace
+    return trace, guard.aggregates()
 
 
 def rows_from_bench(paths: list[str], rung_methods: dict[str, str]) -> list[dict]:
@@ -104,7 +104,7 @@ def meets(q: dict, config: QualityConfig) -> bool:
 
 
 def role_report(rows: list[dict], config: QualityConfig) -> dict:
-    trace = replay_role(rows, config)
+    trace, aggregates = replay_role(rows, config)
     rung_names = [r.name for r in config.ladder]
     static = {}
     for name in rung_names:
@@ -123,6 +123,7 @@ def role_report(rows: list[dict], config: QualityConfig) -> dict:
     guard_reuse, guard_reuse_after = reuse(trace), reuse(after)
     report = {
         "num_calls": len(trace), "num_shadowed": sum(t["shadow"] for t in trace),
+        "guard_num_samples": aggregates["num_samples"],  # what the guard was fed: the shadowed calls only
         "quality_all": quality(trace), "quality_after_20": quality(after),
         "meets_target_after_20": meets(quality(after), config) if after else None,
         "reuse": guard_reuse, "reuse_after_20": guard_reuse_after,
@@ -176,7 +177,8 @@ def plot_role(path: Path, title: str, report: dict, config: QualityConfig) -> No
 
 
 def measure(args: argparse.Namespace, config: QualityConfig) -> list[dict]:
-    from benchmarks.quality_measure import measure_workload
+    from quality_measure import measure_workload
+
     from kvrelay.weights.loader import load_model
 
     lm = load_model(args.model)

@@ -1,0 +1,40 @@
+"""benchmarks/quality_guard.py's scoring: the guard replayed on rows of measured calls (synthetic rows here)."""
+
+from __future__ import annotations
+
+from quality_guard import role_report
+
+from kvrelay.quality import QualityConfig
+
+
+def rows(num_calls: int, naive_kl: float) -> list[dict]:
+    def rung(kl: float, agree: bool, reused: int) -> dict:
+        return {"kl": kl, "agree": agree, "reused_token_layers": reused, "prompt_token_layers": 100, "ttft_ms": 10.0}
+
+    return [{"workload": "w", "problem_id": f"p-{i}", "agent": "critic", "position": 1, "decode_ms": 90.0,
+             "rungs": {"naive": rung(naive_kl, naive_kl < 0.1, 80), "relay": rung(0.001, True, 60),
+                       "prefix": rung(0.0, True, 10), "full": rung(0.0, True, 0)}} for i in range(num_calls)]
+
+
+def test_the_best_static_rung_is_the_cheapest_that_meets_the_target():
+    report = role_report(rows(60, naive_kl=0.3), QualityConfig())
+    assert report["best_static"] == "relay" and report["static"]["naive"]["meets_target"] is False
+    assert report["quality_after_20"]["kl_mean"] <= 0.05 and report["meets_target_after_20"]
+    assert report["reuse_vs_best_static"] == report["reuse"] / 0.6
+
+
+def test_naive_is_best_when_it_meets_the_target():
+    report = role_report(rows(60, naive_kl=0.001), QualityConfig())
+    assert report["best_static"] == "naive"
+    assert report["rung_calls"]["naive"] > 0  # the guard earned it
+
+
+def test_the_guard_sees_only_its_shadowed_calls_and_their_cost_is_counted():
+    config = QualityConfig()
+    report = role_report(rows(100, naive_kl=0.001), config)
+    num_shadowed = report["num_shadowed"]
+    assert num_shadowed == sum(s for _, s, _, _ in report["trace"]) < 100
+    assert report["guard_num_samples"] == num_shadowed
+    live_ms = 100 * (10.0 + 90.0)
+    assert report["shadow_share"] == num_shadowed * 10.0 / (live_ms + num_shadowed * 10.0)
+    assert report["shadow_share_at_sample_rate"] == 0.05 * 1000.0 / (live_ms + 0.05 * 1000.0)
