@@ -113,27 +113,36 @@ class KVShift:
 
 
 class Schedule:
-    """Default schedule: every prompt token active from layer 0 to the top (= full prefill)."""
+    """Default schedule: every prompt token active from layer 0 to the top (= full prefill).
 
-    #: layers whose *input* hidden states are captured for the tokens active there
+    Each hook is here because a shipped method needs it (the reason on its line); a schedule with no layer hook and
+    no exit test has an active set fixed in advance, which is what lets a prefill run in chunks
+    (kvrelay.engine.prefill) and the forward skip every per-layer call.
+    """
+
+    #: relay: the hidden states a span carries into a later call, captured at the layers it enters there
     capture_layers: tuple[int, ...] = ()
-    #: whether ``after_layer`` is called (skipped on the hot path when False)
+    #: cacheblend, relay (the band) and rksc's attention probe; False skips every per-layer hook below
     has_layer_hook: bool = False
-    #: whether ``exit_after`` is called
+    #: rksc: the confidence-gated layer exit
     has_exit_test: bool = False
 
     def entries(self, num_tokens: int) -> dict[int, Entry]:
+        """Every method: which tokens join the active set at which layer, and from which hidden state."""
         return {0: Entry(torch.arange(num_tokens))}
 
     def needs_prev_kv(self, layer: int) -> bool:
+        """cacheblend, relay: their deviation compares the fresh values with the cached ones (``view.prev_v``)."""
         return False
 
     def after_layer(self, view: LayerView) -> torch.Tensor | None:
-        """The rows of ``view.active_idx`` that stay ([m] int64, ascending; None keeps every token)."""
+        """The band's top (its tokens leave above it) and rksc's attention probe. The rows of ``view.active_idx``
+        that stay ([m] int64, ascending; None keeps every token)."""
         return None
 
     def selects_before_attention(self, layer: int) -> bool:
-        """Whether ``before_attention`` (not ``after_layer``) runs at ``layer``."""
+        """cacheblend, relay: the tokens a band drops at its select layer cost only their Q/K/V projection there.
+        Whether ``before_attention`` (not ``after_layer``) runs at ``layer``."""
         return False
 
     def before_attention(self, view: LayerView) -> torch.Tensor | None:
@@ -142,11 +151,13 @@ class Schedule:
         return None
 
     def adjust_kv(self, view: LayerView) -> KVShift | None:
-        """At a layer where ``before_attention`` ran (same view): what to add to inactive tokens' K/V."""
+        """relay's drift: the reused K/V it does not recompute, corrected from what the recomputed tokens show. At a
+        layer where ``before_attention`` ran (same view): what to add to inactive tokens' K/V."""
         return None
 
     def admits_at(self, layer: int) -> bool:
-        """Whether ``admit`` decides which of the tokens entering at ``layer`` join."""
+        """relay's admission: span tokens entering with carried states are chosen before they join, so the refused
+        ones cost nothing there. Whether ``admit`` decides which of the tokens entering at ``layer`` join."""
         return False
 
     def admit(self, view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor | None:
@@ -155,6 +166,7 @@ class Schedule:
         return None
 
     def exit_after(self, layer: int, last_hidden: torch.Tensor) -> bool:
+        """rksc: stop the forward once the last token's state is confident (its logits read from there)."""
         return False
 
 

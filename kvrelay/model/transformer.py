@@ -28,7 +28,7 @@ from kvrelay.model.layers import (
     visible_mask,
 )
 from kvrelay.model.rope import RotaryEmbedding, apply_rotary, undo_rotary
-from kvrelay.model.schedule import LayerView, Schedule
+from kvrelay.model.schedule import Entry, LayerView, Schedule
 
 if TYPE_CHECKING:
     from kvrelay.cache.kv import SequenceKV
@@ -74,6 +74,48 @@ class PrefillResult:
     exit_layer: int | None = None  # set when the schedule's exit test stopped the forward
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # layer -> (prompt indices [m], input hidden states [m, hidden]) for capture layers
+
+
+class _ActiveSet:
+    """A prefill's active tokens (prompt indices [n_act] ascending, hidden states [n_act, hidden]) and, per (rope,
+    window), what attention needs of the set: [causal, mask (built on first use), cos, sin], rebuilt only when the
+    set changes."""
+
+    def __init__(self, n: int, tables: dict, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.n, self.tables = n, tables  # tables: rope -> its cos, sin of positions 0..n-1
+        self.idx = torch.empty(0, dtype=torch.long, device=device)
+        self.h = torch.empty(0, hidden_size, dtype=dtype, device=device)
+        self._views: dict = {}
+
+    def join(self, idx: torch.Tensor, new_h: torch.Tensor) -> None:
+        self.idx, order = torch.sort(torch.cat([self.idx, idx]))
+        self.h = torch.cat([self.h, new_h.to(self.h.device, self.h.dtype)]).index_select(0, order)
+        self._views = {}
+
+    def update(self, idx: torch.Tensor, h: torch.Tensor, changed: bool) -> None:
+        self.idx, self.h = idx, h
+        if changed:
+            self._views = {}
+
+    def keep(self, kept: torch.Tensor | None) -> None:
+        """Keep the rows a schedule hook returned (None: all)."""
+        if _drops(kept, self.idx.numel()):
+            self.idx, self.h = _keep_rows(kept, self.idx, self.h)
+            self._views = {}
+
+    def holds_last(self) -> bool:
+        """Whether the prompt's last token is active (the one whose logits a prefill gives)."""
+        return self.idx.numel() > 0 and int(self.idx[-1]) == self.n - 1
+
+    def view(self, rope: RotaryEmbedding, window: int | None) -> list:
+        if (rope, window) not in self._views:
+            n, n_act = self.n, self.idx.numel()
+            # rows 0..n-1 against keys 0..n-1: SDPA's own causal mask; any other mask is built on first use (a
+            # selecting layer that drops tokens needs one for the kept tokens only)
+            self._views[rope, window] = [n_act == n and (window is None or n <= window), None,
+                                         self.tables[rope][0].index_select(0, self.idx),
+                                         self.tables[rope][1].index_select(0, self.idx)]
+        return self._views[rope, window]
 
 
 class Transformer(nn.Module):
@@ -162,93 +204,84 @@ class Transformer(nn.Module):
                 all_logits: bool = False) -> PrefillResult:
         """Scheduled prefill of a whole prompt into ``cache`` (slot = position, 0..n-1).
 
-        token_ids: [n]. Tokens the schedule never activates at a layer must already be in the cache.
+        token_ids: [n]. Tokens the schedule never activates at a layer must already be in the cache. The loop:
+        tokens join the active set where they enter, each layer runs for the active set, the schedule may drop
+        some after it, and its exit test may stop the forward.
         """
         schedule = schedule or Schedule()
         n = int(token_ids.shape[0])
         self.check_length(n)
         cache.ensure_capacity(n)
-        device, dtype = self.device, self.dtype
-        token_ids = token_ids.to(device)
-        tables = {r: r.cos_sin(torch.arange(n, device=device), dtype, n) for r in self.ropes}
+        token_ids = token_ids.to(self.device)
+        tables = {r: r.cos_sin(torch.arange(n, device=self.device), self.dtype, n) for r in self.ropes}
         entries = schedule.entries(n)
         if any(layer > 0 and e.hidden is None for layer, e in entries.items()):
             raise ScheduleError("a token entering above layer 0 needs its carried hidden state")
-
-        active = torch.empty(0, dtype=torch.long, device=device)  # prompt indices, ascending
-        h = torch.empty(0, self.config.hidden_size, dtype=dtype, device=device)
-        views, changed = {}, True  # (rope, window) -> (causal, mask, cos, sin) of the current active set
+        act = _ActiveSet(n, tables, self.config.hidden_size, self.dtype, self.device)
         computed, exit_layer = 0, None
         captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for li, layer in enumerate(self.model.layers):
             entry = entries.get(li)
             if entry is not None and entry.token_idx.numel():
-                idx = entry.token_idx.to(device)
-                new_h = self.embed(token_ids.index_select(0, idx)) if entry.hidden is None else entry.hidden
-                if schedule.has_layer_hook and schedule.admits_at(li) and active.numel():
-                    if li in schedule.capture_layers:  # a refused token's input here is its entry state
-                        union, order = torch.sort(torch.cat([active, idx]))
-                        captured[li] = (union, torch.cat([h, new_h.to(device, dtype)]).index_select(0, order))
-                    kept = self._admit(layer, li, h, active, tables[self.rope_of(li)], cache, schedule, idx, n)
-                    if _drops(kept, idx.numel()):
-                        idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
-                active, order = torch.sort(torch.cat([active, idx]))
-                h = torch.cat([h, new_h.to(device, dtype)]).index_select(0, order)
-                changed = True
-            n_act = active.numel()
-            if li in schedule.capture_layers and n_act and li not in captured:
-                captured[li] = (active.clone(), h.clone())
-            if n_act == 0:
+                self._enter(layer, li, entry, token_ids, act, cache, schedule, captured)
+            if li in schedule.capture_layers and act.idx.numel() and li not in captured:
+                captured[li] = (act.idx.clone(), act.h.clone())
+            if act.idx.numel() == 0:
                 continue
-            computed += n_act
-            if changed:  # the active set changed: rebuild masks and tables once per layer kind
-                views, changed = {}, False
-            rope, window = self.rope_of(li), self.config.window_at(li)
-            if (rope, window) not in views:
-                # rows 0..n-1 against keys 0..n-1: SDPA's own causal mask; any other mask is built on first use
-                # (a selecting layer that drops tokens needs one for the kept tokens only)
-                views[rope, window] = [n_act == n and (window is None or n <= window), None,
-                                       tables[rope][0].index_select(0, active), tables[rope][1].index_select(0, active)]
-            view_of_set = views[rope, window]
-            causal, _, cos, sin = view_of_set
-            prev_k = prev_v = None
-            if schedule.has_layer_hook and schedule.needs_prev_kv(li):
-                prev_k, prev_v = cache.gather(li, active)
-            if schedule.has_layer_hook and schedule.selects_before_attention(li):
-                h, active, changed = self._select_then_finish(layer, li, h, active, view_of_set, cache, schedule,
-                                                              prev_k, prev_v, n, tables[rope])
-                kept = schedule.after_layer(LayerView(li, active, h, None, None, None, None, None))
-                if _drops(kept, active.numel()):  # e.g. a band's top: its tokens leave after it
-                    active, h, changed = *_keep_rows(kept, active, h), True
-            else:
-                mask = self._mask_of(view_of_set, active, n, window)
-
-                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int = li,
-                           active: torch.Tensor = active, mask: torch.Tensor | None = mask,
-                           causal: bool = causal) -> torch.Tensor:
-                    if causal:  # every position 0..n-1 active: a slice copy, not an indexed one
-                        cache.write_range(li, 0, k, v)
-                    else:
-                        cache.write(li, active, k, v)
-                    return cache.attend(li, q, mask, causal, n)
-
-                h, q, k, v = layer(h, cos, sin, attend)
-                if schedule.has_layer_hook:
-                    view = LayerView(li, active, h, q, k, v, prev_k, prev_v,
-                                     _attention_probs=self._probs_fn(q, cache, li, active, n))
-                    kept = schedule.after_layer(view)
-                    if _drops(kept, active.numel()):
-                        active, h, changed = *_keep_rows(kept, active, h), True
-            if schedule.has_exit_test and active.numel() and active[-1] == n - 1 and schedule.exit_after(li, h[-1]):
+            computed += act.idx.numel()
+            self._run_layer(layer, li, act, cache, schedule)
+            if schedule.has_exit_test and act.holds_last() and schedule.exit_after(li, act.h[-1]):
                 exit_layer = li
                 break
         cache.length = max(cache.length, n)
         if exit_layer is None:
             cache.check_filled(n)
-        if active.numel() == 0 or int(active[-1]) != n - 1:
+        if not act.holds_last():
             raise ScheduleError("the last prompt token must stay active to the top layer to give logits")
-        logits = self.logits_from_hidden(h if all_logits else h[-1])
+        logits = self.logits_from_hidden(act.h if all_logits else act.h[-1])
         return PrefillResult(logits, computed, exit_layer, captured)
+
+    def _enter(self, layer, li: int, entry: Entry, token_ids: torch.Tensor, act: _ActiveSet, cache: SequenceKV,
+               schedule: Schedule, captured: dict) -> None:
+        """Tokens entering at layer ``li`` join the active set: from their embedding, or with their carried state;
+        where the schedule admits (``admits_at``), only the ones it admits."""
+        idx = entry.token_idx.to(self.device)
+        new_h = self.embed(token_ids.index_select(0, idx)) if entry.hidden is None else entry.hidden
+        if schedule.has_layer_hook and schedule.admits_at(li) and act.idx.numel():
+            if li in schedule.capture_layers:  # a refused token's input here is its entry state
+                union, order = torch.sort(torch.cat([act.idx, idx]))
+                captured[li] = (union, torch.cat([act.h, new_h.to(self.device, self.dtype)]).index_select(0, order))
+            kept = self._admit(layer, li, act.h, act.idx, act.tables[self.rope_of(li)], cache, schedule, idx, act.n)
+            if _drops(kept, idx.numel()):
+                idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
+        act.join(idx, new_h)
+
+    def _run_layer(self, layer, li: int, act: _ActiveSet, cache: SequenceKV, schedule: Schedule) -> None:
+        """Layer ``li`` for the active set (its K/V written to the cache), then the schedule's hooks there."""
+        n, rope, window = act.n, self.rope_of(li), self.config.window_at(li)
+        view_of_set = act.view(rope, window)
+        causal, _, cos, sin = view_of_set
+        prev_k = prev_v = None
+        if schedule.has_layer_hook and schedule.needs_prev_kv(li):
+            prev_k, prev_v = cache.gather(li, act.idx)
+        if schedule.has_layer_hook and schedule.selects_before_attention(li):
+            self._select_then_finish(layer, li, act, cache, schedule, prev_k, prev_v)
+            act.keep(schedule.after_layer(LayerView(li, act.idx, act.h, None, None, None, None, None)))
+            return  # (after_layer: e.g. a band's top, whose tokens leave after it)
+        active, mask = act.idx, self._mask_of(view_of_set, act.idx, n, window)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if causal:  # every position 0..n-1 active: a slice copy, not an indexed one
+                cache.write_range(li, 0, k, v)
+            else:
+                cache.write(li, active, k, v)
+            return cache.attend(li, q, mask, causal, n)
+
+        h, q, k, v = layer(act.h, cos, sin, attend)
+        act.update(active, h, False)
+        if schedule.has_layer_hook:
+            act.keep(schedule.after_layer(LayerView(li, active, h, q, k, v, prev_k, prev_v,
+                                                    _attention_probs=self._probs_fn(q, cache, li, active, n))))
 
     @staticmethod
     def _mask_of(view_of_set: list, active: torch.Tensor, n: int, window: int | None) -> torch.Tensor | None:
@@ -257,14 +290,13 @@ class Transformer(nn.Module):
             view_of_set[1] = visible_mask(active, n, window)
         return view_of_set[1]
 
-    def _select_then_finish(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, view_of_set: list,
-                            cache: SequenceKV, schedule: Schedule, prev_k: torch.Tensor | None,
-                            prev_v: torch.Tensor | None, n: int, table: tuple[torch.Tensor, torch.Tensor]
-                            ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _select_then_finish(self, layer, li: int, act: _ActiveSet, cache: SequenceKV, schedule: Schedule,
+                            prev_k: torch.Tensor | None, prev_v: torch.Tensor | None) -> None:
         """A selecting layer: every active token's Q/K/V (its fresh K/V go to the cache), the schedule
         keeps some, may move the cached K/V of tokens not active here (``adjust_kv``), and only the kept
-        run attention and the MLP. ``table``: this layer's RoPE cos, sin of positions 0..n-1. Returns (h,
-        active, whether it changed)."""
+        run attention and the MLP (the active set becomes them, with their output)."""
+        h, active, n, rope, window = act.h, act.idx, act.n, self.rope_of(li), self.config.window_at(li)
+        view_of_set, table = act.view(rope, window), act.tables[rope]  # table: cos, sin of positions 0..n-1
         causal, _, cos, sin = view_of_set
         q, k, v = layer.project(h, cos, sin)
         cache.write(li, active, k, v)
@@ -291,14 +323,13 @@ class Transformer(nn.Module):
             shift_k = apply_rotary(shift.k.float(), slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
             cache.add(li, shift.slots, shift_k.to(k.dtype), shift.v.to(k.dtype))
         changed = _drops(kept, active.numel())
-        window = self.config.window_at(li)
         if changed:  # the kept tokens' own mask (the set's is not built for them)
             active, h, q = active.index_select(0, kept), h.index_select(0, kept), q.index_select(1, kept)
             causal = active.numel() == n and (window is None or n <= window)
             mask = None if causal else visible_mask(active, n, window)
         else:
             mask = self._mask_of(view_of_set, active, n, window)
-        return layer.finish(h, cache.attend(li, q, mask, causal, n)), active, changed
+        act.update(active, layer.finish(h, cache.attend(li, q, mask, causal, n)), changed)
 
     def _admit(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor],
                cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor, n: int) -> torch.Tensor | None:
