@@ -38,7 +38,8 @@ def test_bad_config_values_are_named(field, value):
 
 def test_defaults():
     cfg = QualityConfig()
-    assert cfg.ladder == DEFAULT_LADDER and cfg.start_index == len(DEFAULT_LADDER) - 1
+    assert cfg.ladder == DEFAULT_LADDER and cfg.ladder[cfg.start_index].name == "relay"
+    assert dataclasses.replace(cfg, start=None).start_index == len(DEFAULT_LADDER) - 1
     assert cfg.sample_every == 20 and cfg.kl_cap == pytest.approx(0.25)
     assert dataclasses.replace(cfg, sample_rate=0.0).sample_every == 0
     with pytest.raises(ConfigError, match="rung name"):

@@ -34,7 +34,7 @@ def test_a_bad_cheap_rung_moves_up_and_stays():
 
 
 def test_a_good_role_starts_safe_and_moves_down():
-    g = guard()
+    g = guard(start=None)
     calls = drive(g, constant({"naive": GOOD, "relay": GOOD, "prefix": (0.0, True)}), 120)
     assert calls[0][0] == "prefix"
     cfg = g.config
@@ -42,6 +42,12 @@ def test_a_good_role_starts_safe_and_moves_down():
     assert reached <= 2 * cfg.hold_calls  # one rung per hold
     assert all(rung == "naive" for rung, _ in calls[reached:])
     assert [m["reason"] for m in moves(g)] == ["inside", "inside"]
+
+
+def test_a_new_role_starts_at_relay_by_default():
+    g = guard()
+    calls = drive(g, constant({"naive": BAD, "relay": GOOD, "prefix": (0.0, True)}), 60)
+    assert calls[0][0] == "relay" and calls[-1][0] == "relay"
 
 
 def test_a_bound_not_a_mean_decides():
@@ -115,7 +121,7 @@ def test_target_off_is_inert():
 
 
 def test_safest_rung_breaking_stays_there():
-    g = guard()
+    g = guard(start=None)
     calls = drive(g, constant({"naive": BAD, "relay": BAD, "prefix": BAD}), 40)
     assert {rung for rung, _ in calls} == {"prefix"} and moves(g) == []
 
