@@ -63,8 +63,7 @@ def _what_b_sees(lm, method: str, a_first: bool, role: str = "") -> list[tuple]:
 
 @pytest.mark.parametrize("method", [
     "kvcomm[warmup=1]",  # A's first call makes an anchor: B's gate would pass on it
-    "kvcomm[warmup=2,gate_distance=relative,temperature=0.05]",
-    "kvcomm[warmup=2,short_anchors=true,mix=token]",
+    "kvcomm[warmup=2,short_anchors=true]",
 ])
 def test_kvcomm_anchor_pools_and_templates_are_per_namespace(lm, method):
     alone = _what_b_sees(lm, method, a_first=False)
