@@ -184,7 +184,7 @@ class KVCommMethod(ReuseMethod):
             span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
             dist = Distances.of(base_v, anchors)  # one pass over the pool
-            weights = dist.weights("anchor", MIX_TEMPERATURE)  # [A, 1, 1, n|1]: n where a short anchor ends early
+            weights = dist.weights(MIX_TEMPERATURE)  # [A, 1, 1, n|1]: n where a short anchor ends early
             # the gate: softmax(-L2) at temperature 1, as KVCOMM's public code gates (its predict_as_anchor); the norm
             # grows with the span, so the weights are near one-hot unless two anchors tie (e.g. the same text twice).
             # The reason names the gate's entropy, never distances to the pool's values: a server returns it to clients
