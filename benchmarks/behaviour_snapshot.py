@@ -8,7 +8,7 @@ A restructure must not change what a method does. The snapshot runs each workloa
 ids against a store holding exactly the upstream spans; it records per call what the method reused (the token and
 token-layer counts, the fallback, the plan's note) and how faithful it was (first token, KL of the first-token
 distribution against ``full``, the greedy tokens). Greedy decoding, fixed seeds and one torch thread make a run
-deterministic on one machine. Stateful methods (kvcomm, relay_anchors) keep their state across a workload's
+deterministic on one machine. Stateful methods (kvcomm) keep their state across a workload's
 problems and learn from each call once, as in the bench.
 
 Decoding dominates a run's time on a CPU, so by default each agent of the reference pipeline generates at most
@@ -49,7 +49,7 @@ from kvrelay.reuse import CallInput, ReuseMethod, get_method, split_method_specs
 from kvrelay.weights.loader import load_model
 
 #: every pipeline method of the registry at its default settings (``rksc`` plans branches, not pipeline calls)
-METHODS = ("full", "prefix", "naive", "cacheblend", "epic", "relay", "kvcomm", "relay_anchors")
+METHODS = ("full", "prefix", "naive", "cacheblend", "epic", "relay", "kvcomm")
 MODELS = ("smollm2-135m", "gemma3-270m")
 WORKLOADS = ("gsm8k-chain3", "humaneval-adr")
 KEY = ("model", "workload", "problem_id", "agent", "method")
@@ -217,6 +217,12 @@ def settings_changes(before: dict, after: dict) -> list[str]:
 
 def compare(args: argparse.Namespace) -> int:
     before, after = (json.loads(Path(p).read_text()) for p in args.compare)
+    # a method one snapshot did not run (one that left the registry) is named, not compared
+    only_one = sorted({r["method"] for r in before["calls"]} ^ {r["method"] for r in after["calls"]})
+    if only_one:
+        print(f"not compared (run in one snapshot only): {', '.join(only_one)}")
+        before["calls"], after["calls"] = ([r for r in s["calls"] if r["method"] not in only_one]
+                                           for s in (before, after))
     table, problems = compare_rows(before["calls"], after["calls"])
     compared_problems = {(r["model"], r["workload"], r["problem_id"]) for r in before["calls"]} & {
         (r["model"], r["workload"], r["problem_id"]) for r in after["calls"]}

@@ -37,7 +37,7 @@ FIELD_HELP: dict[str, str] = {
     "greedy_tokens": "greedy tokens compared for the greedy-match fidelity (>= 1)",
     "seed": "random seed (integer)",
     "store_bytes": "KV store budget in bytes",
-    "warm_problems": "unrecorded problems run first so stateful methods (kvcomm, relay_anchors) are measured warm"
+    "warm_problems": "unrecorded problems run first so stateful methods (kvcomm) are measured warm"
                      " (>= 0)",
     "warm_data": "data file of the warm-up problems (needs --warm-problems)",
     "branches": "reasoning branches per problem (gsm8k-branches only)",

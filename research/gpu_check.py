@@ -60,7 +60,7 @@ from tests.helpers import FAMILIES, hf_model, ours_from_hf  # noqa: E402
 FP32_ATOL = 1e-4
 # random weights have no profile: SmolLM2's shipped band (entering and admitting at layer 2, to the top) and its
 # shipped selector, on a 32-layer model
-RELAY_8B = "relay[l_start=2,l_det=2,l_end=31,top_r=0.3,l_pre=6,l_suf=0,prune=0.1,pre_dense=true,drift=0.35]"
+RELAY_8B = "relay[band=2:2:31,keep_share=0.3,span_openings=6,prune_share=0.1,drift=0.35]"
 BENCH_METHODS = ("full", "prefix", "naive", "cacheblend", "epic", RELAY_8B, "kvcomm")
 
 

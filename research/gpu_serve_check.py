@@ -33,7 +33,7 @@ from gpu_check import prepare  # noqa: E402
 
 from kvrelay.eval.harness import environment  # noqa: E402
 
-RELAY = "relay[l_start=2,l_det=3,l_end=31,top_r=0.2,l_pre=4,l_suf=4]"
+RELAY = "relay[band=2:3:31,keep_share=0.2,span_openings=4]"
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
 

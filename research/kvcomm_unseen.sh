@@ -20,11 +20,10 @@ for f in $(ls "$mmlu"/*_test.csv | sort); do
   i=$((i + 1))
 done
 export OMP_NUM_THREADS=1
-# the published rules with the per-anchor and the per-token mixing; the fix (anchors shorter than a placeholder
-# count, the tokens past them are computed; pools start from 10 dense prefills) with both mixings
+# the published rules and the fix (anchors shorter than a placeholder count, the tokens past them are computed;
+# pools start from 10 dense prefills). The per-token mixing it was also run with (no better) left kvcomm; git keeps it.
 FIX="kvcomm[tail_tokens=32,short_anchors=true,warmup=10]"
-FIX_TOKEN="kvcomm[tail_tokens=32,mix=token,short_anchors=true,warmup=10]"
 python -m kvrelay bench --workload mmlu-fc3 --model "$model" --data "$root/measured" --limit "$limit" \
   --warm-problems 30 --warm-data "$root/warm" --repeats 1 --json "$out" \
-  --methods "naive,epic,kvcomm[tail_tokens=32],kvcomm[tail_tokens=32,mix=token],$FIX,$FIX_TOKEN"
+  --methods "naive,epic,kvcomm[tail_tokens=32],$FIX"
 python research/kvcomm_unseen_report.py "$out"

@@ -52,7 +52,7 @@ ORACLE_FROM_LAYER = 4  # the oracle ranks by deviation above the layers any band
 @dataclass
 class TopRelay(RelayMethod):
     """relay's band, but at L_det keep a fixed share ``ratio`` of span tokens, ranked by ``signal``
-    ("vcos": 1 - value cosine, "kvl2": key + value L2 distance), plus each span's first ``l_pre``."""
+    ("vcos": 1 - value cosine, "kvl2": key + value L2 distance), plus each span's first ``span_openings``."""
 
     signal: str = "vcos"
     ratio: float = 0.2
@@ -60,7 +60,7 @@ class TopRelay(RelayMethod):
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         plan = super().plan(call, store, lm)
         reuse = collect_reuse(call, store, lm.fingerprint)
-        l_pre = self.l_pre or 0  # None (the profile's selector): no openings kept beyond the top r
+        l_pre = self.span_openings or 0  # None (the profile's): no openings kept beyond the top r
         heads = [torch.arange(ld.dst_start, ld.dst_start + min(l_pre, ld.num_tokens)) for ld in reuse.approx]
         head_idx = torch.cat(heads) if heads else torch.empty(0, dtype=torch.long)
 
@@ -167,14 +167,14 @@ def main() -> int:
     except KvRelayError as exc:
         print(f"relay_oracle: {exc}", file=sys.stderr)
         return 2
-    # l_suf=0 names a selector knob, so each TopRelay runs on the band search's layers, which detect above
-    # L_start (its selector reads a deviation there); without one it would take the profile's selector, which
-    # admits where the carried states enter, and never call TopRelay's
+    # selector=threshold runs each TopRelay on the band search's layers, which detect above L_start (its selector
+    # reads a deviation there); the profile's policy admits where the carried states enter, and never calls it
     methods = {"naive": "naive", "epic[k=8]": "epic[k=8]", "epic": "epic", "relay": "relay",
-               "relay top 0.1 (vcos)": TopRelay(signal="vcos", ratio=0.1, l_suf=0),
-               "relay top 0.2 (vcos)": TopRelay(signal="vcos", ratio=0.2, l_suf=0),
-               "relay top 0.2 (vcos) + l_pre 4": TopRelay(signal="vcos", ratio=0.2, l_pre=4, l_suf=0),
-               "relay top 0.2 (kvl2)": TopRelay(signal="kvl2", ratio=0.2, l_suf=0)}
+               "relay top 0.1 (vcos)": TopRelay(signal="vcos", ratio=0.1, selector="threshold"),
+               "relay top 0.2 (vcos)": TopRelay(signal="vcos", ratio=0.2, selector="threshold"),
+               "relay top 0.2 (vcos) + l_pre 4": TopRelay(signal="vcos", ratio=0.2, span_openings=4,
+                                                                   selector="threshold"),
+               "relay top 0.2 (kvl2)": TopRelay(signal="kvl2", ratio=0.2, selector="threshold")}
     ratios = tuple(float(r) for r in args.ratios.split(","))
     oracles = {f"oracle top {r}" + (f" + pre {k}" if k else ""): (r, k)
                for k in (int(k) for k in args.oracle_pre.split(",")) for r in ratios}

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant and call (median)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (research/gpu_check.py's part selector)")
-    parser.add_argument("--method", default="relay", help="the relay spec, e.g. relay[top_r=0.15,l_pre=4]")
+    parser.add_argument("--method", default="relay", help="the relay spec, e.g. relay[keep_share=0.15,span_openings=4]")
     parser.add_argument("--offset", type=int, default=0, help="index of the first problem")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -7,8 +7,9 @@ profile's candidates should hold, on problems the profile's own calibration does
 
 Usage: python research/relay_train_points.py --model gemma3-270m --workload gsm8k-chain3 --offset 100
     --problems 10 --points POINTS.json --json OUT.json
-POINTS.json: {"name": {relay knob: value, ...}, ...}, e.g. {"[3,3,13] top_r=0.3": {"l_start": 3, "l_det": 3,
-"l_end": 13, "l_pre": 16, "l_suf": 0, "top_r": 0.3, "prune": 0.25}}.
+POINTS.json: {"name": {relay knob: value, ...}, ...}: the three layers and the profile's knob vocabulary
+(``kvrelay.reuse.relay_policy.KNOBS``), e.g. {"[3,3,13] top_r=0.3": {"l_start": 3, "l_det": 3, "l_end": 13,
+"l_pre": 16, "l_suf": 0, "top_r": 0.3, "prune": 0.25}}.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ def load_points(path: str, cls: type[RelayMethod] = RelayMethod) -> tuple[dict[s
         raise SystemExit(f"{path}: 'epic' is the baseline's name; name the relay point otherwise")
     methods = {}
     for name, knobs in points.items():
+        layers = tuple(knobs.get(k) for k in ("l_start", "l_det", "l_end"))
+        if None in layers:
+            raise SystemExit(f"--points {path}: point {name!r} needs l_start, l_det and l_end")
         try:
-            methods[name] = cls(**knobs)
-        except (TypeError, ConfigError) as exc:
+            methods[name] = cls.with_knobs(layers, {k: v for k, v in knobs.items()
+                                                    if k not in ("l_start", "l_det", "l_end")})
+        except ConfigError as exc:
             raise SystemExit(f"--points {path}: point {name!r}: {exc}") from exc
     return points, methods
 

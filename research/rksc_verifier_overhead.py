@@ -45,8 +45,9 @@ def main() -> None:
     root = SequenceKV(lm.config, lm.model.dtype, lm.model.device, capacity=root_len)
     lm.model.prefill(torch.tensor(prompts.root_ids), root)
 
-    def rksc(**params):
-        method = RKSCMethod(**params)
+    def rksc(exit_entropy_nats: float = 0.0, probe_attention: bool = True):
+        method = RKSCMethod(exit_entropy_nats=exit_entropy_nats)
+        method.probe_attention = probe_attention  # RSBCM's importance probe, always on in the product
         method.root, method.exiting = SharedRoot(tuple(prompts.root_ids), root), True
         return lambda: Engine(lm).generate(ids, method, GenerateOptions(SamplingConfig(max_new_tokens=1)))
 
@@ -57,10 +58,10 @@ def main() -> None:
         lm.model.prefill(torch.tensor(ids), cache, SuffixSchedule(root_len))
 
     variants = {
-        "rksc (defaults: exit test from layer 25, attention probe)": rksc(),
-        "rksc, no exit test (exit_theta=0)": rksc(exit_theta=0.0),
+        "rksc (defaults: attention probe, no layer exit)": rksc(),
+        "rksc[exit_entropy_nats=0.25] (exit test in the last sixth of the layers)": rksc(0.25),
         "rksc, no attention probe": rksc(probe_attention=False),
-        "rksc, neither": rksc(exit_theta=0.0, probe_attention=False),
+        "rksc[exit_entropy_nats=0.25], no attention probe": rksc(0.25, probe_attention=False),
         "root copied into a contiguous cache + one SDPA (as prefix)": contiguous,
         "full prefill": lambda: Engine(lm).generate(ids, "full", GenerateOptions(SamplingConfig(max_new_tokens=1))),
     }

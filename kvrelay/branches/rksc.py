@@ -1,4 +1,4 @@
-"""``rksc`` (RKSC, arXiv 2606.09937): shared branch prefixes and confidence-gated early exit.
+"""``rksc`` (RKSC, arXiv 2606.09937): shared branch prefixes, a confidence-gated verifier, a block cache.
 
 The method plans single calls of a multi-branch problem (branches/runner.py runs the problem):
 
@@ -7,15 +7,15 @@ The method plans single calls of a multi-branch problem (branches/runner.py runs
   positions from the root's cache by reference (the plan supplies a ``SharedPrefixKV`` as the
   call's cache, ``Plan.make_cache``): no branch holds a copy,
   and only its own tokens are computed.
-- CGEE (b), the layer exit: while ``exiting`` (the verifier pass), after each layer from
-  ``exit_min_layer`` the final norm + LM head run on the last token; the forward stops once the
-  next-token entropy is below ``exit_theta`` nats and moved less than ``exit_eps`` since the
-  previous layer. ``exit_theta = 0`` never exits (an entropy is never negative).
+- CGEE (b), the layer exit (off unless ``exit_entropy_nats`` > 0): while ``exiting`` (the verifier
+  pass), after each layer of the last sixth of the model the final norm + LM head run on the last
+  token; the forward stops once the next-token entropy is below ``exit_entropy_nats`` and moved less
+  than ``EXIT_EPS_NATS`` since the previous layer.
 - CGEE (a), the verifier skip, is ``decisive()``: the runner skips verification when the top
   branch confidence is >= ``skip_top`` and leads the next by >= ``skip_gap``.
-- RSBCM is the runner's block cache (branches/blocks.py, ``policy`` and ``block_budget_mb`` here);
-  this file's schedule measures what it ranks blocks by: the attention mass the last prompt token
-  gives every position (mean over heads and computed layers).
+- RSBCM is the runner's block cache (branches/blocks.py, ``block_budget_mb`` here); this file's
+  schedule measures what it ranks blocks by: the attention mass the last prompt token gives every
+  position (mean over heads and computed layers).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import ClassVar
 
 import torch
 
-from kvrelay.branches.blocks import POLICIES
 from kvrelay.branches.shared_kv import SharedPrefixKV
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
@@ -62,21 +61,17 @@ class RKSCSchedule(SuffixSchedule):
     """Tokens [start, n) computed at every layer, with an optional layer exit and attention probe."""
 
     def __init__(self, start: int, logits_fn=None, theta: float = 0.0, eps: float = 0.0, min_layer: int = 0,
-                 probe_attention: bool = False, record_hidden: bool = False) -> None:
+                 probe_attention: bool = False) -> None:
         super().__init__(start)
         self.logits_fn, self.theta, self.eps, self.min_layer = logits_fn, theta, eps, min_layer
         self.exit_enabled = logits_fn is not None and theta > 0
-        self.record_hidden = record_hidden
-        self.has_exit_test = self.exit_enabled or record_hidden
+        self.has_exit_test = self.exit_enabled
         self.has_layer_hook = probe_attention
-        self.hidden: list[torch.Tensor] = []  # with record_hidden: the last token's output of each layer
         self.entropies: dict[int, float] = {}  # layer -> next-token entropy where it was evaluated
         self.attention_mass: torch.Tensor | None = None  # [n] summed over probed layers
         self.num_probed_layers = 0
 
     def exit_after(self, layer: int, last_hidden: torch.Tensor) -> bool:
-        if self.record_hidden:
-            self.hidden.append(last_hidden.detach().clone())  # [hidden]; ASKS's gate compares these
         if not self.exit_enabled or layer < self.min_layer:
             return False
         h = entropy(self.logits_fn(last_hidden))
@@ -98,63 +93,51 @@ class RKSCSchedule(SuffixSchedule):
         return self.attention_mass / self.num_probed_layers
 
 
+# The layer exit's second condition: the entropy moved less than this since the previous layer (RKSC's epsilon; with
+# the threshold below, research/calibrate_cgee.py's setting on GSM8K train verifications).
+EXIT_EPS_NATS = 0.05
+
+
+def exit_min_layer(num_layers: int) -> int:
+    """The first layer the exit is tested at: the last sixth of the model (25 of SmolLM2's 30, where
+    research/calibrate_cgee.py found the earlier layers' yes/no verdicts unreliable; each test costs an LM head),
+    and at least two layers, since the rule compares a layer with the one before."""
+    return max(1, num_layers - max(2, num_layers // 6))
+
+
 @dataclass
 class RKSCMethod(ReuseMethod):
     name: ClassVar[str] = "rksc"
-    share_prefix: bool = field(default=True, metadata={
-        "help": "ASKS: read the shared root by reference (false: compute every prompt)"})
     # decode the B branches in one batch over the shared root (false: one branch after another)
     batch_decode: bool = field(default=True, metadata={
         "help": "decode the branches in one batch over the shared root (false: one after another)"})
     skip_top: float = field(default=0.70, metadata={
         "help": "CGEE: skip the verifier when the top branch's confidence is >= this"})
     skip_gap: float = field(default=0.06, metadata={"help": "CGEE: ... and it leads the second branch by >= this"})
-    # CGEE (b) defaults from research/calibrate_cgee.py on 8 GSM8K *train* problems (64 verifier calls):
-    # on SmolLM2-135M no intermediate layer's yes/no verdict is reliable, so the only setting with a
-    # per-call error <= 1% there is one that (almost) never exits; the study prints bolder ones.
-    exit_theta: float = field(default=0.25, metadata={
-        "help": "CGEE early exit once next-token entropy < this, in nats (0: never exit)"})
-    exit_eps: float = field(default=0.05, metadata={
-        "help": "... and it moved < this many nats since the previous layer"})
-    exit_min_layer: int = field(default=25, metadata={
-        "help": "no exit test below this layer (each test costs an LM head)"})
+    # Off by default: on SmolLM2-135M no intermediate layer's yes/no verdict is reliable (research/calibrate_cgee.py,
+    # GSM8K train), and its calibrated threshold (0.25 nats) exited on none of 360 test verifications while each
+    # tested layer cost an LM head.
+    exit_entropy_nats: float = field(default=0.0, metadata={
+        "help": "CGEE layer exit: stop the verifier's forward once next-token entropy is below this (0: never)"})
     block_budget_mb: float = field(default=64.0, metadata={
         "help": "RSBCM byte budget of the runner's block cache, in MB"})
-    policy: str = field(default="rsbcm", metadata={"help": "block cache eviction: rsbcm or lru"})
-    block_half_life_ops: float = field(default=0.0, metadata={
-        "help": "RSBCM importance half-life in cache operations (0: none, as in RKSC)"})
-    block_len: int = field(default=16, metadata={"help": "tokens per cached block"})
-    probe_attention: bool = field(default=True, metadata={
-        "help": "measure block importance (attention mass) for RSBCM"})
-    # ASKS, approximate part (opt-in): a verification reuses its branch's decode K/V for the output
-    # when the hidden states entering the output agree (mean cosine over layers >= asks_tau)
-    asks_approx: bool = field(default=False, metadata={
-        "help": "a verification reuses its branch's decode K/V when the hidden states entering the output agree"})
-    asks_tau: float = field(default=0.8, metadata={
-        "help": "mean cosine over layers the hidden states need for asks_approx"})
+    # research/calibrate_cgee.py and rksc_verifier_overhead.py change these on an instance; a user never needs to
+    exit_eps_nats: float = field(default=EXIT_EPS_NATS, init=False, repr=False)
+    exit_from_layer: int | None = field(default=None, init=False, repr=False)  # None: exit_min_layer(the model's)
+    probe_attention: bool = field(default=True, init=False, repr=False)  # RSBCM's importance (attention mass)
     # set by the branch runner while it runs a problem
     root: SharedRoot | None = field(default=None, init=False, repr=False)
     exiting: bool = field(default=False, init=False, repr=False)
     last_schedule: RKSCSchedule | None = field(default=None, init=False, repr=False)  # its probe, entropies
-    record_hidden: bool = field(default=False, init=False, repr=False)  # branches record the boundary state
 
     def __post_init__(self) -> None:
         for key in ("skip_top", "skip_gap"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ConfigError(f"rksc: {key} must be in [0, 1], got {getattr(self, key)}")
-        if self.exit_theta < 0 or self.exit_eps < 0:
-            raise ConfigError(f"rksc: exit_theta and exit_eps must be >= 0, got {self.exit_theta}, {self.exit_eps}")
-        if self.exit_min_layer < 1:
-            raise ConfigError(f"rksc: exit_min_layer must be >= 1 (the exit compares two layers), "
-                              f"got {self.exit_min_layer}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"rksc: policy must be one of {POLICIES}, got {self.policy!r}")
-        if not -1 <= self.asks_tau <= 1:
-            raise ConfigError(f"rksc: asks_tau is a cosine, in [-1, 1], got {self.asks_tau}")
-        if self.block_half_life_ops < 0:
-            raise ConfigError(f"rksc: block_half_life_ops must be >= 0, got {self.block_half_life_ops}")
-        if self.block_budget_mb <= 0 or self.block_len < 1:
-            raise ConfigError("rksc: block_budget_mb and block_len must be positive")
+        if self.exit_entropy_nats < 0:
+            raise ConfigError(f"rksc: exit_entropy_nats must be >= 0, got {self.exit_entropy_nats}")
+        if self.block_budget_mb <= 0:
+            raise ConfigError(f"rksc: block_budget_mb must be positive, got {self.block_budget_mb}")
 
     @property
     def block_budget_bytes(self) -> int:
@@ -163,25 +146,25 @@ class RKSCMethod(ReuseMethod):
     def shared_len(self, prompt_ids: list[int]) -> int:
         """Positions this prompt reads from the root (0 when it does not start with it)."""
         root = self.root
-        if not self.share_prefix or root is None:
+        if root is None:
             return 0
         n = len(root.token_ids)
         if tuple(prompt_ids[:n]) != root.token_ids:
             return 0
         return min(n, len(prompt_ids) - 1)  # the last prompt token is always computed
 
-    def schedule(self, start: int, lm, record_hidden: bool = False, final: bool = True) -> RKSCSchedule:
-        """Tokens [start, n) computed; the layer exit while ``exiting``; the attention probe if asked.
-        ``final=False``: a chunk before the prompt's end (ASKS's verifier prefix): no exit, no probe."""
-        theta = self.exit_theta if self.exiting and final else 0.0
-        schedule = RKSCSchedule(start, lm.model.logits_from_hidden, theta, self.exit_eps, self.exit_min_layer,
-                                self.probe_attention and final, record_hidden)
+    def schedule(self, start: int, lm) -> RKSCSchedule:
+        """Tokens [start, n) computed; the layer exit while ``exiting``; the attention probe."""
+        theta = self.exit_entropy_nats if self.exiting else 0.0
+        min_layer = self.exit_from_layer if self.exit_from_layer is not None else exit_min_layer(lm.config.num_layers)
+        schedule = RKSCSchedule(start, lm.model.logits_from_hidden, theta, self.exit_eps_nats, min_layer,
+                                self.probe_attention)
         self.last_schedule = schedule
         return schedule
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         shared = self.shared_len(call.prompt_ids)
-        schedule = self.schedule(shared, lm, self.record_hidden)
+        schedule = self.schedule(shared, lm)
         if not shared:
             return Plan(schedule, state=schedule)
         root = self.root.cache

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.branches.asks import AsksVerify, BranchSpan, verify_with_branch_span
 from kvrelay.branches.blocks import BlockCache
 from kvrelay.branches.prompts import SYSTEM, BranchConfig, BranchPrompts, answer_ids
 from kvrelay.branches.rksc import RKSCMethod, SharedRoot, decisive, pick, yes_score
@@ -89,9 +88,6 @@ class ProblemRun:
     branch_kv_bytes: int  # K/V storage the B branch caches hold together
     root_plus_own_bytes: int  # one copy of the root + the branches' own rows (the ASKS memory bound)
     block_hits: int = 0  # root blocks found in the block cache (rksc)
-    # rksc[asks_approx=true]: per verification, the gate's cosine and the output tokens it reused
-    asks_cosines: list[float] | None = None
-    asks_reused_tokens: list[int] | None = None
     # rksc only, computed after the timed run: every branch verified at full depth, no skip
     ref_scores: list[float] | None = None
     ref_pick: int | None = None
@@ -106,8 +102,7 @@ class BranchRunner:
     def __init__(self, lm: LoadedModel, cfg: BranchConfig, rksc: RKSCMethod | None = None) -> None:
         self.lm, self.cfg = lm, cfg
         self.rksc = rksc or RKSCMethod()
-        self.blocks = BlockCache(self.rksc.block_budget_bytes, self.rksc.policy, self.rksc.block_len, lm.fingerprint,
-                                 self.rksc.block_half_life_ops)
+        self.blocks = BlockCache(self.rksc.block_budget_bytes, fingerprint=lm.fingerprint)
         self.pad_id = 0  # any id: verify() reads each row up to its real length
 
     def _row_bytes(self) -> int:
@@ -193,47 +188,22 @@ class BranchRunner:
             self.blocks.insert(out.prompt_ids + out.output_ids, lambda i: self._block_payload(out.cache, i),
                                out.cache.length)
 
-    def _branches_rksc(self, prompts: BranchPrompts, sampling: SamplingConfig
-                       ) -> tuple[list[GenerationOutput], list[torch.Tensor]]:
-        """Every branch decoded (in one batch over the shared root when ``batch_decode``); with
-        ``record_hidden``, also the hidden states entering each branch's output (ASKS's gate)."""
+    def _branches_rksc(self, prompts: BranchPrompts, sampling: SamplingConfig) -> list[GenerationOutput]:
+        """Every branch decoded, in one batch over the shared root when ``batch_decode``."""
         method = self.rksc
-        if not (method.batch_decode and method.share_prefix):
-            outs = []
-            hidden = []
-            for ids in prompts.branch_ids:
-                outs.append(self._generate_rksc(ids, sampling, keep=True))
-                if method.record_hidden:
-                    hidden.append(torch.stack(method.last_schedule.hidden))
-            return outs, hidden
+        if not method.batch_decode:
+            return [self._generate_rksc(ids, sampling, keep=True) for ids in prompts.branch_ids]
         engine, options = Engine(self.lm), GenerateOptions(sampling, keep_cache=True, feed_last=False)
-        seqs, hidden = [], []
+        seqs = []
         for ids in prompts.branch_ids:  # prefilled one by one, then decoded in one batch
             seqs.append(engine.start(ids, method, options))
             self._credit(ids, seqs[-1].plan.state)
-            if method.record_hidden:
-                hidden.append(torch.stack(seqs[-1].plan.state.hidden))
         while not all(seq.done for seq in seqs):
             engine.step(seqs)
         outs = [engine.finish(seq) for seq in seqs]
         for out in outs:
             self._keep_blocks(out)
-        return outs, hidden
-
-    def _verify_asks(self, ids: list[int], span_start: int, branch: BranchSpan, yes_no: tuple[int, int]
-                     ) -> tuple[VerifyResult, AsksVerify]:
-        """One verification with the branch's output K/V reused when ASKS's gate passes (reuse/asks.py)."""
-        lm, method = self.lm, self.rksc
-        def make_schedule(start: int, first: bool):
-            return method.schedule(start, lm, record_hidden=first, final=not first)
-
-        res = verify_with_branch_span(lm, method.root.cache, method.shared_len(ids), ids, span_start, branch,
-                                      method.asks_tau, make_schedule)
-        self._credit(ids, method.last_schedule)
-        if res.exit_layer is None:  # exact blocks only: reused (approximate) K/V never enters the cache
-            exact_len = span_start if res.num_reused_tokens else len(ids)
-            self.blocks.insert(ids[:exact_len], lambda i: self._block_payload(res.cache, i), exact_len)
-        return VerifyResult(yes_score(res.logits, *yes_no), res.exit_layer, res.computed_tokens), res
+        return outs
 
     def _run_rksc(self, prompts: BranchPrompts) -> ProblemRun:
         lm, method, cfg = self.lm, self.rksc, self.cfg
@@ -241,46 +211,32 @@ class BranchRunner:
         sync_device(lm.model.device)
         t0 = time.perf_counter()
         root, keys, hits, root_computed = self._root(prompts.root_ids)
-        method.root, method.exiting, method.record_hidden = root, False, method.asks_approx
-        outs, hidden = self._branches_rksc(prompts, sampling)
-        # approximate ASKS: each branch's output K/V and the hidden state that entered it
-        spans = [BranchSpan(out.cache, len(out.prompt_ids), out.cache.length - len(out.prompt_ids), h)
-                 for out, h in zip(outs, hidden, strict=True)] if method.asks_approx else []
-        method.record_hidden = False
+        method.root, method.exiting = root, False
+        outs = self._branches_rksc(prompts, sampling)
         t1 = time.perf_counter()
         kv_total = kv_bytes([o.cache for o in outs])
         self.blocks.unpin(keys)
         method.root = None
         for o in outs:
-            o.cache = None  # the spans (asks_approx) keep what the verifier reuses
+            o.cache = None
         confidences = [o.confidence for o in outs]
-        v_prompts = [prompts.verifier_prompt(o.output_ids) for o in outs]
-        v_ids = [ids for ids, _ in v_prompts]
-        results, scores, asks = [], None, []
+        v_ids = [prompts.verifier_ids(o.output_ids) for o in outs]
+        results, scores = [], None
         if not decisive(confidences, method.skip_top, method.skip_gap):
             # the verifier runs as later requests would: it finds the root through the block cache
             root, keys, more_hits, more_computed = self._root(prompts.root_ids)
             hits, root_computed = hits + more_hits, root_computed + more_computed
             method.root, method.exiting = root, True
             yes_id, no_id = answer_ids(lm.tokenizer)
-            for b, (ids, span_start) in enumerate(v_prompts):
-                if method.asks_approx:
-                    result, res = self._verify_asks(ids, span_start, spans[b], (yes_id, no_id))
-                    asks.append(res)
-                else:
-                    out = self._generate_rksc(ids, SamplingConfig(max_new_tokens=1), keep=True)
-                    result = VerifyResult.of(out, yes_id, no_id)
-                results.append(result)
+            for ids in v_ids:
+                out = self._generate_rksc(ids, SamplingConfig(max_new_tokens=1), keep=True)
+                results.append(VerifyResult.of(out, yes_id, no_id))
             scores = [r.score for r in results]
             self.blocks.unpin(keys)
-        spans.clear()
         sync_device(lm.model.device)
         t2 = time.perf_counter()
         run = self._result("rksc", prompts, outs, t0, t1, t2, confidences, scores, results, v_ids,
                            kv_total=kv_total, hits=hits, root_computed=root_computed)
-        if method.asks_approx:
-            run.asks_cosines = [a.cosine for a in asks]
-            run.asks_reused_tokens = [a.num_reused_tokens for a in asks]
         # untimed reference: the same branches, every one verified at full depth, no skip
         method.root, method.exiting = SharedRoot(tuple(prompts.root_ids), self._plain_root(prompts.root_ids)), False
         ref = verify(lm, *pad(v_ids, self.pad_id), method)

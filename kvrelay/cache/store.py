@@ -5,7 +5,7 @@ Pure Python, no torch: a span is any object with ``nbytes``, ``token_ids``, ``st
 
 Prefix lookup hashes token blocks in a chain, ``h_i = sha256(h_{i-1} || block_i)`` seeded with
 the model fingerprint, so equal hashes mean equal prefixes of the same model (never Python's
-``hash``: it is salted per process and 64-bit).
+``hash``: it is salted per process and 64-bit); ``cache.prefix_index`` finds the longest.
 
 Namespaces partition the store (tenants of a server): a span put in one namespace is never
 matched, read, pinned or evicted through another, because a shared cache leaks through timing.
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvrelay.cache.prefix_index import PrefixIndex, PrefixMatch
 from kvrelay.cache.tenancy import NamespaceLedger, check_idle_s
 from kvrelay.cache.view import StoreView
 from kvrelay.errors import KvRelayError, StoreFullError
@@ -44,12 +45,6 @@ class SpanLike(Protocol):
     token_ids: tuple[int, ...]
     start_pos: int
     fingerprint: str
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    span_id: str
-    num_tokens: int  # exact common prefix length of the query and the span's token ids
 
 
 @dataclass
@@ -126,8 +121,8 @@ class KVStore:
         self.tenants = NamespaceLedger(namespace_idle_s, clock)
         self._ns_bytes = self.tenants.bytes
         self._reclaimed: list[str] = []  # ids dropped with their idle namespace, until take_reclaimed
-        # block hash -> span ids; hashes are seeded with the namespace too, so they never cross
-        self._prefix_index: dict[bytes, OrderedDict[str, None]] = {}
+        # spans at position 0 by block hash; hashes are seeded with the namespace too, so they never cross
+        self._prefixes = PrefixIndex(block_len)
 
     def set_namespace_idle_s(self, idle_s: float | None) -> None:
         with self._lock:
@@ -241,8 +236,7 @@ class KVStore:
                 self._drop(victim, namespace)
                 self.evicted.append(victim)
                 evicted.append(victim)
-            for h in hashes:  # only a span that starts at position 0 can be an exact prefix
-                self._prefix_index.setdefault(h, OrderedDict())[span_id] = None
+            self._prefixes.add(span_id, hashes)  # only a span that starts at position 0 has hashes
             space[span_id] = _Record(span, nbytes, pins + (1 if pin else 0), hashes)
             self.used_bytes += nbytes
             self.tenants.add(namespace, nbytes, pins + (1 if pin else 0))
@@ -268,11 +262,7 @@ class KVStore:
         self.tenants.sub(namespace, rec.nbytes, rec.pins)
         if not self._spaces[namespace]:  # the empty dict stays: put() holds a reference to it
             self.tenants.forget(namespace)
-        for h in rec.block_hashes:
-            ids = self._prefix_index[h]
-            del ids[span_id]
-            if not ids:
-                del self._prefix_index[h]
+        self._prefixes.remove(span_id, rec.block_hashes)
 
     # ------------------------------------------------------------------ pins
     def pin(self, span_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -298,33 +288,13 @@ class KVStore:
     # ------------------------------------------------------------------ lookup
     def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...],
                      namespace: str = DEFAULT_NAMESPACE) -> PrefixMatch | None:
-        """The span of ``namespace`` sharing the longest exact prefix with ``token_ids`` (same model).
-
-        Blocks are matched by chained hash, then the match is extended token by token into the
-        next partial block, so the length is exact, not rounded to a block.
-        """
+        """The span of ``namespace`` sharing the longest exact prefix with ``token_ids`` (same model), its length
+        exact (``cache.prefix_index``)."""
         hashes = self._hashes(fingerprint, namespace, token_ids)
         with self._lock:
             self._enter(namespace)
-            candidates: OrderedDict[str, None] | None = None
-            num_blocks = 0
-            for h in hashes:
-                ids = self._prefix_index.get(h)
-                if not ids:
-                    break
-                candidates, num_blocks = ids, num_blocks + 1
-            if candidates is None:
-                return None
-            best: PrefixMatch | None = None
-            for span_id in reversed(candidates):  # most recently stored first among equals
-                span = self._spaces[namespace][span_id].span
-                n = num_blocks * self.block_len
-                limit = min(len(token_ids), len(span.token_ids))
-                while n < limit and span.token_ids[n] == token_ids[n]:
-                    n += 1
-                if best is None or n > best.num_tokens:
-                    best = PrefixMatch(span_id, n)
-            return best
+            space = self._spaces.get(namespace, {})
+            return self._prefixes.longest(hashes, token_ids, lambda span_id: space[span_id].span.token_ids)
 
     # ------------------------------------------------------------------ the shared tier's hooks
     # A memory-only store has no tier: these keep one calling code for every store (see kvrelay.tier).

@@ -112,7 +112,7 @@ class NamespaceLedger:
         return out
 
 
-# What a reuse method learns across calls (KVCOMM's anchor pools, relay_anchors' move pools) is keyed by the agent or
+# What a reuse method learns across calls (KVCOMM's anchor pools) is keyed by the agent or
 # role that taught it. Keyed so alone, one tenant's calls would serve another's: whether a tenant's call passes the
 # gate (its cached tokens, its fallback text) would tell it which documents another tenant sent. So every such key
 # carries the namespace of the store view the call runs on. The default namespace keeps the bare key (pipelines and

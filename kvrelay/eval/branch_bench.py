@@ -164,31 +164,15 @@ def summarize_branches(records: list[dict], methods: tuple[str, ...]) -> dict:
 
 
 def _cgee_errors(runs: list[dict]) -> dict:
-    """Early-exit errors against the untimed full-depth reference. Verifications that reused a branch's
-    K/V approximately (ASKS) are counted apart, so each error is attributed to one idea."""
+    """Early-exit errors against the untimed full-depth reference."""
     calls = flips = exits = 0
-    asks_calls, asks_flips, asks_diffs, asks_cos = 0, 0, [], []
     for x in runs:
         if x["scores"] is None:
             continue
-        reused = x.get("asks_reused_tokens") or [0] * len(x["scores"])
-        asks_cos += x.get("asks_cosines") or []
-        for score, ref, layer, num_reused in zip(x["scores"], x["ref_scores"], x["exit_layers"], reused,
-                                                 strict=True):
-            flip = (score >= 0.5) != (ref >= 0.5)
-            if num_reused:
-                asks_calls += 1
-                asks_flips += flip
-                asks_diffs.append(abs(score - ref))
-                continue
+        for score, ref, layer in zip(x["scores"], x["ref_scores"], x["exit_layers"], strict=True):
             calls += 1
             exits += layer is not None
-            flips += flip
-    asks = {}
-    if asks_cos:
-        asks = {"asks_reused_calls": asks_calls, "asks_cosine_median": median(asks_cos),
-                "asks_score_abs_diff_mean": mean(asks_diffs) if asks_diffs else None,
-                "asks_call_error": asks_flips / asks_calls if asks_calls else None}
+            flips += (score >= 0.5) != (ref >= 0.5)
     skipped = sum(x["scores"] is None for x in runs)
     exit_layers = [la for x in runs for la in x["exit_layers"] if la is not None]
     return {
@@ -202,7 +186,6 @@ def _cgee_errors(runs: list[dict]) -> dict:
         "layer_exits": exits,
         "exit_layer_median": median(exit_layers) if exit_layers else None,
         "cgee_call_error": flips / calls if calls else None,
-        **asks,
     }
 
 
@@ -223,12 +206,6 @@ def format_branch_table(result: dict) -> str:
             f"{opt(s, 'pick_agrees_without_early_exit', '8.2f')} {opt(s, 'verifier_skipped_share', '5.2f')} "
             f"{exits:>9s} "
             f"{opt(s, 'cgee_call_error', '8.3f')}")
-        if s.get("asks_reused_calls") is not None:
-            lines.append(f"{'':28s} ASKS approximate reuse: {s['asks_reused_calls']}/"
-                         f"{s['asks_reused_calls'] + s['verify_calls']} verifications reused their branch's K/V "
-                         f"(median gate cosine {s['asks_cosine_median']:.3f}); |score - reference| "
-                         f"{opt(s, 'asks_score_abs_diff_mean', '.4f')}, verdict flips "
-                         f"{opt(s, 'asks_call_error', '.3f')}")
     for m, b in result.get("blocks", {}).items():
         live, working_mb = b["live"], b["working_set_bytes"]["total_bytes"] / 2**20
         lines.append(f"\n{m} block cache: live {live['policy']} at {live['budget_mb']:.0f} MiB, hit rate "

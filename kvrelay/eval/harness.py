@@ -165,7 +165,7 @@ class Bench:
         stateful = {m: meth for m, meth in self.methods.items() if meth.stateful}
         if not stateful:
             raise ConfigError(f"warm_problems={cfg.warm_problems} has nothing to warm: none of the methods "
-                              f"{', '.join(self.methods)} keeps state across calls (kvcomm and relay_anchors do)")
+                              f"{', '.join(self.methods)} keeps state across calls (kvcomm does)")
         if cfg.warm_data is not None:
             warm = self.workload.problems(cfg.warm_data, cfg.warm_problems)
         else:

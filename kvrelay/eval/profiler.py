@@ -178,8 +178,7 @@ def score_bands(lm: LoadedModel, candidates: list[Band], workload: str, data: st
                 progress: bool = True, offset: int = 0) -> dict[Band, MethodScore]:
     """Band -> its ``MethodScore`` (first-token KL(full || relay), reuse) over the calibration calls."""
     # the paper's selector on every band: a band is chosen before the selector, whatever profile the model has now
-    methods = {band: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2], **PAPER_SELECTOR)
-               for band in candidates}
+    methods = {band: RelayMethod.with_knobs(band, PAPER_SELECTOR) for band in candidates}
     return score_methods(lm, methods, workload, data, num_problems, "scoring bands", progress, offset=offset)
 
 

@@ -162,7 +162,7 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | S
     candidates = {selector_spec(k): (k, band) for k in SELECTOR_CANDIDATES
                   if (band := candidate_band(k, searched, profile.num_layers)) is not None
                   and l_start in (None, band[0])}
-    methods = {spec: RelayMethod(l_start=band[0], l_det=band[1], l_end=band[2], **(_relay_knobs(k) or PAPER_SELECTOR))
+    methods = {spec: RelayMethod.with_knobs(band, _relay_knobs(k) or PAPER_SELECTOR)
                for spec, (k, band) in candidates.items()}
     scores = score_methods(lm, {**methods, "epic": EpicMethod()}, workload, data, num_problems, "scoring selectors",
                            progress, path_tokens, offset)

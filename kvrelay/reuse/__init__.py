@@ -3,7 +3,7 @@
 Methods are imported on first use, by path: ``rksc`` plans the branches of one problem and lives in
 its own wing (``kvrelay.branches``), above the engine.
 
-A method spec is a name with optional parameters: ``relay``, ``relay[tau_dev=2,l_suf=5]``,
+A method spec is a name with optional parameters: ``relay``, ``relay[keep_share=0.2,band=2:2:29]``,
 ``cacheblend[ratio=0.3]``, ``epic[k=8]``.
 """
 
@@ -20,8 +20,7 @@ METHODS: dict[str, str] = {
     "full": "kvrelay.reuse.full:FullMethod", "prefix": "kvrelay.reuse.prefix:PrefixMethod",
     "naive": "kvrelay.reuse.naive:NaiveMethod", "cacheblend": "kvrelay.reuse.cacheblend:CacheBlendMethod",
     "epic": "kvrelay.reuse.epic:EpicMethod", "relay": "kvrelay.reuse.relay:RelayMethod",
-    "kvcomm": "kvrelay.reuse.kvcomm:KVCommMethod",
-    "relay_anchors": "kvrelay.reuse.relay_anchors:RelayAnchorsMethod", "rksc": "kvrelay.branches.rksc:RKSCMethod",
+    "kvcomm": "kvrelay.reuse.kvcomm:KVCommMethod", "rksc": "kvrelay.branches.rksc:RKSCMethod",
 }
 
 #: methods that plan single agent calls of a pipeline; ``rksc`` plans branches (workload gsm8k-branches)
@@ -61,7 +60,7 @@ def _check_type(spec: str, key: str, value, annotation: str):
 
 
 def get_method(spec: str) -> ReuseMethod:
-    """A method from its spec, e.g. ``relay[tau_dev=2,l_suf=5]``; unknown names or parameters are errors."""
+    """A method from its spec, e.g. ``relay[keep_share=0.2]``; unknown names or parameters are errors."""
     m = _SPEC.match(spec.strip())
     if not m or m.group(1) not in METHODS:
         raise ConfigError(f"unknown method {spec!r}; available: {', '.join(METHODS)} (parameters as name[k=v,...])")

@@ -77,9 +77,6 @@ class AnchorPool:
         return sum(a.nbytes for a in self.anchors)
 
 
-MIX_MODES = ("anchor", "layer", "head", "token")
-
-
 def coverage(anchors: list[Anchor], num_tokens: int) -> torch.Tensor:
     """[num_anchors, num_tokens] bool: which placeholder tokens each anchor has offsets for."""
     lengths = torch.tensor([a.num_tokens for a in anchors])
@@ -110,17 +107,14 @@ class Distances:
             sq[i, :, :, :m] = (new_sq[:, :, :m] + a.base_sq[:, :, :m] - 2 * dot).clamp_min_(0.0)
         return cls(sq, new_sq, coverage(anchors, n))
 
-    def relative(self, per_head: bool = False) -> torch.Tensor:
+    def relative(self) -> torch.Tensor:
         """|v_new - v_anchor| / |v_new| per anchor, layer and token, the norms over all KV heads and channels:
-        [A, L, n]; ``per_head``: over one head's channels, [A, L, Hkv, n]."""
-        if per_head:
-            return self.sq.sqrt() / self.new_sq.sqrt().clamp_min(1e-6)
+        [A, L, n]."""
         return self.sq.sum(dim=2).sqrt() / self.new_sq.sum(dim=1).sqrt().clamp_min(1e-6)
 
-    def value_distances(self, per_layer: bool = False) -> torch.Tensor:
-        """Relative distance averaged over tokens (and layers unless ``per_layer``): [A] or [A, L]."""
-        per_layer_d = self.relative().nanmean(dim=2)  # [A, L]
-        return per_layer_d if per_layer else per_layer_d.mean(dim=1)
+    def value_distances(self) -> torch.Tensor:
+        """Relative distance averaged over the tokens both have, then over layers: [A]."""
+        return self.relative().nanmean(dim=2).mean(dim=1)
 
     def l2(self) -> torch.Tensor:
         """L2 norm of ``v_new - v_anchor`` over the whole placeholder (every layer, head, token and channel):
@@ -132,52 +126,30 @@ class Distances:
         m = self.covered.sum(dim=1)  # [A]
         return (self.sq.nansum(dim=(1, 2, 3)) * n / m).sqrt()
 
-    def weights(self, mode: str, temperature: float) -> torch.Tensor:
-        """softmax(-relative distance / temperature) over the anchors, at the granularity ``mode`` picks, as a
-        [A, L|1, Hkv|1, n|1] tensor (``mix`` broadcasts it over channels):
-
-        - ``anchor``: one weight per anchor (distance averaged over layers and tokens);
-        - ``layer``: one per anchor and layer; ``head``: one per anchor, layer and KV head;
-        - ``token``: one per anchor and placeholder token (distance averaged over layers), the granularity of
-          KVCOMM's public code.
-
-        Anchors shorter than the placeholder weigh nothing on the tokens past their end; there the other
-        anchors' weights are renormalized. A token no anchor covers gets all-zero weights (callers compute it).
-        """
-        covered = self.covered
-        if mode == "token":
-            logits = -self.relative().mean(dim=1) / temperature  # [A, n]; NaN where not covered
-            w = torch.softmax(logits.masked_fill(~covered, float("-inf")), dim=0).nan_to_num(0.0)  # no anchor: 0
-            return w[:, None, None, :]  # [A, 1, 1, n]
-        if mode == "head":
-            d = self.relative(per_head=True).nanmean(dim=3)[..., None]  # [A, L, H, 1]
-        elif mode == "layer":
-            d = self.value_distances(per_layer=True)[:, :, None, None]  # [A, L, 1, 1]
-        elif mode == "anchor":
-            d = self.value_distances()[:, None, None, None]  # [A, 1, 1, 1]
-        else:
-            raise ValueError(f"mix mode must be one of {MIX_MODES}, got {mode!r}")
-        w = torch.softmax(-d / temperature, dim=0)
-        if bool(covered.all()):
+    def weights(self, temperature: float) -> torch.Tensor:
+        """One softmax(-value distance / temperature) weight per anchor: [A, 1, 1, 1] (``mix`` broadcasts it). When
+        some anchor is shorter than the placeholder, [A, 1, 1, n]: it weighs nothing on the tokens past its end, and
+        there the other anchors' weights are renormalized. A token no anchor covers gets all-zero weights (callers
+        compute it)."""
+        w = torch.softmax(-self.value_distances()[:, None, None, None] / temperature, dim=0)  # [A, 1, 1, 1]
+        if bool(self.covered.all()):
             return w
-        w = w * covered[:, None, None, :]  # [A, L|1, H|1, n]: shorter anchors drop out past their end
+        w = w * self.covered[:, None, None, :]  # [A, 1, 1, n]: shorter anchors drop out past their end
         return w / w.sum(dim=0, keepdim=True).clamp_min(1e-30)
 
 
-def value_distances(new_v: torch.Tensor, anchors: list[Anchor], per_layer: bool = False) -> torch.Tensor:
-    """Relative value distance of a placeholder's base values to each anchor's: [num_anchors], or
-    [num_anchors, L] with ``per_layer``.
+def value_distances(new_v: torch.Tensor, anchors: list[Anchor]) -> torch.Tensor:
+    """Relative value distance of a placeholder's base values to each anchor's: [num_anchors].
 
     Per layer and token, ``|v_new - v_anchor|`` over all KV heads divided by ``|v_new|``, averaged over
-    the tokens both have (the new placeholder's first n, or the anchor's length if shorter), and over
-    layers unless ``per_layer``.
+    the tokens both have (the new placeholder's first n, or the anchor's length if shorter), then over layers.
     """
-    return Distances.of(new_v, anchors).value_distances(per_layer)
+    return Distances.of(new_v, anchors).value_distances()
 
 
-def mixing_weights(new_v: torch.Tensor, anchors: list[Anchor], mode: str, temperature: float) -> torch.Tensor:
+def mixing_weights(new_v: torch.Tensor, anchors: list[Anchor], temperature: float) -> torch.Tensor:
     """``Distances.weights`` of a placeholder's base values against ``anchors``."""
-    return Distances.of(new_v, anchors).weights(mode, temperature)
+    return Distances.of(new_v, anchors).weights(temperature)
 
 
 def l2_distances(new_v: torch.Tensor, anchors: list[Anchor]) -> torch.Tensor:
@@ -194,27 +166,23 @@ def normalized_entropy(weights: torch.Tensor) -> float:
 
 
 def _as_grid(weights: torch.Tensor) -> torch.Tensor:
-    """[A] -> [A, 1, 1, 1]; [A, L] -> [A, L, 1, 1]; [A, L|1, H|1, n|1] as it is."""
-    if weights.dim() == 1:
-        return weights[:, None, None, None]
-    if weights.dim() == 2:
-        return weights[:, :, None, None]
-    return weights
+    """[A] -> [A, 1, 1, 1]; [A, 1, 1, n|1] as it is."""
+    return weights[:, None, None, None] if weights.dim() == 1 else weights
 
 
 def mix(weights: torch.Tensor, tensors: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
-    """sum_a w_a * t_a[:, :, :num_tokens] for [L, Hkv, n_a, hd] tensors; ``weights`` is [num_anchors] (one
-    weight for all layers), [num_anchors, L] (one per layer) or [num_anchors, L|1, Hkv|1, n|1] (see
-    ``mixing_weights``). A tensor shorter than ``num_tokens`` adds to its own first n_a tokens only."""
+    """sum_a w_a * t_a[:, :, :num_tokens] for [L, Hkv, n_a, hd] tensors; ``weights`` is [num_anchors] or
+    [num_anchors, 1, 1, n|1] (``Distances.weights``). A tensor shorter than ``num_tokens`` adds to its own first n_a
+    tokens only."""
     grid = _as_grid(weights)
     out = torch.zeros_like(tensors[0][:, :, :1]).expand(-1, -1, num_tokens, -1).contiguous()
     for w, t in zip(grid, tensors, strict=True):
         if w.max() <= 1e-6:  # negligible anchors cost a full tensor pass for nothing
             continue
         m = min(num_tokens, t.shape[2])
-        w = w[..., :m] if w.shape[-1] > 1 else w  # [L|1, H|1, m|1]
+        w = w[..., :m] if w.shape[-1] > 1 else w  # [1, 1, m|1]
         if w.numel() == 1:
             out[:, :, :m].add_(t[:, :, :m], alpha=float(w))
         else:
-            out[:, :, :m].addcmul_(t[:, :, :m], w.to(t.dtype)[..., None])  # [L|1, H|1, m|1, 1] over channels
+            out[:, :, :m].addcmul_(t[:, :, :m], w.to(t.dtype)[..., None])  # [1, 1, m, 1] over channels
     return out

@@ -24,8 +24,7 @@
 On a GPU every count the host reads from the device makes it wait for the queued work. The band keeps the
 number of span tokens active on the host instead, so that a layer's rows are found without such a wait. A
 selector that says how many it kept (``Kept``: relay's share pruning, cacheblend's budget) costs no wait; a
-bare mask is counted on the device (the selection at ``select_layer`` and the admission, once per call; the
-``peers`` pruning rule, at each pruning layer).
+bare mask is counted on the device (the selection at ``select_layer`` and the admission, once per call).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvrelay.errors import ConfigError
 from kvrelay.reuse import METHODS, method_class
 
-SPEC_SYNTAX = "a method spec is NAME or NAME[setting=value,...], e.g. relay[l_pre=4] or cacheblend[ratio=0.3]"
+SPEC_SYNTAX = "a method spec is NAME or NAME[setting=value,...], e.g. relay[keep_share=0.2] or cacheblend[ratio=0.3]"
 
 
 @dataclass(frozen=True)

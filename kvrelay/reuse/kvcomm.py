@@ -9,12 +9,10 @@ call is planned all-or-nothing:
   their value distances must be decisive: normalized entropy <= ``gamma``; otherwise the call runs
   a dense prefill (after the store's exact prefix, as ``prefix`` does), counted as a fallback, and
   ``observe`` turns that prefill into one new anchor per placeholder (pools bounded by
-  ``max_anchors``). ``gate_distance=l2`` (default) gates on softmax(-L2 norm of the whole value
-  difference), the scale of KVCOMM's public code;
-  ``relative`` gates on the mixing weights below (per-token relative distances / ``temperature``);
-- the offsets are mixed with softmax(-relative value distance / ``temperature``) weights: one per
-  anchor (``mix=anchor``, the default), per anchor and layer (``mix=layer``), per anchor, layer and KV
-  head (``mix=head``), or per anchor and placeholder token (``mix=token``, as KVCOMM's public code);
+  ``max_anchors``). The gate weighs anchors by softmax(-L2 norm of the whole value difference), as
+  KVCOMM's public code does;
+- the offsets are mixed with one softmax(-relative value distance / ``MIX_TEMPERATURE``) weight per
+  anchor;
 - ``short_anchors=true``: an anchor shorter than the placeholder still counts, for the tokens it has
   offsets for (the others' weights are renormalized past its end); placeholder tokens past every
   anchor are computed. Off, as published, only anchors at least as long as the placeholder count;
@@ -25,10 +23,10 @@ call is planned all-or-nothing:
   tokens (default 1: the last one), are computed.
 
 Key offsets are kept position-free (both sides rotated back to position 0) and re-rotated to the
-new positions when applied. ``rotate_offsets=false`` keeps absolute offsets and adds them as they
-are, as the public KVCOMM code does. Layer 0 offsets are zero (K/V there depend on token and
-position only). Placeholders come from the call's refs; when the gate passes, the store's exact prefix
-is not needed (the first template segment covers it).
+new positions when applied, so an anchor learned at one position serves a placeholder at any other.
+Layer 0 offsets are zero (K/V there depend on token and position only). Placeholders come from the
+call's refs; when the gate passes, the store's exact prefix is not needed (the first template segment
+covers it).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from kvrelay.cache.tenancy import expired_keys, namespace_of, scoped_key, unscop
 from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
-from kvrelay.reuse.anchors import MIX_MODES, Anchor, AnchorPool, Distances, mix, normalized_entropy
+from kvrelay.reuse.anchors import Anchor, AnchorPool, Distances, mix, normalized_entropy
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
 from kvrelay.reuse.prefix import PrefixMethod
 
@@ -75,47 +73,34 @@ class _Layout:
 class _Decision:
     key: str
     anchors: list[Anchor]
-    weights: torch.Tensor  # [A, L|1, Hkv|1, n|1] (anchors.Distances.weights)
-    seg_weights: torch.Tensor  # [A, L|1, Hkv|1, 1]: for the template segment after the placeholder
+    weights: torch.Tensor  # [A, 1, 1, n|1]: one per anchor (anchors.Distances.weights; n: a short anchor)
+    seg_weights: torch.Tensor  # [A, 1, 1, 1]: for the template segment after the placeholder
     num_covered: int  # the placeholder's first tokens that some anchor has offsets for (the rest are computed)
+
+
+# softmax(-relative value distance / MIX_TEMPERATURE) mixes the anchors' offsets. The distance is |v_new - v_anchor| /
+# |v_new|, free of the model's scale: between different texts it clusters at 1.2-1.4 (~sqrt 2: near-orthogonal values)
+# with a spread of ~0.1, so 0.01 makes a gap of a few hundredths decisive; 0.05 leaves most weight vectors near flat.
+MIX_TEMPERATURE = 0.01
+# A full pool evicts the least used of its this-many oldest anchors (KVCOMM's rule): a new anchor survives long enough
+# to be used before it can go.
+EVICT_WINDOW = 5
 
 
 @dataclass
 class KVCommMethod(ReuseMethod):
     gamma: float = field(default=0.3, metadata={
-        "help": "reuse only when the gate weights' entropy / log(#anchors) is at most this"})
-    # The gate's distance. "l2": softmax(-|v_new - v_anchor|_2) over the whole placeholder at temperature 1,
-    # as KVCOMM's public code gates (its predict_as_anchor); the norm grows with the span, so the weights
-    # are near one-hot unless two anchors tie (e.g. the same text twice). "relative": the mixing weights
-    # below, whose entropy depends on `temperature`.
-    gate_distance: str = field(default="l2", metadata={
-        "help": "the gate's distance: l2 (as KVCOMM's public code) or relative (the mixing weights')"})
-    # softmax(-relative value distance / temperature). Distances between different texts cluster at
-    # 1.2-1.4 (~sqrt 2: near-orthogonal values) with a spread of ~0.1 on SmolLM2, so 0.01 makes a gap
-    # of a few hundredths decisive; 0.05 leaves most weight vectors near flat.
-    temperature: float = field(default=0.01, metadata={
-        "help": "softmax temperature of the mixing weights over relative value distances"})
+        "help": "reuse only when the gate weights' entropy / log(#anchors) is at most this (0: one anchor takes all)"})
     # A placeholder with fewer eligible anchors forces a dense prefill. 2 as in the public code, which
     # makes any placeholder with at most one anchor of its length a new anchor.
     warmup: int = field(default=2, metadata={
         "help": "eligible anchors a placeholder needs before it is reused (fewer: a dense prefill that adds one)"})
-    max_anchors: int = field(default=20, metadata={"help": "anchors kept per placeholder pool"})
-    evict_window: int = field(default=5, metadata={
-        "help": "a full pool evicts the least used of its this-many oldest anchors"})
-    rotate_offsets: bool = field(default=True, metadata={
-        "help": "key offsets stored without RoPE and rotated to the new positions (False: absolute)"})
-    reuse_template: bool = field(default=True, metadata={
-        "help": "also reuse template segments (base KV + the anchors' offsets)"})
+    max_anchors: int = field(default=20, metadata={"help": "anchors kept per placeholder pool (KVCOMM's 20)"})
     # The last this-many prompt tokens are computed, whatever covers them (1: only the last, as KVCOMM does).
     # Estimated, the template's closing text right before the answer is in effect another problem's KV of
     # that text; 32 covers it on the fc3 workloads, at about half the speedup.
     tail_tokens: int = field(default=1, metadata={
         "help": "the prompt's last this-many tokens are computed, whatever covers them"})
-    # Granularity of the mixing weights (anchors.Distances.weights): "anchor", "layer", "head" or "token". An
-    # anchor close in the layers (heads, tokens) that matter may be far in others.
-    mix: str = field(default="anchor", metadata={
-        "help": "granularity of the mixing weights: anchor, layer, head or token"})
-    per_layer: bool = field(default=False, metadata={"help": "the same as mix=layer"})
     # Anchors shorter than the placeholder count for the tokens they cover; the tokens past every anchor are
     # computed. Off: a placeholder longer than all but warmup-1 anchors falls back, as in the public code.
     short_anchors: bool = field(default=False, metadata={
@@ -126,22 +111,14 @@ class KVCommMethod(ReuseMethod):
     templates: dict[str, list[TemplateSegment]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.gamma < 0 or self.temperature <= 0:
-            raise ConfigError(f"kvcomm: need gamma >= 0 and temperature > 0, got {self.gamma}, {self.temperature}")
-        if self.gate_distance not in ("l2", "relative"):
-            raise ConfigError(f"kvcomm: gate_distance must be 'l2' or 'relative', got {self.gate_distance!r}")
-        if self.mix not in MIX_MODES:
-            raise ConfigError(f"kvcomm: mix must be one of {', '.join(MIX_MODES)}, got {self.mix!r}")
-        if self.per_layer:
-            if self.mix not in ("anchor", "layer"):
-                raise ConfigError(f"kvcomm: per_layer=true is mix=layer; it contradicts mix={self.mix}")
-            self.mix = "layer"
+        if self.gamma < 0:
+            raise ConfigError(f"kvcomm: need gamma >= 0, got {self.gamma}")
         if self.tail_tokens < 1:
             raise ConfigError(f"kvcomm: tail_tokens must be >= 1 (the last prompt token is computed), "
                               f"got {self.tail_tokens}")
-        if self.warmup < 1 or self.max_anchors < self.warmup or not 1 <= self.evict_window <= self.max_anchors:
-            raise ConfigError(f"kvcomm: need 1 <= warmup <= max_anchors and 1 <= evict_window <= max_anchors, got "
-                              f"warmup={self.warmup}, max_anchors={self.max_anchors}, evict_window={self.evict_window}")
+        if self.warmup < 1 or self.max_anchors < self.warmup:
+            raise ConfigError(f"kvcomm: need 1 <= warmup <= max_anchors, got warmup={self.warmup}, "
+                              f"max_anchors={self.max_anchors}")
 
     @staticmethod
     def pool_key(call: CallInput, ref: SpanRef, namespace: str = "") -> str:
@@ -174,15 +151,12 @@ class KVCommMethod(ReuseMethod):
             if m <= 0:
                 continue
             loads.append(SpanLoad(ref.span_id, ref.src_start, ref.src_start + m, ref.start))
-            dk = mix(d.weights, [a.dk for a in d.anchors], m)
-            if self.rotate_offsets:
-                dk = rope.shift_keys(dk, ref.start)
+            dk = rope.shift_keys(mix(d.weights, [a.dk for a in d.anchors], m), ref.start)
             patches.append(KVPatch(ref.start, dk, mix(d.weights, [a.dv for a in d.anchors], m), add=True))
             covered[ref.start : ref.start + m] = True
-        if self.reuse_template:
-            for patch in self._template_patches(call, layout, decisions, rope, computed_from, namespace_of(store)):
-                patches.append(patch)
-                covered[patch.dst_start : patch.dst_start + patch.num_tokens] = True
+        for patch in self._template_patches(call, layout, decisions, rope, computed_from, namespace_of(store)):
+            patches.append(patch)
+            covered[patch.dst_start : patch.dst_start + patch.num_tokens] = True
         active = (~covered).nonzero().flatten()
         return Plan(StaticSchedule(active), loads, patches, state=decisions)
 
@@ -210,18 +184,18 @@ class KVCommMethod(ReuseMethod):
             span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
             dist = Distances.of(base_v, anchors)  # one pass over the pool
-            weights = dist.weights(self.mix, self.temperature)  # [A, L|1, H|1, n|1]
-            per_anchor = None  # one weight per anchor, when the gate or the next segment needs it
-            if self.gate_distance == "relative" or weights.shape[-1] > 1:
-                per_anchor = torch.softmax(-dist.value_distances() / self.temperature, dim=0)  # [A]
-            # the reason names the gate's entropy, never distances to the pool's values: a server returns it to clients
-            gate_weights = per_anchor if self.gate_distance == "relative" else torch.softmax(-dist.l2(), dim=0)  # [A]
-            entropy = normalized_entropy(gate_weights)
+            weights = dist.weights(MIX_TEMPERATURE)  # [A, 1, 1, n|1]: n where a short anchor ends early
+            # the gate: softmax(-L2) at temperature 1, as KVCOMM's public code gates (its predict_as_anchor); the norm
+            # grows with the span, so the weights are near one-hot unless two anchors tie (e.g. the same text twice).
+            # The reason names the gate's entropy, never distances to the pool's values: a server returns it to clients
+            entropy = normalized_entropy(torch.softmax(-dist.l2(), dim=0))  # over [A]
             if entropy > self.gamma:
                 reasons.append(f"placeholder {shown!r} anchor entropy {entropy:.2f} > gamma {self.gamma} "
                                f"({len(anchors)} anchors)")
                 continue
-            seg_weights = weights if weights.shape[-1] == 1 else per_anchor[:, None, None, None]
+            seg_weights = weights  # one weight per anchor for the template segment after the placeholder
+            if weights.shape[-1] > 1:  # a short anchor weighs nothing past its end: the segment takes the plain mix
+                seg_weights = torch.softmax(-dist.value_distances() / MIX_TEMPERATURE, dim=0)[:, None, None, None]
             num_covered = min(ref.num_tokens, max(a.num_tokens for a in anchors))
             decisions.append(_Decision(key, anchors, weights, seg_weights, num_covered))
         return (decisions, None) if not reasons else ([], "; ".join(reasons))
@@ -246,8 +220,8 @@ class KVCommMethod(ReuseMethod):
                 w = d.seg_weights[have] / d.seg_weights[have].sum(dim=0)
                 seg_dk = mix(w, [d.anchors[i].seg_dk for i in have], m)
                 seg_dv = mix(w, [d.anchors[i].seg_dv for i in have], m)
-                k_rel, v = (k_rel + seg_dk, v + seg_dv) if self.rotate_offsets else (k_rel, v + seg_dv)
-                k = rope.shift_keys(k_rel, start) + (0 if self.rotate_offsets else seg_dk)
+                k_rel, v = k_rel + seg_dk, v + seg_dv
+                k = rope.shift_keys(k_rel, start)
             else:  # the first segment: same tokens, same positions, nothing before it -> exact
                 k = rope.shift_keys(k_rel, start)
             patches.append(KVPatch(start, k, v, add=False))
@@ -287,7 +261,7 @@ class KVCommMethod(ReuseMethod):
                 anchor.seg_ids = seg_ids
                 anchor.seg_dk, anchor.seg_dv = self._offsets(rope, cache, s, e, base.k_rel, base.v, 0)
             pool = self.pools.setdefault(self.pool_key(call, ref, namespace),
-                                         AnchorPool(self.max_anchors, self.evict_window))
+                                         AnchorPool(self.max_anchors, min(EVICT_WINDOW, self.max_anchors)))
             pool.add(anchor)
 
     def _forget_expired(self, store: KVStore | None) -> None:
@@ -299,15 +273,10 @@ class KVCommMethod(ReuseMethod):
 
     def _offsets(self, rope: RotaryEmbedding, cache: SequenceKV, start: int, end: int, base_k: torch.Tensor,
                  base_v: torch.Tensor, base_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Offsets (real - base) of prompt positions [start, end) against base K/V rotated for base_pos.
-
-        Position-free keys: both rotated back to position 0; absolute: base moved to ``start``.
-        """
+        """Offsets (real - base) of prompt positions [start, end) against base K/V rotated for base_pos; keys
+        position-free (both rotated back to position 0)."""
         real_k, real_v = cache.k[:, :, start:end], cache.v[:, :, start:end]
-        if self.rotate_offsets:
-            dk = rope.shift_keys(real_k, -start) - rope.shift_keys(base_k, -base_pos)
-        else:
-            dk = real_k - rope.shift_keys(base_k, start - base_pos)
+        dk = rope.shift_keys(real_k, -start) - rope.shift_keys(base_k, -base_pos)
         dv = real_v - base_v
         dk[0] = 0  # layer 0: K/V depend on the token and its position only; any offset is float noise
         dv[0] = 0

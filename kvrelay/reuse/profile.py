@@ -147,7 +147,7 @@ def layer_profile(lm: LoadedModel, shipped_dir: Path = SHIPPED_PROFILES) -> Laye
         raise ConfigError(
             f"relay: no RelayCaching layer profile for model {lm.name!r} (fingerprint {lm.profile_fingerprint}; "
             f"looked in {path} and {shipped}). Build one with `kvrelay profile --model {lm.name}`, or give the layers: "
-            f"relay[l_start=..,l_det=..,l_end=..]")
+            f"relay[band=start:det:end]")
     _PROFILES[lm.profile_fingerprint] = profile
     return profile
 

@@ -1,276 +1,153 @@
 """``relay`` (RelayCaching, arXiv 2603.13289): reuse upstream decode KV, repair a band of layers.
 
-Reused spans (an upstream agent's output with the KV it built while decoding; a task input with
-the KV an upstream prompt built) are re-rotated to their new positions, then:
+Reused spans (an upstream agent's output with the KV it built while decoding; a task input with the KV an upstream
+prompt built) are re-rotated to their new positions, then:
 
 - below ``L_start`` and above ``L_end``: reused as is;
-- ``[L_start, L_det]``: every span token recomputed, entering at ``L_start`` from the hidden state
-  the upstream call carried (a span without it is recomputed from layer 0 instead, and the stats
-  say how many tokens that was);
-- at ``L_det`` the selector keeps tokens whose value deviation ``1 - cos(v_reused, v_fresh)`` is at
-  least ``tau_dev`` x the mean, or whose attention from the call's new tokens is at least ``tau_inf``
-  x the mean, plus the last ``l_suf`` tokens of every span (and, with ``l_pre`` > 0, its first
-  ``l_pre``: EPIC's observation that a span's opening tokens carry most of the context change; our
-  addition, not in the RelayCaching paper); only those stay through ``L_end``. With ``pre_dense``
-  the opening tokens are computed at every layer instead, as EPIC computes them.
-  With ``top_r`` set (the budget form) the thresholds give way to a fixed share: the ``top_r`` x n
-  span tokens with the highest score (deviation / its mean + influence / its mean, or the one the
-  ``selector`` names), plus the suffix and opening tokens.
-- with ``L_det == L_start`` (detection where the carried states enter) there is no deviation to read: a
-  token's fresh K/V there would be the upstream's again. The selection then reads only the influence (the
-  call's new tokens attending to the reused keys) and runs before the span tokens join, so the ones it
-  refuses are never computed: detection costs the new tokens' Q/K/V at one layer, not a layer of every
-  relayed token.
-- with ``prune`` (gradual filtering, as CacheBlend's paper describes it), each band layer above ``L_det``
-  drops the kept tokens whose value deviation there is low (``prune_mask``) before its attention, so the
-  kept set narrows with depth: a wide selection low in the band costs what a narrow one does to the top.
-- with ``drift`` (ours, needs ``prune``), each of those layers also corrects the span tokens it does not
-  compute: the recomputed ones show how the new context moved their K/V there (fresh - reused, keys
-  with RoPE undone), and ``drift`` x the mean of that move is added to the others' reused K/V
-  (``drift_shift``). Much of the move is shared across a span's tokens; the recomputed tokens are the
-  ones that moved most, hence a factor under 1.
-- with ``pos_prior`` or ``away`` (budget form), the score also ranks a span's early tokens first, or the span
-  tokens that paid most attention, in the call that stored them, to context outside their span
-  (``away_mass``: what a reused span no longer reads; one Q projection of the carried span tokens at L_start
-  and their attention over the stored keys there, before the band runs).
-  A subclass may hand ``plan_reuse`` more such priors by prompt position (``relay_anchors``: the move its anchors
-  expect to miss). ``selector=priors`` ranks by the priors alone (no deviation, no influence): with ``L_det ==
-  L_start`` the band then admits its tokens before any of them is computed and reads nothing to choose them.
+- from ``L_start``: every span token is recomputed, entering from the hidden state the upstream call carried (a span
+  without one is recomputed from layer 0, and the plan's note says how many tokens that was);
+- at ``L_det`` a selector (``relay_selectors``) keeps some of them through ``L_end``: ``threshold`` (the paper's:
+  value deviation or the new tokens' attention over a multiple of its mean) or ``budget`` (a fixed share by score).
+  With ``L_det == L_start`` the carried states' own K/V there equal the reused ones, so the selection reads only the
+  new tokens' attention and runs before the span tokens join: the refused ones are never computed.
 
-The layers come from the parameters, else the model's offline profile (``kvrelay.reuse.profile``:
-yours from ``kvrelay profile``, else the one shipped with kvrelay); planning never builds one. So does
-the selector when the spec sets none of its knobs (``tau_dev``, ``tau_inf``, ``l_suf``, ``l_pre``,
-``pre_dense``, ``top_r``, ``prune``, ``prune_by``, ``drift``, ``pos_prior``, ``away``): the profile holds the one chosen
-on calibration calls for the model (with the detection layer and band it was chosen with), or none (the paper's). A spec
-that sets any selector knob runs on the band search's layers (``searched_band``), not on those the
-calibrated selector moved.
+Around the selector, what the research line found to pay (``BandPolicy``): each span's first tokens computed at
+every layer (EPIC's observation that a span's opening carries most of the context change), gradual pruning inside
+the band (CacheBlend's), and the drift correction (ours): a pruning layer adds a share of the computed span tokens'
+mean K/V move to the ones it leaves. The budget may also rank first the span tokens that paid most attention, where
+they were stored, to context their span no longer has (``relay_select.away_mass``).
+
+A plain ``relay`` runs the band and policy the model's profile holds for the call's role (``kvrelay.reuse.profile``:
+yours from ``kvrelay profile``, else the one shipped with kvrelay); each setting given replaces only its part.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
-from kvrelay.model.schedule import Entry, LayerView, StaticSchedule
-from kvrelay.reuse.band import BandSchedule, Kept
+from kvrelay.model.schedule import Entry, StaticSchedule
+from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
-from kvrelay.reuse.profile import layer_profile
-from kvrelay.reuse.relay_select import (
-    PRUNE_RULES,
-    drift_shift,
-    lost_context_mass,
-    position_prior,
-    prune_mask,
-    select_tokens,
-    select_top,
-    spread_with_mean,
-    value_cos_deviation,
+from kvrelay.reuse.profile import LayerProfile, layer_profile
+from kvrelay.reuse.relay_policy import PAPER_POLICY, PAPER_SELECTOR, BandPolicy
+from kvrelay.reuse.relay_select import lost_context_mass, position_prior, spread_with_mean
+from kvrelay.reuse.relay_selectors import (
+    BudgetSelector,
+    DriftCorrection,
+    GradualPrune,
+    SpanMarks,
+    SpanSelector,
+    ThresholdSelector,
 )
 from kvrelay.reuse.spans import ReusePlan, collect_reuse
 
-SELECTORS = ("both", "deviation", "influence", "priors")  # priors: the budget form's priors alone
-RESERVED_PRIORS = frozenset({"always", "prior", "away"})  # names plan_reuse uses itself
-# the paper's selector (second-hand figures, DESIGN.md): the thresholds, the last 10 tokens, no opening tokens,
-# no pruning inside the band
-PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10, "l_pre": 0, "pre_dense": None, "top_r": None,
-                  "prune": None, "prune_by": None, "drift": None, "pos_prior": None, "away": None}
+__all__ = ["PAPER_SELECTOR", "SELECTORS", "RelayMethod", "SpanParts", "parse_band"]
+
+SELECTORS = ("profile", "budget", "threshold")
+Layers = tuple[int, int, int]
 
 
-@dataclass(frozen=True)
-class SelectorSettings:
-    """The selector's knobs as one call uses them (``band.Selector`` is the function built from them)."""
-
-    tau_dev: float
-    tau_inf: float
-    l_suf: int
-    l_pre: int
-    pre_dense: bool | None  # None: False (the openings enter the band with the other span tokens)
-    top_r: float | None
-    prune: float | None
-    prune_by: str | None  # None: share
-    drift: float | None  # None: no drift correction
-    pos_prior: float | None  # weight of the position prior in the budget form's score (None: none)
-    away: float | None  # weight of the stored tokens' attention outside their span in that score (None: none)
+def parse_band(text: str) -> Layers:
+    """``"start:det:end"`` as three layer indices (a ConfigError otherwise)."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise ConfigError(f"relay: band must be three layers as start:det:end (e.g. 2:2:29), got {text!r}")
+    start, det, end = (int(p) for p in parts)
+    return start, det, end
 
 
-class _OnDevice:
-    """Tensors by name, each copied to a device on first use there (a copy per layer would make a GPU wait)."""
+@dataclass
+class SpanParts:
+    """Where a call's span tokens enter the band and which are kept whatever the selector says, by prompt position."""
 
-    def __init__(self, **tensors: torch.Tensor) -> None:
-        self._copies = {(name, t.device): t for name, t in tensors.items()}
-        self._cpu = tensors
+    carried: list[torch.Tensor] = field(default_factory=list)  # enter at L_start from carried hidden states
+    carried_h: list[torch.Tensor] = field(default_factory=list)  # their states there, [n, hidden] each
+    from_zero: list[torch.Tensor] = field(default_factory=list)  # no carried state: enter at layer 0
+    always: list[torch.Tensor] = field(default_factory=list)  # span openings and ends kept through the band
+    dense: list[torch.Tensor] = field(default_factory=list)  # openings computed at every layer, as new tokens are
+    away: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (positions, their away mass)
 
-    def get(self, name: str, device: torch.device) -> torch.Tensor:
-        if (name, device) not in self._copies:
-            self._copies[name, device] = self._cpu[name].to(device)
-        return self._copies[name, device]
-
-
-def _recalibration_flags(profile, workload: str) -> str:
-    """The ``kvrelay profile`` flags that calibrate ``workload``'s entry again: the workload (or pipeline file)
-    and data it was calibrated on."""
-    recorded = profile.workload_selectors[workload].get("calibration", {}).get("selector_workloads", {})
-    name, data = next(iter(recorded.items()), (workload, "default"))
-    return f" --for-workload --workload {name}" + (f" --data {data}" if data != "default" else "")
+    def dense_idx(self) -> torch.Tensor:
+        return torch.cat(self.dense) if self.dense else torch.empty(0, dtype=torch.long)
 
 
 @dataclass
 class RelayMethod(ReuseMethod):
-    # The selector's knobs. None everywhere: the one the model's profile chose on calibration calls (the paper's
-    # without one); any of them set: the paper's values for the others.
-    tau_dev: float | None = field(default=None, metadata={
-        "help": "keep span tokens whose value deviation at L_det is >= tau_dev x its mean (None: the profile's)"})
-    tau_inf: float | None = field(default=None, metadata={
-        "help": "keep span tokens the call's new tokens attend to >= tau_inf x the mean (None: the profile's)"})
-    l_suf: int | None = field(default=None, metadata={
-        "help": "keep each span's last l_suf tokens (None: the profile's)"})
-    l_pre: int | None = field(default=None, metadata={
-        "help": "keep each span's first l_pre tokens too, EPIC's idea inside the band (None: the profile's)"})
-    top_r: float | None = field(default=None, metadata={
-        "help": "budget form: keep this share of span tokens by score instead of the tau_* thresholds"})
-    selector: str = field(default="both", metadata={
-        "help": "token score: both (deviation + influence), deviation, influence, or priors (budget form's priors)"})
-    band: bool = field(default=True, metadata={
-        "help": "False (ablation): recompute the selected tokens from layer 0 to the top instead of in the band"})
-    # True: each span's first l_pre tokens are computed at every layer from the embedding, as EPIC computes
-    # them, instead of entering the band at L_start from the upstream hidden state and leaving it at L_end
-    pre_dense: bool | None = field(default=None, metadata={
-        "help": "compute the first l_pre tokens at every layer from the embedding, as EPIC does (None: profile's)"})
-    # gradual filtering inside the band (selector knobs too): at each band layer above L_det, drop kept span
-    # tokens whose value deviation there is low (``prune_mask``; None: keep them all to L_end)
-    prune: float | None = field(default=None, metadata={
-        "help": "above L_det, drop kept tokens whose value deviation is low at each band layer (None: keep to L_end)"})
-    prune_by: str | None = field(default=None, metadata={
-        "help": "what prune counts: a share of the kept tokens (None) or x their peers' deviation (peers)"})
-    # at each pruning layer, add drift x the recomputed span tokens' mean K/V move to the other span tokens
-    # (``drift_shift``; None: none)
+    selector: str = field(default="profile", metadata={
+        "help": "profile (the model profile's calibrated choice), budget (a fixed share by score) or threshold "
+                "(the paper's)"})
+    keep_share: float | None = field(default=None, metadata={
+        "help": "budget: share of span tokens kept through the band (None: the profile's, else 0.3)"})
+    span_openings: int | None = field(default=None, metadata={
+        "help": "each span's first tokens, always recomputed (EPIC's finding; None: the profile's)"})
+    prune_share: float | None = field(default=None, metadata={
+        "help": "each band layer above detection drops this share of the kept tokens (0: off; None: the profile's)"})
     drift: float | None = field(default=None, metadata={
-        "help": "at each pruning layer, add drift x the recomputed tokens' mean K/V move to the other span tokens"})
-    # budget form: add pos_prior x the mean-normalized ``position_prior`` (a span's early tokens first) to the score
-    pos_prior: float | None = field(default=None, metadata={
-        "help": "budget form: add pos_prior x a prior favouring a span's early tokens to the score"})
-    # budget form: add away x the mean-normalized ``away_mass`` (the attention a span token paid, where it was
-    # stored, to the context it no longer has) to the score; read from the carried states at L_start
-    away: float | None = field(default=None, metadata={
-        "help": "budget form: add away x the attention a span token paid to context it no longer has to the score"})
-    l_start: int | None = field(default=None, metadata={
-        "help": "first band layer: span tokens recomputed from there on (None: the model's profile)"})
-    l_det: int | None = field(default=None, metadata={
-        "help": "the band layer where the selector picks the tokens kept (None: the model's profile)"})
-    l_end: int | None = field(default=None, metadata={
-        "help": "last band layer: kept tokens recomputed through it, reused above (None: the model's profile)"})
+        "help": "span tokens a band layer leaves get this share of the recomputed ones' mean K/V move (0: off)"})
+    band: str | None = field(default=None, metadata={
+        "help": "the band's layers start:det:end, e.g. 2:2:29 (None: the model's profile)"})
     name = "relay"
+    # a band and policy fixed in advance, for the profile's own searches (``with_knobs``); not a setting
+    fixed: tuple[Layers, BandPolicy] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
             raise ConfigError(f"relay: selector must be one of {SELECTORS}, got {self.selector!r}")
-        if self.selector == "priors" and (self.top_r is None or not (self.pos_prior or self.away
-                                                                     or self.has_own_prior())):
-            raise ConfigError("relay: selector=priors needs top_r and a prior to rank by (pos_prior, away, or the "
-                              "method's own, such as relay_anchors' anchor_select)")
-        if any(v is not None and v < 0 for v in (self.l_suf, self.l_pre, self.tau_dev, self.tau_inf)):
-            raise ConfigError("relay: l_suf, l_pre, tau_dev and tau_inf must be >= 0")
-        if self.top_r is not None and not 0 <= self.top_r <= 1:
-            raise ConfigError(f"relay: top_r must be in [0, 1], got {self.top_r}")
-        if self.prune_by is not None and self.prune_by not in PRUNE_RULES:
-            raise ConfigError(f"relay: prune_by must be one of {PRUNE_RULES}, got {self.prune_by!r}")
-        if self.prune_by is not None and self.prune is None:
-            raise ConfigError("relay: prune_by needs prune (the share or the factor it applies)")
-        if self.pre_dense is not None and not isinstance(self.pre_dense, bool):
-            raise ConfigError(f"relay: pre_dense must be true or false, got {self.pre_dense!r}")
-        if self.pre_dense and not self.l_pre:
-            raise ConfigError("relay: pre_dense needs l_pre > 0 (the span openings it computes at every layer)")
-        if self.drift is not None and not 0 <= self.drift <= 1:
-            raise ConfigError(f"relay: drift must be in [0, 1], got {self.drift}")
-        if self.drift is not None and self.prune is None:
-            raise ConfigError("relay: drift needs prune (it corrects at the band's pruning layers)")
-        if self.pos_prior is not None and self.pos_prior < 0:
-            raise ConfigError(f"relay: pos_prior must be >= 0, got {self.pos_prior}")
-        if self.pos_prior and self.top_r is None:
-            raise ConfigError("relay: pos_prior needs top_r (it adds to the budget form's score)")
-        if self.away is not None and self.away < 0:
-            raise ConfigError(f"relay: away must be >= 0, got {self.away}")
-        if self.away and self.top_r is None:
-            raise ConfigError("relay: away needs top_r (it adds to the budget form's score)")
-        if self.prune is not None and not (0 <= self.prune <= 1 if self.prune_by != "peers" else self.prune >= 0):
-            raise ConfigError(f"relay: prune must be in [0, 1] (a share) or >= 0 (prune_by=peers), got {self.prune}")
+        if self.selector == "threshold" and self.keep_share is not None:
+            raise ConfigError("relay: keep_share is the budget's; selector=threshold keeps by the paper's thresholds")
+        if self.span_openings is not None and self.span_openings < 0:
+            raise ConfigError(f"relay: span_openings must be >= 0, got {self.span_openings}")
+        PAPER_POLICY.overridden(self.keep_share, self.span_openings, self.prune_share, self.drift)  # range checks
+        if self.band is not None:
+            parse_band(self.band)
 
-    def has_own_prior(self) -> bool:
-        """Whether this method hands ``plan_reuse`` a prior of its own (a subclass's; relay has none)."""
-        return False
+    @classmethod
+    def with_knobs(cls, layers: Layers, knobs: dict) -> RelayMethod:
+        """relay on fixed layers with a policy in the profile's knob vocabulary (``relay_policy.KNOBS``): what
+        ``kvrelay profile`` scores its candidate bands and selectors with."""
+        method = cls()
+        method.fixed = (tuple(layers), BandPolicy.from_knobs(knobs))
+        return method
 
-    @property
-    def own_selector(self) -> bool:
-        """Whether the selector comes from the model's profile (the spec sets none of its knobs)."""
-        return all(getattr(self, k) is None for k in PAPER_SELECTOR)
+    def policy(self, lm, role: str = "") -> BandPolicy:
+        """The band policy a call of ``role`` runs: the profile's for that role (the paper's without a profile, or
+        with ``selector=threshold``), with the settings given in place of its parts."""
+        if self.fixed is not None:
+            return self.fixed[1]
+        base = PAPER_POLICY if self.selector == "threshold" else _profile_policy(lm, role)
+        return base.overridden(self.keep_share, self.span_openings, self.prune_share, self.drift,
+                               budget=self.selector == "budget")
 
-    def selector_settings(self, lm, role: str = "") -> SelectorSettings:
-        """The selector a call of ``role`` uses: the knobs given, else the profile's calibrated choice (its
-        workload's, ``LayerProfile.for_role``), else the paper's."""
-        given = {k: getattr(self, k) for k in PAPER_SELECTOR}
-        if not self.own_selector:
-            return SelectorSettings(**{k: PAPER_SELECTOR[k] if v is None else v for k, v in given.items()})
-        try:
-            profile = layer_profile(lm)
-        except ConfigError:  # no profile (the layers were given): the paper's selector
-            profile = None
-        chosen = profile.for_role(role)[1] if profile else {}
-        unknown = sorted(set(chosen) - set(PAPER_SELECTOR))
-        try:
-            if unknown:
-                raise ConfigError(f"unknown knobs {unknown}")
-            RelayMethod(**chosen)  # the same checks as a spec's knobs
-        except ConfigError as exc:
-            workload = profile.workload_of(role)  # a selector came from a profile: there is one
-            which, flags = (f"{workload}'s selector", _recalibration_flags(profile, workload)) if workload else \
-                ("selector", "")
-            raise ConfigError(f"relay: the {which} in {lm.name}'s profile is not valid ({exc}); "
-                              f"`kvrelay profile --model {lm.name} --selector-only{flags}` writes a new one") from exc
-        return SelectorSettings(**{**PAPER_SELECTOR, **chosen})
-
-    def layers(self, lm, role: str = "") -> tuple[int, int, int]:
-        """(L_start, L_det, L_end) for a call of ``role`` on this model: each override given, else the profile's
-        (a ConfigError says how to get one when the model has none and a layer is not given)."""
+    def layers(self, lm, role: str = "") -> Layers:
+        """(L_start, L_det, L_end) for a call of ``role``: ``band`` if given, else the profile's (the band search's
+        for the paper's thresholds, else the role's calibrated one). All equal to the number of layers: the empty
+        band (nothing recomputed, as naive)."""
         num_layers = lm.config.num_layers
-        given = (self.l_start, self.l_det, self.l_end)
-        # each layer not given comes from the profile (relay[l_end=25] moves only the band's end): its layers
-        # with its own selector (the role's workload's, if it has one), else the band search's (a selector chosen
-        # to detect at L_start moved L_det there, one with a band of its own the band)
-        if None in given:
-            profile = layer_profile(lm)
-            profiled = profile.for_role(role)[0] if self.own_selector else \
-                tuple(profile.searched_band or profile.layers)
+        if self.fixed is not None:
+            start, det, end = self.fixed[0]
+        elif self.band is not None:
+            start, det, end = parse_band(self.band)
         else:
-            profiled = given
-        start, det, end = (g if g is not None else p for g, p in zip(given, profiled, strict=True))
-        if not self.band:
-            start, end = 0, num_layers - 1
-        if start == det == end == num_layers:
-            return start, det, end  # the empty band: nothing recomputed (equals naive)
-        if not 0 <= start <= det <= end < num_layers:
-            raise ConfigError(f"relay: need 0 <= L_start {start} <= L_det {det} <= L_end {end} < {num_layers} "
-                              f"(or all = {num_layers}: the empty band)")
-        return start, det, end
-
-    def _roles(self, lm) -> dict[str, str]:
-        """workload -> one of its roles, for each workload selector in the profile this spec uses."""
-        if not self.own_selector:
-            return {}
-        try:
-            entries = layer_profile(lm).workload_selectors
-        except ConfigError:
-            return {}
-        return {name: next(iter(entry["roles"].values()), "") for name, entry in entries.items()}
+            profile = layer_profile(lm)
+            start, det, end = tuple(profile.searched_band or profile.layers) if self.selector == "threshold" \
+                else profile.for_role(role)[0]
+        if start == det == end == num_layers or 0 <= start <= det <= end < num_layers:
+            return start, det, end
+        raise ConfigError(f"relay: need 0 <= L_start {start} <= L_det {det} <= L_end {end} < {num_layers} "
+                          f"(or all = {num_layers}: the empty band)")
 
     def settings(self, lm) -> dict:
-        def resolved(role: str) -> dict:
-            return {"layers": list(self.layers(lm, role)), "selector": asdict(self.selector_settings(lm, role))}
+        per_workload = {name: self.resolved(lm, role) for name, role in _workload_roles(lm).items()} \
+            if self.fixed is None and self.selector != "threshold" else {}
+        return self.resolved(lm, "") | ({"workload_selectors": per_workload} if per_workload else {})
 
-        per_workload = {name: resolved(role) for name, role in self._roles(lm).items()}
-        return resolved("") | ({"workload_selectors": per_workload} if per_workload else {})
+    def resolved(self, lm, role: str) -> dict:
+        """The layers and policy a call of ``role`` runs, as plain data (the bench JSON records them)."""
+        return {"layers": list(self.layers(lm, role)), "selector": self.policy(lm, role).to_dict()}
 
     def capture_layers(self, lm) -> tuple[int, ...]:
         start = self.layers(lm)[0]  # a profile's workload selectors enter where its own does (``LayerProfile``)
@@ -279,134 +156,137 @@ class RelayMethod(ReuseMethod):
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         return self.plan_reuse(call, store, lm, collect_reuse(call, store, lm.fingerprint))
 
-    def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan,
-                   priors: dict[str, tuple[torch.Tensor, float]] | None = None,
-                   count_over: tuple[str, float] | None = None) -> Plan:
-        """``plan`` on the call's reuse already collected (a subclass that reads it first need not collect it twice).
-        ``priors``: more of the budget form's priors, name -> (a score by prompt position [num prompt tokens], its
-        weight), as a subclass knows them (``relay_anchors``: the move its anchors expect to miss). ``count_over``:
-        (a prior's name, a threshold): the budget form keeps as many of the band's candidates (beside those always
-        kept) as that prior scores above the threshold, in place of ``top_r`` x their number."""
+    def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan) -> Plan:
+        """``plan`` on the call's reuse already collected."""
         start, det, end = self.layers(lm, call.role)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
-        sel = self.selector_settings(lm, call.role)
-        if count_over is not None and (sel.top_r is None or count_over[0] not in (priors or {})):
-            raise ValueError(f"relay: count_over {count_over[0]!r} needs the budget form (top_r) and that prior")
-        carried, carried_h, from_zero, always, dense = [], [], [], [], []
-        if sel.away and start == 0:
+        policy = self.policy(lm, call.role)
+        if policy.away and start == 0:
             raise ConfigError("relay: away reads the span tokens' states carried to L_start, which is 0 here: "
-                              "set l_start > 0")
-        away_parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (prompt positions, their ``away_mass``)
+                              "set a band starting above 0")
+        parts = span_parts(call, store, lm, reuse, start, policy)
+        marks = span_marks(call, reuse, parts, policy)
+        schedule = band_schedule(len(call.prompt_ids), reuse, parts, make_selector(policy, marks), policy, marks,
+                                 (start, det, end))
+        return Plan(schedule, reuse.loads, note=plan_note(parts, start, policy))
+
+
+def span_parts(call: CallInput, store: KVStore | None, lm, reuse: ReusePlan, start: int,
+               policy: BandPolicy) -> SpanParts:
+    """Each approximate span's tokens by how they enter (carried to ``start``, from layer 0, or dense openings),
+    which are always kept, and, for the budget's ``away`` prior, the carried ones' lost-context mass."""
+    parts = SpanParts()
+    for load in reuse.approx:
+        idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
+        num_dense = min(policy.open_tokens, load.num_tokens) if policy.dense_openings else 0
+        parts.dense.append(idx[:num_dense])  # computed like the call's new tokens, outside the band
+        idx = idx[num_dense:]
+        if not idx.numel():
+            continue
+        parts.always += [idx[-policy.end_tokens:] if policy.end_tokens else idx[:0],
+                         idx[: policy.open_tokens - num_dense]]
+        span = store.get(load.span_id)
+        h = span.hidden_rows(start, load.src_start + num_dense, load.src_end) if start > 0 else None
+        if h is None:
+            parts.from_zero.append(idx)
+            continue
+        parts.carried.append(idx)
+        parts.carried_h.append(h)
+        if policy.away and (mass := lost_context_mass(lm, call, load, span, h, start)) is not None:
+            parts.away.append((idx, mass))
+    return parts
+
+
+def span_marks(call: CallInput, reuse: ReusePlan, parts: SpanParts, policy: BandPolicy) -> SpanMarks:
+    """The call's ``SpanMarks``: always-kept positions, the budget's priors, and (with dense openings, which are
+    computed beside them) which computed tokens are the call's new tokens."""
+    num_tokens = len(call.prompt_ids)
+    always = torch.zeros(num_tokens, dtype=torch.bool)
+    if parts.always:
+        always[torch.cat(parts.always)] = True
+    priors = {}
+    if policy.pos_prior:
+        span_pos = torch.zeros(num_tokens)  # the token's place in its span
         for load in reuse.approx:
-            idx = torch.arange(load.dst_start, load.dst_start + load.num_tokens)
-            num_dense = min(sel.l_pre, load.num_tokens) if sel.pre_dense else 0
-            dense.append(idx[:num_dense])  # computed like the call's new tokens, outside the band
-            idx = idx[num_dense:]
-            if not idx.numel():
-                continue
-            always += [idx[-sel.l_suf:] if sel.l_suf else idx[:0], idx[: sel.l_pre - num_dense]]
-            src_start = load.src_start + num_dense
-            span = store.get(load.span_id)
-            h = span.hidden_rows(start, src_start, load.src_end) if start > 0 else None
-            if h is not None:
-                carried.append(idx)
-                carried_h.append(h)
-                if sel.away and (mass := lost_context_mass(lm, call, load, span, h, start)) is not None:
-                    away_parts.append((idx, mass))
-            else:
-                from_zero.append(idx)
-        entries = {}  # (at start == 0 nothing is carried: every span token is in from_zero)
-        if from_zero:
-            entries[0] = Entry(torch.cat(from_zero))
-        if carried:
-            entries[start] = Entry(torch.cat(carried), torch.cat(carried_h))
-        always_pos = torch.zeros(len(call.prompt_ids), dtype=torch.bool)  # by prompt position: a span end
-        if always:
-            always_pos[torch.cat(always)] = True
-        # every such token is kept at the selection and never pruned: this many are active through the band
-        num_always = int(always_pos.sum())
-        scores = {}  # by prompt position: the budget form's priors
-        if sel.pos_prior:
-            span_pos = torch.zeros(len(call.prompt_ids))  # the token's place in its span
-            for load in reuse.approx:
-                span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
-            scores["prior"] = position_prior(span_pos)
-        if away_parts:  # by prompt position, on the model's device; a token with no measure counts as average
-            scores["away"] = spread_with_mean(torch.cat([m for _, m in away_parts]),
-                                              torch.cat([i for i, _ in away_parts]), len(call.prompt_ids))
-        weights = {"prior": sel.pos_prior, "away": sel.away}
-        for name, (score, weight) in (priors or {}).items():
-            if name in RESERVED_PRIORS:
-                raise ValueError(f"relay: prior {name!r} is taken (reserved: {sorted(RESERVED_PRIORS)})")
-            scores[name], weights[name] = score, weight
-        by_pos = _OnDevice(always=always_pos, **scores)  # copied to the device once, not per layer
+            span_pos[load.dst_start : load.dst_start + load.num_tokens] = torch.arange(load.num_tokens)
+        priors["prior"] = (position_prior(span_pos), policy.pos_prior)
+    if parts.away:  # on the model's device; a token with no measure counts as average
+        priors["away"] = (spread_with_mean(torch.cat([m for _, m in parts.away]),
+                                           torch.cat([i for i, _ in parts.away]), num_tokens), policy.away)
+    queries = None
+    dense_idx = parts.dense_idx()
+    if dense_idx.numel():
+        queries = torch.ones(num_tokens, dtype=torch.bool)
+        queries[dense_idx] = False
+    return SpanMarks(always, priors, queries)
 
-        def is_always(span_idx: torch.Tensor) -> torch.Tensor:
-            return by_pos.get("always", span_idx.device).index_select(0, span_idx)
 
-        def choose(dev: torch.Tensor | None, inf: torch.Tensor | None, span_idx: torch.Tensor) -> torch.Tensor:
-            always_mask = is_always(span_idx)
-            if sel.top_r is not None:
-                priors = [(by_pos.get(name, span_idx.device).index_select(0, span_idx), weights[name])
-                          for name in scores]
-                top_r = sel.top_r
-                if count_over is not None and span_idx.numel():  # one read of a count back, once per call
-                    over = by_pos.get(count_over[0], span_idx.device).index_select(0, span_idx) > count_over[1]
-                    top_r = int((over & ~always_mask).sum()) / span_idx.numel()
-                return select_top(dev, inf, always_mask, top_r, priors)
-            return select_tokens(dev, inf, always_mask, sel.tau_dev, sel.tau_inf)
+def make_selector(policy: BandPolicy, marks: SpanMarks) -> SpanSelector:
+    if policy.keep_share is None:
+        return ThresholdSelector(marks, policy.tau_dev, policy.tau_inf)
+    return BudgetSelector(marks, policy.keep_share)
 
-        dense_idx = torch.cat(dense) if dense else torch.empty(0, dtype=torch.long)
-        # the influence's queries are the call's own new tokens: the spans' dense openings are computed beside
-        # them but are span text, attending mostly to their own span (a mask by prompt position, only with them)
-        new_pos = None
-        if dense_idx.numel():
-            new_pos = torch.ones(len(call.prompt_ids), dtype=torch.bool)
-            new_pos[dense_idx] = False
 
-        def influence(view: LayerView, query_rows: torch.Tensor, span_idx: torch.Tensor) -> torch.Tensor | None:
-            """The attention the call's new tokens (among ``query_rows``) pay each span token, over heads and
-            queries."""
-            if self.selector not in ("both", "influence"):
-                return None
-            if new_pos is not None:
-                is_new = new_pos.to(query_rows.device).index_select(0, view.active_idx.index_select(0, query_rows))
-                query_rows = query_rows[is_new]
-            if not query_rows.numel():
-                return None
-            return view.attention_probs(query_rows).sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n_keys]
+def band_schedule(num_tokens: int, reuse: ReusePlan, parts: SpanParts, selector: SpanSelector, policy: BandPolicy,
+                  marks: SpanMarks, layers: Layers) -> BandSchedule:
+    """The band: span tokens enter as ``parts`` says, ``selector`` keeps some at L_det (before they are computed,
+    where every one enters there from a carried state), pruning and drift above it as ``policy`` says."""
+    start, det, end = layers
+    entries = {}  # (at start == 0 nothing is carried: every span token is in from_zero)
+    if parts.from_zero:
+        entries[0] = Entry(torch.cat(parts.from_zero))
+    if parts.carried:
+        entries[start] = Entry(torch.cat(parts.carried), torch.cat(parts.carried_h))
+    admits = det == start > 0 and not parts.from_zero
+    new_idx = torch.cat([reuse.new_idx(num_tokens), parts.dense_idx()]).unique()  # sorted
+    prune = GradualPrune(marks, policy.prune_share) if policy.prune_share is not None else None
+    drift = DriftCorrection(marks, policy.drift) if policy.drift else None
+    return BandSchedule(new_idx, entries, det, end, None if admits else selector.select, prune,
+                        selector.admit if admits else None, drift)
 
-        def selector(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-            dev = value_cos_deviation(view, span_rows) if self.selector in ("both", "deviation") else None
-            span_idx = view.active_idx.index_select(0, span_rows)
-            return choose(dev, influence(view, new_rows, span_idx), span_idx)
 
-        def prune(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> Kept:
-            always_mask = is_always(view.active_idx.index_select(0, span_rows))
-            return prune_mask(value_cos_deviation(view, span_rows), always_mask, sel.prune, sel.prune_by or "share",
-                              num_always)
+def plan_note(parts: SpanParts, start: int, policy: BandPolicy) -> str | None:
+    """What the plan could not do as asked: span tokens without a carried state, or without an away measure."""
+    num_from_zero = sum(i.numel() for i in parts.from_zero) if start > 0 else 0
+    notes = [f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0"] \
+        if num_from_zero else []
+    num_unmeasured = sum(i.numel() for i in parts.carried) - sum(i.numel() for i, _ in parts.away) \
+        if policy.away else 0
+    if num_unmeasured:  # their spans were stored without their start or past the score budget
+        notes.append(f"{num_unmeasured} span tokens had no away measure: scored as the others' mean")
+    return "; ".join(notes) or None
 
-        def admit(view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
-            every_row = torch.arange(view.active_idx.numel(), device=view.active_idx.device)  # all new tokens
-            return choose(None, influence(view, every_row, entering_idx), entering_idx)
 
-        def drift(view: LayerView, span_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-            # the spans' openings and ends move far more than the rest: they are not the others' estimate
-            sources = ~is_always(view.active_idx.index_select(0, span_rows))
-            return drift_shift(view, span_rows, sources, sel.drift, span_rows.numel() - num_always)
+def _profile_policy(lm, role: str) -> BandPolicy:
+    """The policy the model's profile chose for ``role``'s calls (the paper's without a profile), or a ConfigError
+    saying how to write a valid one."""
+    try:
+        profile = layer_profile(lm)
+    except ConfigError:  # no profile (the band was given): the paper's selector
+        return PAPER_POLICY
+    try:
+        return BandPolicy.from_knobs(profile.for_role(role)[1])
+    except ConfigError as exc:
+        workload = profile.workload_of(role)
+        which, flags = (f"{workload}'s selector", _recalibration_flags(profile, workload)) if workload else \
+            ("selector", "")
+        raise ConfigError(f"relay: the {which} in {lm.name}'s profile is not valid ({exc}); "
+                          f"`kvrelay profile --model {lm.name} --selector-only{flags}` writes a new one") from exc
 
-        # selecting where the carried states enter: their own K/V there equal the reused ones (no deviation
-        # to read), so the selection runs before they join and the refused ones are never computed
-        admits = det == start > 0 and not from_zero
-        new_idx = torch.cat([reuse.new_idx(len(call.prompt_ids)), dense_idx]).unique()  # sorted
-        schedule = BandSchedule(new_idx, entries, det, end, None if admits else selector,
-                                prune if sel.prune is not None else None, admit if admits else None,
-                                drift if sel.drift else None)
-        num_from_zero = sum(i.numel() for i in from_zero) if start > 0 else 0
-        notes = [f"{num_from_zero} span tokens had no hidden state at L_start={start}: recomputed from layer 0"] \
-            if num_from_zero else []
-        num_unmeasured = sum(i.numel() for i in carried) - sum(i.numel() for i, _ in away_parts) if sel.away else 0
-        if num_unmeasured:  # their spans were stored without their start or past the score budget
-            notes.append(f"{num_unmeasured} span tokens had no away measure: scored as the others' mean")
-        return Plan(schedule, reuse.loads, note="; ".join(notes) or None)
+
+def _recalibration_flags(profile: LayerProfile, workload: str) -> str:
+    """The ``kvrelay profile`` flags that calibrate ``workload``'s entry again: the workload (or pipeline file)
+    and data it was calibrated on."""
+    recorded = profile.workload_selectors[workload].get("calibration", {}).get("selector_workloads", {})
+    name, data = next(iter(recorded.items()), (workload, "default"))
+    return f" --for-workload --workload {name}" + (f" --data {data}" if data != "default" else "")
+
+
+def _workload_roles(lm) -> dict[str, str]:
+    """workload -> one of its roles, for each workload selector in the model's profile."""
+    try:
+        entries = layer_profile(lm).workload_selectors
+    except ConfigError:
+        return {}
+    return {name: next(iter(entry["roles"].values()), "") for name, entry in entries.items()}

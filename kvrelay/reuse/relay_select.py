@@ -144,36 +144,25 @@ def drift_shift(view: LayerView, span_rows: torch.Tensor, source_mask: torch.Ten
     return factor * view.unrotate(dk, rows).mean(1, keepdim=True), factor * dv.mean(1, keepdim=True)
 
 
-PRUNE_RULES = ("share", "peers")
-
-
-def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, prune: float, prune_by: str,
+def prune_mask(deviation: torch.Tensor, always_mask: torch.Tensor, share: float,
                num_always: int | None = None) -> Kept:
     """Which kept span tokens stay at a band layer above L_det, from their value deviation there: bool [n] and
-    how many.
-
-    ``share``: drop the lowest ``prune`` share (rounded down) of the tokens not in ``always_mask``; ``peers``:
-    drop those below ``prune`` x their mean deviation. ``always_mask`` tokens (the spans' suffix and opening
-    tokens) always stay to the band's end. ``num_always``: how many ``always_mask`` holds, where the host knows
-    it; the share rule then counts what stays without reading a count back from the device.
+    how many. Drops the lowest ``share`` (rounded down) of the tokens not in ``always_mask`` (the spans' suffix and
+    opening tokens, which stay to the band's end). ``num_always``: how many ``always_mask`` holds, where the host
+    knows it; what stays is then counted without reading a count back from the device.
     """
-    if prune_by == "share":
-        keep = torch.ones_like(always_mask)
-        if num_always is None:
-            num_always = int(always_mask.sum())
-        elif not 0 <= num_always <= always_mask.numel() or not count_checks_out(always_mask, num_always):
-            raise ScheduleError(f"pruning counted {num_always} always-kept tokens among {always_mask.numel()}, "
-                                f"its mask holds {int(always_mask.sum())}")
-        num_free = always_mask.numel() - num_always
-        num_drop = int(prune * num_free)
-        if num_drop:
-            ranked = deviation.masked_fill(always_mask, torch.inf)
-            keep.index_fill_(0, ranked.topk(num_drop, largest=False).indices, False)
-        return Kept(keep, keep.numel() - num_drop)
-    if not bool((~always_mask).any()):
-        return Kept(always_mask.clone(), always_mask.numel())
-    keep = (deviation >= prune * deviation[~always_mask].mean()) | always_mask
-    return Kept(keep, int(keep.sum()))
+    keep = torch.ones_like(always_mask)
+    if num_always is None:
+        num_always = int(always_mask.sum())
+    elif not 0 <= num_always <= always_mask.numel() or not count_checks_out(always_mask, num_always):
+        raise ScheduleError(f"pruning counted {num_always} always-kept tokens among {always_mask.numel()}, "
+                            f"its mask holds {int(always_mask.sum())}")
+    num_free = always_mask.numel() - num_always
+    num_drop = int(share * num_free)
+    if num_drop:
+        ranked = deviation.masked_fill(always_mask, torch.inf)
+        keep.index_fill_(0, ranked.topk(num_drop, largest=False).indices, False)
+    return Kept(keep, keep.numel() - num_drop)
 
 
 def lost_context_mass(lm, call: CallInput, load: SpanLoad, span: StoredSpan, h: torch.Tensor, layer: int

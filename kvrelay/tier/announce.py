@@ -2,7 +2,7 @@
 
 Each announcement (span id, token ids, original start) is queued for ``poll_published`` (the
 any-offset index is fed from there), and a span that starts at position 0 also enters an exact-prefix
-index like the memory tier's, so ``match_prefix`` finds another process's prefix too. Pure Python,
+index (``cache.prefix_index``, the memory tier's), so ``match_prefix`` finds another process's prefix too. Pure Python,
 no torch; bounded (oldest announced spans are forgotten first).
 """
 
@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrelay.cache.store import PrefixMatch
+from kvrelay.cache.prefix_index import PrefixIndex, PrefixMatch
 
 log = logging.getLogger("kvrelay.tier")
 
@@ -46,7 +46,7 @@ class RemoteSpans:
         self.max_spans, self.max_pending = max_spans, max_pending
         self._pending: dict[tuple[str, str], deque[PublishedSpan]] = {}
         self._spans: OrderedDict[tuple[str, str], tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
-        self._index: dict[bytes, OrderedDict[str, None]] = {}  # hashes are namespace-seeded: ids suffice
+        self._prefixes = PrefixIndex(block_len)  # hashes are namespace-seeded: span ids suffice
         self._lock = threading.Lock()
         self.num_bad = 0  # announcements skipped as unreadable
 
@@ -81,18 +81,14 @@ class RemoteSpans:
         self._forget(key)
         hashes = self._hashes(span.fingerprint, span.namespace, span.token_ids)
         self._spans[key] = (span.token_ids, hashes)
-        for h in hashes:
-            self._index.setdefault(h, OrderedDict())[span.span_id] = None
+        self._prefixes.add(span.span_id, hashes)
         while len(self._spans) > self.max_spans:
             self._forget(next(iter(self._spans)))
 
     def _forget(self, key: tuple[str, str]) -> None:
         entry = self._spans.pop(key, None)
-        for h in entry[1] if entry else ():
-            ids = self._index[h]
-            ids.pop(key[1], None)
-            if not ids:
-                del self._index[h]
+        if entry:
+            self._prefixes.remove(key[1], entry[1])
 
     def forget(self, namespace: str, span_id: str) -> None:
         with self._lock:
@@ -102,19 +98,4 @@ class RemoteSpans:
         """The announced span sharing the longest exact prefix with ``token_ids`` (as ``KVStore.match_prefix``)."""
         hashes = self._hashes(fingerprint, namespace, tuple(token_ids))
         with self._lock:
-            candidates, num_blocks = None, 0
-            for h in hashes:
-                ids = self._index.get(h)
-                if not ids:
-                    break
-                candidates, num_blocks = ids, num_blocks + 1
-            best: PrefixMatch | None = None
-            for span_id in reversed(candidates or {}):
-                ids_of_span = self._spans[(namespace, span_id)][0]
-                n = num_blocks * self.block_len
-                limit = min(len(token_ids), len(ids_of_span))
-                while n < limit and ids_of_span[n] == token_ids[n]:
-                    n += 1
-                if best is None or n > best.num_tokens:
-                    best = PrefixMatch(span_id, n)
-            return best
+            return self._prefixes.longest(hashes, token_ids, lambda span_id: self._spans[(namespace, span_id)][0])

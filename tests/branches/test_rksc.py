@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvrelay.branches.prompts import BranchConfig, BranchPrompts, answer_ids
-from kvrelay.branches.rksc import RKSCMethod, decisive, entropy, pick, yes_score
+from kvrelay.branches.rksc import RKSCMethod, decisive, entropy, exit_min_layer, pick, yes_score
 from kvrelay.branches.runner import BranchRunner, pad, verify
 from kvrelay.errors import ConfigError
 from kvrelay.model.sampling import SamplingConfig
@@ -21,8 +21,9 @@ def lm():
     return tiny_lm("llama3", yes_no=True)
 
 
-def test_layer_exit_never_triggers_when_theta_is_zero(lm):
-    method = RKSCMethod(exit_theta=0.0, exit_eps=1e9, exit_min_layer=1)
+def test_layer_exit_is_off_by_default(lm):
+    method = RKSCMethod()
+    method.exit_eps_nats, method.exit_from_layer = 1e9, 1  # everything else would let it exit
     method.exiting = True
     out = generate(lm, list(range(40, 70)), method, sampling=SamplingConfig(max_new_tokens=1))
     assert out.stats.exit_layer is None and not method.last_schedule.has_exit_test
@@ -42,7 +43,8 @@ def test_entropy_matches_a_hand_computation():
 
 
 def test_layer_exit_fires_at_the_first_allowed_layer_when_the_rule_holds(lm):
-    method = RKSCMethod(exit_theta=1e9, exit_eps=1e9, exit_min_layer=1)
+    method = RKSCMethod(exit_entropy_nats=1e9)
+    method.exit_eps_nats, method.exit_from_layer = 1e9, 1
     method.exiting = True
     prompt = list(range(40, 70))
     out = generate(lm, prompt, method, sampling=SamplingConfig(max_new_tokens=1))
@@ -53,6 +55,18 @@ def test_layer_exit_fires_at_the_first_allowed_layer_when_the_rule_holds(lm):
     assert not torch.allclose(out.first_logits, full.first_logits)
     method.exiting = False  # branches (not verifying) never exit
     assert generate(lm, prompt, method, sampling=SamplingConfig(max_new_tokens=1)).stats.exit_layer is None
+
+
+def test_layer_exit_is_tested_in_the_last_sixth_of_the_layers(lm):
+    """The first tested layer follows the model's depth: 25 of SmolLM2's 30 (the calibrated one), 15 of Gemma 3's
+    18, and two layers before the end of a shallow model; on the 4-layer tiny model the rule can first hold at 3."""
+    assert [exit_min_layer(n) for n in (30, 18, 12, 4, 2)] == [25, 15, 10, 2, 1]
+    method = RKSCMethod(exit_entropy_nats=1e9)
+    method.exit_eps_nats = 1e9
+    method.exiting = True
+    out = generate(lm, list(range(40, 70)), method, sampling=SamplingConfig(max_new_tokens=1))
+    assert lm.config.num_layers == 4 and out.stats.exit_layer == 3
+    assert set(method.last_schedule.entropies) == {2, 3}
 
 
 def test_verifier_skip_rule_and_pick():
@@ -91,7 +105,7 @@ def test_verifier_reads_yes_at_the_last_real_token_whatever_the_padding(lm):
 
 def test_branch_runner_rksc_shares_the_root_and_matches_full(lm):
     cfg = BranchConfig(num_branches=3, branch_tokens=6)
-    method = RKSCMethod(skip_top=1.0, skip_gap=1.0, exit_theta=0.0, block_budget_mb=64)  # always verify, no exit
+    method = RKSCMethod(skip_top=1.0, skip_gap=1.0, block_budget_mb=64)  # always verify (no exit by default)
     runner = BranchRunner(lm, cfg, method)
     full, prefix, rksc = (runner.run(QUESTION, m) for m in ("full", "prefix", "rksc"))
     assert rksc.output_ids == full.output_ids == prefix.output_ids
@@ -113,7 +127,7 @@ def test_branch_runner_rksc_shares_the_root_and_matches_full(lm):
     assert full.branch_kv_bytes == sum(slots) * row  # a root copy in every branch
     # the root once, plus each branch's own rows (batched decode reads every row's own cache: no padding)
     assert rksc.branch_kv_bytes == (root_len + sum(n - root_len for n in slots)) * row
-    one_by_one = BranchRunner(lm, cfg, RKSCMethod(skip_top=1.0, skip_gap=1.0, exit_theta=0.0, batch_decode=False))
+    one_by_one = BranchRunner(lm, cfg, RKSCMethod(skip_top=1.0, skip_gap=1.0, batch_decode=False))
     unbatched = one_by_one.run(QUESTION, "rksc")
     assert unbatched.output_ids == rksc.output_ids and unbatched.scores == pytest.approx(rksc.scores, abs=1e-6)
     assert unbatched.branch_kv_bytes == (root_len + sum(n - root_len for n in slots)) * row  # own rows, no padding
@@ -126,13 +140,16 @@ def test_branch_runner_rksc_shares_the_root_and_matches_full(lm):
 
 
 def test_rksc_parameters_are_validated():
-    with pytest.raises(ConfigError, match="exit_theta"):
-        get_method("rksc[exit_theta=-1]")
-    with pytest.raises(ConfigError, match="policy"):
-        get_method("rksc[policy=fifo]")
-    assert get_method("rksc[skip_top=0.8,policy=lru]").policy == "lru"
-    with pytest.raises(ConfigError, match="block_half_life_ops"):
-        get_method("rksc[block_half_life_ops=-5]")
+    with pytest.raises(ConfigError, match="exit_entropy_nats must be >= 0"):
+        get_method("rksc[exit_entropy_nats=-1]")
+    with pytest.raises(ConfigError, match="skip_gap must be in"):
+        get_method("rksc[skip_gap=1.5]")
+    with pytest.raises(ConfigError, match="block_budget_mb must be positive"):
+        get_method("rksc[block_budget_mb=0]")
+    # fixed internals and what left the method are unknown settings
+    for setting in ("policy=lru", "block_len=8", "exit_eps_nats=1", "probe_attention=false", "asks_approx=true"):
+        with pytest.raises(ConfigError, match=f"unknown parameter '{setting.split('=')[0]}'"):
+            get_method(f"rksc[{setting}]")
 
 
 def test_few_shot_system_prompt_is_a_prefix_problems_share(lm):

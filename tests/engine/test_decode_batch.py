@@ -78,7 +78,8 @@ def test_generate_batch_equals_generate_per_call(lm64):
     """Engine.generate_batch (one batched decode) gives generate's outputs, stats and K/V per call."""
     root_ids = _ids(17, 0)
     prompts = [root_ids + _ids(3 + 4 * b, 10 + b) for b in range(4)]
-    method = RKSCMethod(exit_theta=0.0, probe_attention=False)
+    method = RKSCMethod()
+    method.probe_attention = False
     method.root = SharedRoot(tuple(root_ids), _prefilled(lm64, root_ids))
     options = GenerateOptions(SamplingConfig(max_new_tokens=9), keep_cache=True)
     engine = Engine(lm64)

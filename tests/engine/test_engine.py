@@ -173,8 +173,8 @@ def test_a_stored_prefix_gives_full_logits_in_prefill_and_decode(family):
 
 
 @pytest.mark.parametrize("method", ["prefix", "naive", "epic", "cacheblend",
-                                    "relay[l_start=1,l_det=1,l_end=2,top_r=0.5,l_pre=2,l_suf=0,prune=0.2]",
-                                    "relay[l_start=1,l_det=1,l_end=2,top_r=0.5,l_pre=2,l_suf=0,prune=0.2,drift=0.5]"])
+                                    "relay[band=1:1:2,keep_share=0.5,span_openings=2,prune_share=0.2]",
+                                    "relay[band=1:1:2,keep_share=0.5,span_openings=2,prune_share=0.2,drift=0.5]"])
 def test_spans_read_in_place_give_what_copied_spans_give(lm, method, monkeypatch):
     """Loads read in place (``cache.refs``) against the same loads copied, through plan, prefill (relay's and
     epic's writes over reused rows included) and decode: same tokens, same counts, logits within float noise."""

@@ -45,8 +45,9 @@ def test_scores_are_means_over_the_calls_with_full_exact_against_itself():
     assert naive.path_kl != pytest.approx(naive.kl, rel=1e-3)  # a mean over the continuation's rows, not the first
     # every span token admitted at layer 1 from the upstream's carried states: layer 0 stays reused only if the
     # calibration pipelines captured those states (else relay recomputes the tokens from layer 0)
-    relay = score_methods(lm, {"relay": RelayMethod(l_start=1, l_det=1, l_end=lm.config.num_layers - 1, top_r=1.0,
-                                                    l_pre=0, l_suf=0)}, "gsm8k-chain3", None, 2, "", progress=False)
+    band = f"1:1:{lm.config.num_layers - 1}"
+    relay = score_methods(lm, {"relay": RelayMethod(keep_share=1.0, span_openings=0, band=band)}, "gsm8k-chain3",
+                          None, 2, "", progress=False)
     assert 0.0 < relay["relay"].reuse < naive.reuse
     first_only = score_methods(lm, {"naive": NaiveMethod()}, "gsm8k-chain3", None, 2, "", progress=False)
     assert first_only["naive"].path_kl is None and first_only["naive"].greedy is None

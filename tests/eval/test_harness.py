@@ -145,12 +145,12 @@ def test_bad_warm_up():
 
 
 def test_the_json_records_what_relay_resolved_from_the_model():
-    bench = Bench(BenchConfig(workload="gsm8k-chain3", methods=("full", "naive", "relay[l_start=1,l_det=2,l_end=3]"),
+    bench = Bench(BenchConfig(workload="gsm8k-chain3", methods=("full", "naive", "relay[band=1:2:3]"),
                               limit=1, model="random:tiny", repeats=1, greedy_tokens=4))
     result = bench.run(progress=False)
     settings = result["method_settings"]
-    assert set(settings) == {"relay[l_start=1,l_det=2,l_end=3]"}  # full and naive resolve nothing
-    relay = settings["relay[l_start=1,l_det=2,l_end=3]"]
+    assert set(settings) == {"relay[band=1:2:3]"}  # full and naive resolve nothing
+    relay = settings["relay[band=1:2:3]"]
     assert relay["layers"] == [1, 2, 3]
-    assert relay["selector"]["tau_dev"] == 1.5 and relay["selector"]["l_suf"] == 10  # no profile: the paper's
+    assert relay["selector"]["tau_dev"] == 1.5 and relay["selector"]["end_tokens"] == 10  # no profile: the paper's
     json.dumps(result)  # it goes into the bench's JSON as it is

@@ -97,9 +97,9 @@ def test_calibrate_selector_writes_the_choice_its_scores_and_its_detection_layer
     # every candidate ran on the profile's band, detecting at L_start where it asks to
     methods = seen["methods"]
     assert isinstance(methods["epic"], EpicMethod) and seen["path_tokens"] == 32 and seen["offset"] == 100
-    assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (2, 2, 7)
-    assert (methods[over_bar].l_start, methods[over_bar].l_det, methods[over_bar].l_end) == (2, 3, 7)
-    assert methods[selector_spec({})].tau_dev == 1.5  # the paper's thresholds for the empty candidate
+    assert methods[best].fixed[0] == (2, 2, 7)
+    assert methods[over_bar].fixed[0] == (2, 3, 7)
+    assert methods[selector_spec({})].fixed[1].tau_dev == 1.5  # the paper's thresholds for the empty candidate
 
 
 def test_calibrate_selector_on_the_first_token_alone_ranks_by_its_kl_under_epic_s_reuse(monkeypatch):
@@ -151,7 +151,7 @@ def test_a_chosen_band_of_its_own_moves_the_profile_s_band_and_a_recalibration_s
     best = selector_spec(own)
 
     def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
-        assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (2, 2, 3)  # 8 layers: top - 4
+        assert methods[best].fixed[0] == (2, 2, 3)  # 8 layers: top - 4
         return _one_best(methods, best)
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
@@ -167,7 +167,7 @@ def test_a_chosen_band_of_its_own_moves_the_profile_s_band_and_a_recalibration_s
     monkeypatch.setattr(selector_calibration, "score_methods", record)
     again = calibrate_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)  # from [2, 3, 7] again
     assert again.searched_band == [2, 3, 7] and again.layers == (2, 2, 3)
-    assert (seen["paper"].l_start, seen["paper"].l_det, seen["paper"].l_end) == (2, 3, 7)  # not the moved band
+    assert seen["paper"].fixed[0] == (2, 3, 7)  # not the moved band
 
 
 def test_a_chosen_band_candidate_with_drift_runs_and_ships_its_drift(monkeypatch):
@@ -176,8 +176,8 @@ def test_a_chosen_band_candidate_with_drift_runs_and_ships_its_drift(monkeypatch
     assert best.endswith(",drift=0.5]")
 
     def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
-        assert methods[best].drift == 0.5 and methods[best].prune == 0.25
-        assert (methods[best].l_start, methods[best].l_det, methods[best].l_end) == (3, 3, 11)
+        assert methods[best].fixed[1].drift == 0.5 and methods[best].fixed[1].prune_share == 0.25
+        assert methods[best].fixed[0] == (3, 3, 11)
         return _one_best(methods, best)
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
@@ -196,7 +196,7 @@ def test_a_workload_s_selector_is_kept_for_its_agents_and_the_profile_s_own_is_u
     def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
         seen.append((workload, offset))
         # only candidates entering where the profile's own band does (its upstream calls carry that layer)
-        assert {m.l_start for key, m in methods.items() if key != "epic"} == {3} and len(methods) == 11
+        assert {m.fixed[0][0] for key, m in methods.items() if key != "epic"} == {3} and len(methods) == 11
         return _one_best(methods, best)
 
     monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)

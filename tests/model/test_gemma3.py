@@ -107,7 +107,7 @@ agents:
     max_new_tokens: 6
 """
 # random:gemma3-tiny has 6 layers and no shipped profile: relay's layers are given
-METHODS = ["full", "prefix", "naive", "cacheblend", "epic", "relay[l_start=1,l_det=2,l_end=4]", "kvcomm"]
+METHODS = ["full", "prefix", "naive", "cacheblend", "epic", "relay[band=1:2:4]", "kvcomm"]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -26,7 +26,7 @@ agents:
     user: "Problem: {question}\\nSolution: {solver}\\nReview: {critic}\\nFinal answer?"
     max_new_tokens: 6
 """
-RELAY = "relay[l_start=1,l_det=2,l_end=3]"  # random:tiny has 4 layers and no profile: the layers are given
+RELAY = "relay[band=1:2:3]"  # random:tiny has 4 layers and no profile: the layers are given
 
 
 def test_kvrelay_run_with_relay_recomputes_nothing_from_layer_0(tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse import get_method
 from kvrelay.reuse.base import CallInput, SpanRef
+from kvrelay.reuse.relay import RelayMethod
 from tests.helpers import generate, publish, tiny_lm
 
 ONE = SamplingConfig(max_new_tokens=1)
@@ -47,22 +48,30 @@ def _setup():
     return lm, store, calls
 
 
-SPECS = [
-    "relay[l_start=1,l_det=2,l_end=3,top_r=0.5,l_pre=2,l_suf=2,prune=0.5,drift=0.5]",  # a 3-token span: overlap
-    "relay[l_start=2,l_det=2,l_end=3,top_r=0.3,l_pre=2,l_suf=3,pre_dense=true,prune=0.5,drift=0.5]",
-    "relay[l_start=2,l_det=2,l_end=3,top_r=0,l_pre=0,l_suf=0,prune=0.5,drift=0.5]",  # admits nothing
-    "relay[l_start=2,l_det=2,l_end=3,top_r=0.5,l_pre=2,l_suf=2,prune=0.5]",  # pruning alone
-    "relay[l_start=1,l_det=1,l_end=3,top_r=0.4,l_pre=1,l_suf=1,prune=2,prune_by=peers,drift=0.5]",
-    "relay[l_start=1,l_det=2,l_end=2,top_r=0.5,l_pre=2,l_suf=1]",  # the band ends where it selects
-    "relay[l_start=0,l_det=1,l_end=3,top_r=0.3,l_pre=2,l_suf=1,prune=1,drift=0.3,pos_prior=1]",
-    "relay[l_start=2,l_det=2,l_end=3,top_r=0.3,l_pre=2,l_suf=1,pre_dense=true,prune=0.5,drift=0.5,away=1]",
-    "cacheblend[check_layer=1,ratio=0.3]",
+# (layers, the policy in the profile's knob vocabulary) per relay variant, the band's parts in many combinations
+RELAYS = [
+    ((1, 2, 3), {"top_r": 0.5, "l_pre": 2, "l_suf": 2, "prune": 0.5, "drift": 0.5}),  # a 3-token span: overlap
+    ((2, 2, 3), {"top_r": 0.3, "l_pre": 2, "l_suf": 3, "pre_dense": True, "prune": 0.5, "drift": 0.5}),
+    ((2, 2, 3), {"top_r": 0, "l_pre": 0, "l_suf": 0, "prune": 0.5, "drift": 0.5}),  # admits nothing
+    ((2, 2, 3), {"top_r": 0.5, "l_pre": 2, "l_suf": 2, "prune": 0.5}),  # pruning alone
+    ((1, 1, 3), {"top_r": 0.4, "l_pre": 1, "l_suf": 1, "prune": 1.0, "drift": 0.5}),  # prunes every free token
+    ((1, 2, 2), {"top_r": 0.5, "l_pre": 2, "l_suf": 1}),  # the band ends where it selects
+    ((0, 1, 3), {"top_r": 0.3, "l_pre": 2, "l_suf": 1, "prune": 1, "drift": 0.3, "pos_prior": 1}),
+    ((2, 2, 3), {"top_r": 0.3, "l_pre": 2, "l_suf": 1, "pre_dense": True, "prune": 0.5, "drift": 0.5, "away": 1}),
+    ((1, 2, 3), {"l_pre": 2, "l_suf": 2, "prune": 0.5, "drift": 0.5}),  # the paper's thresholds, then pruning
 ]
+SPECS = [*(f"relay {layers} {knobs}" for layers, knobs in RELAYS), "cacheblend[check_layer=1,ratio=0.3]"]
+
+
+def _method(spec: str):
+    if spec.startswith("relay "):
+        return RelayMethod.with_knobs(*RELAYS[SPECS.index(spec)])
+    return get_method(spec)
 
 
 @pytest.mark.parametrize("call_name", ["several", "mixed", "overlapping"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_band_counts_agree_with_the_masks(call_name, spec):
     lm, store, calls = _setup()
-    out = generate(lm, calls[call_name], get_method(spec), store, ONE)  # a wrong count: ScheduleError
+    out = generate(lm, calls[call_name], _method(spec), store, ONE)  # a wrong count: ScheduleError
     assert 0 < out.stats.num_computed_token_layers < len(calls[call_name].prompt_ids) * lm.config.num_layers

@@ -16,7 +16,9 @@ from kvrelay.model.schedule import LayerView
 from kvrelay.reuse import get_method
 from kvrelay.reuse import relay as relay_module
 from kvrelay.reuse import relay_select as relay_select_module
+from kvrelay.reuse import relay_selectors as relay_selectors_module
 from kvrelay.reuse.base import CallInput, SpanRef
+from kvrelay.reuse.relay import RelayMethod
 from kvrelay.reuse.relay_select import away_mass
 from tests.helpers import generate, publish, tiny_lm
 
@@ -48,9 +50,28 @@ SRC = slice(20, 44)  # the same tokens' rows in the upstream span
 SPAN_ROWS = range(SPAN.start, SPAN.stop)
 
 
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}[text]
+
+
+def _method(spec: str):
+    """A method from its spec; ``relay[l_start=..,l_det=..,l_end=..,KNOB=..]`` is relay on those layers with a
+    policy in the profile's knob vocabulary (``RelayMethod.with_knobs``), as ``kvrelay profile`` scores them."""
+    if spec.startswith("relay[") and "l_start=" in spec:
+        items = dict(item.split("=") for item in spec[len("relay["):-1].split(","))
+        layers = tuple(int(items.pop(k)) for k in ("l_start", "l_det", "l_end"))
+        return RelayMethod.with_knobs(layers, {k: _value(v) for k, v in items.items()})
+    return get_method(spec)
+
+
 def _run(setup, spec, keep_cache=False):
     lm, store, call, _ = setup
-    return generate(lm, call, get_method(spec), store, ONE, keep_cache=keep_cache)
+    return generate(lm, call, _method(spec), store, ONE, keep_cache=keep_cache)
 
 
 @pytest.fixture
@@ -106,7 +127,7 @@ def test_relay_from_l_start_with_the_prompts_own_carried_state_reproduces_full(s
     store = KVStore(1 << 30)
     store.put("own", span)
     oracle = CallInput(call.prompt_ids, [SpanRef(SPAN.start, SPAN.stop, "own", 0, "output")])
-    every = get_method(f"relay[l_start=2,l_det=2,l_end={L - 1},tau_dev=1e9,tau_inf=1e9,l_suf=1000]")
+    every = _method(f"relay[l_start=2,l_det=2,l_end={L - 1},tau_dev=1e9,tau_inf=1e9,l_suf=1000]")
     out = generate(lm, oracle, every, store, ONE)
     assert out.stats.note is None and out.stats.num_shifted_tokens == 24
     assert out.stats.num_computed_token_layers == 12 * L + 24 * (L - 2)  # every span token at layers 2-3
@@ -141,7 +162,7 @@ def test_relay_recomputes_from_layer0_a_span_without_hidden_states_and_says_so(s
     bare = KVStore(1 << 30)
     span = store.get("up")
     bare.put("up", type(span)(span.token_ids, 0, span.k, span.v, span.fingerprint))  # no hidden states
-    out = generate(lm, call, get_method("relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]"), bare,
+    out = generate(lm, call, _method("relay[l_start=2,l_det=2,l_end=3,tau_dev=1e9,tau_inf=1e9,l_suf=0]"), bare,
                    SamplingConfig(max_new_tokens=1))
     assert "24 span tokens had no hidden state at L_start=2: recomputed from layer 0" in out.stats.note
     assert out.stats.num_computed_token_layers == 12 * L + 24 * 3  # layers 0, 1, 2
@@ -155,8 +176,8 @@ def test_relay_l_pre_keeps_each_span_opening_through_the_band(setup):
     assert out.stats.num_computed_token_layers == epic.stats.num_computed_token_layers + 19
     # layer 0's K/V depend on the token and its position only, so recomputing them changes nothing
     torch.testing.assert_close(out.first_logits, epic.first_logits, atol=1e-4, rtol=0)
-    with pytest.raises(ConfigError, match="l_pre"):
-        get_method("relay[l_pre=-1]")
+    with pytest.raises(ConfigError, match="span_openings must be >= 0"):
+        get_method("relay[span_openings=-1]")
 
 
 def test_relay_pre_dense_computes_each_span_opening_at_every_layer_as_epic(setup, writes):
@@ -234,10 +255,9 @@ def test_cacheblend_with_full_ratio_reproduces_full(setup):
     torch.testing.assert_close(out.first_logits, setup[3].first_logits, atol=1e-4, rtol=0)
 
 
-def test_a_spec_with_its_own_selector_takes_the_band_searchs_detection_layer(monkeypatch):
-    """A profile whose calibrated selector detects at L_start moved its L_det there; a spec that sets selector
-    knobs (the paper's, say) gets the band search's own L_det back."""
-    from kvrelay.reuse import relay as relay_module
+def test_the_paper_s_thresholds_run_on_the_band_search_s_layers(monkeypatch):
+    """A profile whose calibrated selector detects at L_start moved its L_det there; the paper's thresholds
+    (``selector=threshold``) run on the band search's own layers, which were chosen with them."""
     from kvrelay.reuse.profile import LayerProfile
 
     profile = LayerProfile("fp", "m", 12, 2, 2, 11, 0.5, [1.0] * 12, [1.0] * 12, [0.0] * 12,
@@ -245,14 +265,12 @@ def test_a_spec_with_its_own_selector_takes_the_band_searchs_detection_layer(mon
     monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
     lm = SimpleNamespace(config=SimpleNamespace(num_layers=12))
     assert get_method("relay").layers(lm) == (2, 2, 11)
-    assert get_method("relay[tau_dev=1.5]").layers(lm) == (2, 3, 11)
-    assert get_method("relay[selector=deviation,top_r=0.2]").layers(lm) == (2, 3, 11)
-    assert get_method("relay[l_det=5,tau_dev=1.5]").layers(lm) == (2, 5, 11)
+    assert get_method("relay[keep_share=0.2]").layers(lm) == (2, 2, 11)  # the calibrated band, its share moved
+    assert get_method("relay[selector=threshold]").layers(lm) == (2, 3, 11)
+    assert get_method("relay[selector=threshold,band=2:5:11]").layers(lm) == (2, 5, 11)
 
 
-def test_a_selector_with_a_band_of_its_own_runs_on_it_and_a_spec_with_its_own_selector_on_the_searched_one(
-        monkeypatch):
-    from kvrelay.reuse import relay as relay_module
+def test_a_band_given_replaces_the_profile_s_and_is_checked_against_the_model(monkeypatch):
     from kvrelay.reuse.profile import LayerProfile
 
     profile = LayerProfile("fp", "m", 18, 3, 3, 11, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
@@ -261,17 +279,13 @@ def test_a_selector_with_a_band_of_its_own_runs_on_it_and_a_spec_with_its_own_se
     lm = SimpleNamespace(config=SimpleNamespace(num_layers=18))
     assert get_method("relay").layers(lm) == (3, 3, 11)
     assert get_method("relay").capture_layers(lm) == (3,)  # the carried states enter where the band does
-    assert get_method("relay[top_r=0.3,l_pre=16,prune=0.25]").layers(lm) == (4, 5, 13)
-    # only what a spec gives moves: past the profile's L_det, L_start needs an L_det of its own
-    assert get_method("relay[l_start=2]").layers(lm) == (2, 3, 11)
-    with pytest.raises(ConfigError, match="need 0 <= L_start 4 <= L_det 3"):
-        get_method("relay[l_start=4]").layers(lm)
-    assert get_method("relay[l_start=4,l_det=4]").layers(lm) == (4, 4, 11)
-    assert get_method("relay[l_end=17]").layers(lm) == (3, 3, 17)
+    assert get_method("relay[band=4:4:17]").layers(lm) == (4, 4, 17)
+    assert get_method("relay[band=18:18:18]").layers(lm) == (18, 18, 18)  # the empty band
+    with pytest.raises(ConfigError, match="need 0 <= L_start 4 <= L_det 5 <= L_end 18 < 18"):
+        get_method("relay[band=4:5:18]").layers(lm)
 
 
 def test_a_workload_selector_runs_for_its_roles_and_the_profile_s_own_for_every_other_call(monkeypatch):
-    from kvrelay.reuse import relay as relay_module
     from kvrelay.reuse.profile import LayerProfile
 
     own = {"top_r": 0.3, "l_pre": 16, "prune": 0.25}
@@ -283,21 +297,24 @@ def test_a_workload_selector_runs_for_its_roles_and_the_profile_s_own_for_every_
     monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
     lm = SimpleNamespace(config=SimpleNamespace(num_layers=18))
     relay = get_method("relay")
-    assert relay.layers(lm, "r2") == (3, 5, 12) and relay.selector_settings(lm, "r2").drift == 0.5
+    assert relay.layers(lm, "r2") == (3, 5, 12) and relay.policy(lm, "r2").drift == 0.5
     assert relay.layers(lm) == relay.layers(lm, "other") == (3, 3, 11)
-    assert relay.selector_settings(lm, "other").drift is None and relay.selector_settings(lm).top_r == 0.3
+    assert relay.policy(lm, "other").drift is None and relay.policy(lm).keep_share == 0.3
     assert relay.capture_layers(lm) == (3,)  # both bands enter there
     settings = relay.settings(lm)
     assert settings["layers"] == [3, 3, 11] and settings["workload_selectors"]["w"]["layers"] == [3, 5, 12]
     assert settings["workload_selectors"]["w"]["selector"]["drift"] == 0.5
-    # a spec with knobs of its own runs them on the band search's layers, whatever the role
-    spec = get_method("relay[top_r=0.2]")
-    assert spec.layers(lm, "r1") == (4, 5, 13) and spec.selector_settings(lm, "r1").drift is None
-    assert "workload_selectors" not in spec.settings(lm) and spec.capture_layers(lm) == (4,)
+    # a setting given replaces its part of each role's policy, on each role's band
+    spec = get_method("relay[keep_share=0.2]")
+    assert spec.layers(lm, "r1") == (3, 5, 12) and spec.policy(lm, "r1").drift == 0.5
+    assert spec.policy(lm, "r1").keep_share == spec.policy(lm).keep_share == 0.2
+    # the paper's thresholds: one policy for every call, on the band search's layers
+    paper = get_method("relay[selector=threshold]")
+    assert paper.layers(lm, "r1") == (4, 5, 13) and paper.policy(lm, "r1").drift is None
+    assert "workload_selectors" not in paper.settings(lm) and paper.capture_layers(lm) == (4,)
 
 
 def test_relay_plans_a_call_with_its_role_s_band(setup, monkeypatch):
-    from kvrelay.reuse import relay as relay_module
     from kvrelay.reuse.profile import LayerProfile
 
     lm, store, call, _ = setup
@@ -313,25 +330,24 @@ def test_relay_plans_a_call_with_its_role_s_band(setup, monkeypatch):
     assert plans["r1"].schedule.prune is None and plans["r9"].schedule.prune is not None
 
 
-@pytest.mark.parametrize("selector, problem", [({"prune": 0.1, "prune_by": "top"}, "prune_by must be one of"),
-                                               ({"top_r": 0.2, "cutoff": 3}, "unknown knobs")])
+@pytest.mark.parametrize("selector, problem", [({"prune": 1.5}, "prune_share .prune. must be in"),
+                                               ({"top_r": 0.2, "prune_by": "peers"}, "unknown knobs")])
 def test_a_profile_with_a_bad_selector_is_a_clear_error(monkeypatch, selector, problem):
-    from kvrelay.reuse import relay as relay_module
     from kvrelay.reuse.profile import LayerProfile
 
     profile = LayerProfile("fp", "m", 12, 2, 2, 11, 0.5, [1.0] * 12, [1.0] * 12, [0.0] * 12, selector=selector)
     monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
     lm = SimpleNamespace(name="tiny", config=SimpleNamespace(num_layers=12))
     with pytest.raises(ConfigError, match=f"selector in tiny's profile is not valid .*{problem}"):
-        get_method("relay").selector_settings(lm)
+        get_method("relay").policy(lm)
     # a workload's entry: the error names it and the command that calibrates it again
     profile.selector = {}
     profile.workload_selectors = {"mine": {"roles": {"a": "r1"}, "layers": [2, 2, 11], "selector": selector,
                                            "calibration": {"selector_workloads": {"p.yaml": "in.jsonl"}}}}
-    assert get_method("relay").selector_settings(lm, "r2").top_r is None  # other calls are fine
+    assert get_method("relay").policy(lm, "r2").keep_share is None  # other calls are fine
     with pytest.raises(ConfigError, match=f"mine's selector in tiny's profile is not valid .*{problem}.*"
                                           "--selector-only --for-workload --workload p.yaml --data in.jsonl`"):
-        get_method("relay").selector_settings(lm, "r1")
+        get_method("relay").policy(lm, "r1")
 
 
 def test_relay_prunes_inside_the_band_and_detects_at_l_start_without_computing_refused_tokens(setup, writes):
@@ -431,7 +447,9 @@ def test_method_parameter_types_are_checked():
         get_method("kvcomm[gamma=x]")
     with pytest.raises(ConfigError, match="k=1.5 is not a valid int"):
         get_method("epic[k=1.5]")
-    assert get_method("relay[tau_dev=2,l_start=none,band=false]").tau_dev == 2.0
+    assert get_method("relay[keep_share=1,band=none]").keep_share == 1.0
+    with pytest.raises(ConfigError, match="band=False is not a valid str"):
+        get_method("relay[band=false]")
 
 
 def test_bad_method_parameters():
@@ -540,7 +558,7 @@ def test_relay_reads_no_count_back_at_its_pruning_layers(setup, host_reads):
     spec = "relay[l_start=2,l_det=2,l_end={},top_r=0.5,l_pre=2,l_suf=1,pre_dense=true,prune=0.3,drift=0.3]"
     reads, layers = {}, {}
     for end in (2, 3):  # admission at 2; with the band's end at 3, layer 3 prunes and drifts
-        plan = get_method(spec.format(end)).plan(call, store, lm)
+        plan = _method(spec.format(end)).plan(call, store, lm)
         cache = SequenceKV(lm.config, lm.model.dtype, "cpu", capacity=len(call.prompt_ids) + 1)
         host_reads["on"], host_reads["n"] = True, 0
         result, _ = run_plan(lm, torch.tensor(call.prompt_ids), plan, cache, store)
@@ -581,13 +599,13 @@ AWAY_CASES = {
 def admission_priors(monkeypatch) -> list:
     """The (score, weight) priors relay's budget form is given, in the order of its calls."""
     priors = []
-    real_select_top = relay_module.select_top
+    real_select_top = relay_selectors_module.select_top
 
     def spy(dev, inf, always_mask, top_r, given=()):
         priors.extend(given)
         return real_select_top(dev, inf, always_mask, top_r, given)
 
-    monkeypatch.setattr(relay_module, "select_top", spy)
+    monkeypatch.setattr(relay_selectors_module, "select_top", spy)
     return priors
 
 
@@ -611,7 +629,7 @@ def test_relay_admits_by_the_stored_attention_to_the_lost_context(setup, writes,
     monkeypatch.setattr(relay_select_module, "away_mass", reversed_mass)
     writes.clear()
     generate(lm, CallInput(ids, [SpanRef(7, 7 + ref_len, "up", 20, "output")]),
-             get_method(AWAY_SPEC.format(knobs)), store, ONE)
+             _method(AWAY_SPEC.format(knobs)), store, ONE)
     assert len(given) == 1
     torch.testing.assert_close(given[0][0], span.hidden_rows(2, h_from, h_to))
     assert given[0][1:] == (num_keys, context_start)
@@ -632,7 +650,7 @@ def test_relay_counts_a_span_stored_without_its_start_as_average(setup, admissio
                                     {2: up.hidden_rows(2, 5, 44)}, 0))
     ids = list(call.prompt_ids) + list(up.token_ids[20:28])  # the output again, its first 8 tokens, at 36-43
     refs = [SpanRef(7, 31, "up", 20, "output"), SpanRef(36, 44, "up-tail", 15, "output")]
-    generate(lm, CallInput(ids, refs), get_method(AWAY_SPEC.format("")), store, ONE)
+    generate(lm, CallInput(ids, refs), _method(AWAY_SPEC.format("")), store, ONE)
     (away, weight), = admission_priors  # one admission, one prior: by span token, the up span's then the tail's
     mass = away_mass(lm.model.model.layers[2], lm.model.rope_of(2), up.hidden_rows(2, 20, 44), up.k[2], 20,
                      lm.config.window_at(2))
@@ -649,7 +667,7 @@ def test_relay_scores_a_span_that_lost_no_context_as_zero(setup, monkeypatch, ad
     ids = [up.token_ids[0] + 1] + list(up.token_ids[1:44]) + [1, 2, 3, 4, 5]  # another first token: no exact prefix
     called = []
     monkeypatch.setattr(relay_select_module, "away_mass", lambda *args: called.append(args))
-    generate(lm, CallInput(ids, [SpanRef(20, 44, "up", 20, "output")]), get_method(AWAY_SPEC.format("")), store, ONE)
+    generate(lm, CallInput(ids, [SpanRef(20, 44, "up", 20, "output")]), _method(AWAY_SPEC.format("")), store, ONE)
     (away, _), = admission_priors
     assert not called and away.shape == (24,) and not away.any()
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import pytest
-
 from kvrelay.cli import main
 from kvrelay.reuse import METHODS, get_method, method_class
 
@@ -86,7 +84,7 @@ def test_names_filter_and_unknown_name(capsys):
     assert "unknown method 'relayy'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["relay", "relay_anchors"])
-def test_an_inherited_setting_is_listed_for_the_subclass_too(capsys, name):
-    settings = {s["name"] for s in _listing_json(capsys, name)[0]["settings"]}
-    assert {"l_pre", "top_r"} <= settings
+def test_relay_lists_its_six_settings_and_none_of_its_internals(capsys):
+    """The band and policy ``kvrelay profile`` fixes in advance (``RelayMethod.with_knobs``) is no setting."""
+    settings = [s["name"] for s in _listing_json(capsys, "relay")[0]["settings"]]
+    assert settings == ["selector", "keep_share", "span_openings", "prune_share", "drift", "band"]

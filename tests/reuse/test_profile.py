@@ -12,7 +12,7 @@ from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.reuse import get_method, profile
 from kvrelay.reuse.base import CallInput
 from kvrelay.reuse.profile import SHIPPED_PROFILES, LayerProfile, layer_profile, profile_path
-from kvrelay.reuse.relay import RelayMethod
+from kvrelay.reuse.relay_policy import BandPolicy
 from tests.helpers import tiny_lm
 
 
@@ -104,7 +104,7 @@ def test_a_model_without_a_profile_is_a_config_error_saying_how_to_get_one(cache
     with pytest.raises(ConfigError) as err:
         layer_profile(lm, shipped_dir=cache / "shipped")
     assert "kvrelay profile --model toy-model" in str(err.value)
-    assert "relay[l_start=..,l_det=..,l_end=..]" in str(err.value)
+    assert "relay[band=start:det:end]" in str(err.value)
     assert not profile_path("beef").exists()  # nothing was built or written
 
 
@@ -115,29 +115,42 @@ def test_relay_plans_from_the_layers_given_and_never_builds_a_profile(cache):
         get_method("relay").plan(call, KVStore(1 << 20), lm)
     with pytest.raises(ConfigError, match="no RelayCaching layer profile"):
         get_method("relay").capture_layers(lm)
-    method = get_method("relay[l_start=1,l_det=2,l_end=3]")
+    method = get_method("relay[band=1:2:3]")
     assert method.capture_layers(lm) == (1,)
     assert method.plan(call, KVStore(1 << 20), lm).fallback is None
     # a profile in the cache dir is used for the layers not given
     _make(lm.fingerprint, 2, 2, 3).save(profile_path(lm.fingerprint))
     assert get_method("relay").layers(lm) == (2, 2, 3)
-    assert get_method("relay[l_start=1]").layers(lm) == (1, 2, 3)  # only what is given moves
-    assert get_method("relay[l_start=1,l_det=1]").layers(lm) == (1, 1, 3)
-    assert get_method("relay[l_end=2]").layers(lm) == (2, 2, 2)
+    assert get_method("relay[band=1:1:3]").layers(lm) == (1, 1, 3)  # the band given wins
+    with pytest.raises(ConfigError, match="L_start 2 <= L_det 1"):
+        get_method("relay[band=2:1:3]").layers(lm)
+    with pytest.raises(ConfigError, match="start:det:end"):
+        get_method("relay[band=1:2]")
 
 
-def test_relay_takes_the_profile_s_selector_unless_a_knob_is_given(cache):
+def test_relay_takes_the_profile_s_policy_and_each_setting_given_replaces_its_part(cache):
     lm = tiny_lm("llama2")
     p = _make(lm.fingerprint, 1, 2, 3)
-    p.selector = {"top_r": 0.2, "l_pre": 4, "l_suf": 3}
+    p.selector = {"top_r": 0.2, "l_pre": 4, "l_suf": 3, "pre_dense": True, "prune": 0.1, "drift": 0.3}
     p.save(profile_path(lm.fingerprint))
-    sel = get_method("relay").selector_settings(lm)
-    assert (sel.top_r, sel.l_pre, sel.l_suf, sel.tau_dev) == (0.2, 4, 3, 1.5)
-    # any knob given: the paper's values for the others, never a mix with the profile's
-    sel = get_method("relay[tau_dev=3]").selector_settings(lm)
-    assert (sel.top_r, sel.l_pre, sel.l_suf, sel.tau_dev, sel.tau_inf) == (None, 0, 10, 3.0, 1.45)
-    assert get_method("relay[l_start=1,l_det=2,l_end=3]").selector_settings(lm).top_r == 0.2  # layers are not knobs
-    assert get_method("relay").selector_settings(tiny_lm("llama3")).top_r is None  # no profile: the paper's
+    pol = get_method("relay").policy(lm)
+    assert (pol.keep_share, pol.open_tokens, pol.end_tokens, pol.dense_openings, pol.prune_share, pol.drift) == \
+        (0.2, 4, 3, True, 0.1, 0.3)
+    pol = get_method("relay[keep_share=0.5,span_openings=2]").policy(lm)  # only what is given moves
+    assert (pol.keep_share, pol.open_tokens, pol.end_tokens, pol.dense_openings, pol.prune_share, pol.drift) == \
+        (0.5, 2, 3, True, 0.1, 0.3)
+    assert not get_method("relay[span_openings=0]").policy(lm).dense_openings  # no openings: none dense
+    pol = get_method("relay[drift=0,prune_share=0.4]").policy(lm)
+    assert (pol.drift, pol.prune_share) == (None, 0.4)
+    pol = get_method("relay[drift=0,prune_share=0]").policy(lm)  # both off: no pruning layers
+    assert (pol.drift, pol.prune_share) == (None, None)
+    assert get_method("relay[drift=0.2,prune_share=0]").policy(lm).prune_share == 0.0  # drift keeps its layers
+    # the paper's thresholds, whatever the profile holds
+    pol = get_method("relay[selector=threshold]").policy(lm)
+    assert (pol.keep_share, pol.open_tokens, pol.end_tokens, pol.tau_dev, pol.tau_inf) == (None, 0, 10, 1.5, 1.45)
+    assert get_method("relay[band=1:2:3]").policy(lm).keep_share == 0.2  # the band is not the policy
+    assert get_method("relay").policy(tiny_lm("llama3")).keep_share is None  # no profile: the paper's
+    assert get_method("relay[selector=budget]").policy(tiny_lm("llama3")).keep_share == 0.3  # the budget's default
 
 
 def test_the_shipped_profiles_are_readable_and_in_range():
@@ -152,7 +165,7 @@ def test_the_shipped_profiles_are_readable_and_in_range():
         for entry in p.workload_selectors.values():  # each a valid relay on a band inside the model
             start, det, end = entry["layers"]
             assert 0 <= start <= det <= end < p.num_layers and all(entry["roles"].values())
-            RelayMethod(**entry["selector"])
+            BandPolicy.from_knobs(entry["selector"])
 
 
 def test_the_shipped_workload_selectors_are_keyed_by_their_workloads_system_prompts():

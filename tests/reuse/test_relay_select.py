@@ -10,7 +10,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import LayerView, StaticSchedule
 from kvrelay.reuse import get_method, relay_select
 from kvrelay.reuse.base import Plan
-from kvrelay.reuse.relay import RelayMethod
+from kvrelay.reuse.relay_policy import BandPolicy
 from kvrelay.reuse.relay_select import (
     away_mass,
     drift_shift,
@@ -46,32 +46,26 @@ def test_budget_selector_keeps_the_top_share_by_normalized_score():
     assert select_top(dev, None, suffix, 1 / 6).nonzero().flatten().tolist() == [3, 5]  # ablated influence
     assert select_top(None, inf, none, 1 / 6).nonzero().flatten().tolist() == [2]
     assert not select_top(torch.zeros(6), None, none, 0.5).any()  # zero scores select nothing
-    assert get_method("relay[top_r=0.25]").top_r == 0.25
-    with pytest.raises(ConfigError, match="top_r must be in"):
-        get_method("relay[top_r=1.5]")
+    assert get_method("relay[keep_share=0.25]").keep_share == 0.25
+    with pytest.raises(ConfigError, match="keep_share .top_r. must be in"):
+        get_method("relay[keep_share=1.5]")
+    with pytest.raises(ConfigError, match="keep_share is the budget's"):
+        get_method("relay[selector=threshold,keep_share=0.2]")
 
 
 def test_pruning_drops_low_deviation_tokens_and_never_the_spans_ends():
     dev = torch.tensor([0.001, 0.4, 0.01, 0.3, 0.2, 0.02, 0.5])
     ends = torch.tensor([True, False, False, False, False, False, True])  # a span's first and last token
     # share: the lowest 0.4 x 5 = 2 of the five others (0.01 and 0.02); the ends stay, whatever their deviation
-    kept = prune_mask(dev, ends, 0.4, "share")
+    kept = prune_mask(dev, ends, 0.4)
     assert kept.mask.tolist() == [True, True, False, True, True, False, True] and kept.num == 5
     # the count of ends known on the host: the same tokens, counted without reading the mask back
-    kept = prune_mask(dev, ends, 0.4, "share", num_always=2)
+    kept = prune_mask(dev, ends, 0.4, num_always=2)
     assert kept.mask.tolist() == [True, True, False, True, True, False, True] and kept.num == 5
-    assert prune_mask(dev, ends, 0.1, "share", num_always=2).mask.all()  # 0.1 x 5 rounds down to none
-    # peers: below 0.5 x the others' mean (0.186): 0.01, 0.02 and 0.001 would go, but 0.001 is an end
-    kept = prune_mask(dev, ends, 0.5, "peers")
-    assert kept.mask.tolist() == [True, True, False, True, True, False, True] and kept.num == 5
-    assert prune_mask(dev, torch.ones(7, dtype=torch.bool), 2.0, "peers").num == 7  # only ends: all stay
-    assert get_method("relay[prune=0.1]").prune == 0.1
-    with pytest.raises(ConfigError, match="prune_by"):
-        get_method("relay[prune=0.1,prune_by=top]")
-    with pytest.raises(ConfigError, match="prune must be"):
-        get_method("relay[prune=1.5]")
-    with pytest.raises(ConfigError, match="prune_by needs prune"):
-        get_method("relay[prune_by=peers]")
+    assert prune_mask(dev, ends, 0.1, num_always=2).mask.all()  # 0.1 x 5 rounds down to none
+    assert get_method("relay[prune_share=0.1]").prune_share == 0.1
+    with pytest.raises(ConfigError, match="prune_share .prune. must be"):
+        get_method("relay[prune_share=1.5]")
 
 
 def test_drift_shift_is_the_factor_times_the_sources_mean_move():
@@ -85,14 +79,16 @@ def test_drift_shift_is_the_factor_times_the_sources_mean_move():
     torch.testing.assert_close(shift_k[:, 0], 0.5 * 10 * ((k[:, 1] + k[:, 3]) / 2 - 1))
     torch.testing.assert_close(shift_v[:, 0], 0.5 * (v[:, 1] + v[:, 3]) / 2)
     assert drift_shift(view, span_rows, torch.zeros(3, dtype=torch.bool), 0.5) is None
-    with pytest.raises(ConfigError, match="drift needs prune"):
-        get_method("relay[drift=0.3]")
+    with pytest.raises(ConfigError, match="drift needs pruning"):  # a profile's knobs
+        BandPolicy.from_knobs({"top_r": 0.3, "drift": 0.3})
+    # a spec's drift without pruning prunes nothing, so that its layers exist
+    assert BandPolicy().overridden(drift=0.3).prune_share == 0.0
     with pytest.raises(ConfigError, match="drift must be in"):
-        get_method("relay[prune=0.1,drift=1.5]")
-    with pytest.raises(ConfigError, match="pre_dense needs l_pre"):
-        get_method("relay[pre_dense=true]")
+        get_method("relay[prune_share=0.1,drift=1.5]")
+    with pytest.raises(ConfigError, match="dense openings need span openings"):
+        BandPolicy.from_knobs({"pre_dense": True})
     with pytest.raises(ConfigError, match="pre_dense must be true or false"):  # e.g. a profile's JSON string
-        RelayMethod(l_pre=2, pre_dense="false")
+        BandPolicy.from_knobs({"l_pre": 2, "pre_dense": "false"})
 
 
 def test_zero_deviation_selects_nothing():
@@ -110,11 +106,11 @@ def test_position_prior_ranks_a_spans_early_tokens_first_in_the_budget():
     # weight 1: 0.5 + 2.13, 0.5 + 1.07, 1.5 + 0.53, 1.5 + 0.27 -> the span's opening and its third token
     assert select_top(dev, inf, none, 0.5, [(prior, 1.0)]).nonzero().flatten().tolist() == [0, 2]
     assert select_top(dev, inf, none, 0.5, [(prior, 0.0)]).nonzero().flatten().tolist() == [2, 3]  # weight 0: none
-    assert get_method("relay[top_r=0.3,pos_prior=1]").pos_prior == 1.0
-    with pytest.raises(ConfigError, match="pos_prior needs top_r"):
-        get_method("relay[pos_prior=1]")
+    assert BandPolicy.from_knobs({"top_r": 0.3, "pos_prior": 1}).pos_prior == 1.0
+    with pytest.raises(ConfigError, match="pos_prior needs the budget"):
+        BandPolicy.from_knobs({"pos_prior": 1})
     with pytest.raises(ConfigError, match="pos_prior must be >= 0"):
-        get_method("relay[top_r=0.3,pos_prior=-1]")
+        BandPolicy.from_knobs({"top_r": 0.3, "pos_prior": -1})
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])  # gemma3's layer 2 attends in an 8-token window
@@ -160,8 +156,8 @@ def test_unmeasured_tokens_count_as_average():
 
 
 def test_away_needs_the_budget_form():
-    assert get_method("relay[top_r=0.3,away=2]").away == 2.0
-    with pytest.raises(ConfigError, match="away needs top_r"):
-        get_method("relay[away=1]")
+    assert BandPolicy.from_knobs({"top_r": 0.3, "away": 2}).away == 2.0
+    with pytest.raises(ConfigError, match="away needs the budget"):
+        BandPolicy.from_knobs({"away": 1})
     with pytest.raises(ConfigError, match="away must be >= 0"):
-        get_method("relay[top_r=0.3,away=-1]")
+        BandPolicy.from_knobs({"top_r": 0.3, "away": -1})

@@ -63,8 +63,7 @@ def _what_b_sees(lm, method: str, a_first: bool, role: str = "") -> list[tuple]:
 
 @pytest.mark.parametrize("method", [
     "kvcomm[warmup=1]",  # A's first call makes an anchor: B's gate would pass on it
-    "kvcomm[warmup=2,gate_distance=relative,temperature=0.05]",
-    "kvcomm[warmup=2,short_anchors=true,mix=token]",
+    "kvcomm[warmup=2,short_anchors=true]",
 ])
 def test_kvcomm_anchor_pools_and_templates_are_per_namespace(lm, method):
     alone = _what_b_sees(lm, method, a_first=False)
@@ -72,18 +71,7 @@ def test_kvcomm_anchor_pools_and_templates_are_per_namespace(lm, method):
     assert _what_b_sees(lm, method, a_first=True) == alone
 
 
-BAND = "l_start=1,l_det=2,l_end=3"  # the tiny model has no profile
-
-
-@pytest.mark.parametrize(("method", "role"), [  # role: "" (the agent's name is its role) or its system prompt's key
-    (f"relay_anchors[anchor_calls=1,anchor_k=1,{BAND}]", ""),  # A's first call freezes the role: B would skip learning
-    (f"relay_anchors[anchor_calls=2,anchor_prepare=0,{BAND}]", "r0123456789abcdef"),  # anchors computed on the call
-    (f"relay_anchors[anchor_calls=1,anchor_blend=0.5,top_r=0.1,anchor_select=1,{BAND}]", ""),  # readout, residual
-])
-def test_relay_anchors_pools_readouts_and_prepared_spans_are_per_namespace(lm, method, role):
-    alone = _what_b_sees(lm, method, a_first=False, role=role)
-    assert alone[0][2] is not None  # B's role has not learned yet: its first call teaches it
-    assert _what_b_sees(lm, method, a_first=True, role=role) == alone
+BAND = "band=1:2:3"  # the tiny model has no profile
 
 
 def test_relay_keeps_no_state_across_calls(lm):
@@ -104,11 +92,11 @@ def test_the_fallback_text_shows_no_anchor_distances(lm):
 
 
 def _learned(method, namespace: str) -> bool:
-    keys = method.pools if hasattr(method, "pools") else method.pool.roles()
+    keys = method.pools
     return any(key_namespace(k) == namespace for k in keys)
 
 
-@pytest.mark.parametrize("method", ["kvcomm[warmup=1]", f"relay_anchors[anchor_calls=1,anchor_blend=0.5,{BAND}]"])
+@pytest.mark.parametrize("method", ["kvcomm[warmup=1]"])
 def test_what_a_namespace_taught_goes_when_the_namespace_expires(lm, method):
     """Tenants come and go (a cache_salt is the client's choice): what one taught is dropped once its namespace has
     expired (idle for kv_namespace_idle_s), and only then."""

@@ -42,7 +42,7 @@ def first_top(response) -> list[tuple[int, float]]:
     return [(t.model_extra["id"], t.logprob) for t in response.choices[0].logprobs.content[0].top_logprobs]
 
 
-@pytest.mark.parametrize("method", ["epic", "naive", "relay[l_start=1,l_det=2,l_end=3]"])
+@pytest.mark.parametrize("method", ["epic", "naive", "relay[band=1:2:3]"])
 def test_three_agent_chain_reuses_and_matches_a_direct_engine_call(server, lm, method):
     ns = uuid.uuid4().hex
     solver = [{"role": "system", "content": "You are a careful math solver."}, {"role": "user", "content": QUESTION}]

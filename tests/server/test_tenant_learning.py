@@ -13,7 +13,7 @@ DOCS = [  # each long enough (over 2 x 16 - 1 tokens) that the matcher always fi
     "The patient was given forty milligrams twice daily and the fever went down after three days; the nurse noted "
     "a mild rash on the fourth day, so the dose was halved and a follow-up visit was booked for the next week.",
 ]
-LEARNING = ("kvcomm", "relay_anchors[anchor_calls=2,l_start=4,l_det=4,l_end=4]")  # random:tiny has 4 layers
+LEARNING = ("kvcomm",)  # the one method that learns across calls
 
 
 def _ask(server: Server, key: str, method: str, question: str, doc: str) -> tuple:

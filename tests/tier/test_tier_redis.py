@@ -24,7 +24,7 @@ from kvrelay.tier.tiered import TieredStore, open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 UP_PROMPT = list(range(40, 80))
-METHODS = ("naive", "relay[l_start=1,l_det=2,l_end=2]")
+METHODS = ("naive", "relay[band=1:2:2]")
 SUBPROCESS_TIMEOUT_S = 120
 
 
