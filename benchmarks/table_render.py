@@ -32,11 +32,12 @@ def _files(names: Sequence[str]) -> str:
     return ", ".join(f"`{n}`" for n in names)
 
 
-def bench_command(cfg: dict, env: dict, out_name: str) -> str:
-    """The ``kvrelay bench`` command line that wrote a result, rebuilt from its recorded config."""
+def bench_command(cfg: dict, env: dict, out_name: str, methods: Sequence[str] | None = None) -> str:
+    """The ``kvrelay bench`` command line that wrote a result, rebuilt from its recorded config; ``methods``: the
+    specs to name instead of the recorded ones (a table's rows, in today's spelling)."""
     threads = "OMP_NUM_THREADS=1 " if "1 torch threads" in env.get("machine", "") else ""
     args = ["kvrelay", "bench", "--workload", cfg["workload"], "--model", cfg["model"],
-            "--methods", ",".join(cfg["methods"]), "--limit", str(cfg["limit"])]
+            "--methods", ",".join(cfg["methods"] if methods is None else methods), "--limit", str(cfg["limit"])]
     if cfg.get("offset"):
         args += ["--offset", str(cfg["offset"])]
     if cfg.get("mode", "agent") != "agent":
@@ -72,8 +73,11 @@ def _bench_runs(names: Sequence[str]) -> tuple[dict, list[tuple[str, dict, dict]
     return merged, runs
 
 
-def bench_table(names: Sequence[str], rows: dict[str, str]) -> str:
-    """Agent-mode rows of one model x workload. ``rows``: method as the JSON names it -> label shown (in order)."""
+def bench_table(names: Sequence[str], rows: dict[str, str], specs_now: dict[str, str] | None = None) -> str:
+    """Agent-mode rows of one model x workload. ``rows``: method as the JSON names it -> label shown (in order).
+    The commands name the rows' methods only, each as ``specs_now`` spells it today (a setting renamed since the
+    run), so they reproduce the table with the methods that exist."""
+    specs_now = specs_now or {}
     d, runs = _bench_runs(names)
     commits = ", ".join(dict.fromkeys(env["commit"] for _, _, env in runs))
     machines = "; ".join(dict.fromkeys(env["machine"] for _, _, env in runs))
@@ -95,8 +99,14 @@ def bench_table(names: Sequence[str], rows: dict[str, str]) -> str:
                      f"{fmt(s['recompute_frac'], '.3f')} | {fmt(s['first_token_agreement'], '.2f')} | "
                      f"{fmt(s.get('first_token_agreement_clear'), '.2f')} | {fmt(s['kl_first_token'], '.4f')} | "
                      f"{fmt(s['greedy_match_rate'], '.2f')} |")
-    specs = [f"`{label}` = `{m}`" for m, label in rows.items() if label != m]
-    lines += ["", "Commands: " + "; ".join(f"`{bench_command(cfg, env, name)}`" for name, cfg, env in runs)
+    specs = [f"`{label}` = `{specs_now.get(m, m)}`" for m, label in rows.items() if label != specs_now.get(m, m)]
+    specs += [f"`{now}` was spelled `{m}` in the run's config" for m, now in specs_now.items() if m in rows]
+
+    def methods(cfg: dict) -> list[str]:
+        return [specs_now.get(m, m) for m in cfg["methods"] if m in rows]
+
+    lines += ["", "Commands: " + "; ".join(f"`{bench_command(cfg, env, name, methods(cfg))}`"
+                                           for name, cfg, env in runs)
               + (" (lanes side by side, merged from their per-call rows)" if len(runs) > 1 else "") + "."]
     if specs:
         lines.append("Rows: " + "; ".join(specs) + ".")
