@@ -98,8 +98,21 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
     return ToolPlan(functions, choice, None, parallel)
 
 
-def tool_system_text(functions: tuple[FunctionDef, ...]) -> str:
-    """The model-agnostic tool instructions appended to the system message."""
+def answer_schema(body: ChatCompletionRequest) -> dict | None:
+    """The JSON schema ``response_format`` asks a text answer to follow (None: free text); checked elsewhere
+    (kvrelay.server.grammar.check_response_format)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema" and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+        return fmt.json_schema.schema_
+    return {"type": "object"}
+
+
+def tool_system_text(functions: tuple[FunctionDef, ...], answer: dict | None = None) -> str:
+    """The model-agnostic tool instructions appended to the system message. ``answer``: the JSON schema of a
+    final answer (a response_format beside tools under "auto"): the grammar lets the turn be calls or that JSON,
+    and a model that is never told the answer's form keeps calling tools."""
     lines = ["You can call these tools. Each is a JSON object with the tool's name, what it does and the "
              "JSON schema of its arguments:"]
     for f in functions:
@@ -108,6 +121,10 @@ def tool_system_text(functions: tuple[FunctionDef, ...]) -> str:
         lines.append(json.dumps(spec, ensure_ascii=False))
     lines.append(f'To call a tool, answer with {CALL_OPEN}{{"name": <tool name>, "arguments": <arguments '
                  f"object>}}{CALL_CLOSE}, one call per line. The results come back as <tool_response> blocks.")
+    if answer is not None:
+        lines.append("Call the tools you need first. When <tool_response> blocks answer the question, call no "
+                     "more tools: give the final answer as one JSON value of this JSON schema: "
+                     f"{json.dumps(answer, ensure_ascii=False)}")
     return "\n".join(lines)
 
 
@@ -142,7 +159,7 @@ def render_messages(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[
     for m in out:
         m.pop("tool_turn", None)
     if plan is not None:
-        text = tool_system_text(plan.functions)
+        text = tool_system_text(plan.functions, answer_schema(body))
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
         else:

@@ -100,6 +100,21 @@ def test_tool_history_is_rendered(server):
     assert r.usage.prompt_tokens > without.usage.prompt_tokens + 20
 
 
+def test_a_json_format_beside_tools_is_shown_in_the_prompt(server):
+    # the grammar lets an "auto" turn be calls or JSON of the format: a model never told the answer's form keeps
+    # calling tools (the Agents SDK's tools + output_type agent looped on SmolLM2); the text is the same in every
+    # tool mode, so a step forced to call and the next one under "auto" share the system prompt's KV
+    schema = {"type": "object", "properties": {"temperature_c": {"type": "integer"}}, "required": ["temperature_c"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
+    for choice in ("auto", "required"):
+        text = _prompt_text(server, ask(server, max_tokens=2, tools=[tool("get_weather")], tool_choice=choice,
+                                        response_format=fmt))
+        assert json.dumps(schema) in text, choice
+    plain = _prompt_text(server, ask(server, max_tokens=2, tools=[tool("get_weather")], tool_choice="none",
+                                     response_format=fmt))
+    assert json.dumps(schema) not in plain  # no tools shown: the format alone needs no instructions
+
+
 def test_a_tool_loop_reuses_the_generated_call(server):
     namespace = uuid.uuid4().hex
     tools = [tool("get_weather")]

@@ -77,6 +77,31 @@ def test_function_tool_loop(smol, kind):
     assert len(cached) == 2 and cached[1] > 0, cached
 
 
+class Weather(BaseModel):
+    city: str
+    temperature_c: int
+
+
+@pytest.mark.slow
+def test_function_tool_with_output_type_ends_with_a_parsed_object(smol):
+    # tools and output_type on one agent, the SDK's defaults (tool_choice auto, parallel calls): every step
+    # may be calls or the typed answer; SmolLM2 answers with the typed JSON once the prompt says that form
+    # (without it, it called get_weather on every step until max_turns)
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        return CITY_WEATHER.format(city=city)
+
+    async def flow(make_model):
+        agent = Agent(name="weather", instructions="Answer weather questions with the get_weather tool.",
+                      tools=[get_weather], output_type=Weather, model=make_model("chat", SMOL),
+                      model_settings=settings(max_tokens=120))
+        return await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+
+    result = run(smol, flow)
+    assert isinstance(result.final_output, Weather) and result.final_output.city
+
+
 @pytest.mark.parametrize("kind", ["chat", "responses"])
 def test_output_type_returns_a_parsed_object(server, kind):
     async def flow(make_model):
