@@ -60,6 +60,9 @@ class PrefillTask:
         self._end_s: float | None = None
         self.compute_ms = 0.0  # time spent in this task's own work (planning, loads, prefill pieces)
         self.num_chunks = 0
+        # the last piece of a chunked plan as run: (its tokens, the keys they attended to summed, its forward's ms);
+        # None after a one-piece plan or planning alone (the server sizes chunks by what pieces cost)
+        self.last_piece: tuple[int, int, float] | None = None
 
     @property
     def done(self) -> bool:
@@ -74,6 +77,22 @@ class PrefillTask:
             return len(self.call.prompt_ids)
         return int(self._active.numel()) - self._num_done
 
+    def upcoming_positions(self, limit: int) -> list[int] | None:
+        """Prompt positions of the next (up to ``limit``) tokens a piece would compute, ascending; None for a plan
+        that runs in one piece (or a task done). Plans the call first if it was not yet (its time counts as the
+        task's own, from where ``ttft_ms`` runs)."""
+        if self.done:
+            return None
+        if self._t0 is None:
+            sync_device(self.engine.lm.model.device)
+            self._t0 = time.perf_counter()
+            self._prepare()
+            sync_device(self.engine.lm.model.device)
+            self.compute_ms += (time.perf_counter() - self._t0) * 1e3
+        if self._active is None:
+            return None
+        return self._active[self._num_done : self._num_done + limit].tolist()
+
     def advance(self, budget_tokens: int) -> int:
         """Compute up to ``budget_tokens`` more prompt tokens (at least one piece); the number computed. A plan
         that cannot chunk runs whole on its first call."""
@@ -85,6 +104,7 @@ class PrefillTask:
         if self._t0 is None:
             self._t0 = start_s
             self._prepare()
+        self.last_piece, num_keys = None, None
         if self._active is None:  # one piece: the method's own schedule over the whole prompt
             self.plan.schedule.capture_layers = self.engine.capture_layers
             self._take(model.prefill(self.ids, self.cache, self.plan.schedule))
@@ -98,9 +118,12 @@ class PrefillTask:
                 schedule.capture_layers = self.engine.capture_layers
                 self._take(model.prefill(self.ids[: int(piece[-1]) + 1], self.cache, schedule))
                 self._num_done += num
+                num_keys = int(piece.sum()) + num  # position p attends to p + 1 keys
         sync_device(model.device)
         end_s = time.perf_counter()
         self.compute_ms += (end_s - start_s) * 1e3
+        if num_keys is not None:  # planned beforehand (``upcoming_positions``), this is the piece's forward alone
+            self.last_piece = (num, num_keys, (end_s - start_s) * 1e3)
         if self._active is None or self._num_done >= self._active.numel():
             self._end_s = end_s
         return num

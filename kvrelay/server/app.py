@@ -39,8 +39,8 @@ class ServerSettings:
     max_running: int = 8
     max_body_bytes: int = 8 << 20
     default_max_tokens: int = 256  # chat requests without max_tokens (bounded by the context)
-    # prompt tokens prefilled per turn between two decode steps of the running batch (chunked prefill): a long
-    # prompt delays each running stream's next token by one such piece at most
+    # chunked prefill: a turn's prefill between two decode steps of the running batch costs what this many tokens
+    # cost at the start of a prompt (``server.chunk_budget``): a long prompt delays each running stream by one piece
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     # the quality guard (a kvrelay.quality.QualityConfig; None: off, every request runs ``method``); ``kvrelay
     # serve`` turns it on by default

@@ -44,8 +44,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
     p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
     p.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
-                   help="prompt tokens prefilled between two decode steps of the running requests (chunked "
-                        f"prefill: a long prompt delays the others' next token by one such piece; default "
+                   help="chunked prefill: a piece prefilled between two decode steps of the running requests costs "
+                        "what this many tokens cost at the start of a prompt (pieces deeper in a long prompt get "
+                        f"fewer tokens; a long prompt delays the others by one piece; default "
                         f"{DEFAULT_PREFILL_CHUNK_TOKENS})")
     add_quality_flags(p)
     p.add_argument("--store", default="memory",

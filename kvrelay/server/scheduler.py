@@ -1,9 +1,11 @@
 """The engine worker: one thread owns the engine and runs schedule -> run -> postprocess.
 
 Each turn it (1) drops requests whose clients went away, (2) admits waiting requests while fewer than
-``max_running`` are prefilling or decoding, (3) advances their prefills within a token budget
-(``prefill_chunk_tokens``; chunked prefill, as vLLM and SGLang schedule: a long prompt runs in pieces
-between decode steps, so it never stalls the running streams for more than one piece), (4) runs one
+``max_running`` are prefilling or decoding, (3) advances their prefills within a cost budget (chunked prefill,
+as vLLM and SGLang schedule: a long prompt runs in pieces between decode steps, so it never stalls the running
+streams for more than one piece; ``ChunkBudget`` sizes each piece by its predicted time, learned from the pieces
+run, to what ``prefill_chunk_tokens`` tokens cost at the start of a prompt, so pieces deep in a long prompt,
+whose tokens attend to more keys, get fewer tokens), (4) runs one
 batched ``engine.step`` for all running requests, and (5) hands tokens back to the asyncio side as events
 through the request's ``emit`` callback (``loop.call_soon_threadsafe``; how tokens become events is the
 ``Job``'s, kvrelay.server.job). The queue is FIFO and bounded; a full queue is a 429.
@@ -30,6 +32,7 @@ from kvrelay.engine.prefill import PrefillTask
 from kvrelay.errors import KvRelayError, StoreFullError
 from kvrelay.model.sampling import SamplingConfig, SamplingError
 from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.chunk_budget import ChunkBudget, PieceCost, attended_keys
 from kvrelay.server.events import ErrorEvent
 from kvrelay.server.job import Job, ids_of_text
 from kvrelay.server.metrics import ServerMetrics
@@ -40,7 +43,7 @@ from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its home is kvrelay.server.job
 
 log = logging.getLogger("kvrelay.server")
-DEFAULT_PREFILL_CHUNK_TOKENS = 512  # prompt tokens prefilled per turn, between two decode steps
+DEFAULT_PREFILL_CHUNK_TOKENS = 512  # a turn's prefill budget: what this many tokens cost at a prompt's start
 _MAX_SKIPPED_TURNS = 4  # a prefill that got no budget this many turns goes first
 _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
 
@@ -48,13 +51,15 @@ _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine t
 class EngineWorker:
     def __init__(self, engine: Engine, catalog: SpanCatalog, metrics: ServerMetrics, max_queue: int = 64,
                  max_running: int = 8, prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
-        """``max_running``: requests prefilling or decoding at once; ``prefill_chunk_tokens``: prompt tokens
-        prefilled per turn, between two decode steps."""
+        """``max_running``: requests prefilling or decoding at once; ``prefill_chunk_tokens``: a turn's prefill
+        between two decode steps costs what this many tokens cost at the start of a prompt (and has at most this
+        many; ``chunk_budget``)."""
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.engine, self.catalog, self.metrics = engine, catalog, metrics
         self.max_queue, self.max_running = max_queue, max_running
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.chunk_budget = ChunkBudget(prefill_chunk_tokens)
         self.tokenizer = engine.lm.tokenizer
         self.context_tokens = engine.lm.config.max_position_embeddings
         self._waiting: deque[Job] = deque()
@@ -220,7 +225,7 @@ class EngineWorker:
                 self._release(job)
             else:
                 self._admit(job)
-        self._prefill(self.prefill_chunk_tokens)
+        self._prefill()
         live = [j for j in self._running if not j.seq.done]
         if live:
             tokens = self.engine.step([j.seq for j in live])
@@ -268,19 +273,27 @@ class EngineWorker:
             return False
         return True
 
-    def _prefill(self, budget_tokens: int) -> None:
-        """Advance the prefills within this turn's budget of prompt tokens: the fewest tokens left first, one
-        skipped ``_MAX_SKIPPED_TURNS`` turns before all. A finished one joins the decode batch, its first token out
-        at once. A request whose prefill fails is failed alone."""
+    def _prefill(self) -> None:
+        """Advance the prefills within this turn's cost budget (``chunk_budget``): the fewest tokens left first, one
+        skipped ``_MAX_SKIPPED_TURNS`` turns before all; a piece is at least the budget's ``min_tokens`` (or what is
+        left of its prompt), so one that fits no more this turn waits for the next. A finished one joins the decode
+        batch, its first token out at once. A request whose prefill fails is failed alone."""
+        budget, spent, first = self.chunk_budget, 0.0, True  # spent: the turn's budget used, as a share of it
         order = sorted(self._prefilling, key=lambda j: (j.num_skipped_turns < _MAX_SKIPPED_TURNS,
                                                         j.task.num_remaining_tokens))
         for job in order:
-            if budget_tokens <= 0:
-                job.num_skipped_turns += 1
-                continue
-            job.num_skipped_turns = 0
             try:
-                budget_tokens -= job.task.advance(budget_tokens)
+                num = self._piece_tokens(job.task, budget.turn_ms * (1 - spent), first)
+                if num is None:
+                    job.num_skipped_turns += 1
+                    continue
+                first, job.num_skipped_turns = False, 0
+                num = job.task.advance(num)
+                if job.task.last_piece is not None:
+                    budget.observe(PieceCost(*job.task.last_piece))
+                    spent += budget.predict_ms(*job.task.last_piece[:2]) / budget.turn_ms
+                else:  # a plan that ran whole: its prompt as if from position 0
+                    spent += budget.predict_ms(num, num * (num + 1) // 2) / budget.turn_ms
                 if job.task.done:
                     job.seq = job.task.sequence()
                     job.task = None
@@ -293,6 +306,19 @@ class EngineWorker:
             except Exception:
                 log.exception("prefilling a request failed")
                 self._fail(job, 500, "internal error while starting this request", "internal_error")
+
+    def _piece_tokens(self, task: PrefillTask, budget_ms: float, first: bool) -> int | None:
+        """Tokens for ``task``'s next piece within ``budget_ms`` of the turn, or None when it waits: no budget left,
+        or (not the turn's first piece) not even the least piece fits. Plans the call on its first piece."""
+        if budget_ms <= 0:
+            return None
+        positions = task.upcoming_positions(self.chunk_budget.max_tokens)
+        if positions is None:  # a plan that runs whole
+            return self.chunk_budget.max_tokens
+        num = self.chunk_budget.num_tokens(positions, budget_ms)
+        if not first and self.chunk_budget.predict_ms(num, attended_keys(positions[:num])) > budget_ms:
+            return None
+        return num
 
     def _drop_prefill(self, job: Job) -> None:
         """The client went away while its prompt was prefilling: its KV is freed, nothing is published."""

@@ -95,3 +95,33 @@ def test_ttft_covers_the_wall_time_between_chunks(setup, monkeypatch):
     assert seq.stats.num_prefill_chunks == 3
     assert seq.stats.ttft_ms == pytest.approx(20.1e3)  # 10.0 s -> 30.1 s
     assert task.compute_ms == pytest.approx(300.0)  # three pieces of 0.1 s
+
+
+@pytest.mark.parametrize("method", CHUNKED + ONE_PIECE)
+def test_pieces_of_shrinking_sizes_give_the_one_shot_results(setup, method):
+    """The server sizes each piece by its cost (fewer tokens deeper in the prompt), from ``upcoming_positions``:
+    the positions it reports are the ones each piece computes, and the sizes change nothing."""
+    lm, store, call = setup
+    engine = Engine(lm, store)
+    options = GenerateOptions(SamplingConfig(max_new_tokens=6), keep_cache=True)
+    whole = engine.start(call, method, options)
+    task = engine.begin(call, method, options)
+    sizes, seen = iter([13, 8, 5, 3, 2] + [1] * len(call.prompt_ids)), []
+    while not task.done:
+        positions = task.upcoming_positions(64)
+        num = task.advance(next(sizes))
+        if positions is not None:
+            seen += positions[:num]
+            assert task.last_piece[:2] == (num, sum(positions[:num]) + num)
+        else:
+            assert task.last_piece is None
+    seq = task.sequence()
+    if method in CHUNKED:
+        assert seen == sorted(set(seen)) and seen[-1] == len(call.prompt_ids) - 1 and seq.stats.num_prefill_chunks > 5
+    else:
+        assert seen == [] and seq.stats.num_prefill_chunks == 1
+    torch.testing.assert_close(seq.first_logits, whole.first_logits, atol=1e-4, rtol=0)
+    for s in (seq, whole):
+        while not s.done:
+            engine.step([s])
+    assert seq.output_ids == whole.output_ids

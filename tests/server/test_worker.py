@@ -8,6 +8,7 @@ import pytest
 
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
+from kvrelay.engine.prefill import PrefillTask
 from kvrelay.server import scheduler
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.events import DoneEvent, ErrorEvent, Event
@@ -145,3 +146,50 @@ def test_a_prefill_starved_by_short_requests_goes_first_after_a_few_turns(tiny):
         progress.append(long.task.num_remaining_tokens if long.task is not None else 0)
     assert progress[-1] < progress[0]  # it was never starved for good
     worker.stop()
+
+
+def test_the_chunks_of_a_long_prompt_shrink_to_the_cost_of_its_first(tiny, monkeypatch):
+    """Driven turn by turn, each piece timed by a synthetic cost (not a clock): attention makes a token at position
+    600 cost 7x one at 0, and the worker gives later pieces fewer tokens, each within the first piece's cost."""
+    def synthetic_ms(num_tokens: int, num_keys: int) -> float:
+        return 2.0 + 0.1 * num_tokens + 0.001 * num_keys
+
+    real_advance = PrefillTask.advance
+    pieces = []
+
+    def timed_advance(task: PrefillTask, budget_tokens: int) -> int:
+        num = real_advance(task, budget_tokens)
+        if task.last_piece is not None:
+            num_tokens, num_keys, _ = task.last_piece
+            task.last_piece = (num_tokens, num_keys, synthetic_ms(num_tokens, num_keys))
+            pieces.append((task, num_tokens, num_keys))
+        return num
+
+    monkeypatch.setattr(PrefillTask, "advance", timed_advance)
+    chunk = 64
+    worker = _worker(tiny, chunk)
+    running = _prepared(worker, tiny.tokenizer.encode("a prompt that decodes for a while"), _Events(), 200)
+    worker.submit(running)
+    worker.run_turn()
+    long_ids = tiny.tokenizer.encode("word " * 600)
+    long = _prepared(worker, long_ids, _Events(), 2)
+    worker.submit(long)
+    task = None
+    while long.seq is None:
+        worker.run_turn()
+        task = task or long.task
+    sizes = [n for t, n, _ in pieces if t is task]
+    costs = [synthetic_ms(n, k) for t, n, k in pieces if t is task]
+    first_ms = synthetic_ms(chunk, chunk * (chunk + 1) // 2)
+    assert sum(sizes) == len(long_ids) and sizes[0] == chunk
+    assert sizes[-2] < chunk // 3  # deep in the prompt (the last piece is what was left)
+    assert all(a >= b for a, b in zip(sizes[3:-1], sizes[4:-1], strict=False))  # fitted after 3 pieces: shrinking
+    assert all(c <= first_ms * 1.001 for c in costs[3:])  # each within the budget ...
+    assert all(synthetic_ms(n + 1, k + p + 1) > first_ms for (_, n, k), p in  # ... and the most that fit it
+               zip([x for x in pieces if x[0] is task][3:-1], _next_positions(sizes)[3:-1], strict=True))
+    worker.stop()
+
+
+def _next_positions(sizes: list[int]) -> list[int]:
+    """For each piece of a full prefill, the position of the token just after it."""
+    return [sum(sizes[: i + 1]) for i in range(len(sizes))]
