@@ -88,3 +88,11 @@ def test_relay_lists_its_six_settings_and_none_of_its_internals(capsys):
     """The band and policy ``kvrelay profile`` fixes in advance (``RelayMethod.with_knobs``) is no setting."""
     settings = [s["name"] for s in _listing_json(capsys, "relay")[0]["settings"]]
     assert settings == ["selector", "keep_share", "span_openings", "prune_share", "drift", "band"]
+
+
+def test_every_method_exposes_at_most_six_settings(capsys):
+    """A method a user can read: each shipped method has at most 6 public settings, rksc's branch runner included."""
+    listing = _listing_json(capsys)
+    assert {m["name"] for m in listing} >= set(METHODS) - {"rksc"}
+    too_many = {m["name"]: len(m["settings"]) for m in listing if len(m["settings"]) > 6}
+    assert not too_many, f"methods over 6 settings: {too_many}"
