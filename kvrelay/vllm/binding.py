@@ -40,13 +40,18 @@ def find_model(attention_layers: dict[str, nn.Module]) -> nn.Module:
     found = []
     with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
         warnings.simplefilter("ignore")
-        objects = gc.get_objects()
-        modules = [obj for obj in objects if isinstance(obj, nn.Module)]
+        modules = []
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, nn.Module):
+                    modules.append(obj)
+            except ReferenceError:  # a weak proxy whose object is gone
+                continue
     for obj in modules:
         try:
             if obj is not layer and obj.get_submodule(name) is layer:
                 found.append(obj)
-        except AttributeError:
+        except Exception:  # noqa: BLE001 - a module that cannot answer is not the model
             continue
     if len(found) != 1:
         raise ConfigError(f"kvrelay connector: found {len(found)} modules holding vLLM's attention layer {name!r}, "

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvrelay.errors import ConfigError, KvRelayError
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvrelay.vllm")
@@ -57,14 +59,28 @@ class KVRelayMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
 
 
+@dataclass
+class KVRelayWorkerReport(KVConnectorWorkerMetadata):
+    """The worker side's answer for one step: spans stored, and spans refused or evicted, as (namespace, span id).
+    vLLM's CPU build runs its worker in a process of its own even with one device, so the scheduler side learns
+    what the worker's store holds only from this."""
+
+    stored: list[tuple[str, str]] = field(default_factory=list)
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVRelayWorkerReport)
+        return KVRelayWorkerReport(self.stored + other.stored, self.dropped + other.dropped)
+
+
 class KVRelayConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         model_config = vllm_config.model_config
-        if vllm_config.parallel_config.world_size > 1 and self.config.store == "memory":
-            raise ConfigError("kvrelay connector: with several workers (tensor or pipeline parallel) the scheduler "
-                              "and the workers are separate processes; set a shared store (disk:PATH or redis://)")
+        if vllm_config.parallel_config.world_size > 1:
+            raise ConfigError("kvrelay connector: one worker only (tensor and pipeline parallel size 1): each worker "
+                              "of several holds a shard of the heads, and kvrelay's spans hold them all")
         self.hf_config = model_config.hf_config.to_dict()
         self.model_config = config_from_hf(self.hf_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -110,6 +126,11 @@ class KVRelayConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         self._loads.append(LoadJob(request.request_id, namespace_of(request.cache_salt),
                                    list(request.prompt_token_ids[: plan.end]), plan, block_ids))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, KVRelayWorkerReport):
+            self.hub.reported(report.stored, report.dropped)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVRelayMetadata(self._saves, self._loads)
@@ -181,6 +202,10 @@ class KVRelayConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         saved, self._saved = self._saved, set()
         return (saved or None), None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        stored, dropped = self._worker.take_report() if self._worker is not None else ([], [])
+        return KVRelayWorkerReport(stored, dropped) if stored or dropped else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

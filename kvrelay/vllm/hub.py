@@ -112,17 +112,31 @@ class Hub:
         self.store = store
         self.catalog = SpanCatalog(store, fingerprint)
         self.lock = threading.RLock()  # the index and pending saves: scheduler and worker threads
-        # (namespace, span id) the scheduler indexed at a request's end, until the worker has stored it
+        # (namespace, span id) the scheduler indexed at a request's end, until the worker reports it stored
         self.pending: set[tuple[str, str]] = set()
+        # what the worker reported stored (it may be another process, whose memory store the scheduler cannot see)
+        self.stored: set[tuple[str, str]] = set()
         self.stats = {"saved": 0, "save_failed": 0, "loads": 0, "tokens_claimed": 0, "tokens_recomputed": 0,
                       "spans_missing": 0}
 
     def available(self, namespace: str, span_id: str) -> bool:
         """Whether a load of ``span_id`` can find it: stored, or about to be by the worker."""
         with self.lock:
-            if (namespace, span_id) in self.pending:
+            if (namespace, span_id) in self.pending or (namespace, span_id) in self.stored:
                 return True
         return self.catalog.owns(namespace, span_id)
+
+    def reported(self, stored: list[tuple[str, str]], dropped: list[tuple[str, str]]) -> None:
+        """The worker's report: spans now stored, and spans it could not store or has evicted (forgotten here, so
+        no later request plans to load them)."""
+        with self.lock:
+            for key in stored:
+                self.pending.discard(key)
+                self.stored.add(key)
+            for namespace, span_id in dropped:
+                self.pending.discard((namespace, span_id))
+                self.stored.discard((namespace, span_id))
+                self.catalog.index.remove(span_id)
 
 
 _HUBS: dict[tuple[ConnectorConfig, str], Hub] = {}

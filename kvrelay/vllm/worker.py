@@ -77,27 +77,36 @@ class WorkerSide:
         self._transformer = transformer  # built on the first load that computes tokens
         self.rope = RotaryEmbedding(config, "cpu")
         self.results: list[LoadResult] = []
+        self._stored: list[tuple[str, str]] = []
+        self._dropped: list[tuple[str, str]] = []
 
     # ------------------------------------------------------------------ saves
     def save(self, job: SaveJob) -> bool:
-        """Store ``job``'s K/V in the hub (memory and shared tier); False when the store refused it."""
-        hub = self.hub
+        """Store ``job``'s K/V in the hub (memory and shared tier); False when the store refused it. What was
+        stored, refused or evicted is reported to the scheduler side (``take_report``)."""
+        hub, key = self.hub, (job.namespace, job.span_id)
         try:
             k, v = self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
             span = StoredSpan(tuple(job.token_ids), 0, k, v, hub.fingerprint)
             with hub.lock:
-                hub.catalog.put(job.namespace, job.span_id, span)
+                evicted = hub.catalog.put(job.namespace, job.span_id, span)
             hub.stats["saved"] += 1
+            self._stored.append(key)
+            self._dropped.extend((job.namespace, span_id) for span_id in evicted)
             return True
         except KvRelayError as e:  # a full store: this span is not kept, nothing else fails
             hub.stats["save_failed"] += 1
             log.warning("kvrelay connector: request %s's KV not stored: %s", job.req_id, e)
             with hub.lock:
                 hub.catalog.drop(job.namespace, job.span_id)
+            self._dropped.append(key)
             return False
-        finally:
-            with hub.lock:
-                hub.pending.discard((job.namespace, job.span_id))
+
+    def take_report(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """(spans stored, spans refused or evicted) since the last call, as (namespace, span id)."""
+        report = (self._stored, self._dropped)
+        self._stored, self._dropped = [], []
+        return report
 
     # ------------------------------------------------------------------ loads
     def load(self, job: LoadJob) -> LoadResult:

@@ -7,6 +7,7 @@ import pytest
 from kvrelay.errors import ConfigError
 from kvrelay.vllm.plan import Run, plan_load
 
+NEEDS_VLLM = False  # pure logic: runs in the main venv
 SPAN = tuple(range(1000, 1100))  # a stored call's 100 tokens at positions 0..99
 TOKENS = {"s": SPAN, "t": tuple(range(2000, 2040))}
 

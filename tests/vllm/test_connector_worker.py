@@ -18,6 +18,7 @@ from kvrelay.vllm.plan import Run, plan_load
 from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide
 from kvrelay.weights.loader import load_model
 
+NEEDS_VLLM = False  # runs in the main venv: no vLLM here, a stand-in of its model and paged KV
 BLOCK = 16
 
 
@@ -120,7 +121,7 @@ def test_a_saved_request_is_its_kv_and_a_load_writes_what_kvrelays_engine_comput
     assert worker.save(SaveJob("r1", "span-a", "", upstream, [0, 1, 2, 3]))
     span = hub.store.get("span-a")
     assert span.token_ids == tuple(upstream) and torch.equal(span.k, up_cache.kv_all(0, 60)[0])
-    assert hub.catalog.index.find(upstream, "", 16) and not hub.pending
+    assert hub.catalog.index.find(upstream, "", 16) and worker.take_report() == ([("", "span-a")], [])
 
     prompt = torch.randint(0, 49152, (8,), generator=gen).tolist() + upstream + [11, 12, 13]
     plan = plan_load(prompt, 0, [Run(8, 68, "span-a", 0)], hub.catalog.index.token_ids, "epic", epic_k=4)
@@ -148,3 +149,17 @@ def test_a_span_gone_from_the_store_is_computed_like_a_gap(lm, vllm_model):
     result, (k, _) = run_load(lm, vllm_model, hub, prompt, plan, [0, 1, 2])
     assert (result.spans_missing, result.num_recomputed, result.num_loaded) == (1, 44, 0)
     torch.testing.assert_close(k, full_prefill(lm, prompt).kv_all(0, 44)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_scheduler_side_follows_the_workers_report(lm):
+    """The worker may be another process: the scheduler plans loads only of spans it reported stored (or that
+    are pending), and forgets those it refused or evicted."""
+    hub = Hub(ConnectorConfig(), lm.fingerprint)
+    tokens = list(range(100, 140))
+    for span_id in ("kept", "evicted"):
+        hub.catalog.index.add(span_id, tokens, "s1")
+        hub.pending.add(("s1", span_id))
+    hub.reported([("s1", "kept")], [("s1", "evicted")])
+    assert hub.available("s1", "kept") and not hub.available("s1", "evicted")
+    assert not hub.available("s2", "kept")  # another namespace never sees it
+    assert {m.span_id for m in hub.catalog.index.find(tokens, "s1", 16)} == {"kept"}
