@@ -10,9 +10,9 @@ import torch
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
 
 # the same fp32 weights on both sides: only the order of fp32 sums differs (kvrelay's packed oneDNN matmuls,
-# vLLM's CPU kernels), so the distributions agree to ~1e-6 nats; a wrong weight, norm, RoPE base or template
-# moves the KL by orders of magnitude more
-MAX_KL = 1e-3
+# vLLM's CPU kernels), so the distributions agree to ~1e-11 nats (measured); a wrong weight, norm, RoPE base or
+# template moves the KL by orders of magnitude more than this bound
+MAX_KL = 1e-6
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
     "clips did she sell altogether in April and May?",
