@@ -15,6 +15,7 @@ Fixtures:
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,12 +54,13 @@ def vllm_server_factory(smollm2_hf_dir: Path, tmp_path_factory: pytest.TempPathF
                         ) -> Iterator[Callable[..., VllmServer]]:
     started: list[VllmServer] = []
     logs = tmp_path_factory.mktemp("vllm-logs")
+    numbers = itertools.count()  # servers may start from several threads at once: each its own log
 
     def start(kv_transfer_config: dict[str, Any] | None = None, **fields: Any) -> VllmServer:
         fields.setdefault("model_dir", str(smollm2_hf_dir))
         fields.setdefault("served_model_name", "smollm2-135m")
         fields["env"] = {**SERVER_ENV, **fields.get("env", {})}
-        fields.setdefault("log_path", str(logs / f"server-{len(started)}.log"))
+        fields.setdefault("log_path", str(logs / f"server-{next(numbers)}.log"))
         server = VllmServer(VllmServerConfig(kv_transfer_config=kv_transfer_config, **fields))
         started.append(server)
         return server
