@@ -30,6 +30,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 SKIP_REASON = "vLLM is not installed here: `make vllm-venv` then `make vllm-test` (docs/vllm.md)"
 # 1 GiB of KV cache (~23k SmolLM2 tokens); set here so a test never sizes it from the machine's memory
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1"}
+# a start takes ~30 s on an idle 2-core machine; on a loaded one, raise the bound with KVRELAY_VLLM_STARTUP_S
+STARTUP_TIMEOUT_S = float(os.environ.get("KVRELAY_VLLM_STARTUP_S") or 900)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,6 +63,7 @@ def vllm_server_factory(smollm2_hf_dir: Path, tmp_path_factory: pytest.TempPathF
         fields.setdefault("served_model_name", "smollm2-135m")
         fields["env"] = {**SERVER_ENV, **fields.get("env", {})}
         fields.setdefault("log_path", str(logs / f"server-{next(numbers)}.log"))
+        fields.setdefault("startup_timeout_s", STARTUP_TIMEOUT_S)
         server = VllmServer(VllmServerConfig(kv_transfer_config=kv_transfer_config, **fields))
         started.append(server)
         return server
