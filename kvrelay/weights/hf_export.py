@@ -120,6 +120,9 @@ def export_hf(model: str, out_dir: str | Path, dtype: str = "float32", overwrite
                  "generation_config.json": generation_config(config, tokenizer)}
         for name, content in files.items():
             (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
+        for path in tmp.iterdir():  # a model folder others may serve from (mkdtemp makes it private)
+            path.chmod(0o644)
+        tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(tmp, out)
