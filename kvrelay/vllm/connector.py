@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
-from kvrelay.vllm.paged import PagedKV, layer_order
+from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
 from kvrelay.vllm.plan import LoadPlan, Run, plan_load
 from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide
 from kvrelay.weights.configs import config_from_hf
@@ -49,6 +49,37 @@ log = logging.getLogger("kvrelay.vllm")
 def namespace_of(cache_salt: str | None) -> str:
     """The store namespace of a request: ``kvrelay serve``'s for the same ``cache_salt`` (no API keys)."""
     return "s" + digest(cache_salt) if cache_salt else ""
+
+
+def attention_isa(layer: Any, head_dim: int, block_size: int) -> str:
+    """The kernel variant vLLM's CPU attention runs for ``layer`` (it decides the key layout in a block)."""
+    isa = getattr(layer, "isa", None)
+    if isa is None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(layer.kv_cache.dtype if hasattr(layer, "kv_cache") else torch.float32, block_size,
+                            head_dim)
+    return isa
+
+
+def key_layout(kv: torch.Tensor, num_kv_heads: int, head_dim: int, isa: str) -> str:
+    """How vLLM's CPU kernel lays keys out in a block of ``kv``: it writes a scratch block, read back each way."""
+    from vllm import _custom_ops as ops
+
+    kernel_block = kv.shape[2]
+    scratch = torch.zeros(1, *kv.shape[1:], dtype=kv.dtype)
+    key_cache, value_cache = scratch.view(1, num_kv_heads, 2 * kernel_block, head_dim).chunk(2, dim=2)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(kernel_block, num_kv_heads, head_dim, generator=gen).to(kv.dtype)
+    value = torch.randn(kernel_block, num_kv_heads, head_dim, generator=gen).to(kv.dtype)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(kernel_block), isa)
+    for layout in KEY_LAYOUTS:
+        paged = PagedKV([scratch], kernel_block, num_kv_heads, head_dim, layout)
+        k, v = paged.read(paged.slots([0], 0, kernel_block))  # [1, Hkv, kbs, hd]
+        if torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], value.transpose(0, 1)):
+            return layout
+    raise ConfigError(f"kvrelay connector: vLLM's CPU attention kernel {isa!r} lays K/V out in a way kvrelay does "
+                      f"not read ({', '.join(KEY_LAYOUTS)} keys tried); loads and saves cannot run")
 
 
 @dataclass
@@ -158,7 +189,10 @@ class KVRelayConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = layer_order(list(kv_caches))
         cfg = self.model_config
-        paged = PagedKV([kv_caches[n] for n in names], self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        layer = self._vllm_config.compilation_config.static_forward_context[names[0]]
+        layout = key_layout(kv_caches[names[0]], cfg.num_kv_heads, cfg.head_dim, attention_isa(layer, cfg.head_dim,
+                                                                                               self.block_size))
+        paged = PagedKV([kv_caches[n] for n in names], self.block_size, cfg.num_kv_heads, cfg.head_dim, layout)
         self._attention_names = names
         self._worker = WorkerSide(self.hub, paged, cfg, self._bound_transformer)
 

@@ -3,10 +3,12 @@
 vLLM hands the worker-side connector one paged tensor per attention layer (``register_kv_caches``); a request's
 position ``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``. The layout inside a
 block is the attention backend's. This file knows the CPU backend's (``CPU_ATTN``): a layer is
-``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, which the backend views as
-``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` and splits at ``block_size`` along dim 2: keys are the
-first ``block_size`` rows of each (block, head), values the next. Keys are stored after RoPE, as kvrelay's spans
-hold them. Any other layout is refused by name rather than read wrongly.
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``; each (block, head) holds ``block_size * head_dim`` key
+elements, then as many value elements. Values are row-major by position (``[block_size, head_dim]``); keys are
+laid out as the backend's kernel for this CPU and dtype writes them: transposed (``[head_dim, block_size]``, the
+``vec``/``vec16`` kernels) or by position (``plain``). The connector finds out which by letting the kernel write
+a scratch block and reading it back each way (``connector``); a layout that reads back as neither is refused,
+never read wrongly. Keys are stored after RoPE, as kvrelay's spans hold them.
 """
 
 from __future__ import annotations
@@ -31,10 +33,16 @@ def layer_order(layer_names: list[str]) -> list[str]:
     return sorted(layer_names, key=index)
 
 
+KEY_LAYOUTS = ("transposed", "plain")
+
+
 class PagedKV:
     """A model's paged K/V (one tensor per layer, in model order) seen as K/V by position of one request."""
 
-    def __init__(self, layers: list[torch.Tensor], block_size: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layers: list[torch.Tensor], block_size: int, num_kv_heads: int, head_dim: int,
+                 key_layout: str = "transposed") -> None:
+        if key_layout not in KEY_LAYOUTS:
+            raise ConfigError(f"kvrelay connector: key layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
         if not layers:
             raise ConfigError("kvrelay connector: vLLM registered no KV cache layers")
         shape = tuple(layers[0].shape)
@@ -48,13 +56,19 @@ class PagedKV:
                               f"{self.kernel_block_size}")
         self.block_size = block_size
         self.ratio = block_size // self.kernel_block_size  # kernel blocks per scheduler block
-        # [kernel blocks, Hkv, 2 * kernel block size, hd] views: keys in rows [0, kbs), values in [kbs, 2 kbs)
-        self.views = [kv.view(kv.shape[0], kv.shape[1], 2 * self.kernel_block_size, head_dim) for kv in layers]
+        kbs = self.kernel_block_size
+        self.transposed = key_layout == "transposed"
+        self.keys, self.values = [], []
+        for kv in layers:
+            halves = kv.view(kv.shape[0], num_kv_heads, 2, kbs * head_dim)  # [blocks, Hkv, key | value, kbs * hd]
+            self.values.append(halves[:, :, 1].view(kv.shape[0], num_kv_heads, kbs, head_dim))
+            self.keys.append(halves[:, :, 0].view(kv.shape[0], num_kv_heads, head_dim, kbs) if self.transposed
+                             else halves[:, :, 0].view(kv.shape[0], num_kv_heads, kbs, head_dim))
         self.dtype = layers[0].dtype
 
     @property
     def num_layers(self) -> int:
-        return len(self.views)
+        return len(self.keys)
 
     def slots(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kernel block, row) of positions [start, end) of a request with ``block_ids``: [n] each."""
@@ -69,14 +83,19 @@ class PagedKV:
         """Copies of every layer's K and V at ``slots``: [L, Hkv, n, hd] each."""
         blocks, rows = slots
         ks, vs = [], []
-        for view in self.views:
-            ks.append(view[blocks, :, rows].transpose(0, 1))  # [n, Hkv, hd] -> [Hkv, n, hd]
-            vs.append(view[blocks, :, rows + self.kernel_block_size].transpose(0, 1))
+        for keys, values in zip(self.keys, self.values, strict=True):
+            # advanced indices on both sides of the slices: the indexed dim comes first, [n, Hkv, hd]
+            k = keys[blocks, :, :, rows] if self.transposed else keys[blocks, :, rows]
+            ks.append(k.transpose(0, 1))  # [Hkv, n, hd]
+            vs.append(values[blocks, :, rows].transpose(0, 1))
         return torch.stack(ks), torch.stack(vs)
 
     def write(self, slots: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer's K and V ([L, Hkv, n, hd] each) into ``slots``."""
         blocks, rows = slots
-        for layer, view in enumerate(self.views):
-            view[blocks, :, rows] = k[layer].transpose(0, 1).to(self.dtype)
-            view[blocks, :, rows + self.kernel_block_size] = v[layer].transpose(0, 1).to(self.dtype)
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            if self.transposed:
+                keys[blocks, :, :, rows] = k[layer].transpose(0, 1).to(self.dtype)
+            else:
+                keys[blocks, :, rows] = k[layer].transpose(0, 1).to(self.dtype)
+            values[blocks, :, rows] = v[layer].transpose(0, 1).to(self.dtype)

@@ -88,18 +88,23 @@ def test_the_model_is_found_by_its_attention_layers_and_computes_as_kvrelays(lm,
     assert ours_params and all(any(p is q for q in lm.model.parameters()) for p in ours_params)
 
 
-def test_paged_positions_are_where_vllms_cpu_backend_reads_them(lm):
+def test_paged_positions_are_where_vllms_cpu_kernel_keeps_them(lm):
     cfg = lm.config
     paged, layers = paged_kv(cfg)
     k = torch.randn(cfg.num_layers, cfg.num_kv_heads, 20, cfg.head_dim)
     v = torch.randn_like(k)
     paged.write(paged.slots([5, 2], 0, 20), k, v)
-    # the CPU backend's own reading: [blocks, H, 2 * block, hd] split in two along dim 2
-    key_cache, value_cache = layers[1].view(16, cfg.num_kv_heads, 2 * BLOCK, cfg.head_dim).chunk(2, dim=2)
-    torch.testing.assert_close(key_cache[5, :, 3], k[1, :, 3])
-    torch.testing.assert_close(value_cache[2, :, 1], v[1, :, 17])  # position 17: block 2, row 1
-    k2, v2 = paged.read(paged.slots([5, 2], 0, 20))
-    assert torch.equal(k2, k) and torch.equal(v2, v)
+    # the vec kernels' block: per (block, head), keys as [head_dim, block] (transposed), then values [block, head_dim]
+    region = layers[1].view(16, cfg.num_kv_heads, 2, BLOCK * cfg.head_dim)
+    keys_t = region[:, :, 0].view(16, cfg.num_kv_heads, cfg.head_dim, BLOCK)
+    values = region[:, :, 1].view(16, cfg.num_kv_heads, BLOCK, cfg.head_dim)
+    torch.testing.assert_close(keys_t[5, :, :, 3], k[1, :, 3])
+    torch.testing.assert_close(values[2, :, 1], v[1, :, 17])  # position 17: block 2, row 1
+    for layout in ("transposed", "plain"):
+        paged = PagedKV([torch.zeros_like(t) for t in layers], BLOCK, cfg.num_kv_heads, cfg.head_dim, layout)
+        paged.write(paged.slots([5, 2], 0, 20), k, v)
+        k2, v2 = paged.read(paged.slots([5, 2], 0, 20))
+        assert torch.equal(k2, k) and torch.equal(v2, v)
     assert layer_order(["m.layers.10.attn", "m.layers.2.attn"]) == ["m.layers.2.attn", "m.layers.10.attn"]
 
 
