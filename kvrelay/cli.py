@@ -1,4 +1,4 @@
-"""Command line: ``kvrelay demo | generate | methods`` (``python -m kvrelay`` too)."""
+"""Command line: ``kvrelay demo | generate | methods | export-hf`` (``python -m kvrelay`` too)."""
 
 from __future__ import annotations
 
@@ -270,13 +270,21 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from kvrelay.weights.hf_export import export_hf
+
+    out = export_hf(args.model, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out} (load it with vLLM: python -m kvrelay.vllm.launch serve {out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvrelay.server.cli import add_serve_parser
 
     parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_demo_parser, _add_bench_parser, _add_run_parser, _add_profile_parser, _add_generate_parser,
-                _add_methods_parser, add_serve_parser):
+                _add_methods_parser, _add_export_parser, add_serve_parser):
         add(sub)
     return parser
 
@@ -387,6 +395,19 @@ def _add_methods_parser(sub) -> None:
     methods.add_argument("names", nargs="*", help="only these methods (default: every registered one)")
     methods.add_argument("--json", action="store_true", help="print JSON: a list of {name, summary, settings}")
     methods.set_defaults(fn=_cmd_methods)
+
+
+def _add_export_parser(sub) -> None:
+    from kvrelay.weights.hf_export import EXPORT_DTYPES
+
+    export = sub.add_parser("export-hf", help="write a model as a Hugging Face folder (config, safetensors, "
+                                              "tokenizer with chat template) that transformers and vLLM load")
+    export.add_argument("model", help="an embedded model alias (smollm2-135m, gemma3-270m) or a .gguf file")
+    export.add_argument("out_dir", help="the folder to write (must be absent or empty unless --overwrite)")
+    export.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32",
+                        help="weights' dtype; float32 holds kvrelay's own dequantized numbers (default: float32)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    export.set_defaults(fn=_cmd_export_hf)
 
 
 def main(argv: list[str] | None = None) -> int:

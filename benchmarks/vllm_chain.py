@@ -1,0 +1,146 @@
+"""gsm8k-chain3 as plain chat requests against vLLM's OpenAI server: with kvrelay's connector, and vLLM alone.
+
+    python -m kvrelay.vllm.launch serve SMOLLM2_DIR --port 8001 --dtype float32 --enforce-eager \\
+        --enable-prompt-tokens-details --max-logprobs 20 --kv-transfer-config '{"kv_connector": "KVRelayConnector",
+        "kv_connector_module_path": "kvrelay.vllm.connector", "kv_role": "kv_both"}' &
+    python -m kvrelay.vllm.launch serve SMOLLM2_DIR --port 8002 --dtype float32 --enforce-eager \\
+        --enable-prompt-tokens-details &
+    python benchmarks/vllm_chain.py --connector-url http://127.0.0.1:8001/v1 --plain-url http://127.0.0.1:8002/v1 \\
+        --limit 5 --json benchmarks/results/vllm-chain.json
+
+Per problem, a fresh ``cache_salt``; the chain runs on the connector's server (each agent's messages quote the
+upstream answers as text, greedy), and the very same messages are then sent, in the same order, to the plain
+server, whose prefix cache sees the same history. Per call: client-side TTFT (streamed), ``cached_tokens``, and
+the first token's top logprobs; fidelity is the connector's first token against the plain server's on the same
+prompt (same template, same ids): top-1 agreement and KL over the plain server's top tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+import uuid
+
+from openai import OpenAI
+
+from kvrelay.pipeline.workloads import gsm8k_chain3
+
+TOP_LOGPROBS = 20
+
+
+def chat(client: OpenAI, model: str, messages: list[dict], max_tokens: int, salt: str) -> dict:
+    """One greedy streamed call: its text, client TTFT, cached tokens and first-token top logprobs."""
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, logprobs=True,
+        top_logprobs=TOP_LOGPROBS, stream_options={"include_usage": True}, extra_body={"cache_salt": salt})
+    ttft_ms, text, first, usage = None, [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        if ttft_ms is None and (choice.delta.content or choice.logprobs):
+            ttft_ms = (time.perf_counter() - t0) * 1e3
+        if first is None and choice.logprobs and choice.logprobs.content:
+            first = {t.token: t.logprob for t in choice.logprobs.content[0].top_logprobs}
+        text.append(choice.delta.content or "")
+    details = getattr(usage, "prompt_tokens_details", None)
+    return {"text": "".join(text), "ttft_ms": ttft_ms, "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": getattr(details, "cached_tokens", 0) or 0, "first_logprobs": first or {}}
+
+
+def first_token_fidelity(reference: dict[str, float], method: dict[str, float]) -> tuple[bool, float]:
+    """(top-1 equal, KL(reference || method) over the reference's top tokens), each side's top-k renormalized;
+    a reference token missing from the method's top-k gets the method's smallest logprob there."""
+    agree = max(reference, key=reference.get) == max(method, key=method.get)
+    floor = min(method.values())
+    ref_z = math.log(sum(math.exp(lp) for lp in reference.values()))
+    met_z = math.log(sum(math.exp(lp) for lp in method.values()))
+    kl = sum(math.exp(lp - ref_z) * ((lp - ref_z) - (method.get(tok, floor) - met_z)) for tok, lp in reference.items())
+    return agree, max(kl, 0.0)
+
+
+def run_chain(connector: OpenAI, plain: OpenAI, model: str, question: str, salt: str,
+              max_tokens: dict[str, int] | None = None) -> list[dict]:
+    """One problem through the chain on ``connector``, then the same calls on ``plain``: a row per agent."""
+    spec = gsm8k_chain3().spec
+    values, calls = {"question": question}, []
+    for name in spec.order:
+        agent = spec.agent(name)
+        messages = [{"role": "system", "content": agent.system},
+                    {"role": "user", "content": agent.user.format(**values)}]
+        tokens = (max_tokens or {}).get(name, agent.max_new_tokens)
+        out = chat(connector, model, messages, tokens, salt)
+        values[name] = out["text"]
+        calls.append((name, messages, tokens, out))
+    rows = []
+    for name, messages, tokens, out in calls:
+        ref = chat(plain, model, messages, tokens, salt)
+        agree, kl = first_token_fidelity(ref["first_logprobs"], out["first_logprobs"])
+        rows.append({"agent": name, "prompt_tokens": out["prompt_tokens"],
+                     "connector": {k: out[k] for k in ("ttft_ms", "cached_tokens")},
+                     "plain": {k: ref[k] for k in ("ttft_ms", "cached_tokens")},
+                     "first_token_agree": agree, "kl_first_token_top": kl,
+                     "same_text": out["text"] == ref["text"]})
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {}
+    for agent in dict.fromkeys(r["agent"] for r in rows):
+        mine = [r for r in rows if r["agent"] == agent]
+        out[agent] = {
+            "n_calls": len(mine),
+            "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in mine),
+            "ttft_ms_median_connector": statistics.median(r["connector"]["ttft_ms"] for r in mine),
+            "ttft_ms_median_plain": statistics.median(r["plain"]["ttft_ms"] for r in mine),
+            "ttft_ratio_median": statistics.median(r["connector"]["ttft_ms"] / r["plain"]["ttft_ms"] for r in mine),
+            "cached_tokens_mean_connector": statistics.mean(r["connector"]["cached_tokens"] for r in mine),
+            "cached_tokens_mean_plain": statistics.mean(r["plain"]["cached_tokens"] for r in mine),
+            "first_token_agreement": statistics.mean(r["first_token_agree"] for r in mine),
+            "kl_first_token_top_mean": statistics.mean(r["kl_first_token_top"] for r in mine)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--connector-url", required=True)
+    parser.add_argument("--plain-url", required=True)
+    parser.add_argument("--limit", type=int, default=5)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    connector = OpenAI(base_url=args.connector_url, api_key="none", timeout=600, max_retries=0)
+    plain = OpenAI(base_url=args.plain_url, api_key="none", timeout=600, max_retries=0)
+    model = connector.models.list().data[0].id
+    rows = []
+    for problem in gsm8k_chain3().problems(args.data, args.offset + args.limit)[args.offset:]:
+        for row in run_chain(connector, plain, model, problem.inputs["question"], uuid.uuid4().hex):
+            rows.append({"problem_id": problem.problem_id, **row})
+            print(f"{problem.problem_id} {row['agent']:9s} TTFT {row['connector']['ttft_ms']:7.0f} ms "
+                  f"(plain {row['plain']['ttft_ms']:7.0f}) cached {row['connector']['cached_tokens']:4d} "
+                  f"(plain {row['plain']['cached_tokens']:4d}) of {row['prompt_tokens']:4d}  "
+                  f"agree {row['first_token_agree']}  KL {row['kl_first_token_top']:.4f}", flush=True)
+    summary = summarize(rows)
+    for agent, s in summary.items():
+        print(f"{agent:9s} TTFT median {s['ttft_ms_median_connector']:.0f} ms vs {s['ttft_ms_median_plain']:.0f} ms "
+              f"(ratio {s['ttft_ratio_median']:.2f}), cached {s['cached_tokens_mean_connector']:.0f} vs "
+              f"{s['cached_tokens_mean_plain']:.0f} of {s['prompt_tokens_mean']:.0f}, agree "
+              f"{s['first_token_agreement']:.2f}, KL {s['kl_first_token_top_mean']:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": {"machine": f"{platform.node()} {platform.machine()}", "transport": "vLLM OpenAI server",
+                               "client": "openai (streamed)"},
+                       "workload": "gsm8k-chain3", "n": args.limit, "offset": args.offset, "by_agent": summary,
+                       "calls": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

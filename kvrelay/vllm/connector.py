@@ -1,0 +1,246 @@
+"""kvrelay as a vLLM KV connector (``KVConnectorBase_V1``), loaded by vLLM from ``kv_connector_module_path``::
+
+    vllm serve MODEL_FOLDER --enable-prompt-tokens-details --kv-transfer-config \\
+      '{"kv_connector": "KVRelayConnector", "kv_connector_module_path": "kvrelay.vllm.connector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"method": "epic", "store": "memory"}}'
+
+Scheduler side (vLLM's engine-core process): every new request is matched against the spans stored so far
+(``hub``, ``plan``) and claims the prefix of its uncomputed prompt tokens those spans make reusable; every
+finished request is indexed at once and its blocks are held until the worker has stored them. Worker side:
+stores finished requests' K/V and writes claimed tokens into vLLM's paged cache before the forward
+(``worker``). docs/vllm.md (the connector section) says what runs where and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvrelay.errors import ConfigError, KvRelayError
+from kvrelay.server.context import digest
+from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
+from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
+from kvrelay.vllm.plan import LoadPlan, Run, plan_load
+from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide
+from kvrelay.weights.configs import config_from_hf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvrelay.vllm")
+
+
+def namespace_of(cache_salt: str | None) -> str:
+    """The store namespace of a request: ``kvrelay serve``'s for the same ``cache_salt`` (no API keys)."""
+    return "s" + digest(cache_salt) if cache_salt else ""
+
+
+def attention_isa(layer: Any, head_dim: int, block_size: int) -> str:
+    """The kernel variant vLLM's CPU attention runs for ``layer`` (it decides the key layout in a block)."""
+    isa = getattr(layer, "isa", None)
+    if isa is None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(layer.kv_cache.dtype if hasattr(layer, "kv_cache") else torch.float32, block_size,
+                            head_dim)
+    return isa
+
+
+def key_layout(kv: torch.Tensor, num_kv_heads: int, head_dim: int, isa: str) -> str:
+    """How vLLM's CPU kernel lays keys out in a block of ``kv``: it writes a scratch block, read back each way."""
+    from vllm import _custom_ops as ops
+
+    kernel_block = kv.shape[2]
+    scratch = torch.zeros(1, *kv.shape[1:], dtype=kv.dtype)
+    key_cache, value_cache = scratch.view(1, num_kv_heads, 2 * kernel_block, head_dim).chunk(2, dim=2)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(kernel_block, num_kv_heads, head_dim, generator=gen).to(kv.dtype)
+    value = torch.randn(kernel_block, num_kv_heads, head_dim, generator=gen).to(kv.dtype)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(kernel_block), isa)
+    for layout in KEY_LAYOUTS:
+        paged = PagedKV([scratch], kernel_block, num_kv_heads, head_dim, layout)
+        k, v = paged.read(paged.slots([0], 0, kernel_block))  # [1, Hkv, kbs, hd]
+        if torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], value.transpose(0, 1)):
+            return layout
+    raise ConfigError(f"kvrelay connector: vLLM's CPU attention kernel {isa!r} lays K/V out in a way kvrelay does "
+                      f"not read ({', '.join(KEY_LAYOUTS)} keys tried); loads and saves cannot run")
+
+
+@dataclass
+class KVRelayMetadata(KVConnectorMetadata):
+    """One step's work for the worker side: saves first (a load of the same step may read them), then loads."""
+
+    saves: list[SaveJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+
+
+@dataclass
+class KVRelayWorkerReport(KVConnectorWorkerMetadata):
+    """The worker side's answer for one step: spans stored, and spans refused or evicted, as (namespace, span id).
+    vLLM's CPU build runs its worker in a process of its own even with one device, so the scheduler side learns
+    what the worker's store holds only from this."""
+
+    stored: list[tuple[str, str]] = field(default_factory=list)
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVRelayWorkerReport)
+        return KVRelayWorkerReport(self.stored + other.stored, self.dropped + other.dropped)
+
+
+class KVRelayConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        model_config = vllm_config.model_config
+        if vllm_config.parallel_config.world_size > 1:
+            raise ConfigError("kvrelay connector: one worker only (tensor and pipeline parallel size 1): each worker "
+                              "of several holds a shard of the heads, and kvrelay's spans hold them all")
+        self.hf_config = model_config.hf_config.to_dict()
+        self.model_config = config_from_hf(self.hf_config)
+        self.block_size = vllm_config.cache_config.block_size
+        fingerprint = model_fingerprint(str(model_config.model), self.hf_config, model_config.dtype)
+        self.hub: Hub = hub_for(self.config, fingerprint)
+        # scheduler side
+        self._plans: dict[str, LoadPlan] = {}
+        self._saves: list[SaveJob] = []
+        self._loads: list[LoadJob] = []
+        # worker side
+        self._vllm_config = vllm_config
+        self._worker: WorkerSide | None = None
+        self._transformer = None
+        self._saved: set[str] = set()
+        self._failed_blocks: set[int] = set()
+
+    # ================================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.load or request.prompt_token_ids is None:
+            return 0, False
+        namespace = namespace_of(request.cache_salt)
+        prompt = list(request.prompt_token_ids)
+        hub, cfg = self.hub, self.config
+        with hub.lock:
+            hub.catalog.learn_published(namespace)
+            found = hub.catalog.index.find(prompt, namespace, cfg.min_match_tokens, None, cfg.match_prefer)
+            runs = [Run(m.start, m.end, m.span_id, m.src_start) for m in found if hub.available(namespace, m.span_id)]
+            plan = plan_load(prompt, num_computed_tokens, runs, hub.catalog.index.token_ids, cfg.method, cfg.epic_k,
+                             cfg.min_match_tokens)
+        if plan is None:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = plan
+        return plan.num_claimed, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        plan = self._plans.pop(request.request_id, None)
+        if num_external_tokens == 0:
+            return
+        if plan is None or plan.num_claimed != num_external_tokens:  # vLLM grants what was asked, or nothing
+            raise KvRelayError(f"kvrelay connector: request {request.request_id} was granted {num_external_tokens} "
+                               f"tokens, not the {plan and plan.num_claimed} planned")
+        block_ids = list(blocks.get_block_ids()[0])
+        self._loads.append(LoadJob(request.request_id, namespace_of(request.cache_salt),
+                                   list(request.prompt_token_ids[: plan.end]), plan, block_ids))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, KVRelayWorkerReport):
+            self.hub.reported(report.stored, report.dropped)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVRelayMetadata(self._saves, self._loads)
+        self._saves, self._loads = [], []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Index the request's tokens now (a request arriving before the worker stores them still matches) and
+        hold its blocks until the worker has stored them."""
+        self._plans.pop(request.request_id, None)
+        num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        if not self.config.save or num_tokens < self.config.min_match_tokens:
+            return False, None
+        hub, namespace = self.hub, namespace_of(request.cache_salt)
+        token_ids = list(request.all_token_ids[:num_tokens])
+        span_id = hub.catalog.new_span_id(request.num_prompt_tokens)  # kvrelay serve's completion ids
+        with hub.lock:
+            hub.catalog.index.add(span_id, token_ids, namespace)
+            hub.pending.add((namespace, span_id))
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        self._saves.append(SaveJob(request.request_id, span_id, namespace, token_ids, list(block_ids[:num_blocks])))
+        return True, None
+
+    # ================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = layer_order(list(kv_caches))
+        cfg = self.model_config
+        layer = self._vllm_config.compilation_config.static_forward_context[names[0]]
+        layout = key_layout(kv_caches[names[0]], cfg.num_kv_heads, cfg.head_dim, attention_isa(layer, cfg.head_dim,
+                                                                                               self.block_size))
+        paged = PagedKV([kv_caches[n] for n in names], self.block_size, cfg.num_kv_heads, cfg.head_dim, layout)
+        self._attention_names = names
+        self._worker = WorkerSide(self.hub, paged, cfg, self._bound_transformer)
+
+    def _bound_transformer(self):
+        """kvrelay's transformer on vLLM's modules, found once (``binding``); None where it cannot be bound."""
+        if self._transformer is None:
+            from kvrelay.vllm.binding import bind_transformer, find_model
+
+            context = self._vllm_config.compilation_config.static_forward_context
+            layers = {n: context[n] for n in self._attention_names}
+            self._transformer = bind_transformer(self.model_config, find_model(layers))
+        return self._transformer
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRelayMetadata) and self._worker is not None
+        for job in meta.saves:
+            self._worker.save(job)
+            self._saved.add(job.req_id)
+        for job in meta.loads:
+            try:
+                result = self._worker.load(job)
+            except Exception:  # noqa: BLE001 - vLLM recomputes the blocks of a failed load; the request goes on
+                log.exception("kvrelay connector: load for request %s failed; vLLM recomputes it", job.req_id)
+                first = job.plan.num_computed // self.block_size
+                self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
+                continue
+            log.info("kvrelay connector: request %s: %d tokens claimed, %d loaded, %d computed (%d spans missing) "
+                     "in %.1f ms (forward %.1f ms)", result.req_id, result.num_claimed, result.num_loaded,
+                     result.num_recomputed, result.spans_missing, result.load_ms, result.forward_ms)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # a request's K/V is stored whole when it finishes (start_load_kv of the next step)
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        saved, self._saved = self._saved, set()
+        return (saved or None), None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        stored, dropped = self._worker.take_report() if self._worker is not None else ([], [])
+        return KVRelayWorkerReport(stored, dropped) if stored or dropped else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

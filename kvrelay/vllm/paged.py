@@ -1,0 +1,101 @@
+"""Reading and writing K/V of chosen positions in vLLM's paged KV cache, layer by layer.
+
+vLLM hands the worker-side connector one paged tensor per attention layer (``register_kv_caches``); a request's
+position ``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``. The layout inside a
+block is the attention backend's. This file knows the CPU backend's (``CPU_ATTN``): a layer is
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``; each (block, head) holds ``block_size * head_dim`` key
+elements, then as many value elements. Values are row-major by position (``[block_size, head_dim]``); keys are
+laid out as the backend's kernel for this CPU and dtype writes them: transposed (``[head_dim, block_size]``, the
+``vec``/``vec16`` kernels) or by position (``plain``). The connector finds out which by letting the kernel write
+a scratch block and reading it back each way (``connector``); a layout that reads back as neither is refused,
+never read wrongly. Keys are stored after RoPE, as kvrelay's spans hold them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from kvrelay.errors import ConfigError
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_order(layer_names: list[str]) -> list[str]:
+    """Attention layer names in model order (by the ``layers.N.`` in each name)."""
+    def index(name: str) -> int:
+        m = _LAYER_INDEX.search(name)
+        if m is None:
+            raise ConfigError(f"kvrelay connector: cannot tell the layer index of attention layer {name!r}")
+        return int(m[1])
+
+    return sorted(layer_names, key=index)
+
+
+KEY_LAYOUTS = ("transposed", "plain")
+
+
+class PagedKV:
+    """A model's paged K/V (one tensor per layer, in model order) seen as K/V by position of one request."""
+
+    def __init__(self, layers: list[torch.Tensor], block_size: int, num_kv_heads: int, head_dim: int,
+                 key_layout: str = "transposed") -> None:
+        if key_layout not in KEY_LAYOUTS:
+            raise ConfigError(f"kvrelay connector: key layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
+        if not layers:
+            raise ConfigError("kvrelay connector: vLLM registered no KV cache layers")
+        shape = tuple(layers[0].shape)
+        if len(shape) != 4 or shape[1] != num_kv_heads or shape[3] != 2 * head_dim:
+            raise ConfigError(
+                f"kvrelay connector: paged KV of shape {shape} is not the CPU backend's [blocks, {num_kv_heads} "
+                f"kv heads, block size, 2 x {head_dim}]; only vLLM's CPU attention layout is supported")
+        self.kernel_block_size = shape[2]
+        if block_size % self.kernel_block_size:
+            raise ConfigError(f"kvrelay connector: block size {block_size} is not a multiple of the kernel's "
+                              f"{self.kernel_block_size}")
+        self.block_size = block_size
+        self.ratio = block_size // self.kernel_block_size  # kernel blocks per scheduler block
+        kbs = self.kernel_block_size
+        self.transposed = key_layout == "transposed"
+        self.keys, self.values = [], []
+        for kv in layers:
+            halves = kv.view(kv.shape[0], num_kv_heads, 2, kbs * head_dim)  # [blocks, Hkv, key | value, kbs * hd]
+            self.values.append(halves[:, :, 1].view(kv.shape[0], num_kv_heads, kbs, head_dim))
+            self.keys.append(halves[:, :, 0].view(kv.shape[0], num_kv_heads, head_dim, kbs) if self.transposed
+                             else halves[:, :, 0].view(kv.shape[0], num_kv_heads, kbs, head_dim))
+        self.dtype = layers[0].dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def slots(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel block, row) of positions [start, end) of a request with ``block_ids``: [n] each."""
+        pos = torch.arange(start, end)
+        if end > len(block_ids) * self.block_size:
+            raise ValueError(f"positions up to {end} do not fit {len(block_ids)} blocks of {self.block_size}")
+        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
+        within = pos % self.block_size
+        return blocks * self.ratio + within // self.kernel_block_size, within % self.kernel_block_size
+
+    def read(self, slots: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of every layer's K and V at ``slots``: [L, Hkv, n, hd] each."""
+        blocks, rows = slots
+        ks, vs = [], []
+        for keys, values in zip(self.keys, self.values, strict=True):
+            # advanced indices on both sides of the slices: the indexed dim comes first, [n, Hkv, hd]
+            k = keys[blocks, :, :, rows] if self.transposed else keys[blocks, :, rows]
+            ks.append(k.transpose(0, 1))  # [Hkv, n, hd]
+            vs.append(values[blocks, :, rows].transpose(0, 1))
+        return torch.stack(ks), torch.stack(vs)
+
+    def write(self, slots: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer's K and V ([L, Hkv, n, hd] each) into ``slots``."""
+        blocks, rows = slots
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            if self.transposed:
+                keys[blocks, :, :, rows] = k[layer].transpose(0, 1).to(self.dtype)
+            else:
+                keys[blocks, :, rows] = k[layer].transpose(0, 1).to(self.dtype)
+            values[blocks, :, rows] = v[layer].transpose(0, 1).to(self.dtype)

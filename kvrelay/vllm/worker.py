@@ -1,0 +1,156 @@
+"""The connector's worker side: finished requests' K/V out of vLLM's paged cache into the store, and claimed
+tokens' K/V into it.
+
+A load builds the request's first ``end`` positions in a kvrelay sequence cache: ``[0, num_computed)`` read from
+the paged cache (what vLLM computed or found in its own prefix cache), each piece's stored K/V loaded at its
+new positions with its keys re-rotated (RoPE composes: ``K(p') = R(p' - p) K(p)``), then kvrelay's scheduled
+prefill computes the gap and repaired tokens at every layer, attending to everything before them, through vLLM's
+own modules (``binding``). Positions ``[num_computed, end)`` then go into the paged cache, and vLLM prefills the
+rest of the prompt on top of them. A span gone from the store since the scheduler planned (evicted, or its save
+failed) is not an error: its tokens are computed like a gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.cache.kv import SequenceKV, StoredSpan
+from kvrelay.cache.store import SpanNotFoundError
+from kvrelay.errors import KvRelayError
+from kvrelay.model import packed
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.rope import RotaryEmbedding
+from kvrelay.model.schedule import StaticSchedule
+from kvrelay.model.transformer import Transformer
+from kvrelay.vllm.hub import Hub
+from kvrelay.vllm.paged import PagedKV
+from kvrelay.vllm.plan import LoadPlan
+
+log = logging.getLogger("kvrelay.vllm")
+
+
+@dataclass
+class SaveJob:
+    """A finished request's computed tokens, to store as one span at position 0 (prompt + output)."""
+
+    req_id: str
+    span_id: str
+    namespace: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    namespace: str
+    token_ids: list[int]  # the prompt's first ``plan.end`` tokens
+    plan: LoadPlan
+    block_ids: list[int]
+
+
+@dataclass
+class LoadResult:
+    """What one load did (the connector's per-request numbers)."""
+
+    req_id: str
+    num_claimed: int
+    num_loaded: int
+    num_recomputed: int
+    spans_missing: int
+    load_ms: float
+    forward_ms: float = 0.0
+    pieces: list[tuple[int, int, bool]] = field(default_factory=list)  # (dst_start, num_tokens, exact)
+
+
+class WorkerSide:
+    """Saves and loads against one process's hub, on the paged KV vLLM registered."""
+
+    def __init__(self, hub: Hub, paged: PagedKV, config: ModelConfig,
+                 transformer: Callable[[], Transformer | None]) -> None:
+        self.hub, self.paged, self.config = hub, paged, config
+        self._transformer = transformer  # built on the first load that computes tokens
+        self.rope = RotaryEmbedding(config, "cpu")
+        self.results: list[LoadResult] = []
+        self._stored: list[tuple[str, str]] = []
+        self._dropped: list[tuple[str, str]] = []
+
+    # ------------------------------------------------------------------ saves
+    def save(self, job: SaveJob) -> bool:
+        """Store ``job``'s K/V in the hub (memory and shared tier); False when the store refused it. What was
+        stored, refused or evicted is reported to the scheduler side (``take_report``)."""
+        hub, key = self.hub, (job.namespace, job.span_id)
+        try:
+            k, v = self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
+            span = StoredSpan(tuple(job.token_ids), 0, k, v, hub.fingerprint)
+            with hub.lock:
+                evicted = hub.catalog.put(job.namespace, job.span_id, span)
+            hub.stats["saved"] += 1
+            self._stored.append(key)
+            self._dropped.extend((job.namespace, span_id) for span_id in evicted)
+            return True
+        except KvRelayError as e:  # a full store: this span is not kept, nothing else fails
+            hub.stats["save_failed"] += 1
+            log.warning("kvrelay connector: request %s's KV not stored: %s", job.req_id, e)
+            with hub.lock:
+                hub.catalog.drop(job.namespace, job.span_id)
+            self._dropped.append(key)
+            return False
+
+    def take_report(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """(spans stored, spans refused or evicted) since the last call, as (namespace, span id)."""
+        report = (self._stored, self._dropped)
+        self._stored, self._dropped = [], []
+        return report
+
+    # ------------------------------------------------------------------ loads
+    def load(self, job: LoadJob) -> LoadResult:
+        t0 = time.perf_counter()
+        plan, paged = job.plan, self.paged
+        dtype = paged.dtype
+        cache = SequenceKV(self.config, dtype, "cpu", capacity=plan.end + 1)
+        if plan.num_computed:
+            k, v = paged.read(paged.slots(job.block_ids, 0, plan.num_computed))
+            cache.patch(0, k, v, add=False)
+        recompute = set(plan.recompute)
+        missing = 0
+        for piece in plan.pieces:
+            span = self._span(job.namespace, piece.span_id)
+            if span is None or len(span) < piece.src_start + piece.num_tokens:
+                missing += 1
+                recompute.update(range(piece.dst_start, piece.dst_end))
+                continue
+            cache.load_span(span, piece.dst_start, self.rope, piece.src_start, piece.src_start + piece.num_tokens)
+        result = LoadResult(job.req_id, plan.num_claimed, plan.num_claimed - len(recompute), len(recompute), missing,
+                            0.0, pieces=[(p.dst_start, p.num_tokens, p.exact) for p in plan.pieces])
+        if recompute:
+            model = self._transformer()
+            if model is None:
+                raise KvRelayError("no model to compute the claimed tokens with")
+            active = torch.tensor(sorted(recompute), dtype=torch.long)
+            last = int(active[-1])
+            t1 = time.perf_counter()
+            with packed.unpacked():  # vLLM's modules do the products; nothing of kvrelay's is packed
+                model.prefill(torch.tensor(job.token_ids[: last + 1]), cache, StaticSchedule(active))
+            result.forward_ms = (time.perf_counter() - t1) * 1e3
+        k, v = cache.kv_all(plan.num_computed, plan.end)  # [L, Hkv, claimed, hd]
+        paged.write(paged.slots(job.block_ids, plan.num_computed, plan.end), k, v)
+        result.load_ms = (time.perf_counter() - t0) * 1e3
+        stats = self.hub.stats
+        stats["loads"] += 1
+        stats["tokens_claimed"] += result.num_claimed
+        stats["tokens_recomputed"] += result.num_recomputed
+        stats["spans_missing"] += missing
+        self.results.append(result)
+        return result
+
+    def _span(self, namespace: str, span_id: str) -> StoredSpan | None:
+        try:
+            return self.hub.store.get(span_id, namespace)
+        except SpanNotFoundError:
+            return None
