@@ -111,11 +111,19 @@ class GrammarMask:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab = vocab
         self.words = xgr.allocate_token_bitmask(1, vocab.size)[0]
+        self.first_words: torch.Tensor | None = None  # the first step's mask (the first token's logprobs)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         self.matcher.fill_next_token_bitmask(self.words.unsqueeze(0))
         self.words &= self.vocab.keep_words
+        if self.first_words is None:
+            self.first_words = self.words.clone()
         return apply_bitmask(logits, self.words, self.vocab.size)
+
+    def mask_first(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ([vocab], the first token's) as the first step's mask left them: the first token is sampled
+        inside the engine's prefill, before the server sees its logits, which are the unmasked ones."""
+        return logits if self.first_words is None else apply_bitmask(logits, self.first_words, self.vocab.size)
 
     def advance(self, token_id: int) -> None:
         """Take ``token_id``; ``TokenRefused`` (the matcher's state unchanged) when xgrammar's matcher refuses a

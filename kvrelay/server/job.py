@@ -72,8 +72,10 @@ class Job:
         if self.num_top_logprobs is None:
             return
         if self.seq.output_ids:
-            self.logprobs.append(token_logprobs(self.seq.first_logits, self.seq.output_ids[0], self.num_top_logprobs,
-                                                tokenizer))
+            first = self.seq.first_logits
+            if self.constraint is not None:  # a grammar's tokens only (kvrelay.server.grammar.GrammarMask)
+                first = self.seq.options.logits_mask.mask_first(first)
+            self.logprobs.append(token_logprobs(first, self.seq.output_ids[0], self.num_top_logprobs, tokenizer))
         self.seq.sampler = _RecordingSampler(self.seq.sampler, self, tokenizer)
 
     def emit_text(self) -> None:
