@@ -4,9 +4,9 @@
         --json benchmarks/results/agent-tools-cpu.json
 
 Per framework (the OpenAI Agents SDK on its chat-completions model, LangGraph with langchain-openai, AutoGen
-AgentChat), one flow of four model steps: a researcher calls a ``search`` tool over a fixed corpus (MMLU
-astronomy questions with their correct answers, ``--data``) and writes notes from the results, a writer drafts
-an answer from the notes, a reviewer checks the draft against the notes. Each method gets its own server
+AgentChat, smolagents), one flow of four or five model steps: a researcher calls a ``search`` tool over a fixed
+corpus (MMLU astronomy questions with their correct answers, ``--data``) and writes notes from the results, a
+writer drafts an answer from the notes, a reviewer checks the draft against the notes. Each method gets its own server
 (``--method``), started here on a free port; each run asks about another corpus question, in a fresh
 ``cache_salt`` namespace. (The Agents SDK's Responses model raises on an answer cut by ``max_output_tokens``,
 which SmolLM2's notes often are in a bounded budget; the chat-completions model reads it as finish_reason
@@ -17,7 +17,8 @@ Per step, from the server's reply (an httpx response hook on the framework's own
 the flow's end-to-end wall time. The researcher's tool calls are forced (tool_choice "required": the Agents
 SDK resets it to "auto" after the call, LangGraph's dynamic model sends "none" once a result is in; AutoGen's
 AssistantAgent always sends "auto", so its client's ``extra_body`` forces "required" for two search iterations
-and its notes are AutoGen's tool-call summary, without a reflection step).
+and its notes are AutoGen's tool-call summary, without a reflection step; smolagents' ToolCallingAgent sends
+"required" on every step, with ``final_answer`` among its tools, for two steps, then its own summary step).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pydantic import BaseModel, Field
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "mmlu" / "astronomy_test.csv"
-FRAMEWORKS = ("agents", "langgraph", "autogen")
+FRAMEWORKS = ("agents", "langgraph", "autogen", "smolagents")
 RESEARCHER = "You are a researcher. Call the search tool to find facts, then write short notes from the results."
 WRITER = "You are a writer. Write a two-sentence answer to the question from the research notes."
 REVIEWER = "You are a reviewer. Say whether the draft agrees with the notes and name one fix."
@@ -89,8 +90,10 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"agent-tools-{method}-{self.port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.server", "--model", model, "--method", method,
-                                      "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+        # --quality-target off: the guard (on by default) would serve each role its rung instead of ``method``
+        command = [sys.executable, "-m", "kvrelay.server", "--model", model, "--method", method,
+                   "--quality-target", "off", "--port", str(self.port)]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -298,7 +301,43 @@ def run_autogen(url: str, model_id: str, docs: list[str], question: str, steps: 
     asyncio.run(flow())
 
 
-RUNNERS = {"agents": run_agents, "langgraph": run_langgraph, "autogen": run_autogen}
+def run_smolagents(url: str, model_id: str, docs: list[str], question: str, steps: Steps) -> None:
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    salt = uuid.uuid4().hex
+
+    @tool
+    def search_corpus(query: str) -> str:
+        """Search the astronomy notes.
+
+        Args:
+            query: what to look for
+        """
+        return search(docs, query[:80])
+
+    def model(name: str) -> OpenAIServerModel:
+        # parallel_tool_calls=False passes through to the request: a small model otherwise repeats one call
+        return OpenAIServerModel(model_id=model_id, api_base=f"{url}/v1", api_key="none", temperature=0,
+                                 max_tokens=MAX_TOKENS[name], parallel_tool_calls=False,
+                                 client_kwargs={"http_client": steps.sync_client(), "max_retries": 0},
+                                 extra_body={"cache_salt": salt})
+
+    # ToolCallingAgent sends tool_choice "required" on every step (its tools plus final_answer); two action steps,
+    # then, without a final_answer call, smolagents' own summary step (no tools) gives the notes
+    steps.agent = "researcher"
+    researcher = ToolCallingAgent(tools=[search_corpus], model=model("researcher"), max_steps=2, verbosity_level=0)
+    notes = str(researcher.run(question))
+    steps.agent = "writer"
+    draft = model("writer").generate([{"role": "system", "content": [{"type": "text", "text": WRITER}]},
+                                      {"role": "user", "content": [{"type": "text",
+                                                                    "text": _writer_task(question, notes)}]}]).content
+    steps.agent = "reviewer"
+    model("reviewer").generate([{"role": "system", "content": [{"type": "text", "text": REVIEWER}]},
+                                {"role": "user", "content": [{"type": "text",
+                                                              "text": _reviewer_task(question, notes, draft or "")}]}])
+
+
+RUNNERS = {"agents": run_agents, "langgraph": run_langgraph, "autogen": run_autogen, "smolagents": run_smolagents}
 
 
 # ---------------------------------------------------------------------- the run and its summary
