@@ -11,7 +11,9 @@ token entering at layer 0: ``full``, ``prefix``, ``naive``, ``epic``, ``kvcomm``
 active tokens at every layer from its embedding, so it can run as consecutive pieces of its active
 tokens, each reading the KV of everything before it from the cache: the same KV and logits as one
 forward, up to float rounding. A schedule that selects tokens as it goes (CacheBlend's and
-RelayCaching's band, RKSC's exit) reads the new tokens while it selects, so it runs in one piece.
+RelayCaching's band, RKSC's exit) reads the new tokens while it selects, so it runs in one piece, unless it
+has nothing to select: a band with no span tokens (nothing was matched, as for any fresh long prompt) computes
+every token at every layer, ``full``'s work, and chunks like it.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from kvrelay.engine.call import Prefilled, check_fits, load_plan, plan_call, syn
 from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
+from kvrelay.reuse.band import BandSchedule
 
 
 def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | None:
     """The tokens a schedule computes at every layer ([m] ascending prompt indices), when its active set is
     fixed in advance; None for a schedule that selects as it goes (it must run in one piece)."""
-    if schedule.has_layer_hook or schedule.has_exit_test:
+    empty_band = isinstance(schedule, BandSchedule) and not schedule.span_idx.numel()  # its hook selects nothing
+    if schedule.has_layer_hook and not empty_band or schedule.has_exit_test:
         return None
     entries = schedule.entries(num_tokens)
     if set(entries) != {0} or entries[0].hidden is not None:

@@ -125,3 +125,21 @@ def test_pieces_of_shrinking_sizes_give_the_one_shot_results(setup, method):
         while not s.done:
             engine.step([s])
     assert seq.output_ids == whole.output_ids
+
+
+@pytest.mark.parametrize("method", ONE_PIECE)
+def test_a_band_with_nothing_to_reuse_chunks_and_gives_the_one_shot_results(setup, method):
+    """A fresh prompt (no span matched): the band has no token to select, so it prefills in pieces like ``full``."""
+    lm, store, _ = setup
+    engine = Engine(lm, store)
+    call = CallInput(_prompt(40, 11))
+    options = GenerateOptions(SamplingConfig(max_new_tokens=6), keep_cache=True)
+    whole = engine.start(call, method, options)
+    seq, pieces = _chunked(engine, call, method, 7, options)
+    assert pieces == [7] * 5 + [5] and seq.stats.num_prefill_chunks == 6 and seq.stats.num_reused_tokens == 0
+    torch.testing.assert_close(seq.first_logits, whole.first_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(seq.cache.k[:, :, :40], whole.cache.k[:, :, :40], atol=1e-4, rtol=0)
+    for s in (seq, whole):
+        while not s.done:
+            engine.step([s])
+    assert seq.output_ids == whole.output_ids
