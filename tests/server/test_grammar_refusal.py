@@ -32,12 +32,14 @@ class Disagreeing:
 
     def __init__(self, compiled, num_steps: int, num_per_step: int, refuse_all_at: int | None = None) -> None:
         self.inner = REAL_MATCHER(compiled)
+        self.vocab_size = compiled.tokenizer_info.vocab_size
         self.num_steps, self.num_per_step, self.refuse_all_at = num_steps, num_per_step, refuse_all_at
         self.step, self.num_planted_steps, self.num_refused_now = 0, 0, 0
         self.refused: list[tuple[int, int]] = []  # (step, token id)
 
     def _num_allowed(self) -> int:
-        (vocab,) = grammar._VOCABULARIES.values()
+        # one per tokenizer object (another test module's app may have added its own): any of this size serves
+        vocab = next(v for v in grammar._VOCABULARIES.values() if v.size == self.vocab_size)
         words = grammar.xgr.allocate_token_bitmask(1, vocab.size)
         self.inner.fill_next_token_bitmask(words)
         return int(np.unpackbits((words[0] & vocab.keep_words).numpy().view(np.uint8)).sum())
