@@ -164,15 +164,19 @@ class Attention(nn.Module):
         self.int4_o = int4_of(self.o_proj.weight, [f"{prefix}o_proj.weight"], blocks)
         return [self.int4_qkv, self.int4_o]
 
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, hidden] -> q, k and v side by side: [n, (H + 2 * Hkv) * hd]."""
+        qkv_w, qkv_b = self.fused_qkv()
+        return linear(x, qkv_w, qkv_b, self.int4_qkv)
+
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [n, hidden] -> q [H, n, hd], k [Hkv, n, hd], v [Hkv, n, hd]; q and k rotated."""
-        qkv_w, qkv_b = self.fused_qkv()
         n, q_dim, kv_dim = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = linear(x, qkv_w, qkv_b, self.int4_qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [n, H, hd]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, hd]
-        v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, n, hd]
+        q, k, v = self.project_qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)  # [n, H, hd]
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, hd]
+        v = v.reshape(n, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, n, hd]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(0, 1), cos, sin)  # [H, n, hd]

@@ -28,7 +28,6 @@ from torch import nn
 from kvrelay.errors import ConfigError
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.layers import MLP, Attention, DecoderLayer
-from kvrelay.model.rope import apply_rotary
 from kvrelay.model.transformer import Transformer
 
 
@@ -75,19 +74,9 @@ class VllmAttention(Attention):
             self.q_norm.weight = vllm_attn.q_norm.weight
             self.k_norm.weight = vllm_attn.k_norm.weight
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [n, hidden] -> q [H, n, hd], k [Hkv, n, hd], v [Hkv, n, hd]; q and k rotated (as ``Attention.qkv``)."""
-        n, q_dim, kv_dim = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = _call(self._vllm[0], x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)  # [n, H, hd]
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, hd]
-        v = v.reshape(n, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, n, hd]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(0, 1), cos, sin)  # [H, n, hd]
-        k = apply_rotary(k.transpose(0, 1), cos, sin)  # [Hkv, n, hd]
-        return (q * self.q_scale if self.q_scale != 1.0 else q), k, v
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, hidden] -> q, k and v side by side, from vLLM's own qkv_proj."""
+        return _call(self._vllm[0], x)
 
     def out(self, attn_out: torch.Tensor) -> torch.Tensor:
         return _call(self._vllm[1], attn_out)
