@@ -8,15 +8,16 @@ and so that a rung's estimate is made of recent traffic only.
 
 **First-token KL** (and the continuation's) is nonnegative and heavy-tailed: most calls sit near zero and a few
 spike. A t-interval trusts the sample variance, which stays tiny until the first spike arrives, so it would
-certify a rung after a handful of lucky calls. Empirical Bernstein bounds are valid but pay a range term
-(7/3 x range x log(2/delta) / (n - 1)) that keeps the bound above any useful KL target for the first hundred-odd
-samples. We bound instead the mean of ``min(KL, kl_cap) / kl_cap``, a variable in [0, 1]: among all variables in
-[0, 1] with mean mu, the Bernoulli(mu) has the largest variance, mu(1 - mu), so Wilson's score interval (which
-assumes exactly that variance at every candidate mu) covers any distribution of the clipped KL as well as it
-covers agreement. It never trusts the sample variance: n calls at zero KL still bound the mean by
-kl_cap x z^2 / (n + z^2). The price is the clip: a call above ``kl_cap`` counts as ``kl_cap``. The guard's default
-cap is a few times the target, where such a call is already a clear failure that also flips the top-1 token on
-most calls, and the agreement bound sees that.
+certify a rung after a handful of lucky calls. We bound instead the mean of ``min(KL, kl_cap) / kl_cap``, a variable
+in [0, 1], by betting (``kvrelay.quality.betting``): valid for every law on [0, 1] at every sample size (a capital
+process and Markov's inequality, no normal approximation), and it uses the window's variance, so a window of
+near-constant KL is bounded close to its mean. It never trusts the variance of the values it has not seen: n calls
+at zero KL still bound the mean by about kl_cap x (1 - delta^(1/n)), which no valid bound can go under, since
+"zero, or a spike to the cap with probability p" shows n zeros with probability (1 - p)^n. (Wilson's score interval
+on the clipped mean is an approximation that goes under that floor near zero: it covers less than
+its confidence there.) The price is the clip: a call above ``kl_cap`` counts as ``kl_cap``. The guard's default cap
+is a few times the target, where such a call is already a clear failure that also flips the top-1 token on most
+calls, and the agreement bound sees that.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
+
+from kvrelay.quality.betting import betting_bounds
 
 
 def wilson_bounds(mean: float, num_samples: int, z: float) -> tuple[float, float]:
@@ -54,9 +57,10 @@ class RungEstimate:
     """The last ``window`` samples of one setting for one role, and their bounds at one-sided ``confidence``."""
 
     def __init__(self, window: int, kl_cap: float, confidence: float) -> None:
-        self.kl_cap, self.z = kl_cap, z_for(confidence)
+        self.kl_cap, self.confidence, self.z = kl_cap, confidence, z_for(confidence)
         self.samples: deque[Sample] = deque(maxlen=window)
         self.num_total = 0  # every sample ever recorded, the window's and older ones
+        self._kl_bounds_cache: dict[bool, tuple[int, tuple[float, float]]] = {}  # continuation? -> (num_total, b)
 
     def add(self, first_token_kl: float, top1_agree: bool, continuation_kl: float | None = None) -> None:
         self.samples.append(Sample(max(first_token_kl, 0.0), bool(top1_agree),
@@ -78,11 +82,16 @@ class RungEstimate:
         return sum(values) / len(values) if values else math.nan
 
     def kl_bounds(self, continuation: bool = False) -> tuple[float, float]:
-        """(lower, upper) bound of the mean of min(KL, kl_cap), in nats."""
-        values = self._kl_values(continuation)
-        clipped = sum(min(v, self.kl_cap) for v in values) / self.kl_cap / len(values) if values else 0.0
-        lower, upper = wilson_bounds(clipped, len(values), self.z)
-        return lower * self.kl_cap, upper * self.kl_cap
+        """(lower, upper) bound of the mean of min(KL, kl_cap), in nats (betting bounds on the window's clipped KL,
+        in the order the samples came)."""
+        cached = self._kl_bounds_cache.get(continuation)
+        if cached is not None and cached[0] == self.num_total:
+            return cached[1]
+        clipped = [min(v, self.kl_cap) / self.kl_cap for v in self._kl_values(continuation)]
+        lower, upper = betting_bounds(clipped, self.confidence)
+        bounds = (lower * self.kl_cap, upper * self.kl_cap)
+        self._kl_bounds_cache[continuation] = (self.num_total, bounds)
+        return bounds
 
     def kl_upper(self) -> float:
         return self.kl_bounds()[1]

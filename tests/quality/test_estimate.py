@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kvrelay.quality import RungEstimate, wilson_bounds
+from kvrelay.quality.betting import betting_bounds
 from kvrelay.quality.estimate import z_for
 
 
@@ -21,13 +22,28 @@ def test_wilson_matches_the_textbook_values():
     assert wilson_bounds(0.5, 0, z) == (0.0, 1.0)
 
 
-def test_zero_kl_is_bounded_by_the_cap_over_the_sample_count():
-    est = RungEstimate(window=32, kl_cap=0.25, confidence=0.9)
-    for _ in range(10):
-        est.add(0.0, True)
-    z2 = z_for(0.9) ** 2
-    assert est.kl_bounds()[1] == pytest.approx(0.25 * z2 / (10 + z2))
-    assert est.kl_mean() == 0.0
+def test_the_kl_bound_is_the_betting_bound_of_the_clipped_window_in_nats():
+    est = RungEstimate(window=4, kl_cap=0.25, confidence=0.9)
+    kls = [0.01, 0.3, 0.02, 0.0, 0.05]  # the first leaves the window; 0.3 counts as the cap
+    for kl in kls:
+        est.add(kl, True)
+    lower, upper = betting_bounds([min(kl, 0.25) / 0.25 for kl in kls[1:]], 0.9)
+    assert est.kl_bounds() == (pytest.approx(lower * 0.25), pytest.approx(upper * 0.25))
+    assert est.kl_mean() == pytest.approx(sum(kls[1:]) / 4)
+
+
+def test_zero_kl_is_bounded_above_the_floor_of_any_valid_bound():
+    """n calls at zero KL: the upper bound is at least cap x (1 - delta^(1/n)) (the law "zero, or a spike to the cap
+    with probability p" shows n zeros with probability (1 - p)^n), and it falls as the calls add up."""
+    uppers = []
+    for num in (10, 20, 32):
+        est = RungEstimate(window=32, kl_cap=0.25, confidence=0.9)
+        for _ in range(num):
+            est.add(0.0, True)
+        uppers.append(est.kl_bounds()[1])
+        assert uppers[-1] >= 0.25 * (1 - 0.1 ** (1 / num))
+        assert est.kl_mean() == 0.0
+    assert uppers == sorted(uppers, reverse=True)
 
 
 def test_a_spike_counts_at_most_the_cap_and_the_window_forgets():
