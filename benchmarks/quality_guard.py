@@ -204,11 +204,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bench-json", help="replay the per-call rows of these kvrelay bench JSON files (comma-separated)")
     p.add_argument("--rung-method", action="append", default=[],
                    help="with --bench-json: RUNG=METHOD, the bench's method name for a rung (default: its spec)")
-    p.add_argument("--start", default=None, help="rung a role starts at (default: the config's, the safest)")
+    p.add_argument("--start", default=QualityConfig().start,
+                   help="rung a role starts at ('safest': the ladder's last; default: the config's)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="another value of a QualityConfig number or switch (e.g. trust_start=false)")
     p.add_argument("--json", help="write the report here (and the measured rows beside it, .calls.json)")
     p.add_argument("--plots", help="folder for one PNG per role")
     args = p.parse_args(argv)
-    config = dataclasses.replace(QualityConfig(), start=args.start)
+    overrides = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        kind = type(getattr(QualityConfig(), name))
+        overrides[name] = value.strip().lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    config = dataclasses.replace(QualityConfig(), start=None if args.start == "safest" else args.start, **overrides)
     if args.bench_json:
         rung_methods = {r.name: r.method_spec for r in config.ladder}
         rung_methods.update(item.split("=", 1) for item in args.rung_method)
@@ -237,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         out = {"env": {"machine": platform.machine(), "cpu_threads": os.environ.get("OMP_NUM_THREADS"),
                        "commit": commit.strip(), "python": sys.version.split()[0]},
                "model": args.model, "limit": args.limit, "workload_offsets": WORKLOAD_OFFSETS,
+               "sources": args.bench_json.split(",") if args.bench_json else args.calls_json,
+               "overrides": overrides,
                "config": {"target": str(config.target), "sample_rate": config.sample_rate,
                           "first_calls_per_role": config.first_calls_per_role,
                           "ladder": [dataclasses.asdict(r) for r in config.ladder], "start": config.start},

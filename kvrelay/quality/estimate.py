@@ -81,6 +81,11 @@ class RungEstimate:
         values = self._kl_values(continuation)
         return sum(values) / len(values) if values else math.nan
 
+    def kl_clipped_mean(self) -> float:
+        """The window's mean of min(KL, kl_cap), in nats: the quantity the bounds bound (nan with no sample)."""
+        values = self._kl_values(False)
+        return sum(min(v, self.kl_cap) for v in values) / len(values) if values else math.nan
+
     def kl_bounds(self, continuation: bool = False) -> tuple[float, float]:
         """(lower, upper) bound of the mean of min(KL, kl_cap), in nats (betting bounds on the window's clipped KL,
         in the order the samples came)."""

@@ -90,6 +90,10 @@ class LadderController:
       confidence bound of its mean first-token KL is above ``kl_max``, or its top-1 agreement is *confidently*
       below ``agreement_min`` (the agreement's upper bound under it); earlier, from ``early_break_samples``
       samples on, when even the KL's lower bound is above ``kl_max`` (a clearly bad rung costs few live calls).
+      The start rung (with ``trust_start``) is held to its window's mean KL instead of the upper bound: the shipped
+      tables put it inside the target, and 16-32 samples cannot certify a mean KL much above 0.02 nats under 0.05
+      with any bound valid for every law of the clipped KL (``kvrelay.quality.betting``); the mean still sends a
+      role whose own traffic puts the start rung over the target up at ``min_samples``.
       A rung that broke may not be tried again for ``hold_calls`` x 2^(times it broke) calls: a role whose cheap
       rung is bad stays up, trying it ever more rarely.
     - **Down** (cheaper) when the live rung has held for ``hold_calls`` calls, its KL upper bound is within
@@ -116,8 +120,10 @@ class LadderController:
                                                           self.config.confidence)
         return est
 
-    def breaks(self, est: RungEstimate) -> bool:
-        """The estimate breaks the target (only judged once it has ``min_samples`` samples)."""
+    def breaks(self, est: RungEstimate, refuted_only: bool = False) -> bool:
+        """The estimate breaks the target: from ``early_break_samples`` samples on when even its KL lower bound is
+        over the target; from ``min_samples`` on when its agreement is confidently under the target or its KL upper
+        bound is over the target (``refuted_only``: its window's mean KL, clipped as in the bounds)."""
         target = self.config.target
         if target is None or est.num_samples < self.config.early_break_samples:
             return False
@@ -126,7 +132,11 @@ class LadderController:
             return True  # confidently over the target already: no need to wait for min_samples
         if est.num_samples < self.config.min_samples:
             return False
-        return kl_upper > target.kl_max or est.agreement_upper() < target.agreement_min
+        if est.agreement_upper() < target.agreement_min:
+            return True
+        if refuted_only:
+            return est.kl_clipped_mean() > target.kl_max
+        return kl_upper > target.kl_max
 
     def well_inside(self, est: RungEstimate) -> bool:
         target = self.config.target
@@ -138,7 +148,8 @@ class LadderController:
     def after_sample(self, state: RoleState, setting: str) -> Move | None:
         """A sample of ``setting`` was recorded: move the role up when its live rung now breaks the target."""
         live = self.ladder[state.rung_index]
-        if setting != live.name or not self.breaks(self.estimate(state, live.name)):
+        refuted_only = self.config.trust_start and state.rung_index == self.start_index
+        if setting != live.name or not self.breaks(self.estimate(state, live.name), refuted_only):
             return None
         if state.rung_index == len(self.ladder) - 1:
             return None  # the safest rung has nowhere to go; the snapshot shows it breaking

@@ -29,7 +29,7 @@ def test_bad_targets_are_named(text, word):
 @pytest.mark.parametrize("field, value", [("sample_rate", 1.5), ("sample_rate", -0.1), ("sample_rate", True),
                                           ("first_calls_per_role", 0), ("window", 2.5), ("min_samples", 64),
                                           ("confidence", 0.4), ("margin", 0.0), ("kl_cap_factor", 0.5),
-                                          ("start", "epic"), ("ladder", ()),
+                                          ("start", "epic"), ("trust_start", "yes"), ("ladder", ()),
                                           ("ladder", (Rung("a", "naive"), Rung("a", "relay")))])
 def test_bad_config_values_are_named(field, value):
     with pytest.raises(ConfigError, match="quality"):

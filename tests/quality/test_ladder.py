@@ -51,14 +51,42 @@ def test_a_new_role_starts_at_relay_by_default():
 
 
 def test_a_bound_not_a_mean_decides():
-    """naive's KL is 0.04 on every call: its mean is inside the 0.05 target but, from a window of samples, its
-    upper bound is not; the guard does not keep a role on a rung it cannot certify."""
-    g = guard(start="naive")
-    calls = drive(g, constant({"naive": (0.04, True), "relay": GOOD, "prefix": (0.0, True)}), 40)
+    """A role certified at relay tries naive, whose KL is 0.04 on every call: its mean is inside the 0.05 target
+    but, from a window of samples, its upper bound is not; the guard does not keep a role on a rung it moved it to
+    and cannot certify."""
+    g = guard()
+    calls = drive(g, constant({"naive": (0.04, True), "relay": GOOD, "prefix": (0.0, True)}), 80)
     cfg = g.config
-    assert [rung for rung, _ in calls[:cfg.min_samples + 1]] == ["naive"] * cfg.min_samples + ["relay"]
+    first_naive = next(i for i, (rung, _) in enumerate(calls) if rung == "naive")
+    assert [rung for rung, _ in calls[first_naive:first_naive + cfg.min_samples + 1]] == (
+        ["naive"] * cfg.min_samples + ["relay"])
     est = g.snapshot("ns")["roles"]["agent"]["estimates"]["naive"]["first_token_kl"]
     assert est["mean"] < 0.05 < est["upper"]
+
+
+def test_the_start_rung_breaks_only_when_refuted():
+    """relay at 0.04 on every call: inside the target, but no valid bound certifies that from 16-32 samples. As
+    the start rung it stays (nothing refutes it); without ``trust_start`` it would move to prefix at min_samples."""
+    stream = constant({"naive": BAD, "relay": (0.04, True), "prefix": (0.0, True)})
+    trusted = guard()
+    assert {rung for rung, _ in drive(trusted, stream, 200)} == {"relay"}
+    strict = guard(trust_start=False)
+    calls = drive(strict, stream, 40)
+    assert [rung for rung, _ in calls[:strict.config.min_samples + 1]] == (
+        ["relay"] * strict.config.min_samples + ["prefix"])
+
+
+def test_a_refuted_start_rung_breaks():
+    """The start rung's own traffic refutes it: KL clearly over the target (on its KL lower bound, from a few
+    samples), or top-1 agreement confidently under the target (at min_samples)."""
+    cfg = QualityConfig()
+    over = guard()
+    calls = drive(over, noisy({"naive": (0.5, 0.5), "relay": (0.15, 1.0), "prefix": (0.0, 1.0)}, seed=2), 60)
+    up = next(i for i, (rung, _) in enumerate(calls) if rung == "prefix")
+    assert cfg.early_break_samples <= up < cfg.min_samples
+    disagrees = guard()
+    calls = drive(disagrees, constant({"naive": BAD, "relay": (0.001, False), "prefix": (0.0, True)}), 40)
+    assert [rung for rung, _ in calls[:cfg.min_samples + 1]] == ["relay"] * cfg.min_samples + ["prefix"]
 
 
 def test_moves_down_only_when_well_inside_the_target():
