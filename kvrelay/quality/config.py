@@ -7,12 +7,12 @@ Defaults hold without per-model or per-workload tuning:
   agreement, on both models and every workload; ``naive`` ranges from 0.04 to 0.50 nats. The target accepts the
   repair kvrelay ships as its best and refuses unrepaired reuse where it visibly changes answers, on any model,
   without knowing which.
-- **sample_rate** 0.05 after each rung's first ``first_calls_per_role`` (12) calls, which are all shadowed: a
+- **sample_rate** 0.05 after each rung's first ``first_calls_per_role`` (16) calls, which are all shadowed: a
   reference prefill costs about one ``full`` prefill, a few percent of a call that decodes a hundred tokens.
-- **confidence** 0.9 one-sided, ``window`` 32 samples, judged from ``min_samples`` 8 on, ``hold_calls`` 12 before
+- **confidence** 0.9 one-sided, ``window`` 32 samples, judged from ``min_samples`` 16 on, ``hold_calls`` 16 before
   trying a cheaper rung, ``margin`` 0.8 of the KL target to count as well inside, ``kl_cap_factor`` 5 (see
-  ``kvrelay.quality.estimate``): with these a rung at zero KL is certified after 9 samples, and one at the
-  ``relay`` tables' KL after about 12, so a role can settle within its first few dozen calls.
+  ``kvrelay.quality.estimate``): with these a rung at zero KL is certified well inside after 15 samples, and the
+  start rung is held to its mean (``trust_start``), so a role can settle within its first few dozen calls.
 """
 
 from __future__ import annotations
