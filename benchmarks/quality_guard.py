@@ -195,6 +195,25 @@ def measure(args: argparse.Namespace, config: QualityConfig) -> list[dict]:
     return rows
 
 
+def config_from_args(start: str | None, sets: list[str]) -> tuple[QualityConfig, dict]:
+    """The default config with ``--start`` (``safest``: None) and each ``--set FIELD=VALUE`` (typed as the field's
+    default; a switch from true/false/1/0/yes/no), and the overrides as given."""
+    overrides: dict = {}
+    defaults = QualityConfig()
+    for item in sets:
+        name, sep, value = item.partition("=")
+        if not sep or not hasattr(defaults, name):
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with a QualityConfig field")
+        kind = type(getattr(defaults, name))
+        if kind is bool:
+            if value.strip().lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise SystemExit(f"--set {item!r}: {name} is a switch (true or false)")
+            overrides[name] = value.strip().lower() in ("true", "1", "yes")
+        else:
+            overrides[name] = kind(value)
+    return dataclasses.replace(defaults, start=None if start == "safest" else start, **overrides), overrides
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -211,12 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="write the report here (and the measured rows beside it, .calls.json)")
     p.add_argument("--plots", help="folder for one PNG per role")
     args = p.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        kind = type(getattr(QualityConfig(), name))
-        overrides[name] = value.strip().lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    config = dataclasses.replace(QualityConfig(), start=None if args.start == "safest" else args.start, **overrides)
+    config, overrides = config_from_args(args.start, args.set)
     if args.bench_json:
         rung_methods = {r.name: r.method_spec for r in config.ladder}
         rung_methods.update(item.split("=", 1) for item in args.rung_method)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from quality_guard import role_report
+import pytest
+from quality_guard import config_from_args, role_report
 
 from kvrelay.quality import QualityConfig
 
@@ -38,3 +39,14 @@ def test_the_guard_sees_only_its_shadowed_calls_and_their_cost_is_counted():
     live_ms = 100 * (10.0 + 90.0)
     assert report["shadow_share"] == num_shadowed * 10.0 / (live_ms + num_shadowed * 10.0)
     assert report["shadow_share_at_sample_rate"] == 0.05 * 1000.0 / (live_ms + 0.05 * 1000.0)
+
+
+def test_replay_config_flags():
+    default, overrides = config_from_args(QualityConfig().start, [])
+    assert default == QualityConfig() and overrides == {}
+    strict, overrides = config_from_args("safest", ["trust_start=false", "kl_cap_factor=2"])
+    assert strict.start is None and strict.trust_start is False and strict.kl_cap_factor == 2.0
+    assert overrides == {"trust_start": False, "kl_cap_factor": 2.0}
+    for bad in ("trust_start=maybe", "no_such_field=1", "window"):
+        with pytest.raises(SystemExit, match="--set"):
+            config_from_args(None, [bad])
