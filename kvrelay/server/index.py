@@ -197,7 +197,7 @@ class TokenIndex:
                     self.num_collisions += 1  # equal hashes, different tokens: never returned
                 else:
                     chosen.append(piece)
-                    bisect.insort(taken, (start, end))
+                    _take(taken, start, end)
         return sorted(chosen, key=lambda m: m.start)
 
 
@@ -210,6 +210,18 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
+
+
+def _take(taken: list[tuple[int, int]], start: int, end: int) -> None:
+    """Add the free range [start, end) to ``taken`` (sorted, disjoint), joined to the ranges it touches: on
+    repeated text ``find`` takes many short pieces end to end, and ``_free_pieces`` then steps over one."""
+    k = bisect.bisect_left(taken, (start, start))
+    if k < len(taken) and taken[k][0] == end:
+        end = taken.pop(k)[1]
+    if k > 0 and taken[k - 1][1] == start:
+        k -= 1
+        start = taken.pop(k)[0]
+    taken.insert(k, (start, end))
 
 
 def _free_pieces(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
