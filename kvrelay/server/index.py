@@ -68,6 +68,21 @@ class _Entry:
     keys: list[tuple[tuple[str, int], int | None, tuple[int, int]]] = field(default_factory=list)
 
 
+@dataclass
+class _Member:
+    """Holders (span_id, offset) -> span order that share the previous block, the block and all that follows."""
+
+    holders: dict[tuple[str, int], int] = field(default_factory=dict)
+    # a block of one repeated token: how many more of it follow (-1: the block is not one token repeated)
+    same_after: int = -1
+
+    def oldest(self) -> tuple[tuple[str, int], int]:
+        return next(iter(self.holders.items()))  # insertion order is span order: no copy
+
+    def newest(self) -> tuple[tuple[str, int], int]:
+        return next(reversed(self.holders.items()))
+
+
 class TokenIndex:
     """Block index of stored spans' token ids, per namespace."""
 
@@ -78,15 +93,9 @@ class TokenIndex:
         self.hasher = PolyHash(hash_base)
         self._spans: dict[str, _Entry] = {}
         self._num_added = 0
-        # Flat dicts of ints and tuples of ints, not nested containers: the garbage collector stops
-        # tracking them, so a full collection (which lands in some lookup) does not walk the whole index.
-        # (namespace, block hash) -> previous block's hash (None: the span's first block) -> None: the groups
-        self._groups: dict[tuple[str, int], dict[int | None, None]] = {}
-        # (namespace, block hash, previous block's hash) -> (hash, length) of the tokens after the block -> for a
-        # block of one repeated token, how many more of it follow (-1: not one token): the group's members
-        self._members: dict[tuple[str, int, int | None], dict[tuple[int, int], int]] = {}
-        # (namespace, block hash, previous, after) -> (span_id, offset) -> span order: a member's holders
-        self._holders: dict[tuple[str, int, int | None, tuple[int, int]], dict[tuple[str, int], int]] = {}
+        # (namespace, block hash) -> previous block's hash (None: the span's first block)
+        #   -> (hash, length) of the tokens after the block -> member
+        self._groups: dict[tuple[str, int], dict[int | None, dict[tuple[int, int], _Member]]] = {}
         self.last_work = 0  # steps of the last lookup (offsets, groups, members, tokens, hash probes)
         self.num_collisions = 0  # candidate runs whose tokens differed (a hash collision): dropped
 
@@ -116,11 +125,9 @@ class TokenIndex:
             gkey = (namespace, sub(p, off, off + b))
             prev = sub(p, off - b, off) if off else None
             rkey = (sub(p, off + b, m), m - off - b)
-            self._groups.setdefault(gkey, {})[prev] = None
-            members = self._members.setdefault((*gkey, prev), {})
-            if rkey not in members:  # how many repeats follow is set by the block and what follows it
-                members[rkey] = same_end[off] - off - b if same_end[off] >= off + b else -1
-            self._holders.setdefault((*gkey, prev, rkey), {})[(span_id, off)] = entry.order
+            member = self._groups.setdefault(gkey, {}).setdefault(prev, {}).setdefault(rkey, _Member())
+            member.same_after = same_end[off] - off - b if same_end[off] >= off + b else -1
+            member.holders[(span_id, off)] = entry.order
             entry.keys.append((gkey, prev, rkey))
         self._spans[span_id] = entry
 
@@ -130,18 +137,15 @@ class TokenIndex:
         if entry is None:
             return
         for k, (gkey, prev, rkey) in enumerate(entry.keys):
-            holders = self._holders[(*gkey, prev, rkey)]
-            holders.pop((span_id, k * self.block_len), None)
-            if holders:
-                continue
-            del self._holders[(*gkey, prev, rkey)]
-            members = self._members[(*gkey, prev)]
-            del members[rkey]
-            if not members:
-                del self._members[(*gkey, prev)]
-                del self._groups[gkey][prev]
-                if not self._groups[gkey]:
-                    del self._groups[gkey]
+            groups = self._groups[gkey]
+            members = groups[prev]
+            members[rkey].holders.pop((span_id, k * self.block_len), None)
+            if not members[rkey].holders:
+                del members[rkey]
+                if not members:
+                    del groups[prev]
+                    if not groups:
+                        del self._groups[gkey]
 
     def token_ids(self, span_id: str) -> tuple[int, ...]:
         return self._spans[span_id].token_ids

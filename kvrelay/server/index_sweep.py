@@ -107,11 +107,11 @@ class Sweep:
             h = (qp[i + b] - qp[i] * power_b) % _MOD  # the query's block at i
             state = self.block_state.get(h)
             if state is None:
-                prevs = groups_of.get((namespace, h))
-                if not prevs:
+                groups = groups_of.get((namespace, h))
+                if not groups:
                     self.block_state[h] = state = ([], [])
                 else:
-                    state = self.block_state[h] = ([[prev, h, None] for prev in prevs], [])
+                    state = self.block_state[h] = ([[prev, members, None] for prev, members in groups.items()], [])
             awake, asleep = state
             while asleep and asleep[0][0] <= i:
                 awake.append(heapq.heappop(asleep)[2])
@@ -136,23 +136,17 @@ class Sweep:
         self.index.last_work = self.work
         return sorted(self.runs, key=lambda m: (m.start, -m.num_tokens))
 
-    def _ordered(self, group: list) -> list[tuple[str, int, int, int, int, _Entry]]:
+    def _ordered(self, group: list) -> list[tuple[str, int, int, int, _Entry]]:
         """The group's members as checked: (span id, offset, order, tokens after the block, tokens of one
         repeated token after it or -1, entry), one holder each (the oldest, in span order, for ``oldest``;
-        the newest for ``longest``; a member's holders are in span order)."""
-        index, b = self.index, self.index.block_len
-        spans, holders_of = index._spans, index._holders
-        prev, h = group[0], group[1]
-        key = (self.namespace, h, prev)
-        holders = []
-        for rkey, same_after in index._members[key].items():
-            items = holders_of[(*key, rkey)].items()
-            (span_id, off), order = next(iter(items)) if self.oldest else next(reversed(items))
-            holders.append((span_id, off, order, same_after))
+        the newest for ``longest``)."""
+        spans, b = self.index._spans, self.index.block_len
         if self.oldest:
-            holders.sort(key=lambda h: h[2])
-        group[2] = [(span_id, off, order, len(spans[span_id].token_ids) - off - b, same_after, spans[span_id])
-                    for span_id, off, order, same_after in holders]
+            holders = sorted(((*m.oldest(), m) for m in group[1].values()), key=lambda h: h[1])
+        else:
+            holders = [(*m.newest(), m) for m in group[1].values()]
+        group[2] = [(span_id, off, order, len(spans[span_id].token_ids) - off - b, m.same_after, spans[span_id])
+                    for (span_id, off), order, m in holders]
         return group[2]
 
     def _visit(self, i: int, group: list, q_prev: int | None) -> int:
