@@ -14,7 +14,9 @@ Stored spans are 512 tokens each, 10 / 1,000 / 10,000 of them (added in steps, o
 Lookup = ``TokenIndex.find`` as the server calls it (block 16, ``min_tokens`` 16, ``prefer="oldest"``),
 one fresh prompt per sample: p50 and p99 (nearest rank) over the samples (up to 30 / 15 / 10 / 5 by
 prompt length, fewer once a cell has run ``--cell-s``; longer prompts are skipped after a p50 over
-``--max-p50-s``: the repeated-text case the matcher still pays for, see kvrelay/server/index.py).
+``--max-p50-s``). Beside the wall-clock times, the lookup's own CPU time (``time.thread_time``) and the load
+average: on a shared machine a wall-clock p99 over a few samples measures the neighbours too, and a full
+garbage collection (its cost grows with the objects the index holds) lands in some lookup.
 Saved prefill = tokens matched x SmolLM2-135M's prefill time per token, measured here on a 1,024-token
 prompt (median of 3 after a warmup; the per-token time grows with context, so this underestimates the
 saving at 4K-32K).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import random
 import statistics
@@ -132,6 +135,7 @@ def main() -> None:
     ms_per_token = prefill_ms_per_token(train, args.prefill_tokens)
     print(f"SmolLM2-135M prefill: {ms_per_token:.3f} ms/token at {args.prefill_tokens} tokens", flush=True)
 
+    load_at_start = round(os.getloadavg()[0], 1)
     rows = []
     for name in ("random", "natural", "repeated"):
         kind = Kind(name, random.Random(0), train, test, rule_id)
@@ -149,15 +153,16 @@ def main() -> None:
                                  "skipped": f"a shorter prompt's lookup p50 was over {args.max_p50_s} s"})
                     print(f"{name:8s} spans {num_spans:6d} prompt {num_tokens:6d}: skipped", flush=True)
                     continue
-                times, matched, work = [], [], []
+                times, cpu_times, matched, work = [], [], [], []
                 cell_t0 = time.perf_counter()
                 for k in range(SAMPLES.get(num_tokens, 5)):
                     if k >= 2 and time.perf_counter() - cell_t0 > args.cell_s:
                         break
                     q = kind.prompt(num_tokens)
-                    t0 = time.perf_counter()
+                    t0, cpu_t0 = time.perf_counter(), time.thread_time()
                     found = index.find(q, min_tokens=16, prefer="oldest")
                     times.append((time.perf_counter() - t0) * 1e3)
+                    cpu_times.append((time.thread_time() - cpu_t0) * 1e3)
                     matched.append(sum(m.num_tokens for m in found))
                     work.append(index.last_work / num_tokens)
                 p50, p99 = statistics.median(times), percentile(times, 99)
@@ -169,11 +174,15 @@ def main() -> None:
                        "saved_prefill_ms": round(saved_ms, 1),
                        "p99_over_saved_prefill": round(p99 / saved_ms, 4) if saved_ms else None,
                        "p99_over_prompt_prefill": round(p99 / (num_tokens * ms_per_token), 4),
+                       "lookup_cpu_ms_p50": round(statistics.median(cpu_times), 2),
+                       "lookup_cpu_ms_p99": round(percentile(cpu_times, 99), 2),
                        "work_per_token_max": round(max(work), 1),
+                       "load_avg_1m": round(os.getloadavg()[0], 1),
                        "add_ms_per_span": round(add_ms / (num_spans - before), 3)}
                 rows.append(row)
                 print(f"{name:8s} spans {num_spans:6d} prompt {num_tokens:6d}: lookup p50 {p50:8.1f} p99 {p99:8.1f} ms,"
-                      f" matched {row['matched_tokens_median']:7.0f}, p99/saved {row['p99_over_saved_prefill']}",
+                      f" (cpu p99 {row['lookup_cpu_ms_p99']:8.1f}), matched {row['matched_tokens_median']:7.0f},"
+                      f" p99/saved {row['p99_over_saved_prefill']}, load {row['load_avg_1m']}",
                       flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -183,6 +192,7 @@ def main() -> None:
                                    "ms_per_token": round(ms_per_token, 4),
                                    "how": "model.prefill of GSM8K tokens, median of 3 after a warmup"},
                        "lookup": "TokenIndex.find, block 16, min_tokens 16, prefer oldest; one fresh prompt per sample",
+                       "load_avg_1m_at_start": load_at_start,
                        "rows": rows}, f, indent=1)
 
 

@@ -11,9 +11,13 @@ against any prompt, so a member is checked once, however many spans it stands fo
 ``i`` the group whose previous block equals the prompt's block at ``i - B`` is skipped whole: its
 runs reach back a full block, so they were found from their first block, at ``i - B`` or before.
 Extensions are compared by prefix hashes (O(1) per probe), galloping from the end that would beat
-the runs already found; a run contained in an earlier one (from a span at least as preferred) is
-dropped, and a group whose members all lie inside the reach of older runs sleeps until its own reach
-(a token more per offset at most; on repeated text, where its span's repeats stop) could pass them.
+the runs already kept. A candidate starts less than B tokens before the offset where it is met, so
+candidates wait in a bucket per start and are settled B offsets later in order of start: every run
+kept then starts at or before the candidate, and whether one contains it (from a span at least as
+preferred) is one look-up in a staircase of furthest ends, not a scan. A group whose members all lie
+inside the kept runs' reach sleeps until its own reach (a token more per offset at most; on repeated
+text, where its span's repeats stop) could pass them; on repeated text a member's run ends exactly
+where its span's repeats stop, so the members of one visit that end no further are dropped at once.
 On ``n`` identical tokens this is O(n) work: each offset adds one token past the previous run.
 Hashes only steer the search: ``find`` compares every run it returns token by token.
 
@@ -27,13 +31,15 @@ returns a false one. Shorter runs are found when they cover an aligned block. ``
 no free stretch of ``max(min_tokens, 2 * block_len - 1)`` prompt tokens that some span shares.
 
 Cost (``last_work`` counts it: offsets, groups visited, members checked, tokens compared, hash
-probes, runs scanned). Per offset: one hash and one dict lookup. Per visited group: at most B token
-comparisons (once per pair of previous blocks). Per member checked: O(1) probes plus a scan of the runs
-found from the last B offsets, and O(log) per run found. The number of spans holding identical tokens
+probes, candidates settled). Per offset: one hash and one dict lookup. Per visited group: at most B
+token comparisons (once per pair of previous blocks). Per member checked: O(log) (a staircase look-up),
+and O(1) probes per candidate settled, O(log) per run kept. The number of spans holding identical tokens
 around a block does not count. What still counts: the groups awake at an offset, i.e. the distinct
-contexts in which stored spans start the text the prompt repeats. On a prompt of one repeated token
-against stored spans that start runs of it in G different contexts, the work per token grows with the
-groups whose runs are not inside the longest ones (``prefer="oldest"``: not inside an older span's).
+contexts in which stored spans start the text the prompt repeats, and the runs returned. On a prompt of
+one repeated token against stored spans that start runs of it in G different contexts, each offset
+returns a run from every span whose repeats are not inside the longest ones (``prefer="oldest"``: not
+inside an older span's), and the groups that sleep less than a block (their reach within a block of
+those) are checked again.
 
 Everything is scoped by a namespace: a span indexed under one namespace is never returned for a
 query in another.
@@ -197,7 +203,7 @@ class TokenIndex:
                     self.num_collisions += 1  # equal hashes, different tokens: never returned
                 else:
                     chosen.append(piece)
-                    bisect.insort(taken, (start, end))
+                    _take(taken, start, end)
         return sorted(chosen, key=lambda m: m.start)
 
 
@@ -210,6 +216,18 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
+
+
+def _take(taken: list[tuple[int, int]], start: int, end: int) -> None:
+    """Add the free range [start, end) to ``taken`` (sorted, disjoint), joined to the ranges it touches: on
+    repeated text ``find`` takes many short pieces end to end, and ``_free_pieces`` then steps over one."""
+    k = bisect.bisect_left(taken, (start, start))
+    if k < len(taken) and taken[k][0] == end:
+        end = taken.pop(k)[1]
+    if k > 0 and taken[k - 1][1] == start:
+        k -= 1
+        start = taken.pop(k)[0]
+    taken.insert(k, (start, end))
 
 
 def _free_pieces(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:

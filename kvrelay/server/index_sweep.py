@@ -9,12 +9,11 @@ import bisect
 import heapq
 import secrets
 from array import array
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvrelay.server.index import TokenIndex, _Entry, _Member
+    from kvrelay.server.index import TokenIndex, _Entry
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: hashes stay Python ints below 2**61 (they fit an int64 array)
 
@@ -61,11 +60,16 @@ class TokenMatch:
         return self.end - self.start
 
 
-@dataclass
-
-
 class Sweep:
-    """One ``find_runs`` sweep over the query's offsets (state shared by its helpers)."""
+    """One ``find_runs`` sweep over the query's offsets (state shared by its helpers).
+
+    A group visited at offset ``i`` gives candidates that start at ``i - left`` with ``left < B`` (the block
+    before differs from the prompt's; at ``i < B`` the prompt holds only ``i`` tokens before), so once the
+    sweep reaches offset ``s + B`` every candidate starting at ``s`` is known. Candidates wait in a bucket per
+    start and are settled (checked against the runs kept, extended, kept) in order of start: every run kept
+    then starts at or before the candidate, so whether one contains it depends on its end alone, and one
+    staircase of furthest ends answers in O(log) what a scan of the runs found near it did before.
+    """
 
     def __init__(self, index: TokenIndex, q: list[int], namespace: str, oldest: bool) -> None:
         self.index, self.q, self.namespace, self.oldest = index, q, namespace, oldest
@@ -73,18 +77,19 @@ class Sweep:
         self.same_end = same_token_ends(q)
         self.work = len(q)
         self.runs: list[TokenMatch] = []
-        # runs found from the last B offsets: (offset, start, end, span order, span id)
-        self.recent: deque[tuple[int, int, int, int, str]] = deque()
-        # older runs all start further left than any run found now, so only their reach counts: the
-        # furthest end (``longest``), or a staircase of (span order, furthest end of runs from spans at
-        # most that old), both increasing (``oldest``: only an older or the same span dominates)
-        self.old_max_end = -1
+        # every run kept starts at or before every candidate still to settle, so only its reach counts: the
+        # furthest end (``longest``), or a staircase of (span order, furthest end of runs from spans at most
+        # that old), both increasing (``oldest``: only an older or the same span contains a run)
+        self.max_end = -1
         self.stair_orders: list[int] = []
         self.stair_ends: list[int] = []
+        # start -> candidates waiting: (offset, left, [(span id, offset in span, order, cap, entry)])
+        self.pending: dict[int, list[tuple[int, int, list]]] = {}
         self.left_of: dict[tuple[int, int], int] = {}  # (group's previous block, prompt's) -> tokens matching
         # repeated text meets the same groups at offset after offset: a group whose every member lies inside
-        # the older runs' reach sleeps until its reach (growing a token per offset) could pass them.
-        # Per block hash met: (groups awake, heap of (wake offset, tie, group) asleep)
+        # the runs kept sleeps until its reach (growing a token per offset) could pass them.
+        # Per block hash met: (groups awake, heap of (wake offset, tie, group) asleep); a group is
+        # [previous block, members, members in the order they are checked (filled on the first visit)]
         self.block_state: dict[int, tuple[list, list]] = {}
         self.num_asleep = 0
 
@@ -92,8 +97,13 @@ class Sweep:
         index, q, b = self.index, self.q, self.index.block_len
         qp, groups_of, namespace = self.prefix, index._groups, self.namespace
         power_b = index.hasher.power(b)
+        pending = self.pending
         q_prev = None
         for i in range(len(q) - b + 1):
+            if pending:
+                ready = pending.pop(i - b, None)  # no candidate found from offset i on starts before i - B + 1
+                if ready is not None:
+                    self._settle(ready)
             h = (qp[i + b] - qp[i] * power_b) % _MOD  # the query's block at i
             state = self.block_state.get(h)
             if state is None:
@@ -101,21 +111,18 @@ class Sweep:
                 if not groups:
                     self.block_state[h] = state = ([], [])
                 else:
-                    state = self.block_state[h] = (list(groups.items()), [])
+                    state = self.block_state[h] = ([[prev, members, None] for prev, members in groups.items()], [])
             awake, asleep = state
             while asleep and asleep[0][0] <= i:
                 awake.append(heapq.heappop(asleep)[2])
             if awake:
-                while self.recent and self.recent[0][0] <= i - b:
-                    self._retire(*self.recent.popleft()[2:4])
                 still_awake = []
                 for group in awake:
-                    prev, members = group
-                    if prev is not None and prev == q_prev:
+                    if group[0] is not None and group[0] == q_prev:
                         still_awake.append(group)
                         continue  # reaches back a whole block: found from its first block
                     self.work += 1
-                    wake = self._visit(i, prev, q_prev, members)
+                    wake = self._visit(i, group, q_prev)
                     if wake > i + 1:
                         self.num_asleep += 1
                         heapq.heappush(asleep, (wake, self.num_asleep, group))
@@ -124,12 +131,112 @@ class Sweep:
                 awake[:] = still_awake
             if i + 1 >= b:
                 q_prev = (qp[i + 1] - qp[i + 1 - b] * power_b) % _MOD  # the block before offset i + 1
+        for start in sorted(pending):
+            self._settle(pending[start])
         self.index.last_work = self.work
         return sorted(self.runs, key=lambda m: (m.start, -m.num_tokens))
 
-    def _retire(self, end: int, order: int) -> None:
+    def _ordered(self, group: list) -> list[tuple[str, int, int, int, _Entry]]:
+        """The group's members as checked: (span id, offset, order, tokens after the block, tokens of one
+        repeated token after it or -1, entry), one holder each (the oldest, in span order, for ``oldest``;
+        the newest for ``longest``)."""
+        spans, b = self.index._spans, self.index.block_len
+        if self.oldest:
+            holders = sorted(((*m.oldest(), m) for m in group[1].values()), key=lambda h: h[1])
+        else:
+            holders = [(*m.newest(), m) for m in group[1].values()]
+        group[2] = [(span_id, off, order, len(spans[span_id].token_ids) - off - b, m.same_after, spans[span_id])
+                    for (span_id, off), order, m in holders]
+        return group[2]
+
+    def _visit(self, i: int, group: list, q_prev: int | None) -> int:
+        """Candidates whose first aligned block sits at query offset ``i`` in this group's holders, to settle
+        once their start is reached; returns the first offset where the group could give a run again (past
+        ``i + 1`` when every member was inside the runs kept: their reach never shrinks, a member's grows by
+        at most a token per offset)."""
+        q, b = self.q, self.index.block_len
+        prev = group[0]
+        ordered = group[2] or self._ordered(group)
+        left = 0
+        if prev is not None:  # the previous block differs from the prompt's: fewer than B tokens match
+            left = self.left_of.get((prev, q_prev), -1) if q_prev is not None else -1
+            if left < 0:  # the same two blocks met before (repeated text) match as far as then
+                _, off, _, _, _, entry = ordered[0]
+                src = entry.token_ids
+                left, limit = 0, min(i, b)
+                while left < limit and q[i - 1 - left] == src[off - 1 - left]:
+                    left += 1
+                self.work += left
+                if q_prev is not None:
+                    self.left_of[(prev, q_prev)] = left
+            self.work += 1
+        n, same_end_i = len(q), self.same_end[i]
+        oldest, stair_orders, stair_ends = self.oldest, self.stair_orders, self.stair_ends
+        wake = n
+        cands = []
+        # the furthest exact end of this visit's candidates so far, and its span's order: a candidate whose
+        # cap it reaches is inside that run (same start), unless that is from a less preferred span (``oldest``:
+        # members come in span order, so never; ``longest``: an older one, the newer span wins among equals)
+        visit_end, visit_order = -1, -1
+        self.work += len(ordered)
+        for span_id, off, order, tail, after, entry in ordered:
+            cap = i + b + min(n - i - b, tail)
+            lasts_until = n  # the last offset + 1 where cap grows by at most a token per offset
+            exact = False
+            if after >= 0 and i + b + after < same_end_i:
+                # one token repeated in the prompt past the span's repeats: the run ends exactly there
+                cap, lasts_until, exact = i + b + after, same_end_i - b - after, True
+            if oldest:
+                k = bisect.bisect_right(stair_orders, order)
+                front = stair_ends[k - 1] if k else -1
+            else:
+                front = self.max_end
+            if front >= cap:  # inside a run kept, which starts before any candidate from here on
+                if front < n:  # no run ends past the prompt: one reaching its end covers all later ones
+                    wake = min(wake, i + front - cap + 1, lasts_until)
+                continue
+            wake = i + 1
+            if visit_end > cap or (visit_end == cap and (oldest or order <= visit_order)):
+                continue  # inside a candidate of this visit
+            if exact:
+                visit_end, visit_order = cap, order
+            cands.append((span_id, off, order, cap, entry))
+        if cands:
+            self.pending.setdefault(i - left, []).append((i, left, cands))
+        return wake
+
+    def _settle(self, visits: list[tuple[int, int, list]]) -> None:
+        """Check, extend and keep the candidates of one start (every run kept starts at or before it)."""
+        b, oldest = self.index.block_len, self.oldest
+        for i, left, cands in visits:
+            best_end, best_order, best = -1, -1, None
+            for span_id, off, order, cap, entry in cands:
+                self.work += 1
+                if oldest:  # the staircase holds the runs kept from this visit's older members
+                    k = bisect.bisect_right(self.stair_orders, order)
+                    front = self.stair_ends[k - 1] if k else -1
+                else:
+                    front = self.max_end
+                if front >= cap:
+                    continue  # inside a run kept
+                need = max(front + 1, i + b)
+                if not oldest:
+                    need = max(need, best_end if order > best_order else best_end + 1)
+                if need > cap or (need > i + b and not self._equal(i, entry, off, need)):
+                    continue
+                end = self._gallop(i, entry, off, need, cap)
+                if oldest:
+                    self._keep(TokenMatch(i - left, end, span_id, off - left), order)
+                else:
+                    best_end, best_order, best = end, order, TokenMatch(i - left, end, span_id, off - left)
+            if best is not None:
+                self._keep(best, best_order)
+
+    def _keep(self, run: TokenMatch, order: int) -> None:
+        self.runs.append(run)
+        end = run.end
         if not self.oldest:
-            self.old_max_end = max(self.old_max_end, end)
+            self.max_end = max(self.max_end, end)
             return
         orders, ends = self.stair_orders, self.stair_ends
         k = bisect.bisect_right(orders, order)
@@ -142,84 +249,6 @@ class Sweep:
         while j < len(orders) and ends[j] <= end:
             j += 1
         orders[k:j], ends[k:j] = [order], [end]
-
-    def _visit(self, i: int, prev: int | None, q_prev: int | None, members: dict[tuple[int, int], _Member]) -> int:
-        """The runs whose first aligned block sits at query offset ``i`` in this group's holders; returns the
-        first offset where the group could give a run again (past ``i + 1`` when every member was inside the
-        older runs: their reach never shrinks, a member's grows by at most a token per offset)."""
-        index, q, b = self.index, self.q, self.index.block_len
-        spans = index._spans
-        (span_id, off), _ = next(iter(members.values())).oldest()
-        src = spans[span_id].token_ids
-        left = 0
-        if prev is not None:  # the previous block differs from the prompt's: fewer than B tokens match
-            left = self.left_of.get((prev, q_prev), -1) if q_prev is not None else -1
-            if left < 0:  # the same two blocks met before (repeated text) match as far as then
-                left, limit = 0, min(i, b)
-                while left < limit and q[i - 1 - left] == src[off - 1 - left]:
-                    left += 1
-                self.work += left
-                if q_prev is not None:
-                    self.left_of[(prev, q_prev)] = left
-            self.work += 1
-        start = i - left
-        if self.oldest:
-            ordered = sorted(((*m.oldest(), m) for m in members.values()), key=lambda h: h[1])
-        else:
-            ordered = [(*m.newest(), m) for m in members.values()]
-        best_end, best_order, best = -1, -1, None
-        wake = len(q)
-        for (span_id, off), order, member in ordered:
-            self.work += 1
-            entry = spans[span_id]
-            cap = i + b + min(len(q) - i - b, len(entry.token_ids) - off - b)
-            lasts_until = len(q)  # the last offset + 1 where cap grows by at most a token per offset
-            tight = i + b + member.same_after
-            if member.same_after >= 0 and tight < self.same_end[i]:
-                # one token repeated in the prompt past the span's repeats: the span stops the run there
-                cap, lasts_until = tight, self.same_end[i] - b - member.same_after
-            front, lasting = self._dominated_end(start, order, cap)
-            if not lasting:
-                wake = i + 1
-            elif front < len(q):  # no run ends past the prompt: one reaching its end covers all later ones
-                wake = min(wake, i + front - cap + 1, lasts_until)
-            if front >= cap:
-                continue  # inside a run already found
-            need = front + 1
-            if self.oldest:
-                need = max(need, best_end + 1)  # older members first: a newer one must reach further
-            else:
-                need = max(need, best_end if order > best_order else best_end + 1)
-            need = max(need, i + b)
-            if need > cap or (need > i + b and not self._equal(i, entry, off, need)):
-                continue
-            end = self._gallop(i, entry, off, need, cap)
-            best_end, best_order = end, order
-            best = TokenMatch(start, end, span_id, off - left)
-            if self.oldest:
-                self._keep(i, best, order)
-        if best is not None and not self.oldest:
-            self._keep(i, best, best_order)
-        return wake
-
-    def _dominated_end(self, start: int, order: int, cap: int) -> tuple[int, bool]:
-        """The furthest end of a run found so far that starts at or before ``start``, from a span as preferred
-        (``longest``: any; ``oldest``: one at least as old); it stops looking once that reaches ``cap``.
-        Also whether the older runs alone reach ``cap`` (then they still start further left at later offsets)."""
-        if self.oldest:
-            k = bisect.bisect_right(self.stair_orders, order)
-            end = self.stair_ends[k - 1] if k else -1
-        else:
-            end = self.old_max_end
-        if end >= cap:
-            return end, True
-        for _, r_start, r_end, r_order, _ in self.recent:
-            self.work += 1
-            if r_start <= start and r_end > end and (not self.oldest or r_order <= order):
-                end = r_end
-                if end >= cap:
-                    break
-        return end, False
 
     def _equal(self, i: int, entry: _Entry, off: int, end: int) -> bool:
         """Query [i, end) equals the span from ``off`` under the hash."""
@@ -245,10 +274,6 @@ class Sweep:
             else:
                 hi = mid
         return lo
-
-    def _keep(self, i: int, run: TokenMatch, order: int) -> None:
-        self.runs.append(run)
-        self.recent.append((i, run.start, run.end, order, run.span_id))
 
 
 def same_token_ends(ids: list[int] | tuple[int, ...]) -> list[int]:

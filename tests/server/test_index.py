@@ -110,3 +110,31 @@ def test_prefer_oldest_takes_a_text_where_it_was_first_stored():
     # what the oldest does not hold is still filled from the others, where long enough
     assert idx.find(query, min_tokens=2, prefer="oldest") == [
         TokenMatch(1, 4, "later", 1), TokenMatch(4, 24, "first", 1), TokenMatch(24, 26, "later", 24)]
+
+
+def test_a_candidate_is_settled_before_runs_that_start_after_it():
+    """Candidates are settled in order of start, B offsets late: a run whose first aligned block sits B - 1
+    tokens after its start must be checked before a run that starts later and ends as far, or it is taken
+    for contained in that run."""
+    idx = TokenIndex(block_len=4)
+    idx.add("older", seq(12, 6))  # its block [12..15] at offset 0: the run [2, 8)
+    idx.add("newer", seq(10, 8))  # its block [14..17] at offset 4 reaches back 3 tokens: the run [1, 8)
+    query = [99] + seq(11, 7) + [90, 91, 92, 93]
+    assert TokenMatch(1, 8, "newer", 1) in idx.find_runs(query, prefer="longest")
+    assert idx.find_runs(query, prefer="oldest") == [TokenMatch(1, 8, "newer", 1), TokenMatch(2, 8, "older", 0)]
+
+
+def test_repeats_one_token_longer_in_a_newer_span_are_not_taken_for_inside_the_older():
+    """Spans that start with a repeated token share a group; a member's run on such text ends exactly where
+    its repeats do, which drops the later members that end no further. One token further is a new run."""
+    for extra in (0, 1, 5):
+        idx = TokenIndex(block_len=4)
+        idx.add("old", [7] * 10 + [5])
+        idx.add("new", [7] * (10 + extra) + [6])
+        query = [8] + [7] * 30
+        oldest = idx.find_runs(query, prefer="oldest")
+        assert TokenMatch(1, 11, "old", 0) in oldest
+        assert (TokenMatch(1, 11 + extra, "new", 0) in oldest) == (extra > 0), (extra, oldest)
+        longest = idx.find_runs(query, prefer="longest")  # the newer span wins among equals
+        assert TokenMatch(1, 11 + extra, "new", 0) in longest, (extra, longest)
+        assert TokenMatch(1, 11, "old", 0) not in longest, (extra, longest)
