@@ -1,4 +1,5 @@
-"""Command line: ``kvrelay demo | generate | methods | export-hf`` (``python -m kvrelay`` too)."""
+"""Command line: ``kvrelay demo | bench | run | generate | methods | export-hf`` (``python -m kvrelay`` too);
+``profile`` is ``kvrelay.eval.profile_cli``'s, ``serve`` is ``kvrelay.server.cli``'s."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ from kvrelay.flags import (
     add_model_flags,
     check_output_dir,
     check_output_file,
+    check_workload_data,
     dataclass_from_args,
-    finite_float,
     load_model_from,
-    non_negative_integer,
     positive_integer,
 )
 
@@ -61,7 +61,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.workload == "gsm8k-branches":
         return _bench_branches(args)
     cfg = dataclass_from_args(BenchConfig, args)
-    _check_data(cfg.workload, cfg.data, cfg.warm_data)
+    check_workload_data(cfg.workload, cfg.data, cfg.warm_data)
     if cfg.mode == "e2e" and get_workload(cfg.workload).score is None:
         raise ConfigError(f"workload {cfg.workload!r} has no task score: use --mode agent")
     save = _json_saver(args.json)
@@ -79,16 +79,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for path in write_plots(result, args.plot):
             print(f"wrote {path}")
     return 0
-
-
-def _check_data(workload: str, *paths: str | None) -> None:
-    """Read the data files once before the model loads: a bad line fails in a second, not after a run (a pipeline
-    file, which has no default data, without its first one fails too)."""
-    from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
-
-    for i, path in enumerate(paths):
-        if path is not None or (i == 0 and is_pipeline_file(workload)):
-            get_workload(workload).problems(path, None)
 
 
 def _read_input(name: str, text: str) -> str:
@@ -114,7 +104,7 @@ def _bench_branches(args: argparse.Namespace) -> int:
     if args.methods == ",".join(PIPELINE_METHODS):  # the pipeline default: use this workload's own
         args.methods = ",".join(BranchBenchConfig.methods)
     cfg = dataclass_from_args(BranchBenchConfig, args)
-    _check_data("gsm8k-chain3", cfg.data)  # the branches read GSM8K problems
+    check_workload_data("gsm8k-chain3", cfg.data)  # the branches read GSM8K problems
     save = _json_saver(args.json)
     result = run_branch_bench(cfg, checkpoint=save)
     save(result)
@@ -163,81 +153,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_profile(args: argparse.Namespace) -> int:
-    from kvrelay.eval.profiler import build_profile, plot_profile, profile_path
-    from kvrelay.eval.selector_calibration import calibrate_selector, calibrate_workload_selector
-    from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
-    from kvrelay.reuse.profile import layer_profile
-
-    check_output_file(args.out, "--out")
-    check_output_file(args.plot, "--plot")
-    if not 0 < args.band_mass <= 1:
-        raise ConfigError(f"--band-mass must be in (0, 1], got {args.band_mass}")
-    if args.kl_tolerance < 0:
-        raise ConfigError(f"--kl-tolerance must be >= 0, got {args.kl_tolerance}")
-    workloads = list(dict.fromkeys(name.strip() for name in args.workload.split(",")))  # each once
-    for name in workloads:
-        if name == "gsm8k-branches":
-            raise ConfigError("--workload gsm8k-branches: profiles calibrate on pipeline workloads (e.g. gsm8k-chain3)")
-        get_workload(name)  # an unknown name fails here, before the model loads
-    if len(workloads) > 1 and not args.selector_only:
-        raise ConfigError(f"--workload {args.workload}: several workloads calibrate the selector only "
-                          "(--selector-only); the band and curves come from one")
-    if len(workloads) > 1 and args.data is not None:
-        raise ConfigError(f"--data is for one workload, got {len(workloads)}: each of several reads its default")
-    if len(workloads) > 1 and any(is_pipeline_file(name) for name in workloads):
-        raise ConfigError(f"--workload {args.workload}: a pipeline file calibrates alone (its --data is its own)")
-    _check_data(workloads[0], args.data)  # a pipeline file without --data fails here
-    no_train = [name for name in workloads if not name.startswith("gsm8k") and not is_pipeline_file(name)]
-    if no_train and args.data is None and args.offset == 0:
-        raise ConfigError(f"--workload {','.join(no_train)} has no train split: its default file holds the problems "
-                          "`kvrelay bench` runs first; give --offset N (e.g. 100) or --data")
-    if args.for_workload and (not args.selector_only or len(workloads) > 1):
-        missing = "" if args.selector_only else " without --selector-only"
-        raise ConfigError("--for-workload chooses a selector for one workload's agents: give --selector-only and "
-                          f"one --workload (got {args.workload!r}{missing})")
-    lm = load_model_from(args)
-    if args.for_workload:  # keep the model's profile; add (or replace) the selector of this workload's agents
-        profile = calibrate_workload_selector(lm, layer_profile(lm), workloads[0], args.data, args.problems,
-                                              path_tokens=args.path_tokens, offset=args.offset)
-    elif args.selector_only:  # keep the model's searched band, choose the selector (and any band of its own) again
-        profile = calibrate_selector(lm, layer_profile(lm), workloads, args.data, args.problems,
-                                     path_tokens=args.path_tokens, offset=args.offset)
-    else:
-        profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
-                                workload=workloads[0], select=args.select, kl_tolerance=args.kl_tolerance,
-                                path_tokens=args.path_tokens, offset=args.offset)
-    out = Path(args.out) if args.out else profile_path(lm.profile_fingerprint)
-    profile.save(out)
-    if out != profile_path(lm.profile_fingerprint):  # relay finds profiles by model fingerprint in the cache
-        profile.save(profile_path(lm.profile_fingerprint))
-    dev = profile.deviation_band
-    print(f"{lm.name}: band holding {profile.band_mass:.0%} of the value deviation: L_start={dev[0]} L_det={dev[1]} "
-          f"L_end={dev[2]} ({profile.calibration['tokens']} tokens)")
-    for band, score in profile.band_scores.items():
-        print(f"  relay band ({band}): first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
-    print(f"chosen ({profile.select}): L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end}")
-    workload_name = get_workload(workloads[0]).name  # a pipeline file's: its pipeline's name
-    entry = profile.workload_selectors[workload_name] if args.for_workload else None
-    for spec, score in (entry or {"selector_scores": profile.selector_scores})["selector_scores"].items():
-        path = (f", KL over {args.path_tokens} tokens {score['path_kl']:.4f}, greedy@{args.path_tokens} "
-                f"{score['greedy']:.2f}") if "path_kl" in score else ""
-        print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}{path}")
-    print(f"selector: {profile.selector or 'the paper thresholds'}"
-          + (f", on a band of its own: L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end} "
-             f"(the band search's: {profile.searched_band})" if profile.band_moved else ""))
-    if entry is not None:
-        start, det, end = entry["layers"]
-        print(f"selector for {workload_name}'s agents ({', '.join(entry['roles'])}): "
-              f"{entry['selector'] or 'the paper thresholds'}, L_start={start} L_det={det} L_end={end}")
-    print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))
-    print(f"wrote {out} (and {profile_path(lm.profile_fingerprint)})")
-    if args.plot:
-        plot_profile(profile, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -279,11 +194,12 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvrelay.eval.profile_cli import add_profile_parser
     from kvrelay.server.cli import add_serve_parser
 
     parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo_parser, _add_bench_parser, _add_run_parser, _add_profile_parser, _add_generate_parser,
+    for add in (_add_demo_parser, _add_bench_parser, _add_run_parser, add_profile_parser, _add_generate_parser,
                 _add_methods_parser, _add_export_parser, add_serve_parser):
         add(sub)
     return parser
@@ -330,52 +246,6 @@ def _add_run_parser(sub) -> None:
                      help="span store: memory (default), disk:PATH or redis://host:port/db (a shared tier behind "
                           "the memory store; credentials are never printed)")
     run.set_defaults(fn=_cmd_run)
-
-
-def _add_profile_parser(sub) -> None:
-    from kvrelay.eval.profiler import SELECTS
-    from kvrelay.weights.loader import DEFAULT_MODEL
-
-    prof = sub.add_parser("profile", help="RelayCaching's offline layer-range profile (calibrated on GSM8K train)")
-    add_model_flags(prof, DEFAULT_MODEL, int4_decode=False)  # the profile relays decode KV: fp32's, always
-    prof.add_argument("--workload", default="gsm8k-chain3",
-                      help="calibration pipelines, a workload name or a pipeline file (.yaml, with --data: a "
-                           "JSON-lines file of its inputs), or several comma-separated with --selector-only "
-                           "(their calls pooled; default: gsm8k-chain3)")
-    prof.add_argument("--data", default=None,
-                      help="calibration data file (default: ../shared/data/gsm8k/train.jsonl for GSM8K workloads, "
-                           "else the workload's own file)")
-    prof.add_argument("--problems", type=positive_integer, default=20,
-                      help="calibration problems, of each workload (default: 20)")
-    prof.add_argument("--offset", type=non_negative_integer, default=0,
-                      help="skip the first N problems of each workload's data: HumanEval has no train split, and "
-                           "`kvrelay bench` runs its first ones (default: 0)")
-    prof.add_argument("--band-mass", type=finite_float, default=0.5,
-                      help="share of the value deviation the band holds, in (0, 1] (default: 0.5)")
-    prof.add_argument("--select", choices=SELECTS, default=SELECTS[0],
-                      help="search: score bands with L_start, L_det and L_end all free (L_end below the top too) "
-                           "with relay on the calibration calls and keep the most reuse within --kl-tolerance of "
-                           "the lowest KL; fidelity: the same over bands that end at the top layer; deviation: "
-                           "the paper's band; choices: "
-                           f"{', '.join(SELECTS)} (default: {SELECTS[0]})")
-    prof.add_argument("--selector-only", action="store_true",
-                      help="keep the model's current profile (its band search's band and curves) and only choose "
-                           "relay's token selector again on the calibration calls (a selector may bring a band of "
-                           "its own)")
-    prof.add_argument("--for-workload", action="store_true",
-                      help="with --selector-only and one --workload: keep the profile's selector for every other "
-                           "call and add one chosen on this workload's calls alone, used for calls whose system "
-                           "prompt is one of its agents' (a server request with that system message included)")
-    prof.add_argument("--kl-tolerance", type=finite_float, default=0.1,
-                      help="relative KL slack when choosing by fidelity, >= 0 (default: 0.1)")
-    prof.add_argument("--path-tokens", type=non_negative_integer, default=32,
-                      help="score relay's selectors along full's first N greedy tokens (teacher-forced: the KL "
-                           "there, and whether greedy@N matches) and choose by that KL; 0: by the first token's "
-                           "(default: 32)")
-    prof.add_argument("--out", default=None, help="a copy of the profile JSON here too; the profile relay reads is the "
-                      "one in the cache, keyed by model fingerprint, which is written either way")
-    prof.add_argument("--plot", default=None, help="PNG file of the curves")
-    prof.set_defaults(fn=_cmd_profile)
 
 
 def _add_generate_parser(sub) -> None:

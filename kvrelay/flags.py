@@ -225,6 +225,16 @@ def _probe_folder(folder: Path, flag: str, path: str) -> None:
         raise OutputPathError(f"{flag} {path}: cannot write into {folder} ({exc.strerror or exc})") from None
 
 
+def check_workload_data(workload: str, *paths: str | None) -> None:
+    """Read a workload's data files once before the model loads: a bad line fails in a second, not after a run (a
+    pipeline file, which has no default data, without its first one fails too)."""
+    from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
+
+    for i, path in enumerate(paths):
+        if path is not None or (i == 0 and is_pipeline_file(workload)):
+            get_workload(workload).problems(path, None)
+
+
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_decode: bool = True) -> None:
     """--model, --device, --verify, --threads and --int4-decode: what ``load_model_from`` takes, for every command
     that loads (``int4_decode=False``: a command that calibrates on fp32 decoding, as ``profile`` does)."""

@@ -99,7 +99,7 @@ def shiftable(plan: Plan, store: KVStore | None, model) -> Plan:
         return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot rotate patched keys; "
                                          "recomputed with a full prefill")
     for load in plan.loads:
-        if plan.span_of(load, store).start_pos + load.src_start != load.dst_start:
+        if store.get(load.span_id).start_pos + load.src_start != load.dst_start:
             return Plan(Schedule(), fallback=f"RoPE type {model.rope.rope_type!r} cannot move keys "
                                              f"(span {load.span_id!r}); recomputed with a full prefill")
     return plan
@@ -159,7 +159,7 @@ def load_plan(lm: LoadedModel, plan: Plan, cache: SequenceKV, store: KVStore | N
     """Load and patch the plan's reused K/V into ``cache``; the number of reused tokens moved to a new position."""
     num_shifted = 0
     for load in plan.loads:
-        span = plan.span_of(load, store)
+        span = store.get(load.span_id)
         num_shifted += cache.load_span(span, load.dst_start, lm.model.rope, load.src_start, load.src_end)
     for patch in plan.patches:
         cache.patch(patch.dst_start, patch.k, patch.v, patch.add, lm.model.rope if patch.keys_without_rope else None)

@@ -129,7 +129,6 @@ class Engine:
         # measured prefill token-layers/s on this device (a running mean): a shared tier weighs a fetch
         # against recomputing with it
         self.compute_token_layers_per_s: float | None = None
-        self.num_publish_errors = 0  # methods' ``on_publish`` that raised (logged; the span was stored all the same)
         if store is not None:
             store.set_fingerprint(lm.fingerprint)
         for spec in methods:
@@ -294,8 +293,7 @@ class Engine:
     def publish(self, span_id: str, out: GenerationOutput, pin: bool = False, store: KVStore | None = None
                 ) -> StoredSpan:
         """Store a call's prompt KV + decode KV (+ captured hidden states) as one span at position 0, in
-        ``store`` (default: the engine's); then each of the engine's methods may prepare what it needs of the span
-        (``ReuseMethod.on_publish``), outside any call's TTFT."""
+        ``store`` (default: the engine's)."""
         store = self.store if store is None else store
         if store is None:
             raise ConfigError("publish needs an engine with a store")
@@ -310,13 +308,6 @@ class Engine:
             hidden, hidden_from = dict(out.decode_hidden), len(out.prompt_ids)
         span = out.cache.export(0, len(seq_ids), seq_ids, self.lm.fingerprint, hidden, hidden_from)
         store.put(span_id, span, pin=pin)
-        for method in self._methods.values():  # outside any call's TTFT: what a method prepares of the span
-            try:
-                method.on_publish(span_id, span, store, self.lm)
-            except Exception as exc:  # noqa: BLE001 - a method that fails to prepare computes on the call instead
-                self.num_publish_errors += 1
-                log.warning("%s could not prepare span %r at publish (%s: %s); its calls compute what they need",
-                            method.name, span_id, type(exc).__name__, exc)
         return span
 
     # ------------------------------------------------------------------ internals

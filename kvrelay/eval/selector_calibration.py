@@ -15,20 +15,16 @@ it. ``relay`` uses it when a spec sets none of the selector's knobs.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
-from kvrelay.errors import ConfigError
 from kvrelay.eval.calibration_calls import MethodScore, calibration_data, score_methods
 from kvrelay.model.lm import LoadedModel
-from kvrelay.pipeline.runner import agent_role
-from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile
 from kvrelay.reuse.relay import PAPER_SELECTOR, RelayMethod
 
 __all__ = ["AT_START", "BAND_KNOBS", "BELOW_TOP", "ENTER_AT", "KL_GIVE_WAY", "KL_SHARE_OF_EPIC", "SELECTOR_CANDIDATES",
-           "calibrate_selector", "calibrate_workload_selector", "candidate_band", "choose_selector", "selector_spec"]
+           "calibrate_selector", "candidate_band", "choose_selector", "selector_spec"]
 
 
 # relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
@@ -149,19 +145,17 @@ KL_SHARE_OF_EPIC = 0.5 * 0.8
 
 def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | Sequence[str], data: str | None,
                        num_problems: int, progress: bool = True, path_tokens: int = 32,
-                       offset: int = 0, l_start: int | None = None) -> LayerProfile:
+                       offset: int = 0) -> LayerProfile:
     """``profile`` with the selector chosen on calibration calls for its band (``choose_selector``, with epic's
     on the same calls as the bars: its reuse, ``KL_SHARE_OF_EPIC`` x its first-token KL and its greedy share,
     the dominance bars, KL's with a margin; ranked by the KL along ``full``'s first ``path_tokens`` greedy
     tokens, or, with 0, by the first token's under the reuse bar only). A selector chosen with ``AT_START``
     moves the profile's L_det to L_start, one with band knobs its band too (``candidate_band``; the band
     search's own stays in ``searched_band``, and is where a later calibration starts).
-    ``workload``: one name or several, their calls pooled (``calibration_calls.downstream_calls``); ``l_start``:
-    only the candidates whose band enters there."""
+    ``workload``: one name or several, their calls pooled (``calibration_calls.downstream_calls``)."""
     searched = tuple(profile.searched_band or profile.layers)
     candidates = {selector_spec(k): (k, band) for k in SELECTOR_CANDIDATES
-                  if (band := candidate_band(k, searched, profile.num_layers)) is not None
-                  and l_start in (None, band[0])}
+                  if (band := candidate_band(k, searched, profile.num_layers)) is not None}
     methods = {spec: RelayMethod.with_knobs(band, _relay_knobs(k) or PAPER_SELECTOR)
                for spec, (k, band) in candidates.items()}
     scores = score_methods(lm, {**methods, "epic": EpicMethod()}, workload, data, num_problems, "scoring selectors",
@@ -181,36 +175,6 @@ def calibrate_selector(lm: LoadedModel, profile: LayerProfile, workload: str | S
     profile.calibration["selector_workloads"] = {name: calibration_data(data, name) or "default" for name in names}
     profile.calibration["selector_offset"] = offset
     profile.calibration["selector_path_tokens"] = path_tokens
-    return profile
-
-
-def calibrate_workload_selector(lm: LoadedModel, profile: LayerProfile, workload: str, data: str | None,
-                                num_problems: int, progress: bool = True, path_tokens: int = 32,
-                                offset: int = 0) -> LayerProfile:
-    """``profile`` with a selector (and band) chosen on ``workload``'s calibration calls alone, as
-    ``calibrate_selector`` chooses among the candidates entering at the profile's own L_start, kept for that
-    workload's agents (``workload_selectors``, keyed by ``agent_role``); the profile's own selector, for every
-    other call, is unchanged. One L_start: upstream calls carry their hidden states at one layer (a stored span
-    holds them from one row for every layer, and a relay call that computes only the upper of two capture layers
-    would publish neither for its prompt). A workload whose agents have no fixed system prompt has no role to
-    key it by: a ``ConfigError``."""
-    wl = get_workload(workload)
-    roles = {agent.name: role for agent in wl.spec.agents if (role := agent_role(agent))}
-    if not roles:
-        raise ConfigError(f"workload {wl.name!r}: its agents have no fixed system prompt to key a selector by")
-    for name, entry in profile.workload_selectors.items():  # checked before the calibration runs
-        if name != wl.name and set(entry["roles"].values()) & set(roles.values()):
-            raise ConfigError(f"workload {wl.name!r}: an agent's system prompt is also one of {name!r}'s, which has "
-                              "a selector of its own in this profile; calibrate one of them")
-        if name == wl.name and entry["roles"] != roles:  # another pipeline of the same name: never replaced silently
-            raise ConfigError(f"workload {wl.name!r}: this profile has a selector of that name for other agents "
-                              f"({', '.join(entry['roles'])}); give your pipeline another name")
-    tuned = calibrate_selector(lm, copy.deepcopy(profile), workload, data, num_problems, progress, path_tokens, offset,
-                               l_start=profile.l_start)
-    profile.workload_selectors[wl.name] = {
-        "roles": roles, "layers": list(tuned.layers), "selector": tuned.selector,
-        "selector_scores": tuned.selector_scores,
-        "calibration": {k: v for k, v in tuned.calibration.items() if k.startswith("selector_")}}
     return profile
 
 

@@ -19,7 +19,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.model.schedule import Schedule
 
 if TYPE_CHECKING:
-    from kvrelay.cache.kv import SequenceKV, StoredSpan
+    from kvrelay.cache.kv import SequenceKV
     from kvrelay.model.lm import LoadedModel
 
 
@@ -45,8 +45,8 @@ class SpanRef:
 
 def role_key(system_prompt: str) -> str:
     """The key of an agent's role: a digest of its system prompt's text ("" without one). A pipeline's agent and a
-    server request with the same system message get the same key, which a model's profile may hold a selector for
-    (``LayerProfile.workload_selectors``)."""
+    server request with the same system message get the same key (the server's quality guard keeps its records per
+    role)."""
     return hashlib.sha256(system_prompt.encode()).hexdigest()[:16] if system_prompt else ""
 
 
@@ -104,14 +104,6 @@ class Plan:
     # that already holds positions counts them in ``num_preloaded``
     make_cache: Callable[[int], SequenceKV] | None = None
     num_preloaded: int = 0
-    # spans the method built itself and keeps outside the store (``relay_anchors``' spans with their anchors added,
-    # prepared when the span was published), by the id its loads name them with; a load names the store's otherwise
-    derived: dict[str, StoredSpan] = field(default_factory=dict)
-
-    def span_of(self, load: SpanLoad, store: KVStore | None) -> StoredSpan:
-        """The span ``load`` copies from: the plan's own derived span of that id, else the store's."""
-        derived = self.derived.get(load.span_id)
-        return derived if derived is not None else store.get(load.span_id)
 
     @property
     def num_reused_tokens(self) -> int:
@@ -142,10 +134,4 @@ class ReuseMethod(ABC):
 
         Called after the first token, outside TTFT. Stateless methods ignore it; KVCOMM adds anchors.
         """
-        return None
-
-    def on_publish(self, span_id: str, span: StoredSpan, store: KVStore, lm: LoadedModel) -> None:
-        """A span was just published to ``store`` (``Engine.publish``), outside any call's TTFT: a method may prepare
-        now what its later calls will need of it (``relay_anchors`` adds its anchors for the roles that read such
-        spans). Most methods ignore it."""
         return None

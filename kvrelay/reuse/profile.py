@@ -52,11 +52,6 @@ class LayerProfile:
     # the band search's (l_start, l_det, l_end) before the selector's calibration (which may move l_det to l_start,
     # or the band itself: a selector chosen with a band of its own)
     searched_band: list[int] = field(default_factory=list)
-    # selectors chosen on one workload's calibration calls (``kvrelay profile --selector-only --for-workload``):
-    # workload -> {"roles": {agent: role_key}, "layers": [l_start, l_det, l_end], "selector": {...},
-    # "selector_scores": {...}, "calibration": {...}}; a call whose role is among a workload's uses its layers
-    # and selector instead of the ones above
-    workload_selectors: dict[str, dict] = field(default_factory=dict)
 
     @property
     def layers(self) -> tuple[int, int, int]:
@@ -67,35 +62,6 @@ class LayerProfile:
         """Whether the calibrated selector brought a band of its own (ends other than the band search's)."""
         return bool(self.searched_band) and self.searched_band[::2] != [self.l_start, self.l_end]
 
-    def for_role(self, role: str) -> tuple[tuple[int, int, int], dict]:
-        """(L_start, L_det, L_end) and the selector a call of this role runs: a workload's whose agents have it,
-        else the profile's own."""
-        name = self.workload_of(role)
-        if name is None:
-            return self.layers, self.selector
-        entry = self.workload_selectors[name]
-        return tuple(entry["layers"]), entry["selector"]
-
-    def workload_of(self, role: str) -> str | None:
-        """The workload whose selector serves calls of ``role``, if any ("", no system prompt, is no role)."""
-        matches = (name for name, entry in self.workload_selectors.items() if role in entry["roles"].values())
-        return next(matches, None) if role else None
-
-    def _check_workload_selector(self, name: str, entry: object) -> None:
-        """A TypeError naming the workload unless ``entry`` has roles (agent -> role key), a selector and layers
-        inside the model entering at the profile's own L_start (upstream calls carry one layer's hidden states)."""
-        layers = entry.get("layers") if isinstance(entry, dict) else None
-        roles = entry.get("roles") if isinstance(entry, dict) else None
-        if not (isinstance(roles, dict) and roles and all(isinstance(k, str) and isinstance(v, str) and v
-                                                         for k, v in roles.items())
-                and isinstance(entry.get("selector"), dict) and isinstance(layers, list) and len(layers) == 3
-                and all(type(x) is int for x in layers)):
-            raise TypeError(f"workload selector {name!r} needs roles {{agent: role key}}, layers [l_start, l_det, "
-                            f"l_end] and a selector")
-        if not (layers[0] == self.l_start and layers[0] <= layers[1] <= layers[2] < self.num_layers):
-            raise TypeError(f"workload selector {name!r}: layers {layers} must enter at the profile's L_start "
-                            f"{self.l_start} and satisfy L_start <= L_det <= L_end < {self.num_layers}")
-
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -105,10 +71,10 @@ class LayerProfile:
         try:
             d = json.loads(Path(path).read_text())
             d["det_scores"] = {int(k): v for k, v in d.get("det_scores", {}).items()}
-            profile = cls(**d)
-            for name, entry in profile.workload_selectors.items():
-                profile._check_workload_selector(name, entry)
-            return profile
+            # selectors keyed by one workload's agents (an older kvrelay wrote them) are not read: a default tuned on
+            # one workload's calls; the model's own selector serves every call
+            d.pop("workload_selectors", None)
+            return cls(**d)
         except (OSError, json.JSONDecodeError, TypeError, AttributeError) as exc:
             raise KvRelayError(f"{path}: not a readable RelayCaching profile ({exc})") from exc
 
@@ -138,9 +104,6 @@ def layer_profile(lm: LoadedModel, shipped_dir: Path = SHIPPED_PROFILES) -> Laye
             if profile.layers != other.layers:
                 print(f"kvrelay: RelayCaching layers {_fmt_layers(profile)} from your profile {path}; the profile "
                       f"shipped with kvrelay has {_fmt_layers(other)} - delete yours to use it", file=sys.stderr)
-            elif missing := sorted(set(other.workload_selectors) - set(profile.workload_selectors)):
-                print(f"kvrelay: relay's selectors from your profile {path}; the profile shipped with kvrelay also "
-                      f"has selectors for {', '.join(missing)} - delete yours to use them", file=sys.stderr)
     elif shipped.exists():
         profile = LayerProfile.load(shipped)
     else:

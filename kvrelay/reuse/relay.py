@@ -17,8 +17,9 @@ the band (CacheBlend's), and the drift correction (ours): a pruning layer adds a
 mean K/V move to the ones it leaves. The budget may also rank first the span tokens that paid most attention, where
 they were stored, to context their span no longer has (``relay_select.away_mass``).
 
-A plain ``relay`` runs the band and policy the model's profile holds for the call's role (``kvrelay.reuse.profile``:
-yours from ``kvrelay profile``, else the one shipped with kvrelay); each setting given replaces only its part.
+A plain ``relay`` runs the band and policy the model's profile holds (``kvrelay.reuse.profile``: yours from
+``kvrelay profile``, else the one shipped with kvrelay), the same for every call; each setting given replaces only
+its part.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import Entry, StaticSchedule
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
-from kvrelay.reuse.profile import LayerProfile, layer_profile
+from kvrelay.reuse.profile import layer_profile
 from kvrelay.reuse.relay_policy import PAPER_POLICY, PAPER_SELECTOR, BandPolicy
 from kvrelay.reuse.relay_select import lost_context_mass, position_prior, spread_with_mean
 from kvrelay.reuse.relay_selectors import (
@@ -113,19 +114,19 @@ class RelayMethod(ReuseMethod):
         method.fixed = (tuple(layers), BandPolicy.from_knobs(knobs))
         return method
 
-    def policy(self, lm, role: str = "") -> BandPolicy:
-        """The band policy a call of ``role`` runs: the profile's for that role (the paper's without a profile, or
-        with ``selector=threshold``), with the settings given in place of its parts."""
+    def policy(self, lm) -> BandPolicy:
+        """The band policy relay runs: the profile's (the paper's without a profile, or with ``selector=threshold``),
+        with the settings given in place of its parts."""
         if self.fixed is not None:
             return self.fixed[1]
-        base = PAPER_POLICY if self.selector == "threshold" else _profile_policy(lm, role)
+        base = PAPER_POLICY if self.selector == "threshold" else _profile_policy(lm)
         return base.overridden(self.keep_share, self.span_openings, self.prune_share, self.drift,
                                budget=self.selector == "budget")
 
-    def layers(self, lm, role: str = "") -> Layers:
-        """(L_start, L_det, L_end) for a call of ``role``: ``band`` if given, else the profile's (the band search's
-        for the paper's thresholds, else the role's calibrated one). All equal to the number of layers: the empty
-        band (nothing recomputed, as naive)."""
+    def layers(self, lm) -> Layers:
+        """(L_start, L_det, L_end): ``band`` if given, else the profile's (the band search's for the paper's
+        thresholds, else the one calibrated with its selector). All equal to the number of layers: the empty band
+        (nothing recomputed, as naive)."""
         num_layers = lm.config.num_layers
         if self.fixed is not None:
             start, det, end = self.fixed[0]
@@ -134,23 +135,18 @@ class RelayMethod(ReuseMethod):
         else:
             profile = layer_profile(lm)
             start, det, end = tuple(profile.searched_band or profile.layers) if self.selector == "threshold" \
-                else profile.for_role(role)[0]
+                else profile.layers
         if start == det == end == num_layers or 0 <= start <= det <= end < num_layers:
             return start, det, end
         raise ConfigError(f"relay: need 0 <= L_start {start} <= L_det {det} <= L_end {end} < {num_layers} "
                           f"(or all = {num_layers}: the empty band)")
 
     def settings(self, lm) -> dict:
-        per_workload = {name: self.resolved(lm, role) for name, role in _workload_roles(lm).items()} \
-            if self.fixed is None and self.selector != "threshold" else {}
-        return self.resolved(lm, "") | ({"workload_selectors": per_workload} if per_workload else {})
-
-    def resolved(self, lm, role: str) -> dict:
-        """The layers and policy a call of ``role`` runs, as plain data (the bench JSON records them)."""
-        return {"layers": list(self.layers(lm, role)), "selector": self.policy(lm, role).to_dict()}
+        """The layers and policy relay runs, as plain data (the bench JSON records them)."""
+        return {"layers": list(self.layers(lm)), "selector": self.policy(lm).to_dict()}
 
     def capture_layers(self, lm) -> tuple[int, ...]:
-        start = self.layers(lm)[0]  # a profile's workload selectors enter where its own does (``LayerProfile``)
+        start = self.layers(lm)[0]
         return (start,) if 0 < start < lm.config.num_layers else ()
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
@@ -158,10 +154,10 @@ class RelayMethod(ReuseMethod):
 
     def plan_reuse(self, call: CallInput, store: KVStore | None, lm, reuse: ReusePlan) -> Plan:
         """``plan`` on the call's reuse already collected."""
-        start, det, end = self.layers(lm, call.role)
+        start, det, end = self.layers(lm)
         if start >= lm.config.num_layers:
             return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
-        policy = self.policy(lm, call.role)
+        policy = self.policy(lm)
         if policy.away and start == 0:
             raise ConfigError("relay: away reads the span tokens' states carried to L_start, which is 0 here: "
                               "set a band starting above 0")
@@ -258,35 +254,15 @@ def plan_note(parts: SpanParts, start: int, policy: BandPolicy) -> str | None:
     return "; ".join(notes) or None
 
 
-def _profile_policy(lm, role: str) -> BandPolicy:
-    """The policy the model's profile chose for ``role``'s calls (the paper's without a profile), or a ConfigError
-    saying how to write a valid one."""
+def _profile_policy(lm) -> BandPolicy:
+    """The policy the model's profile chose (the paper's without a profile), or a ConfigError saying how to write a
+    valid one."""
     try:
         profile = layer_profile(lm)
     except ConfigError:  # no profile (the band was given): the paper's selector
         return PAPER_POLICY
     try:
-        return BandPolicy.from_knobs(profile.for_role(role)[1])
+        return BandPolicy.from_knobs(profile.selector)
     except ConfigError as exc:
-        workload = profile.workload_of(role)
-        which, flags = (f"{workload}'s selector", _recalibration_flags(profile, workload)) if workload else \
-            ("selector", "")
-        raise ConfigError(f"relay: the {which} in {lm.name}'s profile is not valid ({exc}); "
-                          f"`kvrelay profile --model {lm.name} --selector-only{flags}` writes a new one") from exc
-
-
-def _recalibration_flags(profile: LayerProfile, workload: str) -> str:
-    """The ``kvrelay profile`` flags that calibrate ``workload``'s entry again: the workload (or pipeline file)
-    and data it was calibrated on."""
-    recorded = profile.workload_selectors[workload].get("calibration", {}).get("selector_workloads", {})
-    name, data = next(iter(recorded.items()), (workload, "default"))
-    return f" --for-workload --workload {name}" + (f" --data {data}" if data != "default" else "")
-
-
-def _workload_roles(lm) -> dict[str, str]:
-    """workload -> one of its roles, for each workload selector in the model's profile."""
-    try:
-        entries = layer_profile(lm).workload_selectors
-    except ConfigError:
-        return {}
-    return {name: next(iter(entry["roles"].values()), "") for name, entry in entries.items()}
+        raise ConfigError(f"relay: the selector in {lm.name}'s profile is not valid ({exc}); "
+                          f"`kvrelay profile --model {lm.name} --selector-only` writes a new one") from exc

@@ -1,11 +1,8 @@
 """Relay's selector pass (``kvrelay.eval.selector_calibration``): the choice rule, and what a calibration writes
 into the profile, on fixed scores."""
 
-import copy
 
-import pytest
 
-from kvrelay.errors import ConfigError
 from kvrelay.eval import selector_calibration
 from kvrelay.eval.calibration_calls import MethodScore
 from kvrelay.eval.selector_calibration import (
@@ -15,13 +12,10 @@ from kvrelay.eval.selector_calibration import (
     KL_SHARE_OF_EPIC,
     SELECTOR_CANDIDATES,
     calibrate_selector,
-    calibrate_workload_selector,
     candidate_band,
     choose_selector,
     selector_spec,
 )
-from kvrelay.pipeline.workloads import get_workload
-from kvrelay.reuse.base import role_key
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile
 
@@ -186,58 +180,3 @@ def test_a_chosen_band_candidate_with_drift_runs_and_ships_its_drift(monkeypatch
     profile = calibrate_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)
     assert profile.layers == (3, 3, 11) and profile.searched_band == [4, 5, 13]
     assert profile.selector == {"top_r": own["top_r"], "l_pre": 16, "l_suf": 0, "prune": 0.25, "drift": 0.5}
-
-
-def test_a_workload_s_selector_is_kept_for_its_agents_and_the_profile_s_own_is_unchanged(monkeypatch):
-    own = next(k for k in SELECTOR_CANDIDATES if k.get(ENTER_AT) == 3 and k.get(BELOW_TOP) == 6 and k.get("drift"))
-    best = selector_spec(own)
-    seen = []
-
-    def fixed_scores(lm, methods, workload, data, num_problems, desc, progress, path_tokens, offset):
-        seen.append((workload, offset))
-        # only candidates entering where the profile's own band does (its upstream calls carry that layer)
-        assert {m.fixed[0][0] for key, m in methods.items() if key != "epic"} == {3} and len(methods) == 11
-        return _one_best(methods, best)
-
-    monkeypatch.setattr(selector_calibration, "score_methods", fixed_scores)
-    profile = LayerProfile("fp", "toy", 18, 3, 3, 13, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
-                           calibration={"problems": 4}, selector={"top_r": 0.3, "l_pre": 16, "prune": 0.25},
-                           searched_band=[4, 5, 13])
-    before = copy.deepcopy(profile)
-    profile = calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False, offset=120)
-    entry = profile.workload_selectors.pop("gsm8k-chain3")
-    assert profile == before and seen == [("gsm8k-chain3", 120)]  # the profile's own choice untouched
-    agents = get_workload("gsm8k-chain3").spec.agents
-    assert entry["roles"] == {a.name: role_key(a.system) for a in agents} and len(set(entry["roles"].values())) == 3
-    assert entry["layers"] == [3, 3, 11] and entry["selector"]["drift"] == 0.5
-    assert entry["selector_scores"][best]["kl"] == 0.01
-    assert entry["calibration"] == {"selector_problems": 4, "selector_offset": 120, "selector_path_tokens": 32,
-                                    "selector_workloads": entry["calibration"]["selector_workloads"]}
-    # calibrating the same workload again replaces its entry
-    profile.workload_selectors["gsm8k-chain3"] = {**entry, "selector": {}}
-    again = calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False, offset=120)
-    assert again.workload_selectors["gsm8k-chain3"]["selector"] == entry["selector"] and len(seen) == 2
-    del again.workload_selectors["gsm8k-chain3"]
-    # another workload whose agents share a system prompt with one already keyed: a clear error
-    profile.workload_selectors["other"] = {"roles": {"x": entry["roles"]["critic"]}, "layers": [3, 3, 11],
-                                           "selector": {}}
-    with pytest.raises(ConfigError, match="also one of 'other'"):
-        calibrate_workload_selector(None, profile, "gsm8k-chain3", None, 4, progress=False)
-    assert len(seen) == 2  # before any call was scored
-
-
-def test_a_pipeline_file_s_selector_is_keyed_by_its_pipeline_name(monkeypatch, tmp_path):
-    (tmp_path / "pipe.yaml").write_text('name: mine\ninputs: [q]\nagents:\n  - {name: a, system: "S1", user: "{q}"}\n'
-                                        '  - {name: b, system: "S2", user: "{q} {a}"}\n')
-    monkeypatch.setattr(selector_calibration, "score_methods",
-                        lambda lm, methods, *args: _one_best(methods, selector_spec({})))
-    profile = LayerProfile("fp", "toy", 18, 3, 3, 13, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18,
-                           calibration={"problems": 4})
-    profile = calibrate_workload_selector(None, profile, str(tmp_path / "pipe.yaml"), "inputs.jsonl", 4,
-                                          progress=False)
-    assert list(profile.workload_selectors) == ["mine"]
-    assert profile.workload_selectors["mine"]["roles"] == {"a": role_key("S1"), "b": role_key("S2")}
-    # a pipeline named like an entry for other agents never replaces it
-    (tmp_path / "clash.yaml").write_text('name: mine\ninputs: [q]\nagents:\n  - {name: c, system: "S3", user: "{q}"}\n')
-    with pytest.raises(ConfigError, match="a selector of that name for other agents"):
-        calibrate_workload_selector(None, profile, str(tmp_path / "clash.yaml"), "inputs.jsonl", 4, progress=False)

@@ -285,49 +285,18 @@ def test_a_band_given_replaces_the_profile_s_and_is_checked_against_the_model(mo
         get_method("relay[band=4:5:18]").layers(lm)
 
 
-def test_a_workload_selector_runs_for_its_roles_and_the_profile_s_own_for_every_other_call(monkeypatch):
-    from kvrelay.reuse.profile import LayerProfile
-
-    own = {"top_r": 0.3, "l_pre": 16, "prune": 0.25}
-    tuned = {"top_r": 0.4, "l_pre": 16, "prune": 0.25, "drift": 0.5}
-    profile = LayerProfile("fp", "m", 18, 3, 3, 11, 0.5, [1.0] * 18, [1.0] * 18, [0.0] * 18, selector=own,
-                           searched_band=[4, 5, 13],
-                           workload_selectors={"w": {"roles": {"a": "r1", "b": "r2"}, "layers": [3, 5, 12],
-                                                     "selector": tuned}})
-    monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
-    lm = SimpleNamespace(config=SimpleNamespace(num_layers=18))
-    relay = get_method("relay")
-    assert relay.layers(lm, "r2") == (3, 5, 12) and relay.policy(lm, "r2").drift == 0.5
-    assert relay.layers(lm) == relay.layers(lm, "other") == (3, 3, 11)
-    assert relay.policy(lm, "other").drift is None and relay.policy(lm).keep_share == 0.3
-    assert relay.capture_layers(lm) == (3,)  # both bands enter there
-    settings = relay.settings(lm)
-    assert settings["layers"] == [3, 3, 11] and settings["workload_selectors"]["w"]["layers"] == [3, 5, 12]
-    assert settings["workload_selectors"]["w"]["selector"]["drift"] == 0.5
-    # a setting given replaces its part of each role's policy, on each role's band
-    spec = get_method("relay[keep_share=0.2]")
-    assert spec.layers(lm, "r1") == (3, 5, 12) and spec.policy(lm, "r1").drift == 0.5
-    assert spec.policy(lm, "r1").keep_share == spec.policy(lm).keep_share == 0.2
-    # the paper's thresholds: one policy for every call, on the band search's layers
-    paper = get_method("relay[selector=threshold]")
-    assert paper.layers(lm, "r1") == (4, 5, 13) and paper.policy(lm, "r1").drift is None
-    assert "workload_selectors" not in paper.settings(lm) and paper.capture_layers(lm) == (4,)
-
-
-def test_relay_plans_a_call_with_its_role_s_band(setup, monkeypatch):
+def test_relay_plans_every_call_on_the_profile_s_band_and_selector_whatever_its_role(setup, monkeypatch):
     from kvrelay.reuse.profile import LayerProfile
 
     lm, store, call, _ = setup
     profile = LayerProfile("fp", "m", L, 2, 2, 3, 0.5, [1.0] * L, [1.0] * L, [0.0] * L,
-                           selector={"top_r": 0.3, "l_pre": 2, "prune": 0.25},
-                           workload_selectors={"w": {"roles": {"a": "r1"}, "layers": [2, 3, 3],
-                                                     "selector": {"top_r": 0.5, "l_pre": 2}}})
+                           selector={"top_r": 0.3, "l_pre": 2, "prune": 0.25})
     monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
-    plans = {role: get_method("relay").plan(CallInput(call.prompt_ids, call.refs, "x", role), store, lm)
-             for role in ("r1", "r9")}
-    assert (plans["r1"].schedule.select_layer, plans["r1"].schedule._admit) == (3, None)
-    assert plans["r9"].schedule.select_layer == 2 and plans["r9"].schedule._admit is not None
-    assert plans["r1"].schedule.prune is None and plans["r9"].schedule.prune is not None
+    for role in ("r1", ""):
+        plan = get_method("relay").plan(CallInput(call.prompt_ids, call.refs, "x", role), store, lm)
+        # detected at L_start = 2 (admitted before computing), pruned through the band as the profile says
+        assert plan.schedule.select_layer == 2 and plan.schedule._admit is not None
+        assert plan.schedule.prune is not None
 
 
 @pytest.mark.parametrize("selector, problem", [({"prune": 1.5}, "prune_share .prune. must be in"),
@@ -338,16 +307,9 @@ def test_a_profile_with_a_bad_selector_is_a_clear_error(monkeypatch, selector, p
     profile = LayerProfile("fp", "m", 12, 2, 2, 11, 0.5, [1.0] * 12, [1.0] * 12, [0.0] * 12, selector=selector)
     monkeypatch.setattr(relay_module, "layer_profile", lambda lm: profile)
     lm = SimpleNamespace(name="tiny", config=SimpleNamespace(num_layers=12))
-    with pytest.raises(ConfigError, match=f"selector in tiny's profile is not valid .*{problem}"):
+    with pytest.raises(ConfigError, match=f"selector in tiny's profile is not valid .*{problem}.*"
+                                          "`kvrelay profile --model tiny --selector-only` writes a new one"):
         get_method("relay").policy(lm)
-    # a workload's entry: the error names it and the command that calibrates it again
-    profile.selector = {}
-    profile.workload_selectors = {"mine": {"roles": {"a": "r1"}, "layers": [2, 2, 11], "selector": selector,
-                                           "calibration": {"selector_workloads": {"p.yaml": "in.jsonl"}}}}
-    assert get_method("relay").policy(lm, "r2").keep_share is None  # other calls are fine
-    with pytest.raises(ConfigError, match=f"mine's selector in tiny's profile is not valid .*{problem}.*"
-                                          "--selector-only --for-workload --workload p.yaml --data in.jsonl`"):
-        get_method("relay").policy(lm, "r1")
 
 
 def test_relay_prunes_inside_the_band_and_detects_at_l_start_without_computing_refused_tokens(setup, writes):
