@@ -27,8 +27,8 @@ DOCUMENTS = (BENCHMARKS_MD, ROOT / "docs" / "methods.md")
 BLOCK = re.compile(r"(<!-- table: (?P<key>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 BASELINES = {"full": "full", "prefix": "prefix", "naive": "naive", "cacheblend": "cacheblend", "epic": "epic"}
-# Gemma 3's gsm8k-chain3 rows ran relay with its profile's gsm8k-chain3 entry spelled out in settings that are now
-# internal to the profile's policy; plain ``relay`` runs the same entry today
+# Gemma 3's gsm8k-chain3 rows ran relay with a selector calibrated on that workload's agents, spelled out in settings
+# that are now internal to the profile's policy; plain ``relay`` no longer runs it (BENCHMARKS.md gives the change)
 GEMMA_GSM8K_ENTRY = "relay[l_start=3,l_det=3,l_end=11,l_pre=16,l_suf=0,top_r=0.4,prune=0.25,drift=0.5]"
 
 
