@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "random:tiny"
-START_TIMEOUT_S = 60
+SMOL = "smollm2-135m"
+START_TIMEOUT_S = 180  # bounds a broken server; a loaded 2-core machine took ~50 s to start random:tiny
 
 
 def free_port() -> int:
@@ -39,16 +40,18 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                output = self.output()  # read before stop() closes the log
                 self.stop()
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{output}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        output = self.output()
         self.stop()
-        raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{self.output()}")
+        raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{output}")
 
     def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
@@ -82,6 +85,16 @@ class Server:
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     srv = Server("--kv-budget-gb", "0.25")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smol() -> Iterator[Server]:
+    """One SmolLM2-135M server for every test that needs a real model's answers (each test its own cache_salt)."""
+    srv = Server("--model", SMOL, "--kv-budget-gb", "0.5")
     try:
         yield srv
     finally:
