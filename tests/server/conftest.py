@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, wait: bool = True) -> None:
+        """Start the process; with ``wait`` (the default) return once it answers /health (``wait_started``)."""
         if "--quality-target" not in flags:  # these tests check what --method does; the guard's own run it on
             flags = ("--quality-target", "off", *flags)
         self.port = free_port()
@@ -37,8 +38,13 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.server", "--model", MODEL, "--port", str(self.port), *flags],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        self._deadline = time.monotonic() + START_TIMEOUT_S
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Return once the server answers /health; stop it and raise with its output when it exits or is late."""
+        while time.monotonic() < self._deadline:
             if self.proc.poll() is not None:
                 output = self.output()  # read before stop() closes the log
                 self.stop()
@@ -80,6 +86,20 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
         self.log.close()
+
+
+def start_servers(*flag_sets: tuple[str, ...]) -> list[Server]:
+    """One server per flag set, their starts overlapping (each start is one busy core for several seconds), all
+    answering /health on return; all stopped if one fails to start."""
+    servers = [Server(*flags, wait=False) for flags in flag_sets]
+    try:
+        for srv in servers:
+            srv.wait_started()
+    except BaseException:
+        for srv in servers:
+            srv.stop()
+        raise
+    return servers
 
 
 @pytest.fixture(scope="session")
