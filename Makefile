@@ -40,7 +40,7 @@ demo: $(VENV)/.installed
 test: install
 	$(PY) -m ruff check kvrelay tests benchmarks research
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: install
 	$(PY) -m ruff check kvrelay tests benchmarks research

@@ -5,11 +5,22 @@ import sys
 
 import pytest
 
+from kvrelay.cli import main
 from kvrelay.model import packed
 
 
 def _kvrelay(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "kvrelay", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _main_in_process(args, capfd) -> tuple[int, str]:
+    """(exit status, stderr) of ``kvrelay.cli.main(args)`` in this process."""
+    capfd.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    return code, capfd.readouterr().err
 
 
 @pytest.mark.slow
@@ -27,15 +38,15 @@ def test_demo_prints_its_table(tmp_path):
     assert (tmp_path / "demo.json").exists() and "wrote" in out.stdout
 
 
-def test_unknown_model_is_a_clear_error():
-    out = _kvrelay("generate", "hi", "--model", "nope")
-    assert out.returncode == 2
-    assert "kvrelay: error: unknown model 'nope'" in out.stderr and "Traceback" not in out.stderr
+def test_unknown_model_is_a_clear_error(capfd):
+    code, err = _main_in_process(["generate", "hi", "--model", "nope"], capfd)
+    assert code == 2
+    assert "kvrelay: error: unknown model 'nope'" in err and "Traceback" not in err
 
 
-def test_bad_flag_value_is_a_clear_error():
-    out = _kvrelay("generate", "hi", "--model", "random:tiny", "--top-p", "2")
-    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr
+def test_bad_flag_value_is_a_clear_error(capfd):
+    code, err = _main_in_process(["generate", "hi", "--model", "random:tiny", "--top-p", "2"], capfd)
+    assert code == 2 and "top_p must be in (0, 1]" in err
 
 
 def test_run_a_pipeline_file():
@@ -74,21 +85,26 @@ def test_bench_gsm8k_branches_writes_its_table_and_json(tmp_path):
     assert "RSBCM" not in out.stderr and "rksc[skip_top=1.0]" in out.stdout
 
 
-def test_bench_refuses_rksc_on_a_pipeline_workload():
-    out = _kvrelay("bench", "--workload", "gsm8k-chain3", "--model", "random:tiny", "--methods", "rksc")
-    assert out.returncode == 2 and "gsm8k-branches" in out.stderr
-    out = _kvrelay("bench", "--workload", "gsm8k-branches", "--model", "random:tiny", "--methods", "relay")
-    assert out.returncode == 2 and "full, prefix and rksc" in out.stderr
+def test_bench_refuses_rksc_on_a_pipeline_workload(capfd):
+    code, err = _main_in_process(["bench", "--workload", "gsm8k-chain3", "--model", "random:tiny", "--methods",
+                                  "rksc"], capfd)
+    assert code == 2 and "gsm8k-branches" in err
+    code, err = _main_in_process(["bench", "--workload", "gsm8k-branches", "--model", "random:tiny", "--methods",
+                                  "relay"], capfd)
+    assert code == 2 and "full, prefix and rksc" in err
 
 
-def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
-    """The console entry point, not just main(): exit 2, one stderr line, no traceback."""
+def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path, capfd):
+    """Exit 2, one stderr line, no traceback: the first case of each command through the console entry point
+    (a process of its own: what its imports print counts too), the others through main() in this process (the
+    same code; a process each cost ~5 s of imports)."""
     bad = tmp_path / "p.yaml"
     bad.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: ten}\n")
     good = tmp_path / "good.yaml"
     good.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: 2}\n")
     inputs = tmp_path / "inputs.jsonl"
     inputs.write_text('{"q": "x"}\n')
+    commands_seen: set[str] = set()
     for args, text in ((["run", str(bad), "--model", "random:tiny", "--input", "q=x"],
                         "p.yaml:3: agents[0] ('a').max_new_tokens: must be a valid integer, got 'ten'"),
                        (["generate", "hi", "--model", "random:tiny", "--temperature", "nan"],
@@ -114,9 +130,15 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path):
                          "no-such-model"], "has no task score: use --mode agent"),
                        (["profile", "--workload", f"{good},gsm8k-chain3", "--selector-only"],
                         "a pipeline file calibrates alone")):
-        out = _kvrelay(*args)
-        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-        assert out.stderr.startswith("kvrelay: error: ") and text in out.stderr
+        if args[0] not in commands_seen:
+            commands_seen.add(args[0])
+            out = _kvrelay(*args)
+            code, err = out.returncode, out.stderr
+        else:
+            code, err = _main_in_process(args, capfd)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("kvrelay: error: ") and text in err
+    assert commands_seen == {"run", "generate", "profile", "bench"}
 
 
 def test_generate_with_int4_decode():
@@ -127,13 +149,13 @@ def test_generate_with_int4_decode():
     assert f"(decode weights: int4 (120 of 120 weights); matmuls: {matmuls}; threads: " in out.stderr
 
 
-def test_threads_flag_sets_torch_threads():
-    out = _kvrelay("generate", "Hi", "--threads", "1", "--max-new-tokens", "2")
+def test_threads_flag_sets_torch_threads(capfd):
+    out = _kvrelay("generate", "Hi", "--threads", "1", "--max-new-tokens", "2")  # a process: it sets torch's threads
     assert out.returncode == 0, out.stderr
     assert "; threads: 1)" in out.stderr
-    bad = _kvrelay("generate", "Hi", "--threads", "0")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert bad.stderr.startswith("kvrelay: error: generate: argument --threads: '0': must be an integer >= 1")
+    code, err = _main_in_process(["generate", "Hi", "--threads", "0"], capfd)  # refused before it sets any
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("kvrelay: error: generate: argument --threads: '0': must be an integer >= 1")
 
 
 def test_serve_passes_int4_decode_on():

@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "random:tiny"
-START_TIMEOUT_S = 60
+SMOL = "smollm2-135m"
+START_TIMEOUT_S = 180  # bounds a broken server; a loaded 2-core machine took ~50 s to start random:tiny
 
 
 def free_port() -> int:
@@ -26,7 +27,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, wait: bool = True) -> None:
+        """Start the process; with ``wait`` (the default) return once it answers /health (``wait_started``)."""
         if "--quality-target" not in flags:  # these tests check what --method does; the guard's own run it on
             flags = ("--quality-target", "off", *flags)
         self.port = free_port()
@@ -36,19 +38,26 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.server", "--model", MODEL, "--port", str(self.port), *flags],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        self._deadline = time.monotonic() + START_TIMEOUT_S
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Return once the server answers /health; stop it and raise with its output when it exits or is late."""
+        while time.monotonic() < self._deadline:
             if self.proc.poll() is not None:
+                output = self.output()  # read before stop() closes the log
                 self.stop()
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{output}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        output = self.output()
         self.stop()
-        raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{self.output()}")
+        raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{output}")
 
     def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
@@ -79,9 +88,33 @@ class Server:
         self.log.close()
 
 
+def start_servers(*flag_sets: tuple[str, ...]) -> list[Server]:
+    """One server per flag set, their starts overlapping (each start is one busy core for several seconds), all
+    answering /health on return; all stopped if one fails to start."""
+    servers = [Server(*flags, wait=False) for flags in flag_sets]
+    try:
+        for srv in servers:
+            srv.wait_started()
+    except BaseException:
+        for srv in servers:
+            srv.stop()
+        raise
+    return servers
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     srv = Server("--kv-budget-gb", "0.25")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smol() -> Iterator[Server]:
+    """One SmolLM2-135M server for every test that needs a real model's answers (each test its own cache_salt)."""
+    srv = Server("--model", SMOL, "--kv-budget-gb", "0.5")
     try:
         yield srv
     finally:

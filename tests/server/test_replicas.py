@@ -3,13 +3,13 @@ by the other returned, spliced as its generated ids, from its first request on."
 
 import uuid
 
-from tests.server.conftest import MODEL, Server
+from tests.server.conftest import MODEL, start_servers
 from tests.server.test_reuse import QUESTION
 
 
 def test_a_replica_splices_and_reuses_the_others_completion(tmp_path):
     store = f"disk:{tmp_path / 'tier'}"
-    a, b = Server("--store", store, "--method", "naive"), Server("--store", store, "--method", "naive")
+    a, b = start_servers(("--store", store, "--method", "naive"), ("--store", store, "--method", "naive"))
     try:
         ns = uuid.uuid4().hex
         extra = {"cache_salt": ns, "kvrelay": {"debug": True}}

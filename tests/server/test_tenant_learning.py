@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.server.conftest import MODEL, Server
+from tests.server.conftest import MODEL, Server, start_servers
 
 SYSTEM = "You answer questions about the document the user quotes."
 DOCS = [  # each long enough (over 2 x 16 - 1 tokens) that the matcher always finds it in a later request
@@ -43,15 +43,15 @@ def test_what_a_method_learns_from_one_tenant_never_shows_in_another_tenants_ans
     keys = tmp_path / "keys.txt"
     keys.write_text("key-a\nkey-b\n")
     flags = ("--api-keys", str(keys), "--methods", ",".join(LEARNING))
-    seen = {}
-    for a_first in (False, True):
-        srv = Server(*flags)
-        try:
+    seen, servers = {}, dict(zip((False, True), start_servers(flags, flags), strict=True))  # one per a_first
+    try:
+        for a_first, srv in servers.items():
             if a_first:
                 for method in LEARNING:
                     _sends(srv, "key-a", method, [0, 1])
             seen[a_first] = [_sends(srv, "key-b", method, [0, 2]) for method in LEARNING]
-        finally:
+    finally:
+        for srv in servers.values():
             srv.stop()
     for alone, after_a in zip(seen[False], seen[True], strict=True):
         assert any(fallback is not None for *_, fallback, _ in alone)  # B's own learning calls

@@ -27,6 +27,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 def real(request):
     if importlib.util.find_spec(ALIASES[request.param][0]) is None:
         pytest.skip(f"{request.param} is not installed")
+    if request.param == conftest.SMOL:  # the session's SmolLM2 server (the same flags): one start, not two
+        yield request.getfixturevalue("smol"), request.param
+        return
     saved, conftest.START_TIMEOUT_S = conftest.START_TIMEOUT_S, 300  # a 262K-vocabulary model loads slower
     try:
         srv = Server("--model", request.param, "--kv-budget-gb", "0.5")

@@ -3,7 +3,7 @@
 random:tiny (the ``server`` fixture) follows no prompt: flows it drives force what the model must produce
 through the request (tool_choice "required", a handoff as the only tool, output_type's JSON schema), and
 constrained decoding makes even random weights produce schema-valid calls and JSON. Flows whose answer must
-read a tool's result run on SmolLM2-135M (embedded weights, the ``smol`` fixture).
+read a tool's result run on SmolLM2-135M (embedded weights, the ``smol`` fixture of tests/server/conftest.py).
 
 Offline: the Agents SDK's trace export and LangSmith are off; AutoGen is given the model's info (it would
 otherwise refuse a model name it does not know); nothing calls tiktoken.
@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import Server
+from tests.server.conftest import SMOL
 
-SMOL = "smollm2-135m"
+__all__ = ["SMOL"]
 CITY_WEATHER = "{city}: 21 degrees Celsius, sunny."  # what the weather tool returns
 WEATHER_MARK = "21"  # the tool's result is read when the final answer says it
 
@@ -42,15 +42,6 @@ def offline_frameworks() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-@pytest.fixture(scope="session")
-def smol() -> Iterator[Server]:
-    srv = Server("--model", SMOL, "--kv-budget-gb", "0.5")
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 class ReplyLog:

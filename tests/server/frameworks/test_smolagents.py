@@ -51,9 +51,15 @@ def test_tool_calling_agent_tool_loop(smol):
                               client_kwargs={"http_client": http, "max_retries": 0}, temperature=0, max_tokens=60,
                               parallel_tool_calls=False, extra_body={"cache_salt": uuid.uuid4().hex})
     agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=2, verbosity_level=0)
+    run = agent.run("What is the weather in Paris?", stream=True)
     try:
-        agent.run("What is the weather in Paris?")
+        num_steps = 0
+        for event in run:
+            num_steps += isinstance(event, ActionStep)
+            if num_steps == 2:
+                break
     finally:
+        run.close()
         http.close()
 
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
