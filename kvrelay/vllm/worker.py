@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,9 +71,9 @@ class WorkerSide:
     """Saves and loads against one process's hub, on the paged KV vLLM registered."""
 
     def __init__(self, hub: Hub, paged: PagedKV, config: ModelConfig,
-                 transformer: Callable[[], Transformer | None]) -> None:
+                 transformer: Transformer | None) -> None:
         self.hub, self.paged, self.config = hub, paged, config
-        self._transformer = transformer  # built on the first load that computes tokens
+        self.transformer = transformer  # computes the tokens a load does not take from a span; None: no load may
         self.rope = RotaryEmbedding(config, "cpu")
         self.results: list[LoadResult] = []
         self._stored: list[tuple[str, str]] = []
@@ -129,7 +128,7 @@ class WorkerSide:
         result = LoadResult(job.req_id, plan.num_claimed, plan.num_claimed - len(recompute), len(recompute), missing,
                             0.0, pieces=[(p.dst_start, p.num_tokens, p.exact) for p in plan.pieces])
         if recompute:
-            model = self._transformer()
+            model = self.transformer
             if model is None:
                 raise KvRelayError("no model to compute the claimed tokens with")
             active = torch.tensor(sorted(recompute), dtype=torch.long)
