@@ -84,6 +84,7 @@ class WorkerSide:
         """Store ``job``'s K/V in the hub (memory and shared tier); False when the store refused it. What was
         stored, refused or evicted is reported to the scheduler side (``take_report``)."""
         hub, key = self.hub, (job.namespace, job.span_id)
+        t0 = time.perf_counter()
         try:
             k, v = self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
             span = StoredSpan(tuple(job.token_ids), 0, k, v, hub.fingerprint)
@@ -92,6 +93,8 @@ class WorkerSide:
             hub.stats["saved"] += 1
             self._stored.append(key)
             self._dropped.extend((job.namespace, span_id) for span_id in evicted)
+            log.info("kvrelay connector: request %s: %d tokens stored in %.1f ms", job.req_id, len(job.token_ids),
+                     (time.perf_counter() - t0) * 1e3)
             return True
         except KvRelayError as e:  # a full store: this span is not kept, nothing else fails
             hub.stats["save_failed"] += 1
