@@ -1,18 +1,19 @@
 """gsm8k-chain3 as plain chat requests against vLLM's OpenAI server: with kvrelay's connector, and vLLM alone.
 
-    python -m kvrelay.vllm.launch serve SMOLLM2_DIR --port 8001 --dtype float32 --enforce-eager \\
-        --enable-prompt-tokens-details --max-logprobs 20 --kv-transfer-config '{"kv_connector": "KVRelayConnector",
-        "kv_connector_module_path": "kvrelay.vllm.connector", "kv_role": "kv_both"}' &
-    python -m kvrelay.vllm.launch serve SMOLLM2_DIR --port 8002 --dtype float32 --enforce-eager \\
-        --enable-prompt-tokens-details &
-    python benchmarks/vllm_chain.py --connector-url http://127.0.0.1:8001/v1 --plain-url http://127.0.0.1:8002/v1 \\
-        --limit 5 --json benchmarks/results/vllm-chain.json
+    python benchmarks/vllm_chain.py --model-dir SMOLLM2_DIR --limit 5 --json benchmarks/results/vllm-chain-cpu.json
 
-Per problem, a fresh ``cache_salt``; the chain runs on the connector's server (each agent's messages quote the
-upstream answers as text, greedy), and the very same messages are then sent, in the same order, to the plain
-server, whose prefix cache sees the same history. Per call: client-side TTFT (streamed), ``cached_tokens``, and
-the first token's top logprobs; fidelity is the connector's first token against the plain server's on the same
-prompt (same template, same ids): top-1 agreement and KL over the plain server's top tokens.
+starts both servers through ``kvrelay.vllm.launch`` with the same flags (``--dtype float32 --enforce-eager
+--enable-prefix-caching --enable-prompt-tokens-details --max-logprobs 20``), one of them with kvrelay's connector
+(``--kv-transfer-config``), and stops them at the end; ``--connector-url`` and ``--plain-url`` use servers
+already running instead.
+
+Each server first answers one unmeasured request (its lazy set-up). Per problem, a fresh ``cache_salt``; the chain
+runs on the connector's server (each agent's messages quote the upstream answers as text, greedy), and each call
+is sent, with the very same messages, to the plain server right after (its prefix cache sees the same history,
+and load that drifts over time falls on both). Per call: client-side TTFT (streamed), total time, decode speed
+(tokens after the first over the time after the first), ``cached_tokens``, and the first token's top logprobs;
+fidelity is the connector's first token against the plain server's on the same prompt (same template, same
+ids): top-1 agreement and KL over the plain server's top tokens. A chain's time is the sum of its three calls.
 """
 
 from __future__ import annotations
@@ -177,6 +178,8 @@ def run(args: argparse.Namespace, servers: tuple[VllmServer, ...]) -> None:
     connector = OpenAI(base_url=args.connector_url, api_key="none", timeout=600, max_retries=0)
     plain = OpenAI(base_url=args.plain_url, api_key="none", timeout=600, max_retries=0)
     model = connector.models.list().data[0].id
+    for client in (connector, plain):  # a server's first request pays its lazy set-up: not measured, either side
+        chat(client, model, [{"role": "user", "content": "Say hello."}], 4, uuid.uuid4().hex)
     load_start = os.getloadavg()
     rows = []
     for problem in gsm8k_chain3().problems(args.data, args.offset + args.limit)[args.offset:]:
