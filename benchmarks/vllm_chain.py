@@ -59,7 +59,8 @@ def chat(client: OpenAI, model: str, messages: list[dict], max_tokens: int, salt
     num_decoded = usage.completion_tokens - 1  # tokens after the first
     return {"text": "".join(text), "ttft_ms": ttft_ms, "total_ms": total_ms, "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
-            "decode_tokens_per_s": num_decoded / (total_ms - ttft_ms) * 1e3 if num_decoded > 0 else None,
+            "decode_tokens_per_s": (num_decoded / (total_ms - ttft_ms) * 1e3
+                                    if num_decoded > 0 and ttft_ms is not None else None),
             "cached_tokens": getattr(details, "cached_tokens", 0) or 0, "first_logprobs": first or {}}
 
 
