@@ -43,7 +43,21 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvrelay.model.transformer import Transformer
+
 log = logging.getLogger("kvrelay.vllm")
+
+
+def log_to_stderr() -> None:
+    """Show the connector's INFO lines in vLLM's output: vLLM configures only its own logger, and a record of
+    ``kvrelay.vllm`` with no handler anywhere is dropped below WARNING. A handler set up by the user stays."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvrelay] %(message)s", "%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def namespace_of(cache_salt: str | None) -> str:
@@ -107,6 +121,7 @@ class KVRelayWorkerReport(KVConnectorWorkerMetadata):
 class KVRelayConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_to_stderr()
         self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         model_config = vllm_config.model_config
         if vllm_config.parallel_config.world_size > 1:
@@ -124,7 +139,6 @@ class KVRelayConnector(KVConnectorBase_V1):
         # worker side
         self._vllm_config = vllm_config
         self._worker: WorkerSide | None = None
-        self._transformer = None
         self._saved: set[str] = set()
         self._failed_blocks: set[int] = set()
 
@@ -194,17 +208,22 @@ class KVRelayConnector(KVConnectorBase_V1):
                                                                                                self.block_size))
         paged = PagedKV([kv_caches[n] for n in names], self.block_size, cfg.num_kv_heads, cfg.head_dim, layout)
         self._attention_names = names
-        self._worker = WorkerSide(self.hub, paged, cfg, self._bound_transformer)
+        transformer = self._bind_transformer() if self.config.load else None
+        self._worker = WorkerSide(self.hub, paged, cfg, transformer)
 
-    def _bound_transformer(self):
-        """kvrelay's transformer on vLLM's modules, found once (``binding``); None where it cannot be bound."""
-        if self._transformer is None:
-            from kvrelay.vllm.binding import bind_transformer, find_model
+    def _bind_transformer(self) -> Transformer | None:
+        """kvrelay's transformer on vLLM's modules (``binding``), found once at start: finding the model scans the
+        worker's live objects (seconds), which no request should wait for. None where it cannot be bound: then
+        loads that need tokens computed fail, and vLLM recomputes their blocks."""
+        from kvrelay.vllm.binding import bind_transformer, find_model
 
-            context = self._vllm_config.compilation_config.static_forward_context
-            layers = {n: context[n] for n in self._attention_names}
-            self._transformer = bind_transformer(self.model_config, find_model(layers))
-        return self._transformer
+        context = self._vllm_config.compilation_config.static_forward_context
+        layers = {n: context[n] for n in self._attention_names}
+        try:
+            return bind_transformer(self.model_config, find_model(layers))
+        except ConfigError as e:
+            log.warning("%s", e)
+            return None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

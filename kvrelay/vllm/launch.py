@@ -10,7 +10,8 @@ with the arguments as given. Where a ``vllm`` distribution is installed (the CUD
 
 It also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when it is unset: without it vLLM's CPU backend sizes its KV
 cache from the whole machine's memory (``gpu_memory_utilization`` of it), which on a shared machine takes
-memory that other processes hold.
+memory that other processes hold. And where kvrelay's connector is configured, it sets
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a connector (``reserved_cpus_env``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ VLLM_DISTRIBUTION = "vllm"
 VLLM_CPU_DISTRIBUTION = "vllm-cpu"
 KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT_KVCACHE_SPACE_GIB = 1  # 1 GiB holds ~23k tokens of SmolLM2's fp32 KV; set the variable for more
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+CONNECTOR_NAMES = ("KVRelayConnector", "kvrelay.vllm.connector")
 
 
 def _normalized(name: str) -> str:
@@ -72,12 +75,27 @@ def patch_version_lookup() -> bool:
     return True
 
 
-def prepare_environment(environ: dict[str, str] | None = None) -> None:
+def uses_kvrelay_connector(args: list[str]) -> bool:
+    """Whether vLLM's arguments configure kvrelay's KV connector (``--kv-transfer-config`` naming it)."""
+    return any(name in arg for arg in args for name in CONNECTOR_NAMES)
+
+
+def prepare_environment(environ: dict[str, str] | None = None, args: list[str] | None = None) -> None:
     """Defaults vLLM's CPU backend needs, set only where the user set nothing (the engine processes vLLM
-    starts inherit them)."""
+    starts inherit them).
+
+    With any KV connector configured, vLLM's CPU backend reserves one more core per worker than without (for
+    NIXL's transfer threads), away from the model's OpenMP threads. kvrelay's connector runs no thread of its
+    own: it works in the worker's thread between forwards, so that core serves nothing. On a 2-core machine the
+    reservation then exceeds the cores and vLLM reserves none at all: the model's threads share both cores with
+    the engine processes, which poll while they wait, and decoding ran 5x slower than the same vLLM without the
+    connector. The variable is set to vLLM's own reservation without a connector (one core for the one worker
+    the connector allows), so that the connector changes nothing in how vLLM places its threads."""
     env = os.environ if environ is None else environ
     if not env.get(KVCACHE_SPACE_ENV):
         env[KVCACHE_SPACE_ENV] = str(DEFAULT_KVCACHE_SPACE_GIB)
+    if args is not None and uses_kvrelay_connector(args) and not env.get(RESERVED_CPU_ENV):
+        env[RESERVED_CPU_ENV] = "1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kvrelay: error: vLLM is not installed; install it with `make vllm-venv` or "
               "`pip install 'kvrelay[vllm]'` (docs/vllm.md)", file=sys.stderr)
         return 2
-    prepare_environment()
+    prepare_environment(args=args)
     patch_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,9 +71,9 @@ class WorkerSide:
     """Saves and loads against one process's hub, on the paged KV vLLM registered."""
 
     def __init__(self, hub: Hub, paged: PagedKV, config: ModelConfig,
-                 transformer: Callable[[], Transformer | None]) -> None:
+                 transformer: Transformer | None) -> None:
         self.hub, self.paged, self.config = hub, paged, config
-        self._transformer = transformer  # built on the first load that computes tokens
+        self.transformer = transformer  # computes the tokens a load does not take from a span; None: no load may
         self.rope = RotaryEmbedding(config, "cpu")
         self.results: list[LoadResult] = []
         self._stored: list[tuple[str, str]] = []
@@ -85,6 +84,7 @@ class WorkerSide:
         """Store ``job``'s K/V in the hub (memory and shared tier); False when the store refused it. What was
         stored, refused or evicted is reported to the scheduler side (``take_report``)."""
         hub, key = self.hub, (job.namespace, job.span_id)
+        t0 = time.perf_counter()
         try:
             k, v = self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
             span = StoredSpan(tuple(job.token_ids), 0, k, v, hub.fingerprint)
@@ -93,6 +93,8 @@ class WorkerSide:
             hub.stats["saved"] += 1
             self._stored.append(key)
             self._dropped.extend((job.namespace, span_id) for span_id in evicted)
+            log.info("kvrelay connector: request %s: %d tokens stored in %.1f ms", job.req_id, len(job.token_ids),
+                     (time.perf_counter() - t0) * 1e3)
             return True
         except KvRelayError as e:  # a full store: this span is not kept, nothing else fails
             hub.stats["save_failed"] += 1
@@ -129,7 +131,7 @@ class WorkerSide:
         result = LoadResult(job.req_id, plan.num_claimed, plan.num_claimed - len(recompute), len(recompute), missing,
                             0.0, pieces=[(p.dst_start, p.num_tokens, p.exact) for p in plan.pieces])
         if recompute:
-            model = self._transformer()
+            model = self.transformer
             if model is None:
                 raise KvRelayError("no model to compute the claimed tokens with")
             active = torch.tensor(sorted(recompute), dtype=torch.long)

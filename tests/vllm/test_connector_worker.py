@@ -110,7 +110,7 @@ def test_paged_positions_are_where_vllms_cpu_kernel_keeps_them(lm):
 
 def run_load(lm, vllm_model, hub: Hub, prompt: list[int], plan, block_ids: list[int]):
     paged, _ = paged_kv(lm.config)
-    worker = WorkerSide(hub, paged, lm.config, lambda: bind_transformer(lm.config, vllm_model))
+    worker = WorkerSide(hub, paged, lm.config, bind_transformer(lm.config, vllm_model))
     result = worker.load(LoadJob("r2", "", prompt[: plan.end], plan, block_ids))
     return result, paged.read(paged.slots(block_ids, 0, plan.end))
 

@@ -61,3 +61,26 @@ def test_kv_cache_space_defaults_only_where_unset():
     env = {launch.KVCACHE_SPACE_ENV: ""}  # set but empty: vLLM would ignore it, so the default applies
     launch.prepare_environment(env)
     assert env[launch.KVCACHE_SPACE_ENV] == str(launch.DEFAULT_KVCACHE_SPACE_GIB)
+
+
+CONNECTOR_ARGS = ["serve", "/models/m", "--kv-transfer-config",
+                  '{"kv_connector": "KVRelayConnector", "kv_connector_module_path": "kvrelay.vllm.connector", '
+                  '"kv_role": "kv_both"}']
+
+
+def test_the_connector_keeps_vllms_cpu_reservation():
+    """vLLM's CPU backend reserves an extra core for any KV connector; with kvrelay's the launcher asks for the
+    reservation vLLM makes without one, and leaves every other case to vLLM."""
+    env: dict[str, str] = {}
+    launch.prepare_environment(env, CONNECTOR_ARGS)
+    assert env[launch.RESERVED_CPU_ENV] == "1"
+    env = {}
+    launch.prepare_environment(env, ["serve", "/models/m", "--dtype", "float32"])
+    assert launch.RESERVED_CPU_ENV not in env
+    env = {}
+    launch.prepare_environment(env, ["serve", "/models/m", "--kv-transfer-config",
+                                     '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'])
+    assert launch.RESERVED_CPU_ENV not in env
+    env = {launch.RESERVED_CPU_ENV: "0"}
+    launch.prepare_environment(env, CONNECTOR_ARGS)
+    assert env[launch.RESERVED_CPU_ENV] == "0"
