@@ -156,7 +156,7 @@ def _layer_pieces(engine: Engine, call: CallInput, method: str, options: Generat
     sizes = iter(layers_per_piece * engine.lm.model.config.num_layers)
     while not task.done:
         asked = iter(range(next(sizes)))
-        task.advance(0, fits=lambda tokens, keys: next(asked, None) is not None)
+        task.advance(0, fits=lambda tokens, keys, asked=asked: next(asked, None) is not None)
     seq = task.sequence()
     while not seq.done:
         engine.step([seq])
