@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -167,8 +168,14 @@ def _post_raw(base_url: str, body: bytes, chunked: bool = False, timeout_s: floa
         return -1  # the server answered 413 and closed the connection while this client was still sending
 
 
-def hostile_body(kind: str, model: str, long_words: int) -> tuple[bytes, bool]:
-    """One hostile request of ``kind`` (issue 54's list): (raw body, send chunked)."""
+def long_text(long_words: int) -> str:
+    return " ".join(_WORDS[(k * 7 + k // 31) % len(_WORDS)] for k in range(long_words))  # one token a word
+
+
+def hostile_body(kind: str, model: str, long_words: int, salt: str | None = None) -> tuple[bytes, bool]:
+    """One hostile request of ``kind`` (issue 54's list): (raw body, send chunked). ``reused_long_prompt``: the long
+    text after a preamble of its own, in namespace ``salt``, where the text is stored already (relay reuses it moved
+    to a new position: its band has span tokens)."""
     msg = [{"role": "user", "content": "What is 2+2?"}]
     if kind == "tiny_temperature":
         return json.dumps({"model": model, "messages": msg, "max_tokens": 24, "temperature": 1e-37}).encode(), False
@@ -178,9 +185,12 @@ def hostile_body(kind: str, model: str, long_words: int) -> tuple[bytes, bool]:
         head = json.dumps({"model": model, "messages": [{"role": "user", "content": ""}]}).encode()
         return head[:-4] + b"y " * (((8 << 20) - len(head) - 16) // 2) + head[-4:], False
     if kind == "long_prompt":
-        text = " ".join(_WORDS[(k * 7 + k // 31) % len(_WORDS)] for k in range(long_words))  # one token a word
+        return json.dumps({"model": model, "messages": [{"role": "user", "content": long_text(long_words)}],
+                           "max_tokens": 4, "cache_salt": uuid.uuid4().hex}).encode(), False  # nothing reused
+    if kind == "reused_long_prompt":
+        text = f"Note {uuid.uuid4().hex[:6]}. " + long_text(long_words)
         return json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4,
-                           "cache_salt": uuid.uuid4().hex}).encode(), False  # its own namespace: nothing reused
+                           "cache_salt": salt}).encode(), False
     if kind == "lone_surrogate":
         return b'{"model": "%s", "prompt": "\\udfff", "max_tokens": 2}' % model.encode(), False
     return json.dumps({"model": model, "messages": msg, "max_tokens": True, "stream": "yes"}).encode(), False
@@ -189,10 +199,12 @@ def hostile_body(kind: str, model: str, long_words: int) -> tuple[bytes, bool]:
 class Hostile(threading.Thread):
     """Sends hostile requests of ``kinds`` in turn until the deadline; counts statuses (5xx is a failure)."""
 
-    def __init__(self, base_url: str, model: str, kinds: tuple[str, ...], deadline: float, long_words: int) -> None:
+    def __init__(self, base_url: str, model: str, kinds: tuple[str, ...], deadline: float, long_words: int,
+                 salt: str | None = None) -> None:
         super().__init__(daemon=True)
         self.base_url, self.model, self.kinds, self.deadline, self.long_words = (base_url, model, kinds, deadline,
                                                                                   long_words)
+        self.salt = salt
         self.statuses: dict[str, list[int]] = {k: [] for k in kinds}
         self.replies: list[dict] = []  # 200 replies (their kvrelay extension: TTFT, prefill chunks)
 
@@ -201,7 +213,7 @@ class Hostile(threading.Thread):
         while time.perf_counter() < self.deadline:
             kind = self.kinds[i % len(self.kinds)]
             i += 1
-            body, chunked = hostile_body(kind, self.model, self.long_words)
+            body, chunked = hostile_body(kind, self.model, self.long_words, self.salt)
             if kind == "lone_surrogate":
                 url = self.base_url
                 req = urllib.request.Request(url + "/completions", data=body,
@@ -216,52 +228,74 @@ class Hostile(threading.Thread):
             self.statuses[kind].append(status)
 
 
-def probe_ttft(base_url: str, model: str, seconds: float, words: int = 8) -> list[float]:
-    """A short streamed request after another (each in a fresh namespace) for ``seconds``: client TTFTs (ms)."""
+def probe_ttft(base_url: str, model: str, seconds: float, words: int = 8,
+               second_ms: list[float] | None = None) -> list[float]:
+    """A short streamed request after another (each in a fresh namespace) for ``seconds``: client TTFTs (ms). With
+    ``second_ms``, each one's time to its second content chunk is appended there (a stall right after the first
+    token, e.g. another request's prefill run whole, hides from TTFT but not from it)."""
     client = OpenAI(base_url=base_url, api_key="none", timeout=600, max_retries=0)
     out: list[float] = []
     deadline = time.perf_counter() + seconds
     while not out or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": " ".join(["ping"] * words)}], max_tokens=2,
+            model=model, messages=[{"role": "user", "content": " ".join(["ping"] * words)}], max_tokens=4,
             temperature=0, stream=True, extra_body={"cache_salt": uuid.uuid4().hex})
-        first = None
-        for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].delta.content is not None:
-                first = time.perf_counter()
-        out.append(((first or time.perf_counter()) - t0) * 1e3)
+        arrivals = [time.perf_counter() for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+        end = time.perf_counter()
+        out.append(((arrivals[0] if arrivals else end) - t0) * 1e3)
+        if second_ms is not None:
+            second_ms.append(((arrivals[1] if len(arrivals) > 1 else end) - t0) * 1e3)
     return out
 
 
 def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chunk_tokens: int) -> dict:
     """Issue 54's target: a short request's TTFT p99 while one client sends an 8K-token prompt and another an 8 MB
     body, against 3 x its idle TTFT + one prefill chunk (a chunk's time: the long prompt's prefill wall time over
-    its number of chunks, as the server reports them). Probes run until the long prompts are done."""
+    its number of chunks, as the server reports them); its second token's time beside it. The long prompt reuses a
+    stored copy of its text (sent once first, untimed) at a new position, as an agent's prompt quoting an earlier
+    one does: under the default server (guard on: relay) its prefill runs relay's band with span tokens. Probes run
+    until the long prompts are done."""
+    load_start = os.getloadavg()
+    salt = uuid.uuid4().hex
+    seed_body = json.dumps({"model": model, "messages": [{"role": "user", "content": long_text(long_words)}],
+                            "max_tokens": 1, "cache_salt": salt}).encode()
+    seed_status = _post_raw(base_url, seed_body)  # stores the text the timed long prompts reuse
     probe_ttft(base_url, model, 0.0)  # warm-up (one request: lazy imports, allocations)
-    idle = probe_ttft(base_url, model, seconds / 3)
+    idle_second: list[float] = []
+    idle = probe_ttft(base_url, model, seconds / 3, second_ms=idle_second)
     deadline = time.perf_counter() + seconds
-    long_client = Hostile(base_url, model, ("long_prompt",), deadline, long_words)
+    long_client = Hostile(base_url, model, ("reused_long_prompt",), deadline, long_words, salt)
     body_client = Hostile(base_url, model, ("eight_mb_body",), deadline, long_words)
     long_client.start()
     body_client.start()
     loaded: list[float] = []
+    loaded_second: list[float] = []
     while long_client.is_alive():  # short requests one after another for as long as a long prompt is in flight
-        loaded += probe_ttft(base_url, model, 0.0)
+        loaded += probe_ttft(base_url, model, 0.0, second_ms=loaded_second)
     body_client.join()
     exts = [r["kvrelay"] for r in long_client.replies]
     chunk_ms = statistics.mean(e["ttft_ms"] / e["num_prefill_chunks"] for e in exts) if exts else float("nan")
     bound = 3 * percentile(idle, 0.5) + chunk_ms
     row = {"idle_ttft_ms_p50": percentile(idle, 0.5), "idle_ttft_ms_p99": percentile(idle, 0.99),
-           "chunk_prefill_ms_mean": chunk_ms, "chunk_tokens": chunk_tokens,
+           "idle_second_token_ms_p50": percentile(idle_second, 0.5),
+           "chunk_prefill_ms_mean": chunk_ms, "chunk_tokens": chunk_tokens, "seed_status": seed_status,
            "long_prompt_tokens": [r["usage"]["prompt_tokens"] for r in long_client.replies],
+           "long_prompt_methods": [e["method"] for e in exts],
+           "long_prompt_reused_tokens": [e["num_reused_tokens"] for e in exts],
            "long_prompt_ttft_ms": [e["ttft_ms"] for e in exts],
            "long_prompt_chunks": [e["num_prefill_chunks"] for e in exts],
            "loaded_ttft_ms_p50": percentile(loaded, 0.5), "loaded_ttft_ms_max": max(loaded),
            "loaded_ttft_ms_p99": percentile(loaded, 0.99), "num_probes": len(loaded),
+           "loaded_second_token_ms_p50": percentile(loaded_second, 0.5),
+           "loaded_second_token_ms_p99": percentile(loaded_second, 0.99),
+           "loaded_second_token_ms_max": max(loaded_second),
+           "loaded_ttft_ms_all": loaded, "loaded_second_token_ms_all": loaded_second,
            "bound_ms": bound, "within_bound": percentile(loaded, 0.99) <= bound,
-           "long_prompt_statuses": long_client.statuses["long_prompt"],
-           "eight_mb_statuses": body_client.statuses["eight_mb_body"]}
+           "second_token_within_bound": percentile(loaded_second, 0.99) <= bound,
+           "long_prompt_statuses": long_client.statuses["reused_long_prompt"],
+           "eight_mb_statuses": body_client.statuses["eight_mb_body"],
+           "load_average_start_end": [load_start, os.getloadavg()]}
     print(json.dumps(row), flush=True)
     return row
 

@@ -6,25 +6,30 @@ steps of the running batch: ``Engine.begin`` returns a ``PrefillTask``; each ``a
 computes at most that many prompt tokens (the first one plans and loads the reused KV too), and once
 ``done`` the task's ``sequence()`` is what ``Engine.start`` would have returned.
 
-Which plans chunk: a schedule whose active set is fixed in advance (no layer hook, no exit test, every
-token entering at layer 0: ``full``, ``prefix``, ``naive``, ``epic``, ``kvcomm``) computes each of its
-active tokens at every layer from its embedding, so it can run as consecutive pieces of its active
-tokens, each reading the KV of everything before it from the cache: the same KV and logits as one
-forward, up to float rounding. A schedule that selects tokens as it goes (CacheBlend's and
-RelayCaching's band, RKSC's exit) reads the new tokens while it selects, so it runs in one piece, unless it
-has nothing to select: a band with no span tokens (nothing was matched, as for any fresh long prompt) computes
-every token at every layer, ``full``'s work, and chunks like it.
+Which plans chunk how: a schedule whose active set is fixed in advance (no layer hook, no exit test, every
+token entering at layer 0: ``full``, ``prefix``, ``naive``, ``epic``, ``kvcomm``, and a band with no span tokens)
+computes each of its active tokens at every layer from its embedding, so it runs as consecutive pieces of its
+active tokens, each reading the KV of everything before it from the cache: the same KV and logits as one forward,
+up to float rounding. A schedule that selects tokens as it goes (CacheBlend's and RelayCaching's band with span
+tokens, RKSC's exit) needs every token's state at the layer where it selects, so it runs as pieces of LAYERS
+instead: the forward stops after a layer and resumes at the next with its active set and hidden states
+(``Transformer.prefill_layers``), the same operations in the same order as one forward, so the same results bit
+for bit. A layer piece is measured in the tokens of a whole forward (token-layers over the model's layers), the
+unit the server's cost budget sizes pieces in.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 
 import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine.call import Prefilled, check_fits, load_plan, plan_call, sync_device
+from kvrelay.model.prefill_state import LayerForward
 from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
@@ -33,7 +38,7 @@ from kvrelay.reuse.band import BandSchedule
 
 def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | None:
     """The tokens a schedule computes at every layer ([m] ascending prompt indices), when its active set is
-    fixed in advance; None for a schedule that selects as it goes (it must run in one piece)."""
+    fixed in advance; None for a schedule that selects as it goes (it runs in pieces of layers)."""
     empty_band = isinstance(schedule, BandSchedule) and not schedule.span_idx.numel()  # its hook selects nothing
     if schedule.has_layer_hook and not empty_band or schedule.has_exit_test:
         return None
@@ -53,7 +58,8 @@ class PrefillTask:
         self.ids = torch.tensor(call.prompt_ids, dtype=torch.long)
         self.plan: Plan | None = None
         self.cache: SequenceKV | None = None
-        self._active: torch.Tensor | None = None  # chunked plans: the schedule's active tokens
+        self._active: torch.Tensor | None = None  # plans in pieces of tokens: the schedule's active tokens
+        self._forward: LayerForward | None = None  # plans in pieces of layers: the forward, stopped between two
         self._num_done = 0  # of them, computed so far
         self._result: PrefillResult | None = None  # the last piece's (its logits are the first token's)
         self._num_computed_token_layers = 0
@@ -64,9 +70,9 @@ class PrefillTask:
         self._end_s: float | None = None
         self.compute_ms = 0.0  # time spent in this task's own work (planning, loads, prefill pieces)
         self.num_chunks = 0
-        # the last piece of a chunked plan as run: (its tokens, the keys they attended to summed, its forward's ms);
-        # None after a one-piece plan or planning alone (the server sizes chunks by what pieces cost)
-        self.last_piece: tuple[int, int, float] | None = None
+        # the last piece as run: (its tokens, the keys they attended to summed, its forward's ms; a layer piece's in
+        # tokens of a whole forward), None after planning alone (the server sizes pieces by what they cost)
+        self.last_piece: tuple[float, float, float] | None = None
 
     @property
     def done(self) -> bool:
@@ -77,29 +83,48 @@ class PrefillTask:
         """Prompt tokens still to compute (before planning: the whole prompt, the most it can be)."""
         if self.done:
             return 0
+        if self._forward is not None:  # the prompt's share of the layers left (an upper bound: a band selects)
+            fwd = self._forward
+            return max(1, math.ceil(len(self.ids) * (fwd.num_layers - fwd.next_layer) / fwd.num_layers))
         if self._active is None:
             return len(self.call.prompt_ids)
         return int(self._active.numel()) - self._num_done
 
     def upcoming_positions(self, limit: int) -> list[int] | None:
         """Prompt positions of the next (up to ``limit``) tokens a piece would compute, ascending; None for a plan
-        that runs in one piece (or a task done). Plans the call first if it was not yet (its time counts as the
+        run in pieces of layers (or a task done). Plans the call first if it was not yet (its time counts as the
         task's own, from where ``ttft_ms`` runs)."""
-        if self.done:
-            return None
-        if self._t0 is None:
-            sync_device(self.engine.lm.model.device)
-            self._t0 = time.perf_counter()
-            self._prepare()
-            sync_device(self.engine.lm.model.device)
-            self.compute_ms += (time.perf_counter() - self._t0) * 1e3
-        if self._active is None:
+        self._plan_first()
+        if self.done or self._active is None:
             return None
         return self._active[self._num_done : self._num_done + limit].tolist()
 
-    def advance(self, budget_tokens: int) -> int:
-        """Compute up to ``budget_tokens`` more prompt tokens (at least one piece); the number computed. A plan
-        that cannot chunk runs whole on its first call."""
+    def upcoming_layer(self) -> tuple[float, float] | None:
+        """For a plan run in pieces of layers: (tokens, keys they attend to summed) of its next layer, in tokens of
+        a whole forward; None for one run in pieces of tokens (or a task done). Plans the call first."""
+        self._plan_first()
+        if self.done or self._forward is None:
+            return None
+        return self._per_forward(*self._forward.upcoming())
+
+    def _plan_first(self) -> None:
+        if self.done or self._t0 is not None:
+            return
+        sync_device(self.engine.lm.model.device)
+        self._t0 = time.perf_counter()
+        self._prepare()
+        sync_device(self.engine.lm.model.device)
+        self.compute_ms += (time.perf_counter() - self._t0) * 1e3
+
+    def _per_forward(self, num_token_layers: float, num_key_layers: float) -> tuple[float, float]:
+        num_layers = self._forward.num_layers
+        return num_token_layers / num_layers, num_key_layers / num_layers
+
+    def advance(self, budget_tokens: int, fits: Callable[[float, float], bool] | None = None) -> int:
+        """Compute up to ``budget_tokens`` more prompt tokens (at least one piece); the number computed. A plan run
+        in pieces of layers runs its next layer, then each next one while the piece still fits: ``fits(tokens,
+        keys)`` of the piece with that layer (in tokens of a whole forward; None: while its tokens fit
+        ``budget_tokens``), and counts the tokens of a whole forward it computed (rounded up)."""
         if self.done:
             return 0
         model = self.engine.lm.model
@@ -109,28 +134,46 @@ class PrefillTask:
             self._t0 = start_s
             self._prepare()
         self.last_piece, num_keys = None, None
-        if self._active is None:  # one piece: the method's own schedule over the whole prompt
-            self.plan.schedule.capture_layers = self.engine.capture_layers
-            self._take(model.prefill(self.ids, self.cache, self.plan.schedule))
-            num = len(self.call.prompt_ids)
-            self._num_done = num
+        if self._forward is not None:
+            num_tokens, num_keys = self._advance_layers(budget_tokens, fits)
+            num = math.ceil(num_tokens)
         else:
-            num = min(max(1, int(budget_tokens)), self.num_remaining_tokens)
-            if num > 0:
-                piece = self._active[self._num_done : self._num_done + num]
-                schedule = StaticSchedule(piece)
-                schedule.capture_layers = self.engine.capture_layers
-                self._take(model.prefill(self.ids[: int(piece[-1]) + 1], self.cache, schedule))
-                self._num_done += num
-                num_keys = int(piece.sum()) + num  # position p attends to p + 1 keys
+            num_tokens = num = min(max(1, int(budget_tokens)), self.num_remaining_tokens)
+            piece = self._active[self._num_done : self._num_done + num]
+            schedule = StaticSchedule(piece)
+            schedule.capture_layers = self.engine.capture_layers
+            self._take(model.prefill(self.ids[: int(piece[-1]) + 1], self.cache, schedule))
+            self._num_done += num
+            num_keys = int(piece.sum()) + num  # position p attends to p + 1 keys
+        self.num_chunks += 1
         sync_device(model.device)
         end_s = time.perf_counter()
         self.compute_ms += (end_s - start_s) * 1e3
-        if num_keys is not None:  # planned beforehand (``upcoming_positions``), this is the piece's forward alone
-            self.last_piece = (num, num_keys, (end_s - start_s) * 1e3)
-        if self._active is None or self._num_done >= self._active.numel():
+        # planned beforehand (``upcoming_positions``, ``upcoming_layer``), this is the piece's forward alone
+        self.last_piece = (num_tokens, num_keys, (end_s - start_s) * 1e3)
+        if self._forward is not None and self._forward.done:
+            self._take(model.finish_prefill(self._forward))
+            self._forward = None
+            self._end_s = end_s
+        elif self._forward is None and self._num_done >= self._active.numel():
             self._end_s = end_s
         return num
+
+    def _advance_layers(self, budget_tokens: int, fits: Callable[[float, float], bool] | None) -> tuple[float, float]:
+        """Run the forward on for a piece of layers: its (tokens, keys) in tokens of a whole forward."""
+        forward, piece = self._forward, [0.0, 0.0, 0]  # token-layers, key-layers, layers asked about
+
+        def go_on() -> bool:
+            num, num_keys = forward.upcoming()
+            tokens, keys = self._per_forward(piece[0] + num, piece[1] + num_keys)
+            ok = fits(tokens, keys) if fits is not None else tokens <= budget_tokens
+            if ok or piece[2] == 0:  # the first layer runs whatever the answer
+                piece[0], piece[1] = piece[0] + num, piece[1] + num_keys
+            piece[2] += 1
+            return ok
+
+        self.engine.lm.model.prefill_layers(forward, go_on)
+        return self._per_forward(piece[0], piece[1])
 
     def _prepare(self) -> None:
         lm = self.engine.lm
@@ -143,10 +186,12 @@ class PrefillTask:
         self._active = static_active_idx(plan.schedule, len(self.call.prompt_ids))
         if self._active is not None and (not self._active.numel() or int(self._active[-1]) != len(self.ids) - 1):
             self._active = None  # the schedule's own forward raises what is wrong with it
+        if self._active is None:
+            plan.schedule.capture_layers = self.engine.capture_layers
+            self._forward = lm.model.begin_prefill(self.ids, self.cache, plan.schedule)
 
     def _take(self, result: PrefillResult) -> None:
         self._result = result
-        self.num_chunks += 1
         self._num_computed_token_layers += result.num_computed_token_layers
         for layer, (idx, h) in result.captured.items():
             self._captured.setdefault(layer, []).append((idx, h))
@@ -169,6 +214,6 @@ class PrefillTask:
 
     def cancel(self) -> None:
         """Drop the task's KV (the client went away before its first token); it computes nothing more."""
-        self.cache, self._result, self._captured = None, None, {}
+        self.cache, self._result, self._captured, self._forward = None, None, {}, None
         self._active, self._num_done = torch.empty(0, dtype=torch.long), 0
         self._end_s = self._end_s or time.perf_counter()

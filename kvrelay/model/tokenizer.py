@@ -15,7 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvrelay.errors import CorruptModelError, UnsupportedModelError
+from kvrelay.errors import ContextLengthError, CorruptModelError, UnsupportedModelError
 
 # Pre-tokenizer split patterns of llama.cpp's BPE "pre" types (the same regexes as the HF files).
 _LLAMA3_SPLIT = (
@@ -62,19 +62,24 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text (e.g. <|im_start|>) are parsed."""
-        return self._encoding(text).ids
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (e.g. <|im_start|>) are parsed. Over
+        ``max_tokens`` tokens: ContextLengthError, before any id becomes a Python object."""
+        return self._encoding(text, max_tokens).ids
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_with_offsets(self, text: str, max_tokens: int | None = None) -> tuple[list[int], list[tuple[int, int]]]:
         """``encode`` plus each token's (start, end) character range in ``text``."""
-        enc = self._encoding(text)
+        enc = self._encoding(text, max_tokens)
         return enc.ids, [tuple(o) for o in enc.offsets]
 
-    def _encoding(self, text: str):
+    def _encoding(self, text: str, max_tokens: int | None = None):
         # ``encode_batch`` releases the GIL while it runs (``encode`` holds it): a huge text tokenized on a
-        # server's request thread does not freeze the engine thread
-        return self.backend.encode_batch([text], add_special_tokens=False)[0]
+        # server's request thread does not freeze the engine thread. Its ids and offsets as Python lists do hold
+        # it (4M tokens: seconds), so a text over ``max_tokens`` is refused from the encoding's length first.
+        enc = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        if max_tokens is not None and len(enc) > max_tokens:
+            raise ContextLengthError(f"the prompt has {len(enc)} tokens, over the model's context of {max_tokens}")
+        return enc
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

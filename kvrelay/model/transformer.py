@@ -27,6 +27,7 @@ from kvrelay.model.layers import (
     linear,
     visible_mask,
 )
+from kvrelay.model.prefill_state import ActiveSet, LayerForward, drops
 from kvrelay.model.rope import RotaryEmbedding, apply_rotary, undo_rotary
 from kvrelay.model.schedule import Entry, LayerView, Schedule
 
@@ -44,21 +45,6 @@ def _with_attention_backends(forward: Callable) -> Callable:
     return run
 
 
-def _drops(kept: torch.Tensor | None, num_active: int) -> bool:
-    """Whether a schedule's kept rows leave out some of the ``num_active`` tokens (from their shape: no GPU wait)."""
-    if kept is None:
-        return False
-    if kept.dtype == torch.bool:  # a mask's length says nothing of what it keeps
-        raise ScheduleError("a schedule returned a keep mask where the kept rows belong (schedule.rows_of)")
-    return kept.numel() != num_active
-
-
-def _keep_rows(kept: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Rows ``kept`` ([m] int64, ascending) of each tensor (dim 0): ``index_select`` is several times faster on
-    CPU than indexing by a mask."""
-    return tuple(t.index_select(0, kept) for t in tensors)
-
-
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -74,48 +60,6 @@ class PrefillResult:
     exit_layer: int | None = None  # set when the schedule's exit test stopped the forward
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # layer -> (prompt indices [m], input hidden states [m, hidden]) for capture layers
-
-
-class _ActiveSet:
-    """A prefill's active tokens (prompt indices [n_act] ascending, hidden states [n_act, hidden]) and, per (rope,
-    window), what attention needs of the set: [causal, mask (built on first use), cos, sin], rebuilt only when the
-    set changes."""
-
-    def __init__(self, n: int, tables: dict, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.n, self.tables = n, tables  # tables: rope -> its cos, sin of positions 0..n-1
-        self.idx = torch.empty(0, dtype=torch.long, device=device)
-        self.h = torch.empty(0, hidden_size, dtype=dtype, device=device)
-        self._views: dict = {}
-
-    def join(self, idx: torch.Tensor, new_h: torch.Tensor) -> None:
-        self.idx, order = torch.sort(torch.cat([self.idx, idx]))
-        self.h = torch.cat([self.h, new_h.to(self.h.device, self.h.dtype)]).index_select(0, order)
-        self._views = {}
-
-    def update(self, idx: torch.Tensor, h: torch.Tensor, changed: bool) -> None:
-        self.idx, self.h = idx, h
-        if changed:
-            self._views = {}
-
-    def keep(self, kept: torch.Tensor | None) -> None:
-        """Keep the rows a schedule hook returned (None: all)."""
-        if _drops(kept, self.idx.numel()):
-            self.idx, self.h = _keep_rows(kept, self.idx, self.h)
-            self._views = {}
-
-    def holds_last(self) -> bool:
-        """Whether the prompt's last token is active (the one whose logits a prefill gives)."""
-        return self.idx.numel() > 0 and int(self.idx[-1]) == self.n - 1
-
-    def view(self, rope: RotaryEmbedding, window: int | None) -> list:
-        if (rope, window) not in self._views:
-            n, n_act = self.n, self.idx.numel()
-            # rows 0..n-1 against keys 0..n-1: SDPA's own causal mask; any other mask is built on first use (a
-            # selecting layer that drops tokens needs one for the kept tokens only)
-            self._views[rope, window] = [n_act == n and (window is None or n <= window), None,
-                                         self.tables[rope][0].index_select(0, self.idx),
-                                         self.tables[rope][1].index_select(0, self.idx)]
-        return self._views[rope, window]
 
 
 class Transformer(nn.Module):
@@ -208,40 +152,71 @@ class Transformer(nn.Module):
         tokens join the active set where they enter, each layer runs for the active set, the schedule may drop
         some after it, and its exit test may stop the forward.
         """
+        forward = self.begin_prefill(token_ids, cache, schedule, all_logits)
+        while not forward.done:
+            self._layer(forward)
+        return self.finish_prefill(forward)
+
+    @torch.inference_mode()
+    def begin_prefill(self, token_ids: torch.Tensor, cache: SequenceKV, schedule: Schedule | None = None,
+                      all_logits: bool = False) -> LayerForward:
+        """``prefill`` stopped before its first layer: ``prefill_layers`` runs it on, ``finish_prefill`` ends it."""
         schedule = schedule or Schedule()
         n = int(token_ids.shape[0])
         self.check_length(n)
         cache.ensure_capacity(n)
-        token_ids = token_ids.to(self.device)
         tables = {r: r.cos_sin(torch.arange(n, device=self.device), self.dtype, n) for r in self.ropes}
         entries = schedule.entries(n)
         if any(layer > 0 and e.hidden is None for layer, e in entries.items()):
             raise ScheduleError("a token entering above layer 0 needs its carried hidden state")
-        act = _ActiveSet(n, tables, self.config.hidden_size, self.dtype, self.device)
-        computed, exit_layer = 0, None
-        captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for li, layer in enumerate(self.model.layers):
-            entry = entries.get(li)
-            if entry is not None and entry.token_idx.numel():
-                self._enter(layer, li, entry, token_ids, act, cache, schedule, captured)
-            if li in schedule.capture_layers and act.idx.numel() and li not in captured:
-                captured[li] = (act.idx.clone(), act.h.clone())
-            if act.idx.numel() == 0:
-                continue
-            computed += act.idx.numel()
-            self._run_layer(layer, li, act, cache, schedule)
-            if schedule.has_exit_test and act.holds_last() and schedule.exit_after(li, act.h[-1]):
-                exit_layer = li
-                break
+        act = ActiveSet(n, tables, self.config.hidden_size, self.dtype, self.device)
+        return LayerForward(token_ids.to(self.device), cache, schedule, all_logits, entries, act,
+                            len(self.model.layers))
+
+    @torch.inference_mode()
+    @_with_attention_backends
+    def prefill_layers(self, forward: LayerForward, go_on: Callable[[], bool] | None = None) -> int:
+        """Run ``forward`` on from the layer where it stopped: that layer whatever ``go_on`` says, each next one
+        while it says so (asked before every layer, the first included; None: to the end). The layers run: the
+        same operations, in the same order, as ``prefill``'s (``kvrelay.model.prefill_state``)."""
+        num = 0
+        while not forward.done and ((go_on is None or go_on()) or num == 0):
+            self._layer(forward)
+            num += 1
+        return num
+
+    def _layer(self, forward: LayerForward) -> None:
+        """Layer ``forward.next_layer``: its entering tokens join, then it runs for the active set."""
+        li, act, schedule, captured = forward.next_layer, forward.act, forward.schedule, forward.captured
+        layer = self.model.layers[li]
+        forward.next_layer = li + 1
+        entry = forward.entries.get(li)
+        if entry is not None and entry.token_idx.numel():
+            self._enter(layer, li, entry, forward.token_ids, act, forward.cache, schedule, captured)
+        if li in schedule.capture_layers and act.idx.numel() and li not in captured:
+            captured[li] = (act.idx.clone(), act.h.clone())
+        if act.idx.numel() == 0:
+            return
+        forward.num_computed += act.idx.numel()
+        self._run_layer(layer, li, act, forward.cache, schedule)
+        if schedule.has_exit_test and act.holds_last() and schedule.exit_after(li, act.h[-1]):
+            forward.exit_layer = li
+
+    @torch.inference_mode()
+    def finish_prefill(self, forward: LayerForward) -> PrefillResult:
+        """The result of a forward run to its end (``prefill_layers`` until ``done``)."""
+        if not forward.done:
+            raise ScheduleError(f"the prefill stopped before layer {forward.next_layer} has no result yet")
+        act, cache, n = forward.act, forward.cache, forward.act.n
         cache.length = max(cache.length, n)
-        if exit_layer is None:
+        if forward.exit_layer is None:
             cache.check_filled(n)
         if not act.holds_last():
             raise ScheduleError("the last prompt token must stay active to the top layer to give logits")
-        logits = self.logits_from_hidden(act.h if all_logits else act.h[-1])
-        return PrefillResult(logits, computed, exit_layer, captured)
+        logits = self.logits_from_hidden(act.h if forward.all_logits else act.h[-1])
+        return PrefillResult(logits, forward.num_computed, forward.exit_layer, forward.captured)
 
-    def _enter(self, layer, li: int, entry: Entry, token_ids: torch.Tensor, act: _ActiveSet, cache: SequenceKV,
+    def _enter(self, layer, li: int, entry: Entry, token_ids: torch.Tensor, act: ActiveSet, cache: SequenceKV,
                schedule: Schedule, captured: dict) -> None:
         """Tokens entering at layer ``li`` join the active set: from their embedding, or with their carried state;
         where the schedule admits (``admits_at``), only the ones it admits."""
@@ -252,11 +227,11 @@ class Transformer(nn.Module):
                 union, order = torch.sort(torch.cat([act.idx, idx]))
                 captured[li] = (union, torch.cat([act.h, new_h.to(self.device, self.dtype)]).index_select(0, order))
             kept = self._admit(layer, li, act.h, act.idx, act.tables[self.rope_of(li)], cache, schedule, idx, act.n)
-            if _drops(kept, idx.numel()):
+            if drops(kept, idx.numel()):
                 idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
         act.join(idx, new_h)
 
-    def _run_layer(self, layer, li: int, act: _ActiveSet, cache: SequenceKV, schedule: Schedule) -> None:
+    def _run_layer(self, layer, li: int, act: ActiveSet, cache: SequenceKV, schedule: Schedule) -> None:
         """Layer ``li`` for the active set (its K/V written to the cache), then the schedule's hooks there."""
         n, rope, window = act.n, self.rope_of(li), self.config.window_at(li)
         view_of_set = act.view(rope, window)
@@ -290,7 +265,7 @@ class Transformer(nn.Module):
             view_of_set[1] = visible_mask(active, n, window)
         return view_of_set[1]
 
-    def _select_then_finish(self, layer, li: int, act: _ActiveSet, cache: SequenceKV, schedule: Schedule,
+    def _select_then_finish(self, layer, li: int, act: ActiveSet, cache: SequenceKV, schedule: Schedule,
                             prev_k: torch.Tensor | None, prev_v: torch.Tensor | None) -> None:
         """A selecting layer: every active token's Q/K/V (its fresh K/V go to the cache), the schedule
         keeps some, may move the cached K/V of tokens not active here (``adjust_kv``), and only the kept
@@ -322,7 +297,7 @@ class Transformer(nn.Module):
             slot_cos, slot_sin = cos_sin32(shift.slots)
             shift_k = apply_rotary(shift.k.float(), slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
             cache.add(li, shift.slots, shift_k.to(k.dtype), shift.v.to(k.dtype))
-        changed = _drops(kept, active.numel())
+        changed = drops(kept, active.numel())
         if changed:  # the kept tokens' own mask (the set's is not built for them)
             active, h, q = active.index_select(0, kept), h.index_select(0, kept), q.index_select(1, kept)
             causal = active.numel() == n and (window is None or n <= window)

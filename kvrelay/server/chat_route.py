@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
 from kvrelay.server.context import AppContext, digest
 from kvrelay.server.prompting import chat_ids
@@ -66,7 +67,9 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     def build():
         catalog.learn_published(namespace)  # completions other replicas returned: splice them as generated
         try:
-            return chat_ids(tokenizer, messages, catalog.registry, namespace), agent
+            return chat_ids(tokenizer, messages, catalog.registry, namespace, ctx.worker.context_tokens), agent
+        except ContextLengthError as exc:  # refused from its length before its ids become Python objects
+            raise ApiError(400, str(exc), param="messages", code="context_length_exceeded") from exc
         except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)
             raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages",
                            code="invalid_value") from exc

@@ -34,10 +34,11 @@ _TERMS = ((1,), (0, 1), (1, 2), (0, 1, 2))
 
 @dataclass(frozen=True)
 class PieceCost:
-    """One prefill piece as run: its tokens, the keys they attended to (summed) and its time."""
+    """One prefill piece as run: its tokens, the keys they attended to (summed) and its time. A piece of layers
+    counts the tokens of a whole forward with its work (token-layers over the model's layers): not whole."""
 
-    num_tokens: int
-    num_attended_keys: int
+    num_tokens: float
+    num_attended_keys: float
     ms: float
 
 
@@ -67,7 +68,7 @@ class ChunkBudget:
     def num_observed(self) -> int:
         return len(self._pieces)
 
-    def predict_ms(self, num_tokens: int, num_attended_keys: int) -> float:
+    def predict_ms(self, num_tokens: float, num_attended_keys: float) -> float:
         fixed, per_token, per_key = self.coef_ms
         return fixed + per_token * num_tokens + per_key * num_attended_keys
 

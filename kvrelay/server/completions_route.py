@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvrelay.errors import ContextLengthError
 from kvrelay.server.context import AppContext
 from kvrelay.server.prompting import PromptBuild, completion_ids
 from kvrelay.server.protocol import ApiError, CompletionRequest
@@ -49,7 +50,11 @@ def completions_router(ctx: AppContext) -> APIRouter:
             catalog.learn_published(namespace)  # spans and completions other replicas published to the tier
             if isinstance(prompt, list):
                 return PromptBuild(list(prompt), []), agent
-            return completion_ids(ctx.tokenizer, prompt, catalog.registry, namespace), agent
+            try:
+                return completion_ids(ctx.tokenizer, prompt, catalog.registry, namespace,
+                                      ctx.worker.context_tokens), agent
+            except ContextLengthError as exc:  # refused from its length before its ids become Python objects
+                raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from exc
 
         job, events = ctx.make_job(body, namespace, method, build, body.max_tokens, _DEFAULT_MAX_TOKENS,
                                    body.logprobs)

@@ -108,9 +108,9 @@ def _content_tokens(char_ranges: list[tuple[int, int]], offsets: list[tuple[int,
 
 
 def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], registry: OutputRegistry | None = None,
-             namespace: str = "") -> PromptBuild:
+             namespace: str = "", max_tokens: int | None = None) -> PromptBuild:
     """Token ids of ``messages`` under the model's chat template, quoted outputs spliced in, and the
-    token ranges of the messages' contents."""
+    token ranges of the messages' contents. A prompt over ``max_tokens``: ContextLengthError (``Tokenizer.encode``)."""
     found: list[RegisteredOutput] = []
     usable = registry is not None and not any(_OPEN in m["content"] or _CLOSE in m["content"] for m in messages)
     if usable:
@@ -119,7 +119,7 @@ def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], registry: Out
     if found:
         build, offsets = _tokenize_marked(tokenizer, text, found)
     else:
-        ids, offsets = tokenizer.encode_with_offsets(text)
+        ids, offsets = tokenizer.encode_with_offsets(text, max_tokens)
         build = PromptBuild(ids, [])
     chars = _content_chars(text, [m["content"] for m in messages])
     build.content_ranges = None if chars is None else _content_tokens(chars, offsets)
@@ -127,10 +127,11 @@ def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], registry: Out
 
 
 def completion_ids(tokenizer: Tokenizer, prompt: str, registry: OutputRegistry | None = None,
-                   namespace: str = "") -> PromptBuild:
-    """Token ids of a raw completion prompt, quoted outputs spliced in."""
+                   namespace: str = "", max_tokens: int | None = None) -> PromptBuild:
+    """Token ids of a raw completion prompt, quoted outputs spliced in; over ``max_tokens``: ContextLengthError."""
     found: list[RegisteredOutput] = []
     if registry is None or _OPEN in prompt or _CLOSE in prompt:
-        return PromptBuild(tokenizer.encode(prompt), [])
+        return PromptBuild(tokenizer.encode(prompt, max_tokens), [])
     marked = _mark(prompt, registry, namespace, found)
-    return _tokenize_marked(tokenizer, marked, found)[0] if found else PromptBuild(tokenizer.encode(prompt), [])
+    return _tokenize_marked(tokenizer, marked, found)[0] if found else PromptBuild(tokenizer.encode(prompt, max_tokens),
+                                                                                   [])

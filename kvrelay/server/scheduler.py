@@ -1,20 +1,15 @@
 """The engine worker: one thread owns the engine and runs schedule -> run -> postprocess.
 
 Each turn it (1) drops requests whose clients went away, (2) admits waiting requests while fewer than
-``max_running`` are prefilling or decoding, (3) advances their prefills within a cost budget (chunked prefill,
-as vLLM and SGLang schedule: a long prompt runs in pieces between decode steps, so it never stalls the running
-streams for more than one piece; ``ChunkBudget`` sizes each piece by its predicted time, learned from the pieces
-run, to what ``prefill_chunk_tokens`` tokens cost at the start of a prompt, so pieces deep in a long prompt,
-whose tokens attend to more keys, get fewer tokens), (4) runs one
-batched ``engine.step`` for all running requests, and (5) hands tokens back to the asyncio side as events
-through the request's ``emit`` callback (``loop.call_soon_threadsafe``; how tokens become events is the
-``Job``'s, kvrelay.server.job). The queue is FIFO and bounded; a full queue is a 429.
+``max_running`` are prefilling or decoding, (3) advances their prefills within a cost budget (kvrelay.server.
+prefill_turn: a long prompt runs in pieces between decode steps, so it never stalls the running streams for more
+than one piece), (4) runs one batched ``engine.step`` for all running requests, and (5) hands tokens back to the
+asyncio side as events through the request's ``emit`` callback (``loop.call_soon_threadsafe``; how tokens become
+events is the ``Job``'s, kvrelay.server.job). The queue is FIFO and bounded; a full queue is a 429.
 
 Tokenizing and matching a request (``prepare``) is the costly part of admission that needs no model: the
 server runs it on a thread of its own before ``submit`` (the tokenizer releases the GIL), so a huge body
-never holds the engine thread. The prefill budget goes to the request with the fewest tokens left first
-(a short request is not held behind a long one's pieces); one that got no budget for
-``_MAX_SKIPPED_TURNS`` turns goes first, so a long prompt is never starved.
+never holds the engine thread.
 """
 
 from __future__ import annotations
@@ -32,10 +27,11 @@ from kvrelay.engine.prefill import PrefillTask
 from kvrelay.errors import KvRelayError, StoreFullError
 from kvrelay.model.sampling import SamplingConfig, SamplingError
 from kvrelay.server.catalog import SpanCatalog
-from kvrelay.server.chunk_budget import ChunkBudget, PieceCost, attended_keys
+from kvrelay.server.chunk_budget import ChunkBudget
 from kvrelay.server.events import ErrorEvent
 from kvrelay.server.job import Job, ids_of_text
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.prefill_turn import advance_prefills
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
@@ -44,7 +40,6 @@ __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its ho
 
 log = logging.getLogger("kvrelay.server")
 DEFAULT_PREFILL_CHUNK_TOKENS = 512  # a turn's prefill budget: what this many tokens cost at a prompt's start
-_MAX_SKIPPED_TURNS = 4  # a prefill that got no budget this many turns goes first
 _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
 
 
@@ -225,7 +220,7 @@ class EngineWorker:
                 self._release(job)
             else:
                 self._admit(job)
-        self._prefill()
+        advance_prefills(self._prefilling, self.chunk_budget, self._prefilled, self._prefill_failed)
         live = [j for j in self._running if not j.seq.done]
         if live:
             tokens = self.engine.step([j.seq for j in live])
@@ -273,52 +268,22 @@ class EngineWorker:
             return False
         return True
 
-    def _prefill(self) -> None:
-        """Advance the prefills within this turn's cost budget (``chunk_budget``): the fewest tokens left first, one
-        skipped ``_MAX_SKIPPED_TURNS`` turns before all; a piece is at least the budget's ``min_tokens`` (or what is
-        left of its prompt), so one that fits no more this turn waits for the next. A finished one joins the decode
-        batch, its first token out at once. A request whose prefill fails is failed alone."""
-        budget, spent, first = self.chunk_budget, 0.0, True  # spent: the turn's budget used, as a share of it
-        order = sorted(self._prefilling, key=lambda j: (j.num_skipped_turns < _MAX_SKIPPED_TURNS,
-                                                        j.task.num_remaining_tokens))
-        for job in order:
-            try:
-                num = self._piece_tokens(job.task, budget.turn_ms * (1 - spent), first)
-                if num is None:
-                    job.num_skipped_turns += 1
-                    continue
-                first, job.num_skipped_turns = False, 0
-                num = job.task.advance(num)
-                if job.task.last_piece is not None:
-                    budget.observe(PieceCost(*job.task.last_piece))
-                    spent += budget.predict_ms(*job.task.last_piece[:2]) / budget.turn_ms
-                else:  # a plan that ran whole: its prompt as if from position 0
-                    spent += budget.predict_ms(num, num * (num + 1) // 2) / budget.turn_ms
-                if job.task.done:
-                    job.seq = job.task.sequence()
-                    job.task = None
-                    self._prefilling.remove(job)
-                    self._begin(job)
-            except (ApiError, KvRelayError) as exc:
-                status, code = (exc.status, exc.code) if isinstance(exc, ApiError) else (400, "invalid_value")
-                message = exc.message if isinstance(exc, ApiError) else str(exc)
-                self._fail(job, status, message, code)
-            except Exception:
-                log.exception("prefilling a request failed")
-                self._fail(job, 500, "internal error while starting this request", "internal_error")
+    def _prefilled(self, job: Job) -> None:
+        """A finished prefill joins the decode batch, its first token out at once."""
+        job.seq = job.task.sequence()
+        job.task = None
+        self._prefilling.remove(job)
+        self._begin(job)
 
-    def _piece_tokens(self, task: PrefillTask, budget_ms: float, first: bool) -> int | None:
-        """Tokens for ``task``'s next piece within ``budget_ms`` of the turn, or None when it waits: no budget left,
-        or (not the turn's first piece) not even the least piece fits. Plans the call on its first piece."""
-        if budget_ms <= 0:
-            return None
-        positions = task.upcoming_positions(self.chunk_budget.max_tokens)
-        if positions is None:  # a plan that runs whole
-            return self.chunk_budget.max_tokens
-        num = self.chunk_budget.num_tokens(positions, budget_ms)
-        if not first and self.chunk_budget.predict_ms(num, attended_keys(positions[:num])) > budget_ms:
-            return None
-        return num
+    def _prefill_failed(self, job: Job, exc: Exception) -> None:
+        """A request whose prefill failed is failed alone."""
+        if isinstance(exc, ApiError):
+            self._fail(job, exc.status, exc.message, exc.code)
+        elif isinstance(exc, KvRelayError):
+            self._fail(job, 400, str(exc), "invalid_value")
+        else:
+            log.error("prefilling a request failed", exc_info=exc)
+            self._fail(job, 500, "internal error while starting this request", "internal_error")
 
     def _drop_prefill(self, job: Job) -> None:
         """The client went away while its prompt was prefilling: its KV is freed, nothing is published."""

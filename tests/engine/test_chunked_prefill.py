@@ -13,8 +13,9 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.reuse.base import CallInput, SpanRef
 from tests.helpers import generate, publish, tiny_lm
 
-CHUNKED = ["full", "prefix", "naive", "epic"]  # their active set is fixed in advance
-ONE_PIECE = ["cacheblend"]  # its band selects as it goes: one forward
+CHUNKED = ["full", "prefix", "naive", "epic"]  # their active set is fixed in advance: pieces of tokens
+BY_LAYERS = ["cacheblend", "relay[band=1:2:3]", "relay[band=1:1:3]"]  # their band selects as it goes: pieces of
+# layers (relay: a selector at L_det, and an admission where L_det == L_start)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -40,11 +41,14 @@ def _chunked(engine: Engine, call: CallInput, method: str, budget: int, options:
     while not task.done:
         remaining = task.num_remaining_tokens
         pieces.append(task.advance(budget))
-        assert task.num_remaining_tokens == (0 if task.done else remaining - pieces[-1])
+        if method in CHUNKED:
+            assert task.num_remaining_tokens == (0 if task.done else remaining - pieces[-1])
+        else:  # the prompt's share of the layers left
+            assert 0 <= task.num_remaining_tokens < remaining
     return task.sequence(), pieces
 
 
-@pytest.mark.parametrize("method", CHUNKED + ONE_PIECE)
+@pytest.mark.parametrize("method", CHUNKED + BY_LAYERS)
 @pytest.mark.parametrize("budget", [1, 7, 16])
 def test_chunked_prefill_gives_the_one_shot_logits_kv_and_tokens(setup, method, budget):
     lm, store, call = setup
@@ -53,11 +57,11 @@ def test_chunked_prefill_gives_the_one_shot_logits_kv_and_tokens(setup, method, 
     whole = engine.start(call, method, options)
     seq, pieces = _chunked(engine, call, method, budget, options)
     n = len(call.prompt_ids)
+    assert len(pieces) > 1 and seq.stats.num_prefill_chunks == len(pieces)
     if method in CHUNKED:
-        assert all(0 < p <= budget for p in pieces) and len(pieces) > 1
-        assert seq.stats.num_prefill_chunks == len(pieces)
-    else:
-        assert pieces == [n] and seq.stats.num_prefill_chunks == 1
+        assert all(0 < p <= budget for p in pieces)
+    else:  # a piece of layers: at least one layer (a 4-layer model: a quarter of the prompt's work)
+        assert len(pieces) <= lm.model.config.num_layers and all(p > 0 for p in pieces)
     torch.testing.assert_close(seq.first_logits, whole.first_logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(seq.cache.k[:, :, :n], whole.cache.k[:, :, :n], atol=1e-4, rtol=0)
     torch.testing.assert_close(seq.cache.v[:, :, :n], whole.cache.v[:, :, :n], atol=1e-4, rtol=0)
@@ -97,7 +101,7 @@ def test_ttft_covers_the_wall_time_between_chunks(setup, monkeypatch):
     assert task.compute_ms == pytest.approx(300.0)  # three pieces of 0.1 s
 
 
-@pytest.mark.parametrize("method", CHUNKED + ONE_PIECE)
+@pytest.mark.parametrize("method", CHUNKED + BY_LAYERS)
 def test_pieces_of_shrinking_sizes_give_the_one_shot_results(setup, method):
     """The server sizes each piece by its cost (fewer tokens deeper in the prompt), from ``upcoming_positions``:
     the positions it reports are the ones each piece computes, and the sizes change nothing."""
@@ -108,18 +112,19 @@ def test_pieces_of_shrinking_sizes_give_the_one_shot_results(setup, method):
     task = engine.begin(call, method, options)
     sizes, seen = iter([13, 8, 5, 3, 2] + [1] * len(call.prompt_ids)), []
     while not task.done:
-        positions = task.upcoming_positions(64)
+        positions, layer = task.upcoming_positions(64), task.upcoming_layer()
+        assert (positions is None) != (layer is None)
         num = task.advance(next(sizes))
         if positions is not None:
             seen += positions[:num]
             assert task.last_piece[:2] == (num, sum(positions[:num]) + num)
-        else:
-            assert task.last_piece is None
+        else:  # at least the layer it announced
+            assert task.last_piece[0] >= layer[0] and task.last_piece[1] >= layer[1]
     seq = task.sequence()
     if method in CHUNKED:
         assert seen == sorted(set(seen)) and seen[-1] == len(call.prompt_ids) - 1 and seq.stats.num_prefill_chunks > 5
     else:
-        assert seen == [] and seq.stats.num_prefill_chunks == 1
+        assert seen == [] and seq.stats.num_prefill_chunks > 1
     torch.testing.assert_close(seq.first_logits, whole.first_logits, atol=1e-4, rtol=0)
     for s in (seq, whole):
         while not s.done:
@@ -127,7 +132,7 @@ def test_pieces_of_shrinking_sizes_give_the_one_shot_results(setup, method):
     assert seq.output_ids == whole.output_ids
 
 
-@pytest.mark.parametrize("method", ONE_PIECE)
+@pytest.mark.parametrize("method", ["cacheblend"])
 def test_a_band_with_nothing_to_reuse_chunks_and_gives_the_one_shot_results(setup, method):
     """A fresh prompt (no span matched): the band has no token to select, so it prefills in pieces like ``full``."""
     lm, store, _ = setup
@@ -143,3 +148,44 @@ def test_a_band_with_nothing_to_reuse_chunks_and_gives_the_one_shot_results(setu
         while not s.done:
             engine.step([s])
     assert seq.output_ids == whole.output_ids
+
+
+def _layer_pieces(engine: Engine, call: CallInput, method: str, options: GenerateOptions, layers_per_piece: list[int]):
+    """The prefill as pieces of ``layers_per_piece`` layers each (cycled), decoded to the end."""
+    task = engine.begin(call, method, options)
+    sizes = iter(layers_per_piece * engine.lm.model.config.num_layers)
+    while not task.done:
+        asked = iter(range(next(sizes)))
+        task.advance(0, fits=lambda tokens, keys, asked=asked: next(asked, None) is not None)
+    seq = task.sequence()
+    while not seq.done:
+        engine.step([seq])
+    return seq
+
+
+@pytest.mark.parametrize("method", BY_LAYERS)
+@pytest.mark.parametrize("layers_per_piece", [[1], [2, 1], [3]])
+def test_a_selecting_band_in_pieces_of_layers_is_bit_identical_to_one_forward(setup, method, layers_per_piece):
+    """Relay's and CacheBlend's band with span tokens (they select at a layer from every token's deviation): run as
+    pieces of layers between which other work runs, the logits, every layer's KV, the selection and the tokens are
+    exactly those of one forward (not merely close)."""
+    lm, store, call = setup
+    engine = Engine(lm, store, capture_layers=(1,))
+    options = GenerateOptions(SamplingConfig(max_new_tokens=8), keep_cache=True)
+    whole = engine.start(call, method, options)
+    while not whole.done:
+        engine.step([whole])
+    assert whole.stats.num_reused_tokens > 0 and whole.plan.schedule.span_idx.numel() > 0  # the band has span tokens
+    other = engine.start(CallInput(_prompt(30, 9)), "full", GenerateOptions(SamplingConfig(max_new_tokens=3)))
+    seq = _layer_pieces(engine, call, method, options, layers_per_piece)
+    engine.step([other])  # (another stream decoding meanwhile shares nothing with it)
+    assert seq.stats.num_prefill_chunks > 1
+    n = len(call.prompt_ids) + len(seq.output_ids) - 1
+    assert torch.equal(seq.first_logits, whole.first_logits)
+    assert torch.equal(seq.cache.k[:, :, :n], whole.cache.k[:, :, :n])
+    assert torch.equal(seq.cache.v[:, :, :n], whole.cache.v[:, :, :n])
+    assert seq.plan.schedule.num_selected == whole.plan.schedule.num_selected
+    assert seq.stats.num_computed_token_layers == whole.stats.num_computed_token_layers
+    assert seq.output_ids == whole.output_ids
+    for layer, h in whole.prompt_hidden.items():
+        assert torch.equal(seq.prompt_hidden[layer], h)

@@ -132,6 +132,36 @@ def test_a_long_prompt_prefills_in_chunks_while_the_running_request_decodes_ever
     worker.stop()
 
 
+def test_a_prompt_reusing_a_span_prefills_its_band_in_pieces_of_layers_while_others_decode(tiny):
+    """CacheBlend's band with span tokens (it selects at a layer from every token's deviation) runs as pieces of
+    layers (a layer of 600 tokens costs more than the 64-token budget: one a turn): the running request gets one token
+    in every turn of it."""
+    worker = _worker(tiny, 64)
+    text_ids = tiny.tokenizer.encode("word " * 600)
+    first = _prepared(worker, text_ids, _Events(), 1)  # published: its prompt is a span the next one reuses
+    worker.submit(first)
+    while not first.emit.ended.is_set():
+        worker.run_turn()
+    running = _prepared(worker, tiny.tokenizer.encode("a prompt that decodes for a while"), _Events(), 200)
+    worker.submit(running)
+    worker.run_turn()
+    long = _prepared(worker, tiny.tokenizer.encode("a preamble first, ") + text_ids, _Events(), 4, "cacheblend")
+    worker.submit(long)
+    num_turns = 0
+    while long.seq is None:
+        before = len(running.seq.output_ids)
+        worker.run_turn()
+        num_turns += 1
+        assert len(running.seq.output_ids) == before + 1  # a decode token in every turn of the long prefill
+    assert long.seq.stats.num_reused_tokens > 500 and long.seq.plan.schedule.span_idx.numel() > 500
+    # a piece a turn: each layer of the band (every token) alone, the cheap ones above it (new tokens only) together
+    assert 2 <= num_turns == long.seq.stats.num_prefill_chunks <= tiny.config.num_layers
+    while worker.num_running:
+        worker.run_turn()
+    assert isinstance(long.emit.events[-1], DoneEvent)
+    worker.stop()
+
+
 def test_a_prefill_starved_by_short_requests_goes_first_after_a_few_turns(tiny):
     """Short requests keep using the whole budget: the long prompt still advances every few turns."""
     worker = _worker(tiny, 8)
@@ -157,8 +187,8 @@ def test_the_chunks_of_a_long_prompt_shrink_to_the_cost_of_its_first(tiny, monke
     real_advance = PrefillTask.advance
     pieces = []
 
-    def timed_advance(task: PrefillTask, budget_tokens: int) -> int:
-        num = real_advance(task, budget_tokens)
+    def timed_advance(task: PrefillTask, budget_tokens: int, fits=None) -> int:
+        num = real_advance(task, budget_tokens, fits)
         if task.last_piece is not None:
             num_tokens, num_keys, _ = task.last_piece
             task.last_piece = (num_tokens, num_keys, synthetic_ms(num_tokens, num_keys))

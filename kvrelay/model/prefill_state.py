@@ -1,0 +1,124 @@
+"""A prefill's state between layers: its active set (``ActiveSet``) and how far its forward has run
+(``LayerForward``).
+
+A schedule that selects tokens as it goes (CacheBlend's and RelayCaching's band, RKSC's exit) needs every token's
+state at its selecting layer, so its prefill cannot run as pieces of tokens. It can run as pieces of layers: the
+forward stops after any layer and resumes at the next with the same active set, hidden states and schedule, so the
+pieces run the very operations of one forward, in the same order (``Transformer.prefill_layers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrelay.errors import ScheduleError
+from kvrelay.model.rope import RotaryEmbedding
+from kvrelay.model.schedule import Entry, Schedule
+
+if TYPE_CHECKING:
+    from kvrelay.cache.kv import SequenceKV
+
+
+def drops(kept: torch.Tensor | None, num_active: int) -> bool:
+    """Whether a schedule's kept rows leave out some of the ``num_active`` tokens (from their shape: no GPU wait)."""
+    if kept is None:
+        return False
+    if kept.dtype == torch.bool:  # a mask's length says nothing of what it keeps
+        raise ScheduleError("a schedule returned a keep mask where the kept rows belong (schedule.rows_of)")
+    return kept.numel() != num_active
+
+
+def keep_rows(kept: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows ``kept`` ([m] int64, ascending) of each tensor (dim 0): ``index_select`` is several times faster on
+    CPU than indexing by a mask."""
+    return tuple(t.index_select(0, kept) for t in tensors)
+
+
+class ActiveSet:
+    """A prefill's active tokens (prompt indices [n_act] ascending, hidden states [n_act, hidden]) and, per (rope,
+    window), what attention needs of the set: [causal, mask (built on first use), cos, sin], rebuilt only when the
+    set changes."""
+
+    def __init__(self, n: int, tables: dict, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.n, self.tables = n, tables  # tables: rope -> its cos, sin of positions 0..n-1
+        self.idx = torch.empty(0, dtype=torch.long, device=device)
+        self.h = torch.empty(0, hidden_size, dtype=dtype, device=device)
+        self._views: dict = {}
+        self._num_keys: int | None = None  # keys the set attends to (causal), read back on first use
+
+    def _changed(self) -> None:
+        self._views, self._num_keys = {}, None
+
+    def join(self, idx: torch.Tensor, new_h: torch.Tensor) -> None:
+        self.idx, order = torch.sort(torch.cat([self.idx, idx]))
+        self.h = torch.cat([self.h, new_h.to(self.h.device, self.h.dtype)]).index_select(0, order)
+        self._changed()
+
+    def update(self, idx: torch.Tensor, h: torch.Tensor, changed: bool) -> None:
+        self.idx, self.h = idx, h
+        if changed:
+            self._changed()
+
+    def keep(self, kept: torch.Tensor | None) -> None:
+        """Keep the rows a schedule hook returned (None: all)."""
+        if drops(kept, self.idx.numel()):
+            self.idx, self.h = keep_rows(kept, self.idx, self.h)
+            self._changed()
+
+    def holds_last(self) -> bool:
+        """Whether the prompt's last token is active (the one whose logits a prefill gives)."""
+        return self.idx.numel() > 0 and int(self.idx[-1]) == self.n - 1
+
+    def num_keys(self) -> int:
+        """Keys the active tokens attend to, summed (position p attends to p + 1): a layer's attention work. Read
+        back from the device once per change of the set (only a prefill run in pieces asks)."""
+        if self._num_keys is None:
+            self._num_keys = int(self.idx.sum()) + self.idx.numel()
+        return self._num_keys
+
+    def view(self, rope: RotaryEmbedding, window: int | None) -> list:
+        if (rope, window) not in self._views:
+            n, n_act = self.n, self.idx.numel()
+            # rows 0..n-1 against keys 0..n-1: SDPA's own causal mask; any other mask is built on first use (a
+            # selecting layer that drops tokens needs one for the kept tokens only)
+            self._views[rope, window] = [n_act == n and (window is None or n <= window), None,
+                                         self.tables[rope][0].index_select(0, self.idx),
+                                         self.tables[rope][1].index_select(0, self.idx)]
+        return self._views[rope, window]
+
+
+@dataclass
+class LayerForward:
+    """A prefill stopped between two layers: ``Transformer.begin_prefill`` makes it, ``prefill_layers`` runs it on
+    (a range of layers at a time), ``finish_prefill`` gives its result."""
+
+    token_ids: torch.Tensor  # [n] on the model's device
+    cache: SequenceKV
+    schedule: Schedule
+    all_logits: bool
+    entries: dict[int, Entry]  # layer -> the tokens joining there
+    act: ActiveSet
+    num_layers: int
+    next_layer: int = 0  # the first layer not run yet
+    num_computed: int = 0  # sum over the layers run of the active-set size
+    exit_layer: int | None = None  # where the schedule's exit test stopped it
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.exit_layer is not None or self.next_layer >= self.num_layers
+
+    def upcoming(self) -> tuple[int, int]:
+        """(tokens, keys they attend to summed) of the next layer: the active set with the tokens entering there (at
+        most: an admission may refuse some); (0, 0) once done. What a piece's next layer costs, for sizing it."""
+        if self.done:
+            return 0, 0
+        entry = self.entries.get(self.next_layer)
+        num, num_keys = self.act.idx.numel(), self.act.num_keys()
+        if entry is not None and entry.token_idx.numel():
+            num += entry.token_idx.numel()
+            num_keys += int(entry.token_idx.sum()) + entry.token_idx.numel()
+        return num, num_keys
