@@ -40,7 +40,7 @@ class Job:
     debug: bool
     emit: Callable[[Event], None]  # thread-safe: delivers an event to the request's asyncio side
     cache_output: bool = True
-    role: str = ""  # ``role_key`` of the request's system message (the agent, as methods that learn per role and the quality guard key it)
+    role: str = ""  # ``role_key`` of the request's system message (the agent: per-role state keys on it)
     first_token_logprobs: bool = False
     # tool calling: splits the output into content and tool-call deltas (kvrelay.server.tools.ToolStream)
     tool_stream: Any = None
