@@ -63,9 +63,18 @@ class RungEstimate:
         self._kl_bounds_cache: dict[bool, tuple[int, tuple[float, float]]] = {}  # continuation? -> (num_total, b)
 
     def add(self, first_token_kl: float, top1_agree: bool, continuation_kl: float | None = None) -> None:
-        self.samples.append(Sample(max(first_token_kl, 0.0), bool(top1_agree),
-                                   None if continuation_kl is None else max(continuation_kl, 0.0)))
+        """One shadow comparison. A comparison that broke counts as the worst value, never as an error: a non-finite
+        KL (nan from nan logits, or inf) as ``kl_cap``, a non-finite agreement as a disagreement (``max(nan, 0)`` is
+        nan, and ``bool(nan)`` is True, so neither may reach the window as is)."""
+        broken_agree = isinstance(top1_agree, float) and not math.isfinite(top1_agree)
+        agree = bool(top1_agree) and not broken_agree
+        self.samples.append(Sample(self._kl_value(first_token_kl), agree,
+                                   None if continuation_kl is None else self._kl_value(continuation_kl)))
         self.num_total += 1
+
+    def _kl_value(self, kl: float) -> float:
+        kl = float(kl)
+        return max(kl, 0.0) if math.isfinite(kl) else self.kl_cap
 
     @property
     def num_samples(self) -> int:
