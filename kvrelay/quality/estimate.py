@@ -9,7 +9,7 @@ and so that a rung's estimate is made of recent traffic only.
 **First-token KL** (and the continuation's) is nonnegative and heavy-tailed: most calls sit near zero and a few
 spike. A t-interval trusts the sample variance, which stays tiny until the first spike arrives, so it would
 certify a rung after a handful of lucky calls. We bound instead the mean of ``min(KL, kl_cap) / kl_cap``, a variable
-in [0, 1], by betting (``kvrelay.quality.betting``): valid for every law on [0, 1] at every sample size (a capital
+in [0, 1], by betting (``kvrelay.quality.betting``): valid for every law on [0, 1], per check (a capital
 process and Markov's inequality, no normal approximation), and it uses the window's variance, so a window of
 near-constant KL is bounded close to its mean. It never trusts the variance of the values it has not seen: n calls
 at zero KL still bound the mean by about kl_cap x (1 - delta^(1/n)), which no valid bound can go under, since
