@@ -6,7 +6,12 @@ For a candidate mean m, a gambler starts with capital 1 and, before seeing each 
 values' (conditional) mean is m, every factor has expectation 1, so K_n(m) is a nonnegative martingale started at
 1 and, by Markov's inequality, reaches 1/delta with probability at most delta. The upper bound is the largest m the
 gambler has not yet refuted (K_n(m) < 1/delta), so the true mean is above it with probability at most delta: valid
-for any distribution on [0, 1], with no normal approximation, at every sample size.
+for any distribution on [0, 1], with no normal approximation, at any given sample size.
+
+Valid **per check**: the bets are tuned for the window's size n (the fixed-n variant, not the time-uniform one), and
+the guard checks a sliding window after every sample, so each check is wrong with probability at most delta but a
+role's whole life, many checks, holds a wrong move with a higher chance. That is acceptable because no move is
+final: the hold and the back-off, and the shadow samples that keep coming, re-check a rung after it moves.
 
 The bet is where the sample variance comes in: lambda_i = sqrt(2 log(1/delta) / (n var_{i-1})), from the values
 *before* x_i only (a bet may not peek at the value it is on), so a window of near-constant values bets big and

@@ -11,8 +11,9 @@ Defaults hold without per-model or per-workload tuning:
   reference prefill costs about one ``full`` prefill, a few percent of a call that decodes a hundred tokens.
 - **confidence** 0.9 one-sided, ``window`` 32 samples, judged from ``min_samples`` 16 on, ``hold_calls`` 16 before
   trying a cheaper rung, ``margin`` 0.8 of the KL target to count as well inside, ``kl_cap_factor`` 5 (see
-  ``kvrelay.quality.estimate``): with these a rung at zero KL is certified well inside after 15 samples, and the
-  start rung is held to its mean (``trust_start``), so a role can settle within its first few dozen calls.
+  ``kvrelay.quality.estimate``): with these a rung at zero KL is certified well inside once it is judged, at
+  ``min_samples`` (16; its bound alone would get there at 15), and the start rung is held to its mean
+  (``trust_start``), so a role can settle within its first few dozen calls.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class QualityConfig:
     # the clipped KL can certify a mean above ~0.02-0.035 nats under 0.05 (see kvrelay.quality.betting), so asking
     # the start rung for a certificate moves roles whose relay sits at 0.015-0.035 nats to prefix for nothing
     trust_start: bool = field(default=True, metadata={
-        "help": "the start rung breaks on its window's mean KL (clipped) over the target, not on its upper bound; "
-                "a rung the guard moves a role to must keep its KL upper bound under the target"})
+        "help": "the start rung breaks on its window's mean KL (clipped) over the target, not on its upper bound, "
+                "until it broke for the role; a rung the guard moves a role to (the start rung too, after it "
+                "broke) must keep its KL upper bound under the target"})
     confidence: float = field(default=0.9, metadata={"help": "one-sided confidence of the bounds, in (0.5, 1)"})
     window: int = field(default=32, metadata={"help": "most recent samples per role and rung that estimate it"})
     min_samples: int = field(default=16, metadata={"help": "samples a rung needs before it is judged"})

@@ -9,7 +9,7 @@ and so that a rung's estimate is made of recent traffic only.
 **First-token KL** (and the continuation's) is nonnegative and heavy-tailed: most calls sit near zero and a few
 spike. A t-interval trusts the sample variance, which stays tiny until the first spike arrives, so it would
 certify a rung after a handful of lucky calls. We bound instead the mean of ``min(KL, kl_cap) / kl_cap``, a variable
-in [0, 1], by betting (``kvrelay.quality.betting``): valid for every law on [0, 1] at every sample size (a capital
+in [0, 1], by betting (``kvrelay.quality.betting``): valid for every law on [0, 1], per check (a capital
 process and Markov's inequality, no normal approximation), and it uses the window's variance, so a window of
 near-constant KL is bounded close to its mean. It never trusts the variance of the values it has not seen: n calls
 at zero KL still bound the mean by about kl_cap x (1 - delta^(1/n)), which no valid bound can go under, since
@@ -63,9 +63,18 @@ class RungEstimate:
         self._kl_bounds_cache: dict[bool, tuple[int, tuple[float, float]]] = {}  # continuation? -> (num_total, b)
 
     def add(self, first_token_kl: float, top1_agree: bool, continuation_kl: float | None = None) -> None:
-        self.samples.append(Sample(max(first_token_kl, 0.0), bool(top1_agree),
-                                   None if continuation_kl is None else max(continuation_kl, 0.0)))
+        """One shadow comparison. A comparison that broke counts as the worst value, never as an error: a non-finite
+        KL (nan from nan logits, or inf) as ``kl_cap``, a non-finite agreement as a disagreement (``max(nan, 0)`` is
+        nan, and ``bool(nan)`` is True, so neither may reach the window as is)."""
+        broken_agree = isinstance(top1_agree, float) and not math.isfinite(top1_agree)
+        agree = bool(top1_agree) and not broken_agree
+        self.samples.append(Sample(self._kl_value(first_token_kl), agree,
+                                   None if continuation_kl is None else self._kl_value(continuation_kl)))
         self.num_total += 1
+
+    def _kl_value(self, kl: float) -> float:
+        kl = float(kl)
+        return max(kl, 0.0) if math.isfinite(kl) else self.kl_cap
 
     @property
     def num_samples(self) -> int:

@@ -12,11 +12,22 @@ once when its first token is out; for a shadowed request, ``record`` once its co
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 from kvrelay.errors import ConfigError
 from kvrelay.quality.config import QualityConfig
 from kvrelay.quality.ladder import LadderController, Move, RoleState, Rung, check_ladder
+
+
+def _check_measure(name: str, value: object, must_be_finite: bool) -> None:
+    """A ConfigError naming ``name`` unless ``value`` is a number >= 0 (or, unless ``must_be_finite``, non-finite)."""
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) and not must_be_finite:
+            return
+        if math.isfinite(value) and value >= 0:
+            return
+    raise ConfigError(f"quality record: {name} must be a number >= 0, got {value!r}")
 
 
 class QualityGuard:
@@ -91,13 +102,15 @@ class QualityGuard:
         spec a request named itself: estimated, never moving the role). The role may step up here."""
         if not self.enabled:
             return
-        for name, value in (("first_token_kl", first_token_kl), ("shadow_cost_ms", shadow_cost_ms)):
-            if not isinstance(value, (int, float)) or value != value or value < 0:
-                raise ConfigError(f"quality record: {name} must be a number >= 0, got {value!r}")
-        if continuation_kl is not None and (continuation_kl != continuation_kl or continuation_kl < 0):
-            raise ConfigError(f"quality record: continuation_kl must be a number >= 0, got {continuation_kl!r}")
+        # a non-finite KL (nan logits, say) is a comparison that broke: the estimate counts it as the worst value,
+        # the cap; refusing it here would raise on the server's worker thread, which fails every running request
+        for name, value, must_be_finite in (("first_token_kl", first_token_kl, False),
+                                            ("continuation_kl", continuation_kl, False),
+                                            ("shadow_cost_ms", shadow_cost_ms, True)):
+            if value is not None or name != "continuation_kl":
+                _check_measure(name, value, must_be_finite)
         state = self._state(namespace, role)
-        self.controller.estimate(state, rung_name).add(float(first_token_kl), bool(top1_agree), continuation_kl)
+        self.controller.estimate(state, rung_name).add(float(first_token_kl), top1_agree, continuation_kl)
         self.num_samples += 1
         self.shadow_cost_ms += float(shadow_cost_ms)
         self._moved(namespace, role, self.controller.after_sample(state, rung_name))

@@ -93,7 +93,8 @@ class LadderController:
       The start rung (with ``trust_start``) is held to its window's mean KL instead of the upper bound: the shipped
       tables put it inside the target, and 16-32 samples cannot certify a mean KL much above 0.02 nats under 0.05
       with any bound valid for every law of the clipped KL (``kvrelay.quality.betting``); the mean still sends a
-      role whose own traffic puts the start rung over the target up at ``min_samples``.
+      role whose own traffic puts the start rung over the target up at ``min_samples``. Once the start rung broke for
+      a role, it is trusted no more: the guard moving the role back to it holds it to its upper bound, as any rung.
       A rung that broke may not be tried again for ``hold_calls`` x 2^(times it broke) calls: a role whose cheap
       rung is bad stays up, trying it ever more rarely.
     - **Down** (cheaper) when the live rung has held for ``hold_calls`` calls, its KL upper bound is within
@@ -148,7 +149,10 @@ class LadderController:
     def after_sample(self, state: RoleState, setting: str) -> Move | None:
         """A sample of ``setting`` was recorded: move the role up when its live rung now breaks the target."""
         live = self.ladder[state.rung_index]
-        refuted_only = self.config.trust_start and state.rung_index == self.start_index
+        # the start rung is trusted on the shipped tables' word only until this role's own traffic breaks it there;
+        # once it did, a return to it is a move like any other and must keep its KL upper bound under the target
+        refuted_only = (self.config.trust_start and state.rung_index == self.start_index
+                        and not state.num_breaks.get(self.start_index))
         if setting != live.name or not self.breaks(self.estimate(state, live.name), refuted_only):
             return None
         if state.rung_index == len(self.ladder) - 1:

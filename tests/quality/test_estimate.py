@@ -32,6 +32,20 @@ def test_the_kl_bound_is_the_betting_bound_of_the_clipped_window_in_nats():
     assert est.kl_mean() == pytest.approx(sum(kls[1:]) / 4)
 
 
+@pytest.mark.parametrize("broken", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_kl_counts_as_the_cap(broken):
+    """max(nan, 0.0) is nan: stored as is, it made the betting bound raise; a broken comparison is the worst value."""
+    est = RungEstimate(window=8, kl_cap=0.25, confidence=0.9)
+    est.add(0.01, True, 0.02)
+    est.add(broken, float("nan"), broken)
+    capped = RungEstimate(window=8, kl_cap=0.25, confidence=0.9)
+    capped.add(0.01, True, 0.02)
+    capped.add(0.25, False, 0.25)
+    assert est.kl_bounds() == capped.kl_bounds() and est.kl_bounds(continuation=True) == capped.kl_bounds(True)
+    assert est.kl_mean() == pytest.approx(0.13) and est.agreement_mean() == 0.5
+    assert est.to_dict() == capped.to_dict()
+
+
 def test_zero_kl_is_bounded_above_the_floor_of_any_valid_bound():
     """n calls at zero KL: the upper bound is at least cap x (1 - delta^(1/n)) (the law "zero, or a spike to the cap
     with probability p" shows n zeros with probability (1 - p)^n), and it falls as the calls add up."""

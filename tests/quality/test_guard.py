@@ -44,14 +44,30 @@ def test_a_rung_reached_without_samples_is_shadowed_on_every_call_again():
     assert not g.should_shadow("ns", "r")
 
 
-@pytest.mark.parametrize("kwargs", [{"first_token_kl": -0.1}, {"first_token_kl": float("nan")},
-                                    {"shadow_cost_ms": -1.0}, {"continuation_kl": -2.0}])
+@pytest.mark.parametrize("kwargs", [{"first_token_kl": -0.1}, {"first_token_kl": "0.1"}, {"shadow_cost_ms": -1.0},
+                                    {"shadow_cost_ms": float("nan")}, {"continuation_kl": -2.0}])
 def test_bad_records_are_refused_by_name(kwargs):
     g = QualityGuard()
     args = {"first_token_kl": 0.0, "top1_agree": True, "continuation_kl": None, "shadow_cost_ms": 0.0, **kwargs}
     with pytest.raises(ConfigError, match=next(iter(kwargs))):
         g.record("ns", "r", "relay", **args)
     assert g.aggregates()["num_samples"] == 0
+
+
+@pytest.mark.parametrize("broken", [float("nan"), float("inf")])
+def test_a_non_finite_kl_counts_as_the_cap_and_never_raises(broken):
+    """nan logits give a nan KL: recorded on the server's worker thread, a raise there fails every running request,
+    so the guard counts it as the worst value instead, and the role steps up as on any clearly bad rung."""
+    cfg = QualityConfig()
+    g = QualityGuard(cfg)
+    for _ in range(cfg.early_break_samples):
+        rung = g.rung_for("ns", "r")
+        g.record("ns", "r", rung.name, broken, float("nan"), broken, 1.0)
+    assert g.aggregates()["num_samples"] == cfg.early_break_samples
+    assert g.rung_for("ns", "r").name == "prefix"  # three calls at the cap: the KL lower bound is over the target
+    relay = g.snapshot("ns")["roles"]["r"]["estimates"]["relay"]
+    assert relay["first_token_kl"]["mean"] == pytest.approx(cfg.kl_cap)
+    assert relay["top1_agreement"]["mean"] == 0.0  # a broken agreement is a disagreement
 
 
 def test_a_custom_ladder_and_aggregates():

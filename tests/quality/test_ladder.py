@@ -89,6 +89,27 @@ def test_a_refuted_start_rung_breaks():
     assert [rung for rung, _ in calls[:cfg.min_samples + 1]] == ["relay"] * cfg.min_samples + ["prefix"]
 
 
+def test_a_start_rung_that_broke_is_held_to_its_upper_bound_when_returned_to():
+    """relay breaks at the start (0.15 nats), the role moves to prefix, and relay then sits at 0.04 on every call:
+    its mean is inside the target but its bound is not. The guard moved the role back to relay, so relay is no longer
+    trusted on the shipped tables' word: it breaks again at min_samples (trusted, it would stay for good)."""
+    def stream(i: int, rung: str) -> tuple[float, bool]:
+        if rung == "relay":
+            return (0.15, True) if i < 8 else (0.04, True)
+        return {"naive": BAD, "prefix": (0.0, True)}[rung]
+
+    g = guard()
+    calls = drive(g, stream, 200)
+    cfg = g.config
+    assert moves(g)[0]["reason"] == "break" and moves(g)[0]["at_call"] < cfg.min_samples
+    back = moves(g)[1]
+    assert (back["from"], back["to"], back["reason"]) == ("prefix", "relay", "inside")
+    at = back["at_call"]
+    assert [rung for rung, _ in calls[at:at + cfg.min_samples + 1]] == ["relay"] * cfg.min_samples + ["prefix"]
+    assert moves(g)[2]["reason"] == "break"
+    assert sum(rung == "relay" for rung, _ in calls[at + cfg.min_samples:]) <= cfg.min_samples  # backed off
+
+
 def test_moves_down_only_when_well_inside_the_target():
     """relay at a KL whose bound is under the target but not under margin x target: the role stays there."""
     g = guard(start="relay", window=16)
