@@ -15,6 +15,7 @@ import bisect
 import re
 from dataclasses import dataclass
 
+from kvrelay.errors import ContextLengthError
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
 
@@ -49,17 +50,22 @@ def _mark(content: str, registry: OutputRegistry, namespace: str, found: list[Re
     return "".join(pieces) + content[pos:]
 
 
-def _tokenize_marked(tokenizer: Tokenizer, text: str, found: list[RegisteredOutput]
+def _tokenize_marked(tokenizer: Tokenizer, text: str, found: list[RegisteredOutput], max_tokens: int | None = None
                      ) -> tuple[PromptBuild, list[tuple[int, int]]]:
     """The prompt with each marker's output spliced in, and every token's character range in ``text``
-    (a spliced token gets its marker's)."""
+    (a spliced token gets its marker's). Over ``max_tokens``: ContextLengthError, each piece refused from its
+    encoding's length (what the prompt holds so far leaves it less) before its ids become Python objects."""
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []
     splices: list[Splice] = []
     pos = 0
 
     def encode_piece(start: int, end: int) -> None:
-        piece_ids, piece_offsets = tokenizer.encode_with_offsets(text[start:end])
+        allowance = None if max_tokens is None else max(max_tokens - len(ids), 0)
+        try:
+            piece_ids, piece_offsets = tokenizer.encode_with_offsets(text[start:end], allowance)
+        except ContextLengthError:
+            raise _over(max_tokens) from None
         ids.extend(piece_ids)
         offsets.extend((start + a, start + b) for a, b in piece_offsets)
 
@@ -73,7 +79,13 @@ def _tokenize_marked(tokenizer: Tokenizer, text: str, found: list[RegisteredOutp
         pos = m.end()
     if pos < len(text):
         encode_piece(pos, len(text))
+    if max_tokens is not None and len(ids) > max_tokens:  # the spliced outputs took it over
+        raise _over(max_tokens)
     return PromptBuild(ids, splices), offsets
+
+
+def _over(max_tokens: int) -> ContextLengthError:
+    return ContextLengthError(f"the prompt has over {max_tokens} tokens, over the model's context of {max_tokens}")
 
 
 def _content_chars(text: str, contents: list[str]) -> list[tuple[int, int]] | None:
@@ -117,7 +129,7 @@ def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], registry: Out
         messages = [{**m, "content": _mark(m["content"], registry, namespace, found)} for m in messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if found:
-        build, offsets = _tokenize_marked(tokenizer, text, found)
+        build, offsets = _tokenize_marked(tokenizer, text, found, max_tokens)
     else:
         ids, offsets = tokenizer.encode_with_offsets(text, max_tokens)
         build = PromptBuild(ids, [])
@@ -133,5 +145,6 @@ def completion_ids(tokenizer: Tokenizer, prompt: str, registry: OutputRegistry |
     if registry is None or _OPEN in prompt or _CLOSE in prompt:
         return PromptBuild(tokenizer.encode(prompt, max_tokens), [])
     marked = _mark(prompt, registry, namespace, found)
-    return _tokenize_marked(tokenizer, marked, found)[0] if found else PromptBuild(tokenizer.encode(prompt, max_tokens),
-                                                                                   [])
+    if found:
+        return _tokenize_marked(tokenizer, marked, found, max_tokens)[0]
+    return PromptBuild(tokenizer.encode(prompt, max_tokens), [])

@@ -150,42 +150,81 @@ def test_a_band_with_nothing_to_reuse_chunks_and_gives_the_one_shot_results(setu
     assert seq.output_ids == whole.output_ids
 
 
-def _layer_pieces(engine: Engine, call: CallInput, method: str, options: GenerateOptions, layers_per_piece: list[int]):
-    """The prefill as pieces of ``layers_per_piece`` layers each (cycled), decoded to the end."""
+def _layer_pieces(engine: Engine, call: CallInput, method: str, options: GenerateOptions, layers_per_piece: list[int],
+                  between=lambda: None):
+    """The prefill as pieces of ``layers_per_piece`` layers each (cycled), ``between()`` run after each piece but the
+    last (while the forward is paused), decoded to the end."""
     task = engine.begin(call, method, options)
     sizes = iter(layers_per_piece * engine.lm.model.config.num_layers)
     while not task.done:
-        asked = iter(range(next(sizes)))
-        task.advance(0, fits=lambda tokens, keys, asked=asked: next(asked, None) is not None)
+        task.advance(0, fits=_layers(next(sizes)))
+        if not task.done:
+            between()
     seq = task.sequence()
     while not seq.done:
         engine.step([seq])
     return seq
 
 
+def _layers(num: int):
+    """A ``fits`` that lets a piece run ``num`` layers."""
+    asked = iter(range(num))
+    return lambda tokens, keys: next(asked, None) is not None
+
+
+def _decoded(engine: Engine, seq):
+    while not seq.done:
+        engine.step([seq])
+    return seq
+
+
+def _assert_identical(seq, alone, n: int) -> None:
+    assert torch.equal(seq.first_logits, alone.first_logits)
+    assert torch.equal(seq.cache.k[:, :, :n], alone.cache.k[:, :, :n])
+    assert torch.equal(seq.cache.v[:, :, :n], alone.cache.v[:, :, :n])
+    assert seq.output_ids == alone.output_ids
+
+
 @pytest.mark.parametrize("method", BY_LAYERS)
 @pytest.mark.parametrize("layers_per_piece", [[1], [2, 1], [3]])
 def test_a_selecting_band_in_pieces_of_layers_is_bit_identical_to_one_forward(setup, method, layers_per_piece):
     """Relay's and CacheBlend's band with span tokens (they select at a layer from every token's deviation): run as
-    pieces of layers between which other work runs, the logits, every layer's KV, the selection and the tokens are
-    exactly those of one forward (not merely close)."""
+    pieces of layers while, between the pieces, another stream decodes and a second band (a prompt of another
+    length) advances a layer, the logits, every layer's KV, the selection and the tokens of all three are exactly
+    those each gives alone (not merely close): a paused forward shares no state with the work run meanwhile."""
     lm, store, call = setup
     engine = Engine(lm, store, capture_layers=(1,))
     options = GenerateOptions(SamplingConfig(max_new_tokens=8), keep_cache=True)
-    whole = engine.start(call, method, options)
-    while not whole.done:
-        engine.step([whole])
+    call2 = CallInput(call.prompt_ids[:37] + _prompt(17, 8), refs=call.refs)  # the same span, a shorter tail
+    other_call, other_options = CallInput(_prompt(30, 9)), GenerateOptions(SamplingConfig(max_new_tokens=8),
+                                                                           keep_cache=True)
+    whole = _decoded(engine, engine.start(call, method, options))
+    whole2 = _decoded(engine, engine.start(call2, method, options))
+    other_alone = _decoded(engine, engine.start(other_call, "full", other_options))
     assert whole.stats.num_reused_tokens > 0 and whole.plan.schedule.span_idx.numel() > 0  # the band has span tokens
-    other = engine.start(CallInput(_prompt(30, 9)), "full", GenerateOptions(SamplingConfig(max_new_tokens=3)))
-    seq = _layer_pieces(engine, call, method, options, layers_per_piece)
-    engine.step([other])  # (another stream decoding meanwhile shares nothing with it)
-    assert seq.stats.num_prefill_chunks > 1
-    n = len(call.prompt_ids) + len(seq.output_ids) - 1
-    assert torch.equal(seq.first_logits, whole.first_logits)
-    assert torch.equal(seq.cache.k[:, :, :n], whole.cache.k[:, :, :n])
-    assert torch.equal(seq.cache.v[:, :, :n], whole.cache.v[:, :, :n])
+    assert whole2.plan.schedule.span_idx.numel() > 0
+
+    other = engine.start(other_call, "full", other_options)
+    band2 = engine.begin(call2, method, options)
+    num_paused = []
+
+    def between():  # while ``call``'s forward is paused after a piece
+        num_paused.append(1)
+        if not other.done:
+            engine.step([other])
+        if not band2.done:
+            band2.advance(0, fits=_layers(1))
+
+    seq = _layer_pieces(engine, call, method, options, layers_per_piece, between)
+    assert seq.stats.num_prefill_chunks > 1 and len(num_paused) == seq.stats.num_prefill_chunks - 1
+    while not band2.done:
+        band2.advance(0, fits=_layers(1))
+    seq2, other = _decoded(engine, band2.sequence()), _decoded(engine, other)
+    _assert_identical(seq, whole, len(call.prompt_ids) + len(seq.output_ids) - 1)
+    _assert_identical(seq2, whole2, len(call2.prompt_ids) + len(seq2.output_ids) - 1)
+    _assert_identical(other, other_alone, len(other_call.prompt_ids) + len(other.output_ids) - 1)
     assert seq.plan.schedule.num_selected == whole.plan.schedule.num_selected
+    assert seq2.plan.schedule.num_selected == whole2.plan.schedule.num_selected
     assert seq.stats.num_computed_token_layers == whole.stats.num_computed_token_layers
-    assert seq.output_ids == whole.output_ids
     for layer, h in whole.prompt_hidden.items():
         assert torch.equal(seq.prompt_hidden[layer], h)

@@ -104,7 +104,7 @@ def test_agent_identity_from_the_header_or_the_system_prompt_and_kvcomm_per_requ
     a = ask(server, solver, ns, "solver", max_tokens=8, method="kvcomm")
     assert a.model_extra["kvrelay"]["method"] == "kvcomm"
     assert a.model_extra["kvrelay"]["debug"]["agent"] == "solver"
-    # the role a profile's workload selectors match is the system prompt's, whatever the header names
+    # the role (what per-role state keys on) is the system prompt's, whatever the header names
     assert a.model_extra["kvrelay"]["debug"]["role"] == role_key("You solve.")
     answer = a.choices[0].message.content
     critic = [{"role": "system", "content": "You review."},

@@ -223,3 +223,45 @@ def test_the_chunks_of_a_long_prompt_shrink_to_the_cost_of_its_first(tiny, monke
 def _next_positions(sizes: list[int]) -> list[int]:
     """For each piece of a full prefill, the position of the token just after it."""
     return [sum(sizes[: i + 1]) for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failed"])
+def test_a_band_dropped_between_its_layer_pieces_frees_its_kv_and_pins_and_the_worker_goes_on(tiny, monkeypatch, how):
+    """A band paused between two pieces of layers whose client goes away (or whose next piece raises): it leaves the
+    prefilling set, its KV is freed, the span it reuses is unpinned, and a request sent next decodes normally."""
+    worker = _worker(tiny, 64)
+    text_ids = tiny.tokenizer.encode("word " * 600)
+    first = _prepared(worker, text_ids, _Events(), 1)  # published: the span the band reuses
+    worker.submit(first)
+    while not first.emit.ended.is_set():
+        worker.run_turn()
+    long = _prepared(worker, tiny.tokenizer.encode("a preamble first, ") + text_ids, _Events(), 4, "cacheblend")
+    worker.submit(long)
+    worker.run_turn()
+    task = long.task
+    assert task is not None and not task.done and task.cache is not None and worker.num_prefilling == 1  # mid-band
+    pinned = list(long.built.pinned)
+    assert pinned and all(worker.catalog.store.is_pinned(s, "ns") for s in pinned)
+    if how == "cancelled":
+        worker.cancel(long)
+    else:
+        def broken(self, budget_tokens, fits=None):
+            raise RuntimeError("planted: a layer piece that breaks")
+        monkeypatch.setattr(PrefillTask, "advance", broken)
+    worker.run_turn()
+    monkeypatch.undo()
+    assert worker.num_prefilling == 0 and long.task is None and long.seq is None
+    assert task.cache is None  # its KV freed
+    assert long.built.pinned == [] and not any(worker.catalog.store.is_pinned(s, "ns") for s in pinned)
+    assert worker.metrics.registry.get_sample_value("kvrelay_sequence_kv_bytes") == 0
+    if how == "cancelled":
+        assert not long.emit.events and worker.metrics.registry.get_sample_value("kvrelay_cancelled_total") == 1
+    else:
+        assert isinstance(long.emit.events[-1], ErrorEvent) and long.emit.events[-1].status == 500
+    after = _prepared(worker, tiny.tokenizer.encode("a prompt that decodes for a while"), _Events(), 12)
+    worker.submit(after)
+    while not after.emit.ended.is_set():
+        worker.run_turn()
+    assert isinstance(after.emit.events[-1], DoneEvent) and after.emit.events[-1].num_completion_tokens == 12
+    assert worker.num_running == 0 and worker.num_prefilling == 0
+    worker.stop()
