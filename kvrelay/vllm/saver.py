@@ -1,11 +1,12 @@
 """The connector's saves, off vLLM's engine step.
 
-A finished request's K/V is read out of vLLM's paged cache in the step after it finishes (vLLM still holds its
-blocks: ``request_finished`` returned True), and the request is reported done (``get_finished``) only after
-that read, so vLLM frees and reuses the blocks no sooner. Storing the copy (serialization, the memory store,
-the shared tier's write and announcement, the index) is what takes long (tens to hundreds of ms), and runs in
-one background thread, so the next request's step does not wait for it. The queue is bounded: when the thread
-falls that far behind, the step waits for room (memory for copies stays bounded) instead of dropping saves.
+In the step after a request finishes (vLLM still holds its blocks: ``request_finished`` returned True), the
+blocks holding its K/V are copied whole out of vLLM's paged cache (a memory copy per layer), and the request is
+reported done (``get_finished``) only after that copy, so vLLM frees and reuses the blocks no sooner. The rest
+runs in one background thread, so the next request's step does not wait for it: gathering the K/V by position
+from the copy (several times the copy's time: the keys are transposed in a block), and storing it (the memory
+store, the shared tier's serialization, write and announcement, the index). The queue is bounded: when the thread
+falls that far behind, the step waits for room (the copies' memory stays bounded) instead of dropping saves.
 
 A load that plans to read a span still being stored waits for that span only (``wait_stored``); a span whose
 store failed is then missing, and the load computes its tokens like a gap.
@@ -19,8 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
+from kvrelay.vllm.paged import PagedKV
 from kvrelay.vllm.worker import SaveJob, WorkerSide
 
 log = logging.getLogger("kvrelay.vllm")
@@ -29,23 +29,23 @@ DEFAULT_MAX_QUEUED = 32
 
 
 @dataclass
-class _ReadSave:
-    """A save whose K/V has been copied out of the paged cache: ``k``, ``v`` are [L, Hkv, tokens, hd]."""
+class _CopiedSave:
+    """A save whose blocks have been copied out of the paged cache."""
 
     job: SaveJob
-    k: torch.Tensor
-    v: torch.Tensor
-    read_ms: float
+    copy: PagedKV
+    copy_ms: float
 
 
 class BackgroundSaver:
-    """Reads saves in the caller's thread, stores them in its own; ``take_read`` says whose blocks are free."""
+    """Copies saves' blocks in the caller's thread, stores them in its own; ``take_read`` says whose blocks are
+    free."""
 
     def __init__(self, worker: WorkerSide, max_queued: int = DEFAULT_MAX_QUEUED) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self.worker = worker
-        self._queue: queue.Queue[_ReadSave | None] = queue.Queue(maxsize=max_queued)
+        self._queue: queue.Queue[_CopiedSave | None] = queue.Queue(maxsize=max_queued)
         self._lock = threading.Lock()
         self._read_req_ids: set[str] = set()
         self._storing: dict[tuple[str, str], threading.Event] = {}  # (namespace, span id) -> set once stored
@@ -53,25 +53,25 @@ class BackgroundSaver:
         self._thread.start()
 
     def submit(self, job: SaveJob) -> None:
-        """Copy ``job``'s K/V out of the paged cache now and queue its store. Its request is reported read (its
-        blocks free to reuse) even when the read fails: vLLM must get its blocks back either way."""
+        """Copy ``job``'s blocks out of the paged cache now and queue its store. Its request is reported read (its
+        blocks free to reuse) even when the copy fails: vLLM must get its blocks back either way."""
         t0 = time.perf_counter()
         try:
-            k, v = self.worker.read(job)
+            copy = self.worker.copy_blocks(job)
         except Exception:  # noqa: BLE001 - the span is not stored; the request and its blocks go on
-            log.exception("kvrelay connector: request %s's KV could not be read; not stored", job.req_id)
+            log.exception("kvrelay connector: request %s's KV could not be copied; not stored", job.req_id)
             self.worker.refused(job)
             with self._lock:
                 self._read_req_ids.add(job.req_id)
             return
-        read_ms = (time.perf_counter() - t0) * 1e3
+        copy_ms = (time.perf_counter() - t0) * 1e3
         with self._lock:
             self._read_req_ids.add(job.req_id)
             self._storing[(job.namespace, job.span_id)] = threading.Event()
-        self._queue.put(_ReadSave(job, k, v, read_ms))
+        self._queue.put(_CopiedSave(job, copy, copy_ms))
 
     def take_read(self) -> set[str]:
-        """Requests whose K/V has been read since the last call (``get_finished``'s finished sending)."""
+        """Requests whose blocks have been copied since the last call (``get_finished``'s finished sending)."""
         with self._lock:
             read, self._read_req_ids = self._read_req_ids, set()
         return read
@@ -94,10 +94,10 @@ class BackgroundSaver:
             job = item.job
             try:
                 t0 = time.perf_counter()
-                if self.worker.store(job, item.k, item.v):
-                    log.info("kvrelay connector: request %s: %d tokens read in %.1f ms (in the step), stored in "
-                             "%.1f ms (in the background)", job.req_id, len(job.token_ids), item.read_ms,
-                             (time.perf_counter() - t0) * 1e3)
+                if self.worker.store(job, *self.worker.read_copy(item.copy, job)):
+                    log.info("kvrelay connector: request %s: %d tokens' blocks copied in %.1f ms (in the step), "
+                             "stored in %.1f ms (in the background)", job.req_id, len(job.token_ids),
+                             item.copy_ms, (time.perf_counter() - t0) * 1e3)
             except Exception:  # noqa: BLE001 - one span lost; the thread goes on with the others
                 log.exception("kvrelay connector: request %s's KV not stored", job.req_id)
                 self.worker.refused(job)

@@ -91,6 +91,17 @@ class WorkerSide:
         be reused."""
         return self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
 
+    def copy_blocks(self, job: SaveJob) -> PagedKV:
+        """A copy of ``job``'s blocks (``PagedKV.copy_blocks``): after this its blocks may be reused, and
+        ``read_copy`` gathers its K/V from the copy."""
+        return self.paged.copy_blocks(job.block_ids, len(job.token_ids))
+
+    @staticmethod
+    def read_copy(copy: PagedKV, job: SaveJob) -> tuple[torch.Tensor, torch.Tensor]:
+        """``job``'s K/V out of its ``copy_blocks`` copy, [L, Hkv, tokens, hd] each."""
+        num_blocks = -(-len(job.token_ids) // copy.block_size)
+        return copy.read(copy.slots(list(range(num_blocks)), 0, len(job.token_ids)))
+
     def store(self, job: SaveJob, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Store ``job``'s K/V (from ``read``) in the hub (memory and shared tier); False when the store refused
         it. What was stored, refused or evicted is reported to the scheduler side (``take_report``)."""

@@ -71,3 +71,17 @@ def test_a_save_that_cannot_be_read_still_releases_its_blocks_and_is_forgotten(c
         assert saver.worker.take_report() == ([], [("s1", "span-b")])
     finally:
         saver.close()
+
+
+def test_a_copy_of_a_requests_blocks_reads_as_the_request(config):
+    """vLLM's scheduler block may hold several of the kernel's: the copy keeps them in the request's order."""
+    gen = torch.Generator().manual_seed(1)
+    layers = [torch.randn(12, config.num_kv_heads, BLOCK, 2 * config.head_dim, generator=gen)
+              for _ in range(config.num_layers)]
+    for layout in ("transposed", "plain"):
+        paged = PagedKV(layers, 2 * BLOCK, config.num_kv_heads, config.head_dim, layout)  # 2 kernel blocks each
+        copy = paged.copy_blocks([4, 1, 3], 70)
+        assert copy.layers[0].shape[0] == 6  # 70 positions: 3 scheduler blocks, 6 kernel blocks
+        expected = paged.read(paged.slots([4, 1, 3], 0, 70))
+        got = copy.read(copy.slots([0, 1, 2], 0, 70))
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
