@@ -186,7 +186,7 @@ class KVRelayConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Index the request's tokens now (a request arriving before the worker stores them still matches) and
-        hold its blocks until the worker has stored them."""
+        hold its blocks until the worker has copied them (``saver``)."""
         self._plans.pop(request.request_id, None)
         num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         if not self.config.save or num_tokens < self.config.min_match_tokens:
