@@ -6,9 +6,10 @@
 
 Scheduler side (vLLM's engine-core process): every new request is matched against the spans stored so far
 (``hub``, ``plan``) and claims the prefix of its uncomputed prompt tokens those spans make reusable; every
-finished request is indexed at once and its blocks are held until the worker has stored them. Worker side:
-stores finished requests' K/V and writes claimed tokens into vLLM's paged cache before the forward
-(``worker``). docs/vllm.md (the connector section) says what runs where and why.
+finished request is indexed at once and its blocks are held until the worker has read its K/V. Worker side:
+reads finished requests' K/V in the next step and stores it in a background thread (``saver``), and writes
+claimed tokens into vLLM's paged cache before the forward (``worker``). docs/vllm.md (the connector section)
+says what runs where and why.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
 from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
 from kvrelay.vllm.plan import LoadPlan, Run, plan_load
+from kvrelay.vllm.saver import BackgroundSaver
 from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide
 from kvrelay.weights.configs import config_from_hf
 
@@ -139,7 +141,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         # worker side
         self._vllm_config = vllm_config
         self._worker: WorkerSide | None = None
-        self._saved: set[str] = set()
+        self._saver: BackgroundSaver | None = None
         self._failed_blocks: set[int] = set()
 
     # ================================================================== scheduler side
@@ -184,7 +186,7 @@ class KVRelayConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Index the request's tokens now (a request arriving before the worker stores them still matches) and
-        hold its blocks until the worker has stored them."""
+        hold its blocks until the worker has copied them (``saver``)."""
         self._plans.pop(request.request_id, None)
         num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         if not self.config.save or num_tokens < self.config.min_match_tokens:
@@ -210,6 +212,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         self._attention_names = names
         transformer = self._bind_transformer() if self.config.load else None
         self._worker = WorkerSide(self.hub, paged, cfg, transformer)
+        self._saver = BackgroundSaver(self._worker)
 
     def _bind_transformer(self) -> Transformer | None:
         """kvrelay's transformer on vLLM's modules (``binding``), found once at start: finding the model scans the
@@ -227,11 +230,12 @@ class KVRelayConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVRelayMetadata) and self._worker is not None
-        for job in meta.saves:
-            self._worker.save(job)
-            self._saved.add(job.req_id)
+        assert isinstance(meta, KVRelayMetadata) and self._worker is not None and self._saver is not None
+        for job in meta.saves:  # read now, while vLLM holds the blocks; stored in the saver's thread
+            self._saver.submit(job)
         for job in meta.loads:
+            for piece in job.plan.pieces:  # a span this load reads may still be being stored
+                self._saver.wait_stored(job.namespace, piece.span_id)
             try:
                 result = self._worker.load(job)
             except Exception:  # noqa: BLE001 - vLLM recomputes the blocks of a failed load; the request goes on
@@ -247,18 +251,22 @@ class KVRelayConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # a request's K/V is stored whole when it finishes (start_load_kv of the next step)
+        return  # a request's K/V is read whole when it finishes (start_load_kv of the next step)
 
     def wait_for_save(self) -> None:
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        saved, self._saved = self._saved, set()
-        return (saved or None), None
+        read = self._saver.take_read() if self._saver is not None else set()
+        return (read or None), None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         stored, dropped = self._worker.take_report() if self._worker is not None else ([], [])
         return KVRelayWorkerReport(stored, dropped) if stored or dropped else None
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -54,7 +54,8 @@ class PagedKV:
         if block_size % self.kernel_block_size:
             raise ConfigError(f"kvrelay connector: block size {block_size} is not a multiple of the kernel's "
                               f"{self.kernel_block_size}")
-        self.block_size = block_size
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
+        self.layers, self.key_layout = layers, key_layout
         self.ratio = block_size // self.kernel_block_size  # kernel blocks per scheduler block
         kbs = self.kernel_block_size
         self.transposed = key_layout == "transposed"
@@ -89,6 +90,19 @@ class PagedKV:
             ks.append(k.transpose(0, 1))  # [Hkv, n, hd]
             vs.append(values[blocks, :, rows].transpose(0, 1))
         return torch.stack(ks), torch.stack(vs)
+
+    def copy_blocks(self, block_ids: list[int], num_tokens: int) -> PagedKV:
+        """A copy of the blocks holding positions [0, ``num_tokens``) of a request with ``block_ids``, as a paged KV
+        of its own whose blocks are 0, 1, ... in order. Copying whole blocks is a memory copy per layer, several
+        times faster than ``read``'s gather by position (which transposes the keys), so it is what runs while vLLM
+        holds the blocks; the gather runs later on the copy."""
+        if num_tokens > len(block_ids) * self.block_size:
+            raise ValueError(f"{num_tokens} positions do not fit {len(block_ids)} blocks of {self.block_size}")
+        num_blocks = -(-num_tokens // self.block_size)
+        first = torch.tensor(block_ids[:num_blocks], dtype=torch.long) * self.ratio
+        kernel_blocks = (first[:, None] + torch.arange(self.ratio)).flatten()  # [num_blocks * ratio]
+        copies = [layer.index_select(0, kernel_blocks) for layer in self.layers]
+        return PagedKV(copies, self.block_size, self.num_kv_heads, self.head_dim, self.key_layout)
 
     def write(self, slots: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer's K and V ([L, Hkv, n, hd] each) into ``slots``."""

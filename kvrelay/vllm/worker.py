@@ -13,6 +13,7 @@ failed) is not an error: its tokens are computed like a gap.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -78,36 +79,61 @@ class WorkerSide:
         self.results: list[LoadResult] = []
         self._stored: list[tuple[str, str]] = []
         self._dropped: list[tuple[str, str]] = []
+        self._report_lock = threading.Lock()  # saves are stored in a thread of their own (``saver``)
 
     # ------------------------------------------------------------------ saves
     def save(self, job: SaveJob) -> bool:
-        """Store ``job``'s K/V in the hub (memory and shared tier); False when the store refused it. What was
-        stored, refused or evicted is reported to the scheduler side (``take_report``)."""
+        """Read and store ``job``'s K/V in the caller's thread (``saver.BackgroundSaver`` splits the two)."""
+        return self.store(job, *self.read(job))
+
+    def read(self, job: SaveJob) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of ``job``'s K/V out of the paged cache, [L, Hkv, tokens, hd] each: after this its blocks may
+        be reused."""
+        return self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
+
+    def copy_blocks(self, job: SaveJob) -> PagedKV:
+        """A copy of ``job``'s blocks (``PagedKV.copy_blocks``): after this its blocks may be reused, and
+        ``read_copy`` gathers its K/V from the copy."""
+        return self.paged.copy_blocks(job.block_ids, len(job.token_ids))
+
+    @staticmethod
+    def read_copy(copy: PagedKV, job: SaveJob) -> tuple[torch.Tensor, torch.Tensor]:
+        """``job``'s K/V out of its ``copy_blocks`` copy, [L, Hkv, tokens, hd] each."""
+        num_blocks = -(-len(job.token_ids) // copy.block_size)
+        return copy.read(copy.slots(list(range(num_blocks)), 0, len(job.token_ids)))
+
+    def store(self, job: SaveJob, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Store ``job``'s K/V (from ``read``) in the hub (memory and shared tier); False when the store refused
+        it. What was stored, refused or evicted is reported to the scheduler side (``take_report``)."""
         hub, key = self.hub, (job.namespace, job.span_id)
-        t0 = time.perf_counter()
         try:
-            k, v = self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
             span = StoredSpan(tuple(job.token_ids), 0, k, v, hub.fingerprint)
             with hub.lock:
                 evicted = hub.catalog.put(job.namespace, job.span_id, span)
             hub.stats["saved"] += 1
-            self._stored.append(key)
-            self._dropped.extend((job.namespace, span_id) for span_id in evicted)
-            log.info("kvrelay connector: request %s: %d tokens stored in %.1f ms", job.req_id, len(job.token_ids),
-                     (time.perf_counter() - t0) * 1e3)
+            with self._report_lock:
+                self._stored.append(key)
+                self._dropped.extend((job.namespace, span_id) for span_id in evicted)
             return True
         except KvRelayError as e:  # a full store: this span is not kept, nothing else fails
-            hub.stats["save_failed"] += 1
             log.warning("kvrelay connector: request %s's KV not stored: %s", job.req_id, e)
-            with hub.lock:
-                hub.catalog.drop(job.namespace, job.span_id)
-            self._dropped.append(key)
+            self.refused(job)
             return False
+
+    def refused(self, job: SaveJob) -> None:
+        """``job``'s span is not stored: forgotten here and by the scheduler side."""
+        hub = self.hub
+        hub.stats["save_failed"] += 1
+        with hub.lock:
+            hub.catalog.drop(job.namespace, job.span_id)
+        with self._report_lock:
+            self._dropped.append((job.namespace, job.span_id))
 
     def take_report(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """(spans stored, spans refused or evicted) since the last call, as (namespace, span id)."""
-        report = (self._stored, self._dropped)
-        self._stored, self._dropped = [], []
+        with self._report_lock:
+            report = (self._stored, self._dropped)
+            self._stored, self._dropped = [], []
         return report
 
     # ------------------------------------------------------------------ loads
