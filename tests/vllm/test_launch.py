@@ -4,6 +4,9 @@ The version lookup is checked against fake distributions, so these tests need no
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
+import sys
+import types
 
 import pytest
 
@@ -42,6 +45,20 @@ def test_an_installed_vllm_distribution_is_left_alone(monkeypatch):
     assert not launch.patch_version_lookup()
     assert metadata.version is original
     assert launch.vllm_version() == "0.32.0"
+
+
+def test_a_cuda_build_gets_no_cpu_settings(monkeypatch):
+    """The launcher runs vLLM's CLI on the CUDA build too, and sets none of the CPU backend's variables there."""
+    _fake_distributions(monkeypatch, {"vllm": "0.32.0"})
+    cli = types.ModuleType("vllm.entrypoints.cli.main")
+    cli.main = lambda: 0
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.main", cli)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    for name in (launch.KVCACHE_SPACE_ENV, launch.RESERVED_CPU_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.main(CONNECTOR_ARGS) == 0
+    assert launch.KVCACHE_SPACE_ENV not in os.environ and launch.RESERVED_CPU_ENV not in os.environ
+    assert sys.argv == ["vllm", *CONNECTOR_ARGS]
 
 
 def test_no_vllm_at_all_is_a_clear_error(monkeypatch, capsys):
