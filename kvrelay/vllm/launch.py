@@ -8,8 +8,8 @@ the distribution ``vllm`` while it builds its parser, so the installed ``vllm`` 
 version (plus ``+cpu``, the mark vLLM's platform detection reads) in this process and then runs vLLM's ``main``
 with the arguments as given. Where a ``vllm`` distribution is installed (the CUDA build) nothing is changed.
 
-On the CPU build it also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when it is unset: without it vLLM's CPU backend sizes its KV
-cache from the whole machine's memory (``gpu_memory_utilization`` of it), which on a shared machine takes
+On the CPU build it also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when it is unset: without it vLLM's CPU backend
+sizes its KV cache from the whole machine's memory (``gpu_memory_utilization`` of it), which on a shared machine takes
 memory that other processes hold. And where kvrelay's connector is configured, it sets
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a connector (``reserved_cpus_env``).
 """
