@@ -74,28 +74,21 @@ def betting_bounds(values: Sequence[float], confidence: float) -> tuple[float, f
         raise ValueError("betting_bounds needs values in [0, 1]")
     bets = predictable_bets(values, confidence)
     threshold = math.log(1 / (1 - confidence))
-    # upper: the capital grows with m; the bound is where it reaches 1/delta (the hi end: on the safe side)
+    return _edge(values, bets, threshold, upper=False), _edge(values, bets, threshold, upper=True)
+
+
+def _edge(values: Sequence[float], bets: Sequence[float], threshold: float, upper: bool) -> float:
+    """The bound on one side: where the capital crosses 1/delta. For the upper bound the capital grows with m and
+    the bisection keeps its hi end; for the lower it shrinks as m grows and keeps its lo end (the safe side each)."""
+    end = 1.0 if upper else 0.0
+    if _log_capital(values, bets, end, upper=upper) < threshold:
+        return end  # no mean on this side is rejected
     lo, hi = 0.0, 1.0
-    if _log_capital(values, bets, 1.0, upper=True) < threshold:
-        upper = 1.0
-    else:
-        for _ in range(_BISECT_STEPS):
-            mid = (lo + hi) / 2
-            if _log_capital(values, bets, mid, upper=True) >= threshold:
-                hi = mid
-            else:
-                lo = mid
-        upper = hi
-    # lower: the capital shrinks as m grows; the bound is where it falls under 1/delta (the lo end)
-    lo, hi = 0.0, 1.0
-    if _log_capital(values, bets, 0.0, upper=False) < threshold:
-        lower = 0.0
-    else:
-        for _ in range(_BISECT_STEPS):
-            mid = (lo + hi) / 2
-            if _log_capital(values, bets, mid, upper=False) >= threshold:
-                lo = mid
-            else:
-                hi = mid
-        lower = lo
-    return lower, upper
+    for _ in range(_BISECT_STEPS):
+        mid = (lo + hi) / 2
+        rejected = _log_capital(values, bets, mid, upper=upper) >= threshold
+        if rejected == upper:
+            hi = mid
+        else:
+            lo = mid
+    return hi if upper else lo
