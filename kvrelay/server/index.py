@@ -36,7 +36,8 @@ token comparisons (once per pair of previous blocks). Per member checked: O(log)
 and O(1) probes per candidate settled, O(log) per run kept. Spans identical around a block and after it
 are one member and do not count. Spans that share a block and the one before it but differ later are
 members of one group, each checked where the group is visited: spans that open with the same system
-prompt add work per occurrence of that prompt (linear in their number, not quadratic). What still counts: the groups awake at an offset, i.e. the distinct
+prompt add work per occurrence of that prompt (linear in their number, not quadratic). What still
+counts: the groups awake at an offset, i.e. the distinct
 contexts in which stored spans start the text the prompt repeats, and the runs returned. On a prompt of
 one repeated token against stored spans that start runs of it in G different contexts, each offset
 returns a run from every span whose repeats are not inside the longest ones (``prefer="oldest"``: not
