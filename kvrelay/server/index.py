@@ -53,37 +53,30 @@ from __future__ import annotations
 import bisect
 import heapq
 from array import array
-from dataclasses import dataclass, field
 
-from kvrelay.server.index_sweep import PolyHash, Sweep, TokenMatch, same_token_ends
+from kvrelay.server.index_sweep import _MOD, PolyHash, Sweep, TokenMatch, same_token_ends
+from kvrelay.server.int_lists import IntLists
 
 __all__ = ["MATCH_PREFERENCES", "PolyHash", "TokenIndex", "TokenMatch"]
 
 MATCH_PREFERENCES = ("oldest", "longest")
 
+NO_PREV = _MOD  # "no previous block" (a span's first block): no hash equals it (hashes are below _MOD)
+_BITS = 61  # a block hash, a previous block's hash (or NO_PREV) and a namespace's number fit in this many bits
+_HASH_MASK = (1 << _BITS) - 1
+_LEN_BITS = 32  # a span's length, and the number of a block in it
+_LEN_MASK = (1 << _LEN_BITS) - 1
 
-@dataclass
+
 class _Entry:
-    namespace: str
-    token_ids: tuple[int, ...]
-    prefix: array  # PolyHash prefix hashes of token_ids
-    order: int = 0  # when the span was added: older spans have smaller numbers
-    keys: list[tuple[tuple[str, int], int | None, tuple[int, int]]] = field(default_factory=list)
+    """A stored span. With its prefix hashes, the only objects per span that the garbage collector tracks."""
 
+    __slots__ = ("span_id", "namespace", "token_ids", "prefix", "order", "member_ids")
 
-@dataclass
-class _Member:
-    """Holders (span_id, offset) -> span order that share the previous block, the block and all that follows."""
-
-    holders: dict[tuple[str, int], int] = field(default_factory=dict)
-    # a block of one repeated token: how many more of it follow (-1: the block is not one token repeated)
-    same_after: int = -1
-
-    def oldest(self) -> tuple[tuple[str, int], int]:
-        return next(iter(self.holders.items()))  # insertion order is span order: no copy
-
-    def newest(self) -> tuple[tuple[str, int], int]:
-        return next(reversed(self.holders.items()))
+    def __init__(self, span_id: str, namespace: str, token_ids: tuple[int, ...], prefix: array, order: int) -> None:
+        self.span_id, self.namespace, self.token_ids, self.prefix = span_id, namespace, token_ids, prefix
+        self.order = order  # when the span was added: older spans have smaller numbers
+        self.member_ids: tuple[int, ...] = ()  # the member of each aligned block, in span order
 
 
 class TokenIndex:
@@ -95,10 +88,28 @@ class TokenIndex:
         self.block_len = block_len
         self.hasher = PolyHash(hash_base)
         self._spans: dict[str, _Entry] = {}
+        self._by_order: dict[int, _Entry] = {}
         self._num_added = 0
-        # (namespace, block hash) -> previous block's hash (None: the span's first block)
-        #   -> (hash, length) of the tokens after the block -> member
-        self._groups: dict[tuple[str, int], dict[int | None, dict[tuple[int, int], _Member]]] = {}
+        # Per block, nothing the garbage collector tracks: dicts whose keys and values are all ints (which it
+        # never tracks, and never walks), lists of ints linked through such dicts. Keys pack their parts in
+        # one int; groups and members are numbered, in order of creation.
+        self._namespace_ids: dict[str, int] = {}
+        # block key (namespace number, block hash) -> its groups, in the order they were first stored
+        self._groups = IntLists()
+        # group key (block key, previous block's hash or NO_PREV) <-> group number
+        self._group_ids: dict[int, int] = {}
+        self._group_keys: dict[int, int] = {}
+        self._group_members = IntLists()  # group -> its members, in the order they were first stored
+        # member key (group, hash and length of the tokens after the block) <-> member number
+        self._member_ids: dict[int, int] = {}
+        self._member_keys: dict[int, int] = {}
+        # member -> a block of one repeated token: how many more of it follow (-1: the block is not one
+        # token repeated); set by the block and what follows it, so the same for every holder
+        self._same_after: dict[int, int] = {}
+        # member -> its holders (span order, number of the block in the span), oldest span first; a span
+        # holds a member once (the length after the block is in its key)
+        self._holders = IntLists()
+        self._num_groups = self._num_members = 0
         self.last_work = 0  # steps of the last lookup (offsets, groups, members, tokens, hash probes)
         self.num_collisions = 0  # candidate runs whose tokens differed (a hash collision): dropped
 
@@ -107,6 +118,24 @@ class TokenIndex:
 
     def __len__(self) -> int:
         return len(self._spans)
+
+    def block_key(self, namespace: str, block_hash: int) -> int | None:
+        """The key of a block of ``namespace`` (None: the namespace never held a span)."""
+        ns = self._namespace_ids.get(namespace)
+        return None if ns is None else ns << _BITS | block_hash
+
+    def group_prev(self, group_id: int) -> int | None:
+        """The hash of the block before a group's block (None: the spans' first block)."""
+        prev = self._group_keys[group_id] & _HASH_MASK
+        return None if prev == NO_PREV else prev
+
+    def member_holder(self, member_id: int, oldest: bool) -> tuple[_Entry, int, int, int]:
+        """(span, offset of the block in it, tokens after the block, repeats after it or -1) of the oldest
+        (or newest) span holding a member."""
+        holder = (self._holders.head if oldest else self._holders.tail)[member_id]
+        entry = self._by_order[holder >> _LEN_BITS]
+        off = (holder & _LEN_MASK) * self.block_len
+        return entry, off, len(entry.token_ids) - off - self.block_len, self._same_after[member_id]
 
     def add(self, span_id: str, token_ids: list[int] | tuple[int, ...], namespace: str = "",
             unmatchable: list[tuple[int, int]] | tuple[()] = ()) -> None:
@@ -120,35 +149,54 @@ class TokenIndex:
         ids = [int(t) for t in token_ids]
         for start, end in unmatchable:
             ids[start:end] = [-1 - i for i in range(start, min(end, len(ids)))]  # unique, never a real id
+        if len(ids) > _LEN_MASK:
+            raise ValueError(f"a span holds at most {_LEN_MASK} tokens, got {len(ids)}")
         self._num_added += 1
-        entry = _Entry(namespace, tuple(ids), self.hasher.prefix(ids), self._num_added)
+        entry = _Entry(span_id, namespace, tuple(ids), self.hasher.prefix(ids), self._num_added)
+        ns = self._namespace_ids.setdefault(namespace, len(self._namespace_ids))
         b, m, sub, p = self.block_len, len(ids), self.hasher.sub, entry.prefix
         same_end = same_token_ends(ids)
+        member_ids = []
         for off in range(0, m - b + 1, b):
-            gkey = (namespace, sub(p, off, off + b))
-            prev = sub(p, off - b, off) if off else None
-            rkey = (sub(p, off + b, m), m - off - b)
-            member = self._groups.setdefault(gkey, {}).setdefault(prev, {}).setdefault(rkey, _Member())
-            member.same_after = same_end[off] - off - b if same_end[off] >= off + b else -1
-            member.holders[(span_id, off)] = entry.order
-            entry.keys.append((gkey, prev, rkey))
-        self._spans[span_id] = entry
+            bkey = ns << _BITS | sub(p, off, off + b)
+            gkey = bkey << _BITS | (sub(p, off - b, off) if off else NO_PREV)
+            gid = self._group_ids.get(gkey)
+            if gid is None:
+                gid = self._group_ids[gkey] = self._num_groups
+                self._num_groups += 1
+                self._group_keys[gid] = gkey
+                self._groups.append(bkey, gid)
+            mkey = (gid << _BITS | sub(p, off + b, m)) << _LEN_BITS | (m - off - b)
+            mid = self._member_ids.get(mkey)
+            if mid is None:
+                mid = self._member_ids[mkey] = self._num_members
+                self._num_members += 1
+                self._member_keys[mid] = mkey
+                self._same_after[mid] = same_end[off] - off - b if same_end[off] >= off + b else -1
+                self._group_members.append(gid, mid)
+            self._holders.append(mid, entry.order << _LEN_BITS | len(member_ids))  # the newest span: last
+            member_ids.append(mid)
+        entry.member_ids = tuple(member_ids)
+        self._spans[span_id] = self._by_order[entry.order] = entry
 
     def remove(self, span_id: str) -> None:
         """Forget a span (evicted or removed from the store); unknown ids are ignored."""
         entry = self._spans.pop(span_id, None)
         if entry is None:
             return
-        for k, (gkey, prev, rkey) in enumerate(entry.keys):
-            groups = self._groups[gkey]
-            members = groups[prev]
-            members[rkey].holders.pop((span_id, k * self.block_len), None)
-            if not members[rkey].holders:
-                del members[rkey]
-                if not members:
-                    del groups[prev]
-                    if not groups:
-                        del self._groups[gkey]
+        del self._by_order[entry.order]
+        for k, mid in enumerate(entry.member_ids):
+            if not self._holders.remove(mid, entry.order << _LEN_BITS | k):
+                continue
+            del self._same_after[mid]
+            mkey = self._member_keys.pop(mid)
+            del self._member_ids[mkey]
+            gid = mkey >> (_BITS + _LEN_BITS)
+            if not self._group_members.remove(gid, mid):
+                continue
+            gkey = self._group_keys.pop(gid)
+            del self._group_ids[gkey]
+            self._groups.remove(gkey >> _BITS, gid)
 
     def token_ids(self, span_id: str) -> tuple[int, ...]:
         return self._spans[span_id].token_ids

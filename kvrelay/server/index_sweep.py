@@ -89,13 +89,14 @@ class Sweep:
         # repeated text meets the same groups at offset after offset: a group whose every member lies inside
         # the runs kept sleeps until its reach (growing a token per offset) could pass them.
         # Per block hash met: (groups awake, heap of (wake offset, tie, group) asleep); a group is
-        # [previous block, members, members in the order they are checked (filled on the first visit)]
+        # [previous block, group number, members in the order they are checked (filled on the first visit)]
         self.block_state: dict[int, tuple[list, list]] = {}
         self.num_asleep = 0
 
     def run(self) -> list[TokenMatch]:
         index, q, b = self.index, self.q, self.index.block_len
-        qp, groups_of, namespace = self.prefix, index._groups, self.namespace
+        qp, groups_of = self.prefix, index._groups
+        ns_key = index.block_key(self.namespace, 0)
         power_b = index.hasher.power(b)
         pending = self.pending
         q_prev = None
@@ -107,11 +108,11 @@ class Sweep:
             h = (qp[i + b] - qp[i] * power_b) % _MOD  # the query's block at i
             state = self.block_state.get(h)
             if state is None:
-                groups = groups_of.get((namespace, h))
-                if not groups:
+                if ns_key is None or (ns_key | h) not in groups_of:
                     self.block_state[h] = state = ([], [])
                 else:
-                    state = self.block_state[h] = ([[prev, members, None] for prev, members in groups.items()], [])
+                    groups = [[index.group_prev(gid), gid, None] for gid in groups_of.nodes(ns_key | h)]
+                    state = self.block_state[h] = (groups, [])
             awake, asleep = state
             while asleep and asleep[0][0] <= i:
                 awake.append(heapq.heappop(asleep)[2])
@@ -136,18 +137,19 @@ class Sweep:
         self.index.last_work = self.work
         return sorted(self.runs, key=lambda m: (m.start, -m.num_tokens))
 
-    def _ordered(self, group: list) -> list[tuple[str, int, int, int, _Entry]]:
+    def _ordered(self, group: list) -> list[tuple[str, int, int, int, int, _Entry]]:
         """The group's members as checked: (span id, offset, order, tokens after the block, tokens of one
         repeated token after it or -1, entry), one holder each (the oldest, in span order, for ``oldest``;
-        the newest for ``longest``)."""
-        spans, b = self.index._spans, self.index.block_len
-        if self.oldest:
-            holders = sorted(((*m.oldest(), m) for m in group[1].values()), key=lambda h: h[1])
-        else:
-            holders = [(*m.newest(), m) for m in group[1].values()]
-        group[2] = [(span_id, off, order, len(spans[span_id].token_ids) - off - b, m.same_after, spans[span_id])
-                    for (span_id, off), order, m in holders]
-        return group[2]
+        the newest, in the order the members were first stored, for ``longest``)."""
+        index, oldest = self.index, self.oldest
+        ordered = []
+        for mid in index._group_members.nodes(group[1]):
+            entry, off, tail, after = index.member_holder(mid, oldest)
+            ordered.append((entry.span_id, off, entry.order, tail, after, entry))
+        if oldest:
+            ordered.sort(key=lambda h: h[2])
+        group[2] = ordered
+        return ordered
 
     def _visit(self, i: int, group: list, q_prev: int | None) -> int:
         """Candidates whose first aligned block sits at query offset ``i`` in this group's holders, to settle
