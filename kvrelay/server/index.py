@@ -129,13 +129,24 @@ class TokenIndex:
         prev = self._group_keys[group_id] & _HASH_MASK
         return None if prev == NO_PREV else prev
 
-    def member_holder(self, member_id: int, oldest: bool) -> tuple[_Entry, int, int, int]:
-        """(span, offset of the block in it, tokens after the block, repeats after it or -1) of the oldest
-        (or newest) span holding a member."""
-        holder = (self._holders.head if oldest else self._holders.tail)[member_id]
-        entry = self._by_order[holder >> _LEN_BITS]
-        off = (holder & _LEN_MASK) * self.block_len
-        return entry, off, len(entry.token_ids) - off - self.block_len, self._same_after[member_id]
+    def group_holders(self, group_id: int, oldest: bool) -> list[tuple[str, int, int, int, int, _Entry]]:
+        """A group's members: (span id, offset of the block in it, span order, tokens after the block, tokens of
+        one repeated token after it or -1, span) of each member's oldest holder (``oldest``: in span order) or
+        newest (in the order the members were first stored)."""
+        ends = self._holders.head if oldest else self._holders.tail
+        by_order, same_after, following = self._by_order, self._same_after, self._group_members.next
+        b = self.block_len
+        out = []
+        mid = self._group_members.head.get(group_id)
+        while mid is not None:
+            holder = ends[mid]
+            entry = by_order[holder >> _LEN_BITS]
+            off = (holder & _LEN_MASK) * b
+            out.append((entry.span_id, off, entry.order, len(entry.token_ids) - off - b, same_after[mid], entry))
+            mid = following.get(mid)
+        if oldest:  # members come in order of their first holder: sorted, unless an oldest holder was removed
+            out.sort(key=lambda h: h[2])
+        return out
 
     def add(self, span_id: str, token_ids: list[int] | tuple[int, ...], namespace: str = "",
             unmatchable: list[tuple[int, int]] | tuple[()] = ()) -> None:

@@ -138,18 +138,9 @@ class Sweep:
         return sorted(self.runs, key=lambda m: (m.start, -m.num_tokens))
 
     def _ordered(self, group: list) -> list[tuple[str, int, int, int, int, _Entry]]:
-        """The group's members as checked: (span id, offset, order, tokens after the block, tokens of one
-        repeated token after it or -1, entry), one holder each (the oldest, in span order, for ``oldest``;
-        the newest, in the order the members were first stored, for ``longest``)."""
-        index, oldest = self.index, self.oldest
-        ordered = []
-        for mid in index._group_members.nodes(group[1]):
-            entry, off, tail, after = index.member_holder(mid, oldest)
-            ordered.append((entry.span_id, off, entry.order, tail, after, entry))
-        if oldest:
-            ordered.sort(key=lambda h: h[2])
-        group[2] = ordered
-        return ordered
+        """The group's members as checked (see ``TokenIndex.group_holders``), listed on its first visit."""
+        group[2] = self.index.group_holders(group[1], self.oldest)
+        return group[2]
 
     def _visit(self, i: int, group: list, q_prev: int | None) -> int:
         """Candidates whose first aligned block sits at query offset ``i`` in this group's holders, to settle
@@ -255,8 +246,8 @@ class Sweep:
     def _equal(self, i: int, entry: _Entry, off: int, end: int) -> bool:
         """Query [i, end) equals the span from ``off`` under the hash."""
         self.work += 1
-        sub = self.index.hasher.sub
-        return sub(self.prefix, i, end) == sub(entry.prefix, off, off + end - i)
+        power, p, qp = self.index.hasher.power(end - i), entry.prefix, self.prefix
+        return (qp[end] - qp[i] * power - p[off + end - i] + p[off] * power) % _MOD == 0
 
     def _gallop(self, i: int, entry: _Entry, off: int, lo: int, cap: int) -> int:
         """The end of the run, given that query [i, lo) matches: doubling steps, then bisection."""
