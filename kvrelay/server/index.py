@@ -64,6 +64,7 @@ import bisect
 import heapq
 from array import array
 
+from kvrelay.server.index_splits import END, Splits, common_length
 from kvrelay.server.index_sweep import _MOD, PolyHash, Sweep, TokenMatch, same_token_ends
 from kvrelay.server.int_lists import IntLists
 
@@ -119,6 +120,11 @@ class TokenIndex:
         # member -> its holders (span order, number of the block in the span), oldest span first; a span
         # holds a member once (the length after the block is in its key)
         self._holders = IntLists()
+        self._group_sizes: dict[int, int] = {}  # group -> its number of members
+        # per group, where each member leaves the group's reference (``index_splits``), and the removed spans
+        # still some group's reference (their tokens define where its members leave it)
+        self._splits = Splits()
+        self._ghosts: dict[int, _Entry] = {}
         self._num_groups = self._num_members = 0
         self.last_work = 0  # steps of the last lookup (offsets, groups, members, tokens, hash probes)
         self.num_collisions = 0  # candidate runs whose tokens differed (a hash collision): dropped
@@ -133,6 +139,14 @@ class TokenIndex:
         """The key of a block of ``namespace`` (None: the namespace never held a span)."""
         ns = self._namespace_ids.get(namespace)
         return None if ns is None else ns << _BITS | block_hash
+
+    def entry_of(self, order: int) -> _Entry:
+        """The span added as ``order`` (a removed one while it is some group's reference)."""
+        entry = self._by_order.get(order)
+        return entry if entry is not None else self._ghosts[order]
+
+    def group_size(self, group_id: int) -> int:
+        return self._group_sizes[group_id]
 
     def group_prev(self, group_id: int) -> int | None:
         """The hash of the block before a group's block (None: the spans' first block)."""
@@ -178,6 +192,7 @@ class TokenIndex:
         b, m, sub, p = self.block_len, len(ids), self.hasher.sub, entry.prefix
         same_end = same_token_ends(ids)
         member_ids = []
+        self._by_order[entry.order] = entry  # a group opened here takes it as its reference
         for off in range(0, m - b + 1, b):
             bkey = ns << _BITS | sub(p, off, off + b)
             gkey = bkey << _BITS | (sub(p, off - b, off) if off else NO_PREV)
@@ -187,6 +202,8 @@ class TokenIndex:
                 self._num_groups += 1
                 self._group_keys[gid] = gkey
                 self._groups.append(bkey, gid)
+                self._group_sizes[gid] = 0
+                self._splits.set_ref(gid, entry.order, off)
             mkey = (gid << _BITS | sub(p, off + b, m)) << _LEN_BITS | (m - off - b)
             mid = self._member_ids.get(mkey)
             if mid is None:
@@ -195,10 +212,16 @@ class TokenIndex:
                 self._member_keys[mid] = mkey
                 self._same_after[mid] = same_end[off] - off - b if same_end[off] >= off + b else -1
                 self._group_members.append(gid, mid)
+                self._group_sizes[gid] += 1
+                ref_order, ref_off = self._splits.ref(gid)
+                ref, tail = self.entry_of(ref_order), m - off - b
+                split, _ = common_length(self.hasher, p, off + b, ref.prefix, ref_off + b,
+                                         min(tail, len(ref.token_ids) - ref_off - b))
+                self._splits.add_member(gid, mid, entry.order, split, ids[off + b + split] if split < tail else END)
             self._holders.append(mid, entry.order << _LEN_BITS | len(member_ids))  # the newest span: last
             member_ids.append(mid)
         entry.member_ids = tuple(member_ids)
-        self._spans[span_id] = self._by_order[entry.order] = entry
+        self._spans[span_id] = entry
 
     def remove(self, span_id: str) -> None:
         """Forget a span (evicted or removed from the store); unknown ids are ignored."""
@@ -213,11 +236,19 @@ class TokenIndex:
             mkey = self._member_keys.pop(mid)
             del self._member_ids[mkey]
             gid = mkey >> (_BITS + _LEN_BITS)
+            self._splits.remove_member(gid, mid)
+            self._group_sizes[gid] -= 1
             if not self._group_members.remove(gid, mid):
                 continue
+            del self._group_sizes[gid]
+            released = self._splits.drop_ref(gid)
+            if released is not None:
+                self._ghosts.pop(released, None)
             gkey = self._group_keys.pop(gid)
             del self._group_ids[gkey]
             self._groups.remove(gkey >> _BITS, gid)
+        if entry.order in self._splits.ref_uses:  # its tokens still define where other members leave it
+            self._ghosts[entry.order] = entry
 
     def token_ids(self, span_id: str) -> tuple[int, ...]:
         return self._spans[span_id].token_ids

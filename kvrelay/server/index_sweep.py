@@ -12,10 +12,17 @@ from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvrelay.server.index_splits import common_length
+
 if TYPE_CHECKING:
     from kvrelay.server.index import TokenIndex, _Entry
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: hashes stay Python ints below 2**61 (they fit an int64 array)
+_LEN_MASK = (1 << 32) - 1  # a holder is (span order << 32 | number of the block in the span)
+_LEN_BITS = 32
+# a group of this many members or more is visited by class (``index_splits``): the same runs, and the work no
+# longer grows with the members; fewer are checked one by one (a class costs a hash search and a few look-ups)
+SPLIT_MIN_MEMBERS = 16
 
 
 class PolyHash:
@@ -148,21 +155,10 @@ class Sweep:
         ``i + 1`` when every member was inside the runs kept: their reach never shrinks, a member's grows by
         at most a token per offset)."""
         q, b = self.q, self.index.block_len
-        prev = group[0]
+        if self.oldest and self.same_end[i] < i + b and self.index.group_size(group[1]) >= SPLIT_MIN_MEMBERS:
+            return self._visit_split(i, group, q_prev)  # many members (not of one repeated token): by class
         ordered = group[2] or self._ordered(group)
-        left = 0
-        if prev is not None:  # the previous block differs from the prompt's: fewer than B tokens match
-            left = self.left_of.get((prev, q_prev), -1) if q_prev is not None else -1
-            if left < 0:  # the same two blocks met before (repeated text) match as far as then
-                _, off, _, _, _, entry = ordered[0]
-                src = entry.token_ids
-                left, limit = 0, min(i, b)
-                while left < limit and q[i - 1 - left] == src[off - 1 - left]:
-                    left += 1
-                self.work += left
-                if q_prev is not None:
-                    self.left_of[(prev, q_prev)] = left
-            self.work += 1
+        left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
         n, same_end_i = len(q), self.same_end[i]
         oldest, stair_orders, stair_ends = self.oldest, self.stair_orders, self.stair_ends
         wake = n
@@ -197,6 +193,89 @@ class Sweep:
         if cands:
             self.pending.setdefault(i - left, []).append((i, left, cands))
         return wake
+
+    def _left(self, i: int, prev: int | None, q_prev: int | None, entry: _Entry, off: int) -> int:
+        """How many tokens before offset ``i`` match the tokens before the group's block (any member's)."""
+        if prev is None:
+            return 0
+        # the previous block differs from the prompt's: fewer than B tokens match
+        left = self.left_of.get((prev, q_prev), -1) if q_prev is not None else -1
+        if left < 0:  # the same two blocks met before (repeated text) match as far as then
+            q, src = self.q, entry.token_ids
+            left, limit = 0, min(i, self.index.block_len)
+            while left < limit and q[i - 1 - left] == src[off - 1 - left]:
+                left += 1
+            self.work += left
+            if q_prev is not None:
+                self.left_of[(prev, q_prev)] = left
+        self.work += 1
+        return left
+
+    def _visit_split(self, i: int, group: list, q_prev: int | None) -> int:
+        """``_visit`` for a group of many members: a candidate per class of members with one end, and the
+        members that follow the prompt past the group's reference (see ``index_splits``). ``oldest`` only."""
+        index, q, b, n = self.index, self.q, self.index.block_len, len(self.q)
+        gid, splits = group[1], index._splits
+        ref_order, ref_off = splits.ref(gid)
+        ref = index.entry_of(ref_order)
+        left = self._left(i, group[0], q_prev, ref, ref_off)
+        split_q, probes = common_length(index.hasher, self.prefix, i + b, ref.prefix, ref_off + b,
+                                        min(n - i - b, len(ref.token_ids) - ref_off - b))
+        self.work += probes + 1
+        token_q = q[i + b + split_q] if i + b + split_q < n else None
+        found: list[tuple[int, int, int]] = []  # (order, member, cap)
+        at_split_q = None  # the oldest (order, member) of the class that ends at split_q
+        for point in splits.points.nodes(gid):
+            self.work += 1
+            split = point & _LEN_MASK
+            if split < split_q:  # the prompt follows the reference further: the class ends at its split
+                found.append((*self._oldest_of(point, None), i + b + split))
+                continue
+            skip = token_q if split == split_q else None
+            if skip is not None:  # these follow the prompt past split_q: each its own candidate
+                for mid in splits.at_token.nodes(splits.token_key(point, skip)):
+                    self.work += 1
+                    order, off, entry = self._holder(mid)
+                    found.append((order, mid, i + b + min(n - i - b, len(entry.token_ids) - off - b)))
+            oldest = self._oldest_of(point, skip)
+            if oldest is not None and (at_split_q is None or oldest < at_split_q):
+                at_split_q = oldest
+        if at_split_q is not None:
+            found.append((*at_split_q, i + b + split_q))
+        found.sort()
+        cands = []
+        stair_orders, stair_ends = self.stair_orders, self.stair_ends
+        for order, mid, cap in found:
+            k = bisect.bisect_right(stair_orders, order)
+            if k and stair_ends[k - 1] >= cap:
+                continue  # inside a run kept, which starts before any candidate from here on
+            _, off, entry = self._holder(mid)
+            cands.append((entry.span_id, off, order, cap, entry))
+        if cands:
+            self.pending.setdefault(i - left, []).append((i, left, cands))
+        return i + 1
+
+    def _holder(self, mid: int) -> tuple[int, int, _Entry]:
+        """(order, offset, span) of a member's oldest holder."""
+        index = self.index
+        holder = index._holders.head[mid]
+        return holder >> _LEN_BITS, (holder & _LEN_MASK) * index.block_len, index.entry_of(holder >> _LEN_BITS)
+
+    def _oldest_of(self, point: int, skip_token: int | None) -> tuple[int, int] | None:
+        """The oldest (order, member) filed at a split point, less those whose token there is ``skip_token``:
+        members come in order of creation, and none holds an older span than the one that created it."""
+        splits, heads = self.index._splits, self.index._holders.head
+        best = None
+        for mid in splits.at_point.nodes(point):
+            self.work += 1
+            if best is not None and splits.born[mid] >= best[0]:
+                break
+            if skip_token is not None and splits.token[mid] == skip_token:
+                continue
+            order = heads[mid] >> _LEN_BITS
+            if best is None or order < best[0]:
+                best = (order, mid)
+        return best
 
     def _settle(self, visits: list[tuple[int, int, list]]) -> None:
         """Check, extend and keep the candidates of one start (every run kept starts at or before it)."""
