@@ -64,6 +64,7 @@ import bisect
 import heapq
 from array import array
 
+from kvrelay.server import index_splits
 from kvrelay.server.index_splits import END, Splits, common_length
 from kvrelay.server.index_sweep import _MOD, PolyHash, Sweep, TokenMatch, same_token_ends
 from kvrelay.server.int_lists import IntLists
@@ -121,8 +122,9 @@ class TokenIndex:
         # holds a member once (the length after the block is in its key)
         self._holders = IntLists()
         self._group_sizes: dict[int, int] = {}  # group -> its number of members
-        # per group, where each member leaves the group's reference (``index_splits``), and the removed spans
-        # still some group's reference (their tokens define where its members leave it)
+        # per group of SPLIT_MIN_MEMBERS members or more (once), where each member leaves the group's reference
+        # (``index_splits``), and the removed spans still some group's reference (their tokens define where
+        # its members leave it)
         self._splits = Splits()
         self._ghosts: dict[int, _Entry] = {}
         self._num_groups = self._num_members = 0
@@ -145,8 +147,9 @@ class TokenIndex:
         entry = self._by_order.get(order)
         return entry if entry is not None else self._ghosts[order]
 
-    def group_size(self, group_id: int) -> int:
-        return self._group_sizes[group_id]
+    def by_class(self, group_id: int) -> bool:
+        """Whether a group's members are filed by where they leave its reference (it is visited by class)."""
+        return group_id in self._splits.refs
 
     def group_prev(self, group_id: int) -> int | None:
         """The hash of the block before a group's block (None: the spans' first block)."""
@@ -203,7 +206,6 @@ class TokenIndex:
                 self._group_keys[gid] = gkey
                 self._groups.append(bkey, gid)
                 self._group_sizes[gid] = 0
-                self._splits.set_ref(gid, entry.order, off)
             mkey = (gid << _BITS | sub(p, off + b, m)) << _LEN_BITS | (m - off - b)
             mid = self._member_ids.get(mkey)
             if mid is None:
@@ -213,15 +215,39 @@ class TokenIndex:
                 self._same_after[mid] = same_end[off] - off - b if same_end[off] >= off + b else -1
                 self._group_members.append(gid, mid)
                 self._group_sizes[gid] += 1
-                ref_order, ref_off = self._splits.ref(gid)
-                ref, tail = self.entry_of(ref_order), m - off - b
-                split, _ = common_length(self.hasher, p, off + b, ref.prefix, ref_off + b,
-                                         min(tail, len(ref.token_ids) - ref_off - b))
-                self._splits.add_member(gid, mid, entry.order, split, ids[off + b + split] if split < tail else END)
+                if gid in self._splits.refs:
+                    self._file(gid, mid, entry, off, entry.order)
+                elif self._group_sizes[gid] >= index_splits.SPLIT_MIN_MEMBERS:
+                    self._file_group(gid, mid, entry, off)
             self._holders.append(mid, entry.order << _LEN_BITS | len(member_ids))  # the newest span: last
             member_ids.append(mid)
         entry.member_ids = tuple(member_ids)
         self._spans[span_id] = entry
+
+    def _file(self, gid: int, mid: int, entry: _Entry, off: int, born: int) -> None:
+        """File a member (held by ``entry`` at ``off``; no holder of it is older than ``born``, and none of the
+        members after it in the group) by where it leaves its group's reference."""
+        b = self.block_len
+        ref_order, ref_off = self._splits.ref(gid)
+        ref, tail = self.entry_of(ref_order), len(entry.token_ids) - off - b
+        split, _ = common_length(self.hasher, entry.prefix, off + b, ref.prefix, ref_off + b,
+                                 min(tail, len(ref.token_ids) - ref_off - b))
+        self._splits.add_member(gid, mid, born, split, entry.token_ids[off + b + split] if split < tail else END)
+
+    def _file_group(self, gid: int, new_mid: int, entry: _Entry, off: int) -> None:
+        """A group reached SPLIT_MIN_MEMBERS: its first member's oldest span becomes its reference, and every
+        member is filed (the newest, ``new_mid``, is held by ``entry`` at ``off``; its holder is not listed yet)."""
+        heads, b = self._holders.head, self.block_len
+        members = []
+        for mid in self._group_members.nodes(gid):
+            holder = heads[mid] if mid != new_mid else entry.order << _LEN_BITS | off // b
+            members.append((mid, self._by_order[holder >> _LEN_BITS], (holder & _LEN_MASK) * b))
+        self._splits.set_ref(gid, members[0][1].order, members[0][2])
+        borns = [m[1].order for m in members]
+        for k in range(len(borns) - 2, -1, -1):
+            borns[k] = min(borns[k], borns[k + 1])  # the oldest span of this member or any after it
+        for (mid, holder_entry, holder_off), born in zip(members, borns, strict=True):
+            self._file(gid, mid, holder_entry, holder_off, born)  # in order of creation, as lists are read
 
     def remove(self, span_id: str) -> None:
         """Forget a span (evicted or removed from the store); unknown ids are ignored."""
@@ -236,12 +262,14 @@ class TokenIndex:
             mkey = self._member_keys.pop(mid)
             del self._member_ids[mkey]
             gid = mkey >> (_BITS + _LEN_BITS)
-            self._splits.remove_member(gid, mid)
+            filed = gid in self._splits.refs
+            if filed:
+                self._splits.remove_member(gid, mid)
             self._group_sizes[gid] -= 1
             if not self._group_members.remove(gid, mid):
                 continue
             del self._group_sizes[gid]
-            released = self._splits.drop_ref(gid)
+            released = self._splits.drop_ref(gid) if filed else None
             if released is not None:
                 self._ghosts.pop(released, None)
             gkey = self._group_keys.pop(gid)

@@ -29,8 +29,12 @@ from kvrelay.server.int_lists import IntLists
 if TYPE_CHECKING:
     from kvrelay.server.index_sweep import PolyHash
 
-__all__ = ["END", "Splits", "common_length"]
+__all__ = ["END", "SPLIT_MIN_MEMBERS", "Splits", "common_length"]
 
+# a group is filed once it has this many members, and visited by class from then on (with the prompt's token
+# a block of one repeated token, member by member): the same runs, and the work no longer grows with the
+# members; fewer are checked one by one (a class costs a hash search and a few look-ups, filing one per member)
+SPLIT_MIN_MEMBERS = 16
 END = -(1 << 62)  # "no token": the member's tokens end where it leaves the reference (token ids are far above)
 _LEN_BITS = 32
 _LEN_MASK = (1 << _LEN_BITS) - 1

@@ -20,9 +20,6 @@ if TYPE_CHECKING:
 _MOD = (1 << 61) - 1  # a Mersenne prime: hashes stay Python ints below 2**61 (they fit an int64 array)
 _LEN_MASK = (1 << 32) - 1  # a holder is (span order << 32 | number of the block in the span)
 _LEN_BITS = 32
-# a group of this many members or more is visited by class (``index_splits``): the same runs, and the work no
-# longer grows with the members; fewer are checked one by one (a class costs a hash search and a few look-ups)
-SPLIT_MIN_MEMBERS = 16
 
 
 class PolyHash:
@@ -155,7 +152,7 @@ class Sweep:
         ``i + 1`` when every member was inside the runs kept: their reach never shrinks, a member's grows by
         at most a token per offset)."""
         q, b = self.q, self.index.block_len
-        if self.oldest and self.same_end[i] < i + b and self.index.group_size(group[1]) >= SPLIT_MIN_MEMBERS:
+        if self.oldest and self.same_end[i] < i + b and self.index.by_class(group[1]):
             return self._visit_split(i, group, q_prev)  # many members (not of one repeated token): by class
         ordered = group[2] or self._ordered(group)
         left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])

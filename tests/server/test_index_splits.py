@@ -1,6 +1,6 @@
 """A group of many members is visited by class (``index_splits``): the same runs as member by member.
 
-Groups reach the class path at ``SPLIT_MIN_MEMBERS`` members; here the threshold is lowered to 1 so that
+Groups are filed for the class path at ``SPLIT_MIN_MEMBERS`` members; here the threshold is lowered to 1 so that
 every group of hypothesis' small scenes takes it, and the answers are compared with the path that checks
 every member (the threshold out of reach), removals included (a removed span stays its groups' reference).
 """
@@ -13,26 +13,28 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrelay.server import index_sweep
+from kvrelay.server import index_splits
 from kvrelay.server.index import TokenIndex, TokenMatch
 from tests.server import test_index_properties as properties
 
 HASH_BASE = 1_000_003
 
 
-def build(block_len: int, spans: list[tuple[str, list[int]]], removed: list[int]) -> TokenIndex:
+def build(block_len: int, spans: list[tuple[str, list[int]]], removals: list[tuple[int, int]]) -> TokenIndex:
+    """Add the spans in order; after adding span ``when``, remove span ``victim`` (if added by then)."""
     index = TokenIndex(block_len=block_len, hash_base=HASH_BASE)
     for k, (namespace, ids) in enumerate(spans):
         index.add(f"s{k}", ids, namespace)
-    for k in removed:
-        index.remove(f"s{k}")
+        for when, victim in removals:
+            if when == k and victim <= k:
+                index.remove(f"s{victim}")
     return index
 
 
 @pytest.fixture
 def split_threshold(monkeypatch):
     def set_to(num_members: int) -> None:
-        monkeypatch.setattr(index_sweep, "SPLIT_MIN_MEMBERS", num_members)
+        monkeypatch.setattr(index_splits, "SPLIT_MIN_MEMBERS", num_members)
     return set_to
 
 
@@ -41,11 +43,13 @@ def split_threshold(monkeypatch):
 @given(properties.scenes(), st.integers(1, 6), st.data())
 def test_classes_give_what_members_one_by_one_give(split_threshold, scene, min_tokens, data):
     block_len, spans, query = scene
-    removed = data.draw(st.lists(st.integers(0, len(spans) - 1), max_size=4, unique=True))
+    # removals between additions: a group is filed after some of its members' first spans are gone
+    span_numbers = st.integers(0, len(spans) - 1)
+    removals = data.draw(st.lists(st.tuples(span_numbers, span_numbers), max_size=5))
     out = []
-    for threshold in (1, 10**9):
+    for threshold in (data.draw(st.sampled_from([1, 2, 3])), 10**9):
         split_threshold(threshold)
-        index = build(block_len, spans, removed)
+        index = build(block_len, spans, removals)
         out.append((index.find_runs(query, "a", "oldest"), index.find(query, "a", min_tokens, prefer="oldest")))
     assert out[0] == out[1]
 
@@ -74,3 +78,25 @@ def test_spans_that_share_a_system_prompt_cost_what_a_few_do():
                          TokenMatch(450, 650, "s0", 100)], found
         work.append(index.last_work)
     assert work[1] <= work[0] * 1.5, work
+
+
+def test_a_group_filed_after_its_first_spans_are_gone_still_names_the_oldest(split_threshold):
+    """Members are read in order of creation and the reading stops once no later member can hold an older
+    span; a member whose first span is gone holds a newer one, so the bound is taken over the members after
+    it too (else the reading stops before an older member)."""
+    block = [5, 6, 7, 8]  # previous block [5, 6], the group's block [7, 8]
+    spans = [("a", [1, 1]), ("x", [2, 2]), ("w", [3, 3]), ("y", [4, 4]), ("a2", [1, 1]), ("x2", [2, 2]),
+             ("w2", [3, 3]), ("z", [9, 9])]
+    query = [0] + block + [0, 0]  # every member's run ends with the block
+    out = []
+    for threshold in (5, 10**9):
+        split_threshold(threshold)
+        index = TokenIndex(block_len=2)
+        for span_id, after in spans:
+            if span_id == "z":  # the fifth member: the group is filed now, its first three held by newer spans
+                for gone in ("a", "x", "w"):
+                    index.remove(gone)
+            index.add(span_id, block + after)
+        out.append(index.find_runs(query, prefer="oldest"))
+    assert out[1] == [TokenMatch(1, 5, "y", 0)]  # y is the oldest span left
+    assert out[0] == out[1]
