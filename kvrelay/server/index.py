@@ -35,10 +35,13 @@ probes, candidates settled). Per offset: one hash and one dict lookup. Per visit
 token comparisons (once per pair of previous blocks). Per member checked: O(log) (a staircase look-up),
 and O(1) probes per candidate settled, O(log) per run kept. Spans identical around a block and after it
 are one member and do not count. Spans that share a block and the one before it but differ later are
-members of one group, each checked where the group is visited: spans that open with the same system
-prompt add work per occurrence of that prompt (linear in their number, not quadratic). What still
-counts: the groups awake at an offset, i.e. the distinct
-contexts in which stored spans start the text the prompt repeats, and the runs returned. On a prompt of
+members of one group; a group of ``SPLIT_MIN_MEMBERS`` or more (spans that open with one system prompt) is
+visited by class (``index_splits``, ``prefer="oldest"``, not on a block of one repeated token): one hash
+search, a look-up per distinct point where its members leave the group's reference, and the members that
+follow the prompt past it, so spans sharing a passage cost what a few do (with ``"longest"`` each member is
+still checked: linear in their number per occurrence). What still counts: the groups awake at an offset,
+i.e. the distinct contexts in which stored spans start the text the prompt repeats, and the runs returned.
+On a prompt of
 one repeated token against stored spans that start runs of it in G different contexts, each offset
 returns a run from every span whose repeats are not inside the longest ones (``prefer="oldest"``: not
 inside an older span's), and the groups that sleep less than a block (their reach within a block of
