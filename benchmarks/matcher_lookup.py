@@ -13,7 +13,7 @@ Stored spans are 512 tokens each, 10 / 1,000 / 10,000 of them (added in steps, o
 - shared: every span opens with one system prompt (300 GSM8K test tokens) and goes on with its own natural text
   (every stored call of an agent); the prompt opens with that system prompt and goes on as a natural one (its
   chunks copied from spans start inside the system prompt, so the prompt holds it, or its tail, again and again).
-  Every occurrence meets groups whose members are all the spans: checked one by one, the lookup grew with them.
+  Every occurrence meets groups whose members are all the spans (visited by class, see ``index_splits``).
 
 Lookup = ``TokenIndex.find`` as the server calls it (block 16, ``min_tokens`` 16, ``prefer="oldest"``),
 one fresh prompt per sample: p50 and p99 (nearest rank) over the samples (up to 30 / 15 / 10 / 5 by
