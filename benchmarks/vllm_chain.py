@@ -6,23 +6,30 @@
 starts both vLLM servers through ``kvrelay.vllm.launch`` with the same flags (``--dtype float32 --enforce-eager
 --enable-prefix-caching --enable-prompt-tokens-details --max-logprobs 20``), one of them with kvrelay's connector
 (``--kv-transfer-config``), and stops them at the end; ``--connector-url`` and ``--plain-url`` use servers
-already running instead. With ``--kvrelay-serve``, two ``kvrelay serve`` processes on the same model (the embedded
-GGUF, ``--kvrelay-model``, that SMOLLM2_DIR was exported from, so the same chat template and prompt ids) join: one
-with its default settings (``epic`` under the quality guard) and one with ``--quality-target off --method full``,
-both on ``--kvrelay-threads`` threads (default 1: vLLM's CPU worker runs its model on one thread of the two cores
-here, the other reserved for its engine).
+already running instead.
 
-Each server first answers one unmeasured request (its lazy set-up). Per problem, a fresh ``cache_salt``; the chain
-runs on the connector's server (each agent's messages quote the upstream answers as text, greedy), and each call
-is sent, with the very same messages, to every other server right after (each sees the same history, and load that
-drifts over time falls on all). Before each call the script waits ``--pause-s`` (default 1.5 s): a vLLM worker
-busy-polls for 1 s after its last step and a server stores the finished request's K/V in the background, so a
-call sent at once would share the core with the previous server's leftovers. Per call: client-side TTFT
-(streamed), total time, decode speed (tokens after the first over the time after the first), ``cached_tokens``,
-prompt tokens (each side's own count: a mismatch is reported) and the first token's top logprobs; fidelity is each
-side's first token against the plain vLLM server's on the same messages: top-1 agreement and KL over the plain
-server's top tokens. A chain's time is the sum of its three calls on that side.
+Per problem, a fresh ``cache_salt``; the chain runs on the connector's server (each agent's messages quote the
+upstream answers as text, greedy), and each call is sent, with the very same messages, to the plain server right
+after (both see the same history, and load that drifts over time falls on both). With ``--kvrelay-serve`` a
+second pass follows: the connector's server is stopped (four servers at once do not fit the 2-core development
+machine's memory), two ``kvrelay serve`` processes start on the same model (the embedded GGUF, ``--kvrelay-model``,
+that SMOLLM2_DIR was exported from: the same chat template and prompt ids), one with its default settings
+(``epic`` under the quality guard) and one with ``--quality-target off --method full``, both on
+``--kvrelay-threads`` threads (default 1: vLLM's CPU worker runs its model on one thread of the two cores here, the
+other reserved for its engine), and every recorded call is sent again, in order and under a new salt per problem,
+to the plain server (``plain_again``, the reference of this pass) and to both.
+
+Each server first answers one unmeasured request (its lazy set-up). Before each call the script waits
+``--pause-s`` (default 1.5 s): a vLLM worker busy-polls for 1 s after its last step, both vLLM servers bind their
+model thread to the same core, and a server stores the finished request's K/V in the background, so a call sent at
+once would share the core with the previous server's leftovers. Per call: client-side TTFT (streamed), total
+time, decode speed (tokens after the first over the time after the first), ``cached_tokens``, prompt tokens (each
+side's own count: a mismatch with the reference is reported), kvrelay serve's reuse report, and the first token's
+top logprobs; fidelity is each side's first token against its reference's (the plain server in the same pass) on
+the same messages: top-1 agreement and KL over the reference's top tokens. A chain's time is the sum of its three
+calls on that side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +54,10 @@ from kvrelay.vllm.server_process import VllmServer, VllmServerConfig, free_port
 TOP_LOGPROBS = 20
 CALL_NUMBERS = ("ttft_ms", "total_ms", "cached_tokens", "prompt_tokens", "completion_tokens", "decode_tokens_per_s",
                 "kvrelay")
-REFERENCE = "plain"  # every side's fidelity and TTFT ratio are against vLLM without the connector
+# each side's fidelity and TTFT ratio are against vLLM without the connector at the same moments: kvrelay serve's
+# sides run in a second pass (the four servers at once do not fit the development machine's memory) beside a plain
+# vLLM server again
+REFERENCE_OF = {"connector": "plain", "kvrelay_serve": "plain_again", "kvrelay_full": "plain_again"}
 
 
 def chat(client: OpenAI, model: str, messages: list[dict], max_tokens: int, salt: str) -> dict:
@@ -94,28 +104,48 @@ def first_token_fidelity(reference: dict[str, float], method: dict[str, float]) 
 def run_chain(driver: str, clients: dict[str, OpenAI], model: dict[str, str], question: str, salt: str,
               max_tokens: dict[str, int] | None = None, pause_s: float = 0.0) -> list[dict]:
     """One problem through the chain on ``clients[driver]`` (its answers feed the next agent); each call is sent,
-    with the very same messages, to every other side right after: a row per agent, a dict of numbers per side."""
+    with the very same messages, to every other side right after: a row per agent (its messages kept, for
+    ``replay``), a dict of numbers per side."""
     spec = gsm8k_chain3().spec
     values, rows = {"question": question}, []
     for name in spec.order:
         agent = spec.agent(name)
         messages = [{"role": "system", "content": agent.system},
                     {"role": "user", "content": agent.user.format(**values)}]
-        tokens = (max_tokens or {}).get(name, agent.max_new_tokens)
-        outs = {}
-        for side in (driver, *(s for s in clients if s != driver)):
-            time.sleep(pause_s)
-            outs[side] = chat(clients[side], model[side], messages, tokens, salt)
+        row = {"agent": name, "messages": messages, "max_tokens": (max_tokens or {}).get(name, agent.max_new_tokens)}
+        outs = call_sides(row, (driver, *(s for s in clients if s != driver)), clients, model, salt, pause_s)
         values[name] = outs[driver]["text"]
-        ref = outs[REFERENCE]
-        row = {"agent": name, "prompt_tokens": outs[driver]["prompt_tokens"]}
-        for side, out in outs.items():
-            row[side] = {k: out[k] for k in CALL_NUMBERS}
-            if side != REFERENCE:
-                agree, kl = first_token_fidelity(ref["first_logprobs"], out["first_logprobs"])
-                row[side].update(first_token_agree=agree, kl_first_token_top=kl, same_text=out["text"] == ref["text"])
-        rows.append(row)
+        rows.append({**row, "prompt_tokens": outs[driver]["prompt_tokens"], **numbers(outs)})
     return rows
+
+
+def replay(rows: list[dict], clients: dict[str, OpenAI], model: dict[str, str], salt: str,
+           pause_s: float = 0.0) -> None:
+    """One problem's recorded calls (``run_chain``'s rows, in order) sent again, the same messages, to ``clients``
+    (the first of them the reference), under a new ``salt``; their numbers join each row."""
+    for row in rows:
+        row.update(numbers(call_sides(row, tuple(clients), clients, model, salt, pause_s)))
+
+
+def call_sides(row: dict, order: tuple[str, ...], clients: dict[str, OpenAI], model: dict[str, str], salt: str,
+               pause_s: float) -> dict[str, dict]:
+    outs = {}
+    for side in order:
+        time.sleep(pause_s)
+        outs[side] = chat(clients[side], model[side], row["messages"], row["max_tokens"], salt)
+    return outs
+
+
+def numbers(outs: dict[str, dict]) -> dict[str, dict]:
+    """Each side's call numbers; a side with a reference (``REFERENCE_OF``) also its first-token fidelity."""
+    out = {}
+    for side, call in outs.items():
+        out[side] = {k: call[k] for k in CALL_NUMBERS}
+        ref = outs.get(REFERENCE_OF.get(side, ""))
+        if ref is not None:
+            agree, kl = first_token_fidelity(ref["first_logprobs"], call["first_logprobs"])
+            out[side].update(first_token_agree=agree, kl_first_token_top=kl, same_text=call["text"] == ref["text"])
+    return out
 
 
 def _median_rate(rows: list[dict], side: str) -> float | None:
@@ -131,15 +161,15 @@ def summarize(rows: list[dict], sides: list[str]) -> dict:
         mine = [r for r in rows if r["agent"] == agent]
         stats: dict = {"n_calls": len(mine), "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in mine)}
         for side in sides:
-            calls = [r[side] for r in mine]
+            calls, ref = [r[side] for r in mine], REFERENCE_OF.get(side, side)
             s = {"ttft_ms_median": statistics.median(c["ttft_ms"] for c in calls),
-                 "ttft_ratio_median": statistics.median(c["ttft_ms"] / r[REFERENCE]["ttft_ms"]
+                 "ttft_ratio_median": statistics.median(c["ttft_ms"] / r[ref]["ttft_ms"]
                                                         for c, r in zip(calls, mine, strict=True)),
                  "cached_tokens_mean": statistics.mean(c["cached_tokens"] for c in calls),
-                 "prompt_tokens_mismatches": sum(c["prompt_tokens"] != r[REFERENCE]["prompt_tokens"]
+                 "prompt_tokens_mismatches": sum(c["prompt_tokens"] != r[ref]["prompt_tokens"]
                                                  for c, r in zip(calls, mine, strict=True)),
                  "decode_tokens_per_s_median": _median_rate(mine, side)}
-            if side != REFERENCE:
+            if side in REFERENCE_OF:
                 s.update(first_token_agreement=statistics.mean(c["first_token_agree"] for c in calls),
                          kl_first_token_top_mean=statistics.mean(c["kl_first_token_top"] for c in calls),
                          same_text_share=statistics.mean(c["same_text"] for c in calls))
@@ -237,37 +267,62 @@ def main() -> None:
     if (args.model_dir is None) == (args.connector_url is None or args.plain_url is None):
         parser.error("give --model-dir, or both --connector-url and --plain-url")
     servers: dict[str, VllmServer | KvrelayServe] = {}
+    started: dict[str, list[str]] = {}  # each started server's arguments, for the report
     try:
         if args.model_dir:
             servers["connector"], servers["plain"] = start_servers(args.model_dir, args.log_dir)
+            started.update({side: server.config.serve_args(0)[1:] for side, server in servers.items()})
             args.connector_url, args.plain_url = servers["connector"].base_url, servers["plain"].base_url
-        urls = {"connector": args.connector_url, "plain": args.plain_url}
-        if args.kvrelay_serve:
+        clients, model = open_clients({"connector": args.connector_url, "plain": args.plain_url})
+        load_start = os.getloadavg()
+        rows = []
+        problems = gsm8k_chain3().problems(args.data, args.offset + args.limit)[args.offset:]
+        for problem in problems:
+            for row in run_chain("connector", clients, model, problem.inputs["question"], uuid.uuid4().hex,
+                                 pause_s=args.pause_s):
+                rows.append({"problem_id": problem.problem_id, **row})
+                show(rows[-1], list(clients))
+        sides = list(clients)
+        if args.kvrelay_serve:  # a second pass: the same calls to kvrelay serve, beside the plain server again
+            if "connector" in servers:
+                servers.pop("connector").stop()  # its memory, for kvrelay serve's two processes
+            urls = {"plain_again": args.plain_url}
             for side, flags in KVRELAY_SIDES.items():
                 log = os.path.join(args.log_dir, f"vllm-chain-{side}.log") if args.log_dir else None
                 servers[side] = KvrelayServe(args.kvrelay_model, flags, args.kvrelay_threads, log)
-                urls[side] = f"{servers[side].url}/v1"
-        run(args, urls, servers)
+                urls[side], started[side] = f"{servers[side].url}/v1", servers[side].args
+            clients, model = open_clients(urls)
+            for problem in problems:
+                mine = [r for r in rows if r["problem_id"] == problem.problem_id]
+                replay(mine, clients, model, uuid.uuid4().hex, args.pause_s)
+                for row in mine:
+                    show(row, list(clients))
+            sides += list(clients)
+        report(args, rows, sides, load_start, started)
     finally:
         for server in servers.values():
             server.stop()
 
 
-def run(args: argparse.Namespace, urls: dict[str, str], servers: dict[str, VllmServer | KvrelayServe]) -> None:
+def open_clients(urls: dict[str, str]) -> tuple[dict[str, OpenAI], dict[str, str]]:
+    """A client per side and the model each serves; each server answers one unmeasured request first (its lazy
+    set-up)."""
     clients = {side: OpenAI(base_url=url, api_key="none", timeout=600, max_retries=0) for side, url in urls.items()}
     model = {side: client.models.list().data[0].id for side, client in clients.items()}
-    for side, client in clients.items():  # a server's first request pays its lazy set-up: not measured
+    for side, client in clients.items():
         chat(client, model[side], [{"role": "user", "content": "Say hello."}], 4, uuid.uuid4().hex)
-    load_start = os.getloadavg()
-    rows, sides = [], list(clients)
-    for problem in gsm8k_chain3().problems(args.data, args.offset + args.limit)[args.offset:]:
-        for row in run_chain("connector", clients, model, problem.inputs["question"], uuid.uuid4().hex,
-                             pause_s=args.pause_s):
-            rows.append({"problem_id": problem.problem_id, **row})
-            print(f"{problem.problem_id} {row['agent']:9s} prompt {row['prompt_tokens']:4d}  " + "  ".join(
-                f"{side} TTFT {row[side]['ttft_ms']:6.0f} cached {row[side]['cached_tokens']:4d}"
-                + (f" KL {row[side]['kl_first_token_top']:.4f}" if side != REFERENCE else "") for side in sides),
-                flush=True)
+    return clients, model
+
+
+def show(row: dict, sides: list[str]) -> None:
+    print(f"{row['problem_id']} {row['agent']:9s} prompt {row['prompt_tokens']:4d}  " + "  ".join(
+        f"{side} TTFT {row[side]['ttft_ms']:6.0f} cached {row[side]['cached_tokens']:4d}"
+        + (f" KL {row[side]['kl_first_token_top']:.4f}" if side in REFERENCE_OF else "") for side in sides),
+        flush=True)
+
+
+def report(args: argparse.Namespace, rows: list[dict], sides: list[str], load_start: tuple[float, ...],
+           started: dict[str, list[str]]) -> None:
     summary = summarize(rows, sides)
     for agent, stats in summary["by_agent"].items():
         for side in sides:
@@ -275,7 +330,7 @@ def run(args: argparse.Namespace, urls: dict[str, str], servers: dict[str, VllmS
             print(f"{agent:9s} {side:14s} TTFT median {s['ttft_ms_median']:6.0f} ms (x{s['ttft_ratio_median']:.2f} "
                   f"plain), cached {s['cached_tokens_mean']:5.1f} of {stats['prompt_tokens_mean']:.0f}"
                   + (f", agree {s['first_token_agreement']:.2f}, KL {s['kl_first_token_top_mean']:.4f}"
-                     if side != REFERENCE else "")
+                     if side in REFERENCE_OF else "")
                   + (f", {s['prompt_tokens_mismatches']} prompt-token mismatches" if s["prompt_tokens_mismatches"]
                      else ""))
     for side, s in summary["by_side"].items():
@@ -285,8 +340,8 @@ def run(args: argparse.Namespace, urls: dict[str, str], servers: dict[str, VllmS
         env = {"machine": f"{platform.node()} {platform.machine()}", "num_cpus": os.cpu_count(),
                "transport": "OpenAI HTTP servers", "client": "openai (streamed)", "pause_s": args.pause_s,
                "load_avg_1_5_15_start": load_start, "load_avg_1_5_15_end": os.getloadavg(),
-               "server_args": {side: server.config.serve_args(0)[1:] if isinstance(server, VllmServer)
-                               else server.args for side, server in servers.items()}}
+               "references": REFERENCE_OF,
+               "server_args": started}
         with open(args.json, "w") as f:
             json.dump({"env": env, "workload": "gsm8k-chain3", "n": args.limit, "offset": args.offset,
                        "sides": sides, **summary, "calls": rows}, f, indent=1)
