@@ -1,39 +1,63 @@
-"""gsm8k-chain3 as plain chat requests against vLLM's OpenAI server: with kvrelay's connector, and vLLM alone.
+"""gsm8k-chain3 as plain chat requests: vLLM with kvrelay's connector, vLLM alone, and ``kvrelay serve``.
 
-    python benchmarks/vllm_chain.py --model-dir SMOLLM2_DIR --limit 5 --json benchmarks/results/vllm-chain-cpu.json
+    python benchmarks/vllm_chain.py --model-dir SMOLLM2_DIR --limit 5 --json benchmarks/results/vllm-chain-cpu.json \
+        [--kvrelay-serve]
 
-starts both servers through ``kvrelay.vllm.launch`` with the same flags (``--dtype float32 --enforce-eager
+starts both vLLM servers through ``kvrelay.vllm.launch`` with the same flags (``--dtype float32 --enforce-eager
 --enable-prefix-caching --enable-prompt-tokens-details --max-logprobs 20``), one of them with kvrelay's connector
 (``--kv-transfer-config``), and stops them at the end; ``--connector-url`` and ``--plain-url`` use servers
 already running instead.
 
-Each server first answers one unmeasured request (its lazy set-up). Per problem, a fresh ``cache_salt``; the chain
-runs on the connector's server (each agent's messages quote the upstream answers as text, greedy), and each call
-is sent, with the very same messages, to the plain server right after (its prefix cache sees the same history,
-and load that drifts over time falls on both). Per call: client-side TTFT (streamed), total time, decode speed
-(tokens after the first over the time after the first), ``cached_tokens``, and the first token's top logprobs;
-fidelity is the connector's first token against the plain server's on the same prompt (same template, same
-ids): top-1 agreement and KL over the plain server's top tokens. A chain's time is the sum of its three calls.
+Per problem, a fresh ``cache_salt``; the chain runs on the connector's server (each agent's messages quote the
+upstream answers as text, greedy), and each call is sent, with the very same messages, to the plain server right
+after (both see the same history, and load that drifts over time falls on both). With ``--kvrelay-serve`` a
+second pass follows: the connector's server is stopped (four servers at once do not fit the 2-core development
+machine's memory), two ``kvrelay serve`` processes start on the same model (the embedded GGUF, ``--kvrelay-model``,
+that SMOLLM2_DIR was exported from: the same chat template and prompt ids), one with its default settings
+(``epic`` under the quality guard) and one with ``--quality-target off --method full``, both on
+``--kvrelay-threads`` threads (default 1: vLLM's CPU worker runs its model on one thread of the two cores here, the
+other reserved for its engine), and every recorded call is sent again, in order and under a new salt per problem,
+to the plain server (``plain_again``, the reference of this pass) and to both.
+
+Each server first answers one unmeasured request (its lazy set-up). Before each call the script waits
+``--pause-s`` (default 1.5 s): a vLLM worker busy-polls for 1 s after its last step, both vLLM servers bind their
+model thread to the same core, and a server stores the finished request's K/V in the background, so a call sent at
+once would share the core with the previous server's leftovers. Per call: client-side TTFT (streamed), total
+time, decode speed (tokens after the first over the time after the first), ``cached_tokens``, prompt tokens (each
+side's own count: a mismatch with the reference is reported), kvrelay serve's reuse report, and the first token's
+top logprobs; fidelity is each side's first token against its reference's (the plain server in the same pass) on
+the same messages: top-1 agreement and KL over the reference's top tokens. A chain's time is the sum of its three
+calls on that side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 from openai import OpenAI
 
 from kvrelay.pipeline.workloads import gsm8k_chain3
-from kvrelay.vllm.server_process import VllmServer, VllmServerConfig
+from kvrelay.vllm.server_process import VllmServer, VllmServerConfig, free_port
 
 TOP_LOGPROBS = 20
-CALL_NUMBERS = ("ttft_ms", "total_ms", "cached_tokens", "completion_tokens", "decode_tokens_per_s")
+CALL_NUMBERS = ("ttft_ms", "total_ms", "cached_tokens", "prompt_tokens", "completion_tokens", "decode_tokens_per_s",
+                "kvrelay")
+# each side's fidelity and TTFT ratio are against vLLM without the connector at the same moments: kvrelay serve's
+# sides run in a second pass (the four servers at once do not fit the development machine's memory) beside a plain
+# vLLM server again
+REFERENCE_OF = {"connector": "plain", "kvrelay_serve": "plain_again", "kvrelay_full": "plain_again"}
 
 
 def chat(client: OpenAI, model: str, messages: list[dict], max_tokens: int, salt: str) -> dict:
@@ -42,10 +66,11 @@ def chat(client: OpenAI, model: str, messages: list[dict], max_tokens: int, salt
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, logprobs=True,
         top_logprobs=TOP_LOGPROBS, stream_options={"include_usage": True}, extra_body={"cache_salt": salt})
-    ttft_ms, text, first, usage = None, [], None, None
+    ttft_ms, text, first, usage, kvrelay = None, [], None, None, None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
+        kvrelay = (chunk.model_extra or {}).get("kvrelay", kvrelay)  # kvrelay serve's reuse report
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
@@ -61,7 +86,8 @@ def chat(client: OpenAI, model: str, messages: list[dict], max_tokens: int, salt
             "completion_tokens": usage.completion_tokens,
             "decode_tokens_per_s": (num_decoded / (total_ms - ttft_ms) * 1e3
                                     if num_decoded > 0 and ttft_ms is not None else None),
-            "cached_tokens": getattr(details, "cached_tokens", 0) or 0, "first_logprobs": first or {}}
+            "cached_tokens": getattr(details, "cached_tokens", 0) or 0, "first_logprobs": first or {},
+            "kvrelay": kvrelay}
 
 
 def first_token_fidelity(reference: dict[str, float], method: dict[str, float]) -> tuple[bool, float]:
@@ -75,27 +101,51 @@ def first_token_fidelity(reference: dict[str, float], method: dict[str, float]) 
     return agree, max(kl, 0.0)
 
 
-def run_chain(connector: OpenAI, plain: OpenAI, model: str, question: str, salt: str,
-              max_tokens: dict[str, int] | None = None) -> list[dict]:
-    """One problem through the chain on ``connector``; each call is sent at once to ``plain`` too (the very same
-    messages, so both servers see the same history, and load that drifts over time falls on both): a row per
-    agent."""
+def run_chain(driver: str, clients: dict[str, OpenAI], model: dict[str, str], question: str, salt: str,
+              max_tokens: dict[str, int] | None = None, pause_s: float = 0.0) -> list[dict]:
+    """One problem through the chain on ``clients[driver]`` (its answers feed the next agent); each call is sent,
+    with the very same messages, to every other side right after: a row per agent (its messages kept, for
+    ``replay``), a dict of numbers per side."""
     spec = gsm8k_chain3().spec
     values, rows = {"question": question}, []
     for name in spec.order:
         agent = spec.agent(name)
         messages = [{"role": "system", "content": agent.system},
                     {"role": "user", "content": agent.user.format(**values)}]
-        tokens = (max_tokens or {}).get(name, agent.max_new_tokens)
-        out = chat(connector, model, messages, tokens, salt)
-        values[name] = out["text"]
-        ref = chat(plain, model, messages, tokens, salt)
-        agree, kl = first_token_fidelity(ref["first_logprobs"], out["first_logprobs"])
-        rows.append({"agent": name, "prompt_tokens": out["prompt_tokens"],
-                     "connector": {k: out[k] for k in CALL_NUMBERS}, "plain": {k: ref[k] for k in CALL_NUMBERS},
-                     "first_token_agree": agree, "kl_first_token_top": kl,
-                     "same_text": out["text"] == ref["text"]})
+        row = {"agent": name, "messages": messages, "max_tokens": (max_tokens or {}).get(name, agent.max_new_tokens)}
+        outs = call_sides(row, (driver, *(s for s in clients if s != driver)), clients, model, salt, pause_s)
+        values[name] = outs[driver]["text"]
+        rows.append({**row, "prompt_tokens": outs[driver]["prompt_tokens"], **numbers(outs)})
     return rows
+
+
+def replay(rows: list[dict], clients: dict[str, OpenAI], model: dict[str, str], salt: str,
+           pause_s: float = 0.0) -> None:
+    """One problem's recorded calls (``run_chain``'s rows, in order) sent again, the same messages, to ``clients``
+    (the first of them the reference), under a new ``salt``; their numbers join each row."""
+    for row in rows:
+        row.update(numbers(call_sides(row, tuple(clients), clients, model, salt, pause_s)))
+
+
+def call_sides(row: dict, order: tuple[str, ...], clients: dict[str, OpenAI], model: dict[str, str], salt: str,
+               pause_s: float) -> dict[str, dict]:
+    outs = {}
+    for side in order:
+        time.sleep(pause_s)
+        outs[side] = chat(clients[side], model[side], row["messages"], row["max_tokens"], salt)
+    return outs
+
+
+def numbers(outs: dict[str, dict]) -> dict[str, dict]:
+    """Each side's call numbers; a side with a reference (``REFERENCE_OF``) also its first-token fidelity."""
+    out = {}
+    for side, call in outs.items():
+        out[side] = {k: call[k] for k in CALL_NUMBERS}
+        ref = outs.get(REFERENCE_OF.get(side, ""))
+        if ref is not None:
+            agree, kl = first_token_fidelity(ref["first_logprobs"], call["first_logprobs"])
+            out[side].update(first_token_agree=agree, kl_first_token_top=kl, same_text=call["text"] == ref["text"])
+    return out
 
 
 def _median_rate(rows: list[dict], side: str) -> float | None:
@@ -103,36 +153,41 @@ def _median_rate(rows: list[dict], side: str) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Per agent: TTFT medians and their ratio, cached tokens, decode speed, fidelity; and per side, the whole
-    chain's time (its calls one after another, as the agents run) per problem."""
-    out: dict = {"by_agent": {}}
+def summarize(rows: list[dict], sides: list[str]) -> dict:
+    """Per agent and side: TTFT median and its ratio to the plain vLLM server's (median over calls), cached tokens,
+    decode speed, fidelity; per side, the whole chain's time (its calls one after another, as the agents run)."""
+    out: dict = {"by_agent": {}, "by_side": {}}
     for agent in dict.fromkeys(r["agent"] for r in rows):
         mine = [r for r in rows if r["agent"] == agent]
-        out["by_agent"][agent] = {
-            "n_calls": len(mine),
-            "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in mine),
-            "ttft_ms_median_connector": statistics.median(r["connector"]["ttft_ms"] for r in mine),
-            "ttft_ms_median_plain": statistics.median(r["plain"]["ttft_ms"] for r in mine),
-            "ttft_ratio_median": statistics.median(r["connector"]["ttft_ms"] / r["plain"]["ttft_ms"] for r in mine),
-            "cached_tokens_mean_connector": statistics.mean(r["connector"]["cached_tokens"] for r in mine),
-            "cached_tokens_mean_plain": statistics.mean(r["plain"]["cached_tokens"] for r in mine),
-            "decode_tokens_per_s_median_connector": _median_rate(mine, "connector"),
-            "decode_tokens_per_s_median_plain": _median_rate(mine, "plain"),
-            "first_token_agreement": statistics.mean(r["first_token_agree"] for r in mine),
-            "kl_first_token_top_mean": statistics.mean(r["kl_first_token_top"] for r in mine)}
-    for side in ("connector", "plain"):
+        stats: dict = {"n_calls": len(mine), "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in mine)}
+        for side in sides:
+            calls, ref = [r[side] for r in mine], REFERENCE_OF.get(side, side)
+            s = {"ttft_ms_median": statistics.median(c["ttft_ms"] for c in calls),
+                 "ttft_ratio_median": statistics.median(c["ttft_ms"] / r[ref]["ttft_ms"]
+                                                        for c, r in zip(calls, mine, strict=True)),
+                 "cached_tokens_mean": statistics.mean(c["cached_tokens"] for c in calls),
+                 "prompt_tokens_mismatches": sum(c["prompt_tokens"] != r[ref]["prompt_tokens"]
+                                                 for c, r in zip(calls, mine, strict=True)),
+                 "decode_tokens_per_s_median": _median_rate(mine, side)}
+            if side in REFERENCE_OF:
+                s.update(first_token_agreement=statistics.mean(c["first_token_agree"] for c in calls),
+                         kl_first_token_top_mean=statistics.mean(c["kl_first_token_top"] for c in calls),
+                         same_text_share=statistics.mean(c["same_text"] for c in calls))
+            stats[side] = s
+        out["by_agent"][agent] = stats
+    for side in sides:
         chains: dict[str, float] = {}
         for r in rows:
             chains[r["problem_id"]] = chains.get(r["problem_id"], 0.0) + r[side]["total_ms"]
-        out[f"chain_ms_median_{side}"] = statistics.median(chains.values())
-        out[f"chain_ms_total_{side}"] = sum(chains.values())
-        out[f"decode_tokens_per_s_median_{side}"] = _median_rate(rows, side)
+        out["by_side"][side] = {"chain_ms_median": statistics.median(chains.values()),
+                                "chain_ms_total": sum(chains.values()),
+                                "decode_tokens_per_s_median": _median_rate(rows, side)}
     return out
 
 
 CONNECTOR_CONFIG = {"kv_connector": "KVRelayConnector", "kv_connector_module_path": "kvrelay.vllm.connector",
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+KVRELAY_SIDES = {"kvrelay_serve": (), "kvrelay_full": ("--quality-target", "off", "--method", "full")}
 
 
 def start_servers(model_dir: str, log_dir: str | None) -> tuple[VllmServer, VllmServer]:
@@ -151,12 +206,59 @@ def start_servers(model_dir: str, log_dir: str | None) -> tuple[VllmServer, Vllm
     return connector, plain
 
 
+class KvrelayServe:
+    """A ``kvrelay serve`` process on a free 127.0.0.1 port (``python -m kvrelay.server``), stopped by ``stop``."""
+
+    def __init__(self, model: str, flags: tuple[str, ...], threads: int, log_path: str | None,
+                 startup_timeout_s: float = 1800.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--model", model, "--threads", str(threads), "--port", str(self.port), *flags]
+        self.log_path = log_path or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvrelay-serve-{self.port}.log")
+        self._log = open(self.log_path, "w+")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.server", *self.args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        deadline = time.monotonic() + startup_timeout_s
+        try:
+            while not self._healthy():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kvrelay serve {' '.join(self.args)} did not start:\n"
+                                       f"{open(self.log_path).read()[-4000:]}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _healthy(self) -> bool:
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        if not self._log.closed:
+            self._log.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", default=None, help="start both servers here on this folder (same flags)")
-    parser.add_argument("--log-dir", default=None, help="with --model-dir: where the servers' logs go")
+    parser.add_argument("--model-dir", default=None, help="start both vLLM servers here on this folder (same flags)")
+    parser.add_argument("--log-dir", default=None, help="where the started servers' logs go")
     parser.add_argument("--connector-url", default=None)
     parser.add_argument("--plain-url", default=None)
+    parser.add_argument("--kvrelay-serve", action="store_true",
+                        help="also kvrelay serve with its defaults and with --quality-target off --method full")
+    parser.add_argument("--kvrelay-model", default="smollm2-135m", help="kvrelay serve's --model (the GGUF the "
+                        "vLLM folder was exported from)")
+    parser.add_argument("--kvrelay-threads", type=int, default=1)
+    parser.add_argument("--pause-s", type=float, default=1.5, help="wait before each call")
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--data", default=None)
@@ -164,51 +266,85 @@ def main() -> None:
     args = parser.parse_args()
     if (args.model_dir is None) == (args.connector_url is None or args.plain_url is None):
         parser.error("give --model-dir, or both --connector-url and --plain-url")
-    servers: tuple[VllmServer, ...] = ()
-    if args.model_dir:
-        servers = start_servers(args.model_dir, args.log_dir)
-        args.connector_url, args.plain_url = servers[0].base_url, servers[1].base_url
+    servers: dict[str, VllmServer | KvrelayServe] = {}
+    started: dict[str, list[str]] = {}  # each started server's arguments, for the report
     try:
-        run(args, servers)
+        if args.model_dir:
+            servers["connector"], servers["plain"] = start_servers(args.model_dir, args.log_dir)
+            started.update({side: server.config.serve_args(0)[1:] for side, server in servers.items()})
+            args.connector_url, args.plain_url = servers["connector"].base_url, servers["plain"].base_url
+        clients, model = open_clients({"connector": args.connector_url, "plain": args.plain_url})
+        load_start = os.getloadavg()
+        rows = []
+        problems = gsm8k_chain3().problems(args.data, args.offset + args.limit)[args.offset:]
+        for problem in problems:
+            for row in run_chain("connector", clients, model, problem.inputs["question"], uuid.uuid4().hex,
+                                 pause_s=args.pause_s):
+                rows.append({"problem_id": problem.problem_id, **row})
+                show(rows[-1], list(clients))
+        sides = list(clients)
+        if args.kvrelay_serve:  # a second pass: the same calls to kvrelay serve, beside the plain server again
+            if "connector" in servers:
+                servers.pop("connector").stop()  # its memory, for kvrelay serve's two processes
+            urls = {"plain_again": args.plain_url}
+            for side, flags in KVRELAY_SIDES.items():
+                log = os.path.join(args.log_dir, f"vllm-chain-{side}.log") if args.log_dir else None
+                servers[side] = KvrelayServe(args.kvrelay_model, flags, args.kvrelay_threads, log)
+                urls[side], started[side] = f"{servers[side].url}/v1", servers[side].args
+            clients, model = open_clients(urls)
+            for problem in problems:
+                mine = [r for r in rows if r["problem_id"] == problem.problem_id]
+                replay(mine, clients, model, uuid.uuid4().hex, args.pause_s)
+                for row in mine:
+                    show(row, list(clients))
+            sides += list(clients)
+        report(args, rows, sides, load_start, started)
     finally:
-        for server in servers:
+        for server in servers.values():
             server.stop()
 
 
-def run(args: argparse.Namespace, servers: tuple[VllmServer, ...]) -> None:
-    connector = OpenAI(base_url=args.connector_url, api_key="none", timeout=600, max_retries=0)
-    plain = OpenAI(base_url=args.plain_url, api_key="none", timeout=600, max_retries=0)
-    model = connector.models.list().data[0].id
-    for client in (connector, plain):  # a server's first request pays its lazy set-up: not measured, either side
-        chat(client, model, [{"role": "user", "content": "Say hello."}], 4, uuid.uuid4().hex)
-    load_start = os.getloadavg()
-    rows = []
-    for problem in gsm8k_chain3().problems(args.data, args.offset + args.limit)[args.offset:]:
-        for row in run_chain(connector, plain, model, problem.inputs["question"], uuid.uuid4().hex):
-            rows.append({"problem_id": problem.problem_id, **row})
-            print(f"{problem.problem_id} {row['agent']:9s} TTFT {row['connector']['ttft_ms']:7.0f} ms "
-                  f"(plain {row['plain']['ttft_ms']:7.0f}) cached {row['connector']['cached_tokens']:4d} "
-                  f"(plain {row['plain']['cached_tokens']:4d}) of {row['prompt_tokens']:4d}  "
-                  f"agree {row['first_token_agree']}  KL {row['kl_first_token_top']:.4f}", flush=True)
-    summary = summarize(rows)
-    for agent, s in summary["by_agent"].items():
-        print(f"{agent:9s} TTFT median {s['ttft_ms_median_connector']:.0f} ms vs {s['ttft_ms_median_plain']:.0f} ms "
-              f"(ratio {s['ttft_ratio_median']:.2f}), cached {s['cached_tokens_mean_connector']:.0f} vs "
-              f"{s['cached_tokens_mean_plain']:.0f} of {s['prompt_tokens_mean']:.0f}, agree "
-              f"{s['first_token_agreement']:.2f}, KL {s['kl_first_token_top_mean']:.4f}")
-    print(f"chain median {summary['chain_ms_median_connector']:.0f} ms vs {summary['chain_ms_median_plain']:.0f} ms, "
-          f"decode {summary['decode_tokens_per_s_median_connector']:.1f} vs "
-          f"{summary['decode_tokens_per_s_median_plain']:.1f} tokens/s (median over calls)", flush=True)
+def open_clients(urls: dict[str, str]) -> tuple[dict[str, OpenAI], dict[str, str]]:
+    """A client per side and the model each serves; each server answers one unmeasured request first (its lazy
+    set-up)."""
+    clients = {side: OpenAI(base_url=url, api_key="none", timeout=600, max_retries=0) for side, url in urls.items()}
+    model = {side: client.models.list().data[0].id for side, client in clients.items()}
+    for side, client in clients.items():
+        chat(client, model[side], [{"role": "user", "content": "Say hello."}], 4, uuid.uuid4().hex)
+    return clients, model
+
+
+def show(row: dict, sides: list[str]) -> None:
+    print(f"{row['problem_id']} {row['agent']:9s} prompt {row['prompt_tokens']:4d}  " + "  ".join(
+        f"{side} TTFT {row[side]['ttft_ms']:6.0f} cached {row[side]['cached_tokens']:4d}"
+        + (f" KL {row[side]['kl_first_token_top']:.4f}" if side in REFERENCE_OF else "") for side in sides),
+        flush=True)
+
+
+def report(args: argparse.Namespace, rows: list[dict], sides: list[str], load_start: tuple[float, ...],
+           started: dict[str, list[str]]) -> None:
+    summary = summarize(rows, sides)
+    for agent, stats in summary["by_agent"].items():
+        for side in sides:
+            s = stats[side]
+            print(f"{agent:9s} {side:14s} TTFT median {s['ttft_ms_median']:6.0f} ms (x{s['ttft_ratio_median']:.2f} "
+                  f"plain), cached {s['cached_tokens_mean']:5.1f} of {stats['prompt_tokens_mean']:.0f}"
+                  + (f", agree {s['first_token_agreement']:.2f}, KL {s['kl_first_token_top_mean']:.4f}"
+                     if side in REFERENCE_OF else "")
+                  + (f", {s['prompt_tokens_mismatches']} prompt-token mismatches" if s["prompt_tokens_mismatches"]
+                     else ""))
+    for side, s in summary["by_side"].items():
+        print(f"{side:14s} chain median {s['chain_ms_median']:.0f} ms, decode {s['decode_tokens_per_s_median']:.1f} "
+              "tokens/s (median over calls)", flush=True)
     if args.json:
         env = {"machine": f"{platform.node()} {platform.machine()}", "num_cpus": os.cpu_count(),
-               "transport": "vLLM OpenAI server", "client": "openai (streamed)",
-               "load_avg_1_5_15_start": load_start, "load_avg_1_5_15_end": os.getloadavg()}
-        if servers:
-            env["server_args"] = {side: server.config.serve_args(0)[1:] for side, server in
-                                  zip(("connector", "plain"), servers, strict=True)}
+               "transport": "OpenAI HTTP servers", "client": "openai (streamed)", "pause_s": args.pause_s,
+               "load_avg_1_5_15_start": load_start, "load_avg_1_5_15_end": os.getloadavg(),
+               "references": REFERENCE_OF,
+               "server_args": started}
         with open(args.json, "w") as f:
-            json.dump({"env": env, "workload": "gsm8k-chain3", "n": args.limit, "offset": args.offset, **summary,
-                       "calls": rows}, f, indent=1)
+            json.dump({"env": env, "workload": "gsm8k-chain3", "n": args.limit, "offset": args.offset,
+                       "sides": sides, **summary, "calls": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -234,8 +235,10 @@ class KVRelayConnector(KVConnectorBase_V1):
         for job in meta.saves:  # read now, while vLLM holds the blocks; stored in the saver's thread
             self._saver.submit(job)
         for job in meta.loads:
+            t0 = time.perf_counter()
             for piece in job.plan.pieces:  # a span this load reads may still be being stored
                 self._saver.wait_stored(job.namespace, piece.span_id)
+            wait_ms = (time.perf_counter() - t0) * 1e3
             try:
                 result = self._worker.load(job)
             except Exception:  # noqa: BLE001 - vLLM recomputes the blocks of a failed load; the request goes on
@@ -244,8 +247,9 @@ class KVRelayConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
                 continue
             log.info("kvrelay connector: request %s: %d tokens claimed, %d loaded, %d computed (%d spans missing) "
-                     "in %.1f ms (forward %.1f ms)", result.req_id, result.num_claimed, result.num_loaded,
-                     result.num_recomputed, result.spans_missing, result.load_ms, result.forward_ms)
+                     "in %.1f ms (forward %.1f ms on %d threads; %.1f ms waiting for spans being stored)",
+                     result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
+                     result.spans_missing, result.load_ms, result.forward_ms, torch.get_num_threads(), wait_ms)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -68,6 +68,15 @@ class LoadResult:
     pieces: list[tuple[int, int, bool]] = field(default_factory=list)  # (dst_start, num_tokens, exact)
 
 
+def compute_kv(model: Transformer, token_ids: torch.Tensor, cache: SequenceKV, active: torch.Tensor) -> None:
+    """The K/V of positions ``active`` at every layer into ``cache``, which holds every other position of
+    ``token_ids`` ([n]) already: kvrelay's scheduled prefill run through its last layer and stopped there, without
+    the final norm and the output head (a 49k-row product for SmolLM2), whose logits no load reads."""
+    forward = model.begin_prefill(token_ids, cache, StaticSchedule(active))
+    model.prefill_layers(forward)  # every layer (a static schedule has no exit test)
+    cache.check_filled(int(token_ids.shape[0]))  # as ``finish_prefill`` checks: no position left without K/V
+
+
 class WorkerSide:
     """Saves and loads against one process's hub, on the paged KV vLLM registered."""
 
@@ -164,7 +173,7 @@ class WorkerSide:
             last = int(active[-1])
             t1 = time.perf_counter()
             with packed.unpacked():  # vLLM's modules do the products; nothing of kvrelay's is packed
-                model.prefill(torch.tensor(job.token_ids[: last + 1]), cache, StaticSchedule(active))
+                compute_kv(model, torch.tensor(job.token_ids[: last + 1]), cache, active)
             result.forward_ms = (time.perf_counter() - t1) * 1e3
         k, v = cache.kv_all(plan.num_computed, plan.end)  # [L, Hkv, claimed, hd]
         paged.write(paged.slots(job.block_ids, plan.num_computed, plan.end), k, v)

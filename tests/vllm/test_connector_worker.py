@@ -168,3 +168,33 @@ def test_the_scheduler_side_follows_the_workers_report(lm):
     assert hub.available("s1", "kept") and not hub.available("s1", "evicted")
     assert not hub.available("s2", "kept")  # another namespace never sees it
     assert {m.span_id for m in hub.catalog.index.find(tokens, "s1", 16)} == {"kept"}
+
+
+def test_a_load_computes_its_tokens_kv_without_the_output_head(lm, vllm_model, monkeypatch):
+    """The connector keeps only K/V: its forward stops after the last layer (no final norm, no 49k-row head), and
+    writes what the whole scheduled prefill writes, bit for bit."""
+    cfg, gen = lm.config, torch.Generator().manual_seed(4)
+    upstream = torch.randint(0, 49152, (50,), generator=gen).tolist()
+    hub = Hub(ConnectorConfig(), lm.fingerprint)
+    hub.catalog.put("", "up", full_prefill(lm, upstream).export(0, 50, upstream, lm.fingerprint))
+    prompt = [7, 8, 9] + upstream[:30] + [10, 11] + upstream[30:] + [12]
+    runs = [Run(3, 33, "up", 0), Run(35, 55, "up", 30)]
+    plan = plan_load(prompt, 0, runs, hub.catalog.index.token_ids, "epic", epic_k=4)
+    assert plan.end == 55 and len(plan.recompute) > 8  # the gaps and both runs' first tokens
+    bound = bind_transformer(cfg, vllm_model)
+    heads = []
+    monkeypatch.setattr(bound, "logits_from_hidden", lambda h: heads.append(h))
+    paged, _ = paged_kv(cfg)
+    result = WorkerSide(hub, paged, cfg, bound).load(LoadJob("r", "", prompt[: plan.end], plan, [3, 1, 4, 0]))
+    assert heads == [] and result.num_recomputed == len(plan.recompute)
+    k, v = paged.read(paged.slots([3, 1, 4, 0], 0, plan.end))
+    # the same plan through the whole scheduled prefill (logits and all) of the same bound modules, on the same
+    # placed spans
+    expected = SequenceKV(cfg, torch.float32, "cpu", capacity=plan.end + 1)
+    for piece in plan.pieces:
+        expected.load_span(hub.store.get("up"), piece.dst_start, lm.model.rope, piece.src_start,
+                           piece.src_start + piece.num_tokens)
+    last = plan.recompute[-1]
+    bind_transformer(cfg, vllm_model).prefill(torch.tensor(prompt[: last + 1]), expected,
+                                              StaticSchedule(torch.tensor(plan.recompute)))
+    assert torch.equal(k, expected.kv_all(0, plan.end)[0]) and torch.equal(v, expected.kv_all(0, plan.end)[1])
