@@ -1,6 +1,6 @@
 """The quality guard under a real agent framework: a LangGraph flow over a shared document, scored against ``full``.
 
-    OMP_NUM_THREADS=1 python benchmarks/quality_guard_flow.py --model smollm2-135m --runs 36 \
+    OMP_NUM_THREADS=1 python benchmarks/quality_guard_flow.py --model smollm2-135m --runs 40 \
         --json benchmarks/results/quality-guard-flow-smollm2.json \
         --plots benchmarks/results/quality-guard-plots/flow-smollm2
 
@@ -278,15 +278,9 @@ def reference(full_client: httpx.Client, body: dict, live_ids: list[int]) -> dic
     return ref
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--runs", type=int, default=36, help="flows, one document each (calls per role)")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a folder of MMLU *_test.csv files")
-    p.add_argument("--json", type=Path, help="the report (the per-call rows and request bodies beside it, .calls.json)")
-    p.add_argument("--plots", type=Path, help="folder for one PNG per role")
-    args = p.parse_args(argv)
-    config = QualityConfig()  # what `kvrelay serve` runs with its defaults
+def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict], dict]:
+    """Run the flows against the guarded server, every call against the ``full`` one: the per-call rows (kept in
+    ``.calls.json`` beside ``--json`` after every run, with the request bodies) and the guard's view at the end."""
     docs = documents(args.data, args.runs)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     salt = uuid.uuid4().hex
@@ -303,17 +297,18 @@ def main(argv: list[str] | None = None) -> None:
             started = time.perf_counter()
             recorder.calls = []
             flow.invoke({"document": doc["document"], "question": doc["question"]})
-            after = samples_per_role(recorder.probes, salt)
-            for call in recorder.calls:
-                row = call_row(run, call, reference(full_client, call["body"], call["live"]["prompt_ids"]))
+            new_rows = [call_row(run, call, reference(full_client, call["body"], call["live"]["prompt_ids"]))
+                        for call in recorder.calls]
+            after = samples_per_role(recorder.probes, salt)  # the run's shadows ran while the references did
+            for row, call in zip(new_rows, recorder.calls, strict=True):
                 row["subject"] = doc["subject"]
                 row["shadowed"] = after.get(row["role"], 0) > before.get(row["role"], 0)
-                rows.append(row)
                 bodies.append({"run": run, "agent": call["agent"], "body": call["body"]})
+            rows += new_rows
             before = after
             print(f"run {run + 1}/{len(docs)} {doc['subject']} {time.perf_counter() - started:.1f}s: "
                   + "  ".join(f"{r['agent']} {r['rung']} KL {r['kl']:.4f} reuse {r['reuse_rate']:.2f}"
-                              f"{' S' if r['shadowed'] else ''}" for r in rows[-len(recorder.calls):]), flush=True)
+                              f"{' S' if r['shadowed'] else ''}" for r in new_rows), flush=True)
             if args.json:  # keep what is measured so far
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.with_suffix(".calls.json").write_text(json.dumps({"rows": rows, "bodies": bodies}))
@@ -323,12 +318,30 @@ def main(argv: list[str] | None = None) -> None:
         recorder.close()
         guarded.stop()
         full.stop()
+    return rows, guard_view
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--runs", type=int, default=40, help="flows, one document each (calls per role)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a folder of MMLU *_test.csv files")
+    p.add_argument("--json", type=Path, help="the report (the per-call rows and request bodies beside it, .calls.json)")
+    p.add_argument("--calls-json", type=Path, help="score the rows of an earlier run's .calls.json (no servers)")
+    p.add_argument("--plots", type=Path, help="folder for one PNG per role")
+    args = p.parse_args(argv)
+    config = QualityConfig()  # what `kvrelay serve` runs with its defaults
+    if args.calls_json:
+        rows, guard_view = json.loads(args.calls_json.read_text())["rows"], None
+    else:
+        rows, guard_view = measure(args, config)
     by_agent: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         by_agent[row["agent"]].append(row)
     reports = {agent: role_report(agent_rows, config) for agent, agent_rows in by_agent.items()}
     for agent, rep in reports.items():
-        rep["moves"] = guard_view["roles"].get(by_agent[agent][0]["role"], {}).get("moves")
+        if guard_view is not None:
+            rep["moves"] = guard_view["roles"].get(by_agent[agent][0]["role"], {}).get("moves")
         after = rep["quality_after_20"]
         print(f"{agent}: calls {rep['num_calls']} shadowed {rep['num_shadowed']} rungs {rep['rung_calls']} | after 20:"
               f" KL {after['kl_mean']} agree {after['agreement']} meets {rep['meets_target_after_20']} | reuse "
@@ -345,7 +358,8 @@ def main(argv: list[str] | None = None) -> None:
                "env": {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
                        "cpu_threads": os.environ.get("OMP_NUM_THREADS"), "commit": commit.stdout.strip(),
                        "python": sys.version.split()[0]},
-               "model": args.model, "framework": "langgraph (langchain-openai ChatOpenAI)", "runs": args.runs,
+               "model": args.model, "framework": "langgraph (langchain-openai ChatOpenAI)",
+               "runs": 1 + max(r["run"] for r in rows), "sources": str(args.calls_json or ""),
                "namespace": "one cache_salt for every run", "doc_rows": [DOC_ROWS.start, DOC_ROWS.stop],
                "config": {"target": str(config.target), "sample_rate": config.sample_rate,
                           "ladder": [dataclasses.asdict(r) for r in config.ladder], "start": config.start},
