@@ -237,6 +237,9 @@ def role_report(rows: list[dict], config: QualityConfig) -> dict:
             "reuse_after_20_vs_best_static": (reuse(after) / static[best]["reuse_after_20"]
                                               if best and after and static[best]["reuse_after_20"] else None),
             "rung_calls": {n: sum(r["rung"] == n for r in rows) for n in names},
+            # [call (1-based), from, to]: the rung the guard served moved between two calls of the role
+            "rung_changes": [[i + 1, rows[i - 1]["rung"], rows[i]["rung"]] for i in range(1, len(rows))
+                             if rows[i - 1]["rung"] != rows[i]["rung"]],
             "max_live_vs_probe_kl": max(r["live_vs_probe_kl"] for r in rows),
             "static": static,
             # per call: [rung, shadowed, live KL, top-1 agrees] (quality_guard.plot_role's form)

@@ -84,6 +84,7 @@ def test_the_report_scores_the_calls_after_the_20th_and_the_best_static_rung_in_
     assert report["best_static"] == "relay" and report["static"]["naive"]["meets_target"] is False
     assert math.isclose(report["reuse_vs_best_static"], 1.0)
     assert report["rung_calls"] == {"naive": 0, "relay": 20, "prefix": 20}
+    assert report["rung_changes"] == [[21, "prefix", "relay"]]
     assert report["num_chat_prompt_id_mismatches"] == 1 and report["num_reference_prompt_id_mismatches"] == 0
     cheap = role_report(rows(40, naive_kl=0.001), QualityConfig())
     assert cheap["best_static"] == "naive" and math.isclose(cheap["reuse_vs_best_static"], 0.6 / 0.8)
