@@ -1,6 +1,6 @@
 """The quality guard under a real agent framework: a LangGraph flow over a shared document, scored against ``full``.
 
-    OMP_NUM_THREADS=1 python benchmarks/quality_guard_flow.py --model smollm2-135m --runs 40 \
+    OMP_NUM_THREADS=1 python benchmarks/quality_guard_flow.py --model smollm2-135m --runs 36 \
         --json benchmarks/results/quality-guard-flow-smollm2.json \
         --plots benchmarks/results/quality-guard-plots/flow-smollm2
 
@@ -28,7 +28,7 @@ sample count, read from ``GET /v1/kvrelay/quality`` once the run's shadows are d
 
 Per role (agent): rung calls, KL and agreement over the calls after the first 20, reuse against the best single
 rung that meets the target on that role in hindsight (each rung probed on the store as the guarded run left it),
-and a PNG of rung and live KL over calls.
+and a PNG of rung and live KL over calls. ``--calls-json`` scores the rows an earlier run kept (no servers).
 """
 
 from __future__ import annotations
