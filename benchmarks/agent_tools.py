@@ -86,13 +86,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, method: str, log_dir: Path) -> None:
+    def __init__(self, model: str, method: str, log_dir: Path, flags: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"agent-tools-{method}-{self.port}.log", "w")
-        # --quality-target off: the guard (on by default) would serve each role its rung instead of ``method``
-        command = [sys.executable, "-m", "kvrelay.server", "--model", model, "--method", method,
-                   "--quality-target", "off", "--port", str(self.port)]
+        # --quality-target off: the guard (on by default) would serve each role its rung instead of ``method``;
+        # ``flags`` replaces both (``[]``: the server's defaults, the guard on)
+        flags = ["--method", method, "--quality-target", "off"] if flags is None else flags
+        command = [sys.executable, "-m", "kvrelay.server", "--model", model, *flags, "--port", str(self.port)]
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         deadline = time.monotonic() + 300
