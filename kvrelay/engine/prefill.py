@@ -20,6 +20,7 @@ unit the server's cost budget sizes pieces in.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -46,6 +47,20 @@ def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | Non
     if set(entries) != {0} or entries[0].hidden is not None:
         return None
     return torch.unique(entries[0].token_idx.to(torch.long).cpu())  # sorted, each once
+
+
+def _most_rows(positions: list[int], attends: bool, fits: Callable[[float, float], bool]) -> int:
+    """The most of the next rows (at ``positions``, ascending) whose (rows, keys they attend to) still ``fits``: cost
+    grows with the rows, so bisect."""
+    keys = list(itertools.accumulate(p + 1 for p in positions)) if attends else [0] * len(positions)
+    lo, hi = 0, len(positions)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid, keys[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PrefillTask:
@@ -85,7 +100,8 @@ class PrefillTask:
             return 0
         if self._forward is not None:  # the prompt's share of the layers left (an upper bound: a band selects)
             fwd = self._forward
-            return max(1, math.ceil(len(self.ids) * (fwd.num_layers - fwd.next_layer) / fwd.num_layers))
+            layers_left = fwd.num_layers - fwd.next_layer - (fwd.partial.share_done if fwd.partial else 0.0)
+            return max(1, math.ceil(len(self.ids) * layers_left / fwd.num_layers))
         if self._active is None:
             return len(self.call.prompt_ids)
         return int(self._active.numel()) - self._num_done
@@ -120,11 +136,14 @@ class PrefillTask:
         num_layers = self._forward.num_layers
         return num_token_layers / num_layers, num_key_layers / num_layers
 
-    def advance(self, budget_tokens: int, fits: Callable[[float, float], bool] | None = None) -> int:
+    def advance(self, budget_tokens: int, fits: Callable[[float, float], bool] | None = None,
+                min_tokens: float = 0.0) -> int:
         """Compute up to ``budget_tokens`` more prompt tokens (at least one piece); the number computed. A plan run
-        in pieces of layers runs its next layer, then each next one while the piece still fits: ``fits(tokens,
-        keys)`` of the piece with that layer (in tokens of a whole forward; None: while its tokens fit
-        ``budget_tokens``), and counts the tokens of a whole forward it computed (rounded up)."""
+        in pieces of layers takes whole layers while the piece with the next one fits: ``fits(tokens, keys)`` of the
+        piece (in tokens of a whole forward; None: while its tokens fit ``budget_tokens``); a layer that does not
+        fit runs as chunks of its rows, as many as fit, at least ``min_tokens``' worth (in tokens of a whole
+        forward) and one row where it is the piece's first work. It counts the tokens of a whole forward it
+        computed (rounded up)."""
         if self.done:
             return 0
         model = self.engine.lm.model
@@ -135,7 +154,7 @@ class PrefillTask:
             self._prepare()
         self.last_piece, num_keys = None, None
         if self._forward is not None:
-            num_tokens, num_keys = self._advance_layers(budget_tokens, fits)
+            num_tokens, num_keys = self._advance_layers(fits, budget_tokens, min_tokens)
             num = math.ceil(num_tokens)
         else:
             num_tokens = num = min(max(1, int(budget_tokens)), self.num_remaining_tokens)
@@ -159,21 +178,42 @@ class PrefillTask:
             self._end_s = end_s
         return num
 
-    def _advance_layers(self, budget_tokens: int, fits: Callable[[float, float], bool] | None) -> tuple[float, float]:
-        """Run the forward on for a piece of layers: its (tokens, keys) in tokens of a whole forward."""
-        forward, piece = self._forward, [0.0, 0.0, 0]  # token-layers, key-layers, layers asked about
+    def _advance_layers(self, fits: Callable[[float, float], bool] | None, budget_tokens: float,
+                        min_tokens: float) -> tuple[float, float]:
+        """Run the forward on for a piece: whole layers while the piece with the next one fits, then, where the next
+        one does not, the most of its rows that fit (the piece's first work: at least ``min_tokens``' worth, a row at
+        least); its (tokens, keys) in tokens of a whole forward."""
+        forward, model, spent = self._forward, self.engine.lm.model, [0.0, 0.0]  # token-layers, key-layers run
 
-        def go_on() -> bool:
+        def fits_with(num: float, num_keys: float) -> bool:
+            tokens, keys = self._per_forward(spent[0] + num, spent[1] + num_keys)
+            return fits(tokens, keys) if fits is not None else tokens <= budget_tokens
+
+        while not forward.done:
+            first = spent[0] == 0
             num, num_keys = forward.upcoming()
-            tokens, keys = self._per_forward(piece[0] + num, piece[1] + num_keys)
-            ok = fits(tokens, keys) if fits is not None else tokens <= budget_tokens
-            if ok or piece[2] == 0:  # the first layer runs whatever the answer
-                piece[0], piece[1] = piece[0] + num, piece[1] + num_keys
-            piece[2] += 1
-            return ok
-
-        self.engine.lm.model.prefill_layers(forward, go_on)
-        return self._per_forward(piece[0], piece[1])
+            if fits_with(num, num_keys):  # the rest of the layer, whole
+                model.prefill_rows(forward)
+                spent[0], spent[1] = spent[0] + num, spent[1] + num_keys
+                continue
+            if forward.partial is None:
+                if not first:  # whole layers stay whole where they can: the next piece begins with this one
+                    break
+                model.start_layer(forward)  # its tokens enter: its rows known (an admission may refuse some)
+                continue
+            positions, attends = forward.next_rows()
+            num_rows = _most_rows(positions, attends, fits_with)
+            if first:
+                num_rows = max(num_rows, math.ceil(min_tokens * forward.num_layers), 1)
+            if not num_rows:
+                break
+            num_rows = min(num_rows, len(positions))
+            model.prefill_rows(forward, num_rows)
+            spent[0] += num_rows
+            spent[1] += sum(positions[:num_rows]) + num_rows if attends else 0
+            if num_rows < len(positions):  # the next row would not fit
+                break
+        return self._per_forward(*spent)
 
     def _prepare(self) -> None:
         lm = self.engine.lm
