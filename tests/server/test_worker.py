@@ -264,7 +264,7 @@ def test_a_band_dropped_between_row_chunks_of_a_layer_frees_its_kv_and_pins_and_
     if how == "cancelled":
         worker.cancel(long)
     else:
-        def broken(self, budget_tokens, fits=None):
+        def broken(self, *args, **kwargs):
             raise RuntimeError("planted: a layer piece that breaks")
         monkeypatch.setattr(PrefillTask, "advance", broken)
     worker.run_turn()
