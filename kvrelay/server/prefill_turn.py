@@ -16,12 +16,14 @@ pieces); one that got no budget for ``MAX_SKIPPED_TURNS`` turns goes first, so a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from kvrelay.engine.prefill import PrefillTask
 from kvrelay.server.chunk_budget import ChunkBudget, PieceCost, attended_keys
 from kvrelay.server.job import Job
 
+log = logging.getLogger("kvrelay.server.prefill")
 MAX_SKIPPED_TURNS = 4  # a prefill that got no budget this many turns goes first
 
 
@@ -42,6 +44,9 @@ def advance_prefills(jobs: list[Job], budget: ChunkBudget, finished: Callable[[J
             first, job.num_skipped_turns = False, 0
             job.task.advance(*piece)
             if job.task.last_piece is not None:
+                predicted_ms = budget.predict_ms(*job.task.last_piece[:2])
+                log.debug("prefill piece: %.1f tokens, %.0f keys, %.0f ms (predicted %.0f ms; turn budget %.0f ms)",
+                          *job.task.last_piece, predicted_ms, budget.turn_ms)
                 budget.observe(PieceCost(*job.task.last_piece))
                 spent += budget.predict_ms(*job.task.last_piece[:2]) / budget.turn_ms
             if job.task.done:
