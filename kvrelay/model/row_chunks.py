@@ -10,7 +10,7 @@ causally, and by the sliding window where there is one), output projection, MLP,
 
 A selecting layer (``Schedule.selects_before_attention``: a band's detection, pruning and top layers) needs every
 active token's Q/K/V before it chooses. It runs in two phases: its rows' Q/K/V chunk by chunk (written to the cache
-and kept), the schedule's choice once all are in (``Transformer._select``, as one forward makes it), then the kept
+and kept), the schedule's choice once all are in (``kvrelay.model.selecting``, as one forward makes it), then the kept
 rows' attention and MLP chunk by chunk (every key of this layer is written by then). A schedule whose ``after_layer``
 reads the layer's view gets the whole layer's, assembled from the chunks, once the last one ran.
 
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrelay.model import selecting
 from kvrelay.model.layers import visible_mask
 from kvrelay.model.prefill_state import LayerForward, PartialLayer, drops
 from kvrelay.model.schedule import LayerView
@@ -97,7 +98,7 @@ def _end_phase(model: Transformer, forward: LayerForward, part: PartialLayer) ->
         act = forward.act
         q, k, v = (torch.cat([chunk[i] for chunk in part.qkv], dim=1) for i in range(3))  # [heads, m, hd] each
         prev_k, prev_v = part.prev_kv if part.prev_kv is not None else (None, None)
-        kept = model._select(part.layer, act, forward.cache, forward.schedule, q, k, v, prev_k, prev_v)
+        kept = selecting.select(model, part.layer, act, forward.cache, forward.schedule, q, k, v, prev_k, prev_v)
         part.changed = drops(kept, act.idx.numel())
         if part.changed:
             part.rows, part.h, q = act.idx.index_select(0, kept), act.h.index_select(0, kept), q.index_select(1, kept)
@@ -122,5 +123,5 @@ def _end_layer(model: Transformer, forward: LayerForward, part: PartialLayer) ->
             q, k, v = (torch.cat([chunk[i] for chunk in part.qkv], dim=1) for i in range(3))
             prev_k, prev_v = part.prev_kv if part.prev_kv is not None else (None, None)
             act.keep(schedule.after_layer(LayerView(li, act.idx, h, q, k, v, prev_k, prev_v, _attention_probs=(
-                model._probs_fn(q, forward.cache, li, act.idx, act.n)))))
+                selecting.probs_fn(model, q, forward.cache, li, act.idx, act.n)))))
     model._end_layer(forward)

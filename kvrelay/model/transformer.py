@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvrelay.errors import ContextLengthError, ScheduleError
-from kvrelay.model import packed, row_chunks
+from kvrelay.model import packed, row_chunks, selecting
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.int4 import Int4Blocks, decode_steps
 from kvrelay.model.layers import (
@@ -23,12 +23,11 @@ from kvrelay.model.layers import (
     RMSNorm,
     attention,
     attention_backends,
-    attention_probs,
     linear,
     visible_mask,
 )
 from kvrelay.model.prefill_state import ActiveSet, LayerForward, drops
-from kvrelay.model.rope import RotaryEmbedding, apply_rotary, undo_rotary
+from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import Entry, LayerView, Schedule
 
 if TYPE_CHECKING:
@@ -250,7 +249,8 @@ class Transformer(nn.Module):
             if li in schedule.capture_layers:  # a refused token's input here is its entry state
                 union, order = torch.sort(torch.cat([act.idx, idx]))
                 captured[li] = (union, torch.cat([act.h, new_h.to(self.device, self.dtype)]).index_select(0, order))
-            kept = self._admit(layer, li, act.h, act.idx, act.tables[self.rope_of(li)], cache, schedule, idx, act.n)
+            kept = selecting.admit(self, layer, li, act.h, act.idx, act.tables[self.rope_of(li)], cache, schedule, idx,
+                                   act.n)
             if drops(kept, idx.numel()):
                 idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
         act.join(idx, new_h)
@@ -279,8 +279,8 @@ class Transformer(nn.Module):
         h, q, k, v = layer(act.h, cos, sin, attend)
         act.update(active, h, False)
         if schedule.has_layer_hook:
-            act.keep(schedule.after_layer(LayerView(li, active, h, q, k, v, prev_k, prev_v,
-                                                    _attention_probs=self._probs_fn(q, cache, li, active, n))))
+            probs = selecting.probs_fn(self, q, cache, li, active, n)
+            act.keep(schedule.after_layer(LayerView(li, active, h, q, k, v, prev_k, prev_v, _attention_probs=probs)))
 
     @staticmethod
     def _mask_of(view_of_set: list, active: torch.Tensor, n: int, window: int | None) -> torch.Tensor | None:
@@ -300,7 +300,7 @@ class Transformer(nn.Module):
         q, k, v = layer.project(h, cos, sin)
         cache.write(li, active, k, v)
 
-        kept = self._select(li, act, cache, schedule, q, k, v, prev_k, prev_v)
+        kept = selecting.select(self, li, act, cache, schedule, q, k, v, prev_k, prev_v)
         changed = drops(kept, active.numel())
         if changed:  # the kept tokens' own mask (the set's is not built for them)
             active, h, q = active.index_select(0, kept), h.index_select(0, kept), q.index_select(1, kept)
@@ -309,57 +309,6 @@ class Transformer(nn.Module):
         else:
             mask = self._mask_of(view_of_set, active, n, window)
         act.update(active, layer.finish(h, cache.attend(li, q, mask, causal, n)), changed)
-
-    def _select(self, li: int, act: ActiveSet, cache: SequenceKV, schedule: Schedule, q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, prev_k: torch.Tensor | None,
-                prev_v: torch.Tensor | None) -> torch.Tensor | None:
-        """A selecting layer's choice, once every active token's Q/K/V are in (the K/V in the cache): the rows the
-        schedule keeps (None: all), after it moved the cached K/V of tokens not active here (``adjust_kv``)."""
-        active, n, rope = act.idx, act.n, self.rope_of(li)
-        table = act.tables[rope]  # cos, sin of positions 0..n-1
-        _, _, cos, sin = act.view(rope, self.config.window_at(li))
-
-        def cos_sin32(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # fp32 whatever the model's dtype: undoing and redoing RoPE in bf16 would not invert
-            if table[0].dtype == torch.float32:
-                return table[0].index_select(0, positions), table[1].index_select(0, positions)
-            return self.rope_of(li).cos_sin(positions, torch.float32, n)
-
-        def unrotate(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            if cos.dtype == torch.float32:  # the active set's own tables
-                row_cos, row_sin = cos.index_select(0, rows), sin.index_select(0, rows)
-            else:
-                row_cos, row_sin = cos_sin32(active.index_select(0, rows))
-            return undo_rotary(keys.float(), row_cos, row_sin)
-
-        view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
-                         _attention_probs=self._probs_fn(q, cache, li, active, n), _unrotate=unrotate)
-        kept = schedule.before_attention(view)
-        shift = schedule.adjust_kv(view)
-        if shift is not None and shift.slots.numel():
-            slot_cos, slot_sin = cos_sin32(shift.slots)
-            shift_k = apply_rotary(shift.k.float(), slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
-            cache.add(li, shift.slots, shift_k.to(k.dtype), shift.v.to(k.dtype))
-        return kept
-
-    def _admit(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor],
-               cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor, n: int) -> torch.Tensor | None:
-        """Admission at layer ``li``: the active tokens' Q/K/V (K/V written to the cache; the layer recomputes
-        the same values after), the rows of ``entering_idx`` the schedule admits."""
-        q, k, v = layer.project(h, table[0].index_select(0, active), table[1].index_select(0, active))
-        cache.write(li, active, k, v)
-        view = LayerView(li, active, None, q, k, v, None, None,
-                         _attention_probs=self._probs_fn(q, cache, li, active, n))
-        return schedule.admit(view, entering_idx)
-
-    def _probs_fn(self, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int):
-        def probs(rows: torch.Tensor) -> torch.Tensor:
-            k_all, _ = cache.kv(layer, 0, n)
-            rows = rows.to(q.device)  # a schedule may name them on the CPU (index_select needs them beside q)
-            return attention_probs(q.index_select(1, rows), k_all,
-                                   visible_mask(active.index_select(0, rows), n, self.config.window_at(layer)))
-
-        return probs
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
