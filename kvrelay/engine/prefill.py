@@ -14,8 +14,10 @@ up to float rounding. A schedule that selects tokens as it goes (CacheBlend's an
 tokens, RKSC's exit) needs every token's state at the layer where it selects, so it runs as pieces of LAYERS
 instead: the forward stops after a layer and resumes at the next with its active set and hidden states
 (``Transformer.prefill_layers``), the same operations in the same order as one forward, so the same results bit
-for bit. A layer piece is measured in the tokens of a whole forward (token-layers over the model's layers), the
-unit the server's cost budget sizes pieces in.
+for bit. A layer that does not fit a piece runs as chunks of its ROWS (``kvrelay.model.row_chunks``: causal
+attention makes that exact, up to float rounding; a selecting layer selects once all its rows are projected), so a
+long prompt's layer of 8K tokens is no longer the least a piece can be. A piece is measured in the tokens of a whole
+forward (token-layers, or row-layers, over the model's layers), the unit the server's cost budget sizes pieces in.
 """
 
 from __future__ import annotations

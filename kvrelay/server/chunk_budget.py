@@ -34,8 +34,9 @@ _TERMS = ((1,), (0, 1), (1, 2), (0, 1, 2))
 
 @dataclass(frozen=True)
 class PieceCost:
-    """One prefill piece as run: its tokens, the keys they attended to (summed) and its time. A piece of layers
-    counts the tokens of a whole forward with its work (token-layers over the model's layers): not whole."""
+    """One prefill piece as run: its tokens, the keys they attended to (summed) and its time. A piece of layers, or
+    of a layer's rows, counts the tokens of a whole forward with its work (token-layers over the model's layers): not
+    whole."""
 
     num_tokens: float
     num_attended_keys: float
