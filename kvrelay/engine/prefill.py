@@ -22,7 +22,6 @@ forward (token-layers, or row-layers, over the model's layers), the unit the ser
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import torch
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine.call import Prefilled, check_fits, load_plan, plan_call, sync_device
-from kvrelay.model.prefill_state import LayerForward
+from kvrelay.model.prefill_state import LayerForward, num_scores
 from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
@@ -52,9 +51,9 @@ def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | Non
 
 
 def _most_rows(positions: list[int], attends: bool, fits: Callable[[float, float], bool]) -> int:
-    """The most of the next rows (at ``positions``, ascending) whose (rows, keys they attend to) still ``fits``: cost
-    grows with the rows, so bisect."""
-    keys = list(itertools.accumulate(p + 1 for p in positions)) if attends else [0] * len(positions)
+    """The most of the next rows (at ``positions``, ascending) whose (rows, attention scores: each row against the
+    keys up to the last one's position) still ``fits``: cost grows with the rows, so bisect."""
+    keys = [num_scores(i + 1, p + 1) if attends else 0 for i, p in enumerate(positions)]  # of the first i + 1 rows
     lo, hi = 0, len(positions)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -88,7 +87,8 @@ class PrefillTask:
         self.compute_ms = 0.0  # time spent in this task's own work (planning, loads, prefill pieces)
         self.num_chunks = 0
         # the last piece as run: (its tokens, the keys they attended to summed, its forward's ms; a layer piece's in
-        # tokens of a whole forward), None after planning alone (the server sizes pieces by what they cost)
+        # tokens of a whole forward, its keys the attention scores it computed: ``num_scores``), None after planning
+        # alone (the server sizes pieces by what they cost)
         self.last_piece: tuple[float, float, float] | None = None
 
     @property
@@ -118,8 +118,9 @@ class PrefillTask:
         return self._active[self._num_done : self._num_done + limit].tolist()
 
     def upcoming_layer(self) -> tuple[float, float] | None:
-        """For a plan run in pieces of layers: (tokens, keys they attend to summed) of its next layer, in tokens of
-        a whole forward; None for one run in pieces of tokens (or a task done). Plans the call first."""
+        """For a plan run in pieces of layers: (tokens, attention scores: ``LayerForward.upcoming``) of the rest of its
+        next layer, in tokens of a whole forward; None for one run in pieces of tokens (or a task done). Plans the
+        call first."""
         self._plan_first()
         if self.done or self._forward is None:
             return None
@@ -212,7 +213,7 @@ class PrefillTask:
             num_rows = min(num_rows, len(positions))
             model.prefill_rows(forward, num_rows)
             spent[0] += num_rows
-            spent[1] += sum(positions[:num_rows]) + num_rows if attends else 0
+            spent[1] += num_scores(num_rows, positions[num_rows - 1] + 1) if attends else 0
             if num_rows < len(positions):  # the next row would not fit
                 break
         return self._per_forward(*spent)

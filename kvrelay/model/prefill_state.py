@@ -38,6 +38,13 @@ def drops(kept: torch.Tensor | None, num_active: int) -> bool:
     return kept.numel() != num_active
 
 
+def num_scores(num_rows: int, num_keys: int) -> int:
+    """The attention scores a chunk of ``num_rows`` rows computes against ``num_keys`` keys, where causality is a
+    mask: every one of them (a mask hides scores, it does not skip their work: on CPU, rows spread over positions
+    0..n cost what as many rows at the end do). What a layer's, or a chunk's, attention costs, for pricing it."""
+    return num_rows * num_keys
+
+
 def keep_rows(kept: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Rows ``kept`` ([m] int64, ascending) of each tensor (dim 0): ``index_select`` is several times faster on
     CPU than indexing by a mask."""
@@ -54,10 +61,9 @@ class ActiveSet:
         self.idx = torch.empty(0, dtype=torch.long, device=device)
         self.h = torch.empty(0, hidden_size, dtype=dtype, device=device)
         self._views: dict = {}
-        self._num_keys: int | None = None  # keys the set attends to (causal), read back on first use
 
     def _changed(self) -> None:
-        self._views, self._num_keys = {}, None
+        self._views = {}
 
     def join(self, idx: torch.Tensor, new_h: torch.Tensor) -> None:
         self.idx, order = torch.sort(torch.cat([self.idx, idx]))
@@ -78,13 +84,6 @@ class ActiveSet:
     def holds_last(self) -> bool:
         """Whether the prompt's last token is active (the one whose logits a prefill gives)."""
         return self.idx.numel() > 0 and int(self.idx[-1]) == self.n - 1
-
-    def num_keys(self) -> int:
-        """Keys the active tokens attend to, summed (position p attends to p + 1): a layer's attention work. Read
-        back from the device once per change of the set (only a prefill run in pieces asks)."""
-        if self._num_keys is None:
-            self._num_keys = int(self.idx.sum()) + self.idx.numel()
-        return self._num_keys
 
     def view(self, rope: RotaryEmbedding, window: int | None) -> list:
         if (rope, window) not in self._views:
@@ -120,20 +119,17 @@ class LayerForward:
         return self.exit_layer is not None or self.next_layer >= self.num_layers
 
     def upcoming(self) -> tuple[int, int]:
-        """(tokens, keys they attend to summed) of the rest of the next layer: the active set with the tokens entering
-        there (at most: an admission may refuse some), or the rows a layer begun in row chunks has left (a selecting
-        one still projecting: those rows, then at most every row attending); (0, 0) once done. What the rest of the
-        next layer costs, for sizing a piece."""
+        """(tokens, attention scores computed: ``num_scores``) of the rest of the next layer: the active set with the
+        tokens entering there (at most: an admission may refuse some), or the rows a layer begun in row chunks has
+        left, as one chunk (a selecting one still projecting: those rows, then at most every row attending); (0, 0)
+        once done. What the rest of the next layer costs, for sizing a piece."""
         if self.done:
             return 0, 0
         if self.partial is not None:
             return self.partial.upcoming()
         entry = self.entries.get(self.next_layer)
-        num, num_keys = self.act.idx.numel(), self.act.num_keys()
-        if entry is not None and entry.token_idx.numel():
-            num += entry.token_idx.numel()
-            num_keys += int(entry.token_idx.sum()) + entry.token_idx.numel()
-        return num, num_keys
+        num = self.act.idx.numel() + (entry.token_idx.numel() if entry is not None else 0)
+        return num, num * (num + 1) // 2 if num == self.act.n else num * self.act.n
 
     def next_rows(self) -> tuple[list[int], bool] | None:
         """Of a layer begun in row chunks: the positions of the rows its current phase has left (ascending) and
@@ -184,7 +180,7 @@ class PartialLayer:
         return share / 2 if self.projecting else 0.5 + share / 2
 
     def upcoming(self) -> tuple[int, int]:
-        left = self.positions[self.num_done :]
+        num_left, num_keys = self.num_left, self.positions[-1] + 1 if self.positions else 0
         if not self.projecting:
-            return len(left), sum(left) + len(left)
-        return len(left) + len(self.positions), sum(self.positions) + len(self.positions)
+            return num_left, num_scores(num_left, num_keys)
+        return num_left + len(self.positions), num_scores(len(self.positions), num_keys)

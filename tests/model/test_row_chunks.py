@@ -12,6 +12,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.engine.call import load_plan, plan_call
 from kvrelay.model.sampling import SamplingConfig
+from kvrelay.model.schedule import Schedule
 from kvrelay.reuse.base import CallInput, SpanRef
 from tests.helpers import generate, publish, tiny_lm
 
@@ -105,3 +106,26 @@ def test_a_layer_not_begun_runs_whole_and_bit_for_bit(setup):
     assert torch.equal(lm.model.finish_prefill(forward).logits, whole.logits)
     n = len(call.prompt_ids)
     assert torch.equal(cache2.k[:, :, :n], cache.k[:, :, :n]) and torch.equal(cache2.v[:, :, :n], cache.v[:, :, :n])
+
+
+def test_a_layer_is_priced_by_the_attention_scores_it_computes(setup):
+    """Every position active: the causal triangle (SDPA skips what causality hides); a selected set, or a chunk of its
+    rows, attends through a mask, which hides scores without skipping their work: each row against every key up to
+    the chunk's last position."""
+    lm, store, call = setup
+    n = len(call.prompt_ids)
+    plan, cache = _planned(lm, store, call, "cacheblend")
+    model, schedule = lm.model, plan.schedule
+    every = model.begin_prefill(torch.tensor(call.prompt_ids), _planned(lm, store, call, "full")[1], Schedule())
+    assert every.upcoming() == (n, n * (n + 1) // 2)
+    forward = model.begin_prefill(torch.tensor(call.prompt_ids), cache, schedule)
+    num = len(forward.entries[0].token_idx)  # the reused prefix is not active
+    assert num < n and forward.upcoming() == (num, num * n)
+    while forward.next_layer <= schedule.select_layer:
+        model.prefill_rows(forward)
+    kept = forward.act.idx.tolist()
+    assert len(kept) < n and forward.upcoming() == (len(kept), len(kept) * n)
+    model.start_layer(forward)
+    assert forward.next_rows() == (kept, True) and forward.upcoming() == (len(kept), len(kept) * (kept[-1] + 1))
+    model.prefill_rows(forward, 5)
+    assert forward.upcoming() == (len(kept) - 5, (len(kept) - 5) * (kept[-1] + 1))
