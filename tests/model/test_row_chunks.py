@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.engine.call import load_plan, plan_call
@@ -129,3 +130,37 @@ def test_a_layer_is_priced_by_the_attention_scores_it_computes(setup):
     assert forward.next_rows() == (kept, True) and forward.upcoming() == (len(kept), len(kept) * (kept[-1] + 1))
     model.prefill_rows(forward, 5)
     assert forward.upcoming() == (len(kept) - 5, (len(kept) - 5) * (kept[-1] + 1))
+
+
+@pytest.mark.parametrize("probe_attention", [False, True])
+def test_rksc_exit_and_attention_probe_in_row_chunks_match_one_forward(setup, probe_attention):
+    """RKSC's layer exit (tested on the last token's state once its layer's last chunk ran) stops at the same layer,
+    with the same logits; its attention probe (``after_layer`` reading the whole layer's view) sees the same mass."""
+    from kvrelay.branches.rksc import RKSCSchedule
+
+    lm, _, call = setup
+    ids = torch.tensor(call.prompt_ids)
+    n, model = len(ids), lm.model
+
+    def schedule() -> RKSCSchedule:  # an exit that fires at layer 2 (entropy below 1e9 and moving less than 1e9)
+        return RKSCSchedule(0, model.logits_from_hidden, theta=1e9, eps=1e9, min_layer=1,
+                            probe_attention=probe_attention)
+
+    def cache():
+        c = SequenceKV(lm.config, model.dtype, model.device, capacity=n + 1)
+        c.k.fill_(float("nan"))
+        c.v.fill_(float("nan"))
+        return c
+
+    one = schedule()
+    whole = model.prefill(ids, cache(), one)
+    rows = schedule()
+    forward = model.begin_prefill(ids, cache(), rows)
+    while not forward.done:
+        model.prefill_rows(forward, 7)
+    result = model.finish_prefill(forward)
+    assert whole.exit_layer == result.exit_layer == 2
+    torch.testing.assert_close(result.logits, whole.logits, atol=ATOL, rtol=0)
+    assert rows.entropies.keys() == one.entropies.keys()
+    if probe_attention:
+        torch.testing.assert_close(rows.position_mass(), one.position_mass(), atol=ATOL, rtol=0)
