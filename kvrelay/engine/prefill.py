@@ -14,8 +14,10 @@ up to float rounding. A schedule that selects tokens as it goes (CacheBlend's an
 tokens, RKSC's exit) needs every token's state at the layer where it selects, so it runs as pieces of LAYERS
 instead: the forward stops after a layer and resumes at the next with its active set and hidden states
 (``Transformer.prefill_layers``), the same operations in the same order as one forward, so the same results bit
-for bit. A layer piece is measured in the tokens of a whole forward (token-layers over the model's layers), the
-unit the server's cost budget sizes pieces in.
+for bit. A layer that does not fit a piece runs as chunks of its ROWS (``kvrelay.model.row_chunks``: causal
+attention makes that exact, up to float rounding; a selecting layer selects once all its rows are projected), so a
+long prompt's layer of 8K tokens is no longer the least a piece can be. A piece is measured in the tokens of a whole
+forward (token-layers, or row-layers, over the model's layers), the unit the server's cost budget sizes pieces in.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine.call import Prefilled, check_fits, load_plan, plan_call, sync_device
-from kvrelay.model.prefill_state import LayerForward
+from kvrelay.model.prefill_state import LayerForward, num_scores
 from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
@@ -46,6 +48,20 @@ def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | Non
     if set(entries) != {0} or entries[0].hidden is not None:
         return None
     return torch.unique(entries[0].token_idx.to(torch.long).cpu())  # sorted, each once
+
+
+def _most_rows(positions: list[int], attends: bool, fits: Callable[[float, float], bool]) -> int:
+    """The most of the next rows (at ``positions``, ascending) whose (rows, attention scores: each row against the
+    keys up to the last one's position) still ``fits``: cost grows with the rows, so bisect."""
+    keys = [num_scores(i + 1, p + 1) if attends else 0 for i, p in enumerate(positions)]  # of the first i + 1 rows
+    lo, hi = 0, len(positions)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid, keys[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PrefillTask:
@@ -71,7 +87,8 @@ class PrefillTask:
         self.compute_ms = 0.0  # time spent in this task's own work (planning, loads, prefill pieces)
         self.num_chunks = 0
         # the last piece as run: (its tokens, the keys they attended to summed, its forward's ms; a layer piece's in
-        # tokens of a whole forward), None after planning alone (the server sizes pieces by what they cost)
+        # tokens of a whole forward, its keys the attention scores it computed: ``num_scores``), None after planning
+        # alone (the server sizes pieces by what they cost)
         self.last_piece: tuple[float, float, float] | None = None
 
     @property
@@ -85,7 +102,8 @@ class PrefillTask:
             return 0
         if self._forward is not None:  # the prompt's share of the layers left (an upper bound: a band selects)
             fwd = self._forward
-            return max(1, math.ceil(len(self.ids) * (fwd.num_layers - fwd.next_layer) / fwd.num_layers))
+            layers_left = fwd.num_layers - fwd.next_layer - (fwd.partial.share_done if fwd.partial else 0.0)
+            return max(1, math.ceil(len(self.ids) * layers_left / fwd.num_layers))
         if self._active is None:
             return len(self.call.prompt_ids)
         return int(self._active.numel()) - self._num_done
@@ -100,8 +118,9 @@ class PrefillTask:
         return self._active[self._num_done : self._num_done + limit].tolist()
 
     def upcoming_layer(self) -> tuple[float, float] | None:
-        """For a plan run in pieces of layers: (tokens, keys they attend to summed) of its next layer, in tokens of
-        a whole forward; None for one run in pieces of tokens (or a task done). Plans the call first."""
+        """For a plan run in pieces of layers: (tokens, attention scores: ``LayerForward.upcoming``) of the rest of its
+        next layer, in tokens of a whole forward; None for one run in pieces of tokens (or a task done). Plans the
+        call first."""
         self._plan_first()
         if self.done or self._forward is None:
             return None
@@ -120,11 +139,14 @@ class PrefillTask:
         num_layers = self._forward.num_layers
         return num_token_layers / num_layers, num_key_layers / num_layers
 
-    def advance(self, budget_tokens: int, fits: Callable[[float, float], bool] | None = None) -> int:
+    def advance(self, budget_tokens: int, fits: Callable[[float, float], bool] | None = None,
+                min_tokens: float = 0.0) -> int:
         """Compute up to ``budget_tokens`` more prompt tokens (at least one piece); the number computed. A plan run
-        in pieces of layers runs its next layer, then each next one while the piece still fits: ``fits(tokens,
-        keys)`` of the piece with that layer (in tokens of a whole forward; None: while its tokens fit
-        ``budget_tokens``), and counts the tokens of a whole forward it computed (rounded up)."""
+        in pieces of layers takes whole layers while the piece with the next one fits: ``fits(tokens, keys)`` of the
+        piece (in tokens of a whole forward; None: while its tokens fit ``budget_tokens``); a layer that does not
+        fit runs as chunks of its rows, as many as fit, at least ``min_tokens``' worth (in tokens of a whole
+        forward) and one row where it is the piece's first work. It counts the tokens of a whole forward it
+        computed (rounded up)."""
         if self.done:
             return 0
         model = self.engine.lm.model
@@ -135,7 +157,7 @@ class PrefillTask:
             self._prepare()
         self.last_piece, num_keys = None, None
         if self._forward is not None:
-            num_tokens, num_keys = self._advance_layers(budget_tokens, fits)
+            num_tokens, num_keys = self._advance_layers(fits, budget_tokens, min_tokens)
             num = math.ceil(num_tokens)
         else:
             num_tokens = num = min(max(1, int(budget_tokens)), self.num_remaining_tokens)
@@ -159,21 +181,42 @@ class PrefillTask:
             self._end_s = end_s
         return num
 
-    def _advance_layers(self, budget_tokens: int, fits: Callable[[float, float], bool] | None) -> tuple[float, float]:
-        """Run the forward on for a piece of layers: its (tokens, keys) in tokens of a whole forward."""
-        forward, piece = self._forward, [0.0, 0.0, 0]  # token-layers, key-layers, layers asked about
+    def _advance_layers(self, fits: Callable[[float, float], bool] | None, budget_tokens: float,
+                        min_tokens: float) -> tuple[float, float]:
+        """Run the forward on for a piece: whole layers while the piece with the next one fits, then, where the next
+        one does not, the most of its rows that fit (the piece's first work: at least ``min_tokens``' worth, a row at
+        least); its (tokens, keys) in tokens of a whole forward."""
+        forward, model, spent = self._forward, self.engine.lm.model, [0.0, 0.0]  # token-layers, key-layers run
 
-        def go_on() -> bool:
+        def fits_with(num: float, num_keys: float) -> bool:
+            tokens, keys = self._per_forward(spent[0] + num, spent[1] + num_keys)
+            return fits(tokens, keys) if fits is not None else tokens <= budget_tokens
+
+        while not forward.done:
+            first = spent[0] == 0
             num, num_keys = forward.upcoming()
-            tokens, keys = self._per_forward(piece[0] + num, piece[1] + num_keys)
-            ok = fits(tokens, keys) if fits is not None else tokens <= budget_tokens
-            if ok or piece[2] == 0:  # the first layer runs whatever the answer
-                piece[0], piece[1] = piece[0] + num, piece[1] + num_keys
-            piece[2] += 1
-            return ok
-
-        self.engine.lm.model.prefill_layers(forward, go_on)
-        return self._per_forward(piece[0], piece[1])
+            if fits_with(num, num_keys):  # the rest of the layer, whole
+                model.prefill_rows(forward)
+                spent[0], spent[1] = spent[0] + num, spent[1] + num_keys
+                continue
+            if forward.partial is None:
+                if not first:  # whole layers stay whole where they can: the next piece begins with this one
+                    break
+                model.start_layer(forward)  # its tokens enter: its rows known (an admission may refuse some)
+                continue
+            positions, attends = forward.next_rows()
+            num_rows = _most_rows(positions, attends, fits_with)
+            if first:
+                num_rows = max(num_rows, math.ceil(min_tokens * forward.num_layers), 1)
+            if not num_rows:
+                break
+            num_rows = min(num_rows, len(positions))
+            model.prefill_rows(forward, num_rows)
+            spent[0] += num_rows
+            spent[1] += num_scores(num_rows, positions[num_rows - 1] + 1) if attends else 0
+            if num_rows < len(positions):  # the next row would not fit
+                break
+        return self._per_forward(*spent)
 
     def _prepare(self) -> None:
         lm = self.engine.lm

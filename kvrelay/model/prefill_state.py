@@ -1,10 +1,17 @@
-"""A prefill's state between layers: its active set (``ActiveSet``) and how far its forward has run
-(``LayerForward``).
+"""A prefill's state between layers: its active set (``ActiveSet``), how far its forward has run (``LayerForward``)
+and, for a layer run in chunks of its rows, how far that layer has run (``PartialLayer``).
 
 A schedule that selects tokens as it goes (CacheBlend's and RelayCaching's band, RKSC's exit) needs every token's
-state at its selecting layer, so its prefill cannot run as pieces of tokens. It can run as pieces of layers: the
-forward stops after any layer and resumes at the next with the same active set, hidden states and schedule, so the
-pieces run the very operations of one forward, in the same order (``Transformer.prefill_layers``).
+state at its selecting layer, so its prefill cannot run as pieces of tokens through all layers. It runs as pieces of
+layers: the forward stops after any layer and resumes at the next with the same active set, hidden states and
+schedule, so the pieces run the very operations of one forward, in the same order (``Transformer.prefill_layers``).
+
+A layer too costly for one piece runs as chunks of its ROWS (``kvrelay.model.row_chunks``): the active set is sorted
+by position, so under causal attention rows [a, b) need the layer's K/V of positions up to the chunk's last only,
+which are either inactive tokens (their K/V already in the cache) or rows of earlier chunks (written by them). A
+selecting layer first projects its rows chunk by chunk, selects once every row's Q/K/V is in, then runs the kept rows'
+attention and MLP chunk by chunk. The results equal one forward's up to float rounding (a matmul over fewer rows may
+round differently), where pieces of whole layers are bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ def drops(kept: torch.Tensor | None, num_active: int) -> bool:
     return kept.numel() != num_active
 
 
+def num_scores(num_rows: int, num_keys: int) -> int:
+    """The attention scores a chunk of ``num_rows`` rows computes against ``num_keys`` keys, where causality is a
+    mask: every one of them (a mask hides scores, it does not skip their work: on CPU, rows spread over positions
+    0..n cost what as many rows at the end do). What a layer's, or a chunk's, attention costs, for pricing it."""
+    return num_rows * num_keys
+
+
 def keep_rows(kept: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Rows ``kept`` ([m] int64, ascending) of each tensor (dim 0): ``index_select`` is several times faster on
     CPU than indexing by a mask."""
@@ -47,10 +61,9 @@ class ActiveSet:
         self.idx = torch.empty(0, dtype=torch.long, device=device)
         self.h = torch.empty(0, hidden_size, dtype=dtype, device=device)
         self._views: dict = {}
-        self._num_keys: int | None = None  # keys the set attends to (causal), read back on first use
 
     def _changed(self) -> None:
-        self._views, self._num_keys = {}, None
+        self._views = {}
 
     def join(self, idx: torch.Tensor, new_h: torch.Tensor) -> None:
         self.idx, order = torch.sort(torch.cat([self.idx, idx]))
@@ -71,13 +84,6 @@ class ActiveSet:
     def holds_last(self) -> bool:
         """Whether the prompt's last token is active (the one whose logits a prefill gives)."""
         return self.idx.numel() > 0 and int(self.idx[-1]) == self.n - 1
-
-    def num_keys(self) -> int:
-        """Keys the active tokens attend to, summed (position p attends to p + 1): a layer's attention work. Read
-        back from the device once per change of the set (only a prefill run in pieces asks)."""
-        if self._num_keys is None:
-            self._num_keys = int(self.idx.sum()) + self.idx.numel()
-        return self._num_keys
 
     def view(self, rope: RotaryEmbedding, window: int | None) -> list:
         if (rope, window) not in self._views:
@@ -102,23 +108,79 @@ class LayerForward:
     entries: dict[int, Entry]  # layer -> the tokens joining there
     act: ActiveSet
     num_layers: int
-    next_layer: int = 0  # the first layer not run yet
+    next_layer: int = 0  # the first layer not run yet (or the one ``partial`` is running)
     num_computed: int = 0  # sum over the layers run of the active-set size
     exit_layer: int | None = None  # where the schedule's exit test stopped it
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    partial: PartialLayer | None = None  # layer ``next_layer`` begun as row chunks, not finished
 
     @property
     def done(self) -> bool:
         return self.exit_layer is not None or self.next_layer >= self.num_layers
 
     def upcoming(self) -> tuple[int, int]:
-        """(tokens, keys they attend to summed) of the next layer: the active set with the tokens entering there (at
-        most: an admission may refuse some); (0, 0) once done. What a piece's next layer costs, for sizing it."""
+        """(tokens, attention scores computed: ``num_scores``) of the rest of the next layer: the active set with the
+        tokens entering there (at most: an admission may refuse some), or the rows a layer begun in row chunks has
+        left, as one chunk (a selecting one still projecting: those rows, then at most every row attending); (0, 0)
+        once done. What the rest of the next layer costs, for sizing a piece."""
         if self.done:
             return 0, 0
+        if self.partial is not None:
+            return self.partial.upcoming()
         entry = self.entries.get(self.next_layer)
-        num, num_keys = self.act.idx.numel(), self.act.num_keys()
-        if entry is not None and entry.token_idx.numel():
-            num += entry.token_idx.numel()
-            num_keys += int(entry.token_idx.sum()) + entry.token_idx.numel()
-        return num, num_keys
+        num = self.act.idx.numel() + (entry.token_idx.numel() if entry is not None else 0)
+        return num, num * (num + 1) // 2 if num == self.act.n else num * self.act.n
+
+    def next_rows(self) -> tuple[list[int], bool] | None:
+        """Of a layer begun in row chunks: the positions of the rows its current phase has left (ascending) and
+        whether they attend (False: a selecting layer's rows, projected only); None when no layer is begun."""
+        if self.partial is None:
+            return None
+        part = self.partial
+        return part.positions[part.num_done :], not part.projecting
+
+
+@dataclass
+class PartialLayer:
+    """A layer begun as chunks of its rows, stopped between two of them (``kvrelay.model.row_chunks``).
+
+    A plain layer runs in one phase: each chunk of rows projects its Q/K/V, writes its K/V, attends and runs the MLP.
+    A selecting layer (``Schedule.selects_before_attention``) runs in two: first every row's Q/K/V (written to the
+    cache, kept), then, once the schedule selected from all of them, the kept rows' attention and MLP."""
+
+    layer: int
+    selects: bool
+    rows: torch.Tensor  # [m] prompt positions the current phase runs over, ascending
+    h: torch.Tensor  # [m, hidden] their input hidden states
+    cos: torch.Tensor  # [m, hd] their rotary tables (the plain layer's and the projecting phase's)
+    sin: torch.Tensor
+    prev_kv: tuple[torch.Tensor, torch.Tensor] | None  # the cached K/V of the layer's rows before it wrote them
+    positions: list[int] = field(default_factory=list)  # ``rows`` on the host (pricing, each chunk's key count)
+    projecting: bool = False  # a selecting layer's first phase
+    q: torch.Tensor | None = None  # a selecting layer's kept rows' queries [H, m, hd] (second phase)
+    changed: bool = False  # the selection dropped rows: the active set becomes ``rows`` at the end
+    num_done: int = 0  # rows of the phase run
+    outputs: list[torch.Tensor] = field(default_factory=list)  # per chunk: output hidden states [r, hidden]
+    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per chunk, if kept
+
+    def __post_init__(self) -> None:
+        self.projecting = self.selects
+        self.positions = self.rows.tolist()
+
+    @property
+    def num_left(self) -> int:
+        return len(self.positions) - self.num_done
+
+    @property
+    def share_done(self) -> float:
+        """How much of the layer ran, in [0, 1): the share of its rows (a selecting layer: half per phase)."""
+        share = self.num_done / max(1, len(self.positions))
+        if not self.selects:
+            return share
+        return share / 2 if self.projecting else 0.5 + share / 2
+
+    def upcoming(self) -> tuple[int, int]:
+        num_left, num_keys = self.num_left, self.positions[-1] + 1 if self.positions else 0
+        if not self.projecting:
+            return num_left, num_scores(num_left, num_keys)
+        return num_left + len(self.positions), num_scores(len(self.positions), num_keys)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvrelay.errors import ContextLengthError, ScheduleError
-from kvrelay.model import packed
+from kvrelay.model import packed, row_chunks, selecting
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.int4 import Int4Blocks, decode_steps
 from kvrelay.model.layers import (
@@ -23,12 +23,11 @@ from kvrelay.model.layers import (
     RMSNorm,
     attention,
     attention_backends,
-    attention_probs,
     linear,
     visible_mask,
 )
 from kvrelay.model.prefill_state import ActiveSet, LayerForward, drops
-from kvrelay.model.rope import RotaryEmbedding, apply_rotary, undo_rotary
+from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import Entry, LayerView, Schedule
 
 if TYPE_CHECKING:
@@ -178,27 +177,51 @@ class Transformer(nn.Module):
     def prefill_layers(self, forward: LayerForward, go_on: Callable[[], bool] | None = None) -> int:
         """Run ``forward`` on from the layer where it stopped: that layer whatever ``go_on`` says, each next one
         while it says so (asked before every layer, the first included; None: to the end). The layers run: the
-        same operations, in the same order, as ``prefill``'s (``kvrelay.model.prefill_state``)."""
+        same operations, in the same order, as ``prefill``'s (``kvrelay.model.prefill_state``); a layer begun in
+        row chunks runs its rows left (``prefill_rows``)."""
         num = 0
         while not forward.done and ((go_on is None or go_on()) or num == 0):
-            self._layer(forward)
+            row_chunks.run(self, forward, None)
             num += 1
         return num
 
+    @torch.inference_mode()
+    @_with_attention_backends
+    def prefill_rows(self, forward: LayerForward, num_rows: int | None = None) -> int:
+        """Run ``forward`` on by ``num_rows`` rows of its next layer's current phase (``kvrelay.model.row_chunks``;
+        None: the rest of that layer, whole where it is not begun); the rows run. Equal to one forward up to float
+        rounding."""
+        return row_chunks.run(self, forward, num_rows)
+
+    @torch.inference_mode()
+    def start_layer(self, forward: LayerForward) -> None:
+        """Begin ``forward``'s next layer as row chunks (its tokens enter: ``forward.next_rows()`` says its rows)."""
+        row_chunks.begin(self, forward)
+
     def _layer(self, forward: LayerForward) -> None:
-        """Layer ``forward.next_layer``: its entering tokens join, then it runs for the active set."""
+        """Layer ``forward.next_layer``, whole: its entering tokens join, then it runs for the active set."""
+        li = forward.next_layer
+        if self._begin_layer(forward):
+            self._run_layer(self.model.layers[li], li, forward.act, forward.cache, forward.schedule)
+            self._end_layer(forward)
+        else:
+            forward.next_layer = li + 1
+
+    def _begin_layer(self, forward: LayerForward) -> bool:
+        """Layer ``forward.next_layer``'s entering tokens join and its capture is taken; whether any token is active."""
         li, act, schedule, captured = forward.next_layer, forward.act, forward.schedule, forward.captured
-        layer = self.model.layers[li]
-        forward.next_layer = li + 1
         entry = forward.entries.get(li)
         if entry is not None and entry.token_idx.numel():
-            self._enter(layer, li, entry, forward.token_ids, act, forward.cache, schedule, captured)
+            self._enter(self.model.layers[li], li, entry, forward.token_ids, act, forward.cache, schedule, captured)
         if li in schedule.capture_layers and act.idx.numel() and li not in captured:
             captured[li] = (act.idx.clone(), act.h.clone())
-        if act.idx.numel() == 0:
-            return
         forward.num_computed += act.idx.numel()
-        self._run_layer(layer, li, act, forward.cache, schedule)
+        return act.idx.numel() > 0
+
+    def _end_layer(self, forward: LayerForward) -> None:
+        """Layer ``forward.next_layer`` ran: the schedule's exit test, then on to the next."""
+        li, act, schedule = forward.next_layer, forward.act, forward.schedule
+        forward.next_layer = li + 1
         if schedule.has_exit_test and act.holds_last() and schedule.exit_after(li, act.h[-1]):
             forward.exit_layer = li
 
@@ -226,7 +249,8 @@ class Transformer(nn.Module):
             if li in schedule.capture_layers:  # a refused token's input here is its entry state
                 union, order = torch.sort(torch.cat([act.idx, idx]))
                 captured[li] = (union, torch.cat([act.h, new_h.to(self.device, self.dtype)]).index_select(0, order))
-            kept = self._admit(layer, li, act.h, act.idx, act.tables[self.rope_of(li)], cache, schedule, idx, act.n)
+            kept = selecting.admit(self, layer, li, act.h, act.idx, act.tables[self.rope_of(li)], cache, schedule, idx,
+                                   act.n)
             if drops(kept, idx.numel()):
                 idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
         act.join(idx, new_h)
@@ -255,8 +279,8 @@ class Transformer(nn.Module):
         h, q, k, v = layer(act.h, cos, sin, attend)
         act.update(active, h, False)
         if schedule.has_layer_hook:
-            act.keep(schedule.after_layer(LayerView(li, active, h, q, k, v, prev_k, prev_v,
-                                                    _attention_probs=self._probs_fn(q, cache, li, active, n))))
+            probs = selecting.probs_fn(self, q, cache, li, active, n)
+            act.keep(schedule.after_layer(LayerView(li, active, h, q, k, v, prev_k, prev_v, _attention_probs=probs)))
 
     @staticmethod
     def _mask_of(view_of_set: list, active: torch.Tensor, n: int, window: int | None) -> torch.Tensor | None:
@@ -271,32 +295,12 @@ class Transformer(nn.Module):
         keeps some, may move the cached K/V of tokens not active here (``adjust_kv``), and only the kept
         run attention and the MLP (the active set becomes them, with their output)."""
         h, active, n, rope, window = act.h, act.idx, act.n, self.rope_of(li), self.config.window_at(li)
-        view_of_set, table = act.view(rope, window), act.tables[rope]  # table: cos, sin of positions 0..n-1
+        view_of_set = act.view(rope, window)
         causal, _, cos, sin = view_of_set
         q, k, v = layer.project(h, cos, sin)
         cache.write(li, active, k, v)
 
-        def cos_sin32(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # fp32 whatever the model's dtype: undoing and redoing RoPE in bf16 would not invert
-            if table[0].dtype == torch.float32:
-                return table[0].index_select(0, positions), table[1].index_select(0, positions)
-            return self.rope_of(li).cos_sin(positions, torch.float32, n)
-
-        def unrotate(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            if cos.dtype == torch.float32:  # the active set's own tables
-                row_cos, row_sin = cos.index_select(0, rows), sin.index_select(0, rows)
-            else:
-                row_cos, row_sin = cos_sin32(active.index_select(0, rows))
-            return undo_rotary(keys.float(), row_cos, row_sin)
-
-        view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
-                         _attention_probs=self._probs_fn(q, cache, li, active, n), _unrotate=unrotate)
-        kept = schedule.before_attention(view)
-        shift = schedule.adjust_kv(view)
-        if shift is not None and shift.slots.numel():
-            slot_cos, slot_sin = cos_sin32(shift.slots)
-            shift_k = apply_rotary(shift.k.float(), slot_cos, slot_sin)  # [Hkv, 1 or m, hd] by [m, hd] -> [Hkv, m, hd]
-            cache.add(li, shift.slots, shift_k.to(k.dtype), shift.v.to(k.dtype))
+        kept = selecting.select(self, li, act, cache, schedule, q, k, v, prev_k, prev_v)
         changed = drops(kept, active.numel())
         if changed:  # the kept tokens' own mask (the set's is not built for them)
             active, h, q = active.index_select(0, kept), h.index_select(0, kept), q.index_select(1, kept)
@@ -305,25 +309,6 @@ class Transformer(nn.Module):
         else:
             mask = self._mask_of(view_of_set, active, n, window)
         act.update(active, layer.finish(h, cache.attend(li, q, mask, causal, n)), changed)
-
-    def _admit(self, layer, li: int, h: torch.Tensor, active: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor],
-               cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor, n: int) -> torch.Tensor | None:
-        """Admission at layer ``li``: the active tokens' Q/K/V (K/V written to the cache; the layer recomputes
-        the same values after), the rows of ``entering_idx`` the schedule admits."""
-        q, k, v = layer.project(h, table[0].index_select(0, active), table[1].index_select(0, active))
-        cache.write(li, active, k, v)
-        view = LayerView(li, active, None, q, k, v, None, None,
-                         _attention_probs=self._probs_fn(q, cache, li, active, n))
-        return schedule.admit(view, entering_idx)
-
-    def _probs_fn(self, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int):
-        def probs(rows: torch.Tensor) -> torch.Tensor:
-            k_all, _ = cache.kv(layer, 0, n)
-            rows = rows.to(q.device)  # a schedule may name them on the CPU (index_select needs them beside q)
-            return attention_probs(q.index_select(1, rows), k_all,
-                                   visible_mask(active.index_select(0, rows), n, self.config.window_at(layer)))
-
-        return probs
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

@@ -34,8 +34,11 @@ _TERMS = ((1,), (0, 1), (1, 2), (0, 1, 2))
 
 @dataclass(frozen=True)
 class PieceCost:
-    """One prefill piece as run: its tokens, the keys they attended to (summed) and its time. A piece of layers
-    counts the tokens of a whole forward with its work (token-layers over the model's layers): not whole."""
+    """One prefill piece as run: its tokens, the keys they attended to (summed) and its time. A piece of layers, or
+    of a layer's rows, counts the tokens of a whole forward with its work (token-layers over the model's layers): not
+    whole; its keys are the attention scores it computed (each row against every key up to its chunk's last
+    position: a mask does not skip work), which for a piece of consecutive tokens deep in a prompt is about the
+    same count."""
 
     num_tokens: float
     num_attended_keys: float

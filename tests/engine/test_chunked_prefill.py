@@ -16,6 +16,7 @@ from tests.helpers import generate, publish, tiny_lm
 CHUNKED = ["full", "prefix", "naive", "epic"]  # their active set is fixed in advance: pieces of tokens
 BY_LAYERS = ["cacheblend", "relay[band=1:2:3]", "relay[band=1:1:3]"]  # their band selects as it goes: pieces of
 # layers (relay: a selector at L_det, and an admission where L_det == L_start)
+ATOL = 1e-5  # a layer run as row chunks: fp32 matmuls over fewer rows and attention over fewer keys round differently
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -43,8 +44,8 @@ def _chunked(engine: Engine, call: CallInput, method: str, budget: int, options:
         pieces.append(task.advance(budget))
         if method in CHUNKED:
             assert task.num_remaining_tokens == (0 if task.done else remaining - pieces[-1])
-        else:  # the prompt's share of the layers left
-            assert 0 <= task.num_remaining_tokens < remaining
+        else:  # the prompt's share of the layers left (a chunk of a layer's rows may move it less than a token)
+            assert 0 <= task.num_remaining_tokens <= remaining
     return task.sequence(), pieces
 
 
@@ -58,10 +59,9 @@ def test_chunked_prefill_gives_the_one_shot_logits_kv_and_tokens(setup, method, 
     seq, pieces = _chunked(engine, call, method, budget, options)
     n = len(call.prompt_ids)
     assert len(pieces) > 1 and seq.stats.num_prefill_chunks == len(pieces)
-    if method in CHUNKED:
-        assert all(0 < p <= budget for p in pieces)
-    else:  # a piece of layers: at least one layer (a 4-layer model: a quarter of the prompt's work)
-        assert len(pieces) <= lm.model.config.num_layers and all(p > 0 for p in pieces)
+    # a piece of layers fits the budget too: a layer of more than ``budget`` tokens' work (a 4-layer model: a quarter
+    # of the prompt's) runs as chunks of its rows
+    assert all(0 < p <= budget for p in pieces)
     torch.testing.assert_close(seq.first_logits, whole.first_logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(seq.cache.k[:, :, :n], whole.cache.k[:, :, :n], atol=1e-4, rtol=0)
     torch.testing.assert_close(seq.cache.v[:, :, :n], whole.cache.v[:, :, :n], atol=1e-4, rtol=0)
@@ -118,8 +118,8 @@ def test_pieces_of_shrinking_sizes_give_the_one_shot_results(setup, method):
         if positions is not None:
             seen += positions[:num]
             assert task.last_piece[:2] == (num, sum(positions[:num]) + num)
-        else:  # at least the layer it announced
-            assert task.last_piece[0] >= layer[0] and task.last_piece[1] >= layer[1]
+        else:  # the layer it announced where that fits, else chunks of its rows that do
+            assert 0 < task.last_piece[0] <= max(num, layer[0]) and task.last_piece[0] <= len(call.prompt_ids)
     seq = task.sequence()
     if method in CHUNKED:
         assert seen == sorted(set(seen)) and seen[-1] == len(call.prompt_ids) - 1 and seq.stats.num_prefill_chunks > 5
@@ -228,3 +228,56 @@ def test_a_selecting_band_in_pieces_of_layers_is_bit_identical_to_one_forward(se
     assert seq.stats.num_computed_token_layers == whole.stats.num_computed_token_layers
     for layer, h in whole.prompt_hidden.items():
         assert torch.equal(seq.prompt_hidden[layer], h)
+
+
+def _rows_within(num_tokens: float):
+    """A ``fits`` that lets a piece run ``num_tokens`` tokens of a whole forward: a layer of more runs as row chunks."""
+    return lambda tokens, keys: tokens <= num_tokens
+
+
+@pytest.mark.parametrize("method", BY_LAYERS)
+def test_a_band_in_row_chunks_interleaved_with_other_work_gives_what_it_gives_alone(setup, method):
+    """Relay's and CacheBlend's band, each layer of it split into chunks of its rows (a piece of 2 tokens of a whole
+    forward: 8 rows of a 4-layer model): while, between the chunks, another stream decodes and a second band advances
+    a chunk of its own, the logits, every layer's KV and the selection of both bands are one forward's (up to float
+    rounding: ``ATOL``), their tokens the same, and the other stream's exactly what it decodes alone."""
+    lm, store, call = setup
+    engine = Engine(lm, store, capture_layers=(1,))
+    options = GenerateOptions(SamplingConfig(max_new_tokens=8), keep_cache=True)
+    call2 = CallInput(call.prompt_ids[:37] + _prompt(17, 8), refs=call.refs)
+    other_call = CallInput(_prompt(30, 9))
+    whole, whole2 = (_decoded(engine, engine.start(c, method, options)) for c in (call, call2))
+    other_alone = _decoded(engine, engine.start(other_call, "full", options))
+    other, band2 = engine.start(other_call, "full", options), engine.begin(call2, method, options)
+    task, mid_layer = engine.begin(call, method, options), []
+    while not task.done:
+        task.advance(0, fits=_rows_within(2))
+        if task.done:
+            break
+        mid_layer.append(task._forward.partial is not None)
+        if not other.done:
+            engine.step([other])
+        if not band2.done:
+            band2.advance(0, fits=_rows_within(2))
+    while not band2.done:
+        band2.advance(0, fits=_rows_within(2))
+    seq, seq2, other = (_decoded(engine, s) for s in (task.sequence(), band2.sequence(), other))
+    assert sum(mid_layer) > lm.config.num_layers and seq.stats.num_prefill_chunks > 2 * lm.config.num_layers
+    for mine, alone, c in ((seq, whole, call), (seq2, whole2, call2)):
+        n = len(c.prompt_ids) + len(mine.output_ids) - 1
+        torch.testing.assert_close(mine.first_logits, alone.first_logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(mine.cache.k[:, :, :n], alone.cache.k[:, :, :n], atol=ATOL, rtol=0)
+        torch.testing.assert_close(mine.cache.v[:, :, :n], alone.cache.v[:, :, :n], atol=ATOL, rtol=0)
+        assert mine.output_ids == alone.output_ids
+        assert mine.plan.schedule.num_selected == alone.plan.schedule.num_selected
+        assert mine.stats.num_computed_token_layers == alone.stats.num_computed_token_layers
+    _assert_identical(other, other_alone, len(other_call.prompt_ids) + len(other.output_ids) - 1)
+
+
+def test_a_band_cancelled_between_row_chunks_drops_its_kv_and_computes_nothing_more(setup):
+    lm, store, call = setup
+    task = Engine(lm, store).begin(call, "cacheblend", GenerateOptions(SamplingConfig(max_new_tokens=2)))
+    task.advance(0, fits=_rows_within(2))
+    assert task._forward.partial is not None and task.cache is not None  # between two chunks of a layer's rows
+    task.cancel()
+    assert task.cache is None and task._forward is None and task.done and task.advance(0, fits=_rows_within(2)) == 0

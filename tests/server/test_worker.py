@@ -132,20 +132,28 @@ def test_a_long_prompt_prefills_in_chunks_while_the_running_request_decodes_ever
     worker.stop()
 
 
-def test_a_prompt_reusing_a_span_prefills_its_band_in_pieces_of_layers_while_others_decode(tiny):
-    """CacheBlend's band with span tokens (it selects at a layer from every token's deviation) runs as pieces of
-    layers (a layer of 600 tokens costs more than the 64-token budget: one a turn): the running request gets one token
-    in every turn of it."""
-    worker = _worker(tiny, 64)
+def _band_after_its_span(worker: EngineWorker, tiny, max_tokens: int) -> Job:
+    """A CacheBlend request whose prompt reuses the 600-token prompt of a request run to its end before it."""
     text_ids = tiny.tokenizer.encode("word " * 600)
     first = _prepared(worker, text_ids, _Events(), 1)  # published: its prompt is a span the next one reuses
     worker.submit(first)
     while not first.emit.ended.is_set():
         worker.run_turn()
+    return _prepared(worker, tiny.tokenizer.encode("a preamble first, ") + text_ids, _Events(), max_tokens,
+                     "cacheblend")
+
+
+def test_a_prompt_reusing_a_span_prefills_its_band_in_pieces_within_the_budget_while_others_decode(tiny, monkeypatch):
+    """CacheBlend's band with span tokens (it selects at a layer from every token's deviation) runs as pieces of
+    layers, and a layer of its 600 tokens, costlier than the 64-token budget, as chunks of its rows: with pieces timed
+    by a synthetic cost (no clock), every piece of it is predicted, and costs, within the turn's budget, and the
+    running request gets one token in every turn of it."""
+    pieces = _synthetic_costs(monkeypatch)
+    worker = _worker(tiny, 64)
+    long = _band_after_its_span(worker, tiny, 4)
     running = _prepared(worker, tiny.tokenizer.encode("a prompt that decodes for a while"), _Events(), 200)
     worker.submit(running)
     worker.run_turn()
-    long = _prepared(worker, tiny.tokenizer.encode("a preamble first, ") + text_ids, _Events(), 4, "cacheblend")
     worker.submit(long)
     num_turns = 0
     while long.seq is None:
@@ -154,8 +162,12 @@ def test_a_prompt_reusing_a_span_prefills_its_band_in_pieces_of_layers_while_oth
         num_turns += 1
         assert len(running.seq.output_ids) == before + 1  # a decode token in every turn of the long prefill
     assert long.seq.stats.num_reused_tokens > 500 and long.seq.plan.schedule.span_idx.numel() > 500
-    # a piece a turn: each layer of the band (every token) alone, the cheap ones above it (new tokens only) together
-    assert 2 <= num_turns == long.seq.stats.num_prefill_chunks <= tiny.config.num_layers
+    layer_ms = _synthetic_ms(len(long.seq.call.prompt_ids) / tiny.config.num_layers, 0)  # a layer, attention aside
+    turn_ms = worker.chunk_budget.turn_ms
+    assert turn_ms == pytest.approx(_synthetic_ms(64, 64 * 65 / 2)) and layer_ms > turn_ms  # learned: exact costs
+    band_ms = [_synthetic_ms(num, keys) for task, num, keys in pieces if task.call is long.seq.call]
+    assert num_turns == long.seq.stats.num_prefill_chunks == len(band_ms) > 2 * tiny.config.num_layers
+    assert all(ms <= turn_ms * 1.001 for ms in band_ms), band_ms
     while worker.num_running:
         worker.run_turn()
     assert isinstance(long.emit.events[-1], DoneEvent)
@@ -178,24 +190,31 @@ def test_a_prefill_starved_by_short_requests_goes_first_after_a_few_turns(tiny):
     worker.stop()
 
 
-def test_the_chunks_of_a_long_prompt_shrink_to_the_cost_of_its_first(tiny, monkeypatch):
-    """Driven turn by turn, each piece timed by a synthetic cost (not a clock): attention makes a token at position
-    600 cost 7x one at 0, and the worker gives later pieces fewer tokens, each within the first piece's cost."""
-    def synthetic_ms(num_tokens: int, num_keys: int) -> float:
-        return 2.0 + 0.1 * num_tokens + 0.001 * num_keys
+def _synthetic_ms(num_tokens: float, num_keys: float) -> float:
+    return 2.0 + 0.1 * num_tokens + 0.001 * num_keys
 
+
+def _synthetic_costs(monkeypatch) -> list[tuple[PrefillTask, float, float]]:
+    """Every prefill piece timed by ``_synthetic_ms`` (not a clock): the pieces run, (task, tokens, keys) each."""
     real_advance = PrefillTask.advance
     pieces = []
 
-    def timed_advance(task: PrefillTask, budget_tokens: int, fits=None) -> int:
-        num = real_advance(task, budget_tokens, fits)
+    def timed_advance(task: PrefillTask, budget_tokens: int, fits=None, min_tokens: float = 0.0) -> int:
+        num = real_advance(task, budget_tokens, fits, min_tokens)
         if task.last_piece is not None:
             num_tokens, num_keys, _ = task.last_piece
-            task.last_piece = (num_tokens, num_keys, synthetic_ms(num_tokens, num_keys))
+            task.last_piece = (num_tokens, num_keys, _synthetic_ms(num_tokens, num_keys))
             pieces.append((task, num_tokens, num_keys))
         return num
 
     monkeypatch.setattr(PrefillTask, "advance", timed_advance)
+    return pieces
+
+
+def test_the_chunks_of_a_long_prompt_shrink_to_the_cost_of_its_first(tiny, monkeypatch):
+    """Driven turn by turn, each piece timed by a synthetic cost (not a clock): attention makes a token at position
+    600 cost 7x one at 0, and the worker gives later pieces fewer tokens, each within the first piece's cost."""
+    synthetic_ms, pieces = _synthetic_ms, _synthetic_costs(monkeypatch)
     chunk = 64
     worker = _worker(tiny, chunk)
     running = _prepared(worker, tiny.tokenizer.encode("a prompt that decodes for a while"), _Events(), 200)
@@ -226,26 +245,26 @@ def _next_positions(sizes: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("how", ["cancelled", "failed"])
-def test_a_band_dropped_between_its_layer_pieces_frees_its_kv_and_pins_and_the_worker_goes_on(tiny, monkeypatch, how):
-    """A band paused between two pieces of layers whose client goes away (or whose next piece raises): it leaves the
-    prefilling set, its KV is freed, the span it reuses is unpinned, and a request sent next decodes normally."""
+def test_a_band_dropped_between_row_chunks_of_a_layer_frees_its_kv_and_pins_and_the_worker_goes_on(tiny, monkeypatch,
+                                                                                                    how):
+    """A band paused between two chunks of one layer's rows whose client goes away (or whose next piece raises): it
+    leaves the prefilling set, its KV is freed, the span it reuses is unpinned, and a request sent next decodes
+    normally."""
+    _synthetic_costs(monkeypatch)  # pieces cost what they are predicted to: a layer of the band's is two or more
     worker = _worker(tiny, 64)
-    text_ids = tiny.tokenizer.encode("word " * 600)
-    first = _prepared(worker, text_ids, _Events(), 1)  # published: the span the band reuses
-    worker.submit(first)
-    while not first.emit.ended.is_set():
-        worker.run_turn()
-    long = _prepared(worker, tiny.tokenizer.encode("a preamble first, ") + text_ids, _Events(), 4, "cacheblend")
+    long = _band_after_its_span(worker, tiny, 4)
     worker.submit(long)
     worker.run_turn()
     task = long.task
     assert task is not None and not task.done and task.cache is not None and worker.num_prefilling == 1  # mid-band
+    partial = task._forward.partial
+    assert partial is not None and 0 < partial.num_done < len(partial.positions)  # mid-layer: between row chunks
     pinned = list(long.built.pinned)
     assert pinned and all(worker.catalog.store.is_pinned(s, "ns") for s in pinned)
     if how == "cancelled":
         worker.cancel(long)
     else:
-        def broken(self, budget_tokens, fits=None):
+        def broken(self, *args, **kwargs):
             raise RuntimeError("planted: a layer piece that breaks")
         monkeypatch.setattr(PrefillTask, "advance", broken)
     worker.run_turn()
