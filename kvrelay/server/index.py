@@ -108,7 +108,11 @@ class TokenIndex:
         # Per block, nothing the garbage collector tracks: dicts whose keys and values are all ints (which it
         # never tracks, and never walks), lists of ints linked through such dicts. Keys pack their parts in
         # one int; groups and members are numbered, in order of creation.
+        # namespace -> its number while it holds a span (numbers are never reused: a key of a forgotten
+        # namespace never meets a new one's), and how many spans it holds
         self._namespace_ids: dict[str, int] = {}
+        self._namespace_spans: dict[str, int] = {}
+        self._num_namespaces = 0
         # block key (namespace number, block hash) -> its groups, in the order they were first stored
         self._groups = IntLists()
         # group key (block key, previous block's hash or NO_PREV) <-> group number
@@ -194,7 +198,11 @@ class TokenIndex:
             raise ValueError(f"a span holds at most {_LEN_MASK} tokens, got {len(ids)}")
         self._num_added += 1
         entry = _Entry(span_id, namespace, tuple(ids), self.hasher.prefix(ids), self._num_added)
-        ns = self._namespace_ids.setdefault(namespace, len(self._namespace_ids))
+        ns = self._namespace_ids.get(namespace)
+        if ns is None:
+            ns = self._namespace_ids[namespace] = self._num_namespaces
+            self._num_namespaces += 1
+        self._namespace_spans[namespace] = self._namespace_spans.get(namespace, 0) + 1
         b, m, sub, p = self.block_len, len(ids), self.hasher.sub, entry.prefix
         same_end = same_token_ends(ids)
         member_ids = []
@@ -280,6 +288,11 @@ class TokenIndex:
             self._groups.remove(gkey >> _BITS, gid)
         if entry.order in self._splits.ref_uses:  # its tokens still define where other members leave it
             self._ghosts[entry.order] = entry
+        left = self._namespace_spans.pop(entry.namespace) - 1
+        if left:
+            self._namespace_spans[entry.namespace] = left
+        else:  # none of its blocks, groups or references is left: a namespace per client salt is not kept
+            del self._namespace_ids[entry.namespace]
 
     def token_ids(self, span_id: str) -> tuple[int, ...]:
         return self._spans[span_id].token_ids
