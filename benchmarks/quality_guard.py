@@ -176,23 +176,40 @@ def plot_role(path: Path, title: str, report: dict, config: QualityConfig) -> No
     plt.close(fig)
 
 
-def measure(args: argparse.Namespace, config: QualityConfig) -> list[dict]:
+def workload_offsets(workloads: list[str], offset: int | None) -> dict[str, int]:
+    """Each workload's first problem: ``offset`` when given, else the default for that workload."""
+    return {w: offset if offset is not None else WORKLOAD_OFFSETS.get(w, 0) for w in workloads}
+
+
+def problem_range(rows: list[dict]) -> dict[str, list[str]]:
+    """Per workload, the first and the last problem of the rows (in the order measured)."""
+    ids: dict[str, list[str]] = {}
+    for row in rows:
+        ids.setdefault(row["workload"], []).append(row["problem_id"])
+    return {w: [got[0], got[-1]] for w, got in ids.items()}
+
+
+def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict], dict[str, dict]]:
+    """The rows of every call, and what each rung's method resolved for the model (e.g. relay's layers and selector
+    from the model's profile, as the server resolves them), so the report says which profile was measured."""
     from quality_measure import measure_workload
 
+    from kvrelay.reuse import get_method
     from kvrelay.weights.loader import load_model
 
     lm = load_model(args.model)
     specs = {r.name: r.method_spec for r in config.ladder}
+    settings = {name: get_method(spec).settings(lm) for name, spec in specs.items()}
     rows: list[dict] = []
 
     def checkpoint(workload_rows: list[dict]) -> None:  # keep what is measured so far
         if args.json:
             Path(args.json).with_suffix(".calls.json").write_text(json.dumps(rows + workload_rows))
 
-    for workload in args.workloads.split(","):
-        rows += measure_workload(lm, workload, specs, args.limit, WORKLOAD_OFFSETS.get(workload, 0),
-                                 checkpoint=checkpoint)
-    return rows
+    workloads = args.workloads.split(",")
+    for workload, offset in workload_offsets(workloads, args.offset).items():
+        rows += measure_workload(lm, workload, specs, args.limit, offset, checkpoint=checkpoint)
+    return rows, settings
 
 
 def config_from_args(start: str | None, sets: list[str]) -> tuple[QualityConfig, dict]:
@@ -219,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--workloads", default=",".join(WORKLOAD_OFFSETS))
     p.add_argument("--limit", type=int, default=40, help="problems per workload")
+    p.add_argument("--offset", type=int, help="first problem of every workload (default: per workload, "
+                                              f"{WORKLOAD_OFFSETS})")
     p.add_argument("--calls-json", help="replay rows measured earlier instead of measuring")
     p.add_argument("--bench-json", help="replay the per-call rows of these kvrelay bench JSON files (comma-separated)")
     p.add_argument("--rung-method", action="append", default=[],
@@ -231,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plots", help="folder for one PNG per role")
     args = p.parse_args(argv)
     config, overrides = config_from_args(args.start, args.set)
+    rung_settings = None  # known only when measuring (a replay has no model)
     if args.bench_json:
         rung_methods = {r.name: r.method_spec for r in config.ladder}
         rung_methods.update(item.split("=", 1) for item in args.rung_method)
@@ -238,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.calls_json:
         rows = json.loads(Path(args.calls_json).read_text())
     else:
-        rows = measure(args, config)
+        rows, rung_settings = measure(args, config)
     roles: dict[str, list[dict]] = {}
     for row in rows:
         roles.setdefault(f"{row['workload']}/{row['agent']}", []).append(row)
@@ -258,7 +278,9 @@ def main(argv: list[str] | None = None) -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
         out = {"env": {"machine": platform.machine(), "cpu_threads": os.environ.get("OMP_NUM_THREADS"),
                        "commit": commit.strip(), "python": sys.version.split()[0]},
-               "model": args.model, "limit": args.limit, "workload_offsets": WORKLOAD_OFFSETS,
+               "model": args.model, "limit": args.limit,
+               "workload_offsets": workload_offsets(sorted({r["workload"] for r in rows}), args.offset),
+               "problem_ids": problem_range(rows), "rung_settings": rung_settings,
                "sources": args.bench_json.split(",") if args.bench_json else args.calls_json,
                "overrides": overrides,
                "config": {"target": str(config.target), "sample_rate": config.sample_rate,

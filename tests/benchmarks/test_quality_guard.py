@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from quality_guard import config_from_args, role_report
+from quality_guard import WORKLOAD_OFFSETS, config_from_args, problem_range, role_report, workload_offsets
 
 from kvrelay.quality import QualityConfig
 
@@ -50,3 +50,14 @@ def test_replay_config_flags():
     for bad in ("trust_start=maybe", "no_such_field=1", "window"):
         with pytest.raises(SystemExit, match="--set"):
             config_from_args(None, [bad])
+
+
+def test_offset_moves_every_workload_and_the_report_names_the_problems():
+    workloads = ["gsm8k-chain3", "mmlu-fc3", "other"]
+    assert workload_offsets(workloads, None) == {"gsm8k-chain3": WORKLOAD_OFFSETS["gsm8k-chain3"],
+                                                 "mmlu-fc3": WORKLOAD_OFFSETS["mmlu-fc3"], "other": 0}
+    assert workload_offsets(workloads, 900) == {"gsm8k-chain3": 900, "mmlu-fc3": 900, "other": 900}
+    assert workload_offsets(workloads, 0) == {"gsm8k-chain3": 0, "mmlu-fc3": 0, "other": 0}
+    measured = [{**row, "workload": w, "problem_id": f"{w}-{900 + i // 2}"}
+                for w in ("a", "b") for i, row in enumerate(rows(4, naive_kl=0.001))]
+    assert problem_range(measured) == {"a": ["a-900", "a-901"], "b": ["b-900", "b-901"]}
