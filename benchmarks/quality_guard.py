@@ -58,6 +58,19 @@ def replay_role(rows: list[dict], config: QualityConfig, namespace: str = "bench
     return trace, guard.aggregates()
 
 
+def bench_rung_settings(paths: list[str], rung_methods: dict[str, str]) -> dict[str, dict[str, dict]]:
+    """Per rung and workload, what its method resolved to in the bench files (their ``method_settings``: relay's
+    layers and selector), so a replay says which relay it measured; a rung whose method the bench did not record
+    (one that resolves nothing from the model) is left out."""
+    settings: dict[str, dict[str, dict]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for rung, method in rung_methods.items():
+            if method in data.get("method_settings", {}):
+                settings.setdefault(rung, {})[data["workload"]] = data["method_settings"][method]
+    return settings
+
+
 def rows_from_bench(paths: list[str], rung_methods: dict[str, str]) -> list[dict]:
     """Rows in ``quality_measure``'s form from ``kvrelay bench`` JSON files (agent mode, their per-call rows):
     ``rung_methods`` maps a rung to the bench's method name for it. These carry no decode time."""
@@ -250,11 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plots", help="folder for one PNG per role")
     args = p.parse_args(argv)
     config, overrides = config_from_args(args.start, args.set)
-    rung_settings = None  # known only when measuring (a replay has no model)
+    rung_settings = None  # a replay of --calls-json has no model and no record of what its rungs resolved
     if args.bench_json:
         rung_methods = {r.name: r.method_spec for r in config.ladder}
         rung_methods.update(item.split("=", 1) for item in args.rung_method)
         rows = rows_from_bench(args.bench_json.split(","), rung_methods)
+        rung_settings = bench_rung_settings(args.bench_json.split(","), rung_methods)
     elif args.calls_json:
         rows = json.loads(Path(args.calls_json).read_text())
     else:

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from quality_guard import WORKLOAD_OFFSETS, config_from_args, problem_range, role_report, workload_offsets
+from quality_guard import (
+    WORKLOAD_OFFSETS,
+    bench_rung_settings,
+    config_from_args,
+    problem_range,
+    role_report,
+    workload_offsets,
+)
 
 from kvrelay.quality import QualityConfig
 
@@ -61,3 +70,16 @@ def test_offset_moves_every_workload_and_the_report_names_the_problems():
     measured = [{**row, "workload": w, "problem_id": f"{w}-{900 + i // 2}"}
                 for w in ("a", "b") for i, row in enumerate(rows(4, naive_kl=0.001))]
     assert problem_range(measured) == {"a": ["a-900", "a-901"], "b": ["b-900", "b-901"]}
+
+
+def test_a_bench_replay_records_what_each_rung_resolved_per_workload(tmp_path):
+    relay = "relay[top_r=0.4]"
+    files = []
+    for workload, top_r in (("gsm8k-chain3", 0.4), ("humaneval-adr", 0.3)):
+        path = tmp_path / f"{workload}.json"
+        path.write_text(json.dumps({"workload": workload, "calls": [], "method_settings": {
+            relay: {"layers": [3, 3, 11], "selector": {"keep_share": top_r}}, "other": {"layers": [0, 0, 0]}}}))
+        files.append(str(path))
+    got = bench_rung_settings(files, {"naive": "naive", "relay": relay})
+    assert got == {"relay": {"gsm8k-chain3": {"layers": [3, 3, 11], "selector": {"keep_share": 0.4}},
+                             "humaneval-adr": {"layers": [3, 3, 11], "selector": {"keep_share": 0.3}}}}
