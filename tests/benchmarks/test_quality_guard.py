@@ -15,6 +15,7 @@ from quality_guard import (
 )
 
 from kvrelay.quality import QualityConfig
+from kvrelay.reuse.profile import SHIPPED_PROFILES
 
 
 def rows(num_calls: int, naive_kl: float) -> list[dict]:
@@ -83,3 +84,21 @@ def test_a_bench_replay_records_what_each_rung_resolved_per_workload(tmp_path):
     got = bench_rung_settings(files, {"naive": "naive", "relay": relay})
     assert got == {"relay": {"gsm8k-chain3": {"layers": [3, 3, 11], "selector": {"keep_share": 0.4}},
                              "humaneval-adr": {"layers": [3, 3, 11], "selector": {"keep_share": 0.3}}}}
+
+
+def test_default_offsets_skip_every_problem_a_shipped_profile_was_calibrated_on():
+    """The benchmark's claim: workloads the defaults were not tuned on. A profile calibrated on a workload's default
+    data (``"default"``; GSM8K's calibration reads train.jsonl, the benchmark the test split) used problems
+    [offset, offset + problems); the benchmark's problems must start after them."""
+    checked = 0
+    for path in SHIPPED_PROFILES.glob("relay-*.json"):
+        calibration = json.loads(path.read_text())["calibration"]
+        ranges = [(calibration.get("workload"), calibration.get("data"), calibration.get("offset", 0),
+                   calibration.get("problems", 0))]
+        ranges += [(name, data, calibration.get("selector_offset", 0), calibration.get("selector_problems", 0))
+                   for name, data in calibration.get("selector_workloads", {}).items()]
+        for name, data, first, num_problems in ranges:
+            if name in WORKLOAD_OFFSETS and data in (None, "default"):
+                checked += 1
+                assert first + num_problems <= WORKLOAD_OFFSETS[name], (path.name, name, first, num_problems)
+    assert checked  # a shipped profile calibrated on a workload's default data is what this guards
