@@ -4,7 +4,7 @@
         --json benchmarks/results/quality-guard-smollm2.json --plots benchmarks/results/quality-guard-smollm2
 
 For each workload (problems the guard's defaults were not chosen on: GSM8K test problems from 100, HumanEval
-from 100, MMLU from 100), ``quality_measure`` runs every rung of the default ladder and ``full`` on every
+from 120, MMLU from 100), ``quality_measure`` runs every rung of the default ladder and ``full`` on every
 downstream call. Then, per role (a downstream agent of a workload), the calls are replayed in order through a
 ``QualityGuard`` with its default config: the guard picks the rung of each call, decides whether to shadow it,
 and is fed that rung's measured KL and agreement only on the calls it shadows (the shadow's cost is the call's
@@ -34,7 +34,9 @@ from statistics import mean
 
 from kvrelay.quality import QualityConfig, QualityGuard
 
-WORKLOAD_OFFSETS = {"gsm8k-chain3": 100, "humaneval-adr": 100, "mmlu-fc3": 100}
+# past every shipped row and every problem a shipped profile was calibrated on (Gemma 3's selector: HumanEval
+# 110-119; GSM8K calibration reads the train split, these the test split)
+WORKLOAD_OFFSETS = {"gsm8k-chain3": 100, "humaneval-adr": 120, "mmlu-fc3": 100}
 QUALITY_AFTER_CALLS = 20
 
 
@@ -56,6 +58,19 @@ def replay_role(rows: list[dict], config: QualityConfig, namespace: str = "bench
                       "decode_ms": row["decode_ms"], "shadow_ms": row["rungs"]["full"]["ttft_ms"] if shadow else 0.0,
                       "shadow_token_layers": got["prompt_token_layers"] if shadow else 0})
     return trace, guard.aggregates()
+
+
+def bench_rung_settings(paths: list[str], rung_methods: dict[str, str]) -> dict[str, dict[str, dict]]:
+    """Per rung and workload, what its method resolved to in the bench files (their ``method_settings``: relay's
+    layers and selector), so a replay says which relay it measured; a rung whose method the bench did not record
+    (one that resolves nothing from the model) is left out."""
+    settings: dict[str, dict[str, dict]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for rung, method in rung_methods.items():
+            if method in data.get("method_settings", {}):
+                settings.setdefault(rung, {})[data["workload"]] = data["method_settings"][method]
+    return settings
 
 
 def rows_from_bench(paths: list[str], rung_methods: dict[str, str]) -> list[dict]:
@@ -176,23 +191,40 @@ def plot_role(path: Path, title: str, report: dict, config: QualityConfig) -> No
     plt.close(fig)
 
 
-def measure(args: argparse.Namespace, config: QualityConfig) -> list[dict]:
+def workload_offsets(workloads: list[str], offset: int | None) -> dict[str, int]:
+    """Each workload's first problem: ``offset`` when given, else the default for that workload."""
+    return {w: offset if offset is not None else WORKLOAD_OFFSETS.get(w, 0) for w in workloads}
+
+
+def problem_range(rows: list[dict]) -> dict[str, list[str]]:
+    """Per workload, the first and the last problem of the rows (in the order measured)."""
+    ids: dict[str, list[str]] = {}
+    for row in rows:
+        ids.setdefault(row["workload"], []).append(row["problem_id"])
+    return {w: [got[0], got[-1]] for w, got in ids.items()}
+
+
+def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict], dict[str, dict]]:
+    """The rows of every call, and what each rung's method resolved for the model (e.g. relay's layers and selector
+    from the model's profile, as the server resolves them), so the report says which profile was measured."""
     from quality_measure import measure_workload
 
+    from kvrelay.reuse import get_method
     from kvrelay.weights.loader import load_model
 
     lm = load_model(args.model)
     specs = {r.name: r.method_spec for r in config.ladder}
+    settings = {name: get_method(spec).settings(lm) for name, spec in specs.items()}
     rows: list[dict] = []
 
     def checkpoint(workload_rows: list[dict]) -> None:  # keep what is measured so far
         if args.json:
             Path(args.json).with_suffix(".calls.json").write_text(json.dumps(rows + workload_rows))
 
-    for workload in args.workloads.split(","):
-        rows += measure_workload(lm, workload, specs, args.limit, WORKLOAD_OFFSETS.get(workload, 0),
-                                 checkpoint=checkpoint)
-    return rows
+    workloads = args.workloads.split(",")
+    for workload, offset in workload_offsets(workloads, args.offset).items():
+        rows += measure_workload(lm, workload, specs, args.limit, offset, checkpoint=checkpoint)
+    return rows, settings
 
 
 def config_from_args(start: str | None, sets: list[str]) -> tuple[QualityConfig, dict]:
@@ -219,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--workloads", default=",".join(WORKLOAD_OFFSETS))
     p.add_argument("--limit", type=int, default=40, help="problems per workload")
+    p.add_argument("--offset", type=int, help="first problem of every workload (default: per workload, "
+                                              f"{WORKLOAD_OFFSETS})")
     p.add_argument("--calls-json", help="replay rows measured earlier instead of measuring")
     p.add_argument("--bench-json", help="replay the per-call rows of these kvrelay bench JSON files (comma-separated)")
     p.add_argument("--rung-method", action="append", default=[],
@@ -231,14 +265,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plots", help="folder for one PNG per role")
     args = p.parse_args(argv)
     config, overrides = config_from_args(args.start, args.set)
+    rung_settings = None  # a replay of --calls-json has no model and no record of what its rungs resolved
     if args.bench_json:
         rung_methods = {r.name: r.method_spec for r in config.ladder}
         rung_methods.update(item.split("=", 1) for item in args.rung_method)
         rows = rows_from_bench(args.bench_json.split(","), rung_methods)
+        rung_settings = bench_rung_settings(args.bench_json.split(","), rung_methods)
     elif args.calls_json:
         rows = json.loads(Path(args.calls_json).read_text())
     else:
-        rows = measure(args, config)
+        rows, rung_settings = measure(args, config)
     roles: dict[str, list[dict]] = {}
     for row in rows:
         roles.setdefault(f"{row['workload']}/{row['agent']}", []).append(row)
@@ -258,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
         out = {"env": {"machine": platform.machine(), "cpu_threads": os.environ.get("OMP_NUM_THREADS"),
                        "commit": commit.strip(), "python": sys.version.split()[0]},
-               "model": args.model, "limit": args.limit, "workload_offsets": WORKLOAD_OFFSETS,
+               "model": args.model, "limit": args.limit,
+               "workload_offsets": workload_offsets(sorted({r["workload"] for r in rows}), args.offset),
+               "problem_ids": problem_range(rows), "rung_settings": rung_settings,
                "sources": args.bench_json.split(",") if args.bench_json else args.calls_json,
                "overrides": overrides,
                "config": {"target": str(config.target), "sample_rate": config.sample_rate,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
 import platform
@@ -283,7 +284,8 @@ def reference(full_client: httpx.Client, body: dict, live_ids: list[int]) -> dic
 
 def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict], dict]:
     """Run the flows against the guarded server, every call against the ``full`` one: the per-call rows (kept in
-    ``.calls.json`` beside ``--json`` after every run, with the request bodies) and the guard's view at the end."""
+    ``.calls.json`` beside ``--json`` after every run, the request bodies in ``.bodies.json.gz``) and the guard's
+    view at the end."""
     docs = documents(args.data, args.runs)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     salt = uuid.uuid4().hex
@@ -314,7 +316,9 @@ def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict]
                               f"{' S' if r['shadowed'] else ''}" for r in new_rows), flush=True)
             if args.json:  # keep what is measured so far
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.with_suffix(".calls.json").write_text(json.dumps({"rows": rows, "bodies": bodies}))
+                args.json.with_suffix(".calls.json").write_text(json.dumps({"rows": rows}))
+                # the request bodies quote the model's answers: compressed, a tenth of their size
+                args.json.with_suffix(".bodies.json.gz").write_bytes(gzip.compress(json.dumps(bodies).encode()))
         guard_view = recorder.probes.get("/v1/kvrelay/quality", params={"cache_salt": salt}).json()
         full_client.close()
     finally:
@@ -329,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--runs", type=int, default=40, help="flows, one document each (calls per role)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a folder of MMLU *_test.csv files")
-    p.add_argument("--json", type=Path, help="the report (the per-call rows and request bodies beside it, .calls.json)")
+    p.add_argument("--json", type=Path,
+                   help="the report (the per-call rows beside it, .calls.json; the request bodies, .bodies.json.gz)")
     p.add_argument("--calls-json", type=Path, help="score the rows of an earlier run's .calls.json (no servers)")
     p.add_argument("--plots", type=Path, help="folder for one PNG per role")
     args = p.parse_args(argv)

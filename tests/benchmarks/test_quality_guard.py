@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from quality_guard import config_from_args, role_report
+from quality_guard import (
+    WORKLOAD_OFFSETS,
+    bench_rung_settings,
+    config_from_args,
+    problem_range,
+    role_report,
+    workload_offsets,
+)
 
 from kvrelay.quality import QualityConfig
+
+# kvrelay/profiles/ (read as files: kvrelay.reuse.profile would import torch into this torch-free test)
+SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "kvrelay" / "profiles"
 
 
 def rows(num_calls: int, naive_kl: float) -> list[dict]:
@@ -50,3 +63,45 @@ def test_replay_config_flags():
     for bad in ("trust_start=maybe", "no_such_field=1", "window"):
         with pytest.raises(SystemExit, match="--set"):
             config_from_args(None, [bad])
+
+
+def test_offset_moves_every_workload_and_the_report_names_the_problems():
+    workloads = ["gsm8k-chain3", "mmlu-fc3", "other"]
+    assert workload_offsets(workloads, None) == {"gsm8k-chain3": WORKLOAD_OFFSETS["gsm8k-chain3"],
+                                                 "mmlu-fc3": WORKLOAD_OFFSETS["mmlu-fc3"], "other": 0}
+    assert workload_offsets(workloads, 900) == {"gsm8k-chain3": 900, "mmlu-fc3": 900, "other": 900}
+    assert workload_offsets(workloads, 0) == {"gsm8k-chain3": 0, "mmlu-fc3": 0, "other": 0}
+    measured = [{**row, "workload": w, "problem_id": f"{w}-{900 + i // 2}"}
+                for w in ("a", "b") for i, row in enumerate(rows(4, naive_kl=0.001))]
+    assert problem_range(measured) == {"a": ["a-900", "a-901"], "b": ["b-900", "b-901"]}
+
+
+def test_a_bench_replay_records_what_each_rung_resolved_per_workload(tmp_path):
+    relay = "relay[top_r=0.4]"
+    files = []
+    for workload, top_r in (("gsm8k-chain3", 0.4), ("humaneval-adr", 0.3)):
+        path = tmp_path / f"{workload}.json"
+        path.write_text(json.dumps({"workload": workload, "calls": [], "method_settings": {
+            relay: {"layers": [3, 3, 11], "selector": {"keep_share": top_r}}, "other": {"layers": [0, 0, 0]}}}))
+        files.append(str(path))
+    got = bench_rung_settings(files, {"naive": "naive", "relay": relay})
+    assert got == {"relay": {"gsm8k-chain3": {"layers": [3, 3, 11], "selector": {"keep_share": 0.4}},
+                             "humaneval-adr": {"layers": [3, 3, 11], "selector": {"keep_share": 0.3}}}}
+
+
+def test_default_offsets_skip_every_problem_a_shipped_profile_was_calibrated_on():
+    """The benchmark's claim: workloads the defaults were not tuned on. A profile calibrated on a workload's default
+    data (``"default"``; GSM8K's calibration reads train.jsonl, the benchmark the test split) used problems
+    [offset, offset + problems); the benchmark's problems must start after them."""
+    checked = 0
+    for path in SHIPPED_PROFILES.glob("relay-*.json"):
+        calibration = json.loads(path.read_text())["calibration"]
+        ranges = [(calibration.get("workload"), calibration.get("data"), calibration.get("offset", 0),
+                   calibration.get("problems", 0))]
+        ranges += [(name, data, calibration.get("selector_offset", 0), calibration.get("selector_problems", 0))
+                   for name, data in calibration.get("selector_workloads", {}).items()]
+        for name, data, first, num_problems in ranges:
+            if name in WORKLOAD_OFFSETS and data in (None, "default"):
+                checked += 1
+                assert first + num_problems <= WORKLOAD_OFFSETS[name], (path.name, name, first, num_problems)
+    assert checked  # a shipped profile calibrated on a workload's default data is what this guards
