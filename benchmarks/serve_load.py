@@ -67,6 +67,20 @@ def store_metrics(base_url: str) -> dict:
     return out
 
 
+def wait_for_shadows(base_url: str, timeout_s: float = 900) -> float:
+    """Wait until the server has no shadow reference pending (its quality guard's ``full`` runs of sampled
+    requests, done in otherwise idle turns); the seconds waited. A server without the gauge is not waited for."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+        pending = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("kvrelay_quality_shadows_pending ")]
+        if not pending or pending[0] == 0:
+            break
+        time.sleep(1.0)
+    return time.perf_counter() - t0
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -267,6 +281,7 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
                             "max_tokens": 1, "cache_salt": salt}).encode()
     seed_status = _post_raw(base_url, seed_body)  # stores the text the timed long prompts reuse (answered once
     # its span is published)
+    seed_shadow_wait_s = wait_for_shadows(base_url)  # its shadow reference (an 8K full prefill) is no idle server
     warmup = probe_ttft(base_url, model, 0.0, min_probes=_NUM_WARMUP_PROBES)  # lazy imports, allocations, the
     # seed's freed 8K-token buffers: the first probes after it are not what an idle server answers in
     idle_second: list[float] = []
@@ -285,7 +300,7 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
     chunk_ms = statistics.mean(e["ttft_ms"] / e["num_prefill_chunks"] for e in exts) if exts else float("nan")
     bound = 3 * percentile(idle, 0.5) + chunk_ms
     row = {"idle_ttft_ms_p50": percentile(idle, 0.5), "idle_ttft_ms_p99": percentile(idle, 0.99),
-           "idle_ttft_ms_all": idle, "warmup_ttft_ms_all": warmup,
+           "idle_ttft_ms_all": idle, "warmup_ttft_ms_all": warmup, "seed_shadow_wait_s": seed_shadow_wait_s,
            "idle_second_token_ms_p50": percentile(idle_second, 0.5), "idle_second_token_ms_all": idle_second,
            "chunk_prefill_ms_mean": chunk_ms, "chunk_tokens": chunk_tokens, "seed_status": seed_status,
            "long_prompt_tokens": [r["usage"]["prompt_tokens"] for r in long_client.replies],

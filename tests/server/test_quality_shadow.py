@@ -190,3 +190,30 @@ def test_the_recorded_numbers_equal_an_offline_computation_of_the_same_kl(tiny):
     assert agree == offline_agree
     assert continuation_kl == pytest.approx(offline_continuation_kl, rel=1e-5, abs=1e-9)
     worker.stop()
+
+
+def test_a_shadow_piece_fits_the_turn_budget_a_live_piece_gets(tiny, monkeypatch):
+    """A shadow reference deep in a long prompt runs pieces sized by the worker's ChunkBudget (predicted time), not
+    ``prefill_chunk_tokens`` tokens: with a fit where a token at position p costs 1 + p/10 ms, each of its pieces is
+    predicted within one turn (or is the budget's least piece), as a live prefill's pieces are."""
+    chunk = 16
+    guard = _SpyGuard({"sampled"}, _Rung("cheap", "naive"))
+    worker = _worker(tiny, guard, chunk)
+    sampled = _job(worker, tiny.tokenizer.encode("word " * 120), "sampled", 40)
+    worker.submit(sampled)
+    while sampled.seq is None:
+        worker.run_turn()
+    budget = worker.chunk_budget
+    monkeypatch.setattr(budget, "observe", lambda piece: None)  # a fixed fit: no measured time moves it
+    budget.coef_ms = (0.0, 1.0, 0.1)
+    shadow = worker.shadows._pending[0]
+    pieces = []
+    while worker.shadows.num_pending:
+        worker.run_turn()
+        if shadow.task is not None and shadow.task.last_piece is not None and shadow.task.num_chunks > len(pieces):
+            pieces.append(shadow.task.last_piece[:2])
+    assert len(pieces) > len(sampled.seq.prompt_ids) // chunk  # deep pieces got fewer tokens than the flag's
+    for num_tokens, num_keys in pieces:
+        assert num_tokens <= budget.min_tokens or budget.predict_ms(num_tokens, num_keys) <= budget.turn_ms
+    assert [(r[0], r[1], r[2]) for r in guard.records] == [(NS, "sampled", "cheap")]
+    worker.stop()
