@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
@@ -15,6 +16,7 @@ from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.events import DoneEvent, ErrorEvent
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
+from kvrelay.server.quality_metrics import QualityMetrics
 from kvrelay.server.quality_serving import ServedGuard
 from kvrelay.server.scheduler import EngineWorker, Job
 from kvrelay.server.shadow import CONTINUATION_TOKENS, ShadowRunner
@@ -43,6 +45,9 @@ class _SpyGuard:
 
     def record(self, *args) -> None:
         self.records.append(args)
+
+    def aggregates(self) -> dict:
+        return {"rung_moves": {}, "roles_per_rung": {}}
 
 
 class _Events:
@@ -93,6 +98,9 @@ def test_a_shadow_does_not_run_while_a_live_prefill_waits(tiny):
     while sampled.seq is None:  # its prefill and first token; its shadow is queued
         worker.run_turn()
     assert sampled.seq is not None and worker.shadows.num_pending == 1
+    registry = CollectorRegistry()
+    QualityMetrics(registry, worker.quality, worker.shadows)
+    assert registry.get_sample_value("kvrelay_quality_shadows_pending") == 1  # what a benchmark waits on
     long = _job(worker, tiny.tokenizer.encode("word " * 80), "other", 2)
     worker.submit(long)
     shadow = worker.shadows._pending[0]
@@ -112,6 +120,7 @@ def test_a_shadow_does_not_run_while_a_live_prefill_waits(tiny):
     assert not guard.records
     _drain(worker, sampled, long)  # no live prefill left: the shadow advances in the turns that follow
     assert [(r[0], r[1], r[2]) for r in guard.records] == [(NS, "sampled", "cheap")]
+    assert registry.get_sample_value("kvrelay_quality_shadows_pending") == 0
     worker.stop()
 
 
