@@ -274,14 +274,10 @@ class EngineWorker:
 
     def _prefilled(self, job: Job) -> None:
         """A finished prefill joins the decode batch, its first token out at once."""
-        t0 = time.perf_counter()
         job.seq = job.task.sequence()
-        t1 = time.perf_counter()
         job.task = None
         self._prefilling.remove(job)
         self._begin(job)
-        log.debug("prefill end: %d prompt tokens, sequence %.0f ms, first token out %.0f ms", len(job.seq.prompt_ids),
-                  (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
 
     def _prefill_failed(self, job: Job, exc: Exception) -> None:
         """A request whose prefill failed is failed alone."""
@@ -355,17 +351,14 @@ class EngineWorker:
         if out.stop_reason == "cancelled" and out.output_ids:  # the last sampled token was never fed: no KV
             published = replace(out, output_ids=out.output_ids[:-1])
         span_id = self.catalog.new_span_id(len(out.prompt_ids))
-        t0 = time.perf_counter()
         try:
             self.engine.publish(span_id, published, store=self.catalog.view(job.namespace, job.built.framing))
         except StoreFullError:
             self.metrics.publish_skipped.inc()
             return None
-        t1 = time.perf_counter()
         ids = ids_of_text(self.tokenizer, published.output_ids, text)
         if ids is not None:
             self.catalog.register(RegisteredOutput(text, tuple(ids), span_id, len(out.prompt_ids), job.namespace))
-        log.debug("publish: store %.0f ms, register %.0f ms", (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         return span_id
 
     def _release(self, job: Job) -> None:
