@@ -67,6 +67,20 @@ def store_metrics(base_url: str) -> dict:
     return out
 
 
+def wait_for_shadows(base_url: str, timeout_s: float = 900) -> float:
+    """Wait until the server has no shadow reference pending (its quality guard's ``full`` runs of sampled
+    requests, done in otherwise idle turns); the seconds waited. A server without the gauge is not waited for."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+        pending = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("kvrelay_quality_shadows_pending ")]
+        if not pending or pending[0] == 0:
+            break
+        time.sleep(1.0)
+    return time.perf_counter() - t0
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -228,15 +242,20 @@ class Hostile(threading.Thread):
             self.statuses[kind].append(status)
 
 
+_NUM_WARMUP_PROBES = 2  # probes after the seed request, not counted as idle
+_MIN_IDLE_PROBES = 5  # the idle baseline is their median: one probe is one sample of a noisy machine
+
+
 def probe_ttft(base_url: str, model: str, seconds: float, words: int = 8,
-               second_ms: list[float] | None = None) -> list[float]:
-    """A short streamed request after another (each in a fresh namespace) for ``seconds``: client TTFTs (ms). With
+               second_ms: list[float] | None = None, min_probes: int = 1) -> list[float]:
+    """A short streamed request after another (each in a fresh namespace) for ``seconds`` and at least
+    ``min_probes`` times: client TTFTs (ms). With
     ``second_ms``, each one's time to its second content chunk is appended there (a stall right after the first
     token, e.g. another request's prefill run whole, hides from TTFT but not from it)."""
     client = OpenAI(base_url=base_url, api_key="none", timeout=600, max_retries=0)
     out: list[float] = []
     deadline = time.perf_counter() + seconds
-    while not out or time.perf_counter() < deadline:
+    while len(out) < min_probes or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": " ".join(["ping"] * words)}], max_tokens=4,
@@ -260,10 +279,13 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
     salt = uuid.uuid4().hex
     seed_body = json.dumps({"model": model, "messages": [{"role": "user", "content": long_text(long_words)}],
                             "max_tokens": 1, "cache_salt": salt}).encode()
-    seed_status = _post_raw(base_url, seed_body)  # stores the text the timed long prompts reuse
-    probe_ttft(base_url, model, 0.0)  # warm-up (one request: lazy imports, allocations)
+    seed_status = _post_raw(base_url, seed_body)  # stores the text the timed long prompts reuse (answered once
+    # its span is published)
+    seed_shadow_wait_s = wait_for_shadows(base_url)  # its shadow reference (an 8K full prefill) is no idle server
+    warmup = probe_ttft(base_url, model, 0.0, min_probes=_NUM_WARMUP_PROBES)  # lazy imports, allocations, the
+    # seed's freed 8K-token buffers: the first probes after it are not what an idle server answers in
     idle_second: list[float] = []
-    idle = probe_ttft(base_url, model, seconds / 3, second_ms=idle_second)
+    idle = probe_ttft(base_url, model, seconds / 3, second_ms=idle_second, min_probes=_MIN_IDLE_PROBES)
     deadline = time.perf_counter() + seconds
     long_client = Hostile(base_url, model, ("reused_long_prompt",), deadline, long_words, salt)
     body_client = Hostile(base_url, model, ("eight_mb_body",), deadline, long_words)
@@ -278,7 +300,8 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
     chunk_ms = statistics.mean(e["ttft_ms"] / e["num_prefill_chunks"] for e in exts) if exts else float("nan")
     bound = 3 * percentile(idle, 0.5) + chunk_ms
     row = {"idle_ttft_ms_p50": percentile(idle, 0.5), "idle_ttft_ms_p99": percentile(idle, 0.99),
-           "idle_second_token_ms_p50": percentile(idle_second, 0.5),
+           "idle_ttft_ms_all": idle, "warmup_ttft_ms_all": warmup, "seed_shadow_wait_s": seed_shadow_wait_s,
+           "idle_second_token_ms_p50": percentile(idle_second, 0.5), "idle_second_token_ms_all": idle_second,
            "chunk_prefill_ms_mean": chunk_ms, "chunk_tokens": chunk_tokens, "seed_status": seed_status,
            "long_prompt_tokens": [r["usage"]["prompt_tokens"] for r in long_client.replies],
            "long_prompt_methods": [e["method"] for e in exts],

@@ -58,3 +58,7 @@ class _GuardCollector(Collector):
         failed = CounterMetricFamily("kvrelay_quality_shadow_failed", "shadow references dropped on an error")
         failed.add_metric([], self.runner.num_failed)
         yield failed
+        pending = GaugeMetricFamily("kvrelay_quality_shadows_pending", "shadow references queued or running (work "
+                                    "the engine does in turns no live prefill waits for)")
+        pending.add_metric([], self.runner.num_pending)
+        yield pending

@@ -98,7 +98,9 @@ class EngineWorker:
         """Tokenize and match ``job`` (its ``build``, the catalog's lookup; the spans it reads get pinned): the part
         of admission that needs no model. The server runs it off the engine thread before ``submit``; a job
         submitted unprepared is prepared at admission. Raises ApiError for a prompt that cannot be served."""
+        t0 = time.perf_counter()
         prompt, agent = job.build()
+        t1 = time.perf_counter()
         if self.quality is not None:  # the role's rung picks the method, unless the request named its own
             job.method, job.quality = self.quality.pick(job.namespace, agent, job.method if job.method_named
                                                         else None, job.method)
@@ -113,6 +115,8 @@ class EngineWorker:
         max_tokens = job.max_tokens or min(job.default_max_tokens, room)
         job.sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
         job.built = self.catalog.build_call(prompt, job.namespace, agent, job.role)
+        log.debug("prepare: %d tokens, build %.0f ms, match %.0f ms", n, (t1 - t0) * 1e3,
+                  (time.perf_counter() - t1) * 1e3)
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; a full queue is an ApiError 429. An unprepared job is prepared on the worker's prepare
@@ -234,7 +238,7 @@ class EngineWorker:
             elif j.seq.done:
                 self._contained(j, self._finish)
         if self.shadows is not None and not self._prefilling and not self._waiting:
-            self.shadows.advance(self.prefill_chunk_tokens)  # lowest priority: no live prefill is waiting
+            self.shadows.advance(self.chunk_budget)  # lowest priority: no live prefill is waiting
         self.metrics.running.set(len(self._running))
         self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running)
                                            + sum(_cache_bytes(j.task) for j in self._prefilling))
@@ -315,7 +319,9 @@ class EngineWorker:
         if client_gone:
             seq.cancel()
         stop_string = job.matcher.hit if job.matcher else False
+        t0 = time.perf_counter()
         out = self.engine.finish(seq)
+        t1 = time.perf_counter()
         self._running.remove(job)
         self._release(job)
         if client_gone:
@@ -323,7 +329,9 @@ class EngineWorker:
             self.metrics.cancelled.inc()
             return
         text = job.matcher.final_text(self.tokenizer.decode(out.output_ids))
+        t2 = time.perf_counter()
         span_id = self._publish(job, out, text) if job.cache_output else None
+        t3 = time.perf_counter()
         out.cache = None
         done = job.close_output(out, text, stop_string, span_id)  # the last deltas out
         stats = out.stats
@@ -333,6 +341,9 @@ class EngineWorker:
         self.metrics.recomputed_token_layers.inc(max(stats.num_recomputed_token_layers, 0))
         self.metrics.generated_tokens.inc(len(out.output_ids))
         job.emit(done)
+        log.debug("finish: %d tokens, engine finish %.0f ms, decode text %.0f ms, publish %.0f ms, close %.0f ms",
+                  len(out.prompt_ids) + len(out.output_ids), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+                  (time.perf_counter() - t3) * 1e3)
 
     def _publish(self, job: Job, out: GenerationOutput, text: str) -> str | None:
         """Store the call's prompt + decode KV and register its returned text; the span id, or None."""

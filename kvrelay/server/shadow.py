@@ -8,8 +8,11 @@ compares it with what the request's own method computed:
   to ``full`` as one chunk after its prompt, and its logits at each of them are compared with the live
   request's decode-step logits at the same positions (kept for sampled requests only, by a ``LogitsTap``).
 
-A shadow is work nobody waits for, so it runs at the lowest priority: the worker advances it one chunk at a time
-only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT. Its KV
+A shadow is work nobody waits for, so it runs at the lowest priority: the worker advances it one piece at a time
+only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT. Its
+pieces are sized by the worker's ``ChunkBudget`` as live pieces are, by predicted time: a piece of a fixed token
+count deep in an 8K-token reference costs several turns, and the running streams' next tokens (and a new request's
+first) wait for it. Its KV
 is private: it is planned without a store (nothing is read, published or counted as reuse) and freed once
 compared. Its compute time is what it costs, counted per shadow and exported (``kvrelay.server.quality_metrics``).
 """
@@ -29,6 +32,8 @@ from kvrelay.engine import Engine, GenerateOptions, Sequence
 from kvrelay.engine.prefill import PrefillTask
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
+from kvrelay.server.chunk_budget import ChunkBudget
+from kvrelay.server.prefill_turn import next_piece
 
 log = logging.getLogger("kvrelay.server")
 CONTINUATION_TOKENS = 4  # tokens of the method's own continuation compared with full's logits on them
@@ -128,14 +133,14 @@ class ShadowRunner:
         self._pending.append(shadow)
         return shadow
 
-    def advance(self, budget_tokens: int) -> bool:
-        """One piece of shadow work within ``budget_tokens`` prompt tokens: the first pending shadow that can move
-        prefills a chunk of its prompt, or (prompt done, continuation known) runs its continuation chunk, compares
-        and records. True when something ran."""
+    def advance(self, budget: ChunkBudget) -> bool:
+        """One piece of shadow work within one turn of ``budget`` (the piece the budget gives a live prefill at
+        the same positions): the first pending shadow that can move prefills a piece of its prompt, or (prompt
+        done, continuation known) runs its continuation chunk, compares and records. True when something ran."""
         for shadow in list(self._pending):
             try:
                 if shadow.task is None or not shadow.task.done:
-                    self._prefill(shadow, budget_tokens)
+                    self._prefill(shadow, budget)
                     return True
                 if shadow.continuation_ready:
                     self._pending.remove(shadow)
@@ -151,14 +156,17 @@ class ShadowRunner:
                 return True
         return False
 
-    def _prefill(self, shadow: ShadowJob, budget_tokens: int) -> None:
+    def _prefill(self, shadow: ShadowJob, budget: ChunkBudget) -> None:
         if shadow.task is None:
             # no store: nothing is looked up, published or counted as reuse; room for the continuation chunk
             options = GenerateOptions(SamplingConfig(max_new_tokens=CONTINUATION_TOKENS, temperature=0.0),
                                       keep_cache=True, learn=False)
             shadow.task = self.engine.begin(shadow.prompt_ids, "full", options, store=_NO_STORE)
-        shadow.task.advance(budget_tokens)
+        shadow.task.advance(*next_piece(shadow.task, budget, budget.turn_ms, first=True))
         shadow.cost_ms = shadow.task.compute_ms
+        if shadow.task.last_piece is not None:
+            log.debug("shadow piece: %.1f tokens, %.0f keys, %.0f ms (predicted %.0f ms; turn budget %.0f ms)",
+                      *shadow.task.last_piece, budget.predict_ms(*shadow.task.last_piece[:2]), budget.turn_ms)
 
     def _compare(self, shadow: ShadowJob) -> ShadowResult:
         """The continuation chunk, the comparison, the record; the shadow's KV is freed."""

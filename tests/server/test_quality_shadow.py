@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
@@ -15,6 +16,7 @@ from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.events import DoneEvent, ErrorEvent
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
+from kvrelay.server.quality_metrics import QualityMetrics
 from kvrelay.server.quality_serving import ServedGuard
 from kvrelay.server.scheduler import EngineWorker, Job
 from kvrelay.server.shadow import CONTINUATION_TOKENS, ShadowRunner
@@ -43,6 +45,9 @@ class _SpyGuard:
 
     def record(self, *args) -> None:
         self.records.append(args)
+
+    def aggregates(self) -> dict:
+        return {"rung_moves": {}, "roles_per_rung": {}}
 
 
 class _Events:
@@ -93,6 +98,9 @@ def test_a_shadow_does_not_run_while_a_live_prefill_waits(tiny):
     while sampled.seq is None:  # its prefill and first token; its shadow is queued
         worker.run_turn()
     assert sampled.seq is not None and worker.shadows.num_pending == 1
+    registry = CollectorRegistry()
+    QualityMetrics(registry, worker.quality, worker.shadows)
+    assert registry.get_sample_value("kvrelay_quality_shadows_pending") == 1  # what a benchmark waits on
     long = _job(worker, tiny.tokenizer.encode("word " * 80), "other", 2)
     worker.submit(long)
     shadow = worker.shadows._pending[0]
@@ -112,6 +120,7 @@ def test_a_shadow_does_not_run_while_a_live_prefill_waits(tiny):
     assert not guard.records
     _drain(worker, sampled, long)  # no live prefill left: the shadow advances in the turns that follow
     assert [(r[0], r[1], r[2]) for r in guard.records] == [(NS, "sampled", "cheap")]
+    assert registry.get_sample_value("kvrelay_quality_shadows_pending") == 0
     worker.stop()
 
 
@@ -189,4 +198,31 @@ def test_the_recorded_numbers_equal_an_offline_computation_of_the_same_kl(tiny):
     assert first_kl == pytest.approx(offline_kl, rel=1e-5, abs=1e-9)
     assert agree == offline_agree
     assert continuation_kl == pytest.approx(offline_continuation_kl, rel=1e-5, abs=1e-9)
+    worker.stop()
+
+
+def test_a_shadow_piece_fits_the_turn_budget_a_live_piece_gets(tiny, monkeypatch):
+    """A shadow reference deep in a long prompt runs pieces sized by the worker's ChunkBudget (predicted time), not
+    ``prefill_chunk_tokens`` tokens: with a fit where a token at position p costs 1 + p/10 ms, each of its pieces is
+    predicted within one turn (or is the budget's least piece), as a live prefill's pieces are."""
+    chunk = 16
+    guard = _SpyGuard({"sampled"}, _Rung("cheap", "naive"))
+    worker = _worker(tiny, guard, chunk)
+    sampled = _job(worker, tiny.tokenizer.encode("word " * 120), "sampled", 40)
+    worker.submit(sampled)
+    while sampled.seq is None:
+        worker.run_turn()
+    budget = worker.chunk_budget
+    monkeypatch.setattr(budget, "observe", lambda piece: None)  # a fixed fit: no measured time moves it
+    budget.coef_ms = (0.0, 1.0, 0.1)
+    shadow = worker.shadows._pending[0]
+    pieces = []
+    while worker.shadows.num_pending:
+        worker.run_turn()
+        if shadow.task is not None and shadow.task.last_piece is not None and shadow.task.num_chunks > len(pieces):
+            pieces.append(shadow.task.last_piece[:2])
+    assert len(pieces) > len(sampled.seq.prompt_ids) // chunk  # deep pieces got fewer tokens than the flag's
+    for num_tokens, num_keys in pieces:
+        assert num_tokens <= budget.min_tokens or budget.predict_ms(num_tokens, num_keys) <= budget.turn_ms
+    assert [(r[0], r[1], r[2]) for r in guard.records] == [(NS, "sampled", "cheap")]
     worker.stop()
