@@ -23,6 +23,11 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# A text longer than this many times (context x the vocabulary's longest token in characters) is refused before
+# it is tokenized: no token covers more characters of the text than its own string has (a byte-level token is one
+# character per byte; an SPM piece is the text's characters with spaces as "▁"), so such a text holds more
+# tokens than the context. The factor leaves room for a normalizer that shortens text (composing accents).
+TEXT_CHARS_SLACK = 2
 STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 
@@ -57,6 +62,7 @@ class Tokenizer:
                 stops.add(tid)
         self.stop_ids = frozenset(stops)
         self._template = None
+        self._max_text_chars_per_token: int | None = None  # 0: no bound (an unknown token covers any word)
 
     @property
     def vocab_size(self) -> int:
@@ -72,10 +78,28 @@ class Tokenizer:
         enc = self._encoding(text, max_tokens)
         return enc.ids, [tuple(o) for o in enc.offsets]
 
+    def max_text_chars_per_token(self) -> int:
+        """The most characters of a text one token covers (its longest vocabulary string), or 0 when a token may
+        cover any number (a model with an unknown token and no byte fallback)."""
+        if self._max_text_chars_per_token is None:
+            model = self.backend.model
+            if getattr(model, "unk_token", None) is not None and not getattr(model, "byte_fallback", False):
+                self._max_text_chars_per_token = 0
+            else:
+                self._max_text_chars_per_token = max(map(len, self.backend.get_vocab(with_added_tokens=True)))
+        return self._max_text_chars_per_token
+
     def _encoding(self, text: str, max_tokens: int | None = None):
         # ``encode_batch`` releases the GIL while it runs (``encode`` holds it): a huge text tokenized on a
         # server's request thread does not freeze the engine thread. Its ids and offsets as Python lists do hold
-        # it (4M tokens: seconds), so a text over ``max_tokens`` is refused from the encoding's length first.
+        # it (4M tokens: seconds), so a text over ``max_tokens`` is refused from the encoding's length first; and
+        # a text too long for any prompt of ``max_tokens`` tokens is refused before it is tokenized at all (an
+        # 8 MB body: 7-10 s of a core, beside the engine's).
+        if max_tokens is not None:
+            per_token = self.max_text_chars_per_token()
+            if per_token and len(text) > TEXT_CHARS_SLACK * max_tokens * per_token:
+                raise ContextLengthError(f"the prompt has {len(text)} characters, more than a prompt of the model's "
+                                         f"context of {max_tokens} tokens holds")
         enc = self.backend.encode_batch([text], add_special_tokens=False)[0]
         if max_tokens is not None and len(enc) > max_tokens:
             raise ContextLengthError(f"the prompt has {len(enc)} tokens, over the model's context of {max_tokens}")
