@@ -80,10 +80,12 @@ class Tokenizer:
 
     def max_text_chars_per_token(self) -> int:
         """The most characters of a text one token covers (its longest vocabulary string), or 0 when a token may
-        cover any number (a model with an unknown token and no byte fallback)."""
+        cover any number (a model with an unknown token and no byte fallback, or a backend that shows no model)."""
         if self._max_text_chars_per_token is None:
-            model = self.backend.model
-            if getattr(model, "unk_token", None) is not None and not getattr(model, "byte_fallback", False):
+            model = getattr(self.backend, "model", None)
+            has_unknown = getattr(model, "unk_token", None) is not None
+            unknown_covers_words = has_unknown and not getattr(model, "byte_fallback", False)
+            if model is None or unknown_covers_words or not hasattr(self.backend, "get_vocab"):
                 self._max_text_chars_per_token = 0
             else:
                 self._max_text_chars_per_token = max(map(len, self.backend.get_vocab(with_added_tokens=True)))
