@@ -203,3 +203,25 @@ def publish(store, span_id: str, out, lm: LoadedModel, pin: bool = False):
     from kvrelay.engine import Engine
 
     return Engine(lm, store).publish(span_id, out, pin)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    """``n`` token ids in [0, 256), the same for the same seed."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def relayed_call(family: str):
+    """(lm, store, call) of a tiny model: an upstream call (24 prompt, 10 output tokens, layer 1's hidden states
+    captured) published as span "up", and a call holding its prompt as an exact prefix, its output moved 3 positions
+    later, then 29 new tokens."""
+    from kvrelay.cache.store import KVStore
+    from kvrelay.model.sampling import SamplingConfig
+    from kvrelay.reuse.base import CallInput, SpanRef
+
+    lm = tiny_lm(family)
+    store = KVStore(1 << 30)
+    upstream = generate(lm, random_ids(24, 1), "full", store, SamplingConfig(max_new_tokens=10), keep_cache=True,
+                        capture_layers=(1,))
+    publish(store, "up", upstream, lm)
+    ids = upstream.prompt_ids + random_ids(3, 6) + upstream.output_ids + random_ids(29, 5)
+    return lm, store, CallInput(ids, refs=[SpanRef(27, 37, "up", 24)])

@@ -319,9 +319,7 @@ class EngineWorker:
         if client_gone:
             seq.cancel()
         stop_string = job.matcher.hit if job.matcher else False
-        t0 = time.perf_counter()
         out = self.engine.finish(seq)
-        t1 = time.perf_counter()
         self._running.remove(job)
         self._release(job)
         if client_gone:
@@ -329,9 +327,7 @@ class EngineWorker:
             self.metrics.cancelled.inc()
             return
         text = job.matcher.final_text(self.tokenizer.decode(out.output_ids))
-        t2 = time.perf_counter()
         span_id = self._publish(job, out, text) if job.cache_output else None
-        t3 = time.perf_counter()
         out.cache = None
         done = job.close_output(out, text, stop_string, span_id)  # the last deltas out
         stats = out.stats
@@ -341,9 +337,6 @@ class EngineWorker:
         self.metrics.recomputed_token_layers.inc(max(stats.num_recomputed_token_layers, 0))
         self.metrics.generated_tokens.inc(len(out.output_ids))
         job.emit(done)
-        log.debug("finish: %d tokens, engine finish %.0f ms, decode text %.0f ms, publish %.0f ms, close %.0f ms",
-                  len(out.prompt_ids) + len(out.output_ids), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
-                  (time.perf_counter() - t3) * 1e3)
 
     def _publish(self, job: Job, out: GenerationOutput, text: str) -> str | None:
         """Store the call's prompt + decode KV and register its returned text; the span id, or None."""

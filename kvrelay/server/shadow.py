@@ -12,9 +12,9 @@ A shadow is work nobody waits for, so it runs at the lowest priority: the worker
 only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT. Its
 pieces are sized by the worker's ``ChunkBudget`` as live pieces are, by predicted time: a piece of a fixed token
 count deep in an 8K-token reference costs several turns, and the running streams' next tokens (and a new request's
-first) wait for it. Its KV
-is private: it is planned without a store (nothing is read, published or counted as reuse) and freed once
-compared. Its compute time is what it costs, counted per shadow and exported (``kvrelay.server.quality_metrics``).
+first) wait for it. Its KV is private: it is planned without a store (nothing is read, published or counted as
+reuse) and freed once compared. Its compute time is what it costs, counted per shadow and exported
+(``kvrelay.server.quality_metrics``).
 """
 
 from __future__ import annotations

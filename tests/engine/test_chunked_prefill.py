@@ -7,11 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions, prefill
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.reuse.base import CallInput, SpanRef
-from tests.helpers import generate, publish, tiny_lm
+from kvrelay.reuse.base import CallInput
+from tests.helpers import random_ids, relayed_call
 
 CHUNKED = ["full", "prefix", "naive", "epic"]  # their active set is fixed in advance: pieces of tokens
 BY_LAYERS = ["cacheblend", "relay[band=1:2:3]", "relay[band=1:1:3]"]  # their band selects as it goes: pieces of
@@ -19,20 +18,9 @@ BY_LAYERS = ["cacheblend", "relay[band=1:2:3]", "relay[band=1:1:3]"]  # their ba
 ATOL = 1e-5  # a layer run as row chunks: fp32 matmuls over fewer rows and attention over fewer keys round differently
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module", params=["llama3", "gemma3"])  # gemma3: sliding windows across chunk edges
 def setup(request):
-    lm = tiny_lm(request.param)
-    store = KVStore(1 << 30)
-    upstream = generate(lm, _prompt(24, 1), "full", store, SamplingConfig(max_new_tokens=10), keep_cache=True,
-                        capture_layers=(1,))
-    publish(store, "up", upstream, lm)
-    # the upstream prompt as an exact prefix, its output moved 3 positions later, then 29 new tokens
-    ids = upstream.prompt_ids + _prompt(3, 6) + upstream.output_ids + _prompt(29, 5)
-    return lm, store, CallInput(ids, refs=[SpanRef(27, 37, "up", 24)])
+    return relayed_call(request.param)
 
 
 def _chunked(engine: Engine, call: CallInput, method: str, budget: int, options: GenerateOptions):
@@ -83,7 +71,7 @@ def test_a_prompt_over_the_context_is_refused_before_any_work(setup):
 
     lm, store, _ = setup
     with pytest.raises(ContextLengthError):
-        Engine(lm, store).begin(_prompt(lm.config.max_position_embeddings, 0), "full")
+        Engine(lm, store).begin(random_ids(lm.config.max_position_embeddings, 0), "full")
 
 
 def test_ttft_covers_the_wall_time_between_chunks(setup, monkeypatch):
@@ -137,7 +125,7 @@ def test_a_band_with_nothing_to_reuse_chunks_and_gives_the_one_shot_results(setu
     """A fresh prompt (no span matched): the band has no token to select, so it prefills in pieces like ``full``."""
     lm, store, _ = setup
     engine = Engine(lm, store)
-    call = CallInput(_prompt(40, 11))
+    call = CallInput(random_ids(40, 11))
     options = GenerateOptions(SamplingConfig(max_new_tokens=6), keep_cache=True)
     whole = engine.start(call, method, options)
     seq, pieces = _chunked(engine, call, method, 7, options)
@@ -195,8 +183,8 @@ def test_a_selecting_band_in_pieces_of_layers_is_bit_identical_to_one_forward(se
     lm, store, call = setup
     engine = Engine(lm, store, capture_layers=(1,))
     options = GenerateOptions(SamplingConfig(max_new_tokens=8), keep_cache=True)
-    call2 = CallInput(call.prompt_ids[:37] + _prompt(17, 8), refs=call.refs)  # the same span, a shorter tail
-    other_call, other_options = CallInput(_prompt(30, 9)), GenerateOptions(SamplingConfig(max_new_tokens=8),
+    call2 = CallInput(call.prompt_ids[:37] + random_ids(17, 8), refs=call.refs)  # the same span, a shorter tail
+    other_call, other_options = CallInput(random_ids(30, 9)), GenerateOptions(SamplingConfig(max_new_tokens=8),
                                                                            keep_cache=True)
     whole = _decoded(engine, engine.start(call, method, options))
     whole2 = _decoded(engine, engine.start(call2, method, options))
@@ -244,8 +232,8 @@ def test_a_band_in_row_chunks_interleaved_with_other_work_gives_what_it_gives_al
     lm, store, call = setup
     engine = Engine(lm, store, capture_layers=(1,))
     options = GenerateOptions(SamplingConfig(max_new_tokens=8), keep_cache=True)
-    call2 = CallInput(call.prompt_ids[:37] + _prompt(17, 8), refs=call.refs)
-    other_call = CallInput(_prompt(30, 9))
+    call2 = CallInput(call.prompt_ids[:37] + random_ids(17, 8), refs=call.refs)
+    other_call = CallInput(random_ids(30, 9))
     whole, whole2 = (_decoded(engine, engine.start(c, method, options)) for c in (call, call2))
     other_alone = _decoded(engine, engine.start(other_call, "full", options))
     other, band2 = engine.start(other_call, "full", options), engine.begin(call2, method, options)

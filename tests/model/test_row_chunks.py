@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from kvrelay.cache.kv import SequenceKV
-from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.engine.call import load_plan, plan_call
-from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import Schedule
-from kvrelay.reuse.base import CallInput, SpanRef
-from tests.helpers import generate, publish, tiny_lm
+from kvrelay.reuse.base import CallInput
+from tests.helpers import relayed_call
 
 # the bands with span tokens: cacheblend (from layer 0, selects at 1, its top at 3 selecting too), relay entering at
 # 1 from carried states (selects at 2), relay's admission (selects as they enter), relay pruning every band layer
@@ -25,19 +23,9 @@ BANDS = ["cacheblend", "relay[band=1:2:3]", "relay[band=1:1:3]",
 ATOL = 1e-5  # fp32: a matmul over fewer rows or attention over fewer keys rounds differently, ~1e-7 here
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module", params=["llama3", "gemma3"])  # gemma3: sliding windows shorter than a chunk's reach
 def setup(request):
-    lm = tiny_lm(request.param)
-    store = KVStore(1 << 30)
-    upstream = generate(lm, _prompt(24, 1), "full", store, SamplingConfig(max_new_tokens=10), keep_cache=True,
-                        capture_layers=(1,))
-    publish(store, "up", upstream, lm)
-    ids = upstream.prompt_ids + _prompt(3, 6) + upstream.output_ids + _prompt(29, 5)
-    return lm, store, CallInput(ids, refs=[SpanRef(27, 37, "up", 24)])
+    return relayed_call(request.param)
 
 
 def _planned(lm, store, call: CallInput, method: str):
