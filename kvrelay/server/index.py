@@ -68,8 +68,9 @@ import heapq
 from array import array
 
 from kvrelay.server import index_splits
+from kvrelay.server.index_periodic import block_periods
 from kvrelay.server.index_splits import END, Splits, common_length
-from kvrelay.server.index_sweep import _MOD, PolyHash, Sweep, TokenMatch, same_token_ends
+from kvrelay.server.index_sweep import _MOD, PolyHash, Sweep, TokenMatch
 from kvrelay.server.int_lists import IntLists
 
 __all__ = ["MATCH_PREFERENCES", "PolyHash", "TokenIndex", "TokenMatch"]
@@ -122,9 +123,12 @@ class TokenIndex:
         # member key (group, hash and length of the tokens after the block) <-> member number
         self._member_ids: dict[int, int] = {}
         self._member_keys: dict[int, int] = {}
-        # member -> a block of one repeated token: how many more of it follow (-1: the block is not one
-        # token repeated); set by the block and what follows it, so the same for every holder
-        self._same_after: dict[int, int] = {}
+        # group -> its block's period below block_len (``index_periodic``; absent: none)
+        self._group_period: dict[int, int] = {}
+        # member of such a group -> how many tokens after the block go on with its period, and the token that
+        # breaks it (END: the span ends first); set by the block and what follows it, so the same for every holder
+        self._period_after: dict[int, int] = {}
+        self._period_break: dict[int, int] = {}
         # member -> its holders (span order, number of the block in the span), oldest span first; a span
         # holds a member once (the length after the block is in its key)
         self._holders = IntLists()
@@ -163,12 +167,17 @@ class TokenIndex:
         prev = self._group_keys[group_id] & _HASH_MASK
         return None if prev == NO_PREV else prev
 
-    def group_holders(self, group_id: int, oldest: bool) -> list[tuple[str, int, int, int, int, _Entry]]:
-        """A group's members: (span id, offset of the block in it, span order, tokens after the block, tokens of
-        one repeated token after it or -1, span) of each member's oldest holder (``oldest``: in span order) or
-        newest (in the order the members were first stored)."""
+    def group_period(self, group_id: int) -> int:
+        """The period of a group's block below block_len, or 0 (none)."""
+        return self._group_period.get(group_id, 0)
+
+    def group_holders(self, group_id: int, oldest: bool) -> list[tuple[str, int, int, int, int, _Entry, int]]:
+        """A group's members: (span id, offset of the block in it, span order, tokens after the block, tokens after
+        it that go on with the block's period or -1, span, the token that breaks the period) of each member's oldest
+        holder (``oldest``: in span order) or newest (in the order the members were first stored)."""
         ends = self._holders.head if oldest else self._holders.tail
-        by_order, same_after, following = self._by_order, self._same_after, self._group_members.next
+        by_order, following = self._by_order, self._group_members.next
+        after, breaks = self._period_after, self._period_break
         b = self.block_len
         out = []
         mid = self._group_members.head.get(group_id)
@@ -176,7 +185,8 @@ class TokenIndex:
             holder = ends[mid]
             entry = by_order[holder >> _LEN_BITS]
             off = (holder & _LEN_MASK) * b
-            out.append((entry.span_id, off, entry.order, len(entry.token_ids) - off - b, same_after[mid], entry))
+            out.append((entry.span_id, off, entry.order, len(entry.token_ids) - off - b, after.get(mid, -1), entry,
+                        breaks.get(mid, END)))
             mid = following.get(mid)
         if oldest:  # members come in order of their first holder: sorted, unless an oldest holder was removed
             out.sort(key=lambda h: h[2])
@@ -204,7 +214,7 @@ class TokenIndex:
             self._num_namespaces += 1
         self._namespace_spans[namespace] = self._namespace_spans.get(namespace, 0) + 1
         b, m, sub, p = self.block_len, len(ids), self.hasher.sub, entry.prefix
-        same_end = same_token_ends(ids)
+        periods = block_periods(ids, b)
         member_ids = []
         self._by_order[entry.order] = entry  # a group opened here takes it as its reference
         for off in range(0, m - b + 1, b):
@@ -217,13 +227,17 @@ class TokenIndex:
                 self._group_keys[gid] = gkey
                 self._groups.append(bkey, gid)
                 self._group_sizes[gid] = 0
+                if periods[off // b][0]:
+                    self._group_period[gid] = periods[off // b][0]
             mkey = (gid << _BITS | sub(p, off + b, m)) << _LEN_BITS | (m - off - b)
             mid = self._member_ids.get(mkey)
             if mid is None:
                 mid = self._member_ids[mkey] = self._num_members
                 self._num_members += 1
                 self._member_keys[mid] = mkey
-                self._same_after[mid] = same_end[off] - off - b if same_end[off] >= off + b else -1
+                period, after, breaker = periods[off // b]
+                if period:
+                    self._period_after[mid], self._period_break[mid] = after, breaker
                 self._group_members.append(gid, mid)
                 self._group_sizes[gid] += 1
                 if gid in self._splits.refs:
@@ -269,7 +283,8 @@ class TokenIndex:
         for k, mid in enumerate(entry.member_ids):
             if not self._holders.remove(mid, entry.order << _LEN_BITS | k):
                 continue
-            del self._same_after[mid]
+            self._period_after.pop(mid, None)
+            self._period_break.pop(mid, None)
             mkey = self._member_keys.pop(mid)
             del self._member_ids[mkey]
             gid = mkey >> (_BITS + _LEN_BITS)
@@ -283,6 +298,7 @@ class TokenIndex:
             released = self._splits.drop_ref(gid) if filed else None
             if released is not None:
                 self._ghosts.pop(released, None)
+            self._group_period.pop(gid, None)
             gkey = self._group_keys.pop(gid)
             del self._group_ids[gkey]
             self._groups.remove(gkey >> _BITS, gid)

@@ -78,7 +78,7 @@ class Sweep:
     def __init__(self, index: TokenIndex, q: list[int], namespace: str, oldest: bool) -> None:
         self.index, self.q, self.namespace, self.oldest = index, q, namespace, oldest
         self.prefix = index.hasher.prefix(q)
-        self.same_end = same_token_ends(q)
+        self.stretch_ends: dict[int, tuple[int, int]] = {}  # period -> (an offset, where its repeats stop)
         self.work = len(q)
         self.runs: list[TokenMatch] = []
         # every run kept starts at or before every candidate still to settle, so only its reach counts: the
@@ -115,7 +115,8 @@ class Sweep:
                 if ns_key is None or (ns_key | h) not in groups_of:
                     self.block_state[h] = state = ([], [])
                 else:
-                    groups = [[index.group_prev(gid), gid, None] for gid in groups_of.nodes(ns_key | h)]
+                    groups = [[index.group_prev(gid), gid, None, index.group_period(gid)]
+                              for gid in groups_of.nodes(ns_key | h)]
                     state = self.block_state[h] = (groups, [])
             awake, asleep = state
             while asleep and asleep[0][0] <= i:
@@ -151,27 +152,31 @@ class Sweep:
         once their start is reached; returns the first offset where the group could give a run again (past
         ``i + 1`` when every member was inside the runs kept: their reach never shrinks, a member's grows by
         at most a token per offset)."""
-        q, b = self.q, self.index.block_len
-        if self.oldest and self.same_end[i] < i + b and self.index.by_class(group[1]):
-            return self._visit_split(i, group, q_prev)  # many members (not of one repeated token): by class
+        if group[3]:
+            return self._visit_periodic(i, group, q_prev)
+        if self.oldest and self.index.by_class(group[1]):
+            return self._visit_split(i, group, q_prev)  # many members: by class
         ordered = group[2] or self._ordered(group)
         left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
-        n, same_end_i = len(q), self.same_end[i]
+        self.work += len(ordered)
+        picks = [(h, None, len(self.q)) for h in ordered]
+        return self._check(i, left, picks, len(self.q))
+
+    def _check(self, i: int, left: int, picks: list, wake: int) -> int:
+        """Candidates of a visit at ``i`` among ``picks`` ((member, exact end or None, the last offset + 1 where
+        its cap grows by at most a token per offset), those of a periodic group in span order for ``oldest``);
+        returns the first offset where one could give a run again (at most ``wake``)."""
+        b = self.index.block_len
+        n = len(self.q)
         oldest, stair_orders, stair_ends = self.oldest, self.stair_orders, self.stair_ends
-        wake = n
         cands = []
         # the furthest exact end of this visit's candidates so far, and its span's order: a candidate whose
         # cap it reaches is inside that run (same start), unless that is from a less preferred span (``oldest``:
         # members come in span order, so never; ``longest``: an older one, the newer span wins among equals)
         visit_end, visit_order = -1, -1
-        self.work += len(ordered)
-        for span_id, off, order, tail, after, entry in ordered:
-            cap = i + b + min(n - i - b, tail)
-            lasts_until = n  # the last offset + 1 where cap grows by at most a token per offset
-            exact = False
-            if after >= 0 and i + b + after < same_end_i:
-                # one token repeated in the prompt past the span's repeats: the run ends exactly there
-                cap, lasts_until, exact = i + b + after, same_end_i - b - after, True
+        for (span_id, off, order, tail, _, entry, _), exact_end, lasts_until in picks:
+            exact = exact_end is not None
+            cap = exact_end if exact else i + b + min(n - i - b, tail)
             if oldest:
                 k = bisect.bisect_right(stair_orders, order)
                 front = stair_ends[k - 1] if k else -1
@@ -190,6 +195,67 @@ class Sweep:
         if cands:
             self.pending.setdefault(i - left, []).append((i, left, cands))
         return wake
+
+    def _stretch_end(self, period: int, i: int) -> int:
+        """Where the prompt's repeats of ``period`` stop after the block at ``i`` (which has that period)."""
+        b, n = self.index.block_len, len(self.q)
+        start, end = self.stretch_ends.get(period, (-1, -1))
+        if start <= i and i + b <= end:  # the same stretch: its blocks overlap by more than the period
+            return end
+        k, probes = common_length(self.index.hasher, self.prefix, i + b, self.prefix, i + b - period, n - i - b)
+        self.work += probes + 1
+        self.stretch_ends[period] = (i, i + b + k)
+        return i + b + k
+
+    def _periodic_view(self, group: list) -> tuple:
+        """A periodic group's members as checked (``oldest``: in span order; else newest first), the members
+        that go on with the period further than every one before them (their extensions increase), and the
+        members by extension; listed on its first visit."""
+        ordered = self.index.group_holders(group[1], self.oldest)
+        if not self.oldest:
+            ordered.sort(key=lambda h: -h[2])
+        self.work += len(ordered)
+        rec_after, rec_k, by_after = [], [], {}
+        for k, h in enumerate(ordered):
+            by_after.setdefault(h[4], []).append(k)
+            if not rec_after or h[4] > rec_after[-1]:
+                rec_after.append(h[4])
+                rec_k.append(k)
+        group[2] = (ordered, rec_after, rec_k, by_after, sorted(by_after))
+        return group[2]
+
+    def _visit_periodic(self, i: int, group: list, q_prev: int | None) -> int:
+        """``_visit`` for a group whose block has a period below a block: runs end where the shorter side's
+        repeats stop (``index_periodic``), so only members no earlier one (in preference) outreaches are checked,
+        the first that outreaches the prompt's repeats, and those that stop with them (their next tokens decide)."""
+        q, b, n = self.q, self.index.block_len, len(self.q)
+        ordered, rec_after, rec_k, by_after, afters = group[2] or self._periodic_view(group)
+        left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
+        q_end = self._stretch_end(group[3], i)
+        q_after = q_end - i - b
+        picks = []
+        below = bisect.bisect_left(rec_after, q_after)  # records that stop before the prompt's repeats do
+        if self.oldest:
+            picks += [(ordered[k], i + b + a, q_end - b - a) for a, k in zip(rec_after[:below], rec_k[:below])]
+        elif below == len(rec_after):
+            picks.append((ordered[rec_k[-1]], i + b + rec_after[-1], q_end - b - rec_after[-1]))
+        over = bisect.bisect_right(rec_after, q_after)
+        if over < len(rec_after):  # the first member that goes on past the prompt's repeats: ends with them
+            picks.append((ordered[rec_k[over]], q_end, q_end - b + 1))
+        for k in by_after.get(q_after, ()):  # stop where the prompt's do: ends there unless the next tokens match
+            h = ordered[k]
+            goes_on = q_end < n and h[6] == q[q_end]
+            picks.append((h, None, n) if goes_on else (h, q_end, q_end - b + 1))
+        if self.oldest:
+            picks.sort(key=lambda pick: pick[0][2])
+        self.work += len(picks) + 1
+        # wake no later than the block leaves this stretch, nor than the next member's repeats stop with the
+        # prompt's (their next tokens may match)
+        wake = q_end - b + 1
+        j = bisect.bisect_left(afters, q_after)
+        if j:
+            wake = min(wake, q_end - b - afters[j - 1])
+        return self._check(i, left, picks, wake)
 
     def _left(self, i: int, prev: int | None, q_prev: int | None, entry: _Entry, off: int) -> int:
         """How many tokens before offset ``i`` match the tokens before the group's block (any member's)."""
