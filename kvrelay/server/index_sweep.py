@@ -78,7 +78,14 @@ class Sweep:
     def __init__(self, index: TokenIndex, q: list[int], namespace: str, oldest: bool) -> None:
         self.index, self.q, self.namespace, self.oldest = index, q, namespace, oldest
         self.prefix = index.hasher.prefix(q)
-        self.stretch_ends: dict[int, tuple[int, int]] = {}  # period -> (an offset, where its repeats stop)
+        # period -> (an offset, where the prompt's repeats of it around that offset start, where they stop)
+        self.stretch_ends: dict[int, tuple[int, int, int]] = {}
+        # (period, end of the prompt's stretch) -> windows given as candidates there, which recur every period
+        # offsets (see ``_covered``): (start modulo the period, length, tokens before the block, span order) ->
+        # the first start, and the same in order of arrival
+        self.families: dict[tuple[int, int], tuple[dict, list]] = {}
+        # a window found inside none of a stretch's first k families is inside none of them a period later
+        self.scanned: dict[tuple[int, ...], int] = {}
         self.work = len(q)
         self.runs: list[TokenMatch] = []
         # every run kept starts at or before every candidate still to settle, so only its reach counts: the
@@ -162,7 +169,7 @@ class Sweep:
         picks = [(h, None, len(self.q)) for h in ordered]
         return self._check(i, left, picks, len(self.q))
 
-    def _check(self, i: int, left: int, picks: list, wake: int) -> int:
+    def _check(self, i: int, left: int, picks: list, wake: int, families: tuple | None = None) -> int:
         """Candidates of a visit at ``i`` among ``picks`` ((member, exact end or None, the last offset + 1 where
         its cap grows by at most a token per offset), those of a periodic group in span order for ``oldest``);
         returns the first offset where one could give a run again (at most ``wake``)."""
@@ -186,26 +193,59 @@ class Sweep:
                 if front < n:  # no run ends past the prompt: one reaching its end covers all later ones
                     wake = min(wake, i + front - cap + 1, lasts_until)
                 continue
-            wake = i + 1
             if visit_end > cap or (visit_end == cap and (oldest or order <= visit_order)):
+                wake = i + 1
                 continue  # inside a candidate of this visit
+            if exact and families is not None:
+                until = self._covered(i, left, order, cap, *families)
+                if until is not None:  # inside a window of this stretch that recurs as long as it needs
+                    wake = min(wake, until)
+                    continue
+            wake = i + 1
             if exact:
                 visit_end, visit_order = cap, order
+                if families is not None:  # a window that recurs every period (see ``_covered``)
+                    (known, given), period, q_end = families
+                    # one that ends with the prompt's repeats does so at each recurrence
+                    key = ((i - left) % period, n if cap == q_end else cap - (i - left), left, order)
+                    if key not in known:
+                        known[key] = i - left
+                        given.append((i - left, *key[1:]))
             cands.append((span_id, off, order, cap, entry))
         if cands:
             self.pending.setdefault(i - left, []).append((i, left, cands))
         return wake
 
-    def _stretch_end(self, period: int, i: int) -> int:
-        """Where the prompt's repeats of ``period`` stop after the block at ``i`` (which has that period)."""
+    def _stretch(self, period: int, i: int) -> tuple[int, int]:
+        """The prompt's stretch of ``period`` around the block at ``i`` (which has that period): (start, end), where
+        each token of [start + period, end) equals the one ``period`` before it."""
         b, n = self.index.block_len, len(self.q)
-        start, end = self.stretch_ends.get(period, (-1, -1))
-        if start <= i and i + b <= end:  # the same stretch: its blocks overlap by more than the period
-            return end
-        k, probes = common_length(self.index.hasher, self.prefix, i + b, self.prefix, i + b - period, n - i - b)
+        first, start, end = self.stretch_ends.get(period, (-1, -1, -1))
+        if first <= i and i + b <= end:  # the same stretch: its blocks overlap by more than the period
+            return start, end
+        hasher, qp = self.index.hasher, self.prefix
+        k, probes = common_length(hasher, qp, i + b, qp, i + b - period, n - i - b)
+        # backwards: the longest common suffix of q[:i + b] and q[:i + b - period], doubling then bisecting
+        sub, a, c = hasher.sub, i + b, i + b - period
+        lo, step, hi = 0, 1, c + 1
+        while lo + step <= c:
+            probes += 1
+            if sub(qp, a - lo - step, a) != sub(qp, c - lo - step, c):
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
+        else:
+            hi = lo + 1 if lo == c else c + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            probes += 1
+            if sub(qp, a - mid, a) == sub(qp, c - mid, c):
+                lo = mid
+            else:
+                hi = mid
         self.work += probes + 1
-        self.stretch_ends[period] = (i, i + b + k)
-        return i + b + k
+        self.stretch_ends[period] = (i, c - lo, i + b + k)
+        return c - lo, i + b + k
 
     def _periodic_view(self, group: list) -> tuple:
         """A periodic group's members as checked (``oldest``: in span order; else newest first), the members
@@ -231,12 +271,12 @@ class Sweep:
         q, b, n = self.q, self.index.block_len, len(self.q)
         ordered, rec_after, rec_k, by_after, afters = group[2] or self._periodic_view(group)
         left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
-        q_end = self._stretch_end(group[3], i)
+        q_start, q_end = self._stretch(group[3], i)
         q_after = q_end - i - b
         picks = []
         below = bisect.bisect_left(rec_after, q_after)  # records that stop before the prompt's repeats do
         if self.oldest:
-            picks += [(ordered[k], i + b + a, q_end - b - a) for a, k in zip(rec_after[:below], rec_k[:below])]
+            picks += [(ordered[rec_k[r]], i + b + rec_after[r], q_end - b - rec_after[r]) for r in range(below)]
         elif below == len(rec_after):
             picks.append((ordered[rec_k[-1]], i + b + rec_after[-1], q_end - b - rec_after[-1]))
         over = bisect.bisect_right(rec_after, q_after)
@@ -255,7 +295,36 @@ class Sweep:
         j = bisect.bisect_left(afters, q_after)
         if j:
             wake = min(wake, q_end - b - afters[j - 1])
-        return self._check(i, left, picks, wake)
+        families = self.families.setdefault((group[3], q_end), ({}, []))
+        if i - left <= q_start:  # the prompt's repeats start inside the run: no window recurs a period later
+            return self._check(i, left, picks, wake)
+        return self._check(i, left, picks, wake, (families, group[3], q_end))
+
+    def _covered(self, i: int, left: int, order: int, end: int, families: tuple, period: int, q_end: int) -> int | None:
+        """Whether an exact window of a periodic member lies inside a window already given in this stretch, by
+        a span at least as preferred, shifted by whole periods: then the first offset where that no longer holds
+        (else None). A window given at ``i_f`` recurs at every ``i_f + k * period`` whose block still lies in the
+        stretch (its group is met there), so a window inside one shift of it stays inside the same shift of
+        each later one."""
+        b, oldest = self.index.block_len, self.oldest
+        start, need = i - left, end - (i - left)
+        given = families[1]
+        key = (period, q_end, start % period, need, left, order)
+        first = self.scanned.get(key, 0)  # the same window a period later: its shifts and reach are the same
+        for f_start, f_length, f_left, f_order in given[first:]:
+            self.work += 1
+            if f_start > start:
+                continue
+            shift = (start - f_start) % period
+            f_at = start - shift + f_left  # the offset of the shifted window's block
+            if f_at > q_end - b:
+                continue
+            reach = min(f_length - shift, q_end - start)  # its windows stop where the prompt's repeats do
+            if (oldest and f_order < order and reach >= need) or (
+                    not oldest and (reach > need or (reach == need and f_order > order))):
+                return q_end - b - (f_at - i) + 1
+        self.scanned[key] = len(given)
+        return None
 
     def _left(self, i: int, prev: int | None, q_prev: int | None, entry: _Entry, off: int) -> int:
         """How many tokens before offset ``i`` match the tokens before the group's block (any member's)."""

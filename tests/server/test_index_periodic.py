@@ -1,0 +1,93 @@
+"""TokenIndex on text that repeats with a period (``abab...``, a repeated table row): runs against a brute-force
+matcher, and work per prompt token that grows neither with the prompt nor with the spans holding the repeats."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvrelay.server.index import TokenIndex
+from tests.server.test_index_properties import is_real, maximal_runs
+
+
+def periodic_spans(period: int, num_spans: int, context: str, seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    """A unit of ``period`` tokens, and spans holding runs of it at different lengths (32-512 tokens): with no
+    context (every span opens with the run: one group), one shared context, or a context of its own each."""
+    rng = random.Random(seed)
+    unit = [rng.randrange(100, 50000) for _ in range(period)]
+    shared = [rng.randrange(100, 50000) for _ in range(40)]
+    spans = []
+    for _ in range(num_spans):
+        length = rng.randint(32, 512)
+        run = (unit * (length // period + 1))[:length]
+        before = {"none": [], "shared": shared,
+                  "own": [rng.randrange(100, 50000) for _ in range(rng.randint(1, 40))]}[context]
+        spans.append(before + run + [rng.randrange(100, 50000) for _ in range(rng.randint(0, 20))])
+    return unit, spans
+
+
+@pytest.mark.parametrize("context", ["none", "shared", "own"])
+@pytest.mark.parametrize("period", [2, 3, 7])
+def test_work_per_token_is_bounded_on_periodic_text_held_by_many_spans(period, context):
+    """Issue 54: a prompt repeating a unit of 2+ tokens, against spans holding runs of it at different lengths,
+    cost work in proportion to the spans at every offset (1,000 spans, period 2, 4K tokens: 1,705 a token). Now
+    each further prompt token costs a constant, and each further context a span opens the run in costs a constant
+    once per stretch of the prompt (its group is met at the stretch's first offsets, before any run is kept)."""
+    for prefer in ("oldest", "longest"):
+        work = {}
+        for num_spans, n in ((30, 4096), (300, 1024), (300, 4096)):
+            unit, spans = periodic_spans(period, num_spans, context)
+            index = TokenIndex(block_len=16)
+            for k, ids in enumerate(spans):
+                index.add(f"s{k}", ids)
+            q = (unit * (n // period + 1))[:n]
+            found = index.find(q, min_tokens=16, prefer=prefer)
+            assert sum(m.num_tokens for m in found) >= n - 32, (prefer, found[:3])  # the runs cover the prompt
+            work[num_spans, n] = index.last_work
+        per_token = (work[300, 4096] - work[300, 1024]) / 3072
+        per_span = (work[300, 4096] - work[30, 4096]) / 270
+        assert per_token <= 30 and per_span <= 16 * 16, (prefer, per_token, per_span, work)
+
+
+@st.composite
+def periodic_scenes(draw):
+    """Spans holding runs of a unit of 2-8 tokens at different lengths and phases, in a few contexts (a small
+    alphabet: contexts may repeat the unit too), some removed; a prompt of runs of the unit between such text."""
+    block_len = draw(st.integers(2, 6))
+    sym = st.integers(0, draw(st.integers(2, 4)) - 1)
+    unit = draw(st.lists(sym, min_size=2, max_size=8))
+    contexts = [draw(st.lists(sym, max_size=2 * block_len)) for _ in range(draw(st.integers(1, 3)))]
+
+    def run() -> list[int]:
+        phase, length = draw(st.integers(0, len(unit) - 1)), draw(st.integers(0, 6 * block_len))
+        return [unit[(phase + k) % len(unit)] for k in range(length)]
+
+    spans = [draw(st.sampled_from(contexts)) + run() + draw(st.lists(sym, max_size=4))
+             for _ in range(draw(st.integers(1, 14)))]
+    query = []
+    for _ in range(draw(st.integers(1, 3))):
+        query += draw(st.lists(sym, max_size=block_len)) + run() + run()
+    removed = draw(st.lists(st.integers(0, len(spans) - 1), unique=True, max_size=len(spans) // 2))
+    return block_len, spans, query, removed
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(periodic_scenes(), st.sampled_from(["longest", "oldest"]))
+def test_every_long_run_with_periodic_text_is_inside_a_candidate(scene, prefer):
+    block_len, spans, query, removed = scene
+    index = TokenIndex(block_len=block_len)
+    for k, ids in enumerate(spans):
+        index.add(f"s{k}", ids)
+    for k in removed:
+        index.remove(f"s{k}")
+    runs = index.find_runs(query, prefer=prefer)
+    for m in runs:
+        assert m.span_id in index and is_real(m, query, index), m
+    for k, ids in enumerate(spans):
+        if k in removed:
+            continue
+        for start, end, src_start in maximal_runs(query, tuple(ids), 2 * block_len - 1):
+            assert any(m.start <= start and end <= m.end for m in runs), (f"s{k}", start, end, src_start, runs)
