@@ -10,6 +10,8 @@ Stored spans are 512 tokens each, 10 / 1,000 / 10,000 of them (added in steps, o
   different alignments); the prompt is chunks copied from spans (3 in 4) or fresh GSM8K test text;
 - repeated: natural spans, one in 100 also holding a run of 16-512 copies of one token (a table
   rule, padding); the prompt is that token repeated (the matcher's worst case before issue 54);
+- periodic: the same with a 6-token phrase (a markdown table's rule line, ``| --- | --- |`` and a newline):
+  one span in 100 holds a run of 16-512 tokens of it, from any of its tokens; the prompt repeats the line;
 - shared: every span opens with one system prompt (300 GSM8K test tokens) and goes on with its own natural text
   (every stored call of an agent); the prompt opens with that system prompt and goes on as a natural one (its
   chunks copied from spans start inside the system prompt, so the prompt holds it, or its tail, again and again).
@@ -52,7 +54,8 @@ PROMPT_TOKENS = (1024, 4096, 8192, 32768)
 SAMPLES = {1024: 30, 4096: 15, 8192: 10, 32768: 5}
 VOCAB = 49152
 SYSTEM_TOKENS = 300
-KINDS = ("random", "natural", "repeated", "shared")
+KINDS = ("random", "natural", "repeated", "periodic", "shared")
+RULE_LINE = "| --- | --- |\n"
 
 
 def gsm8k_ids(tokenizer, name: str, max_tokens: int) -> list[int]:
@@ -69,8 +72,9 @@ def gsm8k_ids(tokenizer, name: str, max_tokens: int) -> list[int]:
 class Kind:
     """A text kind: how spans and prompts are made."""
 
-    def __init__(self, name: str, rng: random.Random, train: list[int], test: list[int], rule_id: int) -> None:
-        self.name, self.rng, self.train, self.test, self.rule_id = name, rng, train, test, rule_id
+    def __init__(self, name: str, rng: random.Random, train: list[int], test: list[int], rule: list[int]) -> None:
+        self.name, self.rng, self.train, self.test = name, rng, train, test
+        self.rule = rule  # what repeated text repeats: one token, or a line of several
         self.spans: list[tuple[int, ...]] = []
         self.system = test[-SYSTEM_TOKENS:] if name == "shared" else []  # no prompt's fresh chunk holds it
 
@@ -80,16 +84,17 @@ class Kind:
             return [rng.randrange(VOCAB) for _ in range(SPAN_TOKENS)]
         at = rng.randrange(len(self.train) - SPAN_TOKENS)
         ids = self.system + self.train[at:at + SPAN_TOKENS - len(self.system)]
-        if self.name == "repeated" and rng.random() < 0.01:
+        if self.name in ("repeated", "periodic") and rng.random() < 0.01:
             n = rng.randint(16, SPAN_TOKENS)
             at = rng.randrange(SPAN_TOKENS - n + 1)
-            ids[at:at + n] = [self.rule_id] * n
+            phase = rng.randrange(len(self.rule))
+            ids[at:at + n] = [self.rule[(phase + k) % len(self.rule)] for k in range(n)]
         return ids
 
     def prompt(self, num_tokens: int) -> list[int]:
         rng = self.rng
-        if self.name == "repeated":
-            return [self.rule_id] * num_tokens
+        if self.name in ("repeated", "periodic"):
+            return [self.rule[k % len(self.rule)] for k in range(num_tokens)]
         out: list[int] = list(self.system)
         while len(out) < num_tokens:
             if rng.random() < 0.75:
@@ -190,7 +195,7 @@ def main() -> None:
     t0 = time.perf_counter()
     train = gsm8k_ids(tokenizer, "train.jsonl", 400_000)
     test = gsm8k_ids(tokenizer, "test_dev.jsonl", 100_000)
-    rule_id = tokenizer.encode("=====")[0]
+    rules = {"periodic": tokenizer.encode(RULE_LINE), "repeated": tokenizer.encode("=====")[:1]}
     print(f"tokenized {len(train)} + {len(test)} GSM8K tokens in {time.perf_counter() - t0:.1f} s", flush=True)
     ms_per_token = prefill_ms_per_token(train, args.prefill_tokens)
     print(f"SmolLM2-135M prefill: {ms_per_token:.3f} ms/token at {args.prefill_tokens} tokens", flush=True)
@@ -203,7 +208,7 @@ def main() -> None:
     rows = []
     watch = GcWatch()
     for name in args.kinds.split(","):
-        kind = Kind(name, random.Random(0), train, test, rule_id)
+        kind = Kind(name, random.Random(0), train, test, rules.get(name, []))
         index = TokenIndex(block_len=16)
         for num_spans in map(int, args.span_counts.split(",")):
             t0, before = time.perf_counter(), len(kind.spans)
@@ -247,6 +252,8 @@ def main() -> None:
                        "saved_prefill_ms": round(saved_ms, 1),
                        "p99_over_saved_prefill": round(p99 / saved_ms, 4) if saved_ms else None,
                        "p99_over_prompt_prefill": round(p99 / (num_tokens * ms_per_token), 4),
+                       "cpu_p99_over_saved_prefill":
+                           round(percentile(cpu_times, 99) / saved_ms, 4) if saved_ms else None,
                        "lookup_cpu_ms_p50": round(statistics.median(cpu_times), 2),
                        "lookup_cpu_ms_p99": round(percentile(cpu_times, 99), 2),
                        "work_per_token_max": round(max(work), 1),

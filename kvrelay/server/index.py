@@ -15,19 +15,30 @@ the runs already kept. A candidate starts less than B tokens before the offset w
 candidates wait in a bucket per start and are settled B offsets later in order of start: every run
 kept then starts at or before the candidate, and whether one contains it (from a span at least as
 preferred) is one look-up in a staircase of furthest ends, not a scan. A group whose members all lie
-inside the kept runs' reach sleeps until its own reach (a token more per offset at most; on repeated
-text, where its span's repeats stop) could pass them; on repeated text a member's run ends exactly
-where its span's repeats stop, so the members of one visit that end no further are dropped at once.
-On ``n`` identical tokens this is O(n) work: each offset adds one token past the previous run.
+inside the kept runs' reach sleeps until its own reach (a token more per offset at most) could pass them.
 Hashes only steer the search: ``find`` compares every run it returns token by token.
+
+Repeated text (``index_periodic``): a block with a period ``p`` below B (one token repeated, ``abab``, a
+table's rule line) matches an equal block of a span exactly as far as the shorter side's repeats go: the
+run ends where the span's repeats stop, or where the prompt's do, or, when both stop at once, as far as the
+tokens after them agree. Members keep how far their repeats go past the block, so a visit checks only the
+members that go further than every more preferred one, the first that goes past the prompt's repeats, and
+those that stop with them. Inside a stretch of the prompt repeating with period ``p``, a group met at ``i``
+is met again every ``p`` offsets and gives the same windows shifted by ``p`` (a window starts where its
+span's repeats start, the prompt's starting earlier): a window given once recurs at each shift whose block
+lies in the stretch, so a member whose window lies inside a shift of one (from a span at least as
+preferred) lies inside the same shift of each later one, and its group sleeps until the stretch ends or one
+of its members' repeats stop with the prompt's.
 
 Guarantee. Every maximal run of at least ``2 * block_len - 1`` tokens that the prompt shares with any
 span of the namespace is contained in a run ``find_runs`` returns (the same prompt offsets or more),
 however many spans hold its blocks: such a run covers a whole aligned block of its span, its first
 such block has a previous block that differs from the prompt's (or none), so its group is visited
-there, or sleeps because all its runs lie inside runs already found. The one exception is a collision
-of the 61-bit hash (random base per index) between different blocks, which can hide a run but never
-returns a false one. Shorter runs are found when they cover an aligned block. ``find`` then leaves
+there, or sleeps because all its runs lie inside runs already found (on repeated text: inside shifts of
+windows given in the stretch, each kept or inside a kept run of a span at least as preferred, by induction
+on preference; a member skipped at a visit ends no further than a more preferred one). The one exception
+is a collision of the 61-bit hash (random base per index) between different blocks, which can hide a run
+but never returns a false one. Shorter runs are found when they cover an aligned block. ``find`` then leaves
 no free stretch of ``max(min_tokens, 2 * block_len - 1)`` prompt tokens that some span shares.
 
 Cost (``last_work`` counts it: offsets, groups visited, members checked, tokens compared, hash
@@ -41,11 +52,13 @@ search, a look-up per distinct point where its members leave the group's referen
 follow the prompt past it, so spans sharing a passage cost what a few do (with ``"longest"`` each member is
 still checked: linear in their number per occurrence). What still counts: the groups awake at an offset,
 i.e. the distinct contexts in which stored spans start the text the prompt repeats, and the runs returned.
-On a prompt of
-one repeated token against stored spans that start runs of it in G different contexts, each offset
-returns a run from every span whose repeats are not inside the longest ones (``prefer="oldest"``: not
-inside an older span's), and the groups that sleep less than a block (their reach within a block of
-those) are checked again.
+On text repeating with a period below a block, a prompt offset costs a constant plus the runs it returns
+(``prefer="oldest"``: a window from each span whose repeats no older span's outreach), and each context in
+which stored spans start the repeated text costs O(B * B / p) per stretch of the prompt that repeats it: its
+group is met at the stretch's first B offsets, before a window is kept, then sleeps; the groups of blocks
+inside stored repeats (a member per span and block) are listed once per lookup and met at those offsets only.
+Not covered: a period of B or more (a repeated line longer than a block), where runs are extended as on any
+text, so each offset may check every span that holds the line.
 
 Storage, and the garbage collector. Python's cyclic collector walks every object it tracks at each full
 collection, and one lands in whatever lookup or decode step crosses its threshold: with a container or two per

@@ -16,9 +16,11 @@ ends first); per group its block's period (every member has the same block). Pur
 
 from __future__ import annotations
 
-from kvrelay.server.index_splits import END
+import bisect
 
-__all__ = ["block_periods", "smallest_period"]
+from kvrelay.server.index_splits import END, common_length
+
+__all__ = ["PeriodicVisits", "block_periods", "smallest_period"]
 
 
 def smallest_period(ids: list[int] | tuple[int, ...], start: int, block_len: int) -> int:
@@ -57,3 +59,125 @@ def block_periods(ids: list[int] | tuple[int, ...], block_len: int) -> list[tupl
         last_period, last_end = p, end
         out.append((p, end - off - b, ids[end] if end < m else END))
     return out
+
+
+class PeriodicVisits:
+    """The sweep's visits to groups whose block has a period below a block (``index_sweep.Sweep`` holds the state).
+
+    Inside a stretch of the prompt that repeats with period ``p``, a group met at ``i`` is met again at ``i + p``,
+    ``i + 2p``, ...: the same members give the same windows shifted by ``p`` (a window starts where the span's
+    repeats start, when the prompt's start earlier, and ends where the shorter side's stop). So a window given once
+    recurs at every shift whose block still lies in the stretch, and a window inside a shift of it (from a span at
+    least as preferred) stays inside the same shift of each later one: its group sleeps until the stretch ends, or
+    until one of its members' repeats stop with the prompt's (whose next tokens may then match).
+    """
+
+    def _stretch(self, period: int, i: int) -> tuple[int, int]:
+        """The prompt's stretch of ``period`` around the block at ``i`` (which has that period): (start, end), where
+        each token of [start + period, end) equals the one ``period`` before it."""
+        b, n = self.index.block_len, len(self.q)
+        first, start, end = self.stretch_ends.get(period, (-1, -1, -1))
+        if first <= i and i + b <= end:  # the same stretch: its blocks overlap by more than the period
+            return start, end
+        hasher, qp = self.index.hasher, self.prefix
+        k, probes = common_length(hasher, qp, i + b, qp, i + b - period, n - i - b)
+        # backwards: the longest common suffix of q[:i + b] and q[:i + b - period], doubling then bisecting
+        sub, a, c = hasher.sub, i + b, i + b - period
+        lo, step, hi = 0, 1, c + 1
+        while lo + step <= c:
+            probes += 1
+            if sub(qp, a - lo - step, a) != sub(qp, c - lo - step, c):
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
+        else:
+            hi = lo + 1 if lo == c else c + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            probes += 1
+            if sub(qp, a - mid, a) == sub(qp, c - mid, c):
+                lo = mid
+            else:
+                hi = mid
+        self.work += probes + 1
+        self.stretch_ends[period] = (i, c - lo, i + b + k)
+        return c - lo, i + b + k
+
+    def _periodic_view(self, group: list) -> tuple:
+        """A periodic group's members as checked (``oldest``: in span order; else newest first), the members
+        that go on with the period further than every one before them (their extensions increase), and the
+        members by extension; listed on its first visit."""
+        ordered = self.index.group_holders(group[1], self.oldest)
+        if not self.oldest:
+            ordered.sort(key=lambda h: -h[2])
+        self.work += len(ordered)
+        rec_after, rec_k, by_after = [], [], {}
+        for k, h in enumerate(ordered):
+            by_after.setdefault(h[4], []).append(k)
+            if not rec_after or h[4] > rec_after[-1]:
+                rec_after.append(h[4])
+                rec_k.append(k)
+        group[2] = (ordered, rec_after, rec_k, by_after, sorted(by_after))
+        return group[2]
+
+    def _visit_periodic(self, i: int, group: list, q_prev: int | None) -> int:
+        """``_visit`` for a group whose block has a period below a block: runs end where the shorter side's
+        repeats stop (``index_periodic``), so only members no earlier one (in preference) outreaches are checked,
+        the first that outreaches the prompt's repeats, and those that stop with them (their next tokens decide)."""
+        q, b, n = self.q, self.index.block_len, len(self.q)
+        ordered, rec_after, rec_k, by_after, afters = group[2] or self._periodic_view(group)
+        left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
+        q_start, q_end = self._stretch(group[3], i)
+        q_after = q_end - i - b
+        picks = []
+        below = bisect.bisect_left(rec_after, q_after)  # records that stop before the prompt's repeats do
+        if self.oldest:
+            picks += [(ordered[rec_k[r]], i + b + rec_after[r], q_end - b - rec_after[r]) for r in range(below)]
+        elif below == len(rec_after):
+            picks.append((ordered[rec_k[-1]], i + b + rec_after[-1], q_end - b - rec_after[-1]))
+        over = bisect.bisect_right(rec_after, q_after)
+        if over < len(rec_after):  # the first member that goes on past the prompt's repeats: ends with them
+            picks.append((ordered[rec_k[over]], q_end, q_end - b + 1))
+        for k in by_after.get(q_after, ()):  # stop where the prompt's do: ends there unless the next tokens match
+            h = ordered[k]
+            goes_on = q_end < n and h[6] == q[q_end]
+            picks.append((h, None, n) if goes_on else (h, q_end, q_end - b + 1))
+        if self.oldest:
+            picks.sort(key=lambda pick: pick[0][2])
+        self.work += len(picks) + 1
+        # wake no later than the block leaves this stretch, nor than the next member's repeats stop with the
+        # prompt's (their next tokens may match)
+        wake = q_end - b + 1
+        j = bisect.bisect_left(afters, q_after)
+        if j:
+            wake = min(wake, q_end - b - afters[j - 1])
+        families = self.families.setdefault((group[3], q_end), ({}, []))
+        if i - left <= q_start:  # the prompt's repeats start inside the run: no window recurs a period later
+            return self._check(i, left, picks, wake)
+        return self._check(i, left, picks, wake, (families, group[3], q_end))
+
+    def _covered(self, i: int, left: int, order: int, end: int, families: tuple, period: int, q_end: int) -> int | None:
+        """Whether an exact window of a periodic member lies inside a window already given in this stretch, by
+        a span at least as preferred, shifted by whole periods: then the first offset where that no longer holds
+        (else None). A window given at ``i_f`` recurs at every ``i_f + k * period`` whose block still lies in the
+        stretch (its group is met there), so a window inside one shift of it stays inside the same shift of
+        each later one."""
+        b, oldest = self.index.block_len, self.oldest
+        start, need = i - left, end - (i - left)
+        given = families[1]
+        key = (period, q_end, start % period, need, left, order)
+        first = self.scanned.get(key, 0)  # the same window a period later: its shifts and reach are the same
+        for f_start, f_length, f_left, f_order in given[first:]:
+            self.work += 1
+            if f_start > start:
+                continue
+            shift = (start - f_start) % period
+            f_at = start - shift + f_left  # the offset of the shifted window's block
+            if f_at > q_end - b:
+                continue
+            reach = min(f_length - shift, q_end - start)  # its windows stop where the prompt's repeats do
+            if (oldest and f_order < order and reach >= need) or (
+                    not oldest and (reach > need or (reach == need and f_order > order))):
+                return q_end - b - (f_at - i) + 1
+        self.scanned[key] = len(given)
+        return None
