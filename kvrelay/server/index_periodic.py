@@ -142,7 +142,7 @@ class PeriodicVisits:
             h = ordered[k]
             goes_on = q_end < n and h[6] == q[q_end]
             picks.append((h, None, n) if goes_on else (h, q_end, q_end - b + 1))
-        if self.oldest:
+        if self.oldest and len(picks) > 1:
             picks.sort(key=lambda pick: pick[0][2])
         self.work += len(picks) + 1
         # wake no later than the block leaves this stretch, nor than the next member's repeats stop with the
@@ -151,9 +151,11 @@ class PeriodicVisits:
         j = bisect.bisect_left(afters, q_after)
         if j:
             wake = min(wake, q_end - b - afters[j - 1])
-        families = self.families.setdefault((group[3], q_end), ({}, []))
         if i - left <= q_start:  # the prompt's repeats start inside the run: no window recurs a period later
             return self._check(i, left, picks, wake)
+        families = self.families.get((group[3], q_end))
+        if families is None:
+            families = self.families[group[3], q_end] = ({}, [])
         return self._check(i, left, picks, wake, (families, group[3], q_end))
 
     def _covered(self, i: int, left: int, order: int, end: int, families: tuple, period: int, q_end: int) -> int | None:

@@ -95,7 +95,8 @@ class Sweep(PeriodicVisits):
         self.max_end = -1
         self.stair_orders: list[int] = []
         self.stair_ends: list[int] = []
-        # start -> candidates waiting: (offset, left, [(span id, offset in span, order, cap, entry)])
+        # start -> candidates waiting: (offset, left, [(span id, offset in span, order, cap, entry, whether the
+        # run ends exactly at cap)])
         self.pending: dict[int, list[tuple[int, int, list]]] = {}
         self.left_of: dict[tuple[int, int], int] = {}  # (group's previous block, prompt's) -> tokens matching
         # repeated text meets the same groups at offset after offset: a group whose every member lies inside
@@ -212,7 +213,7 @@ class Sweep(PeriodicVisits):
                     if key not in known:
                         known[key] = i - left
                         given.append((i - left, *key[1:]))
-            cands.append((span_id, off, order, cap, entry))
+            cands.append((span_id, off, order, cap, entry, exact))
         if cands:
             self.pending.setdefault(i - left, []).append((i, left, cands))
         return wake
@@ -273,7 +274,7 @@ class Sweep(PeriodicVisits):
             if k and stair_ends[k - 1] >= cap:
                 continue  # inside a run kept, which starts before any candidate from here on
             _, off, entry = self._holder(mid)
-            cands.append((entry.span_id, off, order, cap, entry))
+            cands.append((entry.span_id, off, order, cap, entry, False))
         if cands:
             self.pending.setdefault(i - left, []).append((i, left, cands))
         return i + 1
@@ -305,7 +306,7 @@ class Sweep(PeriodicVisits):
         b, oldest = self.index.block_len, self.oldest
         for i, left, cands in visits:
             best_end, best_order, best = -1, -1, None
-            for span_id, off, order, cap, entry in cands:
+            for span_id, off, order, cap, entry, exact in cands:
                 self.work += 1
                 if oldest:  # the staircase holds the runs kept from this visit's older members
                     k = bisect.bisect_right(self.stair_orders, order)
@@ -317,9 +318,14 @@ class Sweep(PeriodicVisits):
                 need = max(front + 1, i + b)
                 if not oldest:
                     need = max(need, best_end if order > best_order else best_end + 1)
-                if need > cap or (need > i + b and not self._equal(i, entry, off, need)):
+                if need > cap:
                     continue
-                end = self._gallop(i, entry, off, need, cap)
+                if exact and self._equal(i, entry, off, cap):
+                    end = cap  # repeats: the run ends exactly there (``index_periodic``), one probe checks it
+                elif need > i + b and not self._equal(i, entry, off, need):
+                    continue
+                else:
+                    end = self._gallop(i, entry, off, need, cap)
                 if oldest:
                     self._keep(TokenMatch(i - left, end, span_id, off - left), order)
                 else:
