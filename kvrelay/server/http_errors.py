@@ -1,5 +1,6 @@
 """Every failure answered as OpenAI's error JSON, never a traceback: the app's exception handlers, and the body
-limit (a 413 before the handler reads a body that is too large)."""
+limit (a 413 before the handler reads a body that is too large; a 429 for a client sending large bodies faster than
+its budget, ``server.body_rate``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrelay.server.body_rate import BodyRate, client_key
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import ApiError, error_response, validation_message
 
@@ -25,12 +27,13 @@ class BodyTooLarge(StarletteHTTPException):
 
 class BodyLimit:
     """413 for a request body over the limit: at once from its Content-Length, else (a chunked body, or one whose
-    length was not given) as soon as the bytes received pass the limit, without reading the rest. Plain ASGI,
-    not ``@app.middleware``: that wrapper hides the client's disconnect from the handlers, which must see it to
-    cancel."""
+    length was not given) as soon as the bytes received pass the limit, without reading the rest. A large body
+    its client's budget cannot cover (``rate``) is a 429 before it is read. Plain ASGI, not ``@app.middleware``:
+    that wrapper hides the client's disconnect from the handlers, which must see it to cancel."""
 
-    def __init__(self, app, max_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(self, app, max_bytes: int, metrics: ServerMetrics, rate: BodyRate | None = None) -> None:
         self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+        self.rate = rate if rate is not None else BodyRate(max_bytes)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -41,6 +44,16 @@ class BodyLimit:
             self.metrics.errors.labels("413").inc()
             response = error_response(413, f"request body of {int(size)} bytes is over the limit of "
                                            f"{self.max_bytes} bytes", code="request_too_large")
+            await response(scope, receive, send)
+            return
+        client = client_key(scope)
+        wait_s = self.rate.admit(client, int(size)) if size.isdigit() else 0
+        if wait_s:
+            self.metrics.errors.labels("429").inc()
+            response = error_response(429, f"request body of {int(size)} bytes: this client sends large bodies "
+                                           f"faster than {self.max_bytes} bytes a second; retry in {wait_s} s",
+                                      "rate_limit_error", code="rate_limit_exceeded",
+                                      headers={"Retry-After": str(wait_s)})
             await response(scope, receive, send)
             return
         num_bytes = 0
@@ -54,7 +67,11 @@ class BodyLimit:
                     raise BodyTooLarge(self.max_bytes)
             return message
 
-        await self.app(scope, counted_receive, send)
+        try:
+            await self.app(scope, counted_receive, send)
+        finally:
+            if not size.isdigit():  # a body of unknown length is charged once it has arrived
+                self.rate.charge(client, num_bytes)
 
 
 def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
