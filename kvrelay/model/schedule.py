@@ -104,7 +104,7 @@ class LayerView:
         and the layer ran in row chunks)."""
         if self._mass is not None and torch.equal(self._mass[0], query_rows.to(self._mass[0].device)):
             return self._mass[1]
-        return self._attention_probs(query_rows).sum(dim=(0, 1))
+        return self.attention_probs(query_rows).sum(dim=(0, 1))
 
     def unrotate(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Keys [num_kv_heads, len(rows), head_dim] of active rows ``rows`` (post-RoPE, or differences of
