@@ -177,6 +177,8 @@ def _post_raw(base_url: str, body: bytes, chunked: bool = False, timeout_s: floa
                 replies.append(json.loads(reply))
             return r.status
     except urllib.error.HTTPError as e:
+        if replies is not None:  # the error's message (e.g. why a body was refused)
+            replies.append({"status": e.code, "body": e.read()[:400].decode(errors="replace")})
         return e.code
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return -1  # the server answered 413 and closed the connection while this client was still sending
@@ -221,6 +223,8 @@ class Hostile(threading.Thread):
         self.salt = salt
         self.statuses: dict[str, list[int]] = {k: [] for k in kinds}
         self.replies: list[dict] = []  # 200 replies (their kvrelay extension: TTFT, prefill chunks)
+        self.errors: list[dict] = []  # error replies: status and the start of the body
+        self.seconds: dict[str, list[float]] = {k: [] for k in kinds}  # each request's time to its answer
 
     def run(self) -> None:
         i = 0
@@ -238,7 +242,10 @@ class Hostile(threading.Thread):
                 except urllib.error.HTTPError as e:
                     status = e.code
             else:
-                status = _post_raw(self.base_url, body, chunked, replies=self.replies)
+                start_s, replies = time.perf_counter(), []
+                status = _post_raw(self.base_url, body, chunked, replies=replies)
+                self.seconds[kind].append(time.perf_counter() - start_s)
+                (self.replies if status == 200 else self.errors).extend(replies)
             self.statuses[kind].append(status)
 
 
@@ -293,8 +300,10 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
     body_client.start()
     loaded: list[float] = []
     loaded_second: list[float] = []
+    load_1min = []  # sampled between probes: the machine is shared
     while long_client.is_alive():  # short requests one after another for as long as a long prompt is in flight
         loaded += probe_ttft(base_url, model, 0.0, second_ms=loaded_second)
+        load_1min.append(os.getloadavg()[0])
     body_client.join()
     exts = [r["kvrelay"] for r in long_client.replies]
     chunk_ms = statistics.mean(e["ttft_ms"] / e["num_prefill_chunks"] for e in exts) if exts else float("nan")
@@ -318,6 +327,8 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
            "second_token_within_bound": percentile(loaded_second, 0.99) <= bound,
            "long_prompt_statuses": long_client.statuses["reused_long_prompt"],
            "eight_mb_statuses": body_client.statuses["eight_mb_body"],
+           "eight_mb_seconds": body_client.seconds["eight_mb_body"], "eight_mb_errors": body_client.errors[:2],
+           "load_average_1min_during": load_1min,
            "load_average_start_end": [load_start, os.getloadavg()]}
     print(json.dumps(row), flush=True)
     return row

@@ -31,7 +31,7 @@ import torch
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine.call import Prefilled, check_fits, load_plan, plan_call, sync_device
-from kvrelay.model.prefill_state import LayerForward, num_scores
+from kvrelay.model.prefill_state import LayerForward
 from kvrelay.model.schedule import Schedule, StaticSchedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
@@ -50,14 +50,13 @@ def static_active_idx(schedule: Schedule, num_tokens: int) -> torch.Tensor | Non
     return torch.unique(entries[0].token_idx.to(torch.long).cpu())  # sorted, each once
 
 
-def _most_rows(positions: list[int], attends: bool, fits: Callable[[float, float], bool]) -> int:
-    """The most of the next rows (at ``positions``, ascending) whose (rows, attention scores: each row against the
-    keys up to the last one's position) still ``fits``: cost grows with the rows, so bisect."""
-    keys = [num_scores(i + 1, p + 1) if attends else 0 for i, p in enumerate(positions)]  # of the first i + 1 rows
-    lo, hi = 0, len(positions)
+def _most_rows(num_left: int, cost: Callable[[int], tuple[float, float]], fits: Callable[[float, float], bool]) -> int:
+    """The most of the next ``num_left`` rows whose ``cost`` (tokens, attention scores: ``PartialLayer.cost``) still
+    ``fits``: cost grows with the rows, so bisect."""
+    lo, hi = 0, num_left
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(mid, keys[mid - 1]):
+        if fits(*cost(mid)):
             lo = mid
         else:
             hi = mid - 1
@@ -187,6 +186,7 @@ class PrefillTask:
         one does not, the most of its rows that fit (the piece's first work: at least ``min_tokens``' worth, a row at
         least); its (tokens, keys) in tokens of a whole forward."""
         forward, model, spent = self._forward, self.engine.lm.model, [0.0, 0.0]  # token-layers, key-layers run
+        num_layers = forward.num_layers
 
         def fits_with(num: float, num_keys: float) -> bool:
             tokens, keys = self._per_forward(spent[0] + num, spent[1] + num_keys)
@@ -204,17 +204,18 @@ class PrefillTask:
                     break
                 model.start_layer(forward)  # its tokens enter: its rows known (an admission may refuse some)
                 continue
-            positions, attends = forward.next_rows()
-            num_rows = _most_rows(positions, attends, fits_with)
-            if first:
-                num_rows = max(num_rows, math.ceil(min_tokens * forward.num_layers), 1)
+            part = forward.partial
+            num_left = part.num_left
+            num_rows = _most_rows(num_left, part.cost, fits_with)
+            if first:  # at least ``min_tokens`` of a whole forward's worth, priced as these rows cost
+                num_rows = max(num_rows, _most_rows(num_left, part.cost, lambda t, _: t <= min_tokens * num_layers), 1)
             if not num_rows:
                 break
-            num_rows = min(num_rows, len(positions))
+            num_rows = min(num_rows, num_left)
+            tokens, scores = part.cost(num_rows)
             model.prefill_rows(forward, num_rows)
-            spent[0] += num_rows
-            spent[1] += num_scores(num_rows, positions[num_rows - 1] + 1) if attends else 0
-            if num_rows < len(positions):  # the next row would not fit
+            spent[0], spent[1] = spent[0] + tokens, spent[1] + scores
+            if num_rows < num_left:  # the next row would not fit
                 break
         return self._per_forward(*spent)
 

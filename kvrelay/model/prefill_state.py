@@ -17,6 +17,7 @@ round differently), where pieces of whole layers are bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +44,15 @@ def num_scores(num_rows: int, num_keys: int) -> int:
     mask: every one of them (a mask hides scores, it does not skip their work: on CPU, rows spread over positions
     0..n cost what as many rows at the end do). What a layer's, or a chunk's, attention costs, for pricing it."""
     return num_rows * num_keys
+
+
+def projection_share(config) -> float:
+    """What a row's Q/K/V projection costs as a share of a whole layer's row (its projections, output projection and
+    MLP: the weights a row multiplies through, from ``config``'s shapes). A selecting layer's rows are projected before
+    it chooses, and a dropped one costs only that; the kept ones then cost the rest."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    qkv = hidden * (config.num_heads + 2 * config.num_kv_heads) * head_dim
+    return qkv / (qkv + config.num_heads * head_dim * hidden + 3 * hidden * config.intermediate_size)
 
 
 def keep_rows(kept: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -113,6 +123,7 @@ class LayerForward:
     exit_layer: int | None = None  # where the schedule's exit test stopped it
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     partial: PartialLayer | None = None  # layer ``next_layer`` begun as row chunks, not finished
+    projection_share: float = 1.0  # a row's Q/K/V projection over a whole layer's row (``projection_share``)
 
     @property
     def done(self) -> bool:
@@ -128,12 +139,21 @@ class LayerForward:
         if self.partial is not None:
             return self.partial.upcoming()
         entry = self.entries.get(self.next_layer)
-        num = self.act.idx.numel() + (entry.token_idx.numel() if entry is not None else 0)
-        return num, num * (num + 1) // 2 if num == self.act.n else num * self.act.n
+        num_active, n = self.act.idx.numel(), self.act.n
+        num = num_active + (entry.token_idx.numel() if entry is not None else 0)
+        tokens, scores = num, num * (num + 1) // 2 if num == n else num * n
+        li, schedule = self.next_layer, self.schedule
+        if num_active and schedule.has_layer_hook and (schedule.admits_at(li) or schedule.selects_before_attention(li)):
+            # an admission projects the active tokens first; either choice may read their attention mass
+            mass_rows = schedule.mass_rows(li, self.act.idx)
+            tokens += num_active * self.projection_share if schedule.admits_at(li) else 0
+            scores += num_scores(mass_rows.numel(), n) if mass_rows is not None else 0
+        return tokens, scores
 
     def next_rows(self) -> tuple[list[int], bool] | None:
         """Of a layer begun in row chunks: the positions of the rows its current phase has left (ascending) and
-        whether they attend (False: a selecting layer's rows, projected only); None when no layer is begun."""
+        whether they attend (False: rows projected only, a selecting layer's or an admission's); None when no layer
+        is begun."""
         if self.partial is None:
             return None
         part = self.partial
@@ -146,7 +166,10 @@ class PartialLayer:
 
     A plain layer runs in one phase: each chunk of rows projects its Q/K/V, writes its K/V, attends and runs the MLP.
     A selecting layer (``Schedule.selects_before_attention``) runs in two: first every row's Q/K/V (written to the
-    cache, kept), then, once the schedule selected from all of them, the kept rows' attention and MLP."""
+    cache, kept), then, once the schedule selected from all of them, the kept rows' attention and MLP. An admission
+    (``admitting``: a phase of its own, before the layer's tokens join) projects the active rows as the first phase
+    does. A projecting phase sums, chunk by chunk, the attention mass of the rows ``Schedule.mass_rows`` names (its
+    choice reads it): each chunk's rows attend to every key up to its last, all written by then (causal)."""
 
     layer: int
     selects: bool
@@ -155,17 +178,28 @@ class PartialLayer:
     cos: torch.Tensor  # [m, hd] their rotary tables (the plain layer's and the projecting phase's)
     sin: torch.Tensor
     prev_kv: tuple[torch.Tensor, torch.Tensor] | None  # the cached K/V of the layer's rows before it wrote them
+    admitting: bool = False  # an admission's projection of the active rows, before the layer's tokens join
+    mass_rows: torch.Tensor | None = None  # [r] rows (indices into ``rows``) whose attention mass the choice reads
+    projection_share: float = 1.0  # a row's projection over a whole layer's row (pricing)
+    rest: tuple[float, int] = (0.0, 0)  # an admission's: (tokens, scores) of the layer after it, at most
     positions: list[int] = field(default_factory=list)  # ``rows`` on the host (pricing, each chunk's key count)
-    projecting: bool = False  # a selecting layer's first phase
+    projecting: bool = False  # a selecting layer's first phase (or the admission)
     q: torch.Tensor | None = None  # a selecting layer's kept rows' queries [H, m, hd] (second phase)
+    mass: torch.Tensor | None = None  # [n] fp32: the attention mass of ``mass_rows`` run so far
     changed: bool = False  # the selection dropped rows: the active set becomes ``rows`` at the end
     num_done: int = 0  # rows of the phase run
     outputs: list[torch.Tensor] = field(default_factory=list)  # per chunk: output hidden states [r, hidden]
     qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per chunk, if kept
+    num_mass_before: list[int] = field(default_factory=list)  # [m + 1]: of ``mass_rows``, how many precede row i
 
     def __post_init__(self) -> None:
-        self.projecting = self.selects
+        self.projecting = self.selects or self.admitting
         self.positions = self.rows.tolist()
+        self.num_mass_before = [0] * (len(self.positions) + 1)
+        if self.mass_rows is not None and self.projecting:
+            for row in self.mass_rows.tolist():
+                self.num_mass_before[row + 1] += 1
+            self.num_mass_before = list(accumulate(self.num_mass_before))
 
     @property
     def num_left(self) -> int:
@@ -174,13 +208,37 @@ class PartialLayer:
     @property
     def share_done(self) -> float:
         """How much of the layer ran, in [0, 1): the share of its rows (a selecting layer: half per phase)."""
+        if self.admitting:
+            return 0.0
         share = self.num_done / max(1, len(self.positions))
         if not self.selects:
             return share
         return share / 2 if self.projecting else 0.5 + share / 2
 
-    def upcoming(self) -> tuple[int, int]:
-        num_left, num_keys = self.num_left, self.positions[-1] + 1 if self.positions else 0
-        if not self.projecting:
-            return num_left, num_scores(num_left, num_keys)
-        return num_left + len(self.positions), num_scores(len(self.positions), num_keys)
+    def mass_rows_in(self, start: int, end: int) -> torch.Tensor | None:
+        """Of ``mass_rows``, those among rows [start, end) of the phase (indices into ``rows``); None: none."""
+        lo, hi = self.num_mass_before[start], self.num_mass_before[end]
+        return self.mass_rows[lo:hi] if self.projecting and hi > lo else None
+
+    def cost(self, num: int) -> tuple[float, int]:
+        """(tokens, attention scores) of the phase's next ``num`` rows as one chunk: a projected row costs
+        ``projection_share`` of a token, and its chunk's mass rows attend to every key up to the chunk's last
+        position; a kept row of a selecting layer the rest of a token; a plain row a token. Each attending row
+        computes a score for every key up to the chunk's last position (``num_scores``)."""
+        if num <= 0:
+            return 0.0, 0
+        start, end = self.num_done, self.num_done + num
+        num_keys = self.positions[end - 1] + 1
+        if self.projecting:
+            num_mass = self.num_mass_before[end] - self.num_mass_before[start]
+            return num * self.projection_share, num_scores(num_mass, num_keys)
+        return num * (1 - self.projection_share) if self.selects else num, num_scores(num, num_keys)
+
+    def upcoming(self) -> tuple[float, int]:
+        tokens, scores = self.cost(self.num_left)
+        if self.admitting:  # then the layer
+            return tokens + self.rest[0], scores + self.rest[1]
+        if self.projecting:  # then at most every row attends
+            num, num_keys = len(self.positions), self.positions[-1] + 1
+            tokens, scores = tokens + num * (1 - self.projection_share), scores + num_scores(num, num_keys)
+        return tokens, scores

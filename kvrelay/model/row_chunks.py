@@ -11,8 +11,14 @@ causally, and by the sliding window where there is one), output projection, MLP,
 A selecting layer (``Schedule.selects_before_attention``: a band's detection, pruning and top layers) needs every
 active token's Q/K/V before it chooses. It runs in two phases: its rows' Q/K/V chunk by chunk (written to the cache
 and kept), the schedule's choice once all are in (``kvrelay.model.selecting``, as one forward makes it), then the kept
-rows' attention and MLP chunk by chunk (every key of this layer is written by then). A schedule whose ``after_layer``
-reads the layer's view gets the whole layer's, assembled from the chunks, once the last one ran.
+rows' attention and MLP chunk by chunk (every key of this layer is written by then). An admission (relay's band
+choosing its span tokens before they enter) is a projecting phase of its own, over the active rows before they join.
+A choice that reads attention mass (relay's influence: the new tokens' attention, over every key) names its query rows
+(``Schedule.mass_rows``); a projecting phase sums their mass chunk by chunk as it projects them, each chunk's over
+the keys up to its last position (causal: all written by then, by it, an earlier chunk or the reused cache), so the
+choice reads the sum and costs no attention of its own, and the piece that ends the phase is no longer one layer's
+attention over the new tokens. A schedule whose ``after_layer`` reads the layer's view gets the whole layer's,
+assembled from the chunks, once the last one ran.
 
 The results equal one forward's up to float rounding: a matmul over fewer rows, or attention over fewer keys, may
 round differently. A layer run whole (``Transformer._layer``) stays bit for bit one forward's.
@@ -26,7 +32,7 @@ import torch
 
 from kvrelay.model import selecting
 from kvrelay.model.layers import visible_mask
-from kvrelay.model.prefill_state import LayerForward, PartialLayer, drops
+from kvrelay.model.prefill_state import LayerForward, PartialLayer, drops, num_scores
 from kvrelay.model.schedule import LayerView
 
 if TYPE_CHECKING:
@@ -34,19 +40,38 @@ if TYPE_CHECKING:
 
 
 def begin(model: Transformer, forward: LayerForward) -> None:
-    """Begin ``forward``'s next layer as row chunks: its entering tokens join (admitted where the schedule admits),
-    its capture is taken, the cached K/V its schedule compares with are read; a layer with no active token is done at
-    once. Nothing where a layer is begun already or the forward is done."""
+    """Begin ``forward``'s next layer as row chunks: its entering tokens join (admitted where the schedule admits:
+    first the admission's own phase, which projects the active rows chunk by chunk), its capture is taken, the cached
+    K/V its schedule compares with are read; a layer with no active token is done at once. Nothing where a layer is
+    begun already or the forward is done."""
     if forward.partial is not None or forward.done:
         return
     li, act, schedule = forward.next_layer, forward.act, forward.schedule
-    if not model._begin_layer(forward):
+    entry = forward.entries.get(li)
+    if (schedule.has_layer_hook and schedule.admits_at(li) and entry is not None and entry.token_idx.numel()
+            and act.idx.numel()):
+        _, _, cos, sin = act.view(model.rope_of(li), model.config.window_at(li))
+        num_rows = act.idx.numel() + entry.token_idx.numel()  # the layer after: at most every one of them
+        forward.partial = PartialLayer(li, False, act.idx, act.h, cos, sin, None, admitting=True,
+                                       mass_rows=schedule.mass_rows(li, act.idx),
+                                       projection_share=forward.projection_share,
+                                       rest=(num_rows, num_scores(num_rows, act.n)))
+        return
+    _begin_layer(model, forward, None)
+
+
+def _begin_layer(model: Transformer, forward: LayerForward, admission: selecting.Admission | None) -> None:
+    """The layer's tokens join (``admission``: what its admission phase computed), its rows' phase begins."""
+    li, act, schedule = forward.next_layer, forward.act, forward.schedule
+    if not model._begin_layer(forward, admission):
         forward.next_layer = li + 1
         return
     _, _, cos, sin = act.view(model.rope_of(li), model.config.window_at(li))
     prev_kv = forward.cache.gather(li, act.idx) if schedule.has_layer_hook and schedule.needs_prev_kv(li) else None
     selects = schedule.has_layer_hook and schedule.selects_before_attention(li)
-    forward.partial = PartialLayer(li, selects, act.idx, act.h, cos, sin, prev_kv)
+    forward.partial = PartialLayer(li, selects, act.idx, act.h, cos, sin, prev_kv,
+                                   mass_rows=schedule.mass_rows(li, act.idx) if selects else None,
+                                   projection_share=forward.projection_share)
 
 
 def run(model: Transformer, forward: LayerForward, num_rows: int | None) -> int:
@@ -83,6 +108,11 @@ def _chunk(model: Transformer, forward: LayerForward, part: PartialLayer, num: i
         cache.write(li, rows, k, v)
         if part.projecting or forward.schedule.has_layer_hook:
             part.qkv.append((q, k, v))
+        mass_rows = part.mass_rows_in(start, end)
+        if mass_rows is not None:  # their share of the choice's attention mass: every key they see is written
+            chunk = selecting.chunk_mass(model, q.index_select(1, mass_rows - start), part.rows.index_select(
+                0, mass_rows), cache, li, part.positions[end - 1] + 1, forward.act.n)
+            part.mass = chunk if part.mass is None else part.mass + chunk
     else:  # a selecting layer's kept rows: their Q/K/V came with the projecting phase
         q = part.q[:, start:end]
     if not part.projecting:
@@ -97,8 +127,14 @@ def _end_phase(model: Transformer, forward: LayerForward, part: PartialLayer) ->
     if part.projecting:
         act = forward.act
         q, k, v = (torch.cat([chunk[i] for chunk in part.qkv], dim=1) for i in range(3))  # [heads, m, hd] each
+        mass = (part.mass_rows, part.mass) if part.mass is not None else None
+        if part.admitting:
+            forward.partial = None
+            _begin_layer(model, forward, ((q, k, v), mass))
+            return
         prev_k, prev_v = part.prev_kv if part.prev_kv is not None else (None, None)
-        kept = selecting.select(model, part.layer, act, forward.cache, forward.schedule, q, k, v, prev_k, prev_v)
+        kept = selecting.select(model, part.layer, act, forward.cache, forward.schedule, q, k, v, prev_k, prev_v,
+                                mass)
         part.changed = drops(kept, act.idx.numel())
         if part.changed:
             part.rows, part.h, q = act.idx.index_select(0, kept), act.h.index_select(0, kept), q.index_select(1, kept)

@@ -91,10 +91,20 @@ class LayerView:
     prev_v: torch.Tensor | None
     _attention_probs: Callable[[torch.Tensor], torch.Tensor] = field(repr=False, default=None)
     _unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(repr=False, default=None)
+    # (the rows ``Schedule.mass_rows`` named, their mass) where a layer run in row chunks summed it chunk by chunk
+    _mass: tuple[torch.Tensor, torch.Tensor] | None = field(repr=False, default=None)
 
     def attention_probs(self, query_rows: torch.Tensor) -> torch.Tensor:
         """Softmax attention of the chosen active rows over all keys: [num_heads, n_q, num_keys]."""
         return self._attention_probs(query_rows)
+
+    def attention_mass(self, query_rows: torch.Tensor) -> torch.Tensor:
+        """The attention the chosen active rows pay each key, summed over heads and rows: [num_keys] fp32
+        (``attention_probs(query_rows).sum((0, 1))``; summed as the rows ran where they are ``Schedule.mass_rows``'s
+        and the layer ran in row chunks)."""
+        if self._mass is not None and torch.equal(self._mass[0], query_rows.to(self._mass[0].device)):
+            return self._mass[1]
+        return self.attention_probs(query_rows).sum(dim=(0, 1))
 
     def unrotate(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Keys [num_kv_heads, len(rows), head_dim] of active rows ``rows`` (post-RoPE, or differences of
@@ -153,6 +163,12 @@ class Schedule:
     def adjust_kv(self, view: LayerView) -> KVShift | None:
         """relay's drift: the reused K/V it does not recompute, corrected from what the recomputed tokens show. At a
         layer where ``before_attention`` ran (same view): what to add to inactive tokens' K/V."""
+        return None
+
+    def mass_rows(self, layer: int, active_idx: torch.Tensor) -> torch.Tensor | None:
+        """relay's influence: the rows of ``active_idx`` (the active tokens when ``before_attention`` or ``admit`` runs
+        at ``layer``) whose ``LayerView.attention_mass`` that choice reads, so that a layer run in row chunks sums it
+        chunk by chunk, priced like attention, instead of in one piece; None where it reads none."""
         return None
 
     def admits_at(self, layer: int) -> bool:

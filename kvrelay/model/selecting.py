@@ -15,16 +15,21 @@ from kvrelay.model.prefill_state import ActiveSet
 from kvrelay.model.rope import apply_rotary, undo_rotary
 from kvrelay.model.schedule import LayerView, Schedule
 
+# an admission's active tokens' (Q, K, V), their K/V written, and (the rows ``Schedule.mass_rows`` named, their
+# attention mass) or None
+Admission = tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+
 if TYPE_CHECKING:
     from kvrelay.cache.kv import SequenceKV
     from kvrelay.model.transformer import Transformer
 
 
 def select(model: Transformer, li: int, act: ActiveSet, cache: SequenceKV, schedule: Schedule, q: torch.Tensor,
-           k: torch.Tensor, v: torch.Tensor, prev_k: torch.Tensor | None, prev_v: torch.Tensor | None
-           ) -> torch.Tensor | None:
+           k: torch.Tensor, v: torch.Tensor, prev_k: torch.Tensor | None, prev_v: torch.Tensor | None,
+           mass: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """A selecting layer's choice, once every active token's Q/K/V are in (the K/V in the cache): the rows the
-    schedule keeps (None: all), after it moved the cached K/V of tokens not active here (``adjust_kv``)."""
+    schedule keeps (None: all), after it moved the cached K/V of tokens not active here (``adjust_kv``). ``mass``:
+    (``Schedule.mass_rows``' rows, their attention mass) where it was summed as the rows ran (``chunk_mass``)."""
     active, n, rope = act.idx, act.n, model.rope_of(li)
     table = act.tables[rope]  # cos, sin of positions 0..n-1
     _, _, cos, sin = act.view(rope, model.config.window_at(li))
@@ -43,7 +48,7 @@ def select(model: Transformer, li: int, act: ActiveSet, cache: SequenceKV, sched
         return undo_rotary(keys.float(), row_cos, row_sin)
 
     view = LayerView(li, active, None, q, k, v, prev_k, prev_v,
-                     _attention_probs=probs_fn(model, q, cache, li, active, n), _unrotate=unrotate)
+                     _attention_probs=probs_fn(model, q, cache, li, active, n), _unrotate=unrotate, _mass=mass)
     kept = schedule.before_attention(view)
     shift = schedule.adjust_kv(view)
     if shift is not None and shift.slots.numel():
@@ -55,14 +60,31 @@ def select(model: Transformer, li: int, act: ActiveSet, cache: SequenceKV, sched
 
 def admit(model: Transformer, layer: DecoderLayer, li: int, h: torch.Tensor, active: torch.Tensor,
           table: tuple[torch.Tensor, torch.Tensor], cache: SequenceKV, schedule: Schedule, entering_idx: torch.Tensor,
-          n: int) -> torch.Tensor | None:
+          n: int, prepared: Admission | None = None) -> torch.Tensor | None:
     """Admission at layer ``li``: the active tokens' Q/K/V (K/V written to the cache; the layer recomputes
-    the same values after), the rows of ``entering_idx`` the schedule admits."""
-    q, k, v = layer.project(h, table[0].index_select(0, active), table[1].index_select(0, active))
-    cache.write(li, active, k, v)
+    the same values after), the rows of ``entering_idx`` the schedule admits. ``prepared``: those Q/K/V, already
+    written, and the attention mass, summed as a layer run in row chunks projected them (``row_chunks``)."""
+    if prepared is None:
+        q, k, v = layer.project(h, table[0].index_select(0, active), table[1].index_select(0, active))
+        cache.write(li, active, k, v)
+        mass = None
+    else:
+        (q, k, v), mass = prepared
     view = LayerView(li, active, None, q, k, v, None, None,
-                     _attention_probs=probs_fn(model, q, cache, li, active, n))
+                     _attention_probs=probs_fn(model, q, cache, li, active, n), _mass=mass)
     return schedule.admit(view, entering_idx)
+
+
+def chunk_mass(model: Transformer, q: torch.Tensor, positions: torch.Tensor, cache: SequenceKV, layer: int,
+               num_keys: int, n: int) -> torch.Tensor:
+    """The attention mass ([n] fp32, summed over heads and rows) of rows at ``positions`` (queries ``q`` [H, r, hd])
+    over this layer's keys below ``num_keys`` (causal: every key they see, written by then): one chunk's share of
+    ``LayerView.attention_mass``, which sums the chunks'. Its scores: r x ``num_keys``."""
+    k_all, _ = cache.kv(layer, 0, num_keys)
+    probs = attention_probs(q, k_all, visible_mask(positions, num_keys, model.config.window_at(layer)))
+    mass = torch.zeros(n, dtype=torch.float32, device=q.device)
+    mass[:num_keys] = probs.sum(dim=(0, 1))  # of [H, r, num_keys]
+    return mass
 
 
 def probs_fn(model: Transformer, q: torch.Tensor, cache: SequenceKV, layer: int, active: torch.Tensor, n: int

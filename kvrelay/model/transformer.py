@@ -26,7 +26,7 @@ from kvrelay.model.layers import (
     linear,
     visible_mask,
 )
-from kvrelay.model.prefill_state import ActiveSet, LayerForward, drops
+from kvrelay.model.prefill_state import ActiveSet, LayerForward, drops, projection_share
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import Entry, LayerView, Schedule
 
@@ -170,7 +170,7 @@ class Transformer(nn.Module):
             raise ScheduleError("a token entering above layer 0 needs its carried hidden state")
         act = ActiveSet(n, tables, self.config.hidden_size, self.dtype, self.device)
         return LayerForward(token_ids.to(self.device), cache, schedule, all_logits, entries, act,
-                            len(self.model.layers))
+                            len(self.model.layers), projection_share=projection_share(self.config))
 
     @torch.inference_mode()
     @_with_attention_backends
@@ -207,12 +207,14 @@ class Transformer(nn.Module):
         else:
             forward.next_layer = li + 1
 
-    def _begin_layer(self, forward: LayerForward) -> bool:
-        """Layer ``forward.next_layer``'s entering tokens join and its capture is taken; whether any token is active."""
+    def _begin_layer(self, forward: LayerForward, admission: selecting.Admission | None = None) -> bool:
+        """Layer ``forward.next_layer``'s entering tokens join and its capture is taken; whether any token is active.
+        ``admission``: the admission's Q/K/V and mass, where row chunks computed them (``selecting.admit``)."""
         li, act, schedule, captured = forward.next_layer, forward.act, forward.schedule, forward.captured
         entry = forward.entries.get(li)
         if entry is not None and entry.token_idx.numel():
-            self._enter(self.model.layers[li], li, entry, forward.token_ids, act, forward.cache, schedule, captured)
+            self._enter(self.model.layers[li], li, entry, forward.token_ids, act, forward.cache, schedule, captured,
+                        admission)
         if li in schedule.capture_layers and act.idx.numel() and li not in captured:
             captured[li] = (act.idx.clone(), act.h.clone())
         forward.num_computed += act.idx.numel()
@@ -240,7 +242,7 @@ class Transformer(nn.Module):
         return PrefillResult(logits, forward.num_computed, forward.exit_layer, forward.captured)
 
     def _enter(self, layer, li: int, entry: Entry, token_ids: torch.Tensor, act: ActiveSet, cache: SequenceKV,
-               schedule: Schedule, captured: dict) -> None:
+               schedule: Schedule, captured: dict, admission: selecting.Admission | None = None) -> None:
         """Tokens entering at layer ``li`` join the active set: from their embedding, or with their carried state;
         where the schedule admits (``admits_at``), only the ones it admits."""
         idx = entry.token_idx.to(self.device)
@@ -250,7 +252,7 @@ class Transformer(nn.Module):
                 union, order = torch.sort(torch.cat([act.idx, idx]))
                 captured[li] = (union, torch.cat([act.h, new_h.to(self.device, self.dtype)]).index_select(0, order))
             kept = selecting.admit(self, layer, li, act.h, act.idx, act.tables[self.rope_of(li)], cache, schedule, idx,
-                                   act.n)
+                                   act.n, admission)
             if drops(kept, idx.numel()):
                 idx, new_h = idx.index_select(0, kept), new_h.index_select(0, kept.to(new_h.device))
         act.join(idx, new_h)

@@ -52,6 +52,9 @@ Admission = Callable[[LayerView, torch.Tensor], torch.Tensor]
 # (view, rows of span tokens among the active rows) -> (K before RoPE, V) [Hkv, 1, hd] each to add to the
 # span tokens not active at that layer, or None
 Drift = Callable[[LayerView, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+# (active prompt indices, rows of them the choice may query) -> the rows whose ``attention_mass`` the selector or the
+# admission reads (``Schedule.mass_rows``), or None
+MassRows = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 def _counted(keep: torch.Tensor | Kept) -> Kept:
@@ -63,7 +66,7 @@ class BandSchedule(Schedule):
 
     def __init__(self, new_idx: torch.Tensor, span_entries: dict[int, Entry], select_layer: int, end_layer: int,
                  selector: Selector | None, prune: Selector | None = None, admit: Admission | None = None,
-                 drift: Drift | None = None) -> None:
+                 drift: Drift | None = None, mass_rows: MassRows | None = None) -> None:
         enter = [layer for layer, e in span_entries.items() if e.token_idx.numel()]
         if enter and not max(enter) <= select_layer <= end_layer:
             raise ValueError(f"band layers must satisfy enter {max(enter)} <= select {select_layer} <= end {end_layer}")
@@ -79,7 +82,7 @@ class BandSchedule(Schedule):
         spans = [e.token_idx for e in span_entries.values()]
         self.span_idx = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
         self.select_layer, self.end_layer, self.selector, self.prune = select_layer, end_layer, selector, prune
-        self._admit, self._drift = admit, drift
+        self._admit, self._drift, self._mass_rows = admit, drift, mass_rows
         self.num_selected: int | None = None  # span tokens kept at the select layer (for stats)
         self.num_pruned = 0  # span tokens dropped above the select layer (for stats)
         self._span_mask: torch.Tensor | None = None  # bool [num prompt tokens]: a span token (set by entries)
@@ -138,6 +141,17 @@ class BandSchedule(Schedule):
 
     def admits_at(self, layer: int) -> bool:
         return self._admit is not None and layer == self.select_layer
+
+    def mass_rows(self, layer: int, active_idx: torch.Tensor) -> torch.Tensor | None:
+        # the admission queries every active token (the span tokens are not in yet), the selector the new ones
+        if self._mass_rows is None or not self._num_span(layer):
+            return None
+        if self.admits_at(layer):
+            return self._mass_rows(active_idx, torch.arange(active_idx.numel(), device=active_idx.device))
+        if self._admit is None and layer == self.select_layer != self.end_layer:
+            is_span = self._is_span(active_idx)
+            return self._mass_rows(active_idx, rows_of(~is_span, active_idx.numel() - self._num_span(layer)))
+        return None
 
     def admit(self, view: LayerView, entering_idx: torch.Tensor) -> torch.Tensor:
         kept = rows_of(self._admit(view, entering_idx))  # the call's one read-back of a count

@@ -239,7 +239,7 @@ def band_schedule(num_tokens: int, reuse: ReusePlan, parts: SpanParts, selector:
     prune = GradualPrune(marks, policy.prune_share) if policy.prune_share is not None else None
     drift = DriftCorrection(marks, policy.drift) if policy.drift else None
     return BandSchedule(new_idx, entries, det, end, None if admits else selector.select, prune,
-                        selector.admit if admits else None, drift)
+                        selector.admit if admits else None, drift, selector.query_rows)
 
 
 def plan_note(parts: SpanParts, start: int, policy: BandPolicy) -> str | None:

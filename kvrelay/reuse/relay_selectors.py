@@ -73,15 +73,20 @@ class SpanSelector:
         every_row = torch.arange(view.active_idx.numel(), device=view.active_idx.device)  # all new tokens
         return self.choose(None, self.influence(view, every_row, entering_idx), entering_idx)
 
-    def influence(self, view: LayerView, query_rows: torch.Tensor, span_idx: torch.Tensor) -> torch.Tensor | None:
-        """The attention the call's new tokens (among ``query_rows``) pay each span token, over heads and queries;
-        span openings computed beside them are span text, attending mostly to their own span, so not queries."""
-        queries = self.marks.get("queries", query_rows.device)
+    def query_rows(self, active_idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Of ``rows`` (among the active ``active_idx``), the call's new tokens: the influence's queries (None: none).
+        Span openings computed beside them are span text, attending mostly to their own span, so not queries."""
+        queries = self.marks.get("queries", rows.device)
         if queries is not None:
-            query_rows = query_rows[queries.index_select(0, view.active_idx.index_select(0, query_rows))]
-        if not query_rows.numel():
+            rows = rows[queries.index_select(0, active_idx.index_select(0, rows))]
+        return rows if rows.numel() else None
+
+    def influence(self, view: LayerView, query_rows: torch.Tensor, span_idx: torch.Tensor) -> torch.Tensor | None:
+        """The attention the call's new tokens (``query_rows``' queries) pay each span token, over heads and queries."""
+        query_rows = self.query_rows(view.active_idx, query_rows)
+        if query_rows is None:
             return None
-        return view.attention_probs(query_rows).sum(dim=(0, 1)).index_select(0, span_idx)  # of [H, n_new, n_keys]
+        return view.attention_mass(query_rows).index_select(0, span_idx)  # [n_keys] of [H, n_new, n_keys]
 
 
 class ThresholdSelector(SpanSelector):

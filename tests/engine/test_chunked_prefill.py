@@ -269,3 +269,27 @@ def test_a_band_cancelled_between_row_chunks_drops_its_kv_and_computes_nothing_m
     assert task._forward.partial is not None and task.cache is not None  # between two chunks of a layer's rows
     task.cancel()
     assert task.cache is None and task._forward is None and task.done and task.advance(0, fits=_rows_within(2)) == 0
+
+
+def test_an_admissions_pieces_report_their_projections_and_mass_scores(setup):
+    """Relay's admission at layer 1 in pieces of a few rows: a piece within its projecting phase reports what those
+    rows cost, in tokens of a whole forward: the projection's share of a token each, and the scores its new tokens
+    computed against the keys up to the piece's last row (the fit learns what the choice costs)."""
+    lm, store, call = setup
+    engine = Engine(lm, store)
+    task = engine.begin(call, "relay[band=1:1:3]", GenerateOptions(SamplingConfig(max_new_tokens=1)))
+    num_layers, checked = lm.config.num_layers, 0
+    while not task.done:
+        part = task._forward.partial if task._forward is not None else None
+        before = (part.num_done, part.positions, part.num_mass_before) if part is not None and part.admitting else None
+        task.advance(0, fits=_rows_within(0.5))
+        after = task._forward.partial if task._forward is not None else None
+        if before is None or after is not part:  # not a piece within the admission
+            continue
+        start, positions, num_mass_before = before
+        num_rows, num_mass = part.num_done - start, num_mass_before[part.num_done] - num_mass_before[start]
+        tokens, keys = task.last_piece[:2]
+        assert tokens == pytest.approx(num_rows * part.projection_share / num_layers)
+        assert num_mass > 0 and keys == pytest.approx(num_mass * (positions[part.num_done - 1] + 1) / num_layers)
+        checked += 1
+    assert checked >= 2
