@@ -1,0 +1,80 @@
+"""benchmarks/quality_shadow_load.py's pure helpers: percentiles, the ABAB plan and pairing of phases, the
+/metrics diff, and the split of each role's first calls (synthetic rows; no server)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from quality_shadow_load import compare_arms, metric_values, metrics_delta, percentile, phase_plan, split_first_calls
+
+
+def test_percentile_interpolates_between_order_statistics_as_numpy_does():
+    values = [7.0, 1.0, 3.0, 10.0, 4.0]
+    for q in (0.0, 0.25, 0.5, 0.9, 1.0):
+        assert math.isclose(percentile(values, q), float(np.percentile(values, q * 100)))
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5  # the even case: between the middle two
+    assert percentile([5.0], 0.9) == 5.0
+    assert math.isnan(percentile([], 0.5))
+
+
+def test_the_phases_alternate_the_arms_within_each_repeat():
+    assert phase_plan(("on", "off"), 2) == [("on", 0), ("off", 0), ("on", 1), ("off", 1)]
+    assert phase_plan(("on", "off"), 0) == []
+
+
+def test_arms_are_paired_by_repeat_and_the_noise_is_the_spread_between_an_arms_repeats():
+    phases = [{"arm": "on", "repeat": 0, "t": 110.0}, {"arm": "off", "repeat": 0, "t": 100.0},
+              {"arm": "on", "repeat": 1, "t": 130.0}, {"arm": "off", "repeat": 1, "t": 80.0}]
+    out = compare_arms(phases, "t")
+    assert out["ratio_per_repeat"] == {0: pytest.approx(1.1), 1: pytest.approx(130 / 80)}
+    assert out["ratio"] == pytest.approx(120 / 90)  # the arms' means over their repeats
+    assert out["spread"] == {"on": pytest.approx(20 / 120), "off": pytest.approx(20 / 90)}
+    assert out["noise"] == pytest.approx(20 / 90)
+    assert out["within_noise"] is False  # 1.33 is further from 1 than 0.22
+    quiet = [{**p, "t": p["t"] * (1.0 if p["arm"] == "off" else 90 / 120)} for p in phases]
+    assert compare_arms(quiet, "t")["within_noise"] is True  # the same means: ratio 1
+    single = compare_arms(phases[:2], "t")
+    assert single["noise"] is None and single["within_noise"] is None and single["spread"]["on"] is None
+    with pytest.raises(ValueError, match="both arms"):
+        compare_arms(phases[:1], "t")
+
+
+METRICS_BEFORE = """# HELP kvrelay_quality_shadow_runs_total shadow full references
+# TYPE kvrelay_quality_shadow_runs_total counter
+kvrelay_quality_shadow_runs_total 3.0
+kvrelay_quality_shadow_runs_created 1.7e+09
+# TYPE kvrelay_quality_rung_moves_total counter
+kvrelay_quality_rung_moves_total{direction="up"} 1.0
+# TYPE kvrelay_engine_ttft_seconds histogram
+kvrelay_engine_ttft_seconds_bucket{le="0.5"} 2.0
+kvrelay_engine_ttft_seconds_bucket{le="+Inf"} 4.0
+kvrelay_engine_ttft_seconds_count 4.0
+kvrelay_engine_ttft_seconds_sum 2.5
+"""
+
+
+def test_metrics_are_parsed_with_their_labels_and_diffed_by_name():
+    before = metric_values(METRICS_BEFORE)
+    assert before["kvrelay_quality_shadow_runs_total"] == 3.0
+    assert before['kvrelay_quality_rung_moves_total{direction="up"}'] == 1.0
+    assert before['kvrelay_engine_ttft_seconds_bucket{le="+Inf"}'] == 4.0
+    after_text = (METRICS_BEFORE.replace("runs_total 3.0", "runs_total 10.0").replace("sum 2.5", "sum 9.0")
+                  + "# TYPE kvrelay_quality_shadow_compute_seconds_total counter\n"
+                    "kvrelay_quality_shadow_compute_seconds_total 4.25\n")
+    after = metric_values(after_text)
+    names = ("kvrelay_quality_shadow_runs_total", "kvrelay_engine_ttft_seconds_sum",
+             "kvrelay_quality_shadow_compute_seconds_total", "kvrelay_absent_total")
+    assert metrics_delta(before, after, names) == {"kvrelay_quality_shadow_runs_total": 7.0,
+                                                   "kvrelay_engine_ttft_seconds_sum": 6.5,
+                                                   "kvrelay_quality_shadow_compute_seconds_total": 4.25}
+
+
+def test_each_roles_first_calls_are_counted_by_send_time_not_by_list_order():
+    calls = [{"role": "a", "sent_s": 5.0}, {"role": "b", "sent_s": 1.0}, {"role": "a", "sent_s": 0.5},
+             {"role": "a", "sent_s": 2.0}, {"role": "b", "sent_s": 3.0}, {"role": "b", "sent_s": 9.0}]
+    first, after = split_first_calls(calls, 2)
+    assert [(c["role"], c["sent_s"]) for c in first] == [("a", 0.5), ("b", 1.0), ("a", 2.0), ("b", 3.0)]
+    assert [(c["role"], c["sent_s"]) for c in after] == [("a", 5.0), ("b", 9.0)]
+    assert split_first_calls(calls, 0)[0] == []
