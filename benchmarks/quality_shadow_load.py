@@ -108,13 +108,44 @@ def metrics_delta(before: dict[str, float], after: dict[str, float], names: tupl
     return {n: after[n] - before.get(n, 0.0) for n in names if n in after}
 
 
-def split_first_calls(calls: list[dict], num_first: int) -> tuple[list[dict], list[dict]]:
-    """Calls split into each role's first ``num_first`` calls by send time (``sent_s``) and the calls after."""
-    first, after, seen = [], [], {}
+def with_call_index(calls: list[dict], key: str = "agent") -> list[dict]:
+    """The calls, each with ``call_index``: its rank (from 0) among the calls of its ``key`` by send time
+    (``sent_s``), the count the guard keeps per role (one role per agent here, in both arms)."""
+    out, seen = [], {}
     for c in sorted(calls, key=lambda c: c["sent_s"]):
-        seen[c["role"]] = seen.get(c["role"], 0) + 1
-        (first if seen[c["role"]] <= num_first else after).append(c)
-    return first, after
+        seen[c[key]] = seen.get(c[key], -1) + 1
+        out.append({**c, "call_index": seen[c[key]]})
+    return out
+
+
+CALL_KEY = ("client", "chain", "agent")
+
+
+def common_calls(phase_calls: list[list[dict]], key: tuple[str, ...] = CALL_KEY) -> list[list[dict]]:
+    """Each phase's calls kept to those every phase completed (by ``key``): the phases compare the same requests
+    when a phase stopped early (its deadline) or lost a call to an error."""
+    keys = [{tuple(c[k] for k in key) for c in calls} for calls in phase_calls]
+    shared = set.intersection(*keys) if keys else set()
+    return [[c for c in calls if tuple(c[k] for k in key) in shared] for calls in phase_calls]
+
+
+def ttft_summary(calls: list[dict], num_first: int) -> dict:
+    """TTFT p50/p90 over ``calls`` (with ``call_index``), over each role's first ``num_first`` calls (all shadowed
+    with the guard on) and over the calls after; engine TTFT, queue wait and request time beside them."""
+    first = [c["ttft_ms"] for c in calls if c["call_index"] < num_first]
+    after = [c["ttft_ms"] for c in calls if c["call_index"] >= num_first]
+    ttft = [c["ttft_ms"] for c in calls]
+    return {"num_calls": len(calls), "ttft_ms_p50": percentile(ttft, 0.5), "ttft_ms_p90": percentile(ttft, 0.9),
+            "ttft_ms_first_calls_p50": percentile(first, 0.5), "ttft_ms_after_first_calls_p50": percentile(after, 0.5),
+            "ttft_ms": summarize(ttft), "ttft_ms_first_calls": summarize(first),
+            "ttft_ms_after_first_calls": summarize(after), "total_ms": summarize([c["total_ms"] for c in calls]),
+            "engine_ttft_ms": summarize([c["engine_ttft_ms"] for c in calls if c["engine_ttft_ms"] is not None]),
+            "queue_ms": summarize([c["queue_ms"] for c in calls if c["queue_ms"] is not None]),
+            "by_agent": {a: summarize([c["ttft_ms"] for c in calls if c["agent"] == a])
+                         for a in dict.fromkeys(c["agent"] for c in calls)},
+            "methods_after_first_calls": {m: sum(c["method"] == m for c in calls if c["call_index"] >= num_first)
+                                          for m in sorted({str(c["method"]) for c in calls})},
+            "cached_tokens_mean": statistics.mean(c["cached_tokens"] or 0 for c in calls) if calls else None}
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -140,11 +171,12 @@ class ChainClient(threading.Thread):
     """Runs its chains one after another, each agent a streamed chat request; one row per request."""
 
     def __init__(self, url: str, model: str, index: int, questions: list[str], max_tokens: dict[str, int],
-                 salt: str, t0: float) -> None:
+                 salt: str, t0: float, deadline: float) -> None:
         super().__init__(daemon=True)
         self.client = OpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
         self.model, self.index, self.questions, self.max_tokens, self.salt, self.t0 = (model, index, questions,
                                                                                        max_tokens, salt, t0)
+        self.deadline = deadline  # no chain starts after it (the chains not run are left out of every phase)
         self.rows: list[dict] = []
         self.errors: list[str] = []
 
@@ -174,6 +206,8 @@ class ChainClient(threading.Thread):
     def run(self) -> None:
         spec = gsm8k_chain3().spec
         for chain, question in enumerate(self.questions):
+            if time.perf_counter() > self.deadline:
+                return
             values = {"question": question}
             for name in spec.order:
                 agent = spec.agent(name)
@@ -205,7 +239,8 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
         load_start = os.getloadavg()
         before, cpu_before = scrape(server.url), cpu_seconds(server.proc.pid)
         t0 = time.perf_counter()
-        clients = [ChainClient(server.url, args.model, k, qs, max_tokens, salt, t0) for k, qs in enumerate(work)]
+        clients = [ChainClient(server.url, args.model, k, qs, max_tokens, salt, t0, t0 + args.phase_deadline_s)
+                   for k, qs in enumerate(work)]
         for c in clients:
             c.start()
         for c in clients:
@@ -218,34 +253,22 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
                                                  timeout=60).read())
     finally:
         server.stop()
-    calls = [{**r, "phase_arm": arm, "repeat": repeat} for c in clients for r in c.rows]
-    first, later = split_first_calls(calls, QualityConfig().first_calls_per_role)
+    calls = with_call_index([{**r, "arm": arm, "repeat": repeat} for c in clients for r in c.rows])
     delta = metrics_delta(before, after, SHADOW_METRICS)
     shadow_s = delta.get("kvrelay_quality_shadow_compute_seconds_total", 0.0)
-    ttft = [c["ttft_ms"] for c in calls]
-    row = {"arm": arm, "repeat": repeat, "flags": ARM_FLAGS[arm], "num_calls": len(calls),
+    row = {"arm": arm, "repeat": repeat, "flags": ARM_FLAGS[arm], "num_calls_run": len(calls),
            "num_errors": sum(len(c.errors) for c in clients), "errors": [e for c in clients for e in c.errors][:5],
            "live_wall_s": live_s, "shadow_drain_s": drain_s, "server_cpu_s_live": cpu_live, "server_cpu_s": cpu_all,
-           "ttft_ms_p50": percentile(ttft, 0.5), "ttft_ms_p90": percentile(ttft, 0.9),
-           "ttft_ms": summarize(ttft), "total_ms": summarize([c["total_ms"] for c in calls]),
-           "engine_ttft_ms": summarize([c["engine_ttft_ms"] for c in calls if c["engine_ttft_ms"] is not None]),
-           "queue_ms": summarize([c["queue_ms"] for c in calls if c["queue_ms"] is not None]),
-           "ttft_ms_first_calls_p50": percentile([c["ttft_ms"] for c in first], 0.5),
-           "ttft_ms_after_first_calls_p50": percentile([c["ttft_ms"] for c in later], 0.5),
-           "ttft_ms_first_calls": summarize([c["ttft_ms"] for c in first]),
-           "ttft_ms_after_first_calls": summarize([c["ttft_ms"] for c in later]),
-           "by_agent": {a: summarize([c["ttft_ms"] for c in calls if c["agent"] == a]) for a in max_tokens},
-           "methods": {m: sum(c["method"] == m for c in calls) for m in sorted({str(c["method"]) for c in calls})},
-           "cached_tokens_mean": statistics.mean(c["cached_tokens"] or 0 for c in calls) if calls else None,
            "metrics_delta": delta, "shadow_compute_s": shadow_s,
            "num_shadows": delta.get("kvrelay_quality_shadow_runs_total", 0.0),
            "shadow_share_of_phase_wall": shadow_s / (live_s + drain_s),
            "shadow_s_per_live_engine_ttft_s": shadow_s / delta["kvrelay_engine_ttft_seconds_sum"]
            if delta.get("kvrelay_engine_ttft_seconds_sum") else None,
-           "load_average_start_end": [load_start, os.getloadavg()],
-           "guard_roles": view.get("roles")}
-    print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
-    return {**row, "calls": calls}
+           "load_average_start_end": [load_start, os.getloadavg()], "guard_roles": view.get("roles")}
+    quick = ttft_summary(calls, QualityConfig().first_calls_per_role)
+    print(json.dumps({**{k: v for k, v in row.items() if not isinstance(v, dict)},
+                      **{k: v for k, v in quick.items() if not isinstance(v, dict)}}), flush=True)
+    return row, calls
 
 
 def _commit() -> str | None:
@@ -260,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chains", type=int, default=6, help="gsm8k-chain3 chains per client, one after another")
     p.add_argument("--repeats", type=int, default=2, help="phases per arm (the arms alternate: on, off, on, off)")
     p.add_argument("--max-tokens", default="32,24,16", help="solver,critic,finalizer completion tokens")
+    p.add_argument("--phase-deadline-s", type=float, default=600,
+                   help="no chain starts later in a phase; the phases are compared on the calls all of them ran")
     p.add_argument("--offset", type=int, default=0, help="index of the first GSM8K test problem")
     p.add_argument("--data", default=None)
     p.add_argument("--json", type=Path, default=None, help="the report (per-call rows beside it, .calls.json)")
@@ -271,30 +296,40 @@ def main(argv: list[str] | None = None) -> None:
     questions = [pr.inputs["question"] for pr in problems]
     work = [questions[k * args.chains:(k + 1) * args.chains] for k in range(args.clients)]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    uptime_start = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    phases, calls = [], []
+    head = {"command": " ".join(sys.argv), "model": args.model, "workload": "gsm8k-chain3", "clients": args.clients,
+            "chains_per_client": args.chains, "max_tokens": max_tokens, "offset": args.offset,
+            "first_calls_per_role": QualityConfig().first_calls_per_role, "sample_rate": QualityConfig().sample_rate,
+            "env": {"machine": f"{platform.node()} {platform.machine()}", "cpus": os.cpu_count(),
+                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "commit": _commit(),
+                    "uptime_start": _uptime()}}
+    phases, phase_calls, result = [], [], {}
     for arm, repeat in phase_plan(tuple(ARM_FLAGS), args.repeats):
-        row = run_phase(args, arm, repeat, work, max_tokens, log_dir)
-        calls += row.pop("calls")
+        row, calls = run_phase(args, arm, repeat, work, max_tokens, log_dir)
         phases.append(row)
-    result = {"env": {"machine": f"{platform.node()} {platform.machine()}", "cpus": os.cpu_count(),
-                      "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "commit": _commit(),
-                      "uptime_start": uptime_start,
-                      "uptime_end": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()},
-              "command": " ".join(sys.argv), "model": args.model, "workload": "gsm8k-chain3",
-              "clients": args.clients, "chains_per_client": args.chains, "max_tokens": max_tokens,
-              "first_calls_per_role": QualityConfig().first_calls_per_role,
-              "sample_rate": QualityConfig().sample_rate, "phases": phases}
-    if args.repeats > 0:
-        result["compare"] = {k: compare_arms(phases, k) for k in (
+        phase_calls.append(calls)
+        result = report(head, phases, phase_calls)  # after every phase: a run cut short keeps its phases
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+            args.json.with_suffix(".calls.json").write_text(json.dumps({"calls": [c for cs in phase_calls
+                                                                                  for c in cs]}))
+    print(json.dumps(result.get("compare")), flush=True)
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def report(head: dict, phases: list[dict], phase_calls: list[list[dict]]) -> dict:
+    """The phases so far, their TTFT over the calls every phase ran, and the arms compared once both ran."""
+    rows = [{**row, **ttft_summary(calls, head["first_calls_per_role"])}
+            for row, calls in zip(phases, common_calls(phase_calls), strict=True)]
+    result = {**head, "env": {**head["env"], "uptime_end": _uptime()}, "phases": rows}
+    if {"on", "off"} <= {row["arm"] for row in rows}:
+        result["compare"] = {k: compare_arms(rows, k) for k in (
             "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_first_calls_p50", "ttft_ms_after_first_calls_p50",
             "server_cpu_s", "live_wall_s")}
-        print(json.dumps(result["compare"]), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-        args.json.with_suffix(".calls.json").write_text(json.dumps({"calls": calls}))
-
+    return result
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,16 @@ import math
 
 import numpy as np
 import pytest
-from quality_shadow_load import compare_arms, metric_values, metrics_delta, percentile, phase_plan, split_first_calls
+from quality_shadow_load import (
+    common_calls,
+    compare_arms,
+    metric_values,
+    metrics_delta,
+    percentile,
+    phase_plan,
+    ttft_summary,
+    with_call_index,
+)
 
 
 def test_percentile_interpolates_between_order_statistics_as_numpy_does():
@@ -71,10 +80,34 @@ def test_metrics_are_parsed_with_their_labels_and_diffed_by_name():
                                                    "kvrelay_quality_shadow_compute_seconds_total": 4.25}
 
 
-def test_each_roles_first_calls_are_counted_by_send_time_not_by_list_order():
-    calls = [{"role": "a", "sent_s": 5.0}, {"role": "b", "sent_s": 1.0}, {"role": "a", "sent_s": 0.5},
-             {"role": "a", "sent_s": 2.0}, {"role": "b", "sent_s": 3.0}, {"role": "b", "sent_s": 9.0}]
-    first, after = split_first_calls(calls, 2)
-    assert [(c["role"], c["sent_s"]) for c in first] == [("a", 0.5), ("b", 1.0), ("a", 2.0), ("b", 3.0)]
-    assert [(c["role"], c["sent_s"]) for c in after] == [("a", 5.0), ("b", 9.0)]
-    assert split_first_calls(calls, 0)[0] == []
+def test_each_roles_calls_are_counted_by_send_time_not_by_list_order():
+    calls = [{"agent": "a", "sent_s": 5.0}, {"agent": "b", "sent_s": 1.0}, {"agent": "a", "sent_s": 0.5},
+             {"agent": "a", "sent_s": 2.0}, {"agent": "b", "sent_s": 3.0}, {"agent": "b", "sent_s": 9.0}]
+    ranked = with_call_index(calls)
+    assert [(c["agent"], c["sent_s"], c["call_index"]) for c in ranked] == [
+        ("a", 0.5, 0), ("b", 1.0, 0), ("a", 2.0, 1), ("b", 3.0, 1), ("a", 5.0, 2), ("b", 9.0, 2)]
+    assert "call_index" not in calls[0]  # the caller's rows are left as they were
+
+
+def call(client: int, chain: int, agent: str, index: int, ttft_ms: float) -> dict:
+    return {"client": client, "chain": chain, "agent": agent, "call_index": index, "ttft_ms": ttft_ms,
+            "total_ms": 2 * ttft_ms, "engine_ttft_ms": ttft_ms / 2, "queue_ms": 1.0, "method": "relay",
+            "cached_tokens": 10}
+
+
+def test_phases_are_compared_on_the_calls_every_phase_ran():
+    full = [call(0, 0, "s", 0, 1.0), call(0, 0, "c", 0, 2.0), call(0, 1, "s", 1, 3.0), call(1, 0, "s", 2, 4.0)]
+    cut = [call(0, 0, "s", 0, 5.0), call(0, 0, "c", 0, 6.0), call(1, 0, "s", 1, 7.0)]  # chain (0, 1) never ran
+    kept = common_calls([full, cut])
+    assert [c["ttft_ms"] for c in kept[0]] == [1.0, 2.0, 4.0] and [c["ttft_ms"] for c in kept[1]] == [5.0, 6.0, 7.0]
+    assert common_calls([full]) == [full]
+
+
+def test_ttft_is_split_at_each_roles_first_calls():
+    calls = [call(0, 0, "s", 0, 10.0), call(0, 0, "c", 0, 20.0), call(0, 1, "s", 1, 30.0), call(0, 1, "c", 1, 100.0),
+             call(0, 2, "s", 2, 50.0)]
+    out = ttft_summary(calls, 2)
+    assert out["ttft_ms_first_calls"]["num"] == 4 and out["ttft_ms_first_calls_p50"] == 25.0
+    assert out["ttft_ms_after_first_calls"]["num"] == 1 and out["ttft_ms_after_first_calls_p50"] == 50.0
+    assert out["ttft_ms_p50"] == 30.0 and out["num_calls"] == 5
+    assert out["by_agent"]["c"]["p50"] == 60.0 and out["methods_after_first_calls"] == {"relay": 1}
