@@ -17,10 +17,11 @@ compute seconds (engine wall time) against the phase's wall time and the live re
 server process's CPU seconds, whose on/off ratio over the same requests is the guard's whole cost (wall and CPU
 seconds differ on a machine other jobs share, so a shadow's seconds are set against wall time only). A role's
 first ``first_calls_per_role`` calls are all shadowed, later ones one in 20: TTFT is also split into each role's
-first calls (by send order) and the calls after.
+first calls (by send order) and the calls after. No chain starts past ``--phase-deadline-s`` into a phase, and
+the phases are compared on the calls all of them ran.
 
-    OMP_NUM_THREADS=1 python benchmarks/quality_shadow_load.py --model smollm2-135m --clients 4 --chains 6 \
-        --repeats 2 --json benchmarks/results/quality-shadow-load-cpu.json
+    OMP_NUM_THREADS=1 python benchmarks/quality_shadow_load.py --model smollm2-135m --clients 4 --chains 8 \
+        --max-tokens 24,16,12 --phase-deadline-s 200 --repeats 2 --json benchmarks/results/quality-shadow-load-cpu.json
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def warm_up(url: str, model: str) -> None:
 
 
 def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[str]],
-              max_tokens: dict[str, int], log_dir: Path) -> dict:
+              max_tokens: dict[str, int], log_dir: Path) -> tuple[dict, list[dict]]:
+    """One phase on a fresh server: its row (timings, /metrics and CPU deltas, the guard's view) and its calls."""
     server = ServerProcess(args.model, f"shadow-load-{arm}{repeat}", log_dir, flags=ARM_FLAGS[arm])
     try:
         warm_up(server.url, args.model)
@@ -256,7 +258,9 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
     calls = with_call_index([{**r, "arm": arm, "repeat": repeat} for c in clients for r in c.rows])
     delta = metrics_delta(before, after, SHADOW_METRICS)
     shadow_s = delta.get("kvrelay_quality_shadow_compute_seconds_total", 0.0)
+    num_first = QualityConfig().first_calls_per_role
     row = {"arm": arm, "repeat": repeat, "flags": ARM_FLAGS[arm], "num_calls_run": len(calls),
+           "num_calls_run_in_first_calls": sum(c["call_index"] < num_first for c in calls),
            "num_errors": sum(len(c.errors) for c in clients), "errors": [e for c in clients for e in c.errors][:5],
            "live_wall_s": live_s, "shadow_drain_s": drain_s, "server_cpu_s_live": cpu_live, "server_cpu_s": cpu_all,
            "metrics_delta": delta, "shadow_compute_s": shadow_s,
@@ -265,7 +269,7 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
            "shadow_s_per_live_engine_ttft_s": shadow_s / delta["kvrelay_engine_ttft_seconds_sum"]
            if delta.get("kvrelay_engine_ttft_seconds_sum") else None,
            "load_average_start_end": [load_start, os.getloadavg()], "guard_roles": view.get("roles")}
-    quick = ttft_summary(calls, QualityConfig().first_calls_per_role)
+    quick = ttft_summary(calls, num_first)
     print(json.dumps({**{k: v for k, v in row.items() if not isinstance(v, dict)},
                       **{k: v for k, v in quick.items() if not isinstance(v, dict)}}), flush=True)
     return row, calls
