@@ -140,6 +140,7 @@ def ttft_summary(calls: list[dict], num_first: int) -> dict:
             "ttft_ms_first_calls_p50": percentile(first, 0.5), "ttft_ms_after_first_calls_p50": percentile(after, 0.5),
             "ttft_ms": summarize(ttft), "ttft_ms_first_calls": summarize(first),
             "ttft_ms_after_first_calls": summarize(after), "total_ms": summarize([c["total_ms"] for c in calls]),
+            "total_ms_p50": percentile([c["total_ms"] for c in calls], 0.5),
             "engine_ttft_ms": summarize([c["engine_ttft_ms"] for c in calls if c["engine_ttft_ms"] is not None]),
             "queue_ms": summarize([c["queue_ms"] for c in calls if c["queue_ms"] is not None]),
             "by_agent": {a: summarize([c["ttft_ms"] for c in calls if c["agent"] == a])
@@ -292,7 +293,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offset", type=int, default=0, help="index of the first GSM8K test problem")
     p.add_argument("--data", default=None)
     p.add_argument("--json", type=Path, default=None, help="the report (per-call rows beside it, .calls.json)")
+    p.add_argument("--rescore", action="store_true", help="recompute --json's report from it and its .calls.json")
     args = p.parse_args(argv)
+    if args.rescore:
+        result = rescore(args.json)
+        args.json.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result.get("compare")), flush=True)
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers' (they inherit this environment): one thread each
     spec = gsm8k_chain3().spec
     max_tokens = dict(zip(spec.order, (int(t) for t in args.max_tokens.split(",")), strict=True))
@@ -326,14 +333,30 @@ def _uptime() -> str:
 
 def report(head: dict, phases: list[dict], phase_calls: list[list[dict]]) -> dict:
     """The phases so far, their TTFT over the calls every phase ran, and the arms compared once both ran."""
-    rows = [{**row, **ttft_summary(calls, head["first_calls_per_role"])}
+    # a phase's CPU and wall seconds cover every call it ran (more than the compared ones when others were cut short
+    # by their deadline): per call run
+    rows = [{**row, **ttft_summary(calls, head["first_calls_per_role"]),
+             "server_cpu_s_per_call_run": row["server_cpu_s"] / max(1, row["num_calls_run"]),
+             "live_wall_s_per_call_run": row["live_wall_s"] / max(1, row["num_calls_run"])}
             for row, calls in zip(phases, common_calls(phase_calls), strict=True)]
-    result = {**head, "env": {**head["env"], "uptime_end": _uptime()}, "phases": rows}
+    result = {**head, "env": {**head["env"], "uptime_end": head["env"].get("uptime_end") or _uptime()},
+              "phases": rows}
     if {"on", "off"} <= {row["arm"] for row in rows}:
-        result["compare"] = {k: compare_arms(rows, k) for k in (
-            "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_first_calls_p50", "ttft_ms_after_first_calls_p50",
-            "server_cpu_s", "live_wall_s")}
+        keys = ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_first_calls_p50", "ttft_ms_after_first_calls_p50",
+                "total_ms_p50", "server_cpu_s_per_call_run", "live_wall_s_per_call_run")
+        result["compare"] = {k: compare_arms(rows, k) for k in keys
+                             if all(math.isfinite(row[k]) for row in rows)}  # none: no call after the first calls
     return result
+
+
+def rescore(path: Path) -> dict:
+    """The report of an earlier run recomputed from its JSON and its ``.calls.json`` (no servers)."""
+    old = json.loads(path.read_text())
+    calls = json.loads(path.with_suffix(".calls.json").read_text())["calls"]
+    head = {k: v for k, v in old.items() if k not in ("phases", "compare")}
+    phases = old["phases"]
+    phase_calls = [[c for c in calls if (c["arm"], c["repeat"]) == (p["arm"], p["repeat"])] for p in phases]
+    return report(head, phases, phase_calls)
 
 if __name__ == "__main__":
     main()

@@ -111,3 +111,17 @@ def test_ttft_is_split_at_each_roles_first_calls():
     assert out["ttft_ms_after_first_calls"]["num"] == 1 and out["ttft_ms_after_first_calls_p50"] == 50.0
     assert out["ttft_ms_p50"] == 30.0 and out["num_calls"] == 5
     assert out["by_agent"]["c"]["p50"] == 60.0 and out["methods_after_first_calls"] == {"relay": 1}
+
+
+def test_the_report_compares_cpu_per_call_run_and_leaves_out_a_view_with_no_calls():
+    from quality_shadow_load import report
+
+    head = {"first_calls_per_role": 16, "env": {"uptime_end": "x"}}
+    phases = [{"arm": arm, "repeat": r, "server_cpu_s": cpu, "num_calls_run": n, "live_wall_s": 10.0}
+              for arm, r, cpu, n in (("on", 0, 20.0, 10), ("off", 0, 20.0, 20), ("on", 1, 22.0, 10),
+                                     ("off", 1, 18.0, 20))]
+    calls = [[call(0, 0, "s", 0, 100.0)] for _ in phases]  # every call in the first-calls window
+    out = report(head, phases, calls)
+    assert out["compare"]["server_cpu_s_per_call_run"]["ratio"] == pytest.approx(2.1 / 0.95)  # not 21 / 19
+    assert out["compare"]["ttft_ms_p50"]["ratio"] == 1.0
+    assert "ttft_ms_after_first_calls_p50" not in out["compare"]
