@@ -21,7 +21,7 @@ first calls (by send order) and the calls after. No chain starts past ``--phase-
 the phases are compared on the calls all of them ran.
 
     OMP_NUM_THREADS=1 python benchmarks/quality_shadow_load.py --model smollm2-135m --clients 4 --chains 8 \
-        --max-tokens 24,16,12 --phase-deadline-s 200 --repeats 2 --json benchmarks/results/quality-shadow-load-cpu.json
+        --max-tokens 24,16,12 --phase-deadline-s 180 --repeats 2 --json benchmarks/results/quality-shadow-load-cpu.json
 """
 
 from __future__ import annotations
