@@ -16,6 +16,8 @@ objects and a scratch paged KV of vLLM's CPU layout:
   rest (attention, norms, RoPE, kvrelay's per-layer Python), per layer;
 - ``write``: the claimed positions' K/V into the paged KV;
 - ``load``: ``WorkerSide.load`` whole;
+- ``save.copy``, ``save.read``: the downstream's own save (what the next agent's load waits for): its blocks
+  copied in the step, its K/V read out of the copy in the saver's thread;
 
 then end to end through vLLM's ``generate`` (max_tokens 1): the call with the connector (its load as logged, vLLM's
 model forward over the unclaimed tail) and the same prompt under another ``cache_salt`` (nothing reused: vLLM's
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true", help="print torch's profile of one connector forward")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -90,7 +93,7 @@ def main() -> None:
     from kvrelay.model import packed
     from kvrelay.vllm.paged import PagedKV
     from kvrelay.vllm.plan import Run, plan_load
-    from kvrelay.vllm.worker import LoadJob, WorkerSide, compute_kv
+    from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide, compute_kv
 
     kv_config = KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="kvrelay.vllm.connector",
                                  kv_role="kv_both", kv_connector_extra_config={"method": "epic"})
@@ -170,6 +173,17 @@ def main() -> None:
             paged.write(paged.slots(block_ids, plan.num_computed, plan.end), k, v)
         with timer.part("load"):
             bench_worker.load(LoadJob("r", "", prompt[: plan.end], plan, block_ids))
+        save = SaveJob("r", "saved", "", prompt, block_ids)  # the downstream's own save, as the next agent waits on
+        with timer.part("save.copy"):
+            copy = bench_worker.copy_blocks(save)
+        with timer.part("save.read"):
+            bench_worker.read_copy(copy, save)
+        del copy
+        if args.profile and len(ends["connector_call_ms"]) == args.reps - 1:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU]) as prof, packed.unpacked():
+                compute_kv(model, torch.tensor(prompt[: int(active[-1]) + 1]), cache, active)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
         # end to end: the connector's load, then vLLM's prefill of the tail; and vLLM alone on the same prompt
         vllm_model.forward = timed_forward
