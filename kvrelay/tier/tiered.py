@@ -22,7 +22,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -95,6 +96,7 @@ class TieredStore(KVStore):
         self._cursors: dict[tuple[str, str], str | None] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
         self._unwritten: OrderedDict[tuple[str, str], None] = OrderedDict()  # put while the tier was down
+        self._deferring = threading.local()  # ``writes_deferred``: this thread's puts skip the tier for now
         self.remote = RemoteSpans(self._hashes, block_len)
         # match_prefix reads new announcements at most this often (None: never, memory prefixes only)
         self.remote_prefix_poll_s = remote_prefix_poll_s
@@ -227,9 +229,23 @@ class TieredStore(KVStore):
         evicted = super().put(span_id, span, pin, namespace)
         if self.fingerprint is None:
             self.fingerprint = span.fingerprint
+        if getattr(self._deferring, "active", False):  # written by the caller's ``flush_unwritten``
+            with self._lock:
+                self._unwritten[(namespace, span_id)] = None
+            return evicted
         if self._write_through(span_id, span, namespace):
             self.flush_unwritten()
         return evicted
+
+    @contextmanager
+    def writes_deferred(self) -> Iterator[None]:
+        """Puts by this thread inside the block go to memory only, their tier write and announcement left to
+        ``flush_unwritten``: a caller holding a lock that others wait on writes to the tier after releasing it."""
+        self._deferring.active = True
+        try:
+            yield
+        finally:
+            self._deferring.active = False
 
     def _write_through(self, span_id: str, span: SpanLike, namespace: str) -> bool:
         """Write and announce ``span`` in the tier; False (and remembered for later) when the tier is down."""

@@ -91,8 +91,9 @@ class VllmMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _call(self._vllm[0], x).chunk(2, dim=-1)  # [n, inter] each
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return _call(self._vllm[1], act * up)
+        # in place, as kvrelay's MLP: the product is a temporary, two fewer [n, inter] tensors a layer
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate, inplace=True)
+        return _call(self._vllm[1], act.mul_(up))
 
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")

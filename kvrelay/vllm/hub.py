@@ -14,18 +14,20 @@ import hashlib
 import json
 import math
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.errors import ConfigError
 from kvrelay.model.lm import fingerprint_of
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.index import MATCH_PREFERENCES
-from kvrelay.tier.tiered import open_store
+from kvrelay.tier.tiered import TieredStore, open_store
 from kvrelay.vllm.plan import CONNECTOR_METHODS
 from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.integrity import file_sha256
@@ -118,6 +120,21 @@ class Hub:
         self.stored: set[tuple[str, str]] = set()
         self.stats = {"saved": 0, "save_failed": 0, "loads": 0, "tokens_claimed": 0, "tokens_recomputed": 0,
                       "spans_missing": 0}
+
+    def put_span(self, namespace: str, span_id: str, span: StoredSpan) -> list[str]:
+        """Store and index ``span`` in this process (memory tier and token index, under the hub's lock); its write
+        to the shared tier is left to ``write_tier``, which the caller runs after: the scheduler side, matching
+        prompts under that lock, and a load reading the span here never wait for a Redis or disk write. The span
+        ids the memory tier evicted to fit it."""
+        tiered = self.store if isinstance(self.store, TieredStore) else None
+        with self.lock, (tiered.writes_deferred() if tiered is not None else nullcontext()):
+            return self.catalog.put(namespace, span_id, span)
+
+    def write_tier(self) -> None:
+        """Write and announce in the shared tier the spans ``put_span`` stored (none without a tier; a tier that
+        is down gets them when it is back, as ``TieredStore.put`` does)."""
+        if isinstance(self.store, TieredStore):
+            self.store.flush_unwritten()
 
     def available(self, namespace: str, span_id: str) -> bool:
         """Whether a load of ``span_id`` can find it: stored, or about to be by the worker."""

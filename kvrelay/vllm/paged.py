@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from kvrelay.cache.kv import BUFFERS
 from kvrelay.errors import ConfigError
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -91,18 +92,78 @@ class PagedKV:
             vs.append(values[blocks, :, rows].transpose(0, 1))
         return torch.stack(ks), torch.stack(vs)
 
+    def runs(self, block_ids: list[int], start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Positions [start, end) of a request with ``block_ids`` as runs within kernel blocks, in order:
+        (kernel block, first row, number of rows, offset from ``start``)."""
+        if end > len(block_ids) * self.block_size:
+            raise ValueError(f"positions up to {end} do not fit {len(block_ids)} blocks of {self.block_size}")
+        kbs, out, pos = self.kernel_block_size, [], start
+        while pos < end:
+            row = pos % kbs
+            num = min(kbs - row, end - pos)
+            out.append((block_ids[pos // self.block_size] * self.ratio + pos % self.block_size // kbs, row, num,
+                        pos - start))
+            pos += num
+        return out
+
+    def read_range(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of every layer's K and V at positions [start, end) of a request, [L, Hkv, n, hd] each: ``read``'s
+        result, copied a run of rows of a kernel block at a time (strided copies, no gather by index: several
+        times faster for the few long runs a request's positions make)."""
+        runs = self.runs(block_ids, start, end)
+        shape = (self.num_layers, self.num_kv_heads, end - start, self.head_dim)
+        k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            for block, row, num, offset in runs:
+                rows, dst = slice(row, row + num), slice(offset, offset + num)
+                k[layer, :, dst] = keys[block, :, :, rows].transpose(1, 2) if self.transposed else keys[block, :, rows]
+                v[layer, :, dst] = values[block, :, rows]
+        return k, v
+
     def copy_blocks(self, block_ids: list[int], num_tokens: int) -> PagedKV:
         """A copy of the blocks holding positions [0, ``num_tokens``) of a request with ``block_ids``, as a paged KV
-        of its own whose blocks are 0, 1, ... in order. Copying whole blocks is a memory copy per layer, several
-        times faster than ``read``'s gather by position (which transposes the keys), so it is what runs while vLLM
-        holds the blocks; the gather runs later on the copy."""
+        of its own whose blocks are 0, 1, ... in order, every layer's in one tensor (``stacked``). Copying whole
+        blocks is a memory copy per layer, several times faster than ``read``'s gather by position (which
+        transposes the keys), so it is what runs while vLLM holds the blocks; ``read_copied`` runs later."""
         if num_tokens > len(block_ids) * self.block_size:
             raise ValueError(f"{num_tokens} positions do not fit {len(block_ids)} blocks of {self.block_size}")
         num_blocks = -(-num_tokens // self.block_size)
         first = torch.tensor(block_ids[:num_blocks], dtype=torch.long) * self.ratio
         kernel_blocks = (first[:, None] + torch.arange(self.ratio)).flatten()  # [num_blocks * ratio]
-        copies = [layer.index_select(0, kernel_blocks) for layer in self.layers]
-        return PagedKV(copies, self.block_size, self.num_kv_heads, self.head_dim, self.key_layout)
+        # [L, kernel blocks, Hkv, kbs, 2 * hd]
+        # a buffer kept from an earlier copy: a fresh one of this size costs more in page faults than the copy
+        stacked = BUFFERS.take((self.num_layers, kernel_blocks.numel(), *self.layers[0].shape[1:]), self.dtype,
+                               torch.device("cpu"))
+        for layer, out in zip(self.layers, stacked, strict=True):
+            torch.index_select(layer, 0, kernel_blocks, out=out)
+        copy = PagedKV(list(stacked.unbind(0)), self.block_size, self.num_kv_heads, self.head_dim, self.key_layout)
+        copy.stacked = stacked
+        return copy
+
+    stacked: torch.Tensor | None = None  # a ``copy_blocks`` copy: every layer's blocks, [L, blocks, Hkv, kbs, 2 hd]
+
+    def read_copied(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, ``num_tokens``) of a ``copy_blocks`` copy: ``read``'s result ([L, Hkv, n, hd] each, new
+        tensors), from every layer at once (strided copies of whole blocks, no gather by index)."""
+        if self.stacked is None:
+            raise ValueError("read_copied reads a copy_blocks copy")
+        num_layers, num_blocks, h_kv, kbs, _ = self.stacked.shape
+        if num_tokens > num_blocks * kbs:
+            raise ValueError(f"{num_tokens} positions do not fit the copy's {num_blocks} blocks of {kbs}")
+        halves = self.stacked.view(num_layers, num_blocks, h_kv, 2, kbs * self.head_dim)
+        # each [L, Hkv, blocks, kbs, hd]: position b * kbs + r of a head is [b, r]
+        values = halves[:, :, :, 1].unflatten(-1, (kbs, self.head_dim)).transpose(1, 2)
+        keys = halves[:, :, :, 0].unflatten(-1, (self.head_dim, kbs)).permute(0, 2, 1, 4, 3) if self.transposed \
+            else halves[:, :, :, 0].unflatten(-1, (kbs, self.head_dim)).transpose(1, 2)
+        full, rest = divmod(num_tokens, kbs)
+        out = []
+        for src in (keys, values):
+            dst = torch.empty((num_layers, h_kv, num_tokens, self.head_dim), dtype=self.dtype)
+            dst[:, :, : full * kbs].view(num_layers, h_kv, full, kbs, self.head_dim).copy_(src[:, :, :full])
+            if rest:
+                dst[:, :, full * kbs:].copy_(src[:, :, full, :rest])
+            out.append(dst)
+        return out[0], out[1]
 
     def write(self, slots: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer's K and V ([L, Hkv, n, hd] each) into ``slots``."""

@@ -3,13 +3,15 @@
 In the step after a request finishes (vLLM still holds its blocks: ``request_finished`` returned True), the
 blocks holding its K/V are copied whole out of vLLM's paged cache (a memory copy per layer), and the request is
 reported done (``get_finished``) only after that copy, so vLLM frees and reuses the blocks no sooner. The rest
-runs in one background thread, so the next request's step does not wait for it: gathering the K/V by position
-from the copy (several times the copy's time: the keys are transposed in a block), and storing it (the memory
-store, the shared tier's serialization, write and announcement, the index). The queue is bounded: when the thread
-falls that far behind, the step waits for room (the copies' memory stays bounded) instead of dropping saves.
+runs in one background thread, so the next request's step does not wait for it: the K/V by position out of the
+copy (the keys are transposed in a block), stored in memory and indexed (a load in this process may then read
+it), then the shared tier's serialization, write and announcement, outside every lock the scheduler takes. The
+queue is bounded: when the thread falls that far behind, the step waits for room (the copies' memory stays
+bounded) instead of dropping saves.
 
-A load that plans to read a span still being stored waits for that span only (``wait_stored``); a span whose
-store failed is then missing, and the load computes its tokens like a gap.
+A load that plans to read a span still being stored waits for that span only (``wait_stored``), until it is in
+memory here (not for the shared tier's write); a span whose store failed is then missing, and the load computes
+its tokens like a gap.
 """
 
 from __future__ import annotations
@@ -106,3 +108,7 @@ class BackgroundSaver:
                     event = self._storing.pop((job.namespace, job.span_id), None)
                 if event is not None:
                     event.set()
+            try:  # after the span is readable here: a load waits for the memory copy, never for the shared tier
+                self.worker.hub.write_tier()
+            except Exception:  # noqa: BLE001 - the tier keeps what it could not write for later
+                log.exception("kvrelay connector: request %s's KV not written to the shared tier", job.req_id)

@@ -93,12 +93,14 @@ class WorkerSide:
     # ------------------------------------------------------------------ saves
     def save(self, job: SaveJob) -> bool:
         """Read and store ``job``'s K/V in the caller's thread (``saver.BackgroundSaver`` splits the two)."""
-        return self.store(job, *self.read(job))
+        stored = self.store(job, *self.read(job))
+        self.hub.write_tier()
+        return stored
 
     def read(self, job: SaveJob) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of ``job``'s K/V out of the paged cache, [L, Hkv, tokens, hd] each: after this its blocks may
         be reused."""
-        return self.paged.read(self.paged.slots(job.block_ids, 0, len(job.token_ids)))
+        return self.paged.read_range(job.block_ids, 0, len(job.token_ids))
 
     def copy_blocks(self, job: SaveJob) -> PagedKV:
         """A copy of ``job``'s blocks (``PagedKV.copy_blocks``): after this its blocks may be reused, and
@@ -108,17 +110,16 @@ class WorkerSide:
     @staticmethod
     def read_copy(copy: PagedKV, job: SaveJob) -> tuple[torch.Tensor, torch.Tensor]:
         """``job``'s K/V out of its ``copy_blocks`` copy, [L, Hkv, tokens, hd] each."""
-        num_blocks = -(-len(job.token_ids) // copy.block_size)
-        return copy.read(copy.slots(list(range(num_blocks)), 0, len(job.token_ids)))
+        return copy.read_copied(len(job.token_ids))
 
     def store(self, job: SaveJob, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Store ``job``'s K/V (from ``read``) in the hub (memory and shared tier); False when the store refused
-        it. What was stored, refused or evicted is reported to the scheduler side (``take_report``)."""
+        """Store ``job``'s K/V (from ``read``) in the hub's memory tier and index (the caller then runs
+        ``hub.write_tier``); False when the store refused it. What was stored, refused or evicted is reported to the
+        scheduler side (``take_report``)."""
         hub, key = self.hub, (job.namespace, job.span_id)
         try:
             span = StoredSpan(tuple(job.token_ids), 0, k, v, hub.fingerprint)
-            with hub.lock:
-                evicted = hub.catalog.put(job.namespace, job.span_id, span)
+            evicted = hub.put_span(job.namespace, job.span_id, span)
             hub.stats["saved"] += 1
             with self._report_lock:
                 self._stored.append(key)
@@ -152,7 +153,7 @@ class WorkerSide:
         dtype = paged.dtype
         cache = SequenceKV(self.config, dtype, "cpu", capacity=plan.end + 1)
         if plan.num_computed:
-            k, v = paged.read(paged.slots(job.block_ids, 0, plan.num_computed))
+            k, v = paged.read_range(job.block_ids, 0, plan.num_computed)
             cache.patch(0, k, v, add=False)
         recompute = set(plan.recompute)
         missing = 0

@@ -4,10 +4,13 @@ vLLM's, on the random tiny model's shape."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from kvrelay.model.config import ModelConfig
+from kvrelay.tier.backends.base import span_key
 from kvrelay.vllm.hub import ConnectorConfig, Hub
 from kvrelay.vllm.paged import PagedKV
 from kvrelay.vllm.saver import BackgroundSaver
@@ -85,3 +88,57 @@ def test_a_copy_of_a_requests_blocks_reads_as_the_request(config):
         expected = paged.read(paged.slots([4, 1, 3], 0, 70))
         got = copy.read(copy.slots([0, 1, 2], 0, 70))
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        for num_tokens in (70, 64, 96, 1):  # a last block part full, whole blocks, a last kernel block part full
+            fast, slow = copy.read_copied(num_tokens), copy.read(copy.slots([0, 1, 2], 0, num_tokens))
+            assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), (layout, num_tokens)
+            assert fast[0].is_contiguous() and fast[0].shape == (config.num_layers, config.num_kv_heads, num_tokens,
+                                                                  config.head_dim)
+
+
+class PausedTier:
+    """A shared tier backend whose span writes wait until ``go`` is set (``entered`` says one is waiting)."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.url = backend, backend.url
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.written: list[str] = []
+
+    def put(self, key: str, value: bytes, meta: bytes) -> None:
+        self.entered.set()
+        assert self.go.wait(60), "the test never let the tier write go on"
+        self.backend.put(key, value, meta)
+        self.written.append(key)
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+
+def test_a_saves_shared_tier_write_holds_no_lock_the_scheduler_side_matches_under(config, tmp_path):
+    paged, _, k, _ = filled_paged(config, 40, [5, 2, 7])
+    hub = Hub(ConnectorConfig(store=f"disk:{tmp_path}"), "fp-test")
+    tier = hub.store.backend = PausedTier(hub.store.backend)
+    hub.catalog.index.add("span-c", list(range(40)), "s1")
+    saver = BackgroundSaver(WorkerSide(hub, paged, config, None))
+    try:
+        saver.submit(SaveJob("req-3", "span-c", "s1", list(range(40)), [5, 2, 7]))
+        assert tier.entered.wait(60)  # the saver's thread is inside the tier's write, paused there
+        # the scheduler side's locks are free meanwhile: its matching (and polling of the tier) goes on
+        assert hub.lock.acquire(blocking=False), "the hub's lock is held across the tier write"
+        try:
+            assert hub.catalog._lock.acquire(blocking=False), "the catalog's lock is held across the tier write"
+            hub.catalog._lock.release()
+            assert hub.catalog.index.find(list(range(40)), "s1", 16)
+        finally:
+            hub.lock.release()
+        assert torch.equal(hub.store.get("span-c", "s1").k, k)  # in memory already: a load here finds it ...
+        waited = threading.Event()
+        threading.Thread(target=lambda: (saver.wait_stored("s1", "span-c"), waited.set()), daemon=True).start()
+        assert waited.wait(60), "a load waits for the shared tier's write"  # ... and need not wait for the tier
+        assert not tier.written
+        tier.go.set()
+        saver.close()  # the saver's thread done: the tier written
+        assert tier.written == [span_key("s1", "fp-test", "span-c")]  # then written through, once
+        assert saver.worker.take_report() == ([("s1", "span-c")], [])
+    finally:
+        tier.go.set()
+        saver.close()

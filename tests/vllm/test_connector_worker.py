@@ -108,6 +108,22 @@ def test_paged_positions_are_where_vllms_cpu_kernel_keeps_them(lm):
     assert layer_order(["m.layers.10.attn", "m.layers.2.attn"]) == ["m.layers.2.attn", "m.layers.10.attn"]
 
 
+@pytest.mark.parametrize("layout", ["transposed", "plain"])
+def test_a_range_of_positions_reads_as_by_slots(lm, layout):
+    """``read_range`` (runs of rows within kernel blocks) equals ``read`` (a gather by position), across scheduler
+    blocks of two kernel blocks, from and to mid-block positions."""
+    cfg = lm.config
+    gen = torch.Generator().manual_seed(3)
+    layers = [torch.randn(12, cfg.num_kv_heads, BLOCK, 2 * cfg.head_dim, generator=gen) for _ in range(cfg.num_layers)]
+    paged = PagedKV(layers, 2 * BLOCK, cfg.num_kv_heads, cfg.head_dim, layout)
+    block_ids = [4, 1, 3]
+    for start, end in ((0, 70), (5, 37), (16, 32), (31, 33), (40, 41), (0, 96)):
+        fast, slow = paged.read_range(block_ids, start, end), paged.read(paged.slots(block_ids, start, end))
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), (start, end)
+    with pytest.raises(ValueError, match="do not fit"):
+        paged.read_range(block_ids, 0, 97)
+
+
 def run_load(lm, vllm_model, hub: Hub, prompt: list[int], plan, block_ids: list[int]):
     paged, _ = paged_kv(lm.config)
     worker = WorkerSide(hub, paged, lm.config, bind_transformer(lm.config, vllm_model))
