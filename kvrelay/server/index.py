@@ -347,8 +347,10 @@ class TokenIndex:
         Greedy over ``find_runs``: by length (``prefer="longest"``; ties: earlier query start, then newer
         span), or from the oldest span first (``prefer="oldest"``: a text is taken where it was first
         stored, then by length). A run overlapping one already taken (or a ``covered`` query range, e.g.
-        the exact prefix or a chat prompt's framing) keeps its longest free piece, and its other free
-        pieces go back in line. Every run returned is checked token by token.
+        the exact prefix or a chat prompt's framing) goes back in line as its free pieces, each ranked by its
+        own length: on repeated text a window beside one taken is free by a token more at each next offset,
+        and taking a piece as soon as ``min_tokens`` of it were free cut the text into pieces of
+        ``min_tokens`` where whole windows fit. Every run returned is checked token by token.
 
         What is left: no candidate keeps a free piece of ``min_tokens`` or more, so (by the guarantee) no
         free stretch of ``max(min_tokens, 2 * block_len - 1)`` tokens outside ``covered`` is shared with
@@ -365,21 +367,27 @@ class TokenIndex:
         chosen: list[TokenMatch] = []
         line = [(rank(m, k), m) for k, m in enumerate(runs)]
         heapq.heapify(line)
+        work = len(line)
         while line:
             (*_, k), run = heapq.heappop(line)
+            work += 1
             pieces = [p for p in _free_pieces(run.start, run.end, taken) if p[1] - p[0] >= min_tokens]
             if not pieces:
                 continue
-            longest = max(pieces, key=lambda p: p[1] - p[0])  # the first of equals
-            for start, end in pieces:
-                piece = TokenMatch(start, end, run.span_id, run.src_start + (start - run.start))
-                if (start, end) != longest:
+            if pieces[0] != (run.start, run.end):  # it overlaps what was taken: its free pieces rank by their own
+                for start, end in pieces:          # length (a shorter piece waits behind longer runs)
+                    work += 1
+                    piece = TokenMatch(start, end, run.span_id, run.src_start + (start - run.start))
                     heapq.heappush(line, (rank(piece, k), piece))
-                elif q[start:end] != self._spans[run.span_id].token_ids[piece.src_start:piece.src_start + end - start]:
-                    self.num_collisions += 1  # equal hashes, different tokens: never returned
-                else:
-                    chosen.append(piece)
-                    _take(taken, start, end)
+                continue
+            src = self._spans[run.span_id].token_ids
+            if q[run.start:run.end] != src[run.src_start:run.src_start + run.num_tokens]:
+                self.num_collisions += 1  # equal hashes, different tokens: never returned
+            else:
+                work += run.num_tokens  # the tokens compared
+                chosen.append(run)
+                _take(taken, run.start, run.end)
+        self.last_work += work
         return sorted(chosen, key=lambda m: m.start)
 
 
