@@ -328,17 +328,27 @@ class TokenIndex:
 
     # ------------------------------------------------------------------ lookup
     def find_runs(self, token_ids: list[int] | tuple[int, ...], namespace: str = "",
-                  prefer: str = "longest") -> list[TokenMatch]:
+                  prefer: str = "longest", cover_tokens: int | None = None) -> list[TokenMatch]:
         """Candidate runs, in order of query start (then longest first): maximal runs shared with spans of
         ``namespace`` that cover an aligned block of the span, less those contained in another candidate
         from a span at least as preferred (``prefer="longest"``: any span; ``"oldest"``: the same span).
 
         Each is the maximal run of its span on its diagonal; a run held by several spans names the newest
         (``"longest"``) or the oldest (``"oldest"``) of them. Runs are equal under the index's hash;
-        ``find`` checks tokens. See the module docstring for the guarantee."""
+        ``find`` checks tokens. See the module docstring for the guarantee.
+
+        ``cover_tokens`` (``prefer="oldest"`` only; ``find`` passes its ``min_tokens``): also leave out a window of
+        repeated text whose every piece of ``cover_tokens`` tokens lies inside one window that an older span gives
+        at every period of the prompt's stretch. ``find``, which takes every run of an older span before any of a
+        newer one, can then take nothing from it (each such piece is taken, or lies in a free piece of that
+        window shorter than ``min_tokens``), so its result is the same, and a span whose repeats outreach the
+        older ones' no longer gives a window at every offset. The guarantee then holds for what ``find`` takes,
+        not for the runs returned."""
         if prefer not in MATCH_PREFERENCES:
             raise ValueError(f"prefer must be one of {MATCH_PREFERENCES}, got {prefer!r}")
-        return Sweep(self, list(token_ids), namespace, prefer == "oldest").run()
+        if cover_tokens is not None and (not isinstance(cover_tokens, int) or cover_tokens < 1):
+            raise ValueError(f"cover_tokens must be a positive integer or None, got {cover_tokens!r}")
+        return Sweep(self, list(token_ids), namespace, prefer == "oldest", cover_tokens).run()
 
     def find(self, token_ids: list[int] | tuple[int, ...], namespace: str = "", min_tokens: int = 16,
              covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
@@ -356,7 +366,12 @@ class TokenIndex:
         free stretch of ``max(min_tokens, 2 * block_len - 1)`` tokens outside ``covered`` is shared with
         any span of the namespace.
         """
-        runs = self.find_runs(token_ids, namespace, prefer)
+        runs = self.find_runs(token_ids, namespace, prefer, min_tokens if min_tokens >= 1 else None)
+        return self.choose(token_ids, runs, min_tokens, covered, prefer)
+
+    def choose(self, token_ids: list[int] | tuple[int, ...], runs: list[TokenMatch], min_tokens: int = 16,
+               covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
+        """``find``'s greedy over ``runs`` (from ``find_runs`` on ``token_ids``); adds its steps to ``last_work``."""
         q = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
 
         def rank(m: TokenMatch, k: int) -> tuple[int, ...]:
