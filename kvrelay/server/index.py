@@ -53,7 +53,9 @@ follow the prompt past it, so spans sharing a passage cost what a few do (with `
 still checked: linear in their number per occurrence). What still counts: the groups awake at an offset,
 i.e. the distinct contexts in which stored spans start the text the prompt repeats, and the runs returned.
 On text repeating with a period below a block, a prompt offset costs a constant plus the runs it returns
-(``prefer="oldest"``: a window from each span whose repeats no older span's outreach), and each context in
+(``prefer="oldest"``: a window from each span whose repeats no older span's outreach; with ``find``'s cover
+mode, about one, the oldest span's whose windows overlap by ``min_tokens``: a newer span's window inside them
+yields ``find`` nothing and its group sleeps for the stretch), and each context in
 which stored spans start the repeated text costs O(B * B / p) per stretch of the prompt that repeats it: its
 group is met at the stretch's first B offsets, before a window is kept, then sleeps; the groups of blocks
 inside stored repeats (a member per span and block) are listed once per lookup and met at those offsets only.
@@ -373,35 +375,38 @@ class TokenIndex:
                covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
         """``find``'s greedy over ``runs`` (from ``find_runs`` on ``token_ids``); adds its steps to ``last_work``."""
         q = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        oldest = prefer == "oldest"
+        spans = [self._spans[m.span_id] for m in runs]
 
-        def rank(m: TokenMatch, k: int) -> tuple[int, ...]:
-            order = self._spans[m.span_id].order
-            return (order, -m.num_tokens, m.start, k) if prefer == "oldest" else (-m.num_tokens, m.start, -order, k)
+        def entry(start: int, end: int, k: int, src_start: int) -> tuple[int, ...]:
+            """A run's (or piece's) place in line, then what it is: (rank..., k, start, end, src_start)."""
+            order = spans[k].order
+            if oldest:
+                return order, start - end, start, k, start, end, src_start
+            return start - end, start, -order, k, start, end, src_start
 
         taken = _merged(covered or [])
         chosen: list[TokenMatch] = []
-        line = [(rank(m, k), m) for k, m in enumerate(runs)]
+        line = [entry(m.start, m.end, k, m.src_start) for k, m in enumerate(runs)]
         heapq.heapify(line)
         work = len(line)
         while line:
-            (*_, k), run = heapq.heappop(line)
+            *_, k, start, end, src_start = heapq.heappop(line)
             work += 1
-            pieces = [p for p in _free_pieces(run.start, run.end, taken) if p[1] - p[0] >= min_tokens]
+            pieces = [p for p in _free_pieces(start, end, taken) if p[1] - p[0] >= min_tokens]
             if not pieces:
                 continue
-            if pieces[0] != (run.start, run.end):  # it overlaps what was taken: its free pieces rank by their own
-                for start, end in pieces:          # length (a shorter piece waits behind longer runs)
+            if pieces[0] != (start, end):  # it overlaps what was taken: its free pieces rank by their own length
+                for a, b in pieces:        # (a shorter piece waits behind longer runs)
                     work += 1
-                    piece = TokenMatch(start, end, run.span_id, run.src_start + (start - run.start))
-                    heapq.heappush(line, (rank(piece, k), piece))
+                    heapq.heappush(line, entry(a, b, k, src_start + a - start))
                 continue
-            src = self._spans[run.span_id].token_ids
-            if q[run.start:run.end] != src[run.src_start:run.src_start + run.num_tokens]:
+            if q[start:end] != spans[k].token_ids[src_start:src_start + end - start]:
                 self.num_collisions += 1  # equal hashes, different tokens: never returned
             else:
-                work += run.num_tokens  # the tokens compared
-                chosen.append(run)
-                _take(taken, run.start, run.end)
+                work += end - start  # the tokens compared
+                chosen.append(TokenMatch(start, end, runs[k].span_id, src_start))
+                _take(taken, start, end)
         self.last_work += work
         return sorted(chosen, key=lambda m: m.start)
 
