@@ -53,7 +53,9 @@ follow the prompt past it, so spans sharing a passage cost what a few do (with `
 still checked: linear in their number per occurrence). What still counts: the groups awake at an offset,
 i.e. the distinct contexts in which stored spans start the text the prompt repeats, and the runs returned.
 On text repeating with a period below a block, a prompt offset costs a constant plus the runs it returns
-(``prefer="oldest"``: a window from each span whose repeats no older span's outreach), and each context in
+(``prefer="oldest"``: a window from each span whose repeats no older span's outreach; with ``find``'s cover
+mode, about one, the oldest span's whose windows overlap by ``min_tokens``: a newer span's window inside them
+yields ``find`` nothing and its group sleeps for the stretch), and each context in
 which stored spans start the repeated text costs O(B * B / p) per stretch of the prompt that repeats it: its
 group is met at the stretch's first B offsets, before a window is kept, then sleeps; the groups of blocks
 inside stored repeats (a member per span and block) are listed once per lookup and met at those offsets only.
@@ -328,17 +330,27 @@ class TokenIndex:
 
     # ------------------------------------------------------------------ lookup
     def find_runs(self, token_ids: list[int] | tuple[int, ...], namespace: str = "",
-                  prefer: str = "longest") -> list[TokenMatch]:
+                  prefer: str = "longest", cover_tokens: int | None = None) -> list[TokenMatch]:
         """Candidate runs, in order of query start (then longest first): maximal runs shared with spans of
         ``namespace`` that cover an aligned block of the span, less those contained in another candidate
         from a span at least as preferred (``prefer="longest"``: any span; ``"oldest"``: the same span).
 
         Each is the maximal run of its span on its diagonal; a run held by several spans names the newest
         (``"longest"``) or the oldest (``"oldest"``) of them. Runs are equal under the index's hash;
-        ``find`` checks tokens. See the module docstring for the guarantee."""
+        ``find`` checks tokens. See the module docstring for the guarantee.
+
+        ``cover_tokens`` (``prefer="oldest"`` only; ``find`` passes its ``min_tokens``): also leave out a window of
+        repeated text whose every piece of ``cover_tokens`` tokens lies inside one window that an older span gives
+        at every period of the prompt's stretch. ``find``, which takes every run of an older span before any of a
+        newer one, can then take nothing from it (each such piece is taken, or lies in a free piece of that
+        window shorter than ``min_tokens``), so its result is the same, and a span whose repeats outreach the
+        older ones' no longer gives a window at every offset. The guarantee then holds for what ``find`` takes,
+        not for the runs returned."""
         if prefer not in MATCH_PREFERENCES:
             raise ValueError(f"prefer must be one of {MATCH_PREFERENCES}, got {prefer!r}")
-        return Sweep(self, list(token_ids), namespace, prefer == "oldest").run()
+        if cover_tokens is not None and (not isinstance(cover_tokens, int) or cover_tokens < 1):
+            raise ValueError(f"cover_tokens must be a positive integer or None, got {cover_tokens!r}")
+        return Sweep(self, list(token_ids), namespace, prefer == "oldest", cover_tokens).run()
 
     def find(self, token_ids: list[int] | tuple[int, ...], namespace: str = "", min_tokens: int = 16,
              covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
@@ -347,39 +359,55 @@ class TokenIndex:
         Greedy over ``find_runs``: by length (``prefer="longest"``; ties: earlier query start, then newer
         span), or from the oldest span first (``prefer="oldest"``: a text is taken where it was first
         stored, then by length). A run overlapping one already taken (or a ``covered`` query range, e.g.
-        the exact prefix or a chat prompt's framing) keeps its longest free piece, and its other free
-        pieces go back in line. Every run returned is checked token by token.
+        the exact prefix or a chat prompt's framing) goes back in line as its free pieces, each ranked by its
+        own length: on repeated text a window beside one taken is free by a token more at each next offset,
+        and taking a piece as soon as ``min_tokens`` of it were free cut the text into pieces of
+        ``min_tokens`` where whole windows fit. Every run returned is checked token by token.
 
         What is left: no candidate keeps a free piece of ``min_tokens`` or more, so (by the guarantee) no
         free stretch of ``max(min_tokens, 2 * block_len - 1)`` tokens outside ``covered`` is shared with
         any span of the namespace.
         """
-        runs = self.find_runs(token_ids, namespace, prefer)
-        q = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        runs = self.find_runs(token_ids, namespace, prefer, min_tokens if min_tokens >= 1 else None)
+        return self.choose(token_ids, runs, min_tokens, covered, prefer)
 
-        def rank(m: TokenMatch, k: int) -> tuple[int, ...]:
-            order = self._spans[m.span_id].order
-            return (order, -m.num_tokens, m.start, k) if prefer == "oldest" else (-m.num_tokens, m.start, -order, k)
+    def choose(self, token_ids: list[int] | tuple[int, ...], runs: list[TokenMatch], min_tokens: int = 16,
+               covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
+        """``find``'s greedy over ``runs`` (from ``find_runs`` on ``token_ids``); adds its steps to ``last_work``."""
+        q = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        oldest = prefer == "oldest"
+        spans = [self._spans[m.span_id] for m in runs]
+
+        def entry(start: int, end: int, k: int, src_start: int) -> tuple[int, ...]:
+            """A run's (or piece's) place in line, then what it is: (rank..., k, start, end, src_start)."""
+            order = spans[k].order
+            if oldest:
+                return order, start - end, start, k, start, end, src_start
+            return start - end, start, -order, k, start, end, src_start
 
         taken = _merged(covered or [])
         chosen: list[TokenMatch] = []
-        line = [(rank(m, k), m) for k, m in enumerate(runs)]
+        line = [entry(m.start, m.end, k, m.src_start) for k, m in enumerate(runs)]
         heapq.heapify(line)
+        work = len(line)
         while line:
-            (*_, k), run = heapq.heappop(line)
-            pieces = [p for p in _free_pieces(run.start, run.end, taken) if p[1] - p[0] >= min_tokens]
+            *_, k, start, end, src_start = heapq.heappop(line)
+            work += 1
+            pieces = [p for p in _free_pieces(start, end, taken) if p[1] - p[0] >= min_tokens]
             if not pieces:
                 continue
-            longest = max(pieces, key=lambda p: p[1] - p[0])  # the first of equals
-            for start, end in pieces:
-                piece = TokenMatch(start, end, run.span_id, run.src_start + (start - run.start))
-                if (start, end) != longest:
-                    heapq.heappush(line, (rank(piece, k), piece))
-                elif q[start:end] != self._spans[run.span_id].token_ids[piece.src_start:piece.src_start + end - start]:
-                    self.num_collisions += 1  # equal hashes, different tokens: never returned
-                else:
-                    chosen.append(piece)
-                    _take(taken, start, end)
+            if pieces[0] != (start, end):  # it overlaps what was taken: its free pieces rank by their own length
+                for a, b in pieces:        # (a shorter piece waits behind longer runs)
+                    work += 1
+                    heapq.heappush(line, entry(a, b, k, src_start + a - start))
+                continue
+            if q[start:end] != spans[k].token_ids[src_start:src_start + end - start]:
+                self.num_collisions += 1  # equal hashes, different tokens: never returned
+            else:
+                work += end - start  # the tokens compared
+                chosen.append(TokenMatch(start, end, runs[k].span_id, src_start))
+                _take(taken, start, end)
+        self.last_work += work
         return sorted(chosen, key=lambda m: m.start)
 
 

@@ -164,7 +164,7 @@ class PeriodicVisits:
         (else None). A window given at ``i_f`` recurs at every ``i_f + k * period`` whose block still lies in the
         stretch (its group is met there), so a window inside one shift of it stays inside the same shift of
         each later one."""
-        b, oldest = self.index.block_len, self.oldest
+        b, oldest, cover = self.index.block_len, self.oldest, self.cover_tokens
         start, need = i - left, end - (i - left)
         given = families[1]
         key = (period, q_end, start % period, need, left, order)
@@ -181,5 +181,13 @@ class PeriodicVisits:
             if (oldest and f_order < order and reach >= need) or (
                     not oldest and (reach > need or (reach == need and f_order > order))):
                 return q_end - b - (f_at - i) + 1
+            if cover is not None and f_order < order and f_length >= cover + period - 1:
+                # the family's windows overlap by ``cover`` tokens or more from one shift to the next, so every
+                # piece of ``cover`` tokens in [f_start, f_end) lies inside one of them, where ``f_end`` is the end
+                # of the last shift whose block lies in the stretch
+                last = f_start + (q_end - b - f_left - f_start) // period * period
+                f_end = min(last + f_length, q_end)
+                if end <= f_end:  # a period later this window ends ``period`` tokens further (or at q_end)
+                    return q_end - b + 1 if f_end == q_end else i + (f_end - end) // period * period + 1
         self.scanned[key] = len(given)
         return None

@@ -65,6 +65,10 @@ class TokenMatch:
         return self.end - self.start
 
 
+def _group_number(group: list) -> int:
+    return group[1]
+
+
 class Sweep(PeriodicVisits):
     """One ``find_runs`` sweep over the query's offsets (state shared by its helpers).
 
@@ -76,8 +80,12 @@ class Sweep(PeriodicVisits):
     staircase of furthest ends answers in O(log) what a scan of the runs found near it did before.
     """
 
-    def __init__(self, index: TokenIndex, q: list[int], namespace: str, oldest: bool) -> None:
+    def __init__(self, index: TokenIndex, q: list[int], namespace: str, oldest: bool,
+                 cover_tokens: int | None = None) -> None:
         self.index, self.q, self.namespace, self.oldest = index, q, namespace, oldest
+        # ``oldest`` only: a window whose every piece of this many tokens lies in one run of an older span is left
+        # out (``TokenIndex.find_runs``)
+        self.cover_tokens = cover_tokens if oldest else None
         self.prefix = index.hasher.prefix(q)
         # period -> (an offset, where the prompt's repeats of it around that offset start, where they stop)
         self.stretch_ends: dict[int, tuple[int, int, int]] = {}
@@ -128,8 +136,11 @@ class Sweep(PeriodicVisits):
                               for gid in groups_of.nodes(ns_key | h)]
                     state = self.block_state[h] = (groups, [])
             awake, asleep = state
-            while asleep and asleep[0][0] <= i:
-                awake.append(heapq.heappop(asleep)[2])
+            if asleep and asleep[0][0] <= i:
+                while asleep and asleep[0][0] <= i:
+                    awake.append(heapq.heappop(asleep)[2])
+                awake.sort(key=_group_number)  # visited in the order groups were stored, whatever slept: which of
+                # equal runs of one span (a span that repeats itself) is kept does not depend on what slept
             if awake:
                 still_awake = []
                 for group in awake:

@@ -53,9 +53,10 @@ def test_longest_non_overlapping_with_trimming():
     query = seq(0, 40)
     # "long" [0, 30) is longest; "other" [20, 40) keeps its free piece [30, 40) at src offset 10
     assert idx.find(query, min_tokens=4) == [TokenMatch(0, 30, "long", 0), TokenMatch(30, 40, "other", 10)]
-    # a covered prefix is skipped and the remaining piece keeps its source offset
+    # a covered prefix is skipped and the remaining piece keeps its source offset; it ranks by its own length
+    # (18 free tokens), behind "other"'s 20
     assert idx.find(query, min_tokens=4, covered=[(0, 12)]) == [
-        TokenMatch(12, 30, "long", 12), TokenMatch(30, 40, "other", 10)]
+        TokenMatch(12, 20, "long", 12), TokenMatch(20, 40, "other", 0)]
     # pieces under min_tokens are dropped
     assert idx.find(query, min_tokens=12) == [TokenMatch(0, 30, "long", 0)]
 

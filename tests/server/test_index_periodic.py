@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrelay.server.index import TokenIndex
+from kvrelay.server.index import TokenIndex, TokenMatch
 from tests.server.test_index_properties import is_real, maximal_runs
 
 
@@ -91,3 +91,29 @@ def test_every_long_run_with_periodic_text_is_inside_a_candidate(scene, prefer):
             continue
         for start, end, src_start in maximal_runs(query, tuple(ids), 2 * block_len - 1):
             assert any(m.start <= start and end <= m.end for m in runs), (f"s{k}", start, end, src_start, runs)
+
+
+@pytest.mark.parametrize("period", [1, 3])
+@pytest.mark.parametrize("prefer", ["oldest", "longest"])
+def test_repeated_text_is_taken_in_whole_windows(period, prefer):
+    """``find`` on repeated text took a piece as soon as min_tokens of it were free: a window beside one taken
+    is free by a token more at each next offset, so the prompt was cut into pieces of min_tokens (8K repeated
+    tokens: 489 pieces). A piece that shrank now waits behind longer runs, so the stretch is tiled by whole
+    windows of the span its rule prefers: about n / (window - period) pieces."""
+    rng = random.Random(period)
+    unit = [rng.randrange(100, 50000) for _ in range(period)]
+    lengths = [200, 150, 333, 260, 300]  # the oldest span's run, and longer runs in newer spans
+    index = TokenIndex(block_len=16)
+    for k, length in enumerate(lengths):
+        own = [rng.randrange(100, 50000) for _ in range(rng.randint(1, 40))]
+        index.add(f"s{k}", own + (unit * length)[:length] + [rng.randrange(100, 50000)])
+    n = 4096
+    found = index.find((unit * n)[:n], min_tokens=16, prefer=prefer)
+    window = lengths[0] if prefer == "oldest" else max(lengths)
+    cursor = 0
+    for m in found + [TokenMatch(n, n, "", 0)]:
+        assert m.start - cursor < 16, (cursor, m)  # no free stretch of min_tokens (the guarantee)
+        cursor = m.end
+    assert len(found) <= n // (window - period) + 2, (len(found), [m.num_tokens for m in found][:8])
+    if prefer == "oldest":
+        assert {m.span_id for m in found} == {"s0"}  # the text is still taken where it was first stored
