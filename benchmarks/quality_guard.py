@@ -17,13 +17,16 @@ and is fed that rung's measured KL and agreement only on the calls it shadows (t
   ``sample_rate`` of the calls are shadowed;
 - a PNG per role of the rung and the live call's KL over its calls.
 
-``--calls-json`` replays rows measured earlier (the measurement is the slow part; the replay takes no model).
+``--calls-json`` replays rows measured earlier (the measurement is the slow part; the replay takes no model). The rows
+are written gzipped beside the report (``.calls.json.gz``: the results kept in the tree have a size budget);
+``--calls-json`` reads them gzipped or plain.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
 import platform
@@ -191,6 +194,21 @@ def plot_role(path: Path, title: str, report: dict, config: QualityConfig) -> No
     plt.close(fig)
 
 
+def calls_path(report_path: str) -> Path:
+    """Where the measured rows of a report go: beside it, gzipped."""
+    return Path(report_path).with_suffix(".calls.json.gz")
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    path.write_bytes(gzip.compress(json.dumps(rows).encode()))
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows written by ``write_rows``, or a plain ``.calls.json`` (the gzip magic tells them apart)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+
+
 def workload_offsets(workloads: list[str], offset: int | None) -> dict[str, int]:
     """Each workload's first problem: ``offset`` when given, else the default for that workload."""
     return {w: offset if offset is not None else WORKLOAD_OFFSETS.get(w, 0) for w in workloads}
@@ -219,7 +237,7 @@ def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict]
 
     def checkpoint(workload_rows: list[dict]) -> None:  # keep what is measured so far
         if args.json:
-            Path(args.json).with_suffix(".calls.json").write_text(json.dumps(rows + workload_rows))
+            write_rows(calls_path(args.json), rows + workload_rows)
 
     workloads = args.workloads.split(",")
     for workload, offset in workload_offsets(workloads, args.offset).items():
@@ -261,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="rung a role starts at ('safest': the ladder's last; default: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="another value of a QualityConfig number or switch (e.g. trust_start=false)")
-    p.add_argument("--json", help="write the report here (and the measured rows beside it, .calls.json)")
+    p.add_argument("--json", help="write the report here (and the measured rows beside it, .calls.json.gz)")
     p.add_argument("--plots", help="folder for one PNG per role")
     args = p.parse_args(argv)
     config, overrides = config_from_args(args.start, args.set)
@@ -272,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = rows_from_bench(args.bench_json.split(","), rung_methods)
         rung_settings = bench_rung_settings(args.bench_json.split(","), rung_methods)
     elif args.calls_json:
-        rows = json.loads(Path(args.calls_json).read_text())
+        rows = read_rows(Path(args.calls_json))
     else:
         rows, rung_settings = measure(args, config)
     roles: dict[str, list[dict]] = {}

@@ -9,10 +9,13 @@ import pytest
 from quality_guard import (
     WORKLOAD_OFFSETS,
     bench_rung_settings,
+    calls_path,
     config_from_args,
+    main,
     problem_range,
     role_report,
     workload_offsets,
+    write_rows,
 )
 
 from kvrelay.quality import QualityConfig
@@ -105,3 +108,19 @@ def test_default_offsets_skip_every_problem_a_shipped_profile_was_calibrated_on(
                 checked += 1
                 assert first + num_problems <= WORKLOAD_OFFSETS[name], (path.name, name, first, num_problems)
     assert checked  # a shipped profile calibrated on a workload's default data is what this guards
+
+
+def test_the_rows_are_kept_gzipped_and_a_replay_reads_them_gzipped_or_plain(tmp_path):
+    measured = rows(24, naive_kl=0.001)
+    gzipped = calls_path(str(tmp_path / "run.json"))
+    assert gzipped.name == "run.calls.json.gz"
+    write_rows(gzipped, measured)
+    assert gzipped.read_bytes()[:2] == b"\x1f\x8b"
+    plain = tmp_path / "old.calls.json"
+    plain.write_text(json.dumps(measured))
+    reports = []
+    for source in (gzipped, plain):
+        out = tmp_path / f"{source.name}.report.json"
+        main(["--calls-json", str(source), "--json", str(out)])
+        reports.append(json.loads(out.read_text())["roles"])
+    assert reports[0] == reports[1] == {"w/critic": role_report(measured, QualityConfig())}
