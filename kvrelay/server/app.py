@@ -71,7 +71,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     app.state.worker, app.state.catalog, app.state.metrics, app.state.context = worker, catalog, metrics, ctx
     add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
     add_error_handlers(app, metrics)  # OpenAI's error JSON, never a traceback
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, api_keys=settings.api_keys)
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions
     app.include_router(completions_router(ctx))  # POST /v1/completions

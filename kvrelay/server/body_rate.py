@@ -10,28 +10,38 @@ busy enough that the other requests' prefill pieces ran 1.3-1.6x their predicted
 So each client (its API key, else its address) has a budget of ``capacity_bytes`` (the body limit: one body of
 the largest size is always allowed) that refills at ``capacity_bytes`` a second, and only bodies over
 ``LARGE_BODY_BYTES`` draw on it: an agent's requests, kilobytes each, never do. A large body the budget cannot
-cover is a 429 with ``Retry-After``, answered from its ``Content-Length`` before a byte of it is read. A chunked
-body (no length given) is charged as it arrives, after the fact: it may take the budget below zero, and that
-client's next large body waits longer. Nothing here needs tuning: one largest body a second per client is far
-more prompt text than any engine prefills in a second (8 MB is about 2M tokens).
+cover waits, unread, until it can (an idle coroutine; the connection's reading is paused by its flow control), so
+a client that sends them back to back is slowed to its budget instead of answered at once and invited to send the
+next: answered with an immediate 429, such a client came back a hundred times a second, and each attempt cost the
+server part of a body's reading. A body that would wait more than ``MAX_WAIT_S``, or that finds ``MAX_WAITING`` of
+its client's bodies already waiting, is a 429 with ``Retry-After``, answered from its ``Content-Length`` before a
+byte of it is read. A chunked body (no length given) is charged as it arrives, after the fact: it may take the
+budget below zero, and that client's next large body waits longer. Nothing here needs tuning: one largest body a
+second per client is far more prompt text than any engine prefills in a second (8 MB is about 2M tokens).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 
 LARGE_BODY_BYTES = 1 << 20  # bodies up to this size are free: no agent's request is counted
 MAX_CLIENTS = 4096  # clients with a budget below full kept at once; the fullest are forgotten first
+MAX_WAIT_S = 30.0  # a large body that would wait longer for its client's budget is a 429
+MAX_WAITING = 4  # a client's large bodies waiting at once; one more is a 429
 
 
-def client_key(scope: dict) -> str:
-    """Whom a request's budget belongs to: its bearer key (hashed, not kept in the clear), else its address."""
-    auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
-    if auth:
-        return "key:" + hashlib.sha256(auth).hexdigest()[:32]
+def client_key(scope: dict, api_keys: frozenset[str] = frozenset()) -> str:
+    """Whom a request's budget belongs to: its API key when it is one of ``api_keys`` (hashed, not kept in the
+    clear), else its address: a made-up key must not buy a fresh budget."""
+    auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if key and key in api_keys:
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
     client = scope.get("client")
     return f"addr:{client[0]}" if client else "addr:?"
 
@@ -40,11 +50,12 @@ class BodyRate:
     """Per client, a budget of body bytes over ``LARGE_BODY_BYTES`` that refills at ``capacity_bytes`` a second."""
 
     def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.monotonic,
-                 max_clients: int = MAX_CLIENTS) -> None:
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, max_clients: int = MAX_CLIENTS) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
-        self.capacity_bytes, self.clock, self.max_clients = capacity_bytes, clock, max_clients
+        self.capacity_bytes, self.clock, self.sleep, self.max_clients = capacity_bytes, clock, sleep, max_clients
         self._levels: dict[str, tuple[float, float]] = {}  # client -> (bytes left, at what time)
+        self._waiting: Counter[str] = Counter()  # client -> its large bodies waiting for the budget now
 
     def _level(self, client: str, now: float) -> float:
         level, at = self._levels.get(client, (self.capacity_bytes, now))
@@ -57,16 +68,43 @@ class BodyRate:
             for gone in by_level[self.max_clients // 2:]:
                 del self._levels[gone]
 
-    def admit(self, client: str, num_bytes: int) -> int:
-        """0 and the bytes charged, if ``client`` may send a body of ``num_bytes`` now; else the whole seconds to
-        wait (nothing charged)."""
-        if num_bytes <= LARGE_BODY_BYTES:
-            return 0
+    def admit(self, client: str, num_bytes: int | None) -> float:
+        """0 and the bytes charged, if ``client`` may send a body of ``num_bytes`` now; else the seconds until its
+        budget covers it (nothing charged). ``None``: a body of unknown length, which needs a budget not below zero
+        (it is charged as it arrives)."""
         now = self.clock()
+        if num_bytes is None:
+            return max(0.0, -self._level(client, now)) / self.capacity_bytes
+        if num_bytes <= LARGE_BODY_BYTES:
+            return 0.0
         level = self._level(client, now)
         if level < num_bytes:
-            return max(1, math.ceil((num_bytes - level) / self.capacity_bytes))
+            return (num_bytes - level) / self.capacity_bytes
         self._set(client, level - num_bytes, now)
+        return 0.0
+
+    async def wait_turn(self, client: str, num_bytes: int | None) -> int:
+        """Wait until ``client``'s budget covers a body of ``num_bytes`` and charge it: 0; or, when that would take
+        over ``MAX_WAIT_S`` or ``MAX_WAITING`` of its bodies wait already, the whole seconds to retry after. A body
+        of unknown length (None) waits until the budget is no longer below zero and is charged as it arrives."""
+        wait_s = self.admit(client, num_bytes)
+        if not wait_s:
+            return 0
+        if wait_s > MAX_WAIT_S or self._waiting[client] >= MAX_WAITING:
+            return max(1, math.ceil(wait_s))
+        self._waiting[client] += 1
+        waited_s = 0.0
+        try:
+            while wait_s:  # another of its bodies may take the budget first: wait again
+                if waited_s + wait_s > MAX_WAIT_S:
+                    return max(1, math.ceil(wait_s))
+                await self.sleep(wait_s)
+                waited_s += wait_s
+                wait_s = self.admit(client, num_bytes)
+        finally:
+            self._waiting[client] -= 1
+            if not self._waiting[client]:
+                del self._waiting[client]
         return 0
 
     def charge(self, client: str, num_bytes: int) -> None:

@@ -1,6 +1,6 @@
 """Every failure answered as OpenAI's error JSON, never a traceback: the app's exception handlers, and the body
-limit (a 413 before the handler reads a body that is too large; a 429 for a client sending large bodies faster than
-its budget, ``server.body_rate``)."""
+limit (a 413 before the handler reads a body that is too large; a client's large bodies held to its budget,
+``server.body_rate``)."""
 
 from __future__ import annotations
 
@@ -28,29 +28,36 @@ class BodyTooLarge(StarletteHTTPException):
 class BodyLimit:
     """413 for a request body over the limit: at once from its Content-Length, else (a chunked body, or one whose
     length was not given) as soon as the bytes received pass the limit, without reading the rest. A large body
-    its client's budget cannot cover (``rate``) is a 429 before it is read. Plain ASGI, not ``@app.middleware``:
-    that wrapper hides the client's disconnect from the handlers, which must see it to cancel."""
+    waits, unread, for its client's budget (``rate``), or is a 429 when the wait would be too long. Plain ASGI,
+    not ``@app.middleware``: that wrapper hides the client's disconnect from the handlers, which must see it to
+    cancel."""
 
-    def __init__(self, app, max_bytes: int, metrics: ServerMetrics, rate: BodyRate | None = None) -> None:
-        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+    def __init__(self, app, max_bytes: int, metrics: ServerMetrics, rate: BodyRate | None = None,
+                 api_keys: frozenset[str] = frozenset()) -> None:
+        self.app, self.max_bytes, self.metrics, self.api_keys = app, max_bytes, metrics, api_keys
         self.rate = rate if rate is not None else BodyRate(max_bytes)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        size = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        size = headers.get(b"content-length", b"")
+        chunked = not size.isdigit() and b"chunked" in headers.get(b"transfer-encoding", b"").lower()
         if size.isdigit() and int(size) > self.max_bytes:
             self.metrics.errors.labels("413").inc()
             response = error_response(413, f"request body of {int(size)} bytes is over the limit of "
                                            f"{self.max_bytes} bytes", code="request_too_large")
             await response(scope, receive, send)
             return
-        client = client_key(scope)
-        wait_s = self.rate.admit(client, int(size)) if size.isdigit() else 0
+        client = client_key(scope, self.api_keys)
+        wait_s = await self.rate.wait_turn(client, int(size)) if size.isdigit() else 0
+        if chunked:  # its size is not known: it waits while its client's budget is below zero
+            wait_s = await self.rate.wait_turn(client, None)
         if wait_s:
             self.metrics.errors.labels("429").inc()
-            response = error_response(429, f"request body of {int(size)} bytes: this client sends large bodies "
+            described = f"of {int(size)} bytes" if size.isdigit() else "of unknown length"
+            response = error_response(429, f"request body {described}: this client sends large bodies "
                                            f"faster than {self.max_bytes} bytes a second; retry in {wait_s} s",
                                       "rate_limit_error", code="rate_limit_exceeded",
                                       headers={"Retry-After": str(wait_s)})
@@ -70,7 +77,7 @@ class BodyLimit:
         try:
             await self.app(scope, counted_receive, send)
         finally:
-            if not size.isdigit():  # a body of unknown length is charged once it has arrived
+            if chunked:  # a body of unknown length is charged once it has arrived
                 self.rate.charge(client, num_bytes)
 
 
