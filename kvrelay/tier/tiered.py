@@ -95,7 +95,9 @@ class TieredStore(KVStore):
         self.origin = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._cursors: dict[tuple[str, str], str | None] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
-        self._unwritten: OrderedDict[tuple[str, str], None] = OrderedDict()  # put while the tier was down
+        # put while the tier was down (None: written if still in memory then), or deferred (the span itself: a
+        # deferred write is owed, even if memory evicts the span before the caller flushes)
+        self._unwritten: OrderedDict[tuple[str, str], SpanLike | None] = OrderedDict()
         self._deferring = threading.local()  # ``writes_deferred``: this thread's puts skip the tier for now
         self.remote = RemoteSpans(self._hashes, block_len)
         # match_prefix reads new announcements at most this often (None: never, memory prefixes only)
@@ -231,7 +233,7 @@ class TieredStore(KVStore):
             self.fingerprint = span.fingerprint
         if getattr(self._deferring, "active", False):  # written by the caller's ``flush_unwritten``
             with self._lock:
-                self._unwritten[(namespace, span_id)] = None
+                self._unwritten[(namespace, span_id)] = span
             return evicted
         if self._write_through(span_id, span, namespace):
             self.flush_unwritten()
@@ -283,12 +285,13 @@ class TieredStore(KVStore):
             with self._lock:
                 if not self._unwritten:
                     return written
-                namespace, span_id = next(iter(self._unwritten))
+                (namespace, span_id), owed = next(iter(self._unwritten.items()))
                 rec = self._spaces.get(namespace, {}).get(span_id)
-                if rec is None:  # evicted or removed meanwhile: nothing to write
+                span = rec.span if rec is not None else owed
+                if span is None:  # evicted or removed meanwhile: nothing to write
                     del self._unwritten[(namespace, span_id)]
                     continue
-            if self._write_through(span_id, rec.span, namespace):
+            if self._write_through(span_id, span, namespace):
                 written += 1
             elif (namespace, span_id) in self._unwritten:  # the tier is down again: later
                 return written

@@ -75,6 +75,18 @@ def test_disk_span_survives_a_restart(tmp_path):
     assert [p.span_id for p in fresh.poll_published()] == ["a"]
 
 
+def test_a_deferred_write_is_owed_even_if_memory_evicts_the_span_first(tmp_path):
+    first, second = span(20), span(21)
+    store = TieredStore(second.nbytes + 8, DiskBackend(tmp_path), "fp")  # room for one span at a time
+    with store.writes_deferred():
+        store.put("a", first)
+        store.put("b", second)  # evicts "a" from memory before its tier write
+    assert not KVStore.contains(store, "a")  # evicted from memory, not yet in the tier
+    assert store.flush_unwritten() == 2
+    reader = TieredStore(1 << 20, DiskBackend(tmp_path), "fp")
+    assert torch.equal(reader.get("a").k, first.k) and torch.equal(reader.get("b").k, second.k)
+
+
 def test_disk_readers_never_see_a_partial_write(tmp_path):
     spans = [span(4000), span(3000)]  # ~0.4 and ~0.3 MB values, rewritten under one key
     writer = TieredStore(1 << 24, DiskBackend(tmp_path), "fp")
