@@ -117,3 +117,36 @@ def test_repeated_text_is_taken_in_whole_windows(period, prefer):
     assert len(found) <= n // (window - period) + 2, (len(found), [m.num_tokens for m in found][:8])
     if prefer == "oldest":
         assert {m.span_id for m in found} == {"s0"}  # the text is still taken where it was first stored
+
+
+def rule_line_spans(num_spans: int, seed: int = 1) -> list[list[int]]:
+    """Spans each holding a run of token 7 (32-512 long) after 1-40 random tokens of their own: a context each."""
+    rng = random.Random(seed)
+    spans = []
+    for _ in range(num_spans):
+        length = rng.randint(32, 512)
+        own = [rng.randrange(100, 50000) for _ in range(rng.randint(1, 40))]
+        spans.append(own + [7] * length + [rng.randrange(100, 50000)])
+    return spans
+
+
+@pytest.mark.xfail(strict=True, reason="issue 54: each context in which spans start the repeats costs O(B*B/p) "
+                   "once per stretch of the prompt, so a prompt of many separate stretches costs stretches x contexts")
+def test_work_per_token_is_bounded_on_many_separate_stretches():
+    """A prompt of many separate repeated stretches (lines of ``[7] * 40 + [10]``) against spans that each open a
+    run of 7 in a context of their own: every context is visited again at every stretch (4K tokens, 1,000 spans:
+    1,367 a token). Linear would be a constant per prompt token, and per context a constant once per lookup."""
+    line = [7] * 40 + [10]
+    work = {}
+    for num_spans in (300, 1000):
+        index = TokenIndex(block_len=16)
+        for k, ids in enumerate(rule_line_spans(num_spans)):
+            index.add(f"s{k}", ids)
+        for n in (512, 1024):
+            q = (line * (n // len(line) + 1))[:n]
+            found = index.find(q, min_tokens=16, prefer="oldest")
+            assert sum(m.num_tokens for m in found) >= n - 2 * len(line), found[:3]  # the lines are taken
+            work[num_spans, n] = index.last_work
+    per_token = {s: (work[s, 1024] - work[s, 512]) / 512 for s in (300, 1000)}
+    per_span = (work[1000, 1024] - work[300, 1024]) / 700
+    assert max(per_token.values()) <= 30 and per_span <= 16 * 16, (per_token, per_span, work)
