@@ -150,3 +150,44 @@ def test_work_per_token_is_bounded_on_many_separate_stretches():
     per_token = {s: (work[s, 1024] - work[s, 512]) / 512 for s in (300, 1000)}
     per_span = (work[1000, 1024] - work[300, 1024]) / 700
     assert max(per_token.values()) <= 30 and per_span <= 16 * 16, (per_token, per_span, work)
+
+
+@st.composite
+def many_stretch_scenes(draw):
+    """A prompt of many short stretches, each repeating a unit of 1-5 tokens, separated by a few random tokens;
+    spans holding runs of those units at different lengths and phases after contexts of their own."""
+    block_len = draw(st.integers(2, 5))
+    sym = st.integers(0, 5)
+    units = [draw(st.lists(sym, min_size=1, max_size=5)) for _ in range(draw(st.integers(1, 2)))]
+
+    def run(max_len: int) -> list[int]:
+        unit = draw(st.sampled_from(units))
+        phase, length = draw(st.integers(0, len(unit) - 1)), draw(st.integers(0, max_len))
+        return [unit[(phase + k) % len(unit)] for k in range(length)]
+
+    spans = [draw(st.lists(sym, max_size=block_len + 2)) + run(5 * block_len) + draw(st.lists(sym, max_size=3))
+             for _ in range(draw(st.integers(1, 12)))]
+    query = []
+    for _ in range(draw(st.integers(2, 8))):
+        query += run(4 * block_len) + draw(st.lists(sym, min_size=1, max_size=2))
+    return block_len, spans, query
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(many_stretch_scenes(), st.sampled_from(["longest", "oldest"]))
+def test_every_long_run_across_many_short_stretches_is_inside_a_candidate(scene, prefer):
+    """The guarantee on a prompt of many separate repeated stretches (the case a matcher that remembers work
+    across stretches must keep), and ``find`` takes the same runs with and without its cover mode."""
+    block_len, spans, query = scene
+    index = TokenIndex(block_len=block_len)
+    for k, ids in enumerate(spans):
+        index.add(f"s{k}", ids)
+    runs = index.find_runs(query, prefer=prefer)
+    for m in runs:
+        assert is_real(m, query, index), m
+    for k, ids in enumerate(spans):
+        for start, end, src_start in maximal_runs(query, tuple(ids), 2 * block_len - 1):
+            assert any(m.start <= start and end <= m.end for m in runs), (f"s{k}", start, end, src_start, runs)
+    for min_tokens in (block_len, 2 * block_len):  # find's cover mode takes what it takes from the full list
+        chosen = index.choose(query, runs, min_tokens, None, prefer)
+        assert index.find(query, min_tokens=min_tokens, prefer=prefer) == chosen, (min_tokens, chosen)
