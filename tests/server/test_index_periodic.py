@@ -117,3 +117,77 @@ def test_repeated_text_is_taken_in_whole_windows(period, prefer):
     assert len(found) <= n // (window - period) + 2, (len(found), [m.num_tokens for m in found][:8])
     if prefer == "oldest":
         assert {m.span_id for m in found} == {"s0"}  # the text is still taken where it was first stored
+
+
+def rule_line_spans(num_spans: int, seed: int = 1) -> list[list[int]]:
+    """Spans each holding a run of token 7 (32-512 long) after 1-40 random tokens of their own: a context each."""
+    rng = random.Random(seed)
+    spans = []
+    for _ in range(num_spans):
+        length = rng.randint(32, 512)
+        own = [rng.randrange(100, 50000) for _ in range(rng.randint(1, 40))]
+        spans.append(own + [7] * length + [rng.randrange(100, 50000)])
+    return spans
+
+
+@pytest.mark.xfail(strict=True, reason="issue 54: each context in which spans start the repeats costs O(B*B/p) "
+                   "once per stretch of the prompt, so a prompt of many separate stretches costs stretches x contexts")
+def test_work_per_token_is_bounded_on_many_separate_stretches():
+    """A prompt of many separate repeated stretches (lines of ``[7] * 40 + [10]``) against spans that each open a
+    run of 7 in a context of their own: every context is visited again at every stretch (4K tokens, 1,000 spans:
+    1,367 a token). Linear would be a constant per prompt token, and per context a constant once per lookup."""
+    line = [7] * 40 + [10]
+    work = {}
+    for num_spans in (300, 1000):
+        index = TokenIndex(block_len=16)
+        for k, ids in enumerate(rule_line_spans(num_spans)):
+            index.add(f"s{k}", ids)
+        for n in (512, 1024):
+            q = (line * (n // len(line) + 1))[:n]
+            found = index.find(q, min_tokens=16, prefer="oldest")
+            assert sum(m.num_tokens for m in found) >= n - 2 * len(line), found[:3]  # the lines are taken
+            work[num_spans, n] = index.last_work
+    per_token = {s: (work[s, 1024] - work[s, 512]) / 512 for s in (300, 1000)}
+    per_span = (work[1000, 1024] - work[300, 1024]) / 700
+    assert max(per_token.values()) <= 30 and per_span <= 16 * 16, (per_token, per_span, work)
+
+
+@st.composite
+def many_stretch_scenes(draw):
+    """A prompt of many short stretches, each repeating a unit of 1-5 tokens, separated by a few random tokens;
+    spans holding runs of those units at different lengths and phases after contexts of their own."""
+    block_len = draw(st.integers(2, 5))
+    sym = st.integers(0, 5)
+    units = [draw(st.lists(sym, min_size=1, max_size=5)) for _ in range(draw(st.integers(1, 2)))]
+
+    def run(max_len: int) -> list[int]:
+        unit = draw(st.sampled_from(units))
+        phase, length = draw(st.integers(0, len(unit) - 1)), draw(st.integers(0, max_len))
+        return [unit[(phase + k) % len(unit)] for k in range(length)]
+
+    spans = [draw(st.lists(sym, max_size=block_len + 2)) + run(5 * block_len) + draw(st.lists(sym, max_size=3))
+             for _ in range(draw(st.integers(1, 12)))]
+    query = []
+    for _ in range(draw(st.integers(2, 8))):
+        query += run(4 * block_len) + draw(st.lists(sym, min_size=1, max_size=2))
+    return block_len, spans, query
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(many_stretch_scenes(), st.sampled_from(["longest", "oldest"]))
+def test_every_long_run_across_many_short_stretches_is_inside_a_candidate(scene, prefer):
+    """The guarantee on a prompt of many separate repeated stretches (the case a matcher that remembers work
+    across stretches must keep), and ``find`` takes the same runs with and without its cover mode."""
+    block_len, spans, query = scene
+    index = TokenIndex(block_len=block_len)
+    for k, ids in enumerate(spans):
+        index.add(f"s{k}", ids)
+    runs = index.find_runs(query, prefer=prefer)
+    for m in runs:
+        assert is_real(m, query, index), m
+    for k, ids in enumerate(spans):
+        for start, end, src_start in maximal_runs(query, tuple(ids), 2 * block_len - 1):
+            assert any(m.start <= start and end <= m.end for m in runs), (f"s{k}", start, end, src_start, runs)
+    for min_tokens in (block_len, 2 * block_len):  # find's cover mode takes what it takes from the full list
+        chosen = index.choose(query, runs, min_tokens, None, prefer)
+        assert index.find(query, min_tokens=min_tokens, prefer=prefer) == chosen, (min_tokens, chosen)
