@@ -59,8 +59,10 @@ yields ``find`` nothing and its group sleeps for the stretch), and each context 
 which stored spans start the repeated text costs O(B * B / p) per stretch of the prompt that repeats it: its
 group is met at the stretch's first B offsets, before a window is kept, then sleeps; the groups of blocks
 inside stored repeats (a member per span and block) are listed once per lookup and met at those offsets only.
-Not covered: a period of B or more (a repeated line longer than a block), where runs are extended as on any
-text, so each offset may check every span that holds the line.
+So a prompt of many separate stretches (a table of rule lines) costs stretches x contexts, not linear in the
+prompt alone (``test_work_per_token_is_bounded_on_many_separate_stretches``, expected to fail). Not covered: a
+period of B or more (a repeated line longer than a block), where runs are extended as on any text, so each offset
+may check every span that holds the line.
 
 Storage, and the garbage collector. Python's cyclic collector walks every object it tracks at each full
 collection, and one lands in whatever lookup or decode step crosses its threshold: with a container or two per
