@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.server.index import TokenIndex
-from tests.server.test_index_periodic import periodic_scenes, periodic_spans
-from tests.server.test_index_properties import build, scenes
+from tests.server.test_index_periodic import build_periodic, periodic_scenes, periodic_spans
+from tests.server.test_index_properties import build, draw_covered, scenes
 
 
 def same_choice(index: TokenIndex, query: list[int], namespace: str, min_tokens: int, covered: list,
@@ -27,10 +27,7 @@ def same_choice(index: TokenIndex, query: list[int], namespace: str, min_tokens:
 def test_find_is_the_same_with_and_without_cover_on_random_text(scene, min_tokens, prefer, data):
     block_len, spans, query = scene
     index = build(block_len, spans)
-    covered = []
-    if query and data.draw(st.booleans()):
-        a = data.draw(st.integers(0, len(query)))
-        covered = [(a, data.draw(st.integers(a, len(query))))]
+    covered = draw_covered(data, query)
     same_choice(index, query, "a", min_tokens, covered, prefer)
 
 
@@ -38,11 +35,7 @@ def test_find_is_the_same_with_and_without_cover_on_random_text(scene, min_token
 @given(periodic_scenes(), st.integers(1, 12), st.sampled_from(["longest", "oldest"]), st.data())
 def test_find_is_the_same_with_and_without_cover_on_periodic_text(scene, min_tokens, prefer, data):
     block_len, spans, query, removed = scene
-    index = TokenIndex(block_len=block_len)
-    for k, ids in enumerate(spans):
-        index.add(f"s{k}", ids)
-    for k in removed:
-        index.remove(f"s{k}")
+    index = build_periodic(block_len, spans, removed)
     covered = []
     for _ in range(data.draw(st.integers(0, 2)) if query else 0):  # ranges taken first shift the tiling
         a = data.draw(st.integers(0, len(query)))

@@ -74,15 +74,21 @@ def periodic_scenes(draw):
     return block_len, spans, query, removed
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(periodic_scenes(), st.sampled_from(["longest", "oldest"]))
-def test_every_long_run_with_periodic_text_is_inside_a_candidate(scene, prefer):
-    block_len, spans, query, removed = scene
+def build_periodic(block_len: int, spans: list[list[int]], removed) -> TokenIndex:
+    """An index of ``spans`` as ``s0, s1, ...``, then the ``removed`` ones taken out."""
     index = TokenIndex(block_len=block_len)
     for k, ids in enumerate(spans):
         index.add(f"s{k}", ids)
     for k in removed:
         index.remove(f"s{k}")
+    return index
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(periodic_scenes(), st.sampled_from(["longest", "oldest"]))
+def test_every_long_run_with_periodic_text_is_inside_a_candidate(scene, prefer):
+    block_len, spans, query, removed = scene
+    index = build_periodic(block_len, spans, removed)
     runs = index.find_runs(query, prefer=prefer)
     for m in runs:
         assert m.span_id in index and is_real(m, query, index), m

@@ -68,6 +68,14 @@ def scenes(draw):
     return block_len, spans, query
 
 
+def draw_covered(data, query: list[int]) -> list[tuple[int, int]]:
+    """None, or one prompt range ``find`` is told is taken already."""
+    if not query or not data.draw(st.booleans()):
+        return []
+    a = data.draw(st.integers(0, len(query)))
+    return [(a, data.draw(st.integers(a, len(query))))]
+
+
 def build(block_len: int, spans: list[tuple[str, list[int]]]) -> TokenIndex:
     index = TokenIndex(block_len=block_len)
     for k, (namespace, ids) in enumerate(spans):
@@ -97,10 +105,7 @@ def test_every_long_run_is_inside_a_candidate_and_candidates_are_real(scene, pre
 def test_find_leaves_no_long_shared_stretch_free(scene, min_tokens, prefer, data):
     block_len, spans, query = scene
     index = build(block_len, spans)
-    covered = []
-    if query and data.draw(st.booleans()):
-        a = data.draw(st.integers(0, len(query)))
-        covered = [(a, data.draw(st.integers(a, len(query))))]
+    covered = draw_covered(data, query)
     found = index.find(query, "a", min_tokens, covered, prefer)
     taken = sorted([(m.start, m.end) for m in found] + covered)
     for m in found:
