@@ -275,10 +275,36 @@ def probe_ttft(base_url: str, model: str, seconds: float, words: int = 8,
     return out
 
 
+_NUM_CHUNK_PROBES = 3  # prompts of one chunk each, prefilled alone: the chunk's time is their median
+
+
+def one_chunk_ms(base_url: str, model: str, chunk_tokens: int) -> tuple[float, list[int]]:
+    """The server's own prefill time (its ``ttft_ms``) of a fresh prompt of ``chunk_tokens`` tokens, i.e. of one
+    full prefill chunk at the prompt's start, alone on the server: the median over a few, and the prompt sizes sent
+    (the template's tokens are measured by a first call and taken off the words)."""
+    num_words, times_ms, sizes = chunk_tokens, [], []
+    for k in range(_NUM_CHUNK_PROBES + 1):
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": long_text(num_words)}],
+                           "max_tokens": 1, "temperature": 0, "cache_salt": uuid.uuid4().hex}).encode()
+        replies: list[dict] = []
+        if _post_raw(base_url, body, replies=replies) != 200:
+            raise RuntimeError(f"a one-chunk prompt was refused: {replies[-1:]}")
+        num_tokens = replies[0]["usage"]["prompt_tokens"]
+        if k == 0:  # sizing call: words are about a token each, the chat template adds the rest
+            num_words -= num_tokens - chunk_tokens
+            continue
+        sizes.append(num_tokens)
+        times_ms.append(replies[0]["kvrelay"]["ttft_ms"])
+        wait_for_shadows(base_url)
+    return statistics.median(times_ms), sizes
+
+
 def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chunk_tokens: int) -> dict:
     """Issue 54's target: a short request's TTFT p99 while one client sends an 8K-token prompt and another an 8 MB
-    body, against 3 x its idle TTFT + one prefill chunk (a chunk's time: the long prompt's prefill wall time over
-    its number of chunks, as the server reports them); its second token's time beside it. The long prompt reuses a
+    body, against 3 x its idle TTFT + one prefill chunk (a chunk's time: the server's prefill time of a fresh prompt
+    of ``chunk_tokens`` tokens, measured alone; beside it, the long prompt's prefill wall time over its number of
+    pieces, which counts its short last pieces and the relay band's lighter ones); its second token's time beside
+    it. The long prompt reuses a
     stored copy of its text (sent once first, untimed) at a new position, as an agent's prompt quoting an earlier
     one does: under the default server (guard on: relay) its prefill runs relay's band with span tokens. Probes run
     until the long prompts are done."""
@@ -291,6 +317,7 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
     seed_shadow_wait_s = wait_for_shadows(base_url)  # its shadow reference (an 8K full prefill) is no idle server
     warmup = probe_ttft(base_url, model, 0.0, min_probes=_NUM_WARMUP_PROBES)  # lazy imports, allocations, the
     # seed's freed 8K-token buffers: the first probes after it are not what an idle server answers in
+    chunk_ms, chunk_prompt_tokens = one_chunk_ms(base_url, model, chunk_tokens)
     idle_second: list[float] = []
     idle = probe_ttft(base_url, model, seconds / 3, second_ms=idle_second, min_probes=_MIN_IDLE_PROBES)
     deadline = time.perf_counter() + seconds
@@ -306,12 +333,14 @@ def stall_phase(base_url: str, model: str, seconds: float, long_words: int, chun
         load_1min.append(os.getloadavg()[0])
     body_client.join()
     exts = [r["kvrelay"] for r in long_client.replies]
-    chunk_ms = statistics.mean(e["ttft_ms"] / e["num_prefill_chunks"] for e in exts) if exts else float("nan")
+    piece_ms = statistics.mean(e["ttft_ms"] / e["num_prefill_chunks"] for e in exts) if exts else float("nan")
     bound = 3 * percentile(idle, 0.5) + chunk_ms
     row = {"idle_ttft_ms_p50": percentile(idle, 0.5), "idle_ttft_ms_p99": percentile(idle, 0.99),
            "idle_ttft_ms_all": idle, "warmup_ttft_ms_all": warmup, "seed_shadow_wait_s": seed_shadow_wait_s,
            "idle_second_token_ms_p50": percentile(idle_second, 0.5), "idle_second_token_ms_all": idle_second,
-           "chunk_prefill_ms_mean": chunk_ms, "chunk_tokens": chunk_tokens, "seed_status": seed_status,
+           "chunk_prefill_ms": chunk_ms, "chunk_prompt_tokens": chunk_prompt_tokens, "chunk_tokens": chunk_tokens,
+           "long_prompt_piece_ms_mean": piece_ms, "seed_status": seed_status,
+           "bound_with_piece_mean_ms": 3 * percentile(idle, 0.5) + piece_ms,
            "long_prompt_tokens": [r["usage"]["prompt_tokens"] for r in long_client.replies],
            "long_prompt_methods": [e["method"] for e in exts],
            "long_prompt_reused_tokens": [e["num_reused_tokens"] for e in exts],
