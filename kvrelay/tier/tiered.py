@@ -32,49 +32,11 @@ from kvrelay.errors import ConfigError, StoreFullError
 from kvrelay.tier.announce import PublishedSpan, RemoteSpans, announcement
 from kvrelay.tier.backends.base import TierBackend, TierRefusedError, channel_key, redact, span_key
 from kvrelay.tier.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
+from kvrelay.tier.health import TierDown, TierHealth
 from kvrelay.tier.wire import SpanMeta, WireError, decode_span, encode_span
 
 log = logging.getLogger("kvrelay.tier")
 _MAX_UNWRITTEN = 100_000  # spans remembered for writing once the tier is back (oldest forgotten first)
-
-
-class _TierDown(Exception):
-    pass
-
-
-class TierHealth:
-    """Up/down state with exponential backoff; logs once per transition, never per failed call."""
-
-    def __init__(self, url: str, min_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
-        self.url, self.min_backoff_s, self.max_backoff_s = url, min_backoff_s, max_backoff_s
-        self.down_since: float | None = None
-        self.num_failures = 0
-        self._backoff_s = min_backoff_s
-        self._next_try = 0.0
-        self._lock = threading.Lock()
-
-    def available(self) -> bool:
-        return time.monotonic() >= self._next_try
-
-    def failure(self, what: str, exc: BaseException) -> None:
-        with self._lock:
-            self.num_failures += 1
-            now = time.monotonic()
-            if self.down_since is None:
-                self.down_since, self._backoff_s = now, self.min_backoff_s
-                log.warning("shared tier %s unavailable (%s: %s: %s); serving from memory, retrying with backoff",
-                            self.url, what, type(exc).__name__, redact(str(exc)))
-            else:
-                self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
-            self._next_try = now + self._backoff_s
-
-    def success(self) -> None:
-        if self.down_since is None:
-            return
-        with self._lock:
-            if self.down_since is not None:
-                log.warning("shared tier %s is back after %.1f s", self.url, time.monotonic() - self.down_since)
-                self.down_since, self._next_try = None, 0.0
 
 
 class TieredStore(KVStore):
@@ -131,15 +93,15 @@ class TieredStore(KVStore):
     # ------------------------------------------------------------------ tier access, never raising
     def _tier(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         if not self.health.available():
-            raise _TierDown
+            raise TierDown
         try:
             out = fn(*args)
         except TierRefusedError as e:  # the tier is up: this operation alone failed
             log.warning("shared tier %s: %s", self.url, e)
-            raise _TierDown("tier refused") from None
+            raise TierDown("tier refused") from None
         except Exception as e:  # any failure of the tier is a miss, never a failed request
             self.health.failure(what, e)
-            raise _TierDown from None
+            raise TierDown from None
         self.health.success()
         return out
 
@@ -157,7 +119,7 @@ class TieredStore(KVStore):
             t0 = time.perf_counter()
             raw_meta = self._tier("read metadata", self.backend.get_meta, key)
             self.cost.observe_latency(time.perf_counter() - t0)
-        except _TierDown as e:
+        except TierDown as e:
             self._miss(span_id, namespace, str(e) or "tier unavailable")
             return None
         if raw_meta is None:
@@ -184,7 +146,7 @@ class TieredStore(KVStore):
         t0 = time.perf_counter()
         try:
             value = self._tier("read value", self.backend.get_value, key)
-        except _TierDown as e:
+        except TierDown as e:
             self.decisions.record(replace(decision, action="miss", reason=str(e) or "tier unavailable"))
             return None
         if value is None:
@@ -261,7 +223,7 @@ class TieredStore(KVStore):
             self._tier("write", self.backend.put, span_key(namespace, span.fingerprint, span_id), value,
                        meta.to_bytes())
             self._tier("announce", self.backend.announce, channel_key(namespace, span.fingerprint), message)
-        except _TierDown as e:
+        except TierDown as e:
             with self._lock:
                 if str(e) == "tier refused":  # this span will not fit: give up on it
                     self._unwritten.pop((namespace, span_id), None)
@@ -303,7 +265,7 @@ class TieredStore(KVStore):
         try:
             self._tier("delete", self.backend.delete, span_key(namespace, self.fingerprint, span_id))
             return True
-        except _TierDown:
+        except TierDown:
             return False
 
     # ------------------------------------------------------------------ announcements (for the index)
@@ -328,7 +290,7 @@ class TieredStore(KVStore):
             try:
                 messages, cursor = self._tier("poll", self.backend.poll, channel_key(namespace, fingerprint),
                                               self._cursors.get(key))
-            except _TierDown:
+            except TierDown:
                 return
             self._cursors[key] = cursor
             self.remote.add(namespace, fingerprint, messages)
@@ -405,6 +367,6 @@ def open_store(url: str | None, budget_bytes: int, *, fingerprint: str | None = 
     if hasattr(backend, "client"):
         try:  # an unreachable server is logged now, once, rather than at the first request
             store._tier("connect", backend.client.ping)
-        except _TierDown:
+        except TierDown:
             pass
     return store
