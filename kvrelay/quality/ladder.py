@@ -56,6 +56,40 @@ def check_ladder(ladder: tuple[Rung, ...]) -> tuple[Rung, ...]:
     return ladder
 
 
+def parse_ladder(text: str) -> tuple[Rung, ...]:
+    """A ladder from its flag, cheapest rung first: comma-separated rungs, each a method spec (its rung name: the
+    method's, e.g. ``kvcomm``) or ``NAME=SPEC`` (e.g. ``wide=relay[selector=budget,keep_share=0.5]``); commas inside
+    a spec's brackets belong to the spec. A ConfigError names what is wrong."""
+    items, depth, current = [], 0, ""
+    for char in text or "":
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0:
+            raise ConfigError(f"quality ladder {text!r}: a ']' closes no '['")
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    if depth:
+        raise ConfigError(f"quality ladder {text!r}: a '[' is never closed")
+    items.append(current)
+    rungs = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            raise ConfigError(f"quality ladder {text!r}: an empty rung (give rungs like 'naive,relay,prefix')")
+        head = item.split("[", 1)[0]
+        name, spec = (p.strip() for p in item.split("=", 1)) if "=" in head else (head.strip(), item)
+        rungs.append(Rung(name, spec))
+    return check_ladder(tuple(rungs))
+
+
+def ladder_text(ladder: tuple[Rung, ...]) -> str:
+    """The flag's text of ``ladder`` (``parse_ladder``'s inverse)."""
+    return ",".join(r.method_spec if r.method_spec.split("[", 1)[0] == r.name else f"{r.name}={r.method_spec}"
+                    for r in ladder)
+
+
 @dataclass
 class Move:
     """One rung change of a role: at its ``at_call``-th call, from one rung index to another, and why."""

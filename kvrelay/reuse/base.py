@@ -135,3 +135,9 @@ class ReuseMethod(ABC):
         Called after the first token, outside TTFT. Stateless methods ignore it; KVCOMM adds anchors.
         """
         return None
+
+    def dense_plan(self, call: CallInput) -> Plan | None:
+        """The plan of a dense prefill of ``call`` as this method would have made it, for ``observe`` to learn from
+        a dense prefill someone else ran (the quality guard's shadow ``full`` reference, whose cache equals a dense
+        prefill's): None when the method learns nothing from a dense prefill (every stateless method)."""
+        return None

@@ -228,6 +228,15 @@ class KVCommMethod(ReuseMethod):
         return patches
 
     # ------------------------------------------------------------------ learning
+    def dense_plan(self, call: CallInput) -> Plan | None:
+        """The plan of the call's fallback as ``plan`` records it (its ``_Layout``), so ``observe`` adds one anchor
+        per placeholder from any dense prefill of the call (the quality guard's shadow ``full`` reference); a call
+        without placeholders has nothing to learn from."""
+        if not call.refs:
+            return None
+        return Plan(StaticSchedule(torch.arange(len(call.prompt_ids))), state=_Layout.of(call),
+                    fallback="kvcomm: learning from a dense prefill of the call")
+
     def observe(self, call: CallInput, plan: Plan, cache: SequenceKV, store: KVStore | None, lm) -> None:
         self._forget_expired(store)
         if isinstance(plan.state, list):  # a reuse: credit the anchors with the weight they had

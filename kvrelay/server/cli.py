@@ -62,6 +62,7 @@ def add_quality_flags(p: argparse.ArgumentParser) -> None:
     """``--quality-target`` and ``--quality-sample``, their defaults and help from ``QualityConfig``'s fields."""
     from kvrelay.flags import finite_float
     from kvrelay.quality import QualityConfig
+    from kvrelay.quality.ladder import ladder_text
 
     fields = {f.name: f for f in dataclasses.fields(QualityConfig)}
     defaults = QualityConfig()
@@ -71,16 +72,25 @@ def add_quality_flags(p: argparse.ArgumentParser) -> None:
                         f"references (docs/quality.md; default: {defaults.target})")
     p.add_argument("--quality-sample", type=finite_float, default=defaults.sample_rate,
                    help=f"{fields['sample_rate'].metadata['help']} (default: {defaults.sample_rate:g})")
+    p.add_argument("--quality-ladder", default=ladder_text(defaults.ladder),
+                   help=f"{fields['ladder'].metadata['help']}: method specs or NAME=SPEC, comma-separated; a learning "
+                        f"rung (e.g. kvcomm: naive,kvcomm,relay,prefix) learns from the shadow references, no "
+                        f"warm-up (docs/quality.md; default: {ladder_text(defaults.ladder)})")
 
 
 def quality_config(args: argparse.Namespace):
     """The guard's config from the flags; None with ``--quality-target off``."""
     from kvrelay.quality import QualityConfig
+    from kvrelay.quality.ladder import ladder_text, parse_ladder
+    from kvrelay.reuse import get_method
 
     target = QualityConfig.parse_target(args.quality_target)
     if target is None:
         return None
-    return QualityConfig(target=target, sample_rate=args.quality_sample)
+    ladder = parse_ladder(getattr(args, "quality_ladder", None) or ladder_text(QualityConfig().ladder))
+    for rung in ladder:
+        get_method(rung.method_spec)  # a bad spec fails here, before the model loads
+    return QualityConfig(target=target, sample_rate=args.quality_sample, ladder=ladder)
 
 
 def read_api_keys(path: str | None) -> frozenset[str]:

@@ -58,6 +58,11 @@ class _GuardCollector(Collector):
         failed = CounterMetricFamily("kvrelay_quality_shadow_failed", "shadow references dropped on an error")
         failed.add_metric([], self.runner.num_failed)
         yield failed
+        if self.runner.teacher is not None:
+            lessons = CounterMetricFamily("kvrelay_quality_shadow_lessons", "shadow references handed to a learning "
+                                          "rung of the ladder as its own dense prefill (kvcomm's anchors)")
+            lessons.add_metric([], self.runner.teacher.num_taught)
+            yield lessons
         pending = GaugeMetricFamily("kvrelay_quality_shadows_pending", "shadow references queued or running (work "
                                     "the engine does in turns no live prefill waits for)")
         pending.add_metric([], self.runner.num_pending)

@@ -13,8 +13,9 @@ only in turns where no live prefill is waiting (between decode steps), and outsi
 pieces are sized by the worker's ``ChunkBudget`` as live pieces are, by predicted time: a piece of a fixed token
 count deep in an 8K-token reference costs several turns, and the running streams' next tokens (and a new request's
 first) wait for it. Its KV is private: it is planned without a store (nothing is read, published or counted as
-reuse) and freed once compared. Its compute time is what it costs, counted per shadow and exported
-(``kvrelay.server.quality_metrics``).
+reuse) and freed once compared; before that, a ``ShadowTeacher`` hands it to the ladder's learning rungs as their
+own dense prefill of the call. Its compute time, teaching included, is what it costs, counted per shadow and
+exported (``kvrelay.server.quality_metrics``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
 from kvrelay.server.chunk_budget import ChunkBudget
 from kvrelay.server.prefill_turn import next_piece
+from kvrelay.server.shadow_teacher import ShadowTeacher
 
 log = logging.getLogger("kvrelay.server")
 CONTINUATION_TOKENS = 4  # tokens of the method's own continuation compared with full's logits on them
@@ -104,9 +106,10 @@ class ShadowRunner:
     """The worker's shadow references: ``offer`` right after a live request's first token, ``advance`` in turns
     with no live prefill waiting. ``guard`` is the quality guard (``should_shadow``, ``record``)."""
 
-    def __init__(self, engine: Engine, guard: Any, on_result=None) -> None:
-        """``on_result(ShadowResult)``: called after each recorded comparison (metrics)."""
-        self.engine, self.guard, self.on_result = engine, guard, on_result
+    def __init__(self, engine: Engine, guard: Any, on_result=None, teacher: ShadowTeacher | None = None) -> None:
+        """``on_result(ShadowResult)``: called after each recorded comparison (metrics); ``teacher``: hands each
+        finished reference's KV to the ladder's learning rungs (``kvrelay.server.shadow_teacher``)."""
+        self.engine, self.guard, self.on_result, self.teacher = engine, guard, on_result, teacher
         self.engine.method("full")
         self._pending: deque[ShadowJob] = deque()
         self.num_runs = 0
@@ -172,6 +175,8 @@ class ShadowRunner:
         """The continuation chunk, the comparison, the record; the shadow's KV is freed."""
         ref = shadow.task.sequence()  # full's first-token logits; its greedy token is not used
         shadow.task = None
+        if self.teacher is not None:  # the prompt's dense KV, before the continuation chunk extends the cache
+            shadow.cost_ms += self.teacher.teach(shadow.namespace, shadow.live.call, ref.cache, shadow.live.method)
         num_prompt = len(shadow.prompt_ids)
         continuation = list(shadow.live.output_ids[: min(len(shadow.tap.logits), CONTINUATION_TOKENS)])
         continuation_kl = None
