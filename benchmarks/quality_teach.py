@@ -44,7 +44,8 @@ STORE_BYTES = 1 << 30
 
 def _rung_row(out, ref_logits) -> dict:
     s = out.stats
-    return {"kl": kl_first_token(ref_logits, out.first_logits), "agree": first_token_agrees(ref_logits, out.first_logits),
+    return {"kl": kl_first_token(ref_logits, out.first_logits),
+            "agree": first_token_agrees(ref_logits, out.first_logits),
             "reused_token_layers": s.num_reused_token_layers, "prompt_token_layers": s.num_prompt_token_layers,
             "ttft_ms": s.ttft_ms, "fallback": s.fallback}
 
@@ -99,7 +100,8 @@ def learner_report(rows: list[dict]) -> dict:
     return {"num_calls": n, "num_reusing": len(reused), "first_reusing_call": reused[0] + 1 if reused else None,
             "kl_mean": sum(c["kl"] for c in calls) / n, "agreement": sum(c["agree"] for c in calls) / n,
             "kl_mean_when_reusing": (sum(calls[i]["kl"] for i in reused) / len(reused)) if reused else None,
-            "reuse": sum(c["reused_token_layers"] for c in calls) / max(sum(c["prompt_token_layers"] for c in calls), 1),
+            "reuse": (sum(c["reused_token_layers"] for c in calls)
+                      / max(sum(c["prompt_token_layers"] for c in calls), 1)),
             "teach_ms_mean": sum(c["teach_ms"] for c in calls) / n,
             "full_ttft_ms_mean": sum(r["rungs"]["full"]["ttft_ms"] for r in rows) / n,
             "per_call": [[round(c["kl"], 5), int(c["agree"]), c["reused_token_layers"], c["fallback"] is None]
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
             "env": {"machine": platform.machine(), "cpu_threads": os.environ.get("OMP_NUM_THREADS"),
                     "commit": commit.strip(), "python": sys.version.split()[0], "load": os.getloadavg()},
             "model": args.model, "learn": args.learn, "limit": args.limit,
-            "ladders": {"default": [r.name for r in base.ladder], "with_learning_rung": [r.name for r in taught.ladder]},
+            "ladders": {"default": [r.name for r in base.ladder],
+                        "with_learning_rung": [r.name for r in taught.ladder]},
             "roles": out_roles}, separators=(",", ":")))
 
 
