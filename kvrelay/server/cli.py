@@ -59,7 +59,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_quality_flags(p: argparse.ArgumentParser) -> None:
-    """``--quality-target`` and ``--quality-sample``, their defaults and help from ``QualityConfig``'s fields."""
+    """``--quality-target``, ``--quality-sample`` and ``--quality-ladder``: defaults and help from ``QualityConfig``."""
     from kvrelay.flags import finite_float
     from kvrelay.quality import QualityConfig
     from kvrelay.quality.ladder import ladder_text
@@ -87,7 +87,8 @@ def quality_config(args: argparse.Namespace):
     target = QualityConfig.parse_target(args.quality_target)
     if target is None:
         return None
-    ladder = parse_ladder(getattr(args, "quality_ladder", None) or ladder_text(QualityConfig().ladder))
+    text = getattr(args, "quality_ladder", None)  # None: a caller's namespace without the flag
+    ladder = parse_ladder(ladder_text(QualityConfig().ladder) if text is None else text)
     for rung in ladder:
         get_method(rung.method_spec)  # a bad spec fails here, before the model loads
     return QualityConfig(target=target, sample_rate=args.quality_sample, ladder=ladder)
