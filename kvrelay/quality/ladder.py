@@ -11,6 +11,10 @@ reuse, least repair) to the safest; the default one is built from shipped method
 ``epic`` is left out: on every shipped table it reuses no more than ``relay`` and its KL is higher, so a role that
 ``relay`` fails would gain nothing from it. ``full`` is left out because ``prefix`` already is exact.
 
+A learning rung (``kvcomm``) can be put on a ladder (``parse_ladder``, ``--quality-ladder``): the shadow references
+teach it (``kvrelay.server.shadow_teacher``). It is not a default rung: taught so on unseen MMLU subjects it reused
+about half what ``relay`` does, and over the target on the calls it reused (docs/quality.md).
+
 The controller is deterministic: its decisions are a function of the sequence of calls and observations it was
 given (counters only, no clock, no random numbers).
 """
