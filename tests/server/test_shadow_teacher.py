@@ -130,7 +130,7 @@ def test_a_learning_rung_learns_from_the_role_shadows_and_then_reuses(tiny, taug
 
 
 def _tenant_b(worker: EngineWorker, lm, with_a: bool) -> list[dict]:
-    """Tenant B's traffic (every call shadowed, the third at kvcomm), tenant A's before each of B's calls or not."""
+    """Tenant B's traffic (every call shadowed, the fourth at kvcomm), tenant A's before each of B's calls or not."""
     out = []
     for k in range(4):
         if with_a:
