@@ -145,9 +145,10 @@ class ShadowRunner:
                 if shadow.task is None or not shadow.task.done:
                     self._prefill(shadow, budget)
                     return True
-                if shadow.continuation_ready:
-                    self._pending.remove(shadow)
+                if shadow.continuation_ready:  # pending until recorded: a reader of ``num_pending`` (the gauge, a
+                    # test waiting for its shadow) sees 0 only once the comparison and its lessons are done
                     self._compare(shadow)
+                    self._pending.remove(shadow)
                     return True
             except Exception:  # a reference that breaks is dropped; live requests never see it
                 log.exception("a shadow reference failed; it is dropped")
