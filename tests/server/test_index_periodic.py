@@ -136,8 +136,6 @@ def rule_line_spans(num_spans: int, seed: int = 1) -> list[list[int]]:
     return spans
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54: each context in which spans start the repeats costs O(B*B/p) "
-                   "once per stretch of the prompt, so a prompt of many separate stretches costs stretches x contexts")
 def test_work_per_token_is_bounded_on_many_separate_stretches():
     """A prompt of many separate repeated stretches (lines of ``[7] * 40 + [10]``) against spans that each open a
     run of 7 in a context of their own: every context is visited again at every stretch (4K tokens, 1,000 spans:
