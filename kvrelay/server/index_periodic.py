@@ -136,10 +136,13 @@ class PeriodicVisits:
                 if back == b:  # inside stored repeats: skipped where the prompt's go back a block too
                     groups.append(group)
                     continue
-                special.setdefault((back, src[off - 1 - back]), []).append(group)
+                sub, p = index.hasher.sub, entry.prefix
+                for reach in range(1, b - back):  # as far as the tokens before its repeats could match the prompt's
+                    special.setdefault((back, reach, sub(p, off - back - reach, off - back)), []).append(gid)
+                self.work += b - back
             pseudo = merged.get(back)
             if pseudo is None:
-                pseudo = merged[back] = [None, gid, None, period, back, []]
+                pseudo = merged[back] = [None, gid, None, period, back, [], 0]
                 groups.append(pseudo)
             pseudo[5].append(gid)
         return groups, ((period, special) if special else None)
@@ -149,12 +152,18 @@ class PeriodicVisits:
         prompt's start after: their runs go further left than their merged group's."""
         period, special = specials
         q_start, _ = self._stretch(period, i)
-        if not q_start or i - q_start >= self.index.block_len:
-            return
-        for group in special.get((i - q_start, self.q[q_start - 1]), ()):
-            if group[0] != q_prev:  # else it reaches back a whole block: found from its first block
-                self.work += 1
-                self._visit_periodic(i, group, q_prev)
+        back, b = i - q_start, self.index.block_len
+        sub, qp = self.index.hasher.sub, self.prefix
+        for reach in range(1, min(b - back, q_start + 1)):
+            self.work += 1
+            key = (back, reach, sub(qp, q_start - reach, q_start))
+            node = special.get(key)
+            if node is None:
+                return
+            if node[0] is not None:  # first met: its groups (numbers), merged
+                node = special[key] = [None, node[0], None, period, back, node, reach]
+            self.work += 1
+            self._visit_periodic(i, node, q_prev)
 
     def _periodic_view(self, group: list) -> tuple:
         """A periodic group's members as checked (``oldest``: in span order; else newest first), the members
@@ -198,7 +207,7 @@ class PeriodicVisits:
         period = group[3]
         q_start, q_end = self._stretch(period, i)
         if group[5] is not None:  # merged: the side whose repeats start later breaks first (``_block_groups``)
-            left = min(group[4], i - q_start)
+            left = min(group[4], i - q_start) + group[6]
             self.work += 1
         else:
             left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
@@ -239,6 +248,11 @@ class PeriodicVisits:
         if self.oldest and len(picks) > 1:
             picks.sort(key=lambda pick: pick[0][2])
         self.work += len(picks) + 1
+        if not self.oldest:  # ``longest``: where the picks change (a record's repeats stop with the prompt's):
+            # then its run ends where the prompt's repeats do, as a newer span's may, which is preferred
+            j = bisect.bisect_left(rec_after, q_after)
+            if j:
+                wake = min(wake, q_end - b - rec_after[j - 1])
         if i - left <= q_start:  # the prompt's repeats start inside the run: no window recurs a period later
             return self._check(i, left, picks, wake)
         families = self.families.get((period, q_end))
