@@ -71,6 +71,10 @@ class PeriodicVisits:
     recurs at every shift whose block still lies in the stretch, and a window inside a shift of it (from a span at
     least as preferred) stays inside the same shift of each later one: its group sleeps until the stretch ends, or
     until one of its members' repeats stop with the prompt's (whose next tokens may then match).
+
+    Runs start likewise where the side whose repeats start later breaks first, so groups whose spans start their
+    repeats equally far before the block are visited as one, whatever their context (``_block_groups``): a
+    stretch of the prompt costs a visit or a few per such distance, not per context.
     """
 
     def _stretch(self, period: int, i: int) -> tuple[int, int]:

@@ -110,7 +110,8 @@ class Sweep(PeriodicVisits):
         # repeated text meets the same groups at offset after offset: a group whose every member lies inside
         # the runs kept sleeps until its reach (growing a token per offset) could pass them.
         # Per block hash met: (groups awake, heap of (wake offset, tie, group) asleep); a group is
-        # [previous block, group number, members in the order they are checked (filled on the first visit)]
+        # [previous block, group number, members in the order they are checked (filled on the first visit), period,
+        # and for periodic blocks how its repeats start and what it merges] (``PeriodicVisits._block_groups``)
         self.block_state: dict[int, tuple[list, list]] = {}
         self.num_asleep = 0
         # per periodic block met: (period, (tokens before the block that go on with its period, the token that
