@@ -62,6 +62,10 @@ def block_periods(ids: list[int] | tuple[int, ...], block_len: int) -> list[tupl
     return out
 
 
+def _order(holder: tuple) -> int:
+    return holder[2]
+
+
 class PeriodicVisits:
     """The sweep's visits to groups whose block has a period below a block (``index_sweep.Sweep`` holds the state).
 
@@ -140,10 +144,7 @@ class PeriodicVisits:
                 if back == b:  # inside stored repeats: skipped where the prompt's go back a block too
                     groups.append(group)
                     continue
-                sub, p = index.hasher.sub, entry.prefix
-                for reach in range(1, b - back):  # as far as the tokens before its repeats could match the prompt's
-                    special.setdefault((back, reach, sub(p, off - back - reach, off - back)), []).append(gid)
-                self.work += b - back
+                special.setdefault((back, src[off - 1 - back]), []).append(gid)
             pseudo = merged.get(back)
             if pseudo is None:
                 pseudo = merged[back] = [None, gid, None, period, back, [], 0]
@@ -157,40 +158,72 @@ class PeriodicVisits:
         period, special = specials
         q_start, _ = self._stretch(period, i)
         back, b = i - q_start, self.index.block_len
+        if not q_start or back >= b:
+            return
+        key = (back, self.q[q_start - 1])
+        tree = special.get(key)
+        if tree is None:
+            return
+        if isinstance(tree, list):  # first met: its groups by how far their contexts go, as hashes of their ends
+            tree = special[key] = self._context_tree(tree, back)
         sub, qp = self.index.hasher.sub, self.prefix
         for reach in range(1, min(b - back, q_start + 1)):
             self.work += 1
-            key = (back, reach, sub(qp, q_start - reach, q_start))
-            node = special.get(key)
+            context = (reach, sub(qp, q_start - reach, q_start))
+            node = tree.get(context)
             if node is None:
                 return
             if node[0] is not None:  # first met: its groups (numbers), merged
-                node = special[key] = [None, node[0], None, period, back, node, reach]
+                node = tree[context] = [None, node[0], None, period, back, node, reach]
             self.work += 1
             self._visit_periodic(i, node, q_prev)
+
+    def _context_tree(self, group_ids: list[int], back: int) -> dict:
+        """(tokens of context, hash of them) -> the groups whose context ends so, for groups whose repeats start
+        ``back`` tokens before the block after the same token."""
+        index, b = self.index, self.index.block_len
+        sub, tree = index.hasher.sub, {}
+        for gid in group_ids:
+            _, off, entry = self._holder(index._group_members.head[gid])
+            p = entry.prefix
+            for reach in range(1, b - back):  # as far as the tokens before its repeats could match the prompt's
+                tree.setdefault((reach, sub(p, off - back - reach, off - back)), []).append(gid)
+            self.work += b - back
+        return tree
 
     def _periodic_view(self, group: list) -> tuple:
         """A periodic group's members as checked (``oldest``: in span order; else newest first), the members
         that go on with the period further than every one before them (their extensions increase), the members
         by extension, by extension and the token that breaks the period, and each such token's extensions
         (sorted); listed on its first visit."""
-        if group[5] is not None:  # merged groups (``_block_groups``)
+        if group[5] is not None and len(group[5]) > 1:  # merged groups (``_block_groups``)
             ordered = [h for gid in group[5] for h in self.index.group_holders(gid, self.oldest)]
             if self.oldest:
-                ordered.sort(key=lambda h: h[2])
+                ordered.sort(key=_order)
         else:
             ordered = self.index.group_holders(group[1], self.oldest)
         if not self.oldest:
-            ordered.sort(key=lambda h: -h[2])
+            ordered.sort(key=_order, reverse=True)
         self.work += len(ordered)
         rec_after, rec_k, by_after, by_break, afters_of = [], [], {}, {}, {}
+        best = -2
         for k, h in enumerate(ordered):
-            by_after.setdefault(h[4], []).append(k)
-            if (h[4], h[6]) not in by_break:
-                afters_of.setdefault(h[6], []).append(h[4])
-            by_break.setdefault((h[4], h[6]), []).append(k)
-            if not rec_after or h[4] > rec_after[-1]:
-                rec_after.append(h[4])
+            after = h[4]
+            same = by_after.get(after)
+            if same is None:
+                by_after[after] = [k]
+            else:
+                same.append(k)
+            key = (after, h[6])
+            same = by_break.get(key)
+            if same is None:
+                by_break[key] = [k]
+                afters_of.setdefault(h[6], []).append(after)
+            else:
+                same.append(k)
+            if after > best:
+                best = after
+                rec_after.append(after)
                 rec_k.append(k)
         for afters in afters_of.values():
             afters.sort()
