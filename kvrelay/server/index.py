@@ -21,14 +21,21 @@ Hashes only steer the search: ``find`` compares every run it returns token by to
 Repeated text (``index_periodic``): a block with a period ``p`` below B (one token repeated, ``abab``, a
 table's rule line) matches an equal block of a span exactly as far as the shorter side's repeats go: the
 run ends where the span's repeats stop, or where the prompt's do, or, when both stop at once, as far as the
-tokens after them agree. Members keep how far their repeats go past the block, so a visit checks only the
-members that go further than every more preferred one, the first that goes past the prompt's repeats, and
-those that stop with them. Inside a stretch of the prompt repeating with period ``p``, a group met at ``i``
-is met again every ``p`` offsets and gives the same windows shifted by ``p`` (a window starts where its
-span's repeats start, the prompt's starting earlier): a window given once recurs at each shift whose block
-lies in the stretch, so a member whose window lies inside a shift of one (from a span at least as
-preferred) lies inside the same shift of each later one, and its group sleeps until the stretch ends or one
-of its members' repeats stop with the prompt's.
+tokens after them agree, and it starts likewise where the side whose repeats start later breaks first. So a
+group whose previous block breaks the period ``back`` tokens before the block gives, in a prompt stretch
+starting at ``q_start``, runs starting at ``i - min(back, i - q_start)``, whatever its context, unless the
+context's last token is the prompt's before the stretch (then only at ``i = q_start + back``, further left):
+the groups of one block with one ``back`` are visited as one merged group, and those whose context matches
+the prompt's ``d`` tokens before the stretch as one more merged group per ``d``, found by hashing those
+tokens at that offset. Members keep how far their repeats go past the block, so a visit checks only the
+members that go further than every more preferred one, the first that repeats as far as the prompt's, and
+those that stop with the prompt's and have its next token (they go on). While a run starts where the
+prompt's repeats do, each next offset gives each member a run as long or longer, so until the last such
+offset only members that go on are checked. Inside a stretch, a group met at ``i`` is met again every ``p``
+offsets and gives the same windows shifted by ``p``: a window given once recurs at each shift whose block
+lies in the stretch, so a member whose window lies inside a shift of one (from a span at least as preferred)
+lies inside the same shift of each later one, and its group sleeps until the stretch ends, one of its members
+would go on past it, or (``longest``) its picks change.
 
 Guarantee. Every maximal run of at least ``2 * block_len - 1`` tokens that the prompt shares with any
 span of the namespace is contained in a run ``find_runs`` returns (the same prompt offsets or more),
@@ -36,9 +43,13 @@ however many spans hold its blocks: such a run covers a whole aligned block of i
 such block has a previous block that differs from the prompt's (or none), so its group is visited
 there, or sleeps because all its runs lie inside runs already found (on repeated text: inside shifts of
 windows given in the stretch, each kept or inside a kept run of a span at least as preferred, by induction
-on preference; a member skipped at a visit ends no further than a more preferred one). The one exception
-is a collision of the 61-bit hash (random base per index) between different blocks, which can hide a run
-but never returns a false one. Shorter runs are found when they cover an aligned block. ``find`` then leaves
+on preference; a member skipped at a visit ends no further than a more preferred one). On repeated text its
+group is visited as part of a merged group that gives each member's run as its own group would, except where
+the context matches the prompt's further left: there the merged group's run is real but shorter, and the
+merged group of the matching depth gives the whole run; a run skipped while the runs start with the prompt's
+repeats lies inside the same member's run at the last such offset. The one exception is a collision of the
+61-bit hash (random base per index) between different blocks or contexts, which can hide a run or return a
+false one, which ``find`` drops. Shorter runs are found when they cover an aligned block. ``find`` then leaves
 no free stretch of ``max(min_tokens, 2 * block_len - 1)`` prompt tokens that some span shares.
 
 Cost (``last_work`` counts it: offsets, groups visited, members checked, tokens compared, hash
@@ -52,17 +63,17 @@ search, a look-up per distinct point where its members leave the group's referen
 follow the prompt past it, so spans sharing a passage cost what a few do (with ``"longest"`` each member is
 still checked: linear in their number per occurrence). What still counts: the groups awake at an offset,
 i.e. the distinct contexts in which stored spans start the text the prompt repeats, and the runs returned.
-On text repeating with a period below a block, a prompt offset costs a constant plus the runs it returns
-(``prefer="oldest"``: a window from each span whose repeats no older span's outreach; with ``find``'s cover
-mode, about one, the oldest span's whose windows overlap by ``min_tokens``: a newer span's window inside them
-yields ``find`` nothing and its group sleeps for the stretch), and each context in
-which stored spans start the repeated text costs O(B * B / p) per stretch of the prompt that repeats it: its
-group is met at the stretch's first B offsets, before a window is kept, then sleeps; the groups of blocks
-inside stored repeats (a member per span and block) are listed once per lookup and met at those offsets only.
-So a prompt of many separate stretches (a table of rule lines) costs stretches x contexts, not linear in the
-prompt alone (``test_work_per_token_is_bounded_on_many_separate_stretches``, expected to fail). Not covered: a
-period of B or more (a repeated line longer than a block), where runs are extended as on any text, so each offset
-may check every span that holds the line.
+On text repeating with a period below a block, contexts cost once per lookup (each periodic group is listed
+with O(B) hashes of its context, each member once), and a stretch of the prompt costs O(B) merged groups
+(one per ``back``, and one per ``d`` some context matches), each visited at its first offset, at the last
+where its runs start with the prompt's repeats, and where a member goes on or (``longest``) its picks change,
+plus the runs returned (``prefer="oldest"``: a window from each span whose repeats no older span's
+outreach; with ``find``'s cover mode, about one, the oldest span's whose windows overlap by ``min_tokens``):
+many separate stretches against 1,000 contexts cost 14 a token, not stretches x contexts. Not bounded: spans
+whose repeats stop with the prompt's and are followed by its next token (a stored line of ``k`` repeats ended
+by the token that ends the prompt's lines of ``k``) each go on past the stretch, a candidate per span and
+stretch (1,000 such spans: 77 a token, 35 at 300); and a period of B or more (a repeated line longer than a
+block), where runs are extended as on any text, so each offset may check every span that holds the line.
 
 Storage, and the garbage collector. Python's cyclic collector walks every object it tracks at each full
 collection, and one lands in whatever lookup or decode step crosses its threshold: with a container or two per
@@ -80,11 +91,9 @@ query in another.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 from array import array
 
-from kvrelay.server import index_splits
+from kvrelay.server import index_choose, index_splits
 from kvrelay.server.index_periodic import block_periods
 from kvrelay.server.index_splits import END, Splits, common_length
 from kvrelay.server.index_sweep import _MOD, PolyHash, Sweep, TokenMatch
@@ -376,78 +385,4 @@ class TokenIndex:
     def choose(self, token_ids: list[int] | tuple[int, ...], runs: list[TokenMatch], min_tokens: int = 16,
                covered: list[tuple[int, int]] | None = None, prefer: str = "longest") -> list[TokenMatch]:
         """``find``'s greedy over ``runs`` (from ``find_runs`` on ``token_ids``); adds its steps to ``last_work``."""
-        q = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-        oldest = prefer == "oldest"
-        spans = [self._spans[m.span_id] for m in runs]
-
-        def entry(start: int, end: int, k: int, src_start: int) -> tuple[int, ...]:
-            """A run's (or piece's) place in line, then what it is: (rank..., k, start, end, src_start)."""
-            order = spans[k].order
-            if oldest:
-                return order, start - end, start, k, start, end, src_start
-            return start - end, start, -order, k, start, end, src_start
-
-        taken = _merged(covered or [])
-        chosen: list[TokenMatch] = []
-        line = [entry(m.start, m.end, k, m.src_start) for k, m in enumerate(runs)]
-        heapq.heapify(line)
-        work = len(line)
-        while line:
-            *_, k, start, end, src_start = heapq.heappop(line)
-            work += 1
-            pieces = [p for p in _free_pieces(start, end, taken) if p[1] - p[0] >= min_tokens]
-            if not pieces:
-                continue
-            if pieces[0] != (start, end):  # it overlaps what was taken: its free pieces rank by their own length
-                for a, b in pieces:        # (a shorter piece waits behind longer runs)
-                    work += 1
-                    heapq.heappush(line, entry(a, b, k, src_start + a - start))
-                continue
-            if q[start:end] != spans[k].token_ids[src_start:src_start + end - start]:
-                self.num_collisions += 1  # equal hashes, different tokens: never returned
-            else:
-                work += end - start  # the tokens compared
-                chosen.append(TokenMatch(start, end, runs[k].span_id, src_start))
-                _take(taken, start, end)
-        self.last_work += work
-        return sorted(chosen, key=lambda m: m.start)
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint union of ``ranges`` (empty ones dropped)."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(r for r in ranges if r[1] > r[0]):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-def _take(taken: list[tuple[int, int]], start: int, end: int) -> None:
-    """Add the free range [start, end) to ``taken`` (sorted, disjoint), joined to the ranges it touches: on
-    repeated text ``find`` takes many short pieces end to end, and ``_free_pieces`` then steps over one."""
-    k = bisect.bisect_left(taken, (start, start))
-    if k < len(taken) and taken[k][0] == end:
-        end = taken.pop(k)[1]
-    if k > 0 and taken[k - 1][1] == start:
-        k -= 1
-        start = taken.pop(k)[0]
-    taken.insert(k, (start, end))
-
-
-def _free_pieces(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The maximal sub-ranges of [start, end) that overlap no range of ``taken`` (sorted, disjoint)."""
-    pieces = []
-    cursor = start
-    k = max(bisect.bisect_right(taken, (start, start)) - 1, 0)  # the last range starting at or before start
-    while k < len(taken) and taken[k][0] < end:
-        t_start, t_end = taken[k]
-        if t_end > cursor:
-            if t_start > cursor:
-                pieces.append((cursor, t_start))
-            cursor = t_end
-        k += 1
-    if cursor < end:
-        pieces.append((cursor, end))
-    return pieces
+        return index_choose.choose(self, token_ids, runs, min_tokens, covered, prefer)

@@ -17,6 +17,7 @@ ends first); per group its block's period (every member has the same block). Pur
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 
 from kvrelay.server.index_splits import END, common_length
 
@@ -61,6 +62,10 @@ def block_periods(ids: list[int] | tuple[int, ...], block_len: int) -> list[tupl
     return out
 
 
+def _order(holder: tuple) -> int:
+    return holder[2]
+
+
 class PeriodicVisits:
     """The sweep's visits to groups whose block has a period below a block (``index_sweep.Sweep`` holds the state).
 
@@ -70,6 +75,10 @@ class PeriodicVisits:
     recurs at every shift whose block still lies in the stretch, and a window inside a shift of it (from a span at
     least as preferred) stays inside the same shift of each later one: its group sleeps until the stretch ends, or
     until one of its members' repeats stop with the prompt's (whose next tokens may then match).
+
+    Runs start likewise where the side whose repeats start later breaks first, so groups whose spans start their
+    repeats equally far before the block are visited as one, whatever their context (``_block_groups``): a
+    stretch of the prompt costs a visit or a few per such distance, not per context.
     """
 
     def _stretch(self, period: int, i: int) -> tuple[int, int]:
@@ -103,60 +112,190 @@ class PeriodicVisits:
         self.stretch_ends[period] = (i, c - lo, i + b + k)
         return c - lo, i + b + k
 
+    def _block_groups(self, group_ids: Iterator[int]) -> tuple[list, tuple[int, dict] | None]:
+        """The groups of a block met for the first time, as the sweep visits them, and its groups to visit alone.
+
+        A group is [previous block, number, view, period, ``back``, merged group numbers or None]. A group of a
+        periodic block whose previous block does not go on with the period all the way (its spans start their
+        repeats in a context of their own) is merged with every such group whose repeats start as many tokens
+        before the block (``back``): against a prompt stretch starting at ``q_start`` their runs start at
+        ``i - min(back, i - q_start)`` (the side whose repeats start later breaks first), unless the token before
+        the span's repeats equals the prompt's, which matters only at ``i = q_start + back``. So the merged group
+        gives exactly the runs its groups would there (its runs are real; one that goes further left is found by
+        its group alone), and such a group is also kept by (back, that token), to be visited alone there.
+        Returns (groups, (period, groups by (back, token)) or None)."""
+        index, b = self.index, self.index.block_len
+        groups, merged, special = [], {}, {}
+        period = 0
+        for gid in group_ids:
+            prev, period = index.group_prev(gid), index.group_period(gid)
+            group = [prev, gid, None, period, 0, None]
+            if not period:
+                groups.append(group)
+                continue
+            back = 0
+            if prev is not None:
+                _, off, entry = self._holder(index._group_members.head[gid])
+                src = entry.token_ids
+                while back < b and src[off - 1 - back] == src[off - 1 - back + period]:
+                    back += 1
+                self.work += back + 1
+                group[4] = back
+                if back == b:  # inside stored repeats: skipped where the prompt's go back a block too
+                    groups.append(group)
+                    continue
+                special.setdefault((back, src[off - 1 - back]), []).append(gid)
+            pseudo = merged.get(back)
+            if pseudo is None:
+                pseudo = merged[back] = [None, gid, None, period, back, [], 0]
+                groups.append(pseudo)
+            pseudo[5].append(gid)
+        return groups, ((period, special) if special else None)
+
+    def _visit_specials(self, i: int, specials: tuple[int, dict], q_prev: int | None) -> None:
+        """Visit alone the groups whose repeats start ``i - q_start`` tokens before the block after the token the
+        prompt's start after: their runs go further left than their merged group's."""
+        period, special = specials
+        q_start, _ = self._stretch(period, i)
+        back, b = i - q_start, self.index.block_len
+        if not q_start or back >= b:
+            return
+        key = (back, self.q[q_start - 1])
+        tree = special.get(key)
+        if tree is None:
+            return
+        if isinstance(tree, list):  # first met: its groups by how far their contexts go, as hashes of their ends
+            tree = special[key] = self._context_tree(tree, back)
+        sub, qp = self.index.hasher.sub, self.prefix
+        for reach in range(1, min(b - back, q_start + 1)):
+            self.work += 1
+            context = (reach, sub(qp, q_start - reach, q_start))
+            node = tree.get(context)
+            if node is None:
+                return
+            if node[0] is not None:  # first met: its groups (numbers), merged
+                node = tree[context] = [None, node[0], None, period, back, node, reach]
+            self.work += 1
+            self._visit_periodic(i, node, q_prev)
+
+    def _context_tree(self, group_ids: list[int], back: int) -> dict:
+        """(tokens of context, hash of them) -> the groups whose context ends so, for groups whose repeats start
+        ``back`` tokens before the block after the same token."""
+        index, b = self.index, self.index.block_len
+        sub, tree = index.hasher.sub, {}
+        for gid in group_ids:
+            _, off, entry = self._holder(index._group_members.head[gid])
+            p = entry.prefix
+            for reach in range(1, b - back):  # as far as the tokens before its repeats could match the prompt's
+                tree.setdefault((reach, sub(p, off - back - reach, off - back)), []).append(gid)
+            self.work += b - back
+        return tree
+
     def _periodic_view(self, group: list) -> tuple:
         """A periodic group's members as checked (``oldest``: in span order; else newest first), the members
-        that go on with the period further than every one before them (their extensions increase), and the
-        members by extension; listed on its first visit."""
-        ordered = self.index.group_holders(group[1], self.oldest)
+        that go on with the period further than every one before them (their extensions increase), the members
+        by extension, by extension and the token that breaks the period, and each such token's extensions
+        (sorted); listed on its first visit."""
+        if group[5] is not None and len(group[5]) > 1:  # merged groups (``_block_groups``)
+            ordered = [h for gid in group[5] for h in self.index.group_holders(gid, self.oldest)]
+            if self.oldest:
+                ordered.sort(key=_order)
+        else:
+            ordered = self.index.group_holders(group[1], self.oldest)
         if not self.oldest:
-            ordered.sort(key=lambda h: -h[2])
+            ordered.sort(key=_order, reverse=True)
         self.work += len(ordered)
-        rec_after, rec_k, by_after = [], [], {}
+        rec_after, rec_k, by_after, by_break, afters_of = [], [], {}, {}, {}
+        best = -2
         for k, h in enumerate(ordered):
-            by_after.setdefault(h[4], []).append(k)
-            if not rec_after or h[4] > rec_after[-1]:
-                rec_after.append(h[4])
+            after = h[4]
+            same = by_after.get(after)
+            if same is None:
+                by_after[after] = [k]
+            else:
+                same.append(k)
+            key = (after, h[6])
+            same = by_break.get(key)
+            if same is None:
+                by_break[key] = [k]
+                afters_of.setdefault(h[6], []).append(after)
+            else:
+                same.append(k)
+            if after > best:
+                best = after
+                rec_after.append(after)
                 rec_k.append(k)
-        group[2] = (ordered, rec_after, rec_k, by_after, sorted(by_after))
+        for afters in afters_of.values():
+            afters.sort()
+        group[2] = (ordered, rec_after, rec_k, by_after, by_break, afters_of)
         return group[2]
 
     def _visit_periodic(self, i: int, group: list, q_prev: int | None) -> int:
         """``_visit`` for a group whose block has a period below a block: runs end where the shorter side's
         repeats stop (``index_periodic``), so only members no earlier one (in preference) outreaches are checked,
-        the first that outreaches the prompt's repeats, and those that stop with them (their next tokens decide)."""
+        the first that outreaches the prompt's repeats, and those that stop with them and have the prompt's next
+        token (they go on past them).
+
+        While the run starts where the prompt's repeats do (``left = i - q_start``, below the tokens before the
+        block that go on with the period), each further offset gives each member the same run, as long or
+        longer: only members that go on past the prompt's repeats are checked, until the last such offset."""
         q, b, n = self.q, self.index.block_len, len(self.q)
-        ordered, rec_after, rec_k, by_after, afters = group[2] or self._periodic_view(group)
-        left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
-        q_start, q_end = self._stretch(group[3], i)
+        ordered, rec_after, rec_k, by_after, by_break, afters_of = group[2] or self._periodic_view(group)
+        period = group[3]
+        q_start, q_end = self._stretch(period, i)
+        if group[5] is not None:  # merged: the side whose repeats start later breaks first (``_block_groups``)
+            left = min(group[4], i - q_start) + group[6]
+            self.work += 1
+        else:
+            left = self._left(i, group[0], q_prev, ordered[0][5], ordered[0][1])
         q_after = q_end - i - b
-        picks = []
+        token = q[q_end] if q_end < n else None
+        # offsets to wake at: where the next member with the prompt's next token stops with the prompt's repeats
+        # (it goes on past them); the block leaves the stretch at q_end - b + 1
+        afters = afters_of.get(token, ()) if token is not None else ()
+        j = bisect.bisect_left(afters, q_after)
+        wake = q_end - b - afters[j - 1] if j else q_end - b + 1
+        goes_on = by_break.get((q_after, token), ()) if token is not None else ()
+        picks = [(ordered[k], None, n) for k in goes_on]
+        if left == i - q_start < group[4]:
+            last = i + period * min((q_start + group[4] - i) // period, (q_end - b - i) // period)
+            if last > i:  # the same runs, as long or longer, at ``last``: until then only those that go on
+                self.work += len(picks) + 1
+                if picks:
+                    self._check(i, left, picks, n)
+                return min(wake, last)
         below = bisect.bisect_left(rec_after, q_after)  # records that stop before the prompt's repeats do
         if self.oldest:
             picks += [(ordered[rec_k[r]], i + b + rec_after[r], q_end - b - rec_after[r]) for r in range(below)]
         elif below == len(rec_after):
             picks.append((ordered[rec_k[-1]], i + b + rec_after[-1], q_end - b - rec_after[-1]))
+        # every other member that repeats as far as the prompt ends with its repeats: the first one (the others
+        # give the same run from a span no more preferred), either the first going further or one stopping there
         over = bisect.bisect_right(rec_after, q_after)
-        if over < len(rec_after):  # the first member that goes on past the prompt's repeats: ends with them
-            picks.append((ordered[rec_k[over]], q_end, q_end - b + 1))
-        for k in by_after.get(q_after, ()):  # stop where the prompt's do: ends there unless the next tokens match
-            h = ordered[k]
-            goes_on = q_end < n and h[6] == q[q_end]
-            picks.append((h, None, n) if goes_on else (h, q_end, q_end - b + 1))
+        first = rec_k[over] if over < len(rec_after) else len(ordered)
+        for k in by_after.get(q_after, ()):
+            self.work += 1
+            if k >= first:
+                break
+            if token is None or ordered[k][6] != token:
+                first = k
+                break
+        if first < len(ordered):
+            picks.append((ordered[first], q_end, q_end - b + 1))
         if self.oldest and len(picks) > 1:
             picks.sort(key=lambda pick: pick[0][2])
         self.work += len(picks) + 1
-        # wake no later than the block leaves this stretch, nor than the next member's repeats stop with the
-        # prompt's (their next tokens may match)
-        wake = q_end - b + 1
-        j = bisect.bisect_left(afters, q_after)
-        if j:
-            wake = min(wake, q_end - b - afters[j - 1])
+        if not self.oldest:  # ``longest``: where the picks change (a record's repeats stop with the prompt's):
+            # then its run ends where the prompt's repeats do, as a newer span's may, which is preferred
+            j = bisect.bisect_left(rec_after, q_after)
+            if j:
+                wake = min(wake, q_end - b - rec_after[j - 1])
         if i - left <= q_start:  # the prompt's repeats start inside the run: no window recurs a period later
             return self._check(i, left, picks, wake)
-        families = self.families.get((group[3], q_end))
+        families = self.families.get((period, q_end))
         if families is None:
-            families = self.families[group[3], q_end] = ({}, [])
-        return self._check(i, left, picks, wake, (families, group[3], q_end))
+            families = self.families[period, q_end] = ({}, [])
+        return self._check(i, left, picks, wake, (families, period, q_end))
 
     def _covered(self, i: int, left: int, order: int, end: int, families: tuple, period: int, q_end: int) -> int | None:
         """Whether an exact window of a periodic member lies inside a window already given in this stretch, by

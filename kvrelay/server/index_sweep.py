@@ -110,9 +110,13 @@ class Sweep(PeriodicVisits):
         # repeated text meets the same groups at offset after offset: a group whose every member lies inside
         # the runs kept sleeps until its reach (growing a token per offset) could pass them.
         # Per block hash met: (groups awake, heap of (wake offset, tie, group) asleep); a group is
-        # [previous block, group number, members in the order they are checked (filled on the first visit)]
+        # [previous block, group number, members in the order they are checked (filled on the first visit), period,
+        # and for periodic blocks how its repeats start and what it merges] (``PeriodicVisits._block_groups``)
         self.block_state: dict[int, tuple[list, list]] = {}
         self.num_asleep = 0
+        # per periodic block met: (period, (tokens before the block that go on with its period, the token that
+        # breaks them) -> groups), visited alone where the prompt's repeats start with that token before them
+        self.specials: dict[int, tuple[int, dict]] = {}
 
     def run(self) -> list[TokenMatch]:
         index, q, b = self.index, self.q, self.index.block_len
@@ -132,9 +136,10 @@ class Sweep(PeriodicVisits):
                 if ns_key is None or (ns_key | h) not in groups_of:
                     self.block_state[h] = state = ([], [])
                 else:
-                    groups = [[index.group_prev(gid), gid, None, index.group_period(gid)]
-                              for gid in groups_of.nodes(ns_key | h)]
+                    groups, special = self._block_groups(groups_of.nodes(ns_key | h))
                     state = self.block_state[h] = (groups, [])
+                    if special:
+                        self.specials[h] = special
             awake, asleep = state
             if asleep and asleep[0][0] <= i:
                 while asleep and asleep[0][0] <= i:
@@ -155,6 +160,8 @@ class Sweep(PeriodicVisits):
                     else:
                         still_awake.append(group)
                 awake[:] = still_awake
+            if h in self.specials:
+                self._visit_specials(i, self.specials[h], q_prev)
             if i + 1 >= b:
                 q_prev = (qp[i + 1] - qp[i + 1 - b] * power_b) % _MOD  # the block before offset i + 1
         for start in sorted(pending):
