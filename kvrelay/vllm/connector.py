@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvrelay.model.transformer import Transformer
+    from kvrelay.vllm.forward import VllmLayersForward
 
 log = logging.getLogger("kvrelay.vllm")
 
@@ -215,16 +216,20 @@ class KVRelayConnector(KVConnectorBase_V1):
         self._worker = WorkerSide(self.hub, paged, cfg, transformer)
         self._saver = BackgroundSaver(self._worker)
 
-    def _bind_transformer(self) -> Transformer | None:
-        """kvrelay's transformer on vLLM's modules (``binding``), found once at start: finding the model scans the
-        worker's live objects (seconds), which no request should wait for. None where it cannot be bound: then
-        loads that need tokens computed fail, and vLLM recomputes their blocks."""
+    def _bind_transformer(self) -> Transformer | VllmLayersForward | None:
+        """What computes a load's tokens on vLLM's modules, found once at start: finding the model scans the
+        worker's live objects (seconds), which no request should wait for. vLLM's decoder layers run as vLLM runs
+        them where they have its Llama layout (``forward``), else kvrelay's transformer on vLLM's modules
+        (``binding``). None where neither binds: then loads that need tokens computed fail, and vLLM recomputes
+        their blocks."""
         from kvrelay.vllm.binding import bind_transformer, find_model
+        from kvrelay.vllm.forward import bind_layers
 
         context = self._vllm_config.compilation_config.static_forward_context
         layers = {n: context[n] for n in self._attention_names}
         try:
-            return bind_transformer(self.model_config, find_model(layers))
+            vllm_model = find_model(layers)
+            return bind_layers(self.model_config, vllm_model) or bind_transformer(self.model_config, vllm_model)
         except ConfigError as e:
             log.warning("%s", e)
             return None
