@@ -32,7 +32,7 @@ from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
 from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
-from kvrelay.vllm.plan import LoadPlan, Run, plan_load
+from kvrelay.vllm.plan import LoadPlan
 from kvrelay.vllm.saver import BackgroundSaver
 from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide
 from kvrelay.weights.configs import config_from_hf
@@ -150,15 +150,7 @@ class KVRelayConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load or request.prompt_token_ids is None:
             return 0, False
-        namespace = namespace_of(request.cache_salt)
-        prompt = list(request.prompt_token_ids)
-        hub, cfg = self.hub, self.config
-        with hub.lock:
-            hub.catalog.learn_published(namespace)
-            found = hub.catalog.index.find(prompt, namespace, cfg.min_match_tokens, None, cfg.match_prefer)
-            runs = [Run(m.start, m.end, m.span_id, m.src_start) for m in found if hub.available(namespace, m.span_id)]
-            plan = plan_load(prompt, num_computed_tokens, runs, hub.catalog.index.token_ids, cfg.method, cfg.epic_k,
-                             cfg.min_match_tokens)
+        plan = self.hub.plan(list(request.prompt_token_ids), namespace_of(request.cache_salt), num_computed_tokens)
         if plan is None:
             self._plans.pop(request.request_id, None)
             return 0, False
