@@ -248,6 +248,13 @@ class KVRelayConnector(KVConnectorBase_V1):
                      result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
                      result.spans_missing, result.load_ms, result.forward_ms, torch.get_num_threads(), wait_ms)
 
+    def has_connector_metadata(self) -> bool:
+        """False, so that vLLM's attention layers skip ``wait_for_layer_load`` and ``save_kv_layer`` (two calls per
+        layer per step, each after a forward-context lookup): this connector works between forwards only
+        (``start_load_kv``; a save reads the finished request's blocks whole). vLLM asks this only there; the step's
+        metadata stays bound and ``start_load_kv`` reads it."""
+        return False
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
