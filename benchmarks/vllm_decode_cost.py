@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--order", default="plain,connector", help="the sides, in the order they run")
     parser.add_argument("--side", choices=("plain", "connector"), default=None, help="(internal) run one side")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -151,7 +152,7 @@ def main() -> None:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     sides, load_start = {}, os.getloadavg()
-    for side in ("plain", "connector"):
+    for side in args.order.split(","):
         proc = subprocess.run([sys.executable, __file__, "--model-dir", args.model_dir, "--requests",
                                str(args.requests), "--max-tokens", str(args.max_tokens), "--prompt-tokens",
                                str(args.prompt_tokens), "--side", side], env=env, capture_output=True, text=True)
