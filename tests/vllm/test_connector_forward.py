@@ -138,3 +138,26 @@ def test_attention_chunks_cover_the_rows_and_compute_fewest_scores():
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(chunks, chunks[1:], strict=False))
         scores = sum((end - start) * (positions[end - 1] + 1) for start, end in chunks)
         assert scores <= len(positions) * (positions[-1] + 1)
+
+
+def test_a_long_span_read_in_place_is_attended_as_kvrelays_prefill_attends_it(lm):
+    """A span of 256 tokens or more is read where the store holds it (``SequenceKV``'s refs); the row chunks attend
+    over it, the first chunk over only its first keys."""
+    from kvrelay.cache.kv import IN_PLACE_MIN_TOKENS
+
+    cfg, gen = lm.config, torch.Generator().manual_seed(6)
+    upstream = torch.randint(0, cfg.vocab_size, (IN_PLACE_MIN_TOKENS + 40,), generator=gen).tolist()
+    up = SequenceKV(cfg, torch.float32, "cpu", capacity=len(upstream) + 1)
+    lm.model.prefill(torch.tensor(upstream), up)
+    span = up.export(0, len(upstream), upstream, lm.fingerprint)
+    prompt = [1, 2, 3, 4, 5] + upstream + [6, 7, 8, 9, 10]
+    n, end = len(prompt), 5 + len(upstream)
+    active = torch.tensor(list(range(0, 9)) + list(range(end, n)))  # the gap, 4 repaired tokens, the tail
+    expected, got = (SequenceKV(cfg, torch.float32, "cpu", capacity=n + 1) for _ in range(2))
+    for cache in (expected, got):
+        cache.load_span(span, 5, lm.model.rope)
+    assert got._refs  # read in place, not copied
+    lm.model.prefill(torch.tensor(prompt), expected, StaticSchedule(active))
+    bind_layers(cfg, vllm_llama(lm.model)).compute_kv(torch.tensor(prompt), got, active)
+    torch.testing.assert_close(got.kv_all(0, n)[0], expected.kv_all(0, n)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.kv_all(0, n)[1], expected.kv_all(0, n)[1], rtol=1e-5, atol=1e-5)
