@@ -12,8 +12,10 @@ objects and a scratch paged KV of vLLM's CPU layout:
 - ``plan``: the scheduler side's matching and plan (``index.find`` + ``plan_load``);
 - ``fetch``: the spans out of the store; ``place``: the sequence cache built and the spans loaded into it
   (copy + key re-rotation), and ``rotate`` the re-rotation alone;
-- ``forward``: the connector's forward (``compute_kv``), its layers' linear products (vLLM's modules) and the
-  rest (attention, norms, RoPE, kvrelay's per-layer Python), per layer;
+- ``forward``: the connector's forward (``WorkerSide.transformer``: vLLM's decoder layers run as vLLM runs them,
+  ``kvrelay.vllm.forward``), and ``forward.linear`` its linear products alone (vLLM's modules, timed by hooks in a
+  pass of its own); ``generic``: the same tokens through kvrelay's modules bound to vLLM's (``binding``), with
+  ``generic.linear`` and ``generic.layers``; ``kv_max_abs_diff``: the two forwards' K/V, largest difference;
 - ``write``: the claimed positions' K/V into the paged KV;
 - ``load``: ``WorkerSide.load`` whole;
 - ``save.copy``, ``save.read``: the downstream's own save (what the next agent's load waits for): its blocks
@@ -76,12 +78,27 @@ class Timer:
         return out
 
 
+@contextmanager
+def profiled(on: bool, title: str):
+    """torch's CPU profile of the block, printed (self time, top 30), where ``on``."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    print(f"--- profile: {title}", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true", help="print torch's profile of one connector forward")
+    parser.add_argument("--profile-calls", action="store_true",
+                        help="print torch's profile of the last repetition's two end-to-end calls")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -91,6 +108,7 @@ def main() -> None:
     import kvrelay.vllm.binding as binding
     from kvrelay.cache.kv import SequenceKV
     from kvrelay.model import packed
+    from kvrelay.vllm.forward import VllmLayersForward
     from kvrelay.vllm.paged import PagedKV
     from kvrelay.vllm.plan import Run, plan_load
     from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide, compute_kv
@@ -101,8 +119,10 @@ def main() -> None:
               max_model_len=2048, seed=0, kv_transfer_config=kv_config)
     connector = get_kv_transfer_group()
     worker: WorkerSide = connector._worker
-    hub, cfg, model = worker.hub, worker.config, worker.transformer
+    hub, cfg, fast = worker.hub, worker.config, worker.transformer
+    assert isinstance(fast, VllmLayersForward), type(fast)
     vllm_model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+    model = binding.bind_transformer(cfg, vllm_model)  # kvrelay's modules on vLLM's: the generic path
     greedy = SamplingParams(max_tokens=1, temperature=0)
     gen = torch.Generator().manual_seed(0)
 
@@ -124,12 +144,26 @@ def main() -> None:
         return out
 
     def timed_call(module, x):
-        with timer.part("forward.linear"):
+        with timer.part("generic.linear"):
             return original_call(module, x)
 
     def timed_run_layer(*a, **k):
-        with timer.part("forward.layers"):
+        with timer.part("generic.layers"):
             return original_run_layer(*a, **k)
+
+    linear_modules = [m for layer in vllm_model.model.layers
+                      for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj)]
+    linear_t0: list[tuple[float, float]] = []
+
+    def linear_pre(module, inputs):
+        linear_t0.append((time.perf_counter(), time.thread_time()))
+
+    def linear_post(module, inputs, output):
+        w0, c0 = linear_t0.pop()
+        acc = timer.rep["forward.linear"]
+        acc[0] += (time.perf_counter() - w0) * 1e3
+        acc[1] += (time.thread_time() - c0) * 1e3
 
     num_blocks = -(-(UPSTREAM_TOKENS + 100) // BLOCK_SIZE) + 1
     scratch = [torch.zeros(num_blocks, cfg.num_kv_heads, BLOCK_SIZE, 2 * cfg.head_dim)
@@ -139,6 +173,7 @@ def main() -> None:
     bench_worker = WorkerSide(hub, paged, cfg, model)
     block_ids = list(range(num_blocks))
     ends: dict[str, list[float]] = defaultdict(list)
+    kv_diff: list[float] = []
     shape = {}
     for _ in range(args.reps):
         prompt = downstream_prompt(upstream, gen)
@@ -162,12 +197,34 @@ def main() -> None:
                 keys = span.k[:, :, piece.src_start: piece.src_start + piece.num_tokens]
                 worker.rope.shift_keys_into(keys, piece.dst_start - piece.src_start, out[:, :, : piece.num_tokens])
         active = torch.tensor(plan.recompute, dtype=torch.long)
+        token_ids = torch.tensor(prompt[: int(active[-1]) + 1])
+
+        def placed(plan=plan, spans=spans) -> SequenceKV:
+            placed_cache = SequenceKV(cfg, paged.dtype, "cpu", capacity=plan.end + 1)
+            for piece, span in zip(plan.pieces, spans, strict=True):
+                placed_cache.load_span(span, piece.dst_start, worker.rope, piece.src_start,
+                                       piece.src_start + piece.num_tokens)
+            return placed_cache
+
+        generic_cache = placed()
+        with timer.part("forward"):
+            fast.compute_kv(token_ids, cache, active)
+        hooks = [h for m in linear_modules for h in (m.register_forward_pre_hook(linear_pre),
+                                                       m.register_forward_hook(linear_post))]
+        try:  # the linear products' share, in a pass of its own (the hooks cost time of their own)
+            fast.compute_kv(token_ids, placed(), active)
+        finally:
+            for h in hooks:
+                h.remove()
         binding._call, model._run_layer = timed_call, timed_run_layer
         try:
-            with timer.part("forward"), packed.unpacked():
-                compute_kv(model, torch.tensor(prompt[: int(active[-1]) + 1]), cache, active)
+            with timer.part("generic"), packed.unpacked():
+                compute_kv(model, token_ids, generic_cache, active)
         finally:
             binding._call, model._run_layer = original_call, original_run_layer
+        n = int(active[-1]) + 1
+        kv_diff.append(max(float((cache.k[:, :, :n] - generic_cache.k[:, :, :n]).abs().max()),
+                           float((cache.v[:, :, :n] - generic_cache.v[:, :, :n]).abs().max())))
         with timer.part("write"):
             k, v = cache.kv_all(plan.num_computed, plan.end)
             paged.write(paged.slots(block_ids, plan.num_computed, plan.end), k, v)
@@ -181,16 +238,18 @@ def main() -> None:
         del copy
         if args.profile and len(ends["connector_call_ms"]) == args.reps - 1:
             from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU]) as prof, packed.unpacked():
-                compute_kv(model, torch.tensor(prompt[: int(active[-1]) + 1]), cache, active)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fast.compute_kv(token_ids, cache, active)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
         # end to end: the connector's load, then vLLM's prefill of the tail; and vLLM alone on the same prompt
         vllm_model.forward = timed_forward
+        profiling = args.profile_calls and len(ends["connector_call_ms"]) == args.reps - 1
         try:
             forward_ms.clear()
             t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+            with profiled(profiling, "the call with the connector"):
+                llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
             ends["connector_call_ms"].append((time.perf_counter() - t0) * 1e3)
             ends["connector_vllm_forward_ms"].append(forward_ms[0])
             ends["connector_load_ms"].append(worker.results[-1].load_ms)
@@ -198,8 +257,9 @@ def main() -> None:
             ends["connector_claimed"].append(worker.results[-1].num_claimed)
             forward_ms.clear()
             t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt, "cache_salt": f"alone{len(ends['alone_call_ms'])}"}], greedy,
-                         use_tqdm=False)
+            with profiled(profiling, "the call alone"):
+                llm.generate([{"prompt_token_ids": prompt, "cache_salt": f"alone{len(ends['alone_call_ms'])}"}],
+                             greedy, use_tqdm=False)
             ends["alone_call_ms"].append((time.perf_counter() - t0) * 1e3)
             ends["alone_vllm_forward_ms"].append(forward_ms[0])
         finally:
@@ -208,7 +268,7 @@ def main() -> None:
 
     parts = timer.summary()
     for name in parts:  # per-layer figures of the forward
-        if name.startswith("forward."):
+        if name.startswith(("forward.", "generic.")):
             for key in ("wall_ms_median", "cpu_ms_median"):
                 parts[name][key.replace("_median", "_per_layer")] = parts[name][key] / cfg.num_layers
     ratio = [c / a for c, a in zip(ends["connector_call_ms"], ends["alone_call_ms"], strict=True)]
@@ -216,12 +276,13 @@ def main() -> None:
            "key_layout": key_layout, **shape, "parts": parts,
            "end_to_end": {name: {"median": statistics.median(vals), "values": [round(x, 2) for x in vals]}
                           for name, vals in ends.items()},
-           "call_ratio_median": statistics.median(ratio)}
+           "call_ratio_median": statistics.median(ratio), "kv_max_abs_diff": max(kv_diff)}
     for name, p in parts.items():
         print(f"{name:16s} wall {p['wall_ms_median']:8.2f} ms  cpu {p['cpu_ms_median']:8.2f} ms", flush=True)
     for name, p in out["end_to_end"].items():
         print(f"{name:26s} {p['median']:8.2f}", flush=True)
-    print(f"call ratio (connector / vLLM alone) median {out['call_ratio_median']:.3f}; load {os.getloadavg()}")
+    print(f"call ratio (connector / vLLM alone) median {out['call_ratio_median']:.3f}; load {os.getloadavg()}; "
+          f"K/V of the two forwards: largest difference {out['kv_max_abs_diff']:.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

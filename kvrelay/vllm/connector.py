@@ -32,7 +32,7 @@ from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
 from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
-from kvrelay.vllm.plan import LoadPlan, Run, plan_load
+from kvrelay.vllm.plan import LoadPlan
 from kvrelay.vllm.saver import BackgroundSaver
 from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide
 from kvrelay.weights.configs import config_from_hf
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvrelay.model.transformer import Transformer
+    from kvrelay.vllm.forward import VllmLayersForward
 
 log = logging.getLogger("kvrelay.vllm")
 
@@ -149,15 +150,7 @@ class KVRelayConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load or request.prompt_token_ids is None:
             return 0, False
-        namespace = namespace_of(request.cache_salt)
-        prompt = list(request.prompt_token_ids)
-        hub, cfg = self.hub, self.config
-        with hub.lock:
-            hub.catalog.learn_published(namespace)
-            found = hub.catalog.index.find(prompt, namespace, cfg.min_match_tokens, None, cfg.match_prefer)
-            runs = [Run(m.start, m.end, m.span_id, m.src_start) for m in found if hub.available(namespace, m.span_id)]
-            plan = plan_load(prompt, num_computed_tokens, runs, hub.catalog.index.token_ids, cfg.method, cfg.epic_k,
-                             cfg.min_match_tokens)
+        plan = self.hub.plan(list(request.prompt_token_ids), namespace_of(request.cache_salt), num_computed_tokens)
         if plan is None:
             self._plans.pop(request.request_id, None)
             return 0, False
@@ -215,16 +208,20 @@ class KVRelayConnector(KVConnectorBase_V1):
         self._worker = WorkerSide(self.hub, paged, cfg, transformer)
         self._saver = BackgroundSaver(self._worker)
 
-    def _bind_transformer(self) -> Transformer | None:
-        """kvrelay's transformer on vLLM's modules (``binding``), found once at start: finding the model scans the
-        worker's live objects (seconds), which no request should wait for. None where it cannot be bound: then
-        loads that need tokens computed fail, and vLLM recomputes their blocks."""
+    def _bind_transformer(self) -> Transformer | VllmLayersForward | None:
+        """What computes a load's tokens on vLLM's modules, found once at start: finding the model scans the
+        worker's live objects (seconds), which no request should wait for. vLLM's decoder layers run as vLLM runs
+        them where they have its Llama layout (``forward``), else kvrelay's transformer on vLLM's modules
+        (``binding``). None where neither binds: then loads that need tokens computed fail, and vLLM recomputes
+        their blocks."""
         from kvrelay.vllm.binding import bind_transformer, find_model
+        from kvrelay.vllm.forward import bind_layers
 
         context = self._vllm_config.compilation_config.static_forward_context
         layers = {n: context[n] for n in self._attention_names}
         try:
-            return bind_transformer(self.model_config, find_model(layers))
+            vllm_model = find_model(layers)
+            return bind_layers(self.model_config, vllm_model) or bind_transformer(self.model_config, vllm_model)
         except ConfigError as e:
             log.warning("%s", e)
             return None
@@ -250,6 +247,13 @@ class KVRelayConnector(KVConnectorBase_V1):
                      "in %.1f ms (forward %.1f ms on %d threads; %.1f ms waiting for spans being stored)",
                      result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
                      result.spans_missing, result.load_ms, result.forward_ms, torch.get_num_threads(), wait_ms)
+
+    def has_connector_metadata(self) -> bool:
+        """False, so that vLLM's attention layers skip ``wait_for_layer_load`` and ``save_kv_layer`` (two calls per
+        layer per step, each after a forward-context lookup): this connector works between forwards only
+        (``start_load_kv``; a save reads the finished request's blocks whole). vLLM asks this only there; the step's
+        metadata stays bound and ``start_load_kv`` reads it."""
+        return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

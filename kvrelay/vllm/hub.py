@@ -28,7 +28,7 @@ from kvrelay.model.lm import fingerprint_of
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.index import MATCH_PREFERENCES
 from kvrelay.tier.tiered import TieredStore, open_store
-from kvrelay.vllm.plan import CONNECTOR_METHODS
+from kvrelay.vllm.plan import CONNECTOR_METHODS, LoadPlan, Run, plan_load
 from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.integrity import file_sha256
 
@@ -135,6 +135,20 @@ class Hub:
         is down gets them when it is back, as ``TieredStore.put`` does)."""
         if isinstance(self.store, TieredStore):
             self.store.flush_unwritten()
+
+    def plan(self, prompt: list[int], namespace: str, num_computed: int) -> LoadPlan | None:
+        """What a request with ``prompt`` (vLLM computed its first ``num_computed`` tokens) loads: the matcher's runs
+        of spans a load can find, planned (``plan.plan_load``); None when nothing pays. The spans other processes
+        published to the shared tier are learned first, outside the hub's lock: that poll is a network call, and a
+        slow Redis then delays this request's plan only, never a save or another thread's lookup waiting on the lock
+        (the catalog indexes what it learned under its own lock)."""
+        self.catalog.learn_published(namespace)
+        cfg = self.config
+        with self.lock:
+            found = self.catalog.index.find(prompt, namespace, cfg.min_match_tokens, None, cfg.match_prefer)
+            runs = [Run(m.start, m.end, m.span_id, m.src_start) for m in found if self.available(namespace, m.span_id)]
+            return plan_load(prompt, num_computed, runs, self.catalog.index.token_ids, cfg.method, cfg.epic_k,
+                             cfg.min_match_tokens)
 
     def available(self, namespace: str, span_id: str) -> bool:
         """Whether a load of ``span_id`` can find it: stored, or about to be by the worker."""

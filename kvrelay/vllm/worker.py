@@ -27,6 +27,7 @@ from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
 from kvrelay.model.transformer import Transformer
+from kvrelay.vllm.forward import VllmLayersForward
 from kvrelay.vllm.hub import Hub
 from kvrelay.vllm.paged import PagedKV
 from kvrelay.vllm.plan import LoadPlan
@@ -81,9 +82,11 @@ class WorkerSide:
     """Saves and loads against one process's hub, on the paged KV vLLM registered."""
 
     def __init__(self, hub: Hub, paged: PagedKV, config: ModelConfig,
-                 transformer: Transformer | None) -> None:
+                 transformer: Transformer | VllmLayersForward | None) -> None:
         self.hub, self.paged, self.config = hub, paged, config
-        self.transformer = transformer  # computes the tokens a load does not take from a span; None: no load may
+        # computes the tokens a load does not take from a span (vLLM's layers as its forward runs them, or
+        # kvrelay's modules on vLLM's weights); None: no load may
+        self.transformer = transformer
         self.rope = RotaryEmbedding(config, "cpu")
         self.results: list[LoadResult] = []
         self._stored: list[tuple[str, str]] = []
@@ -173,8 +176,12 @@ class WorkerSide:
             active = torch.tensor(sorted(recompute), dtype=torch.long)
             last = int(active[-1])
             t1 = time.perf_counter()
-            with packed.unpacked():  # vLLM's modules do the products; nothing of kvrelay's is packed
-                compute_kv(model, torch.tensor(job.token_ids[: last + 1]), cache, active)
+            token_ids = torch.tensor(job.token_ids[: last + 1])
+            if isinstance(model, VllmLayersForward):
+                model.compute_kv(token_ids, cache, active)
+            else:
+                with packed.unpacked():  # vLLM's modules do the products; nothing of kvrelay's is packed
+                    compute_kv(model, token_ids, cache, active)
             result.forward_ms = (time.perf_counter() - t1) * 1e3
         k, v = cache.kv_all(plan.num_computed, plan.end)  # [L, Hkv, claimed, hd]
         paged.write(paged.slots(job.block_ids, plan.num_computed, plan.end), k, v)
