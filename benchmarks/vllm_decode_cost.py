@@ -71,7 +71,7 @@ def run_side(args: argparse.Namespace) -> dict:
             _timed(scheduler_side, name, hooks)
         for name in WORKER_HOOKS:
             _timed(worker_side, name, hooks)
-        worker = worker_side._worker
+        worker = worker_side.load_worker
         original_store, original_read = worker.store, worker.read_copy
 
         def timed_read(copy, job):
@@ -110,7 +110,7 @@ def run_side(args: argparse.Namespace) -> dict:
                          "hooks_cpu_ms": {name: v[0] - before.get(name, [0.0, 0])[0] for name, v in hooks.items()},
                          "hook_calls": {name: v[1] - before.get(name, [0.0, 0])[1] for name, v in hooks.items()}})
     if connector:
-        worker_side._saver.close()  # the last request's save stored before the numbers are read
+        worker_side.background_saver.close()  # the last request's save stored before the numbers are read
     return {"side": args.side, "requests": requests, "saves": saves, "threads": torch.get_num_threads(),
             "load_avg_end": os.getloadavg()}
 

@@ -146,6 +146,16 @@ class KVRelayConnector(KVConnectorBase_V1):
         self._saver: BackgroundSaver | None = None
         self._failed_blocks: set[int] = set()
 
+    @property
+    def load_worker(self) -> WorkerSide | None:
+        """The worker side's loader and store writer (None before ``register_kv_caches``); benchmarks time it."""
+        return self._worker
+
+    @property
+    def background_saver(self) -> BackgroundSaver | None:
+        """The thread that reads finished requests' KV and stores it (None before ``register_kv_caches``)."""
+        return self._saver
+
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load or request.prompt_token_ids is None:
