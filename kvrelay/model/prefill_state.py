@@ -143,10 +143,16 @@ class LayerForward:
         num = num_active + (entry.token_idx.numel() if entry is not None else 0)
         tokens, scores = num, num * (num + 1) // 2 if num == n else num * n
         li, schedule = self.next_layer, self.schedule
-        if num_active and schedule.has_layer_hook and (schedule.admits_at(li) or schedule.selects_before_attention(li)):
-            # an admission projects the active tokens first; either choice may read their attention mass
-            mass_rows = schedule.mass_rows(li, self.act.idx)
-            tokens += num_active * self.projection_share if schedule.admits_at(li) else 0
+        admits = schedule.has_layer_hook and schedule.admits_at(li)
+        if num_active and (admits or schedule.has_layer_hook and schedule.selects_before_attention(li)):
+            # an admission projects the active tokens first; either choice may read their attention mass, each over
+            # the active set it chooses in: an admission's is the set before the tokens entering here join, a
+            # selecting layer's the set they joined (``Schedule.mass_rows``: a band counts its span rows among them)
+            choosing_idx = self.act.idx
+            if not admits and entry is not None and entry.token_idx.numel():
+                choosing_idx = torch.sort(torch.cat([self.act.idx, entry.token_idx.to(self.act.idx.device)])).values
+            mass_rows = schedule.mass_rows(li, choosing_idx)
+            tokens += num_active * self.projection_share if admits else 0
             scores += num_scores(mass_rows.numel(), n) if mass_rows is not None else 0
         return tokens, scores
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, Sequence
 from kvrelay.engine.prefill import PrefillTask
-from kvrelay.errors import KvRelayError, StoreFullError
+from kvrelay.errors import KvRelayError, ScheduleError, StoreFullError
 from kvrelay.model.sampling import SamplingConfig, SamplingError
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.chunk_budget import ChunkBudget
@@ -39,6 +39,9 @@ from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its home is kvrelay.server.job
 
 log = logging.getLogger("kvrelay.server")
+# what a request whose method planned an inconsistent schedule is served with: exact prefix reuse, whose schedule is
+# the prompt's suffix (nothing chosen as it goes)
+FALLBACK_METHOD = "prefix"
 DEFAULT_PREFILL_CHUNK_TOKENS = 512  # a turn's prefill budget: what this many tokens cost at a prompt's start
 _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
 
@@ -280,8 +283,20 @@ class EngineWorker:
         self._begin(job)
 
     def _prefill_failed(self, job: Job, exc: Exception) -> None:
-        """A request whose prefill failed is failed alone."""
-        if isinstance(exc, ApiError):
+        """A request whose prefill failed is failed alone; one whose method planned an inconsistent schedule (the
+        engine's fault, never the request's) starts over with ``FALLBACK_METHOD``."""
+        if isinstance(exc, ScheduleError) and job.method != FALLBACK_METHOD:
+            log.error("%s planned an inconsistent schedule (%s): the request starts over with %s", job.method, exc,
+                      FALLBACK_METHOD)
+            self._prefilling.remove(job)
+            job.task.cancel()
+            # served by the fallback, it measures nothing of the method its role's rung chose
+            job.task, job.method, job.quality = None, FALLBACK_METHOD, None
+            self._admit(job)
+        elif isinstance(exc, ScheduleError):
+            log.error("the fallback %s planned an inconsistent schedule", FALLBACK_METHOD, exc_info=exc)
+            self._fail(job, 500, "internal error while starting this request", "internal_error")
+        elif isinstance(exc, ApiError):
             self._fail(job, exc.status, exc.message, exc.code)
         elif isinstance(exc, KvRelayError):
             self._fail(job, 400, str(exc), "invalid_value")
