@@ -27,14 +27,37 @@ STORE_BYTES = 1 << 30
 def measure_workload(lm, workload_name: str, rung_specs: dict[str, str], limit: int, offset: int,
                      data: str | None = None, checkpoint=None) -> list[dict]:
     """Per downstream call (problem order, then agent order): its fidelity and cost under every rung."""
-    workload = get_workload(workload_name)
-    problems = workload.problems(data, offset + limit)[offset:]
     methods = {name: get_method(spec) for name, spec in rung_specs.items()}
     methods.setdefault("full", get_method("full"))
     store = open_store("memory", STORE_BYTES, fingerprint=lm.fingerprint)
     engine = Engine(lm, store, methods.values())
-    rows: list[dict] = []
     one = GenerateOptions(SamplingConfig(max_new_tokens=1), learn=False)
+
+    def rungs_of(call) -> dict:
+        outs = {name: engine.generate(call, meth, one) for name, meth in methods.items()}
+        ref = outs["full"].first_logits
+        return {name: rung_row(out, ref) for name, out in outs.items()}
+
+    return measure_calls(engine, workload_name, rungs_of, limit, offset, data, checkpoint)
+
+
+def rung_row(out, ref_logits) -> dict:
+    """One rung's numbers on one call against ``full``'s first-token logits."""
+    s = out.stats
+    return {"kl": kl_first_token(ref_logits, out.first_logits),
+            "agree": first_token_agrees(ref_logits, out.first_logits),
+            "reused_token_layers": s.num_reused_token_layers, "prompt_token_layers": s.num_prompt_token_layers,
+            "ttft_ms": s.ttft_ms, "fallback": s.fallback}
+
+
+def measure_calls(engine: Engine, workload_name: str, rungs_of, limit: int, offset: int, data: str | None = None,
+                  checkpoint=None) -> list[dict]:
+    """The workload's reference pipeline (``full``) over its problems; before each downstream call that reads a
+    span, ``rungs_of(call)`` gives that call's per-rung rows. One row per downstream call, with the reference
+    call's decode time and generated tokens."""
+    workload = get_workload(workload_name)
+    problems = workload.problems(data, offset + limit)[offset:]
+    rows: list[dict] = []
     for i, problem in enumerate(problems):
         started = time.perf_counter()
         runner = PipelineRunner(engine, workload.spec, run_id=problem.problem_id)
@@ -43,18 +66,9 @@ def measure_workload(lm, workload_name: str, rung_specs: dict[str, str], limit: 
         def probe(agent, call, position: int, problem=problem, problem_rows=problem_rows) -> None:
             if not call.refs:
                 return
-            outs = {name: engine.generate(call, meth, one) for name, meth in methods.items()}
-            ref = outs["full"].first_logits
-            rungs = {}
-            for name, out in outs.items():
-                s = out.stats
-                rungs[name] = {"kl": kl_first_token(ref, out.first_logits),
-                               "agree": first_token_agrees(ref, out.first_logits),
-                               "reused_token_layers": s.num_reused_token_layers,
-                               "prompt_token_layers": s.num_prompt_token_layers, "ttft_ms": s.ttft_ms}
             problem_rows[agent.name] = {"workload": workload_name, "problem_id": problem.problem_id,
                                         "agent": agent.name, "position": position,
-                                        "num_prompt_tokens": len(call.prompt_ids), "rungs": rungs}
+                                        "num_prompt_tokens": len(call.prompt_ids), "rungs": rungs_of(call)}
 
         done = runner.run(problem.inputs, "full", before_call=probe)
         for name, row in problem_rows.items():

@@ -24,16 +24,13 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from quality_guard import role_report, workload_offsets
+from quality_measure import measure_calls, rung_row
 
 from kvrelay.engine import Engine, GenerateOptions
-from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
 from kvrelay.model.sampling import SamplingConfig
-from kvrelay.pipeline.runner import PipelineRunner
-from kvrelay.pipeline.workloads import get_workload
 from kvrelay.quality import QualityConfig, Rung
 from kvrelay.reuse import get_method
 from kvrelay.server.shadow_teacher import ShadowTeacher
@@ -42,19 +39,9 @@ from kvrelay.tier.tiered import open_store
 STORE_BYTES = 1 << 30
 
 
-def _rung_row(out, ref_logits) -> dict:
-    s = out.stats
-    return {"kl": kl_first_token(ref_logits, out.first_logits),
-            "agree": first_token_agrees(ref_logits, out.first_logits),
-            "reused_token_layers": s.num_reused_token_layers, "prompt_token_layers": s.num_prompt_token_layers,
-            "ttft_ms": s.ttft_ms, "fallback": s.fallback}
-
-
 def measure_taught(lm, workload_name: str, rung_specs: dict[str, str], learn_spec: str, limit: int,
                    offset: int) -> list[dict]:
     """Per downstream call: every rung and the learning rung against ``full``; then ``full``'s KV teaches it."""
-    workload = get_workload(workload_name)
-    problems = workload.problems(None, offset + limit)[offset:]
     methods = {name: get_method(spec) for name, spec in rung_specs.items()}
     methods["full"] = get_method("full")
     store = open_store("memory", STORE_BYTES, fingerprint=lm.fingerprint)
@@ -63,34 +50,17 @@ def measure_taught(lm, workload_name: str, rung_specs: dict[str, str], learn_spe
     teacher = ShadowTeacher(engine, [learner], lambda namespace: store)
     one = GenerateOptions(SamplingConfig(max_new_tokens=1), learn=False)
     dense = GenerateOptions(SamplingConfig(max_new_tokens=1), keep_cache=True, feed_last=False, learn=False)
-    rows: list[dict] = []
-    for i, problem in enumerate(problems):
-        started = time.perf_counter()
-        runner = PipelineRunner(engine, workload.spec, run_id=problem.problem_id)
-        problem_rows: dict[str, dict] = {}
 
-        def probe(agent, call, position: int, problem=problem, problem_rows=problem_rows) -> None:
-            if not call.refs:
-                return
-            ref = engine.generate(call, methods["full"], dense)
-            rungs = {name: _rung_row(engine.generate(call, meth, one), ref.first_logits)
-                     for name, meth in methods.items() if name != "full"}
-            rungs["full"] = _rung_row(ref, ref.first_logits)
-            rungs["learn"] = _rung_row(engine.generate(call, learner, one), ref.first_logits)  # before its lesson
-            rungs["learn"]["teach_ms"] = teacher.teach("", call, ref.cache, None)
-            problem_rows[agent.name] = {"workload": workload_name, "problem_id": problem.problem_id,
-                                        "agent": agent.name, "position": position,
-                                        "num_prompt_tokens": len(call.prompt_ids), "rungs": rungs}
+    def rungs_of(call) -> dict:
+        ref = engine.generate(call, methods["full"], dense)
+        rungs = {name: rung_row(engine.generate(call, meth, one), ref.first_logits)
+                 for name, meth in methods.items() if name != "full"}
+        rungs["full"] = rung_row(ref, ref.first_logits)
+        rungs["learn"] = rung_row(engine.generate(call, learner, one), ref.first_logits)  # before its lesson
+        rungs["learn"]["teach_ms"] = teacher.teach("", call, ref.cache, None)
+        return rungs
 
-        done = runner.run(problem.inputs, "full", before_call=probe)
-        for name, row in problem_rows.items():
-            stats = done[name].output.stats
-            row["decode_ms"] = stats.decode_ms
-            row["num_generated_tokens"] = stats.num_generated_tokens
-            rows.append(row)
-        print(f"{workload_name} {i + 1}/{len(problems)} {problem.problem_id} "
-              f"{time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
-    return rows
+    return measure_calls(engine, workload_name, rungs_of, limit, offset)
 
 
 def learner_report(rows: list[dict]) -> dict:
