@@ -34,15 +34,16 @@ def choose(index: TokenIndex, token_ids: list[int] | tuple[int, ...], runs: list
             return order, start - end, start, k, start, end, src_start
         return start - end, start, -order, k, start, end, src_start
 
-    taken = _merged(covered or [])
+    min_tokens = max(min_tokens, 1)  # a piece holds a token at least
+    gaps = _free_gaps(_merged(covered or []), len(q), min_tokens)
     chosen: list[TokenMatch] = []
     line = [entry(m.start, m.end, k, m.src_start) for k, m in enumerate(runs)]
     heapq.heapify(line)
     work = len(line)
     while line:
         *_, k, start, end, src_start = heapq.heappop(line)
-        work += 1
-        pieces = [p for p in _free_pieces(start, end, taken) if p[1] - p[0] >= min_tokens]
+        pieces, num_steps = _free_pieces(start, end, gaps, min_tokens)
+        work += 1 + num_steps
         if not pieces:
             continue
         if pieces[0] != (start, end):  # it overlaps what was taken: its free pieces rank by their own length
@@ -55,7 +56,7 @@ def choose(index: TokenIndex, token_ids: list[int] | tuple[int, ...], runs: list
         else:
             work += end - start  # the tokens compared
             chosen.append(TokenMatch(start, end, runs[k].span_id, src_start))
-            _take(taken, start, end)
+            _take(gaps, start, end, min_tokens)
     index.last_work += work
     return sorted(chosen, key=lambda m: m.start)
 
@@ -71,30 +72,38 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _take(taken: list[tuple[int, int]], start: int, end: int) -> None:
-    """Add the free range [start, end) to ``taken`` (sorted, disjoint), joined to the ranges it touches: on
-    repeated text ``find`` takes many short pieces end to end, and ``_free_pieces`` then steps over one."""
-    k = bisect.bisect_left(taken, (start, start))
-    if k < len(taken) and taken[k][0] == end:
-        end = taken.pop(k)[1]
-    if k > 0 and taken[k - 1][1] == start:
-        k -= 1
-        start = taken.pop(k)[0]
-    taken.insert(k, (start, end))
+def _free_gaps(taken: list[tuple[int, int]], num_tokens: int, min_tokens: int) -> list[tuple[int, int]]:
+    """The free gaps of [0, num_tokens) between ``taken`` (sorted, disjoint) that hold ``min_tokens`` or more: only
+    they can hold a piece ``find`` keeps, so a run meets just those, not every short gap between taken ranges."""
+    gaps, cursor = [], 0
+    for start, end in taken + [(num_tokens, num_tokens)]:
+        if start - cursor >= min_tokens:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    return gaps
 
 
-def _free_pieces(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The maximal sub-ranges of [start, end) that overlap no range of ``taken`` (sorted, disjoint)."""
+def _take(gaps: list[tuple[int, int]], start: int, end: int, min_tokens: int) -> None:
+    """Take the free range [start, end), which lies inside one gap: what is left of that gap either side stays a gap
+    if it still holds ``min_tokens``."""
+    k = bisect.bisect_right(gaps, (start, float("inf"))) - 1  # the gap starting at or before ``start``
+    g_start, g_end = gaps[k]
+    assert g_start <= start and end <= g_end, (gaps[k], start, end)
+    gaps[k:k + 1] = [g for g in ((g_start, start), (end, g_end)) if g[1] - g[0] >= min_tokens]
+
+
+def _free_pieces(start: int, end: int, gaps: list[tuple[int, int]],
+                 min_tokens: int) -> tuple[list[tuple[int, int]], int]:
+    """The maximal free sub-ranges of [start, end) of ``min_tokens`` or more, and the gaps looked at: the gaps
+    overlapping the run, each but the first and last wholly inside it (so each a piece), which bounds the steps by
+    the pieces returned plus two."""
     pieces = []
-    cursor = start
-    k = max(bisect.bisect_right(taken, (start, start)) - 1, 0)  # the last range starting at or before start
-    while k < len(taken) and taken[k][0] < end:
-        t_start, t_end = taken[k]
-        if t_end > cursor:
-            if t_start > cursor:
-                pieces.append((cursor, t_start))
-            cursor = t_end
+    k = max(bisect.bisect_right(gaps, (start, float("inf"))) - 1, 0)  # the last gap starting at or before start
+    num_steps = 0
+    while k < len(gaps) and gaps[k][0] < end:
+        num_steps += 1
+        a, b = max(gaps[k][0], start), min(gaps[k][1], end)
+        if b - a >= min_tokens:
+            pieces.append((a, b))
         k += 1
-    if cursor < end:
-        pieces.append((cursor, end))
-    return pieces
+    return pieces, num_steps

@@ -63,6 +63,10 @@ class _GuardCollector(Collector):
                                           "rung of the ladder as its own dense prefill (kvcomm's anchors)")
             lessons.add_metric([], self.runner.teacher.num_taught)
             yield lessons
+            lessons_failed = CounterMetricFamily("kvrelay_quality_shadow_lessons_failed", "lessons to a learning "
+                                                 "rung that raised (the shadow was measured all the same)")
+            lessons_failed.add_metric([], self.runner.teacher.num_failed)
+            yield lessons_failed
         pending = GaugeMetricFamily("kvrelay_quality_shadows_pending", "shadow references queued or running (work "
                                     "the engine does in turns no live prefill waits for)")
         pending.add_metric([], self.runner.num_pending)

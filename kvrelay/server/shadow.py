@@ -177,7 +177,8 @@ class ShadowRunner:
         ref = shadow.task.sequence()  # full's first-token logits; its greedy token is not used
         shadow.task = None
         if self.teacher is not None:  # the prompt's dense KV, before the continuation chunk extends the cache
-            shadow.cost_ms += self.teacher.teach(shadow.namespace, shadow.live.call, ref.cache, shadow.live.method)
+            shadow.cost_ms += self.teacher.teach_safely(shadow.namespace, shadow.live.call, ref.cache,
+                                                        shadow.live.method)
         num_prompt = len(shadow.prompt_ids)
         continuation = list(shadow.live.output_ids[: min(len(shadow.tap.logits), CONTINUATION_TOKENS)])
         continuation_kl = None

@@ -17,6 +17,7 @@ prefill already, and the same call twice would make two tied anchors (kvcomm's g
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine import Engine
 from kvrelay.reuse import CallInput, ReuseMethod
+
+log = logging.getLogger("kvrelay.server")
 
 
 class ShadowTeacher:
@@ -39,12 +42,25 @@ class ShadowTeacher:
                 methods.append(method)
         self.methods = tuple(methods)
         self.num_taught = 0  # (shadow, method) lessons given
+        self.num_failed = 0  # lessons that raised (the shadow is measured all the same)
         self.teach_ms = 0.0  # their time, also counted in each shadow's cost_ms
+
+    def teach_safely(self, namespace: str, call: CallInput, cache: SequenceKV,
+                     live_method: ReuseMethod | None) -> float:
+        """``teach``, where a lesson that raises is logged and counted, never a reason to lose the shadow's
+        measurement: the guard's samples of a role must not depend on a learning rung coping with its calls."""
+        start_s = time.perf_counter()
+        try:
+            return self.teach(namespace, call, cache, live_method)
+        except Exception:
+            log.exception("a learning rung's lesson from a shadow reference failed; the shadow is still measured")
+            self.num_failed += 1
+            return (time.perf_counter() - start_s) * 1e3
 
     def teach(self, namespace: str, call: CallInput, cache: SequenceKV, live_method: ReuseMethod | None) -> float:
         """Hand the shadow's dense ``cache`` of ``call`` (every prompt token's K/V) to each learning rung but the
-        live call's own, in ``namespace``; returns the time it took, in ms. An error propagates: the shadow runner
-        drops the shadow and counts it."""
+        live call's own, in ``namespace``; returns the time it took, in ms. An error propagates (``teach_safely``
+        catches and counts it)."""
         if not self.methods:
             return 0.0
         start_s = time.perf_counter()

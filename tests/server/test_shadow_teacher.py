@@ -180,14 +180,16 @@ class _BrokenLearner(ReuseMethod):
             raise RuntimeError("a lesson that breaks")
 
 
-def test_a_shadow_whose_lesson_fails_is_dropped_and_counted_and_live_requests_do_not_see_it(tiny):
+def test_a_lesson_that_fails_is_counted_and_its_shadow_still_measured_and_live_requests_do_not_see_it(tiny):
     runs = {}
     for broken in (False, True):
         guard = _SpyGuard({"critic"}, _Rung("cheap", "naive"))
         worker, _ = _worker(tiny, guard, [_BrokenLearner()] if broken else ["naive"])
         responses = [_public(_role_call(worker, tiny, "tenant-a", k)[0]) for k in range(2)]
-        runs[broken] = (responses, worker.shadows.num_failed, len(guard.records), worker.shadows.num_runs)
+        runs[broken] = (responses, worker.shadows.num_failed, worker.shadows.teacher.num_failed,
+                        [r[:6] for r in guard.records], worker.shadows.num_runs)  # records: all but the cost
         worker.stop()
-    assert runs[False][1:] == (0, 2, 2)
-    assert runs[True][1:] == (2, 0, 0)  # both shadows dropped, counted, nothing recorded from them
+    assert runs[False][1:3] == (0, 0) and runs[False][4] == 2
+    assert runs[True][1:3] == (0, 2)  # both lessons failed and were counted; no shadow dropped
+    assert runs[True][3] == runs[False][3] and runs[True][4] == 2  # the guard got the same measurements
     assert runs[True][0] == runs[False][0]  # the live requests got the same answers
