@@ -344,7 +344,8 @@ class TokenIndex:
                   prefer: str = "longest", cover_tokens: int | None = None) -> list[TokenMatch]:
         """Candidate runs, in order of query start (then longest first): maximal runs shared with spans of
         ``namespace`` that cover an aligned block of the span, less those contained in another candidate
-        from a span at least as preferred (``prefer="longest"``: any span; ``"oldest"``: the same span).
+        from a span at least as preferred (``prefer="longest"``: any span; ``"oldest"``: the same span or an older
+        one, whose run ``find`` takes first).
 
         Each is the maximal run of its span on its diagonal; a run held by several spans names the newest
         (``"longest"``) or the oldest (``"oldest"``) of them. Runs are equal under the index's hash;
