@@ -290,12 +290,14 @@ def one_chunk_ms(base_url: str, model: str, chunk_tokens: int) -> tuple[float, l
         if _post_raw(base_url, body, replies=replies) != 200:
             raise RuntimeError(f"a one-chunk prompt was refused: {replies[-1:]}")
         num_tokens = replies[0]["usage"]["prompt_tokens"]
+        wait_for_shadows(base_url)  # a sampled call's shadow reference runs after it: not beside the next one
         if k == 0:  # sizing call: words are about a token each, the chat template adds the rest
             num_words -= num_tokens - chunk_tokens
+            if num_words < 1:
+                raise ValueError(f"--chunk-tokens {chunk_tokens} is below the chat template's own tokens")
             continue
         sizes.append(num_tokens)
-        times_ms.append(replies[0]["kvrelay"]["ttft_ms"])
-        wait_for_shadows(base_url)
+        times_ms.append(replies[0]["kvrelay"]["ttft_ms"])  # the engine's prefill time, no HTTP or template
     return statistics.median(times_ms), sizes
 
 

@@ -45,18 +45,28 @@ class Rung:
             raise ConfigError(f"rung {self.name!r} needs a method spec (e.g. 'relay' or 'epic[k=8]')")
 
 
+#: methods equal to ``full`` up to float rounding: a ladder's safest rung is one of them
+EXACT_METHODS = ("prefix", "full")
+
 #: cheapest -> safest
 DEFAULT_LADDER: tuple[Rung, ...] = (Rung("naive", "naive"), Rung("relay", "relay"), Rung("prefix", "prefix"))
 
 
 def check_ladder(ladder: tuple[Rung, ...]) -> tuple[Rung, ...]:
-    """The ladder as a tuple, or a ConfigError: at least one rung, names unique."""
+    """The ladder as a tuple, or a ConfigError: at least one rung, names unique, the last (safest) rung exact
+    (``prefix`` or ``full``): a role whose measured quality breaks the target on every other rung lands there, and
+    the guard's promise holds only if that rung cannot break it."""
     ladder = tuple(ladder)
     if not ladder:
         raise ConfigError("a quality ladder needs at least one rung")
     names = [r.name for r in ladder]
     if len(set(names)) != len(names):
         raise ConfigError(f"quality ladder rung names must be unique, got {names}")
+    safest = ladder[-1].method_spec.split("[", 1)[0].strip()
+    if safest not in EXACT_METHODS:
+        raise ConfigError(f"the quality ladder's last rung is its safest and must be exact "
+                          f"({' or '.join(EXACT_METHODS)}), got {ladder[-1].method_spec!r}; list rungs cheapest "
+                          f"first, e.g. naive,relay,prefix")
     return ladder
 
 

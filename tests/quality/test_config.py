@@ -30,7 +30,9 @@ def test_bad_targets_are_named(text, word):
                                           ("first_calls_per_role", 0), ("window", 2.5), ("min_samples", 64),
                                           ("confidence", 0.4), ("margin", 0.0), ("kl_cap_factor", 0.5),
                                           ("start", "epic"), ("trust_start", "yes"), ("ladder", ()),
-                                          ("ladder", (Rung("a", "naive"), Rung("a", "relay")))])
+                                          ("ladder", (Rung("a", "naive"), Rung("a", "relay"))),
+                                          ("ladder", (Rung("safe", "prefix"), Rung("cheap", "naive"))),
+                                          ("ladder", (Rung("kvcomm", "kvcomm"),))])
 def test_bad_config_values_are_named(field, value):
     with pytest.raises(ConfigError, match="quality"):
         dataclasses.replace(QualityConfig(), **{field: value})
