@@ -69,7 +69,7 @@ def bench_rung_settings(paths: list[str], rung_methods: dict[str, str]) -> dict[
     (one that resolves nothing from the model) is left out."""
     settings: dict[str, dict[str, dict]] = {}
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = read_rows(Path(path))
         for rung, method in rung_methods.items():
             if method in data.get("method_settings", {}):
                 settings.setdefault(rung, {})[data["workload"]] = data["method_settings"][method]
@@ -81,7 +81,7 @@ def rows_from_bench(paths: list[str], rung_methods: dict[str, str]) -> list[dict
     ``rung_methods`` maps a rung to the bench's method name for it. These carry no decode time."""
     rows: dict[tuple, dict] = {}
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = read_rows(Path(path))
         for c in data["calls"]:
             key = (data["workload"], c["problem_id"], c["agent"])
             row = rows.setdefault(key, {"workload": data["workload"], "problem_id": c["problem_id"],
@@ -199,12 +199,12 @@ def calls_path(report_path: str) -> Path:
     return Path(report_path).with_suffix(".calls.json.gz")
 
 
-def write_rows(path: Path, rows: list[dict]) -> None:
+def write_rows(path: Path, rows: list[dict] | dict) -> None:
     path.write_bytes(gzip.compress(json.dumps(rows).encode()))
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Rows written by ``write_rows``, or a plain ``.calls.json`` (the gzip magic tells them apart)."""
+def read_rows(path: Path) -> list[dict] | dict:
+    """JSON written by ``write_rows``, or plain JSON (the gzip magic tells them apart)."""
     raw = path.read_bytes()
     return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
 

@@ -49,7 +49,7 @@ from typing import TypedDict
 
 import httpx
 from agent_tools import ServerProcess
-from quality_guard import QUALITY_AFTER_CALLS, meets, plot_role, quality, reuse
+from quality_guard import QUALITY_AFTER_CALLS, meets, plot_role, quality, read_rows, reuse, write_rows
 
 from kvrelay.data.datasets import load_mmlu
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
@@ -284,7 +284,7 @@ def reference(full_client: httpx.Client, body: dict, live_ids: list[int]) -> dic
 
 def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict], dict]:
     """Run the flows against the guarded server, every call against the ``full`` one: the per-call rows (kept in
-    ``.calls.json`` beside ``--json`` after every run, the request bodies in ``.bodies.json.gz``) and the guard's
+    ``.calls.json.gz`` beside ``--json`` after every run, the request bodies in ``.bodies.json.gz``) and the guard's
     view at the end."""
     docs = documents(args.data, args.runs)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
@@ -316,7 +316,7 @@ def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict]
                               f"{' S' if r['shadowed'] else ''}" for r in new_rows), flush=True)
             if args.json:  # keep what is measured so far
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.with_suffix(".calls.json").write_text(json.dumps({"rows": rows}))
+                write_rows(args.json.with_suffix(".calls.json.gz"), {"rows": rows})
                 # the request bodies quote the model's answers: compressed, a tenth of their size
                 args.json.with_suffix(".bodies.json.gz").write_bytes(gzip.compress(json.dumps(bodies).encode()))
         guard_view = recorder.probes.get("/v1/kvrelay/quality", params={"cache_salt": salt}).json()
@@ -334,13 +334,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=40, help="flows, one document each (calls per role)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a folder of MMLU *_test.csv files")
     p.add_argument("--json", type=Path,
-                   help="the report (the per-call rows beside it, .calls.json; the request bodies, .bodies.json.gz)")
-    p.add_argument("--calls-json", type=Path, help="score the rows of an earlier run's .calls.json (no servers)")
+                   help="the report (the per-call rows beside it, .calls.json.gz; the request bodies, .bodies.json.gz)")
+    p.add_argument("--calls-json", type=Path, help="score the rows of an earlier run's .calls.json.gz (no servers)")
     p.add_argument("--plots", type=Path, help="folder for one PNG per role")
     args = p.parse_args(argv)
     config = QualityConfig()  # what `kvrelay serve` runs with its defaults
     if args.calls_json:
-        rows, guard_view = json.loads(args.calls_json.read_text())["rows"], None
+        rows, guard_view = read_rows(args.calls_json)["rows"], None
     else:
         rows, guard_view = measure(args, config)
     by_agent: dict[str, list[dict]] = defaultdict(list)

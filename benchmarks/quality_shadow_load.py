@@ -43,6 +43,7 @@ from pathlib import Path
 from agent_tools import REPO, ServerProcess
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from quality_guard import read_rows, write_rows
 
 from kvrelay.pipeline.workloads import gsm8k_chain3
 from kvrelay.quality import QualityConfig
@@ -292,8 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="no chain starts later in a phase; the phases are compared on the calls all of them ran")
     p.add_argument("--offset", type=int, default=0, help="index of the first GSM8K test problem")
     p.add_argument("--data", default=None)
-    p.add_argument("--json", type=Path, default=None, help="the report (per-call rows beside it, .calls.json)")
-    p.add_argument("--rescore", action="store_true", help="recompute --json's report from it and its .calls.json")
+    p.add_argument("--json", type=Path, default=None, help="the report (per-call rows beside it, .calls.json.gz)")
+    p.add_argument("--rescore", action="store_true", help="recompute --json's report from it and its .calls.json.gz")
     args = p.parse_args(argv)
     if args.rescore:
         result = rescore(args.json)
@@ -322,8 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
-            args.json.with_suffix(".calls.json").write_text(json.dumps({"calls": [c for cs in phase_calls
-                                                                                  for c in cs]}))
+            write_rows(args.json.with_suffix(".calls.json.gz"), {"calls": [c for cs in phase_calls for c in cs]})
     print(json.dumps(result.get("compare")), flush=True)
 
 
@@ -350,9 +350,9 @@ def report(head: dict, phases: list[dict], phase_calls: list[list[dict]]) -> dic
 
 
 def rescore(path: Path) -> dict:
-    """The report of an earlier run recomputed from its JSON and its ``.calls.json`` (no servers)."""
+    """The report of an earlier run recomputed from its JSON and its ``.calls.json.gz`` (no servers)."""
     old = json.loads(path.read_text())
-    calls = json.loads(path.with_suffix(".calls.json").read_text())["calls"]
+    calls = read_rows(path.with_suffix(".calls.json.gz"))["calls"]
     head = {k: v for k, v in old.items() if k not in ("phases", "compare")}
     phases = old["phases"]
     phase_calls = [[c for c in calls if (c["arm"], c["repeat"]) == (p["arm"], p["repeat"])] for p in phases]

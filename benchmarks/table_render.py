@@ -7,6 +7,7 @@ commit and the machine. ``make_tables.py`` says which table reads which files.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import shlex
@@ -20,8 +21,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_GREEDY_TOKENS = 32
 
 
+def result_path(name: str) -> Path:
+    """A result file as the tree keeps it: ``name``, or ``name.gz`` (large files are kept gzipped)."""
+    path = RESULTS / name
+    return path if path.is_file() else path.with_name(name + ".gz")
+
+
 def load(name: str) -> dict:
-    return json.loads((RESULTS / name).read_text())
+    path = result_path(name)
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -29,7 +38,7 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _files(names: Sequence[str]) -> str:
-    return ", ".join(f"`{n}`" for n in names)
+    return ", ".join(f"`{result_path(n).name}`" for n in names)
 
 
 def bench_command(cfg: dict, env: dict, out_name: str, methods: Sequence[str] | None = None) -> str:
@@ -247,7 +256,7 @@ def serve_chain_table(name: str, inprocess: str) -> str:
     lines = [f"{d['model']}, {d['workload']}, {d['n']} problems over HTTP (`kvrelay serve`, the `openai` client), "
              f"each method against `full` on the same messages, beside `kvrelay bench` in process on the same "
              f"problems (each pair: HTTP / in process); {env['device']}, {env['machine']}; commit {env['commit']}; "
-             f"`{name}`, `{inprocess}`", "",
+             f"{_files([name, inprocess])}", "",
              "| method | calls | reuse | 1st-token agree | KL(full‖m) | greedy@32 | speedup vs full | "
              "cached tokens (mean, HTTP) |", "|---|---:|---|---|---|---|---|---:|"]
 
