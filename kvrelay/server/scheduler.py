@@ -18,14 +18,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from kvrelay.engine import Engine, GenerateOptions, GenerationOutput, Sequence
 from kvrelay.engine.prefill import PrefillTask
-from kvrelay.errors import KvRelayError, ScheduleError, StoreFullError
-from kvrelay.model.sampling import SamplingConfig, SamplingError
+from kvrelay.errors import KvRelayError, StoreFullError
+from kvrelay.model.sampling import SamplingConfig
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.chunk_budget import ChunkBudget
 from kvrelay.server.events import ErrorEvent
@@ -34,19 +33,17 @@ from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prefill_turn import advance_prefills
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
+from kvrelay.server.request_failures import RequestFailures, engine_failure_message
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its home is kvrelay.server.job
 
 log = logging.getLogger("kvrelay.server")
-# what a request whose method planned an inconsistent schedule is served with: exact prefix reuse, whose schedule is
-# the prompt's suffix (nothing chosen as it goes)
-FALLBACK_METHOD = "prefix"
 DEFAULT_PREFILL_CHUNK_TOKENS = 512  # a turn's prefill budget: what this many tokens cost at a prompt's start
 _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
 
 
-class EngineWorker:
+class EngineWorker(RequestFailures):
     def __init__(self, engine: Engine, catalog: SpanCatalog, metrics: ServerMetrics, max_queue: int = 64,
                  max_running: int = 8, prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
         """``max_running``: requests prefilling or decoding at once; ``prefill_chunk_tokens``: a turn's prefill
@@ -237,7 +234,7 @@ class EngineWorker:
                     self._contained(j, self._emit_text)
         for j in list(self._running):
             if j.seq.error is not None:  # its sampling or forward failed in the step: it alone fails
-                self._fail(j, 500, _engine_failure_message(j.seq.error), "internal_error")
+                self._fail(j, 500, engine_failure_message(j.seq.error), "internal_error")
             elif j.seq.done:
                 self._contained(j, self._finish)
         if self.shadows is not None and not self._prefilling and not self._waiting:
@@ -281,28 +278,6 @@ class EngineWorker:
         job.task = None
         self._prefilling.remove(job)
         self._begin(job)
-
-    def _prefill_failed(self, job: Job, exc: Exception) -> None:
-        """A request whose prefill failed is failed alone; one whose method planned an inconsistent schedule (the
-        engine's fault, never the request's) starts over with ``FALLBACK_METHOD``."""
-        if isinstance(exc, ScheduleError) and job.method != FALLBACK_METHOD:
-            log.error("%s planned an inconsistent schedule (%s): the request starts over with %s", job.method, exc,
-                      FALLBACK_METHOD)
-            self._prefilling.remove(job)
-            job.task.cancel()
-            # served by the fallback, it measures nothing of the method its role's rung chose
-            job.task, job.method, job.quality = None, FALLBACK_METHOD, None
-            self._admit(job)
-        elif isinstance(exc, ScheduleError):
-            log.error("the fallback %s planned an inconsistent schedule", FALLBACK_METHOD, exc_info=exc)
-            self._fail(job, 500, "internal error while starting this request", "internal_error")
-        elif isinstance(exc, ApiError):
-            self._fail(job, exc.status, exc.message, exc.code)
-        elif isinstance(exc, KvRelayError):
-            self._fail(job, 400, str(exc), "invalid_value")
-        else:
-            log.error("prefilling a request failed", exc_info=exc)
-            self._fail(job, 500, "internal error while starting this request", "internal_error")
 
     def _drop_prefill(self, job: Job) -> None:
         """The client went away while its prompt was prefilling: its KV is freed, nothing is published."""
@@ -372,36 +347,6 @@ class EngineWorker:
     def _release(self, job: Job) -> None:
         if job.built is not None:
             self.catalog.unpin(job.built)
-
-    def _contained(self, job: Job, handle: Callable[[Job], None]) -> None:
-        """Run one request's post-processing (text out, finish); a bug it meets fails that request alone."""
-        try:
-            handle(job)
-        except Exception:
-            log.exception("serving one request failed")
-            self._fail(job, 500, "internal error while serving this request", "internal_error")
-
-    def _fail(self, job: Job, status: int, message: str, code: str) -> None:
-        if job in self._prefilling:
-            self._prefilling.remove(job)
-        if job.task is not None:
-            job.task.cancel()
-            job.task = None
-        if job in self._running:
-            self._running.remove(job)
-            if job.seq is not None:
-                job.seq.cancel()
-                self.engine.finish(job.seq).cache = None
-        self._release(job)
-        job.emit(ErrorEvent(status, message, None, code))
-
-
-def _engine_failure_message(error: Exception) -> str:
-    """What a client is told when its sequence failed in a decode step: the sampler's own words (they name no
-    server internals), otherwise nothing of the exception."""
-    reason = f": {error}" if isinstance(error, SamplingError) else ""
-    return f"generation failed for this request{reason}; other requests were not affected"
-
 
 def _cache_bytes(holder: Sequence | PrefillTask | None) -> int:
     if holder is None or holder.cache is None:

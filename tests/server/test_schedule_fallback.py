@@ -9,7 +9,7 @@ import logging
 import httpx
 
 from kvrelay.errors import ScheduleError
-from kvrelay.server.scheduler import FALLBACK_METHOD
+from kvrelay.server.request_failures import FALLBACK_METHOD
 from tests.server.live import MODEL, LiveServer
 
 CHAT = "/v1/chat/completions"
