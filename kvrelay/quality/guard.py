@@ -92,7 +92,8 @@ class QualityGuard:
         self._offers_at_rung[key] = at_rung + 1
         self._num_offers[key] = num + 1
         every = self.config.sample_every
-        shadow = at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
+        shadow = (at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
+                  or self.controller.wants_samples(self._state(namespace, role)))
         self.num_shadowed += shadow
         return shadow
 
