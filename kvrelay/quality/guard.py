@@ -82,7 +82,8 @@ class QualityGuard:
     def should_shadow(self, namespace: str, role: str) -> bool:
         """Whether this call of (namespace, role) also runs ``full`` as a reference: every one of the first
         ``first_calls_per_role`` calls of the role and at each rung it arrives at without samples, then one in
-        ``1 / sample_rate`` (by the role's own count of calls, no random numbers). Never with the guard off."""
+        ``1 / sample_rate`` (by the role's own count of calls, no random numbers), and every call at a rung whose
+        certificate is open (``LadderController.wants_samples``). Never with the guard off."""
         if not self.enabled:
             return False
         key = (namespace, role)
