@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TypedDict
 
 import httpx
+import quality_guard
 from agent_tools import ServerProcess
 from quality_guard import QUALITY_AFTER_CALLS, meets, plot_role, quality, read_rows, reuse, write_rows
 
@@ -247,6 +248,14 @@ def role_report(rows: list[dict], config: QualityConfig) -> dict:
             "trace": [[r["rung"], int(bool(r.get("shadowed"))), round(r["kl"], 5), int(r["agree"])] for r in rows]}
 
 
+def guard_rows(rows: list[dict]) -> list[dict]:
+    """One role's rows in ``quality_guard``'s form, every rung from its probe: what an offline replay of the guard
+    reads (no decode time and no reference prefill time were kept, so the replay reports no shadow cost)."""
+    return [{"workload": "flow", "agent": r["agent"], "decode_ms": None,
+             "rungs": {**{name: {**_token_layers(got), "ttft_ms": got["ttft_ms"]} for name, got in r["rungs"].items()},
+                       "full": {"ttft_ms": 0.0}}} for r in rows]
+
+
 # ---------------------------------------------------------------------- the run
 def samples_per_role(client: httpx.Client, salt: str, wait_s: float = 60.0) -> dict[str, int]:
     """Each role's shadow comparisons so far, once they stop changing (the run's shadows run in idle turns)."""
@@ -337,8 +346,28 @@ def main(argv: list[str] | None = None) -> None:
                    help="the report (the per-call rows beside it, .calls.json.gz; the request bodies, .bodies.json.gz)")
     p.add_argument("--calls-json", type=Path, help="score the rows of an earlier run's .calls.json.gz (no servers)")
     p.add_argument("--plots", type=Path, help="folder for one PNG per role")
+    p.add_argument("--replay", action="store_true",
+                   help="with --calls-json: run the guard of this tree offline over each role's probed rungs (the "
+                        "rungs it picks may differ from the live run's) and report it as quality_guard.py does")
     args = p.parse_args(argv)
     config = QualityConfig()  # what `kvrelay serve` runs with its defaults
+    if args.replay:
+        if not args.calls_json:
+            p.error("--replay needs --calls-json")
+        by_role: dict[str, list[dict]] = defaultdict(list)
+        for row in read_rows(args.calls_json)["rows"]:
+            by_role[row["agent"]].append(row)
+        replays = {agent: quality_guard.role_report(guard_rows(got), config) for agent, got in by_role.items()}
+        for agent, rep in replays.items():
+            after = rep["quality_after_20"]
+            print(f"{agent}: calls {rep['num_calls']} shadowed {rep['num_shadowed']} rungs {rep['rung_calls']} | "
+                  f"after 20: KL {after['kl_mean']:.4f} agree {after['agreement']:.3f} meets "
+                  f"{rep['meets_target_after_20']} | reuse {rep['reuse']:.3f} best static {rep['best_static']} ratio "
+                  f"{rep['reuse_vs_best_static']:.3f} (after 20 {rep['reuse_after_20_vs_best_static']:.3f})")
+        if args.json:
+            args.json.write_text(json.dumps({"sources": str(args.calls_json), "config": str(config.target),
+                                             "roles": replays}, separators=(",", ":")))
+        return
     if args.calls_json:
         rows, guard_view = read_rows(args.calls_json)["rows"], None
     else:

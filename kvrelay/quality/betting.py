@@ -77,6 +77,16 @@ def betting_bounds(values: Sequence[float], confidence: float) -> tuple[float, f
     return _edge(values, bets, threshold, upper=False), _edge(values, bets, threshold, upper=True)
 
 
+def upper_bound_floor(mean: float, num_samples: int, confidence: float) -> float:
+    """The least upper bound any bound valid for every law on [0, 1] can put on ``num_samples`` values at ``mean``:
+    mean + (1 - mean)(1 - delta^(1/n)), the law "mean, or 1 with probability p" showing them with probability
+    (1 - p)^n. A window whose mean stays where it is cannot be certified under a level below this at that size."""
+    if num_samples <= 0:
+        return 1.0
+    mean = min(max(mean, 0.0), 1.0)
+    return mean + (1 - mean) * (1 - (1 - confidence) ** (1 / num_samples))
+
+
 def _edge(values: Sequence[float], bets: Sequence[float], threshold: float, upper: bool) -> float:
     """The bound on one side: where the capital crosses 1/delta. For the upper bound the capital grows with m and
     the bisection keeps its hi end; for the lower it shrinks as m grows and keeps its lo end (the safe side each)."""

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from kvrelay.quality.betting import betting_bounds
+from kvrelay.quality.betting import betting_bounds, upper_bound_floor
 
 
 def wilson_bounds(mean: float, num_samples: int, z: float) -> tuple[float, float]:
@@ -110,6 +110,13 @@ class RungEstimate:
     def kl_upper(self) -> float:
         return self.kl_bounds()[1]
 
+    def kl_upper_floor(self, num_samples: int) -> float:
+        """The least KL upper bound, in nats, that any valid bound could give ``num_samples`` samples at this
+        window's clipped mean (``kvrelay.quality.betting.upper_bound_floor``); the cap with no sample."""
+        if not self.samples:
+            return self.kl_cap
+        return upper_bound_floor(self.kl_clipped_mean() / self.kl_cap, num_samples, self.confidence) * self.kl_cap
+
     def agreement_mean(self) -> float:
         return sum(s.top1_agree for s in self.samples) / len(self.samples) if self.samples else math.nan
 
@@ -119,6 +126,11 @@ class RungEstimate:
 
     def agreement_upper(self) -> float:
         return self.agreement_bounds()[1]
+
+    def agreement_lower_at(self, num_samples: int) -> float:
+        """The agreement's lower bound that ``num_samples`` samples at this window's agreement rate would have
+        (0 with no sample)."""
+        return wilson_bounds(self.agreement_mean(), num_samples, self.z)[0] if self.samples else 0.0
 
     def to_dict(self) -> dict:
         """The window's estimates and bounds (JSON-ready: no nan, None where there is no sample)."""

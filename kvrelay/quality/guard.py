@@ -82,7 +82,8 @@ class QualityGuard:
     def should_shadow(self, namespace: str, role: str) -> bool:
         """Whether this call of (namespace, role) also runs ``full`` as a reference: every one of the first
         ``first_calls_per_role`` calls of the role and at each rung it arrives at without samples, then one in
-        ``1 / sample_rate`` (by the role's own count of calls, no random numbers). Never with the guard off."""
+        ``1 / sample_rate`` (by the role's own count of calls, no random numbers), and every call at a rung whose
+        certificate is open (``LadderController.wants_samples``). Never with the guard off."""
         if not self.enabled:
             return False
         key = (namespace, role)
@@ -92,7 +93,8 @@ class QualityGuard:
         self._offers_at_rung[key] = at_rung + 1
         self._num_offers[key] = num + 1
         every = self.config.sample_every
-        shadow = at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
+        shadow = (at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
+                  or self.controller.wants_samples(self._state(namespace, role)))
         self.num_shadowed += shadow
         return shadow
 

@@ -134,10 +134,17 @@ class RoleState:
 class LadderController:
     """Moves one role along the ladder from what the shadow references measured.
 
-    - **Up** (safer) as soon as the live rung *breaks* the target: once it has ``min_samples`` samples, the upper
-      confidence bound of its mean first-token KL is above ``kl_max``, or its top-1 agreement is *confidently*
-      below ``agreement_min`` (the agreement's upper bound under it); earlier, from ``early_break_samples``
-      samples on, when even the KL's lower bound is above ``kl_max`` (a clearly bad rung costs few live calls).
+    - **Up** (safer) as soon as the live rung *breaks* the target: once it has ``min_samples`` samples, its
+      window's mean first-token KL is above ``kl_max``, or its top-1 agreement is *confidently* below
+      ``agreement_min`` (the agreement's upper bound under it), or the upper confidence bound of its mean KL is
+      above ``kl_max`` and a full window could not bring it under; earlier, from ``early_break_samples`` samples
+      on, when even the KL's lower bound is above ``kl_max`` (a clearly bad rung costs few live calls).
+      The certificate waits for the window because of the floor of every valid bound (``kvrelay.quality.betting``):
+      at 16 samples none certifies a mean above ~0.019 nats under 0.05, at 32 one up to ~0.035, so judging a rung
+      on its bound at ``min_samples`` would refuse every rung between those whatever its samples show. While a
+      rung's certificate is open (its bound over the target, its window not full, and a full window at its present
+      mean KL and agreement rate certifiable: ``certificate_open``) the guard shadows every call at it
+      (``wants_samples``), so meanwhile the rung is held to the mean of the very calls it ran, not to an estimate.
       The start rung (with ``trust_start``) is held to its window's mean KL instead of the upper bound: the shipped
       tables put it inside the target, and 16-32 samples cannot certify a mean KL much above 0.02 nats under 0.05
       with any bound valid for every law of the clipped KL (``kvrelay.quality.betting``); the mean still sends a
@@ -171,8 +178,11 @@ class LadderController:
 
     def breaks(self, est: RungEstimate, refuted_only: bool = False) -> bool:
         """The estimate breaks the target: from ``early_break_samples`` samples on when even its KL lower bound is
-        over the target; from ``min_samples`` on when its agreement is confidently under the target or its KL upper
-        bound is over the target (``refuted_only``: its window's mean KL, clipped as in the bounds)."""
+        over the target; from ``min_samples`` on when its agreement is confidently under the target or its window's
+        mean KL (clipped as in the bounds) is over it (``refuted_only``: only then), or when its KL upper bound is
+        over the target and a full window could no longer certify it (``certificate_open``). While one still can,
+        the guard measures every call at the rung (``wants_samples``): it is held to the mean KL of the very calls
+        it ran."""
         target = self.config.target
         if target is None or est.num_samples < self.config.early_break_samples:
             return False
@@ -181,11 +191,22 @@ class LadderController:
             return True  # confidently over the target already: no need to wait for min_samples
         if est.num_samples < self.config.min_samples:
             return False
-        if est.agreement_upper() < target.agreement_min:
+        if est.agreement_upper() < target.agreement_min or est.kl_clipped_mean() > target.kl_max:
             return True
-        if refuted_only:
-            return est.kl_clipped_mean() > target.kl_max
-        return kl_upper > target.kl_max
+        if refuted_only or kl_upper <= target.kl_max:
+            return False
+        return not self.certificate_open(est)
+
+    def certificate_open(self, est: RungEstimate) -> bool:
+        """More samples can still certify the rung within its window, on both parts of the target: the window is not
+        full, and a full window at its present mean KL and agreement rate could be certified by valid bounds (the
+        KL floor, ``RungEstimate.kl_upper_floor``, within the target, and the agreement's lower bound at that rate
+        at or over it). At 16 samples no valid bound puts a mean KL above ~0.019 nats under the default 0.05
+        target, at 32 one above ~0.035 (cap 0.25 nats, confidence 0.9): a rung asked for its certificate at 16
+        samples is refused whatever its samples show, one that a full window can still certify is not."""
+        target, window = self.config.target, self.config.window
+        return (0 < est.num_samples < window and est.kl_upper_floor(window) <= target.kl_max
+                and est.agreement_lower_at(window) >= target.agreement_min)
 
     def well_inside(self, est: RungEstimate) -> bool:
         target = self.config.target
@@ -194,14 +215,27 @@ class LadderController:
         return (est.kl_upper() <= self.config.margin * target.kl_max
                 and est.agreement_mean() >= target.agreement_min)
 
+    def trusted(self, state: RoleState) -> bool:
+        """The live rung is the start rung, trusted on the shipped tables' word until this role's own traffic broke
+        it there; once it did, a return to it is a move like any other and must keep its KL upper bound under the
+        target."""
+        return (self.config.trust_start and state.rung_index == self.start_index
+                and not state.num_breaks.get(self.start_index))
+
+    def wants_samples(self, state: RoleState) -> bool:
+        """The next call should be shadowed whatever the sample rate: the live rung is held to its KL upper bound
+        (it is not the trusted start rung, nor the safest rung, which has nowhere to go), that bound is over the
+        target, and a full window could still certify the rung (``certificate_open``)."""
+        target = self.config.target
+        if target is None or self.trusted(state) or state.rung_index == len(self.ladder) - 1:
+            return False
+        est = self.estimate(state, self.ladder[state.rung_index].name)
+        return est.kl_upper() > target.kl_max and self.certificate_open(est)
+
     def after_sample(self, state: RoleState, setting: str) -> Move | None:
         """A sample of ``setting`` was recorded: move the role up when its live rung now breaks the target."""
         live = self.ladder[state.rung_index]
-        # the start rung is trusted on the shipped tables' word only until this role's own traffic breaks it there;
-        # once it did, a return to it is a move like any other and must keep its KL upper bound under the target
-        refuted_only = (self.config.trust_start and state.rung_index == self.start_index
-                        and not state.num_breaks.get(self.start_index))
-        if setting != live.name or not self.breaks(self.estimate(state, live.name), refuted_only):
+        if setting != live.name or not self.breaks(self.estimate(state, live.name), self.trusted(state)):
             return None
         if state.rung_index == len(self.ladder) - 1:
             return None  # the safest rung has nowhere to go; the snapshot shows it breaking

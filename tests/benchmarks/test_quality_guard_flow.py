@@ -89,3 +89,18 @@ def test_the_report_scores_the_calls_after_the_20th_and_the_best_static_rung_in_
     cheap = role_report(rows(40, naive_kl=0.001), QualityConfig())
     assert cheap["best_static"] == "naive" and math.isclose(cheap["reuse_vs_best_static"], 0.6 / 0.8)
     assert cheap["trace"][0] == ["prefix", 0, 0.2, 0]
+
+
+def test_replay_runs_the_guard_over_the_probes_not_the_live_rungs():
+    import quality_guard
+    from quality_guard_flow import guard_rows
+
+    probed = rows(40, naive_kl=0.3)
+    for row in probed:
+        for got in row["rungs"].values():
+            got["ttft_ms"] = 1.0
+    report = quality_guard.role_report(guard_rows(probed), QualityConfig())
+    # the live rows ran prefix for 20 calls; the guard replayed from the probes starts at relay and stays there
+    assert report["rung_calls"] == {"naive": 0, "relay": 40, "prefix": 0}
+    assert report["quality_after_20"]["kl_mean"] == 0.01 and math.isclose(report["reuse"], 0.6)
+    assert report["num_shadowed"] == 17 and report["shadow_share"] is None  # no decode or reference time was kept

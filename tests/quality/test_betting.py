@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvrelay.quality.betting import betting_bounds, predictable_bets
+from kvrelay.quality.betting import betting_bounds, predictable_bets, upper_bound_floor
 from kvrelay.quality.estimate import wilson_bounds, z_for
 
 CONFIDENCE = 0.9
@@ -78,6 +78,18 @@ def test_zeros_stay_above_the_floor_of_any_valid_bound(num_samples):
     floor = 1 - DELTA ** (1 / num_samples)
     lower, upper = betting_bounds([0.0] * num_samples, CONFIDENCE)
     assert lower == 0.0 and floor <= upper <= 1.5 * floor
+
+
+@pytest.mark.parametrize("mean", [0.0, 0.02, 0.1, 0.19])
+@pytest.mark.parametrize("num_samples", [16, 32])
+def test_constant_values_stay_above_the_floor_at_their_mean(mean, num_samples):
+    """The floor at any mean a: n values at a are what "a, or 1 with probability p" shows with probability
+    (1 - p)^n, so a valid bound stays >= a + (1 - a)(1 - delta^(1/n)) (``upper_bound_floor``), which the guard reads
+    to know whether a window can still certify a rung."""
+    floor = upper_bound_floor(mean, num_samples, CONFIDENCE)
+    assert floor == pytest.approx(mean + (1 - mean) * (1 - DELTA ** (1 / num_samples)))
+    upper = betting_bounds([mean] * num_samples, CONFIDENCE)[1]
+    assert floor <= upper <= floor + 0.25 * (floor - mean)
 
 
 @pytest.mark.parametrize("level", [0.08, 0.12, 0.2, 0.4])

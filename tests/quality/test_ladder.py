@@ -64,6 +64,44 @@ def test_a_bound_not_a_mean_decides():
     assert est["mean"] < 0.05 < est["upper"]
 
 
+def test_a_cheaper_rung_the_window_can_certify_gets_its_window():
+    """naive at 0.025 nats on every call, agreeing: no valid bound certifies that under the 0.05 target from 16
+    samples (the floor at 16 is 0.055 nats) but one can from 32 (floor 0.041). Judged at min_samples it would be
+    refused whatever its samples show; the guard instead shadows every call at it until its upper bound certifies
+    it (holding it meanwhile to the mean KL of those very calls), and keeps it."""
+    g = guard()
+    cfg = g.config
+    calls = drive(g, constant({"naive": (0.025, True), "relay": GOOD, "prefix": (0.0, True)}), 200)
+    first_naive = next(i for i, (rung, _) in enumerate(calls) if rung == "naive")
+    assert first_naive <= cfg.hold_calls + 1
+    assert all(rung == "naive" for rung, _ in calls[first_naive:])
+    # every call at naive is shadowed, past first_calls_per_role, until the bound certifies it; then the sample rate
+    streak = next(n for n, (_, shadowed) in enumerate(calls[first_naive:]) if not shadowed)
+    assert cfg.first_calls_per_role < streak < cfg.window
+    later = calls[first_naive + streak:]
+    assert sum(shadowed for _, shadowed in later) <= len(later) // cfg.sample_every + 1
+    naive = g.snapshot("ns")["roles"]["agent"]["estimates"]["naive"]["first_token_kl"]
+    assert naive["mean"] < naive["upper"] <= 0.05  # certified, not kept on its mean
+
+
+def test_a_window_that_cannot_certify_the_agreement_is_not_waited_for():
+    """naive at 0.025 nats but disagreeing with full once in its first 16 calls: its KL alone could still be
+    certified within the window, its agreement (15 of 16: a lower bound of 0.86 at 32 samples at that rate) could
+    not, so the guard does not extend the trial: naive breaks at min_samples as a rung that cannot be certified."""
+    def stream(i: int, rung: str) -> tuple[float, bool]:
+        if rung == "naive":
+            return 0.025, i != 20
+        return {"relay": GOOD, "prefix": (0.0, True)}[rung]
+
+    g = guard()
+    cfg = g.config
+    calls = drive(g, stream, 60)
+    first_naive = next(i for i, (rung, _) in enumerate(calls) if rung == "naive")
+    assert first_naive < 20 < first_naive + cfg.min_samples
+    assert [rung for rung, _ in calls[first_naive:first_naive + cfg.min_samples + 1]] == (
+        ["naive"] * cfg.min_samples + ["relay"])
+
+
 def test_the_start_rung_breaks_only_when_refuted():
     """relay at 0.04 on every call: inside the target, but no valid bound certifies that from 16-32 samples. As
     the start rung it stays (nothing refutes it); without ``trust_start`` it would move to prefix at min_samples."""
