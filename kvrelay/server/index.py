@@ -75,7 +75,7 @@ lookup by what follows the break (``index_break``): a visit checks only those wh
 ``m`` such members (1,000 lines in one place each: 6 a token, as at 300). Not bounded: such lines of varied length
 and context are spread over the merged groups (one per ``back``), each woken at every extension its members have
 in a stretch, so the visits grow with the spans until they fill the stretch (at most B + 1 groups an offset, each
-O(log m)): 35 a token at 300 spans, 59 at 1,000, 131 at 10,000. And a period of B or more (a repeated line longer
+O(log m)): 36 a token at 300 spans, 60 at 1,000, 129 at 10,000. And a period of B or more (a repeated line longer
 than a block), where runs are extended as on any text, so each offset may check every span that holds the line.
 
 Storage, and the garbage collector. Python's cyclic collector walks every object it tracks at each full

@@ -73,8 +73,8 @@ def varied_line_spans(num_spans: int, seed: int = 1) -> list[list[int]]:
 def test_work_per_token_is_bounded_on_lines_of_varied_length_that_go_on():
     """Stored lines of varied length and context going on past the break: each visit is cheap now, but the visits
     (a merged group per distance to where the repeats start, woken at each extension a member has) grow with the
-    spans until they fill the stretch (oldest: 35 units a token at 300 spans, 59 at 1,000, 131 at 10,000; each
-    going-on member a candidate at every line: 44, 102 and 715)."""
+    spans until they fill the stretch (oldest: 36 units a token at 300 spans, 60 at 1,000, 129 at 10,000; each
+    going-on member a candidate at every line: 44, 101 and 714)."""
     line = [7] * 40 + [10]
     work = {}
     for num_spans in (300, 1000):
