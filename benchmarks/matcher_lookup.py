@@ -12,6 +12,9 @@ Stored spans are 512 tokens each, 10 / 1,000 / 10,000 of them (added in steps, o
   rule, padding); the prompt is that token repeated (the matcher's worst case before issue 54);
 - periodic: the same with a 6-token phrase (a markdown table's rule line, ``| --- | --- |`` and a newline):
   one span in 100 holds a run of 16-512 tokens of it, from any of its tokens; the prompt repeats the line;
+- ruled: natural spans, one in 10 also holding a line of 32-100 copies of one token ended by a newline (then its
+  own text goes on); the prompt is lines of 40 such tokens, a newline and 24 tokens of natural text (a table of
+  rule lines: each stored line that ends as long as a prompt line's stretch goes on past its newline);
 - shared: every span opens with one system prompt (300 GSM8K test tokens) and goes on with its own natural text
   (every stored call of an agent); the prompt opens with that system prompt and goes on as a natural one (its
   chunks copied from spans start inside the system prompt, so the prompt holds it, or its tail, again and again).
@@ -54,7 +57,9 @@ PROMPT_TOKENS = (1024, 4096, 8192, 32768)
 SAMPLES = {1024: 30, 4096: 15, 8192: 10, 32768: 5}
 VOCAB = 49152
 SYSTEM_TOKENS = 300
-KINDS = ("random", "natural", "repeated", "periodic", "shared")
+KINDS = ("random", "natural", "repeated", "periodic", "ruled", "shared")
+RULED_LINE_TOKENS = 40  # a prompt line's rule tokens (then its newline and RULED_TEXT_TOKENS of text)
+RULED_TEXT_TOKENS = 24
 RULE_LINE = "| --- | --- |\n"
 
 
@@ -89,12 +94,22 @@ class Kind:
             at = rng.randrange(SPAN_TOKENS - n + 1)
             phase = rng.randrange(len(self.rule))
             ids[at:at + n] = [self.rule[(phase + k) % len(self.rule)] for k in range(n)]
+        if self.name == "ruled" and rng.random() < 0.1:
+            n = rng.randint(32, 100)
+            at = rng.randrange(SPAN_TOKENS - n)
+            ids[at:at + n + 1] = [self.rule[0]] * n + [self.rule[1]]
         return ids
 
     def prompt(self, num_tokens: int) -> list[int]:
         rng = self.rng
         if self.name in ("repeated", "periodic"):
             return [self.rule[k % len(self.rule)] for k in range(num_tokens)]
+        if self.name == "ruled":
+            out = []
+            while len(out) < num_tokens:
+                at = rng.randrange(len(self.test) - RULED_TEXT_TOKENS)
+                out += [self.rule[0]] * RULED_LINE_TOKENS + [self.rule[1]] + self.test[at:at + RULED_TEXT_TOKENS]
+            return out[:num_tokens]
         out: list[int] = list(self.system)
         while len(out) < num_tokens:
             if rng.random() < 0.75:
@@ -195,7 +210,8 @@ def main() -> None:
     t0 = time.perf_counter()
     train = gsm8k_ids(tokenizer, "train.jsonl", 400_000)
     test = gsm8k_ids(tokenizer, "test_dev.jsonl", 100_000)
-    rules = {"periodic": tokenizer.encode(RULE_LINE), "repeated": tokenizer.encode("=====")[:1]}
+    rules = {"periodic": tokenizer.encode(RULE_LINE), "repeated": tokenizer.encode("=====")[:1],
+             "ruled": tokenizer.encode("=====")[:1] + tokenizer.encode("\n")[-1:]}
     print(f"tokenized {len(train)} + {len(test)} GSM8K tokens in {time.perf_counter() - t0:.1f} s", flush=True)
     ms_per_token = prefill_ms_per_token(train, args.prefill_tokens)
     print(f"SmolLM2-135M prefill: {ms_per_token:.3f} ms/token at {args.prefill_tokens} tokens", flush=True)

@@ -69,11 +69,14 @@ with O(B) hashes of its context, each member once), and a stretch of the prompt 
 where its runs start with the prompt's repeats, and where a member goes on or (``longest``) its picks change,
 plus the runs returned (``prefer="oldest"``: a window from each span whose repeats no older span's
 outreach; with ``find``'s cover mode, about one, the oldest span's whose windows overlap by ``min_tokens``):
-many separate stretches against 1,000 contexts cost 14 a token, not stretches x contexts. Not bounded: spans
-whose repeats stop with the prompt's and are followed by its next token (a stored line of ``k`` repeats ended
-by the token that ends the prompt's lines of ``k``) each go on past the stretch, a candidate per span and
-stretch (1,000 such spans: 77 a token, 35 at 300); and a period of B or more (a repeated line longer than a
-block), where runs are extended as on any text, so each offset may check every span that holds the line.
+many separate stretches against 1,000 contexts cost 14 a token, not stretches x contexts. Members whose repeats
+stop with the prompt's and go on with its break token (stored lines ended as the prompt's are) are sorted once per
+lookup by what follows the break (``index_break``): a visit checks only those whose runs it keeps, O(log m) for
+``m`` such members (1,000 lines in one place each: 6 a token, as at 300). Not bounded: such lines of varied length
+and context are spread over the merged groups (one per ``back``), each woken at every extension its members have
+in a stretch, so the visits grow with the spans until they fill the stretch (at most B + 1 groups an offset, each
+O(log m)): 36 a token at 300 spans, 60 at 1,000, 129 at 10,000. And a period of B or more (a repeated line longer
+than a block), where runs are extended as on any text, so each offset may check every span that holds the line.
 
 Storage, and the garbage collector. Python's cyclic collector walks every object it tracks at each full
 collection, and one lands in whatever lookup or decode step crosses its threshold: with a container or two per

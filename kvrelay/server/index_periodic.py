@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 
+from kvrelay.server import index_break
+from kvrelay.server.index_break import GoingOn
 from kvrelay.server.index_splits import END, common_length
 
 __all__ = ["PeriodicVisits", "block_periods", "smallest_period"]
@@ -227,7 +229,12 @@ class PeriodicVisits:
                 rec_k.append(k)
         for afters in afters_of.values():
             afters.sort()
-        group[2] = (ordered, rec_after, rec_k, by_after, by_break, afters_of)
+        # per extension, the first member whose break token differs from the first one's (``_first_stopping``)
+        other = {}
+        for after, ks in by_after.items():
+            first_break = ordered[ks[0]][6]
+            other[after] = next((k for k in ks if ordered[k][6] != first_break), None)
+        group[2] = (ordered, rec_after, rec_k, by_after, by_break, afters_of, other, {})
         return group[2]
 
     def _visit_periodic(self, i: int, group: list, q_prev: int | None) -> int:
@@ -240,7 +247,8 @@ class PeriodicVisits:
         block that go on with the period), each further offset gives each member the same run, as long or
         longer: only members that go on past the prompt's repeats are checked, until the last such offset."""
         q, b, n = self.q, self.index.block_len, len(self.q)
-        ordered, rec_after, rec_k, by_after, by_break, afters_of = group[2] or self._periodic_view(group)
+        view = group[2] or self._periodic_view(group)
+        ordered, rec_after, rec_k, by_after, by_break, afters_of, _, _ = view
         period = group[3]
         q_start, q_end = self._stretch(period, i)
         if group[5] is not None:  # merged: the side whose repeats start later breaks first (``_block_groups``)
@@ -255,8 +263,7 @@ class PeriodicVisits:
         afters = afters_of.get(token, ()) if token is not None else ()
         j = bisect.bisect_left(afters, q_after)
         wake = q_end - b - afters[j - 1] if j else q_end - b + 1
-        goes_on = by_break.get((q_after, token), ()) if token is not None else ()
-        picks = [(ordered[k], None, n) for k in goes_on]
+        picks = self._going_on(view, q_after, token, q_end) if token is not None else []
         if left == i - q_start < group[4]:
             last = i + period * min((q_start + group[4] - i) // period, (q_end - b - i) // period)
             if last > i:  # the same runs, as long or longer, at ``last``: until then only those that go on
@@ -273,13 +280,9 @@ class PeriodicVisits:
         # give the same run from a span no more preferred), either the first going further or one stopping there
         over = bisect.bisect_right(rec_after, q_after)
         first = rec_k[over] if over < len(rec_after) else len(ordered)
-        for k in by_after.get(q_after, ()):
-            self.work += 1
-            if k >= first:
-                break
-            if token is None or ordered[k][6] != token:
-                first = k
-                break
+        stops = self._first_stopping(view, q_after, token)
+        if stops is not None and stops < first:
+            first = stops
         if first < len(ordered):
             picks.append((ordered[first], q_end, q_end - b + 1))
         if self.oldest and len(picks) > 1:
@@ -296,6 +299,32 @@ class PeriodicVisits:
         if families is None:
             families = self.families[period, q_end] = ({}, [])
         return self._check(i, left, picks, wake, (families, period, q_end))
+
+    def _first_stopping(self, view: tuple, q_after: int, token: int | None) -> int | None:
+        """The first member (in the order checked) whose repeats stop with the prompt's and whose break token is
+        not the prompt's ``token`` (its run ends with the prompt's repeats), or None."""
+        ordered, by_after, other = view[0], view[3], view[6]
+        ks = by_after.get(q_after)
+        self.work += 1
+        if not ks:
+            return None
+        return ks[0] if token is None or ordered[ks[0]][6] != token else other[q_after]
+
+    def _going_on(self, view: tuple, q_after: int, token: int, q_end: int) -> list:
+        """Picks among the members whose repeats stop with the prompt's and whose break token is the prompt's: they
+        go on past the stretch, and only those whose runs a visit keeps are checked (``index_break``)."""
+        ordered, goes_on, n = view[0], view[4].get((q_after, token), ()), len(self.q)
+        if len(goes_on) < index_break.BREAK_SORT_MIN_MEMBERS:
+            return [(ordered[k], None, n) for k in goes_on]
+        index = self.index
+        bucket = view[7].get((q_after, token))
+        if bucket is None:  # first met in this lookup: sorted by the tokens after the break
+            bucket = view[7][q_after, token] = GoingOn([ordered[k] for k in goes_on], index.block_len, index.hasher)
+            self.work += bucket.work
+        bucket.work = 0
+        members = bucket.picks(index.hasher, self.prefix, self.q, q_end + 1, self.oldest)
+        self.work += bucket.work
+        return [(h, None, n) for h in members]
 
     def _covered(self, i: int, left: int, order: int, end: int, families: tuple, period: int, q_end: int) -> int | None:
         """Whether an exact window of a periodic member lies inside a window already given in this stretch, by
