@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ import sys
 from pathlib import Path
 from statistics import mean
 
+from kvrelay.eval.result_files import read_json, write_json_gz
 from kvrelay.quality import QualityConfig, QualityGuard
 
 # past every shipped row and every problem a shipped profile was calibrated on (Gemma 3's selector: HumanEval
@@ -200,13 +200,12 @@ def calls_path(report_path: str) -> Path:
 
 
 def write_rows(path: Path, rows: list[dict] | dict) -> None:
-    path.write_bytes(gzip.compress(json.dumps(rows).encode()))
+    write_json_gz(path, rows)
 
 
 def read_rows(path: Path) -> list[dict] | dict:
     """JSON written by ``write_rows``, or plain JSON (the gzip magic tells them apart)."""
-    raw = path.read_bytes()
-    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    return read_json(path)
 
 
 def workload_offsets(workloads: list[str], offset: int | None) -> dict[str, int]:

@@ -352,7 +352,7 @@ def report(head: dict, phases: list[dict], phase_calls: list[list[dict]]) -> dic
 def rescore(path: Path) -> dict:
     """The report of an earlier run recomputed from its JSON and its ``.calls.json.gz`` (no servers)."""
     old = json.loads(path.read_text())
-    calls = read_rows(path.with_suffix(".calls.json.gz"))["calls"]
+    calls = read_rows(path.with_suffix(".calls.json"))["calls"]
     head = {k: v for k, v in old.items() if k not in ("phases", "compare")}
     phases = old["phases"]
     phase_calls = [[c for c in calls if (c["arm"], c["repeat"]) == (p["arm"], p["repeat"])] for p in phases]

@@ -7,14 +7,13 @@ commit and the machine. ``make_tables.py`` says which table reads which files.
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvrelay.eval.report import merge_results
+from kvrelay.eval.result_files import read_json
 from kvrelay.eval.stats import mean, median, median_ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -28,9 +27,7 @@ def result_path(name: str) -> Path:
 
 
 def load(name: str) -> dict:
-    path = result_path(name)
-    raw = path.read_bytes()
-    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+    return read_json(result_path(name))
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:

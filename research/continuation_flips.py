@@ -29,6 +29,7 @@ from kvrelay.eval.fidelity import kl_first_token
 from kvrelay.eval.harness import environment
 from kvrelay.eval.path_fidelity import forced_logits, path_reference
 from kvrelay.eval.report import NEAR_TIE_MARGIN
+from kvrelay.eval.result_files import read_json
 from kvrelay.reuse.cacheblend import CacheBlendMethod
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.relay import RelayMethod
@@ -54,7 +55,7 @@ def main() -> None:
                     "(their calls pooled): KL by position, and the calls only one method flips by full's margin")
     args = ap.parse_args()
     if args.summarize:
-        calls = [c for path in args.summarize for c in json.loads(Path(path).read_text())["calls"]]
+        calls = [c for path in args.summarize for c in read_json(path)["calls"]]
         summarize(calls)
         for name in calls[0]["methods"]:
             print(f"{name:40s} KL by position: " + " ".join(

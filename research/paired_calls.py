@@ -17,13 +17,15 @@ import json
 from math import comb
 from pathlib import Path
 
+from kvrelay.eval.result_files import read_json
+
 
 def load_rows(paths: list[str], method: str, required: bool = True) -> dict[tuple[str, str], dict]:
     """(problem, agent) -> the method's row in these files; one row per call (a repeat or a file given twice
     is refused, not silently overwritten). None at all: an exit when ``required``, else empty."""
     rows = {}
     for path in paths:
-        for r in json.loads(Path(path).read_text())["calls"]:
+        for r in read_json(path)["calls"]:
             if r["method"] == method:
                 key = (r["problem_id"], r["agent"])
                 if key in rows:

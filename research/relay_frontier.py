@@ -18,6 +18,7 @@ import argparse
 import json
 
 from kvrelay.eval.report import merge_results
+from kvrelay.eval.result_files import read_json
 
 BASELINES = ("epic", "cacheblend", "naive")
 
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", action="store_true", help="print BENCHMARKS.md tables instead")
     args = ap.parse_args()
-    lanes = [json.load(open(p)) for p in args.runs]
+    lanes = [read_json(p) for p in args.runs]
     result = merge_results(lanes) if len(lanes) > 1 else lanes[0]
     table = targets(result["results"])
     if args.markdown:
