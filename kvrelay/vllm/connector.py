@@ -261,10 +261,11 @@ class KVRelayConnector(KVConnectorBase_V1):
                 first = job.plan.num_computed // self.block_size
                 self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
                 continue
-            log.info("kvrelay connector: request %s: %d tokens claimed, %d loaded, %d computed (%d spans missing) "
-                     "in %.1f ms (forward %.1f ms on %d threads; %.1f ms waiting for spans being stored)",
-                     result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
-                     result.spans_missing, result.load_ms, result.forward_ms, torch.get_num_threads(), wait_ms)
+            log.info("kvrelay connector: request %s: %d tokens claimed, %d loaded, %d computed (%d spans missing; "
+                     "%d token-layers) in %.1f ms (forward %.1f ms on %d threads; %.1f ms waiting for spans being "
+                     "stored)%s", result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
+                     result.spans_missing, result.num_token_layers, result.load_ms, result.forward_ms,
+                     torch.get_num_threads(), wait_ms, f"; {result.note}" if result.note else "")
 
     def has_connector_metadata(self) -> bool:
         """False, so that vLLM's attention layers skip ``wait_for_layer_load`` and ``save_kv_layer`` (two calls per
