@@ -6,8 +6,9 @@ the paged cache (what vLLM computed or found in its own prefix cache), each piec
 new positions with its keys re-rotated (RoPE composes: ``K(p') = R(p' - p) K(p)``), then kvrelay's scheduled
 prefill computes the gap and repaired tokens at every layer, attending to everything before them, through vLLM's
 own modules (``binding``). Positions ``[num_computed, end)`` then go into the paged cache, and vLLM prefills the
-rest of the prompt on top of them. A span gone from the store since the scheduler planned (evicted, or its save
-failed) is not an error: its tokens are computed like a gap.
+rest of the prompt on top of them. A scheduled method (``cacheblend``, ``relay``) places the moved pieces and runs its
+own schedule as its plan says (``methods``), over the whole prompt. A span gone from the store since the scheduler
+planned (evicted, or its save failed) is not an error: its tokens are computed like a gap.
 """
 
 from __future__ import annotations
