@@ -27,7 +27,12 @@ time, decode speed (tokens after the first over the time after the first), ``cac
 side's own count: a mismatch with the reference is reported), kvrelay serve's reuse report, and the first token's
 top logprobs; fidelity is each side's first token against its reference's (the plain server in the same pass) on
 the same messages: top-1 agreement and KL over the reference's top tokens. A chain's time is the sum of its three
-calls on that side.
+calls on that side, and per generated token that sum over the tokens the side generated (the sides' answers differ in
+length).
+
+``--connector-method`` and ``--connector-profile`` set the connector's ``method`` and relay ``profile``;
+``--kvrelay-method`` runs ``kvrelay serve`` on that method with its quality guard off, and ``--skip-kvrelay-full``
+leaves out the ``full`` side.
 """
 
 from __future__ import annotations
