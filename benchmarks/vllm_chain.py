@@ -27,7 +27,12 @@ time, decode speed (tokens after the first over the time after the first), ``cac
 side's own count: a mismatch with the reference is reported), kvrelay serve's reuse report, and the first token's
 top logprobs; fidelity is each side's first token against its reference's (the plain server in the same pass) on
 the same messages: top-1 agreement and KL over the reference's top tokens. A chain's time is the sum of its three
-calls on that side.
+calls on that side, and per generated token that sum over the tokens the side generated (the sides' answers differ in
+length).
+
+``--connector-method`` and ``--connector-profile`` set the connector's ``method`` and relay ``profile``;
+``--kvrelay-method`` runs ``kvrelay serve`` on that method with its quality guard off, and ``--skip-kvrelay-full``
+leaves out the ``full`` side.
 """
 
 from __future__ import annotations
@@ -179,8 +184,13 @@ def summarize(rows: list[dict], sides: list[str]) -> dict:
         chains: dict[str, float] = {}
         for r in rows:
             chains[r["problem_id"]] = chains.get(r["problem_id"], 0.0) + r[side]["total_ms"]
+        # outputs differ in length between sides: the chain's time over the tokens it generated compares sides whose
+        # answers are longer or shorter (prefill and decode alike counted in)
+        num_generated = sum(r[side]["completion_tokens"] or 0 for r in rows)
         out["by_side"][side] = {"chain_ms_median": statistics.median(chains.values()),
                                 "chain_ms_total": sum(chains.values()),
+                                "completion_tokens_total": num_generated,
+                                "ms_per_completion_token": sum(chains.values()) / max(1, num_generated),
                                 "decode_tokens_per_s_median": _median_rate(rows, side)}
     return out
 
@@ -190,13 +200,16 @@ CONNECTOR_CONFIG = {"kv_connector": "KVRelayConnector", "kv_connector_module_pat
 KVRELAY_SIDES = {"kvrelay_serve": (), "kvrelay_full": ("--quality-target", "off", "--method", "full")}
 
 
-def start_servers(model_dir: str, log_dir: str | None) -> tuple[VllmServer, VllmServer]:
-    """The connector's server and the plain one, with the same flags but ``--kv-transfer-config``."""
+def start_servers(model_dir: str, log_dir: str | None, extra_config: dict | None = None
+                  ) -> tuple[VllmServer, VllmServer]:
+    """The connector's server (``extra_config``: its ``kv_connector_extra_config``) and the plain one, with the same
+    flags but ``--kv-transfer-config``."""
     common = {"model_dir": model_dir, "extra_args": ("--enable-prompt-tokens-details",), "startup_timeout_s": 3600,
               "env": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1"}}
     logs = {side: os.path.join(log_dir, f"vllm-chain-{side}.log") if log_dir else None
             for side in ("connector", "plain")}
-    connector = VllmServer(VllmServerConfig(kv_transfer_config=CONNECTOR_CONFIG, log_path=logs["connector"],
+    config = {**CONNECTOR_CONFIG, "kv_connector_extra_config": dict(extra_config or {})}
+    connector = VllmServer(VllmServerConfig(kv_transfer_config=config, log_path=logs["connector"],
                                             **common))
     try:
         plain = VllmServer(VllmServerConfig(log_path=logs["plain"], **common))
@@ -258,6 +271,12 @@ def main() -> None:
     parser.add_argument("--kvrelay-model", default="smollm2-135m", help="kvrelay serve's --model (the GGUF the "
                         "vLLM folder was exported from)")
     parser.add_argument("--kvrelay-threads", type=int, default=1)
+    parser.add_argument("--connector-method", default=None, help="the connector's method (default: its own, epic), "
+                        "e.g. relay")
+    parser.add_argument("--connector-profile", default=None, help="the connector's relay layer profile JSON")
+    parser.add_argument("--skip-kvrelay-full", action="store_true", help="leave out kvrelay serve --method full")
+    parser.add_argument("--kvrelay-method", default=None, help="kvrelay serve runs this method with the quality guard "
+                        "off (default: its defaults, the guard)")
     parser.add_argument("--pause-s", type=float, default=1.5, help="wait before each call")
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--offset", type=int, default=0)
@@ -270,7 +289,8 @@ def main() -> None:
     started: dict[str, list[str]] = {}  # each started server's arguments, for the report
     try:
         if args.model_dir:
-            servers["connector"], servers["plain"] = start_servers(args.model_dir, args.log_dir)
+            extra = {k: v for k, v in (("method", args.connector_method), ("profile", args.connector_profile)) if v}
+            servers["connector"], servers["plain"] = start_servers(args.model_dir, args.log_dir, extra)
             started.update({side: server.config.serve_args(0)[1:] for side, server in servers.items()})
             args.connector_url, args.plain_url = servers["connector"].base_url, servers["plain"].base_url
         clients, model = open_clients({"connector": args.connector_url, "plain": args.plain_url})
@@ -287,7 +307,12 @@ def main() -> None:
             if "connector" in servers:
                 servers.pop("connector").stop()  # its memory, for kvrelay serve's two processes
             urls = {"plain_again": args.plain_url}
-            for side, flags in KVRELAY_SIDES.items():
+            sides_flags = dict(KVRELAY_SIDES)
+            if args.kvrelay_method:
+                sides_flags["kvrelay_serve"] = ("--quality-target", "off", "--method", args.kvrelay_method)
+            if args.skip_kvrelay_full:
+                sides_flags.pop("kvrelay_full")
+            for side, flags in sides_flags.items():
                 log = os.path.join(args.log_dir, f"vllm-chain-{side}.log") if args.log_dir else None
                 servers[side] = KvrelayServe(args.kvrelay_model, flags, args.kvrelay_threads, log)
                 urls[side], started[side] = f"{servers[side].url}/v1", servers[side].args
@@ -334,8 +359,9 @@ def report(args: argparse.Namespace, rows: list[dict], sides: list[str], load_st
                   + (f", {s['prompt_tokens_mismatches']} prompt-token mismatches" if s["prompt_tokens_mismatches"]
                      else ""))
     for side, s in summary["by_side"].items():
-        print(f"{side:14s} chain median {s['chain_ms_median']:.0f} ms, decode {s['decode_tokens_per_s_median']:.1f} "
-              "tokens/s (median over calls)", flush=True)
+        print(f"{side:14s} chain median {s['chain_ms_median']:.0f} ms, total {s['chain_ms_total'] / 1e3:.1f} s, "
+              f"{s['ms_per_completion_token']:.1f} ms per generated token, decode "
+              f"{s['decode_tokens_per_s_median']:.1f} tokens/s (median over calls)", flush=True)
     if args.json:
         env = {"machine": f"{platform.node()} {platform.machine()}", "num_cpus": os.cpu_count(),
                "transport": "OpenAI HTTP servers", "client": "openai (streamed)", "pause_s": args.pause_s,

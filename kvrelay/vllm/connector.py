@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
+from kvrelay.vllm.methods import BoundModel, connector_method
 from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
 from kvrelay.vllm.plan import LoadPlan
 from kvrelay.vllm.saver import BackgroundSaver
@@ -176,7 +177,7 @@ class KVRelayConnector(KVConnectorBase_V1):
                                f"tokens, not the {plan and plan.num_claimed} planned")
         block_ids = list(blocks.get_block_ids()[0])
         self._loads.append(LoadJob(request.request_id, namespace_of(request.cache_salt),
-                                   list(request.prompt_token_ids[: plan.end]), plan, block_ids))
+                                   list(request.prompt_token_ids[: plan.run_end]), plan, block_ids))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
@@ -214,16 +215,21 @@ class KVRelayConnector(KVConnectorBase_V1):
                                                                                                self.block_size))
         paged = PagedKV([kv_caches[n] for n in names], self.block_size, cfg.num_kv_heads, cfg.head_dim, layout)
         self._attention_names = names
-        transformer = self._bind_transformer() if self.config.load else None
-        self._worker = WorkerSide(self.hub, paged, cfg, transformer)
+        method = connector_method(self.config.method, self.config.profile)
+        transformer = self._bind_transformer(scheduled=method is not None) if self.config.load else None
+        bound = None
+        if method is not None and transformer is not None:
+            bound = BoundModel(str(self._vllm_config.model_config.model), transformer, cfg, self.hub.fingerprint)
+            method.settings(bound)  # relay's band resolved now: a model without a profile fails at start, not per load
+        self._worker = WorkerSide(self.hub, paged, cfg, transformer, method if bound is not None else None, bound)
         self._saver = BackgroundSaver(self._worker)
 
-    def _bind_transformer(self) -> Transformer | VllmLayersForward | None:
+    def _bind_transformer(self, scheduled: bool = False) -> Transformer | VllmLayersForward | None:
         """What computes a load's tokens on vLLM's modules, found once at start: finding the model scans the
         worker's live objects (seconds), which no request should wait for. vLLM's decoder layers run as vLLM runs
         them where they have its Llama layout (``forward``), else kvrelay's transformer on vLLM's modules
         (``binding``). None where neither binds: then loads that need tokens computed fail, and vLLM recomputes
-        their blocks."""
+        their blocks. A scheduled method (``methods``) runs on kvrelay's transformer, whose prefill runs schedules."""
         from kvrelay.vllm.binding import bind_transformer, find_model
         from kvrelay.vllm.forward import bind_layers
 
@@ -231,6 +237,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         layers = {n: context[n] for n in self._attention_names}
         try:
             vllm_model = find_model(layers)
+            if scheduled:
+                return bind_transformer(self.model_config, vllm_model)
             return bind_layers(self.model_config, vllm_model) or bind_transformer(self.model_config, vllm_model)
         except ConfigError as e:
             log.warning("%s", e)
@@ -253,10 +261,11 @@ class KVRelayConnector(KVConnectorBase_V1):
                 first = job.plan.num_computed // self.block_size
                 self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
                 continue
-            log.info("kvrelay connector: request %s: %d tokens claimed, %d loaded, %d computed (%d spans missing) "
-                     "in %.1f ms (forward %.1f ms on %d threads; %.1f ms waiting for spans being stored)",
-                     result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
-                     result.spans_missing, result.load_ms, result.forward_ms, torch.get_num_threads(), wait_ms)
+            log.info("kvrelay connector: request %s: %d tokens claimed, %d loaded, %d computed (%d spans missing; "
+                     "%d token-layers) in %.1f ms (forward %.1f ms on %d threads; %.1f ms waiting for spans being "
+                     "stored)%s", result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
+                     result.spans_missing, result.num_token_layers, result.load_ms, result.forward_ms,
+                     torch.get_num_threads(), wait_ms, f"; {result.note}" if result.note else "")
 
     def has_connector_metadata(self) -> bool:
         """False, so that vLLM's attention layers skip ``wait_for_layer_load`` and ``save_kv_layer`` (two calls per

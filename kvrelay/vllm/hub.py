@@ -28,7 +28,7 @@ from kvrelay.model.lm import fingerprint_of
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.index import MATCH_PREFERENCES
 from kvrelay.tier.tiered import TieredStore, open_store
-from kvrelay.vllm.plan import CONNECTOR_METHODS, LoadPlan, Run, plan_load
+from kvrelay.vllm.plan import CONNECTOR_METHODS, LoadPlan, Run, method_name, plan_load
 from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.integrity import file_sha256
 
@@ -44,7 +44,11 @@ class ConnectorConfig:
         "`kvrelay serve` processes on the same URL and model)")})
     kv_budget_gb: float = field(default=2.0, metadata={"help": "memory tier of the span store, in GiB"})
     method: str = field(default="epic", metadata={"help": (
-        "repair of moved spans: epic (recompute the first epic_k tokens of each) or naive (none)")})
+        "repair of moved spans: epic (recompute the first epic_k tokens of each), naive (none), cacheblend or relay "
+        "(kvrelay's methods, with parameters as in `kvrelay serve --method`, e.g. relay[keep_share=0.2])")})
+    profile: str | None = field(default=None, metadata={"help": (
+        "relay's layer profile (a JSON `kvrelay profile` writes; None: the one for this model in kvrelay's cache dir "
+        "or shipped with kvrelay)")})
     epic_k: int = field(default=16, metadata={"help": "tokens epic recomputes at the start of each moved span"})
     min_match_tokens: int = field(default=16, metadata={"help": "shortest run of prompt tokens reused"})
     match_prefer: str = field(default="oldest", metadata={"help": "oldest or longest: which span a shared text "
@@ -53,9 +57,14 @@ class ConnectorConfig:
     load: bool = field(default=True, metadata={"help": "load stored spans into new requests"})
 
     def __post_init__(self) -> None:
-        if self.method not in CONNECTOR_METHODS:
+        if not isinstance(self.method, str) or method_name(self.method) not in CONNECTOR_METHODS:
             raise ConfigError(f"kvrelay connector: method must be one of {', '.join(CONNECTOR_METHODS)}, "
                               f"got {self.method!r}")
+        if self.profile is not None and not isinstance(self.profile, str):
+            raise ConfigError(f"kvrelay connector: profile must be a path, got {self.profile!r}")
+        from kvrelay.vllm.methods import connector_method  # (it imports the methods: torch)
+
+        connector_method(self.method, self.profile)  # its settings checked now: a ConfigError naming the bad one
         if self.match_prefer not in MATCH_PREFERENCES:
             raise ConfigError(f"kvrelay connector: match_prefer must be one of {', '.join(MATCH_PREFERENCES)}, "
                               f"got {self.match_prefer!r}")

@@ -15,6 +15,13 @@ one token to compute for the first output's logits.
 A run that sits at its span's own positions with the same tokens before it (the stored call's exact prefix) is
 exact: same tokens, same positions, same context; it is never recomputed. Every other run is moved or in a new
 context: the method decides which of its tokens are recomputed (``naive``: none, ``epic``: the first ``k``).
+
+``cacheblend`` and ``relay`` choose which span tokens to recompute, layer by layer, from what the new tokens' attention
+and the fresh values show (``SCHEDULED_METHODS``): their choice needs every prompt token's state, so the connector runs
+the method's whole scheduled prefill over the prompt (``worker``, ``methods``) and claims every token but the last:
+vLLM then computes only the last, on top of the K/V the method wrote. Their ``recompute`` lists the tokens computed at
+every layer (gaps and new tokens); the span tokens the method repairs inside its band are counted by the load
+(``LoadResult.num_token_layers``), as they are chosen only there.
 """
 
 from __future__ import annotations
@@ -24,7 +31,14 @@ from dataclasses import dataclass, field
 
 from kvrelay.errors import ConfigError
 
-CONNECTOR_METHODS = ("naive", "epic")
+STATIC_METHODS = ("naive", "epic")  # a fixed set of positions at every layer: the fast forward (``forward``)
+SCHEDULED_METHODS = ("cacheblend", "relay")  # the method's own schedule over the whole prompt (``methods``)
+CONNECTOR_METHODS = STATIC_METHODS + SCHEDULED_METHODS
+
+
+def method_name(spec: str) -> str:
+    """The name of a method spec (``relay[keep_share=0.2]`` -> ``relay``)."""
+    return spec.split("[", 1)[0].strip()
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,12 @@ class LoadPlan:
     pieces: list[Piece] = field(default_factory=list)
     # prompt positions in [num_computed, end) the connector computes (gaps and repaired tokens), ascending
     recompute: list[int] = field(default_factory=list)
+    # prompt tokens the connector's forward runs over: ``end``, or the whole prompt for a scheduled method (it needs
+    # the last tokens' attention to choose; their K/V past ``end`` are vLLM's to write)
+    run_end: int = 0
+
+    def __post_init__(self) -> None:
+        self.run_end = max(self.run_end, self.end)
 
     @property
     def num_claimed(self) -> int:
@@ -79,6 +99,7 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
     (non-overlapping, any order); None when claiming nothing saves anything.
 
     ``span_tokens(span_id)`` gives a span's token ids (to tell an exact prefix from a moved run)."""
+    method = method_name(method)
     if method not in CONNECTOR_METHODS:
         raise ConfigError(f"connector method must be one of {', '.join(CONNECTOR_METHODS)}, got {method!r}")
     limit = len(prompt_ids) - 1  # the last prompt token is vLLM's to compute
@@ -94,7 +115,8 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
     best_end, best_gain, cursor, loaded, computed = 0, 0, num_computed, 0, 0
     for piece in pieces:
         computed += piece.dst_start - cursor  # the gap before it
-        repaired = 0 if piece.exact or method == "naive" else min(epic_k, piece.num_tokens)
+        # a scheduled method repairs a share of a piece's tokens in its band of layers: not tokens of every layer
+        repaired = min(epic_k, piece.num_tokens) if method == "epic" and not piece.exact else 0
         computed += repaired
         loaded += piece.num_tokens - repaired
         cursor = piece.dst_end
@@ -102,6 +124,8 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
             best_end, best_gain = cursor, loaded - computed
     if best_gain <= 0:
         return None
+    if method in SCHEDULED_METHODS:
+        return _scheduled(prompt_ids, num_computed, pieces)
     chosen = [p for p in pieces if p.dst_end <= best_end]
     plan = LoadPlan(num_computed, best_end, chosen)
     cursor = num_computed
@@ -110,4 +134,17 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
         if not piece.exact and method == "epic":
             plan.recompute.extend(range(piece.dst_start, piece.dst_start + min(epic_k, piece.num_tokens)))
         cursor = piece.dst_end
+    return plan
+
+
+def _scheduled(prompt_ids: list[int] | tuple[int, ...], num_computed: int, pieces: list[Piece]) -> LoadPlan:
+    """A scheduled method's claim: every token but the last, its forward over the whole prompt. Every piece pays: the
+    tokens between them would be computed by the connector's forward anyway, as new tokens the method attends from."""
+    limit = len(prompt_ids) - 1
+    plan = LoadPlan(num_computed, limit, list(pieces), run_end=len(prompt_ids))
+    cursor = num_computed
+    for piece in pieces:
+        plan.recompute.extend(range(cursor, piece.dst_start))
+        cursor = piece.dst_end
+    plan.recompute.extend(range(cursor, limit))
     return plan

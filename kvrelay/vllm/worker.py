@@ -6,8 +6,9 @@ the paged cache (what vLLM computed or found in its own prefix cache), each piec
 new positions with its keys re-rotated (RoPE composes: ``K(p') = R(p' - p) K(p)``), then kvrelay's scheduled
 prefill computes the gap and repaired tokens at every layer, attending to everything before them, through vLLM's
 own modules (``binding``). Positions ``[num_computed, end)`` then go into the paged cache, and vLLM prefills the
-rest of the prompt on top of them. A span gone from the store since the scheduler planned (evicted, or its save
-failed) is not an error: its tokens are computed like a gap.
+rest of the prompt on top of them. A scheduled method (``cacheblend``, ``relay``) places the moved pieces and runs its
+own schedule as its plan says (``methods``), over the whole prompt. A span gone from the store since the scheduler
+planned (evicted, or its save failed) is not an error: its tokens are computed like a gap.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
 from kvrelay.model.transformer import Transformer
+from kvrelay.reuse import ReuseMethod
 from kvrelay.vllm.forward import VllmLayersForward
 from kvrelay.vllm.hub import Hub
+from kvrelay.vllm.methods import BoundModel, prefix_length, run_scheduled
 from kvrelay.vllm.paged import PagedKV
 from kvrelay.vllm.plan import LoadPlan
 
@@ -50,7 +53,7 @@ class SaveJob:
 class LoadJob:
     req_id: str
     namespace: str
-    token_ids: list[int]  # the prompt's first ``plan.end`` tokens
+    token_ids: list[int]  # the prompt's first ``plan.run_end`` tokens
     plan: LoadPlan
     block_ids: list[int]
 
@@ -66,6 +69,8 @@ class LoadResult:
     spans_missing: int
     load_ms: float
     forward_ms: float = 0.0
+    num_token_layers: int = 0  # token-layers the forward computed (a scheduled method's band repairs included)
+    note: str | None = None  # what the method's plan could not do as asked (``Plan.note``)
     pieces: list[tuple[int, int, bool]] = field(default_factory=list)  # (dst_start, num_tokens, exact)
 
 
@@ -82,11 +87,18 @@ class WorkerSide:
     """Saves and loads against one process's hub, on the paged KV vLLM registered."""
 
     def __init__(self, hub: Hub, paged: PagedKV, config: ModelConfig,
-                 transformer: Transformer | VllmLayersForward | None) -> None:
+                 transformer: Transformer | VllmLayersForward | None, method: ReuseMethod | None = None,
+                 bound: BoundModel | None = None) -> None:
         self.hub, self.paged, self.config = hub, paged, config
         # computes the tokens a load does not take from a span (vLLM's layers as its forward runs them, or
         # kvrelay's modules on vLLM's weights); None: no load may
         self.transformer = transformer
+        # a scheduled method (cacheblend, relay; None: the plan's static positions) and the bound transformer it
+        # runs its schedule on (``methods``)
+        self.method, self.bound = method, bound
+        if method is not None and bound is None:
+            raise KvRelayError(f"kvrelay connector: method {method.name!r} needs kvrelay's transformer bound to "
+                               "vLLM's modules")
         self.rope = RotaryEmbedding(config, "cpu")
         self.results: list[LoadResult] = []
         self._stored: list[tuple[str, str]] = []
@@ -153,36 +165,34 @@ class WorkerSide:
     def load(self, job: LoadJob) -> LoadResult:
         t0 = time.perf_counter()
         plan, paged = job.plan, self.paged
-        dtype = paged.dtype
-        cache = SequenceKV(self.config, dtype, "cpu", capacity=plan.end + 1)
+        cache = SequenceKV(self.config, paged.dtype, "cpu", capacity=plan.run_end + 1)
         if plan.num_computed:
             k, v = paged.read_range(job.block_ids, 0, plan.num_computed)
             cache.patch(0, k, v, add=False)
-        recompute = set(plan.recompute)
-        missing = 0
+        recompute, spans, missing = set(plan.recompute), {}, 0
         for piece in plan.pieces:
             span = self._span(job.namespace, piece.span_id)
             if span is None or len(span) < piece.src_start + piece.num_tokens:
                 missing += 1
                 recompute.update(range(piece.dst_start, piece.dst_end))
                 continue
-            cache.load_span(span, piece.dst_start, self.rope, piece.src_start, piece.src_start + piece.num_tokens)
+            spans[piece.span_id] = span
+        # a scheduled method loads its moved pieces itself, as its plan says; the exact prefix is loaded here
+        prefix = prefix_length(plan, spans) if self.method is not None else None
+        for piece in plan.pieces:
+            if piece.span_id in spans and (prefix is None or piece.exact and piece.dst_end <= prefix):
+                cache.load_span(spans[piece.span_id], piece.dst_start, self.rope, piece.src_start,
+                                piece.src_start + piece.num_tokens)
         result = LoadResult(job.req_id, plan.num_claimed, plan.num_claimed - len(recompute), len(recompute), missing,
                             0.0, pieces=[(p.dst_start, p.num_tokens, p.exact) for p in plan.pieces])
-        if recompute:
-            model = self.transformer
-            if model is None:
-                raise KvRelayError("no model to compute the claimed tokens with")
-            active = torch.tensor(sorted(recompute), dtype=torch.long)
-            last = int(active[-1])
-            t1 = time.perf_counter()
-            token_ids = torch.tensor(job.token_ids[: last + 1])
-            if isinstance(model, VllmLayersForward):
-                model.compute_kv(token_ids, cache, active)
-            else:
-                with packed.unpacked():  # vLLM's modules do the products; nothing of kvrelay's is packed
-                    compute_kv(model, token_ids, cache, active)
-            result.forward_ms = (time.perf_counter() - t1) * 1e3
+        t1 = time.perf_counter()
+        if self.method is not None:
+            with packed.unpacked():  # vLLM's modules do the products; nothing of kvrelay's is packed
+                result.num_token_layers, result.note = run_scheduled(self.method, self.bound, job.token_ids, plan,
+                                                                     cache, spans)
+        elif recompute:
+            result.num_token_layers = self._compute(job, cache, sorted(recompute))
+        result.forward_ms = (time.perf_counter() - t1) * 1e3
         k, v = cache.kv_all(plan.num_computed, plan.end)  # [L, Hkv, claimed, hd]
         paged.write(paged.slots(job.block_ids, plan.num_computed, plan.end), k, v)
         result.load_ms = (time.perf_counter() - t0) * 1e3
@@ -193,6 +203,20 @@ class WorkerSide:
         stats["spans_missing"] += missing
         self.results.append(result)
         return result
+
+    def _compute(self, job: LoadJob, cache: SequenceKV, positions: list[int]) -> int:
+        """The K/V of ``positions`` at every layer (a static method's gaps and repairs); the token-layers computed."""
+        model = self.transformer
+        if model is None:
+            raise KvRelayError("no model to compute the claimed tokens with")
+        active = torch.tensor(positions, dtype=torch.long)
+        token_ids = torch.tensor(job.token_ids[: positions[-1] + 1])
+        if isinstance(model, VllmLayersForward):
+            model.compute_kv(token_ids, cache, active)
+        else:
+            with packed.unpacked():  # vLLM's modules do the products; nothing of kvrelay's is packed
+                compute_kv(model, token_ids, cache, active)
+        return len(positions) * self.config.num_layers
 
     def _span(self, namespace: str, span_id: str) -> StoredSpan | None:
         try:

@@ -64,5 +64,19 @@ def test_runs_inside_vllms_own_prefix_or_too_short_claim_nothing():
 
 
 def test_an_unknown_method_is_refused_by_name():
-    with pytest.raises(ConfigError, match="naive, epic"):
-        plan_load([1, 2, 3], 0, [], tokens_of, "relay")
+    with pytest.raises(ConfigError, match="naive, epic, cacheblend, relay"):
+        plan_load([1, 2, 3], 0, [], tokens_of, "kvcomm")
+
+
+def test_a_scheduled_method_claims_every_token_but_the_last_and_runs_over_the_whole_prompt():
+    """relay and cacheblend choose from the new tokens' attention: the connector's forward runs over the whole prompt,
+    and what it computes at every layer (the gaps, the new tokens) is its ``recompute``; each run pays, even past a
+    gap longer than it (the connector's forward computes those tokens anyway)."""
+    prompt = [5] * 10 + list(SPAN[:80]) + [6] * 5
+    plan = plan_load(prompt, 0, [Run(10, 90, "s", 0)], tokens_of, "relay[keep_share=0.2]")
+    assert (plan.end, plan.run_end, plan.num_loaded) == (94, 95, 80)
+    assert plan.recompute == [*range(10), *range(90, 94)] and plan.pieces[0].exact is False
+    prompt = list(SPAN[:20]) + [9] * 180 + list(TOKENS["t"]) + [8]
+    plan = plan_load(prompt, 0, [Run(0, 20, "s", 0), Run(200, 240, "t", 0)], tokens_of, "cacheblend")
+    assert plan.end == 240 and [p.num_tokens for p in plan.pieces] == [20, 40] and plan.num_loaded == 60
+    assert plan_load(prompt, 0, [], tokens_of, "relay") is None
