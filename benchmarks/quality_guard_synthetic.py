@@ -9,7 +9,8 @@ agreement 0.995, ``prefix`` exact, ``naive`` at a grid of mean KLs and agreement
 every rung's value from a generator seeded by (seed, call), so both arms see the very same traffic. Two arms:
 
 - ``window``: the guard as shipped: a rung the guard moved to keeps its certificate open (every call shadowed, held to
-  the mean of the calls it ran) while a full window at its present mean KL and agreement rate could be certified;
+  the unclipped mean KL of the calls it ran) while a full window at its present mean KL and agreement rate could be
+  certified;
 - ``min_samples``: the same guard asked for the certificate at ``min_samples`` (``certificate_open`` always false),
   the rule whose floor refuses every mean between ~0.019 and ~0.035 nats whatever the samples show.
 

@@ -75,7 +75,8 @@ class QualityConfig:
     # the clipped KL can certify a mean above ~0.02-0.035 nats under 0.05 (see kvrelay.quality.betting), so asking
     # the start rung for a certificate moves roles whose relay sits at 0.015-0.035 nats to prefix for nothing
     trust_start: bool = field(default=True, metadata={
-        "help": "the start rung breaks on its window's mean KL (clipped) over the target, not on its upper bound, "
+        "help": "the start rung breaks on its window's mean KL (each call counted whole) over the target, not on "
+                "its upper bound, "
                 "until it broke for the role; a rung the guard moves a role to (the start rung too, after it "
                 "broke) must keep its KL upper bound under the target"})
     confidence: float = field(default=0.9, metadata={"help": "one-sided confidence of the bounds, in (0.5, 1)"})

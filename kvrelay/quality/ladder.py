@@ -143,13 +143,15 @@ class LadderController:
       at 16 samples none certifies a mean above ~0.019 nats under 0.05, at 32 one up to ~0.035, so judging a rung
       on its bound at ``min_samples`` would refuse every rung between those whatever its samples show. While a
       rung's certificate is open (its bound over the target, its window not full, and a full window at its present
-      mean KL and agreement rate certifiable: ``certificate_open``) the guard shadows every call at it
-      (``wants_samples``), so meanwhile the rung is held to the mean of the very calls it ran, not to an estimate.
-      The start rung (with ``trust_start``) is held to its window's mean KL instead of the upper bound: the shipped
-      tables put it inside the target, and 16-32 samples cannot certify a mean KL much above 0.02 nats under 0.05
-      with any bound valid for every law of the clipped KL (``kvrelay.quality.betting``); the mean still sends a
-      role whose own traffic puts the start rung over the target up at ``min_samples``. Once the start rung broke for
-      a role, it is trusted no more: the guard moving the role back to it holds it to its upper bound, as any rung.
+      mean KL and agreement rate certifiable by the guard's bounds: ``certificate_open``) the guard shadows every
+      call at it (``wants_samples``), so meanwhile the rung is held to the unclipped mean KL of the very calls it
+      ran (each call counted whole, as the target counts it), not to an estimate.
+      The start rung (with ``trust_start``) is held to its window's mean KL (unclipped) instead of the upper
+      bound: the shipped tables put it inside the target, and 16-32 samples cannot certify a mean KL much above
+      0.02 nats under 0.05 with any bound valid for every law of the clipped KL (``kvrelay.quality.betting``); the
+      mean still sends a role whose own traffic puts the start rung over the target up at ``min_samples``. Once
+      the start rung broke for a role, it is trusted no more: the guard moving the role back to it holds it to
+      its upper bound, as any rung.
       A rung that broke may not be tried again for ``hold_calls`` x 2^(times it broke) calls: a role whose cheap
       rung is bad stays up, trying it ever more rarely.
     - **Down** (cheaper) when the live rung has held for ``hold_calls`` calls, its KL upper bound is within
@@ -179,10 +181,10 @@ class LadderController:
     def breaks(self, est: RungEstimate, refuted_only: bool = False) -> bool:
         """The estimate breaks the target: from ``early_break_samples`` samples on when even its KL lower bound is
         over the target; from ``min_samples`` on when its agreement is confidently under the target or its window's
-        mean KL (clipped as in the bounds) is over it (``refuted_only``: only then), or when its KL upper bound is
-        over the target and a full window could no longer certify it (``certificate_open``). While one still can,
-        the guard measures every call at the rung (``wants_samples``): it is held to the mean KL of the very calls
-        it ran."""
+        mean KL, unclipped, is over it (``refuted_only``: only then), or when its KL upper bound is over the target
+        and a full window could no longer certify it (``certificate_open``). While one still can, the guard measures
+        every call at the rung (``wants_samples``), so the window's mean is the mean KL of the very calls the rung
+        ran: each counted whole, as the target counts it (the clip is the bound's, not the target's)."""
         target = self.config.target
         if target is None or est.num_samples < self.config.early_break_samples:
             return False
@@ -191,7 +193,7 @@ class LadderController:
             return True  # confidently over the target already: no need to wait for min_samples
         if est.num_samples < self.config.min_samples:
             return False
-        if est.agreement_upper() < target.agreement_min or est.kl_clipped_mean() > target.kl_max:
+        if est.agreement_upper() < target.agreement_min or est.kl_mean() > target.kl_max:
             return True
         if refuted_only or kl_upper <= target.kl_max:
             return False
@@ -199,13 +201,14 @@ class LadderController:
 
     def certificate_open(self, est: RungEstimate) -> bool:
         """More samples can still certify the rung within its window, on both parts of the target: the window is not
-        full, and a full window at its present mean KL and agreement rate could be certified by valid bounds (the
-        KL floor, ``RungEstimate.kl_upper_floor``, within the target, and the agreement's lower bound at that rate
-        at or over it). At 16 samples no valid bound puts a mean KL above ~0.019 nats under the default 0.05
-        target, at 32 one above ~0.035 (cap 0.25 nats, confidence 0.9): a rung asked for its certificate at 16
-        samples is refused whatever its samples show, one that a full window can still certify is not."""
+        full, and a full window at its present mean KL and agreement rate could be certified by the guard's bounds
+        (the KL bound of a full window with no spread at that clipped mean, ``RungEstimate.kl_upper_steady``,
+        within the target, and the agreement's lower bound at that rate at or over it). At 16 samples the bound
+        certifies no mean KL above ~0.016 nats under the default 0.05 target, at 32 none above ~0.033 (cap 0.25
+        nats, confidence 0.9; no valid bound does better than ~0.019 and ~0.035): a rung asked for its certificate
+        at 16 samples is refused whatever its samples show, one that a full window can still certify is not."""
         target, window = self.config.target, self.config.window
-        return (0 < est.num_samples < window and est.kl_upper_floor(window) <= target.kl_max
+        return (0 < est.num_samples < window and est.kl_upper_steady(window) <= target.kl_max
                 and est.agreement_lower_at(window) >= target.agreement_min)
 
     def well_inside(self, est: RungEstimate) -> bool:

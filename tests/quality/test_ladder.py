@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from kvrelay.quality import QualityConfig, QualityGuard
-from tests.quality.streams import constant, drive, noisy
+from tests.quality.streams import Stream, constant, drive, noisy
 
 GOOD = (0.001, True)
 BAD = (0.4, False)
@@ -100,6 +101,103 @@ def test_a_window_that_cannot_certify_the_agreement_is_not_waited_for():
     assert first_naive < 20 < first_naive + cfg.min_samples
     assert [rung for rung, _ in calls[first_naive:first_naive + cfg.min_samples + 1]] == (
         ["naive"] * cfg.min_samples + ["relay"])
+
+
+def spiky(rung_name: str, base_kl: float, spike_kl: float) -> Stream:
+    """``rung_name`` at ``base_kl`` nats with a spike to ``spike_kl`` every 16th call, agreeing with full on every
+    call (the spike keeps top-1); relay at 0.002 nats otherwise."""
+    def stream(i: int, rung: str) -> tuple[float, bool]:
+        if rung == rung_name:
+            return (spike_kl if i % 16 == 15 else base_kl), True
+        return {"naive": BAD, "relay": (0.002, True), "prefix": (0.0, True)}[rung]
+    return stream
+
+
+def live_kl_after(calls: list[tuple[str, bool]], stream: Stream, first: int = 20) -> float:
+    """The mean first-token KL of the calls after the ``first``-th, at the rungs they ran (what the target asks)."""
+    kls = [stream(i, rung)[0] for i, (rung, _) in enumerate(calls)][first:]
+    return sum(kls) / len(kls)
+
+
+def test_a_rung_on_trial_is_held_to_its_unclipped_mean():
+    """naive at 0.015 nats with a spike to 0.8-1.0 nats every 16th call: its first 16 calls average 0.064-0.077
+    nats, over the target, but clipped at the bound's cap (0.25 nats) only 0.030. The target counts each call whole,
+    so the open certificate does too: naive breaks at its 16th sample and the role meets the target after call 20
+    (held to the clipped mean, naive ran calls 17-48 and the role sat at 0.067-0.080 nats)."""
+    for spike_kl in (0.8, 1.0):
+        g = guard()
+        cfg = g.config
+        stream = spiky("naive", 0.015, spike_kl)
+        calls = drive(g, stream, 50)
+        at_naive = [i for i, (rung, _) in enumerate(calls) if rung == "naive"]
+        assert at_naive[0] == cfg.hold_calls and len(at_naive) == cfg.min_samples
+        assert moves(g)[1]["reason"] == "break"
+        assert live_kl_after(calls, stream) <= 0.05
+
+
+def test_the_start_rung_is_held_to_its_unclipped_mean():
+    """The trusted start rung is held to its window's mean KL, and that mean counts each call whole: relay at
+    0.015 nats with a spike to 0.8 nats every 16th call is at 0.064 nats over its first 16 calls and moves to
+    prefix (clipped, 0.030 nats, it stayed for good at 0.064 nats)."""
+    g = guard()
+    cfg = g.config
+    stream = spiky("relay", 0.015, 0.8)
+    calls = drive(g, stream, 60)
+    assert [rung for rung, _ in calls[:cfg.min_samples + 1]] == ["relay"] * cfg.min_samples + ["prefix"]
+    assert live_kl_after(calls, stream) <= 0.05
+
+
+def test_an_open_certificate_closes_with_a_full_window():
+    """naive alternating 0 and 0.064 nats (mean 0.032): a steady full window at that mean could be certified
+    (0.0489), so its certificate stays open past 16 samples, every call shadowed; but with its spread the bound at
+    32 samples is 0.051, over the target, and the full window closes the certificate: naive breaks at its 32nd
+    sample, and each later trial costs at most a window of shadowed calls."""
+    def stream(i: int, rung: str) -> tuple[float, bool]:
+        if rung == "naive":
+            return (0.064 if i % 2 else 0.0), True
+        return {"relay": (0.002, True), "prefix": (0.0, True)}[rung]
+
+    g = guard()
+    cfg = g.config
+    num_calls = 1000
+    calls = drive(g, stream, num_calls)
+    assert [m["reason"] for m in moves(g)[:2]] == ["inside", "break"]
+    assert moves(g)[1]["at_call"] - moves(g)[0]["at_call"] == cfg.window
+    num_trials = sum(m["to"] == "naive" for m in moves(g))
+    assert num_trials <= math.log2(num_calls / cfg.hold_calls)  # backed off: hold x 2^breaks
+    assert sum(shadowed for _, shadowed in calls) <= num_trials * cfg.window + num_calls // cfg.sample_every + 16
+    assert sum(rung == "naive" for rung, _ in calls) <= num_trials * cfg.window
+
+
+def test_a_rung_no_full_window_can_certify_breaks_when_judged():
+    """naive at a constant 0.034 nats: a full window of it has the bound 0.0507, over the target (no valid bound
+    could do better than 0.049), so its certificate is closed from the start and each trial costs min_samples
+    calls, not a window."""
+    g = guard()
+    cfg = g.config
+    calls = drive(g, constant({"naive": (0.034, True), "relay": (0.002, True), "prefix": (0.0, True)}), 300)
+    trials = [m for m in moves(g) if m["from"] == "naive"]
+    assert trials and all(m["reason"] == "break" for m in trials)
+    starts = [m["at_call"] for m in moves(g) if m["to"] == "naive"]
+    lengths = [end["at_call"] - start for start, end in zip(starts[:len(trials)], trials, strict=True)]
+    assert lengths == [cfg.min_samples] * len(trials)
+    assert sum(rung == "naive" for rung, _ in calls) <= cfg.min_samples * len(starts)
+
+
+def test_the_trusted_start_rung_is_sampled_at_the_sample_rate():
+    """relay, the trusted start rung, alternating 0 and 0.064 nats: its upper bound stays over the target and a
+    steady full window could certify it, but it is held to its mean, not to a certificate, so after its first
+    calls it is shadowed at the sample rate only."""
+    def stream(i: int, rung: str) -> tuple[float, bool]:
+        return {"naive": BAD, "relay": ((0.064 if i % 2 else 0.0), True), "prefix": (0.0, True)}[rung]
+
+    g = guard()
+    cfg = g.config
+    num_calls = 200
+    calls = drive(g, stream, num_calls)
+    assert {rung for rung, _ in calls} == {"relay"}
+    later = num_calls - cfg.first_calls_per_role
+    assert sum(shadowed for _, shadowed in calls) <= cfg.first_calls_per_role + later // cfg.sample_every + 1
 
 
 def test_the_start_rung_breaks_only_when_refuted():
