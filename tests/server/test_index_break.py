@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvrelay.server import index_break
 from kvrelay.server.index import TokenIndex
+from tests.server.test_index_periodic import lookup_work
 from tests.server.test_index_properties import is_real, maximal_runs
 
 
@@ -45,17 +46,12 @@ def test_work_per_token_does_not_grow_with_lines_that_go_on_past_the_break():
     """Issue 54: every stored line going on past a prompt line's break was a candidate at each line (300 spans: 28
     units a token, 1,000: 83). Now a visit costs a binary search among them, plus the runs it returns (about 6)."""
     words = [random.Random(5).randrange(100, 50000) for _ in range(6)]
+
+    def every_line_taken(n: int, found: list) -> None:
+        assert sum(m.num_tokens for m in found) >= n // 45 * 41, found[:3]
+
     for prefer in ("oldest", "longest"):
-        work = {}
-        for num_spans in (300, 1000):
-            index = TokenIndex(block_len=16)
-            for k, ids in enumerate(ruled_spans(num_spans, words)):
-                index.add(f"s{k}", ids)
-            for n in (512, 1024):
-                q = ruled_prompt(n, words)
-                found = index.find(q, min_tokens=16, prefer=prefer)
-                assert sum(m.num_tokens for m in found) >= n // 45 * 41, found[:3]  # every line is taken
-                work[num_spans, n] = index.last_work
+        work = lookup_work(lambda k: ruled_spans(k, words), lambda n: ruled_prompt(n, words), prefer, every_line_taken)
         per_token = {s: (work[s, 1024] - work[s, 512]) / 512 for s in (300, 1000)}
         assert max(per_token.values()) <= 30, (prefer, per_token)
         assert per_token[1000] <= 1.3 * per_token[300], (prefer, per_token)
@@ -76,14 +72,7 @@ def test_work_per_token_is_bounded_on_lines_of_varied_length_that_go_on():
     spans until they fill the stretch (oldest: 36 units a token at 300 spans, 60 at 1,000, 129 at 10,000; each
     going-on member a candidate at every line: 44, 101 and 714)."""
     line = [7] * 40 + [10]
-    work = {}
-    for num_spans in (300, 1000):
-        index = TokenIndex(block_len=16)
-        for k, ids in enumerate(varied_line_spans(num_spans)):
-            index.add(f"s{k}", ids)
-        for n in (512, 1024):
-            index.find((line * 30)[:n], min_tokens=16, prefer="oldest")
-            work[num_spans, n] = index.last_work
+    work = lookup_work(varied_line_spans, lambda n: (line * 30)[:n])
     per_token = {s: (work[s, 1024] - work[s, 512]) / 512 for s in (300, 1000)}
     assert max(per_token.values()) <= 30 and per_token[1000] <= 1.3 * per_token[300], per_token
 

@@ -4,6 +4,7 @@ matcher, and work per prompt token that grows neither with the prompt nor with t
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -138,22 +139,34 @@ def rule_line_spans(num_spans: int, seed: int = 1, unit: tuple[int, ...] = (7,))
     return spans
 
 
+def lookup_work(make_spans: Callable[[int], list[list[int]]], prompt: Callable[[int], list[int]],
+                prefer: str = "oldest", check: Callable[[int, list], None] | None = None) -> dict[tuple[int, int], int]:
+    """Work units of a lookup, per (number of stored spans, prompt tokens): 300 and 1,000 spans, 512 and 1,024 tokens
+    (``check(n, found)`` looks at each lookup's result)."""
+    work = {}
+    for num_spans in (300, 1000):
+        index = TokenIndex(block_len=16)
+        for k, ids in enumerate(make_spans(num_spans)):
+            index.add(f"s{k}", ids)
+        for n in (512, 1024):
+            found = index.find(prompt(n), min_tokens=16, prefer=prefer)
+            if check is not None:
+                check(n, found)
+            work[num_spans, n] = index.last_work
+    return work
+
+
 def test_work_per_token_is_bounded_on_many_separate_stretches():
     """A prompt of many separate repeated stretches (lines of ``[7] * 40 + [10]``) against spans that each open a
     run of 7 in a context of their own: every context was visited again at every stretch (4K tokens, 1,000 spans:
     1,367 a token). Now the contexts whose repeats start as far back are one group, checked once their runs stop
     growing: a constant per prompt token, and per context a constant once per lookup."""
     line = [7] * 40 + [10]
-    work = {}
-    for num_spans in (300, 1000):
-        index = TokenIndex(block_len=16)
-        for k, ids in enumerate(rule_line_spans(num_spans)):
-            index.add(f"s{k}", ids)
-        for n in (512, 1024):
-            q = (line * (n // len(line) + 1))[:n]
-            found = index.find(q, min_tokens=16, prefer="oldest")
-            assert sum(m.num_tokens for m in found) >= n - 2 * len(line), found[:3]  # the lines are taken
-            work[num_spans, n] = index.last_work
+
+    def lines_taken(n: int, found: list) -> None:
+        assert sum(m.num_tokens for m in found) >= n - 2 * len(line), found[:3]
+
+    work = lookup_work(rule_line_spans, lambda n: (line * (n // len(line) + 1))[:n], check=lines_taken)
     per_token = {s: (work[s, 1024] - work[s, 512]) / 512 for s in (300, 1000)}
     per_span = (work[1000, 1024] - work[300, 1024]) / 700
     assert max(per_token.values()) <= 30 and per_span <= 16 * 16, (per_token, per_span, work)
