@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvrelay.server import index_break
 from kvrelay.server.index import TokenIndex
 from tests.server.test_index_periodic import lookup_work
-from tests.server.test_index_properties import is_real, maximal_runs
+from tests.server.test_index_properties import assert_runs_hold
 
 
 def ruled_prompt(n: int, words: list[int], seed: int = 3) -> list[int]:
@@ -121,10 +121,5 @@ def test_lines_going_on_past_the_break_keep_the_guarantee(monkeypatch, scene, pr
     monkeypatch.setattr(index_break, "BREAK_SORT_MIN_MEMBERS", 1)
     runs = index.find_runs(query, prefer=prefer)
     assert runs == every_member
-    for m in runs:
-        assert m.span_id in index and is_real(m, query, index), m
-    for k, ids in enumerate(spans):
-        if k in removed:
-            continue
-        for start, end, src_start in maximal_runs(query, tuple(ids), 2 * block_len - 1):
-            assert any(m.start <= start and end <= m.end for m in runs), (f"s{k}", start, end, src_start, runs)
+    kept = {f"s{k}": ids for k, ids in enumerate(spans) if k not in removed}
+    assert_runs_hold(index, query, runs, kept, 2 * block_len - 1)

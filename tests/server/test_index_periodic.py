@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.server.index import TokenIndex, TokenMatch
-from tests.server.test_index_properties import is_real, maximal_runs
+from tests.server.test_index_properties import assert_runs_hold, is_real, maximal_runs
 
 
 def periodic_spans(period: int, num_spans: int, context: str, seed: int = 0) -> tuple[list[int], list[list[int]]]:
@@ -91,13 +91,8 @@ def test_every_long_run_with_periodic_text_is_inside_a_candidate(scene, prefer):
     block_len, spans, query, removed = scene
     index = build_periodic(block_len, spans, removed)
     runs = index.find_runs(query, prefer=prefer)
-    for m in runs:
-        assert m.span_id in index and is_real(m, query, index), m
-    for k, ids in enumerate(spans):
-        if k in removed:
-            continue
-        for start, end, src_start in maximal_runs(query, tuple(ids), 2 * block_len - 1):
-            assert any(m.start <= start and end <= m.end for m in runs), (f"s{k}", start, end, src_start, runs)
+    kept = {f"s{k}": ids for k, ids in enumerate(spans) if k not in removed}
+    assert_runs_hold(index, query, runs, kept, 2 * block_len - 1)
 
 
 @pytest.mark.parametrize("period", [1, 3])

@@ -42,6 +42,17 @@ def is_real(m: TokenMatch, q: list[int], index: TokenIndex) -> bool:
     return m.num_tokens > 0 and list(q[m.start:m.end]) == list(src[m.src_start:m.src_start + m.num_tokens])
 
 
+def assert_runs_hold(index: TokenIndex, query: list[int], runs: list[TokenMatch], spans: dict[str, list[int]],
+                     min_len: int) -> None:
+    """Every run is real and every maximal shared run of ``min_len`` tokens or more with one of ``spans`` (span id ->
+    its tokens) lies inside one of ``runs``: the matcher's guarantee, against brute force."""
+    for m in runs:
+        assert m.span_id in index and is_real(m, query, index), m
+    for span_id, ids in spans.items():
+        for start, end, src_start in maximal_runs(query, tuple(ids), min_len):
+            assert any(m.start <= start and end <= m.end for m in runs), (span_id, start, end, src_start, runs)
+
+
 tokens = st.lists(st.integers(0, 2), min_size=0, max_size=40)
 
 
