@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
-from kvrelay.vllm.methods import BoundModel, connector_method
+from kvrelay.vllm.methods import BoundModel, check_bound, connector_method
 from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
 from kvrelay.vllm.plan import LoadPlan
 from kvrelay.vllm.saver import BackgroundSaver
@@ -220,7 +220,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         bound = None
         if method is not None and transformer is not None:
             bound = BoundModel(str(self._vllm_config.model_config.model), transformer, cfg, self.hub.fingerprint)
-            method.settings(bound)  # relay's band resolved now: a model without a profile fails at start, not per load
+            check_bound(method, bound, self.config.profile)  # a model without a (fitting) profile fails at start
         self._worker = WorkerSide(self.hub, paged, cfg, transformer, method if bound is not None else None, bound)
         self._saver = BackgroundSaver(self._worker)
 

@@ -103,7 +103,7 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
     ``span_tokens(span_id)`` gives a span's token ids (to tell an exact prefix from a moved run)."""
     method = method_name(method)
     if method not in CONNECTOR_METHODS:
-        raise ConfigError(f"connector method must be one of {', '.join(CONNECTOR_METHODS)}, got {method!r}")
+        raise ConfigError(f"kvrelay connector: method must be one of {', '.join(CONNECTOR_METHODS)}, got {method!r}")
     limit = len(prompt_ids) - 1  # the last prompt token is vLLM's to compute
     pieces: list[Piece] = []
     for run in sorted(runs, key=lambda r: r.start):

@@ -13,7 +13,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.reuse import CallInput, SpanRef, get_method
 from kvrelay.vllm.binding import bind_transformer
 from kvrelay.vllm.hub import ConnectorConfig, Hub
-from kvrelay.vllm.methods import BoundModel, connector_method
+from kvrelay.vllm.methods import BoundModel, check_bound, connector_method
 from kvrelay.vllm.plan import Run, plan_load
 from kvrelay.vllm.worker import LoadJob, WorkerSide
 from kvrelay.weights.loader import load_model
@@ -131,3 +131,18 @@ def test_relay_with_a_profile_runs_its_band_and_selector_with_the_settings_given
     assert method.fixed == (tuple(profile.layers), BandPolicy.from_knobs(profile.selector))
     method = connector_method("relay[keep_share=0.5,band=1:2:3]", str(path))
     assert method.fixed[0] == (1, 2, 3) and method.fixed[1].keep_share == 0.5
+
+
+def test_relay_is_checked_against_the_model_vllm_loaded(lm, bound):
+    """At start: relay with no profile for the model names the connector's ``profile`` key and where the shipped
+    profiles are; a profile for a model of another depth (SmolLM2's 30 layers, the tiny model's fewer) is refused."""
+    from kvrelay.reuse.profile import SHIPPED_PROFILES
+
+    model = BoundModel("tiny", bound, lm.config, "no-such-fingerprint")
+    with pytest.raises(ConfigError, match=r'kvrelay connector: .*kv_connector_extra_config "profile"') as e:
+        check_bound(connector_method("relay"), model)
+    assert str(SHIPPED_PROFILES) in str(e.value)
+    path = str(SHIPPED_PROFILES / "relay-6990f0916126c421.json")
+    with pytest.raises(ConfigError, match="kvrelay connector: relay profile .* is for a model of 30 layers"):
+        check_bound(connector_method("relay", path), model, path)
+    check_bound(connector_method("relay[band=1:1:3]"), model)  # the band given: no profile needed
