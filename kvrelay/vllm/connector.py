@@ -229,7 +229,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         worker's live objects (seconds), which no request should wait for. vLLM's decoder layers run as vLLM runs
         them where they have its Llama layout (``forward``), else kvrelay's transformer on vLLM's modules
         (``binding``). None where neither binds: then loads that need tokens computed fail, and vLLM recomputes
-        their blocks. A scheduled method (``methods``) runs on kvrelay's transformer, whose prefill runs schedules."""
+        their blocks (under kv_load_failure_policy "recompute"; its default, "fail", fails the request). A scheduled
+        method (``methods``) runs on kvrelay's transformer, whose prefill runs schedules."""
         from kvrelay.vllm.binding import bind_transformer, find_model
         from kvrelay.vllm.forward import bind_layers
 
@@ -256,8 +257,11 @@ class KVRelayConnector(KVConnectorBase_V1):
             wait_ms = (time.perf_counter() - t0) * 1e3
             try:
                 result = self._worker.load(job)
-            except Exception:  # noqa: BLE001 - vLLM recomputes the blocks of a failed load; the request goes on
-                log.exception("kvrelay connector: load for request %s failed; vLLM recomputes it", job.req_id)
+            # the blocks of a failed load are reported (get_block_ids_with_load_errors): vLLM recomputes them under
+            # kv_load_failure_policy "recompute", and fails the request under its default, "fail"
+            except Exception:  # noqa: BLE001 - one request's failed load never stops the step
+                log.exception("kvrelay connector: load for request %s failed; its blocks are reported to vLLM "
+                              "(recomputed under kv_load_failure_policy 'recompute')", job.req_id)
                 first = job.plan.num_computed // self.block_size
                 self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
                 continue
