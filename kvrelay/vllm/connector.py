@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
-from kvrelay.vllm.methods import BoundModel, connector_method
+from kvrelay.vllm.methods import BoundModel, check_bound, connector_method
 from kvrelay.vllm.paged import KEY_LAYOUTS, PagedKV, layer_order
 from kvrelay.vllm.plan import LoadPlan
 from kvrelay.vllm.saver import BackgroundSaver
@@ -220,7 +220,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         bound = None
         if method is not None and transformer is not None:
             bound = BoundModel(str(self._vllm_config.model_config.model), transformer, cfg, self.hub.fingerprint)
-            method.settings(bound)  # relay's band resolved now: a model without a profile fails at start, not per load
+            check_bound(method, bound, self.config.profile)  # a model without a (fitting) profile fails at start
         self._worker = WorkerSide(self.hub, paged, cfg, transformer, method if bound is not None else None, bound)
         self._saver = BackgroundSaver(self._worker)
 
@@ -229,7 +229,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         worker's live objects (seconds), which no request should wait for. vLLM's decoder layers run as vLLM runs
         them where they have its Llama layout (``forward``), else kvrelay's transformer on vLLM's modules
         (``binding``). None where neither binds: then loads that need tokens computed fail, and vLLM recomputes
-        their blocks. A scheduled method (``methods``) runs on kvrelay's transformer, whose prefill runs schedules."""
+        their blocks (under kv_load_failure_policy "recompute"; its default, "fail", fails the request). A scheduled
+        method (``methods``) runs on kvrelay's transformer, whose prefill runs schedules."""
         from kvrelay.vllm.binding import bind_transformer, find_model
         from kvrelay.vllm.forward import bind_layers
 
@@ -256,8 +257,11 @@ class KVRelayConnector(KVConnectorBase_V1):
             wait_ms = (time.perf_counter() - t0) * 1e3
             try:
                 result = self._worker.load(job)
-            except Exception:  # noqa: BLE001 - vLLM recomputes the blocks of a failed load; the request goes on
-                log.exception("kvrelay connector: load for request %s failed; vLLM recomputes it", job.req_id)
+            # the blocks of a failed load are reported (get_block_ids_with_load_errors): vLLM recomputes them under
+            # kv_load_failure_policy "recompute", and fails the request under its default, "fail"
+            except Exception:  # noqa: BLE001 - one request's failed load never stops the step
+                log.exception("kvrelay connector: load for request %s failed; its blocks are reported to vLLM "
+                              "(recomputed under kv_load_failure_policy 'recompute')", job.req_id)
                 first = job.plan.num_computed // self.block_size
                 self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
                 continue

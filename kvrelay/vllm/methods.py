@@ -27,7 +27,7 @@ from kvrelay.errors import ConfigError, KvRelayError
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.transformer import Transformer
 from kvrelay.reuse import CallInput, ReuseMethod, SpanRef, get_method
-from kvrelay.reuse.profile import LayerProfile
+from kvrelay.reuse.profile import SHIPPED_PROFILES, LayerProfile
 from kvrelay.reuse.relay import RelayMethod, parse_band
 from kvrelay.reuse.relay_policy import PAPER_POLICY, BandPolicy
 from kvrelay.vllm.plan import SCHEDULED_METHODS, LoadPlan, method_name
@@ -94,6 +94,27 @@ def connector_method(spec: str, profile_path: str | None = None) -> ReuseMethod 
         tuple(profile.searched_band or profile.layers) if threshold else tuple(profile.layers)
     method.fixed = (layers, policy)  # as ``RelayMethod.policy`` and ``layers`` resolve them from the model's profile
     return method
+
+
+def check_bound(method: ReuseMethod, lm: BoundModel, profile_path: str | None = None) -> None:
+    """``method``'s settings resolved on the model vLLM loaded, at start (a load never meets a bad setting): a given
+    profile must be for a model with as many layers, and ``relay`` with no profile given needs one for the model;
+    a ConfigError saying which and how to fix it."""
+    if profile_path is not None:
+        try:
+            num_layers = LayerProfile.load(profile_path).num_layers
+        except (KvRelayError, OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"kvrelay connector: cannot read relay profile {profile_path!r}: {e}") from None
+        if num_layers != lm.config.num_layers:
+            raise ConfigError(f"kvrelay connector: relay profile {profile_path!r} is for a model of {num_layers} "
+                              f"layers; {lm.name!r} has {lm.config.num_layers}: give this model's profile")
+    try:
+        method.settings(lm)
+    except ConfigError as e:
+        raise ConfigError(
+            f"kvrelay connector: {e}. Or give a profile's path as kv_connector_extra_config \"profile\"; the profiles "
+            f"shipped with kvrelay are in {SHIPPED_PROFILES} (relay-<fingerprint>.json, this model's fingerprint is "
+            f"{lm.fingerprint})") from None
 
 
 def prefix_length(plan: LoadPlan, spans: dict[str, StoredSpan]) -> int:

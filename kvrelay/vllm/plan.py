@@ -19,7 +19,9 @@ context: the method decides which of its tokens are recomputed (``naive``: none,
 ``cacheblend`` and ``relay`` choose which span tokens to recompute, layer by layer, from what the new tokens' attention
 and the fresh values show (``SCHEDULED_METHODS``): their choice needs every prompt token's state, so the connector runs
 the method's whole scheduled prefill over the prompt (``worker``, ``methods``) and claims every token but the last:
-vLLM then computes only the last, on top of the K/V the method wrote. Their ``recompute`` lists the tokens computed at
+vLLM then computes only the last, on top of the K/V the method wrote. The claim is all or nothing: it is made only
+when the span tokens loaded outnumber the tokens the connector computes at every layer (gaps and the new tail),
+else vLLM prefills the prompt itself. Their ``recompute`` lists the tokens computed at
 every layer (gaps and new tokens); the span tokens the method repairs inside its band are counted by the load
 (``LoadResult.num_token_layers``), as they are chosen only there.
 """
@@ -101,7 +103,7 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
     ``span_tokens(span_id)`` gives a span's token ids (to tell an exact prefix from a moved run)."""
     method = method_name(method)
     if method not in CONNECTOR_METHODS:
-        raise ConfigError(f"connector method must be one of {', '.join(CONNECTOR_METHODS)}, got {method!r}")
+        raise ConfigError(f"kvrelay connector: method must be one of {', '.join(CONNECTOR_METHODS)}, got {method!r}")
     limit = len(prompt_ids) - 1  # the last prompt token is vLLM's to compute
     pieces: list[Piece] = []
     for run in sorted(runs, key=lambda r: r.start):
@@ -125,7 +127,10 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
     if best_gain <= 0:
         return None
     if method in SCHEDULED_METHODS:
-        return _scheduled(prompt_ids, num_computed, pieces)
+        plan = _scheduled(prompt_ids, num_computed, pieces)
+        # all or nothing: the connector's forward computes every gap and the whole new tail at every layer, in one
+        # synchronous pass outside vLLM's chunked prefill; it pays only when it loads more than that
+        return plan if plan.num_loaded > len(plan.recompute) else None
     chosen = [p for p in pieces if p.dst_end <= best_end]
     plan = LoadPlan(num_computed, best_end, chosen)
     cursor = num_computed
@@ -138,8 +143,9 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
 
 
 def _scheduled(prompt_ids: list[int] | tuple[int, ...], num_computed: int, pieces: list[Piece]) -> LoadPlan:
-    """A scheduled method's claim: every token but the last, its forward over the whole prompt. Every piece pays: the
-    tokens between them would be computed by the connector's forward anyway, as new tokens the method attends from."""
+    """A scheduled method's claim: every token but the last, its forward over the whole prompt. Every piece is taken:
+    the tokens between them are computed by the connector's forward anyway, as new tokens the method attends from;
+    the caller weighs the whole claim (loaded against computed, tail included)."""
     limit = len(prompt_ids) - 1
     plan = LoadPlan(num_computed, limit, list(pieces), run_end=len(prompt_ids))
     cursor = num_computed

@@ -13,7 +13,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.reuse import CallInput, SpanRef, get_method
 from kvrelay.vllm.binding import bind_transformer
 from kvrelay.vllm.hub import ConnectorConfig, Hub
-from kvrelay.vllm.methods import BoundModel, connector_method
+from kvrelay.vllm.methods import BoundModel, check_bound, connector_method
 from kvrelay.vllm.plan import Run, plan_load
 from kvrelay.vllm.worker import LoadJob, WorkerSide
 from kvrelay.weights.loader import load_model
@@ -39,14 +39,14 @@ def stored_hub(lm, upstream: list[int]) -> Hub:
     return hub
 
 
-def engine_kv(lm, spec: str, hub: Hub, prompt: list[int], runs: list[Run]) -> SequenceKV:
+def engine_kv(lm, spec: str, hub: Hub, prompt: list[int], runs: list[Run]) -> tuple[SequenceKV, int]:
     """kvrelay's engine on the call: the method's plan (the exact prefix from the store, the runs as span refs), its
-    load and its scheduled prefill."""
+    load and its scheduled prefill; the cache and the token-layers the prefill computed."""
     call = CallInput(prompt, [SpanRef(r.start, r.end, r.span_id, r.src_start) for r in runs])
     plan, cache = plan_call(lm, get_method(spec), call, hub.store, len(prompt))
     load_plan(lm, plan, cache, hub.store)
-    lm.model.prefill(torch.tensor(prompt), cache, plan.schedule)
-    return cache
+    result = lm.model.prefill(torch.tensor(prompt), cache, plan.schedule)
+    return cache, result.num_computed_token_layers
 
 
 def connector_kv(lm, bound, spec: str, hub: Hub, prompt: list[int], num_computed: int, prefix_kv=None):
@@ -75,13 +75,13 @@ def test_a_scheduled_method_writes_what_kvrelays_engine_computes(lm, bound, spec
     # every token but the last claimed; the gaps and the new tokens computed at every layer, the spans loaded
     assert (plan.end, plan.run_end) == (len(prompt) - 1, len(prompt))
     assert plan.recompute == [0, 1, 2, 33, 34, 55, 56, 57] and result.num_loaded == 50
-    # beyond the gaps and new tokens at every layer, the band repaired span tokens
-    assert result.num_token_layers > len(plan.recompute) * lm.config.num_layers
-    expected = engine_kv(lm, spec, hub, prompt, runs)
+    # beyond the gaps and new tokens at every layer, the band repaired span tokens: exactly what the engine computes
+    expected, num_token_layers = engine_kv(lm, spec, hub, prompt, runs)
+    assert result.num_token_layers == num_token_layers > len(plan.recompute) * lm.config.num_layers
     torch.testing.assert_close(k, expected.kv_all(0, plan.end)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, expected.kv_all(0, plan.end)[1], rtol=1e-4, atol=1e-4)
     # the repair changed the spans' K/V above layer 0 (the test tells a repaired load from a plain one)
-    naive = engine_kv(lm, "naive", hub, prompt, runs)
+    naive, _ = engine_kv(lm, "naive", hub, prompt, runs)
     assert not torch.allclose(k[1:], naive.kv_all(0, plan.end)[0][1:], rtol=1e-3, atol=1e-3)
 
 
@@ -96,7 +96,8 @@ def test_vllms_own_prefix_and_an_exact_run_are_the_engines_stored_prefix(lm, bou
     prefix_kv = full_prefill(lm, upstream).kv_all(0, 16)
     runs, plan, result, (k, v) = connector_kv(lm, bound, spec, hub, prompt, 16, prefix_kv)
     assert plan.num_computed == 16 and [p.exact for p in plan.pieces] == [True, False]
-    expected = engine_kv(lm, spec, hub, prompt, runs)
+    expected, num_token_layers = engine_kv(lm, spec, hub, prompt, runs)
+    assert result.num_token_layers == num_token_layers  # the exact prefix computed nowhere, as in the engine
     torch.testing.assert_close(k, expected.kv_all(0, plan.end)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, expected.kv_all(0, plan.end)[1], rtol=1e-4, atol=1e-4)
     exact = full_prefill(lm, upstream).kv_all(0, 40)[0]
@@ -130,3 +131,18 @@ def test_relay_with_a_profile_runs_its_band_and_selector_with_the_settings_given
     assert method.fixed == (tuple(profile.layers), BandPolicy.from_knobs(profile.selector))
     method = connector_method("relay[keep_share=0.5,band=1:2:3]", str(path))
     assert method.fixed[0] == (1, 2, 3) and method.fixed[1].keep_share == 0.5
+
+
+def test_relay_is_checked_against_the_model_vllm_loaded(lm, bound):
+    """At start: relay with no profile for the model names the connector's ``profile`` key and where the shipped
+    profiles are; a profile for a model of another depth (SmolLM2's 30 layers, the tiny model's fewer) is refused."""
+    from kvrelay.reuse.profile import SHIPPED_PROFILES
+
+    model = BoundModel("tiny", bound, lm.config, "no-such-fingerprint")
+    with pytest.raises(ConfigError, match=r'kvrelay connector: .*kv_connector_extra_config "profile"') as e:
+        check_bound(connector_method("relay"), model)
+    assert str(SHIPPED_PROFILES) in str(e.value)
+    path = str(SHIPPED_PROFILES / "relay-6990f0916126c421.json")
+    with pytest.raises(ConfigError, match="kvrelay connector: relay profile .* is for a model of 30 layers"):
+        check_bound(connector_method("relay", path), model, path)
+    check_bound(connector_method("relay[band=1:1:3]"), model)  # the band given: no profile needed

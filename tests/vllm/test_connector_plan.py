@@ -76,7 +76,26 @@ def test_a_scheduled_method_claims_every_token_but_the_last_and_runs_over_the_wh
     plan = plan_load(prompt, 0, [Run(10, 90, "s", 0)], tokens_of, "relay[keep_share=0.2]")
     assert (plan.end, plan.run_end, plan.num_loaded) == (94, 95, 80)
     assert plan.recompute == [*range(10), *range(90, 94)] and plan.pieces[0].exact is False
-    prompt = list(SPAN[:20]) + [9] * 180 + list(TOKENS["t"]) + [8]
-    plan = plan_load(prompt, 0, [Run(0, 20, "s", 0), Run(200, 240, "t", 0)], tokens_of, "cacheblend")
-    assert plan.end == 240 and [p.num_tokens for p in plan.pieces] == [20, 40] and plan.num_loaded == 60
+    prompt = list(SPAN[:20]) + [9] * 30 + list(TOKENS["t"]) + [8]
+    plan = plan_load(prompt, 0, [Run(0, 20, "s", 0), Run(50, 90, "t", 0)], tokens_of, "cacheblend")
+    assert plan.end == 90 and [p.num_tokens for p in plan.pieces] == [20, 40] and plan.num_loaded == 60
     assert plan_load(prompt, 0, [], tokens_of, "relay") is None
+
+
+@pytest.mark.parametrize("method", ["cacheblend", "relay", "epic"])
+def test_a_short_span_before_a_long_new_tail_is_not_claimed(method):
+    """20 span tokens, then 4,000 new ones: a scheduled claim would have the connector compute the 4,000 at every
+    layer in its own forward (outside vLLM's chunked prefill) to save 20: it claims nothing, and vLLM prefills it."""
+    prompt = list(SPAN[10:30]) + [9] * 4000  # a moved run: SPAN's tokens 10..29 at positions 0..19
+    assert plan_load(prompt, 0, [Run(0, 20, "s", 10)], tokens_of, method) is None
+
+
+@pytest.mark.parametrize("method", ["cacheblend", "relay"])
+def test_a_scheduled_claim_pays_for_the_gaps_and_the_tail_together(method):
+    """Loaded must exceed what the connector computes, gaps and tail included: 60 loaded against 30 + 29 claims,
+    against 30 + 30 it does not."""
+    runs = [Run(0, 20, "s", 0), Run(50, 90, "t", 0)]
+    prompt = list(SPAN[:20]) + [9] * 30 + list(TOKENS["t"]) + [8] * 30  # tail: 29 computed, the last is vLLM's
+    plan = plan_load(prompt, 0, runs, tokens_of, method)
+    assert plan.num_loaded == 60 and len(plan.recompute) == 59
+    assert plan_load(prompt + [8], 0, runs, tokens_of, method) is None

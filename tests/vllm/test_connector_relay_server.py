@@ -8,6 +8,7 @@ Slow (a vLLM server starts; minutes on a loaded 2-core machine): ``make vllm-tes
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ PROFILE = Path(__file__).resolve().parents[2] / "kvrelay" / "profiles" / "relay-
 CONNECTOR = {"kv_connector": "KVRelayConnector", "kv_connector_module_path": "kvrelay.vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
              "kv_connector_extra_config": {"method": "relay", "profile": str(PROFILE)}}
+# the connector's load line (``connector.start_load_kv``) in vLLM's output
+LOAD_LINE = re.compile(r"request \S+: (\d+) tokens claimed, (\d+) loaded, (\d+) computed \(\d+ spans missing; "
+                       r"(\d+) token-layers\)")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def server(vllm_server_factory):
     return vllm_server_factory(CONNECTOR, extra_args=("--enable-prompt-tokens-details",))
 
 
-def test_downstream_agents_reuse_upstream_kv_within_relays_fidelity(chain):  # noqa: F811 - the imported fixture
+def test_downstream_agents_reuse_upstream_kv_within_relays_fidelity(server, chain):  # noqa: F811 - imported fixture
     """relay on SmolLM2 through kvrelay serve (BENCHMARKS.md, gsm8k-chain3): mean first-token KL 0.0036-0.0048 against
     full, below epic's; the bound is epic's connector test's (one call runs to several times the mean, over the
     reference's top 20). Every downstream prompt token but the last is claimed: vLLM reports them cached."""
@@ -41,3 +45,11 @@ def test_downstream_agents_reuse_upstream_kv_within_relays_fidelity(chain):  # n
         assert out["cached_tokens"] == len(ids) - 1, (name, out)  # relay's claim: all but the last token
         _, kl = first_token_fidelity(reference_logprobs(lm, ids), out["first_logprobs"])
         assert kl <= MAX_KL_FIRST_TOKEN, (name, kl)
+    # relay repaired span tokens in its band: each load computed more token-layers than its gaps and new tokens at
+    # every layer, plus the last prompt token (the forward runs over the whole prompt): exactly what naive computes
+    loads = [tuple(map(int, m.groups())) for m in LOAD_LINE.finditer(server.log_path.read_text(errors="replace"))]
+    assert len(loads) == len(downstream), loads
+    for (name, _, ids, _), load in zip(downstream, loads, strict=True):
+        num_claimed, num_loaded, num_computed, num_token_layers = load
+        assert num_claimed == len(ids) - 1 and num_loaded > num_computed, (name, num_claimed, num_loaded)
+        assert num_token_layers > (num_computed + 1) * lm.config.num_layers, (name, num_computed, num_token_layers)
