@@ -26,6 +26,8 @@ class LoadedModel:
     # path's, and relay then uses the layer profile calibrated on that path (fp32 decoding), found under its
     # fingerprint.
     decode_weights: str = "fp32"
+    # the fingerprint relay's profile is found under when it is another model's: the fp32 path's (int4 decode), or
+    # the model a Hugging Face folder was exported from (``kvrelay.weights.hf_export``)
     prefill_fingerprint: str | None = None
 
     @property

@@ -37,6 +37,7 @@ from kvrelay.vllm.plan import LoadPlan
 from kvrelay.vllm.saver import BackgroundSaver
 from kvrelay.vllm.worker import LoadJob, SaveJob, WorkerSide
 from kvrelay.weights.configs import config_from_hf
+from kvrelay.weights.export_record import exported_profile_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -219,7 +220,9 @@ class KVRelayConnector(KVConnectorBase_V1):
         transformer = self._bind_transformer(scheduled=method is not None) if self.config.load else None
         bound = None
         if method is not None and transformer is not None:
-            bound = BoundModel(str(self._vllm_config.model_config.model), transformer, cfg, self.hub.fingerprint)
+            model_dir = str(self._vllm_config.model_config.model)
+            exported_from = exported_profile_fingerprint(model_dir)  # a folder kvrelay exported: its source's profile
+            bound = BoundModel(model_dir, transformer, cfg, self.hub.fingerprint, exported_from)
             check_bound(method, bound, self.config.profile)  # a model without a (fitting) profile fails at start
         self._worker = WorkerSide(self.hub, paged, cfg, transformer, method if bound is not None else None, bound)
         self._saver = BackgroundSaver(self._worker)

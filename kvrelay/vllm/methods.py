@@ -43,10 +43,12 @@ class BoundModel:
     model: Transformer
     config: ModelConfig
     fingerprint: str
+    # relay's profile is another model's: the one a folder kvrelay exported came from (``weights.export_record``)
+    prefill_fingerprint: str | None = None
 
     @property
     def profile_fingerprint(self) -> str:
-        return self.fingerprint
+        return self.prefill_fingerprint or self.fingerprint
 
 
 class PlacedStore:

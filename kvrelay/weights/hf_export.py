@@ -3,7 +3,10 @@
 vLLM does not load these GGUF files itself, and kvrelay's tests must not download a model: the folder is built
 from the same dequantized weights and tokenizer that ``load_model`` reads, so the engine under test and kvrelay
 compute with the same numbers. The folder holds config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json (with the chat template) and generation_config.json (the stop tokens).
+tokenizer_config.json (with the chat template), generation_config.json (the stop tokens) and kvrelay.json: which
+model the folder was exported from and the fingerprint that model's relay layer profile is found under, so that
+``relay`` on the folder (``kvrelay serve --model FOLDER``, the vLLM connector) uses the source model's profile
+without a setting, for as long as the weights file is the one exported.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from kvrelay.errors import ConfigError, ModelNotFoundError
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.weights.export_record import EXPORT_RECORD, WEIGHTS_FILE
 
 # ModelConfig.family -> (architecture class, config.json model_type) as transformers and vLLM name them
 _ARCHITECTURES = {
@@ -28,7 +32,6 @@ _ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-WEIGHTS_FILE = "model.safetensors"
 
 
 def _int_if_whole(value: float | None) -> float | int | None:
@@ -92,7 +95,8 @@ def export_hf(model: str, out_dir: str | Path, dtype: str = "float32", overwrite
     from safetensors.torch import save_file
 
     from kvrelay.weights.gguf import read_gguf
-    from kvrelay.weights.loader import ALIASES, gguf_path
+    from kvrelay.weights.integrity import file_sha256
+    from kvrelay.weights.loader import ALIASES, gguf_path, load_model
     from kvrelay.weights.spm import tokenizer_from_gguf
 
     if dtype not in EXPORT_DTYPES:
@@ -118,6 +122,9 @@ def export_hf(model: str, out_dir: str | Path, dtype: str = "float32", overwrite
         files = {"config.json": hf_config(config, dtype),
                  "tokenizer_config.json": tokenizer_config(tokenizer, config.max_position_embeddings),
                  "generation_config.json": generation_config(config, tokenizer)}
+        files[EXPORT_RECORD] = {"exported_from": model, "dtype": dtype,
+                                "profile_fingerprint": load_model(model, progress=False).profile_fingerprint,
+                                "weights_sha256": file_sha256(tmp / WEIGHTS_FILE)}
         for name, content in files.items():
             (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
         for path in tmp.iterdir():  # a model folder others may serve from (mkdtemp makes it private)

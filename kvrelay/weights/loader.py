@@ -29,6 +29,7 @@ from kvrelay.model.transformer import Transformer
 from kvrelay.weights.chunked import assembled, chunk_files
 from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.devices import check_device
+from kvrelay.weights.export_record import WEIGHTS_FILE, exported_profile_fingerprint
 from kvrelay.weights.integrity import IntegrityError, file_sha256, record_folder, verify_folder
 from kvrelay.weights.presets import PRESETS
 from kvrelay.weights.spm import tokenizer_from_gguf
@@ -335,14 +336,17 @@ def _load_hf_dir(path: Path, device, dtype: torch.dtype) -> LoadedModel:
         raise ModelNotFoundError(f"{path}: no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     weights = hashlib.sha256()
+    shard_sha256 = {}
     for shard in shards:
         try:
             state.update(load_file(str(shard)))
         except Exception as exc:
             raise CorruptModelError(f"{shard}: unreadable safetensors file ({exc})") from exc
-        st = shard.stat()
-        weights.update(f"{shard.name}|{st.st_size}|{file_sha256(shard)}".encode())
+        shard_sha256[shard.name] = file_sha256(shard)
+        weights.update(f"{shard.name}|{shard.stat().st_size}|{shard_sha256[shard.name]}".encode())
     tokenizer = Tokenizer.from_hf_dir(path)
     model = _build(config, state, device, dtype, str(path))
     fp = fingerprint_of(config, weights.hexdigest(), dtype, file_sha256(path / "tokenizer.json"))
-    return LoadedModel(path.name, model, tokenizer, config, fp, str(path))
+    # a folder kvrelay exported: relay's profile is its source model's
+    return LoadedModel(path.name, model, tokenizer, config, fp, str(path),
+                       prefill_fingerprint=exported_profile_fingerprint(path, shard_sha256.get(WEIGHTS_FILE)))

@@ -77,3 +77,26 @@ def test_refuses_a_non_empty_folder_and_an_unknown_model(tmp_path):
     with pytest.raises(ConfigError, match="dtype"):
         export_hf("smollm2-135m", tmp_path / "out", dtype="int8")
     assert not (tmp_path / "out").exists()
+
+
+def test_relay_on_the_folder_finds_its_source_models_profile(exported, tmp_path):
+    """The folder is a model of its own (its KV is not the GGUF's), but relay's layer profile is the source model's
+    (kvrelay.json); a folder whose weights were changed gets none of it."""
+    from safetensors.torch import load_file, save_file
+
+    from kvrelay.reuse.profile import layer_profile
+
+    lm, _, _, folder = exported
+    on_folder = load_model(str(folder))
+    assert on_folder.fingerprint != lm.fingerprint
+    assert on_folder.profile_fingerprint == lm.profile_fingerprint
+    assert layer_profile(on_folder) == layer_profile(lm)
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for f in folder.iterdir():
+        (changed / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(folder / "model.safetensors"))
+    name = next(iter(state))
+    state[name] = state[name] * 1.01
+    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    assert load_model(str(changed)).profile_fingerprint == load_model(str(changed)).fingerprint != lm.fingerprint
