@@ -79,7 +79,7 @@ def run_profile(args: argparse.Namespace) -> int:
         profile = build_profile(lm, num_problems=args.problems, band_mass=args.band_mass, data=args.data,
                                 workload=workloads[0], select=args.select, kl_tolerance=args.kl_tolerance,
                                 path_tokens=args.path_tokens, offset=args.offset)
-    cached = profile_path(lm.profile_fingerprint)  # relay finds profiles by model fingerprint in the cache
+    cached = profile_path(lm.fingerprint)  # relay finds profiles by model fingerprint in the cache (its own first)
     out = Path(args.out) if args.out else cached
     profile.save(out)
     if out != cached:

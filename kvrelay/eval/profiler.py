@@ -217,7 +217,7 @@ def build_profile(lm: LoadedModel, num_problems: int = 20, band_mass: float = 0.
             results |= score_bands(lm, later, workload, data, num_problems, progress, offset)
             chosen = choose_by_fidelity(results, kl_tolerance, kl_bar)
         band_scores = {",".join(map(str, b)): {"kl": s.kl, "reuse": s.reuse} for b, s in results.items()}
-    profile = LayerProfile(lm.profile_fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
+    profile = LayerProfile(lm.fingerprint, lm.name, lm.config.num_layers, *chosen, band_mass,
                            v_cos.mean(1).tolist(), k_cos.mean(1).tolist(), deviation, scores,
                            {"workload": workload, "data": data, "problems": num_problems, "offset": offset,
                             "tokens": int(v_cos.shape[1]), "kl_tolerance": kl_tolerance},

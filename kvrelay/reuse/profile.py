@@ -88,15 +88,41 @@ _PROFILES: dict[str, LayerProfile] = {}  # fingerprint -> profile, read once per
 
 
 def layer_profile(lm: LoadedModel, shipped_dir: Path = SHIPPED_PROFILES) -> LayerProfile:
-    """The model's profile: yours (the cache dir), else the one shipped with kvrelay, else a ConfigError.
+    """The model's profile: yours (the cache dir), else the one shipped with kvrelay, found under the model's own
+    fingerprint, else under the one its profile is another model's (``LoadedModel.prefill_fingerprint``: the fp32
+    path of an int4-decode model, the source of an exported folder); else a ConfigError. A profile for a model of
+    another depth is a ConfigError too.
 
     When yours and the shipped one disagree on the layers, says which it uses (a profile cached by an
     older kvrelay would otherwise silently outlive a better shipped one).
     """
-    if lm.profile_fingerprint in _PROFILES:
-        return _PROFILES[lm.profile_fingerprint]
-    path = profile_path(lm.profile_fingerprint)
-    shipped = shipped_dir / path.name
+    fingerprints = list(dict.fromkeys([lm.fingerprint, lm.profile_fingerprint]))
+    for fingerprint in fingerprints:
+        if fingerprint in _PROFILES:
+            return _PROFILES[fingerprint]
+    looked = []
+    for fingerprint in fingerprints:
+        path = profile_path(fingerprint)
+        shipped = shipped_dir / path.name
+        looked += [str(path), str(shipped)]
+        profile = _read_profile(path, shipped)
+        if profile is None:
+            continue
+        if profile.num_layers != lm.config.num_layers:
+            raise ConfigError(f"relay: the layer profile found for model {lm.name!r} (fingerprint {fingerprint}, "
+                              f"{path if path.exists() else shipped}) is for a model of {profile.num_layers} layers; "
+                              f"{lm.name!r} has {lm.config.num_layers}. Build its own with `kvrelay profile --model "
+                              f"{lm.name}`")
+        _PROFILES[fingerprint] = profile
+        return profile
+    raise ConfigError(
+        f"relay: no RelayCaching layer profile for model {lm.name!r} (fingerprint {' or '.join(fingerprints)}; "
+        f"looked in {', '.join(looked)}). Build one with `kvrelay profile --model {lm.name}`, or give the layers: "
+        f"relay[band=start:det:end]")
+
+
+def _read_profile(path: Path, shipped: Path) -> LayerProfile | None:
+    """Yours at ``path`` (saying so when it disagrees with the shipped one), else the shipped one, else None."""
     if path.exists():
         profile = LayerProfile.load(path)
         if shipped.exists():
@@ -104,15 +130,8 @@ def layer_profile(lm: LoadedModel, shipped_dir: Path = SHIPPED_PROFILES) -> Laye
             if profile.layers != other.layers:
                 print(f"kvrelay: RelayCaching layers {_fmt_layers(profile)} from your profile {path}; the profile "
                       f"shipped with kvrelay has {_fmt_layers(other)} - delete yours to use it", file=sys.stderr)
-    elif shipped.exists():
-        profile = LayerProfile.load(shipped)
-    else:
-        raise ConfigError(
-            f"relay: no RelayCaching layer profile for model {lm.name!r} (fingerprint {lm.profile_fingerprint}; "
-            f"looked in {path} and {shipped}). Build one with `kvrelay profile --model {lm.name}`, or give the layers: "
-            f"relay[band=start:det:end]")
-    _PROFILES[lm.profile_fingerprint] = profile
-    return profile
+        return profile
+    return LayerProfile.load(shipped) if shipped.exists() else None
 
 
 def _fmt_layers(profile: LayerProfile) -> str:

@@ -116,7 +116,7 @@ def check_bound(method: ReuseMethod, lm: BoundModel, profile_path: str | None = 
         raise ConfigError(
             f"kvrelay connector: {e}. Or give a profile's path as kv_connector_extra_config \"profile\"; the profiles "
             f"shipped with kvrelay are in {SHIPPED_PROFILES} (relay-<fingerprint>.json, this model's fingerprint is "
-            f"{lm.fingerprint})") from None
+            f"{lm.profile_fingerprint})") from None
 
 
 def prefix_length(plan: LoadPlan, spans: dict[str, StoredSpan]) -> int:

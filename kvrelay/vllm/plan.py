@@ -128,9 +128,10 @@ def plan_load(prompt_ids: list[int] | tuple[int, ...], num_computed: int, runs: 
         return None
     if method in SCHEDULED_METHODS:
         plan = _scheduled(prompt_ids, num_computed, pieces)
-        # all or nothing: the connector's forward computes every gap and the whole new tail at every layer, in one
-        # synchronous pass outside vLLM's chunked prefill; it pays only when it loads more than that
-        return plan if plan.num_loaded > len(plan.recompute) else None
+        # all or nothing: the connector's forward computes every gap and the whole new tail at every layer (the
+        # prompt's last token too, ``run_end``), in one synchronous pass outside vLLM's chunked prefill; it pays only
+        # when it loads more than that
+        return plan if plan.num_loaded > len(plan.recompute) + plan.run_end - plan.end else None
     chosen = [p for p in pieces if p.dst_end <= best_end]
     plan = LoadPlan(num_computed, best_end, chosen)
     cursor = num_computed

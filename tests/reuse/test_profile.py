@@ -52,15 +52,37 @@ def test_a_profile_with_an_older_kvrelay_s_workload_selectors_loads_and_serves_e
     assert LayerProfile.load(tmp_path / "old.json") == p
 
 
+TOY = SimpleNamespace(num_layers=4)
+
+
 def test_a_model_decoding_on_other_weights_finds_the_profile_of_its_fp32_path(cache):
-    lm = SimpleNamespace(fingerprint="int4", profile_fingerprint="f00d", name="toy")  # load_model(int4_decode=True)
+    lm = SimpleNamespace(fingerprint="int4", profile_fingerprint="f00d", name="toy", config=TOY)  # int4_decode=True
     _make("f00d", 2, 3, 3).save(profile_path("f00d"))
-    _make("int4", 1, 2, 3).save(profile_path("int4"))  # never looked for
     assert layer_profile(lm, shipped_dir=cache / "shipped").layers == (2, 3, 3)
 
 
+def test_a_profile_of_the_model_itself_wins_over_the_one_it_borrows(cache):
+    """An exported folder borrows its source model's profile (``prefill_fingerprint``) until it has one of its own
+    (``kvrelay profile`` on the folder writes under the folder's own fingerprint, never over the source's)."""
+    lm = SimpleNamespace(fingerprint="fold", profile_fingerprint="f00d", name="toy", config=TOY)
+    shipped_dir = cache / "shipped"
+    _make("f00d", 2, 3, 3).save(shipped_dir / profile_path("f00d").name)
+    assert layer_profile(lm, shipped_dir=shipped_dir).layers == (2, 3, 3)
+    profile._PROFILES.clear()
+    _make("fold", 1, 2, 3).save(profile_path("fold"))
+    assert layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)
+
+
+def test_a_profile_for_a_model_of_another_depth_is_a_config_error(cache):
+    lm = SimpleNamespace(fingerprint="fold", profile_fingerprint="f00d", name="toy",
+                         config=SimpleNamespace(num_layers=30))
+    _make("f00d", 2, 3, 3).save(profile_path("f00d"))
+    with pytest.raises(ConfigError, match="for a model of 4 layers; 'toy' has 30"):
+        layer_profile(lm, shipped_dir=cache / "shipped")
+
+
 def test_your_profile_wins_over_the_shipped_one_and_says_so(cache, monkeypatch, capsys):
-    lm = SimpleNamespace(fingerprint="f00d", profile_fingerprint="f00d", name="toy")
+    lm = SimpleNamespace(fingerprint="f00d", profile_fingerprint="f00d", name="toy", config=TOY)
     shipped_dir = cache / "shipped"
     _make("f00d", 1, 2, 3).save(shipped_dir / profile_path("f00d").name)
     assert layer_profile(lm, shipped_dir=shipped_dir).layers == (1, 2, 3)  # only the shipped one
@@ -77,7 +99,7 @@ def test_your_profile_wins_over_the_shipped_one_and_says_so(cache, monkeypatch, 
 
 
 def test_a_model_without_a_profile_is_a_config_error_saying_how_to_get_one(cache):
-    lm = SimpleNamespace(fingerprint="beef", profile_fingerprint="beef", name="toy-model")
+    lm = SimpleNamespace(fingerprint="beef", profile_fingerprint="beef", name="toy-model", config=TOY)
     with pytest.raises(ConfigError) as err:
         layer_profile(lm, shipped_dir=cache / "shipped")
     assert "kvrelay profile --model toy-model" in str(err.value)

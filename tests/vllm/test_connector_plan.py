@@ -92,10 +92,10 @@ def test_a_short_span_before_a_long_new_tail_is_not_claimed(method):
 
 @pytest.mark.parametrize("method", ["cacheblend", "relay"])
 def test_a_scheduled_claim_pays_for_the_gaps_and_the_tail_together(method):
-    """Loaded must exceed what the connector computes, gaps and tail included: 60 loaded against 30 + 29 claims,
-    against 30 + 30 it does not."""
+    """Loaded must exceed what the connector computes, gaps, tail and the prompt's last token included (its forward
+    runs that one too): 60 loaded against 30 + 28 + 1 claims, against 30 + 29 + 1 it does not."""
     runs = [Run(0, 20, "s", 0), Run(50, 90, "t", 0)]
-    prompt = list(SPAN[:20]) + [9] * 30 + list(TOKENS["t"]) + [8] * 30  # tail: 29 computed, the last is vLLM's
+    prompt = list(SPAN[:20]) + [9] * 30 + list(TOKENS["t"]) + [8] * 29  # tail: 28 claimed and computed, then the last
     plan = plan_load(prompt, 0, runs, tokens_of, method)
-    assert plan.num_loaded == 60 and len(plan.recompute) == 59
+    assert plan.num_loaded == 60 and len(plan.recompute) == 58 and plan.run_end - plan.end == 1
     assert plan_load(prompt + [8], 0, runs, tokens_of, method) is None
