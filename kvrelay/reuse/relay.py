@@ -33,7 +33,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.schedule import Entry, StaticSchedule
 from kvrelay.reuse.band import BandSchedule
 from kvrelay.reuse.base import CallInput, Plan, ReuseMethod
-from kvrelay.reuse.profile import layer_profile
+from kvrelay.reuse.profile import LayerProfile, layer_profile
 from kvrelay.reuse.relay_policy import PAPER_POLICY, PAPER_SELECTOR, BandPolicy
 from kvrelay.reuse.relay_select import lost_context_mass, position_prior, spread_with_mean
 from kvrelay.reuse.relay_selectors import (
@@ -114,14 +114,28 @@ class RelayMethod(ReuseMethod):
         method.fixed = (tuple(layers), BandPolicy.from_knobs(knobs))
         return method
 
+    def pin(self, profile: LayerProfile) -> None:
+        """Run ``profile``'s band and selector (a profile given by path, not the one found for the model), resolved
+        as ``layers`` and ``policy`` resolve the model's own, the settings given in place of their parts."""
+        base = PAPER_POLICY if self.selector == "threshold" else BandPolicy.from_knobs(profile.selector)
+        layers = parse_band(self.band) if self.band is not None else self._profile_band(profile)
+        self.fixed = (layers, self._with_settings(base))
+
     def policy(self, lm) -> BandPolicy:
         """The band policy relay runs: the profile's (the paper's without a profile, or with ``selector=threshold``),
         with the settings given in place of its parts."""
         if self.fixed is not None:
             return self.fixed[1]
-        base = PAPER_POLICY if self.selector == "threshold" else _profile_policy(lm)
+        return self._with_settings(PAPER_POLICY if self.selector == "threshold" else _profile_policy(lm))
+
+    def _with_settings(self, base: BandPolicy) -> BandPolicy:
         return base.overridden(self.keep_share, self.span_openings, self.prune_share, self.drift,
                                budget=self.selector == "budget")
+
+    def _profile_band(self, profile: LayerProfile) -> Layers:
+        """The profile's band: the band search's for the paper's thresholds, else the one calibrated with its
+        selector."""
+        return tuple(profile.searched_band or profile.layers) if self.selector == "threshold" else tuple(profile.layers)
 
     def layers(self, lm) -> Layers:
         """(L_start, L_det, L_end): ``band`` if given, else the profile's (the band search's for the paper's
@@ -133,9 +147,7 @@ class RelayMethod(ReuseMethod):
         elif self.band is not None:
             start, det, end = parse_band(self.band)
         else:
-            profile = layer_profile(lm)
-            start, det, end = tuple(profile.searched_band or profile.layers) if self.selector == "threshold" \
-                else profile.layers
+            start, det, end = self._profile_band(layer_profile(lm))
         if start == det == end == num_layers or 0 <= start <= det <= end < num_layers:
             return start, det, end
         raise ConfigError(f"relay: need 0 <= L_start {start} <= L_det {det} <= L_end {end} < {num_layers} "

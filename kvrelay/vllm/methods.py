@@ -28,8 +28,7 @@ from kvrelay.model.config import ModelConfig
 from kvrelay.model.transformer import Transformer
 from kvrelay.reuse import CallInput, ReuseMethod, SpanRef, get_method
 from kvrelay.reuse.profile import SHIPPED_PROFILES, LayerProfile
-from kvrelay.reuse.relay import RelayMethod, parse_band
-from kvrelay.reuse.relay_policy import PAPER_POLICY, BandPolicy
+from kvrelay.reuse.relay import RelayMethod
 from kvrelay.vllm.plan import SCHEDULED_METHODS, LoadPlan, method_name
 
 PREFIX_SPAN = "\x00vllm-prefix"  # the placed exact prefix, as the method's store shows it (no stored span has it)
@@ -85,16 +84,9 @@ def connector_method(spec: str, profile_path: str | None = None) -> ReuseMethod 
     if not isinstance(method, RelayMethod):
         raise ConfigError(f"kvrelay connector: profile is relay's layer profile; the method is {method.name!r}")
     try:
-        profile = LayerProfile.load(profile_path)
-        threshold = method.selector == "threshold"
-        base = PAPER_POLICY if threshold else BandPolicy.from_knobs(profile.selector)
+        method.pin(LayerProfile.load(profile_path))
     except (KvRelayError, OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"kvrelay connector: cannot read relay profile {profile_path!r}: {e}") from None
-    policy = base.overridden(method.keep_share, method.span_openings, method.prune_share, method.drift,
-                             budget=method.selector == "budget")
-    layers = parse_band(method.band) if method.band else \
-        tuple(profile.searched_band or profile.layers) if threshold else tuple(profile.layers)
-    method.fixed = (layers, policy)  # as ``RelayMethod.policy`` and ``layers`` resolve them from the model's profile
     return method
 
 
