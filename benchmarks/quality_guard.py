@@ -69,7 +69,7 @@ def bench_rung_settings(paths: list[str], rung_methods: dict[str, str]) -> dict[
     (one that resolves nothing from the model) is left out."""
     settings: dict[str, dict[str, dict]] = {}
     for path in paths:
-        data = read_rows(Path(path))
+        data = read_json(Path(path))
         for rung, method in rung_methods.items():
             if method in data.get("method_settings", {}):
                 settings.setdefault(rung, {})[data["workload"]] = data["method_settings"][method]
@@ -81,7 +81,7 @@ def rows_from_bench(paths: list[str], rung_methods: dict[str, str]) -> list[dict
     ``rung_methods`` maps a rung to the bench's method name for it. These carry no decode time."""
     rows: dict[tuple, dict] = {}
     for path in paths:
-        data = read_rows(Path(path))
+        data = read_json(Path(path))
         for c in data["calls"]:
             key = (data["workload"], c["problem_id"], c["agent"])
             row = rows.setdefault(key, {"workload": data["workload"], "problem_id": c["problem_id"],
@@ -199,15 +199,6 @@ def calls_path(report_path: str) -> Path:
     return Path(report_path).with_suffix(".calls.json.gz")
 
 
-def write_rows(path: Path, rows: list[dict] | dict) -> None:
-    write_json_gz(path, rows)
-
-
-def read_rows(path: Path) -> list[dict] | dict:
-    """JSON written by ``write_rows``, or plain JSON (the gzip magic tells them apart)."""
-    return read_json(path)
-
-
 def workload_offsets(workloads: list[str], offset: int | None) -> dict[str, int]:
     """Each workload's first problem: ``offset`` when given, else the default for that workload."""
     return {w: offset if offset is not None else WORKLOAD_OFFSETS.get(w, 0) for w in workloads}
@@ -236,7 +227,7 @@ def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict]
 
     def checkpoint(workload_rows: list[dict]) -> None:  # keep what is measured so far
         if args.json:
-            write_rows(calls_path(args.json), rows + workload_rows)
+            write_json_gz(calls_path(args.json), rows + workload_rows)
 
     workloads = args.workloads.split(",")
     for workload, offset in workload_offsets(workloads, args.offset).items():
@@ -289,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = rows_from_bench(args.bench_json.split(","), rung_methods)
         rung_settings = bench_rung_settings(args.bench_json.split(","), rung_methods)
     elif args.calls_json:
-        rows = read_rows(Path(args.calls_json))
+        rows = read_json(Path(args.calls_json))
     else:
         rows, rung_settings = measure(args, config)
     roles: dict[str, list[dict]] = {}

@@ -50,10 +50,11 @@ from typing import TypedDict
 import httpx
 import quality_guard
 from agent_tools import ServerProcess
-from quality_guard import QUALITY_AFTER_CALLS, meets, plot_role, quality, read_rows, reuse, write_rows
+from quality_guard import QUALITY_AFTER_CALLS, meets, plot_role, quality, reuse
 
 from kvrelay.data.datasets import load_mmlu
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
+from kvrelay.eval.result_files import read_json, write_json_gz
 from kvrelay.quality import QualityConfig
 from kvrelay.server.textstream import decode_logprobs
 
@@ -325,7 +326,7 @@ def measure(args: argparse.Namespace, config: QualityConfig) -> tuple[list[dict]
                               f"{' S' if r['shadowed'] else ''}" for r in new_rows), flush=True)
             if args.json:  # keep what is measured so far
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                write_rows(args.json.with_suffix(".calls.json.gz"), {"rows": rows})
+                write_json_gz(args.json.with_suffix(".calls.json.gz"), {"rows": rows})
                 # the request bodies quote the model's answers: compressed, a tenth of their size
                 args.json.with_suffix(".bodies.json.gz").write_bytes(gzip.compress(json.dumps(bodies).encode()))
         guard_view = recorder.probes.get("/v1/kvrelay/quality", params={"cache_salt": salt}).json()
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.calls_json:
             p.error("--replay needs --calls-json")
         by_role: dict[str, list[dict]] = defaultdict(list)
-        for row in read_rows(args.calls_json)["rows"]:
+        for row in read_json(args.calls_json)["rows"]:
             by_role[row["agent"]].append(row)
         replays = {agent: quality_guard.role_report(guard_rows(got), config) for agent, got in by_role.items()}
         for agent, rep in replays.items():
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
                                              "roles": replays}, separators=(",", ":")))
         return
     if args.calls_json:
-        rows, guard_view = read_rows(args.calls_json)["rows"], None
+        rows, guard_view = read_json(args.calls_json)["rows"], None
     else:
         rows, guard_view = measure(args, config)
     by_agent: dict[str, list[dict]] = defaultdict(list)

@@ -43,8 +43,8 @@ from pathlib import Path
 from agent_tools import REPO, ServerProcess
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from quality_guard import read_rows, write_rows
 
+from kvrelay.eval.result_files import read_json, write_json_gz
 from kvrelay.pipeline.workloads import gsm8k_chain3
 from kvrelay.quality import QualityConfig
 
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
-            write_rows(args.json.with_suffix(".calls.json.gz"), {"calls": [c for cs in phase_calls for c in cs]})
+            write_json_gz(args.json.with_suffix(".calls.json.gz"), {"calls": [c for cs in phase_calls for c in cs]})
     print(json.dumps(result.get("compare")), flush=True)
 
 
@@ -352,7 +352,7 @@ def report(head: dict, phases: list[dict], phase_calls: list[list[dict]]) -> dic
 def rescore(path: Path) -> dict:
     """The report of an earlier run recomputed from its JSON and its ``.calls.json.gz`` (no servers)."""
     old = json.loads(path.read_text())
-    calls = read_rows(path.with_suffix(".calls.json"))["calls"]
+    calls = read_json(path.with_suffix(".calls.json"))["calls"]
     head = {k: v for k, v in old.items() if k not in ("phases", "compare")}
     phases = old["phases"]
     phase_calls = [[c for c in calls if (c["arm"], c["repeat"]) == (p["arm"], p["repeat"])] for p in phases]

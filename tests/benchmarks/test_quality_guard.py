@@ -15,9 +15,9 @@ from quality_guard import (
     problem_range,
     role_report,
     workload_offsets,
-    write_rows,
 )
 
+from kvrelay.eval.result_files import write_json_gz
 from kvrelay.quality import QualityConfig
 
 # kvrelay/profiles/ (read as files: kvrelay.reuse.profile would import torch into this torch-free test)
@@ -114,7 +114,7 @@ def test_the_rows_are_kept_gzipped_and_a_replay_reads_them_gzipped_or_plain(tmp_
     measured = rows(24, naive_kl=0.001)
     gzipped = calls_path(str(tmp_path / "run.json"))
     assert gzipped.name == "run.calls.json.gz"
-    write_rows(gzipped, measured)
+    write_json_gz(gzipped, measured)
     assert gzipped.read_bytes()[:2] == b"\x1f\x8b"
     plain = tmp_path / "old.calls.json"
     plain.write_text(json.dumps(measured))
