@@ -52,45 +52,23 @@ import quality_guard
 from agent_tools import ServerProcess
 from quality_guard import QUALITY_AFTER_CALLS, meets, plot_role, quality, reuse
 
-from kvrelay.data.datasets import load_mmlu
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
 from kvrelay.eval.result_files import read_json, write_json_gz
+from kvrelay.pipeline.workloads import DOC_ROWS, mmlu_doc3
 from kvrelay.quality import QualityConfig
 from kvrelay.server.textstream import decode_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "mmlu"
-DOC_ROWS = range(20, 26)  # per subject: the document's facts
 PROBE_AGENT = "bench-probe"  # the probes' own role: the live roles' call counts and samples stay the guard's own
-AGENTS = {
-    "analyst": ("You are an analyst. Read the document and write brief notes on the facts that bear on the "
-                "question.", 48),
-    "answerer": ("You answer multiple-choice questions from a document and an analyst's notes. Give the letter "
-                 "of the correct option, then one sentence why.", 24),
-    "checker": ("You are a checker. Say whether the answer agrees with the document, then give the correct "
-                "letter.", 24),
-}
+FLOW = mmlu_doc3()  # the agents' prompts and the documents
 ASK = {"debug": True, "first_token_logprobs": True}  # what the benchmark reads from every reply
 
 
-# ---------------------------------------------------------------------- documents
 def documents(data: Path, num_runs: int) -> list[dict]:
-    """One document per run: DOC_ROWS of one subject (subjects in sorted order), the question one of its rows."""
-    by_subject: dict[str, list] = defaultdict(list)
-    for p in load_mmlu(data):
-        by_subject[p.subject].append(p)
-    subjects = sorted(s for s, rows in by_subject.items() if len(rows) > DOC_ROWS.stop)
-    out = []
-    for run in range(num_runs):
-        subject = subjects[run % len(subjects)]
-        rows = by_subject[subject][DOC_ROWS.start + 6 * (run // len(subjects)):][:len(DOC_ROWS)]
-        facts = "\n".join(f"{i + 1}. {p.question} Answer: {p.choices['ABCD'.index(p.answer)]}"
-                          for i, p in enumerate(rows))
-        asked = rows[run % len(rows)]
-        options = "\n".join(f"{letter}. {text}" for letter, text in zip("ABCD", asked.choices, strict=True))
-        out.append({"subject": subject, "document": f"Notes on {subject.replace('_', ' ')}:\n{facts}",
-                    "question": f"{asked.question}\n{options}", "answer": asked.answer})
-    return out
+    """One document per run (``mmlu-doc3``'s problems): its subject, document, question and answer letter."""
+    return [{"subject": p.problem_id.removeprefix("mmlu-doc-").rsplit("-", 1)[0], **p.inputs, "answer": p.reference}
+            for p in FLOW.problems(str(data), num_runs)]
 
 
 # ---------------------------------------------------------------------- recording and probing
@@ -156,25 +134,24 @@ def build_flow(url: str, model_id: str, salt: str, recorder: Recorder):
 
     def llm(name: str) -> ChatOpenAI:
         return ChatOpenAI(model=model_id, base_url=f"{url}/v1", api_key="none", temperature=0,
-                          max_tokens=AGENTS[name][1], extra_body={"cache_salt": salt, "kvrelay": ASK},
-                          http_client=recorder.client, max_retries=0)
+                          max_tokens=FLOW.spec.agent(name).max_new_tokens,
+                          extra_body={"cache_salt": salt, "kvrelay": ASK}, http_client=recorder.client, max_retries=0)
 
-    llms = {name: llm(name) for name in AGENTS}
+    llms = {name: llm(name) for name in FLOW.spec.order}
 
-    def ask(name: str, user: str) -> str:
+    def ask(name: str, **values: str) -> str:
         recorder.agent = name
-        return llms[name].invoke([("system", AGENTS[name][0]), ("user", user)]).content
+        agent = FLOW.spec.agent(name)
+        return llms[name].invoke([("system", agent.system), ("user", agent.user.format(**values))]).content
 
     def analyse(s: State) -> State:
-        return {"notes": ask("analyst", f"Document:\n{s['document']}\n\nQuestion: {s['question']}")}
+        return {"notes": ask("analyst", document=s["document"], question=s["question"])}
 
     def answer(s: State) -> State:
-        return {"answer": ask("answerer", f"Document:\n{s['document']}\n\nNotes:\n{s['notes']}\n\n"
-                                          f"Question: {s['question']}")}
+        return {"answer": ask("answerer", document=s["document"], analyst=s["notes"], question=s["question"])}
 
     def check(s: State) -> State:
-        return {"verdict": ask("checker", f"Document:\n{s['document']}\n\nQuestion: {s['question']}\n\n"
-                                          f"Answer: {s['answer']}")}
+        return {"verdict": ask("checker", document=s["document"], question=s["question"], answerer=s["answer"])}
 
     graph = StateGraph(State)
     for name, node in (("analyse", analyse), ("answer", answer), ("check", check)):
@@ -398,10 +375,11 @@ def main(argv: list[str] | None = None) -> None:
                        "python": sys.version.split()[0]},
                "model": args.model, "framework": "langgraph (langchain-openai ChatOpenAI)",
                "runs": 1 + max(r["run"] for r in rows), "sources": str(args.calls_json or ""),
-               "namespace": "one cache_salt for every run", "doc_rows": [DOC_ROWS.start, DOC_ROWS.stop],
+               "namespace": "one cache_salt for every run", "workload": FLOW.name,
+               "doc_rows": [DOC_ROWS.start, DOC_ROWS.stop],
                "config": {"target": str(config.target), "sample_rate": config.sample_rate,
                           "ladder": [dataclasses.asdict(r) for r in config.ladder], "start": config.start},
-               "agents": {name: {"system": system, "max_tokens": n} for name, (system, n) in AGENTS.items()},
+               "agents": {a.name: {"system": a.system, "max_tokens": a.max_new_tokens} for a in FLOW.spec.agents},
                "roles": reports, "guard_view": guard_view}
         args.json.write_text(json.dumps(out, separators=(",", ":")))
 

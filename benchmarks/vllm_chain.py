@@ -1,4 +1,5 @@
-"""gsm8k-chain3 as plain chat requests: vLLM with kvrelay's connector, vLLM alone, and ``kvrelay serve``.
+"""gsm8k-chain3 or a shared-document flow as plain chat requests: vLLM with kvrelay's connector, vLLM alone, and
+``kvrelay serve``.
 
     python benchmarks/vllm_chain.py --model-dir SMOLLM2_DIR --limit 5 --json benchmarks/results/vllm-chain-cpu.json \
         [--kvrelay-serve]
@@ -30,6 +31,8 @@ the same messages: top-1 agreement and KL over the reference's top tokens. A cha
 calls on that side, and per generated token that sum over the tokens the side generated (the sides' answers differ in
 length).
 
+``--workload mmlu-doc3`` runs three agents over a shared document instead (an analyst's notes, an answer, a check;
+every agent reads the whole document, so the downstream two find it at an offset after their own system prompt).
 ``--connector-method`` and ``--connector-profile`` set the connector's ``method`` and relay ``profile``;
 ``--kvrelay-method`` runs ``kvrelay serve`` on that method with its quality guard off, and ``--skip-kvrelay-full``
 leaves out the ``full`` side.
@@ -53,7 +56,8 @@ import uuid
 
 from openai import OpenAI
 
-from kvrelay.pipeline.workloads import gsm8k_chain3
+from kvrelay.pipeline.spec import PipelineSpec
+from kvrelay.pipeline.workloads import get_workload, gsm8k_chain3
 from kvrelay.vllm.server_process import VllmServer, VllmServerConfig, free_port
 
 TOP_LOGPROBS = 20
@@ -106,13 +110,14 @@ def first_token_fidelity(reference: dict[str, float], method: dict[str, float]) 
     return agree, max(kl, 0.0)
 
 
-def run_chain(driver: str, clients: dict[str, OpenAI], model: dict[str, str], question: str, salt: str,
-              max_tokens: dict[str, int] | None = None, pause_s: float = 0.0) -> list[dict]:
-    """One problem through the chain on ``clients[driver]`` (its answers feed the next agent); each call is sent,
-    with the very same messages, to every other side right after: a row per agent (its messages kept, for
-    ``replay``), a dict of numbers per side."""
-    spec = gsm8k_chain3().spec
-    values, rows = {"question": question}, []
+def run_chain(driver: str, clients: dict[str, OpenAI], model: dict[str, str], inputs: dict[str, str], salt: str,
+              max_tokens: dict[str, int] | None = None, pause_s: float = 0.0, spec: PipelineSpec | None = None
+              ) -> list[dict]:
+    """One problem (its ``inputs``) through the pipeline ``spec`` (default gsm8k-chain3) on ``clients[driver]``
+    (its answers feed the next agent); each call is sent, with the very same messages, to every other side right
+    after: a row per agent (its messages kept, for ``replay``), a dict of numbers per side."""
+    spec = spec or gsm8k_chain3().spec
+    values, rows = dict(inputs), []
     for name in spec.order:
         agent = spec.agent(name)
         messages = [{"role": "system", "content": agent.system},
@@ -278,6 +283,8 @@ def main() -> None:
     parser.add_argument("--kvrelay-method", default=None, help="kvrelay serve runs this method with the quality guard "
                         "off (default: its defaults, the guard)")
     parser.add_argument("--pause-s", type=float, default=1.5, help="wait before each call")
+    parser.add_argument("--workload", default="gsm8k-chain3", choices=("gsm8k-chain3", "mmlu-doc3"),
+                        help="the pipeline: a chain of answers, or three agents over a shared document")
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--data", default=None)
@@ -296,10 +303,11 @@ def main() -> None:
         clients, model = open_clients({"connector": args.connector_url, "plain": args.plain_url})
         load_start = os.getloadavg()
         rows = []
-        problems = gsm8k_chain3().problems(args.data, args.offset + args.limit)[args.offset:]
+        workload = get_workload(args.workload)
+        problems = workload.problems(args.data, args.offset + args.limit)[args.offset:]
         for problem in problems:
-            for row in run_chain("connector", clients, model, problem.inputs["question"], uuid.uuid4().hex,
-                                 pause_s=args.pause_s):
+            for row in run_chain("connector", clients, model, problem.inputs, uuid.uuid4().hex,
+                                 pause_s=args.pause_s, spec=workload.spec):
                 rows.append({"problem_id": problem.problem_id, **row})
                 show(rows[-1], list(clients))
         sides = list(clients)
@@ -369,7 +377,7 @@ def report(args: argparse.Namespace, rows: list[dict], sides: list[str], load_st
                "references": REFERENCE_OF,
                "server_args": started}
         with open(args.json, "w") as f:
-            json.dump({"env": env, "workload": "gsm8k-chain3", "n": args.limit, "offset": args.offset,
+            json.dump({"env": env, "workload": args.workload, "n": args.limit, "offset": args.offset,
                        "sides": sides, **summary, "calls": rows}, f, indent=1)
 
 

@@ -103,6 +103,52 @@ def mmlu_fc3() -> Workload:
     return Workload("mmlu-fc3", spec, _mmlu_problems, _mmlu_score)
 
 
+# ---------------------------------------------------------------------------- a shared document
+
+DOC_ROWS = range(20, 26)  # per subject: the MMLU rows a document states (no default was chosen on them)
+
+
+def _doc_problems(path: str | None, limit: int | None) -> list[Problem]:
+    """One document per problem: six MMLU facts of one subject (each question with its correct answer), subjects
+    in sorted order, a later round on each subject's next six rows; the question asked is one of the six, with
+    its options."""
+    by_subject: dict[str, list[datasets.MMLUProblem]] = {}
+    for p in datasets.load_mmlu(path):
+        by_subject.setdefault(p.subject, []).append(p)
+    subjects = sorted(s for s, rows in by_subject.items() if len(rows) > DOC_ROWS.stop)
+    out = []
+    for i in range(len(subjects) if limit is None else limit):
+        subject, num_round = subjects[i % len(subjects)], i // len(subjects)
+        rows = by_subject[subject][DOC_ROWS.start + len(DOC_ROWS) * num_round:][:len(DOC_ROWS)]
+        if len(rows) < len(DOC_ROWS):
+            break  # every subject's rows are used up
+        facts = "\n".join(f"{k + 1}. {p.question} Answer: {p.choices['ABCD'.index(p.answer)]}"
+                          for k, p in enumerate(rows))
+        asked = rows[i % len(rows)]
+        options = "\n".join(f"{letter}. {text}" for letter, text in zip("ABCD", asked.choices, strict=True))
+        out.append(Problem({"document": f"Notes on {subject.replace('_', ' ')}:\n{facts}",
+                            "question": f"{asked.question}\n{options}"}, asked.answer,
+                           f"mmlu-doc-{subject}-{num_round}"))
+    return out
+
+
+def mmlu_doc3() -> Workload:
+    """Three agents over a shared document: every agent reads the whole document, so the answerer and the checker
+    reuse it (and the analyst's notes) at an offset after their own system prompt."""
+    spec = PipelineSpec("mmlu-doc3", ("document", "question"), (
+        AgentSpec("analyst", system="You are an analyst. Read the document and write brief notes on the facts that "
+                                    "bear on the question.",
+                  user="Document:\n{document}\n\nQuestion: {question}", max_new_tokens=48),
+        AgentSpec("answerer", system="You answer multiple-choice questions from a document and an analyst's notes. "
+                                     "Give the letter of the correct option, then one sentence why.",
+                  user="Document:\n{document}\n\nNotes:\n{analyst}\n\nQuestion: {question}", max_new_tokens=24),
+        AgentSpec("checker", system="You are a checker. Say whether the answer agrees with the document, then give "
+                                    "the correct letter.",
+                  user="Document:\n{document}\n\nQuestion: {question}\n\nAnswer: {answerer}", max_new_tokens=24),
+    ))
+    return Workload("mmlu-doc3", spec, _doc_problems, _mmlu_score)
+
+
 # ---------------------------------------------------------------------------- HumanEval
 
 
@@ -178,7 +224,7 @@ def copy_agents(num_agents: int = 5, prefix_tokens: int = 512, output_tokens: in
 
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {
-    "gsm8k-chain3": gsm8k_chain3, "gsm8k-fc3": gsm8k_fc3, "mmlu-fc3": mmlu_fc3,
+    "gsm8k-chain3": gsm8k_chain3, "gsm8k-fc3": gsm8k_fc3, "mmlu-fc3": mmlu_fc3, "mmlu-doc3": mmlu_doc3,
     "humaneval-fc3": humaneval_fc3, "humaneval-adr": humaneval_adr, "copy-agents": copy_agents,
 }
 

@@ -80,3 +80,41 @@ def test_an_offset_past_a_calibration_workload_s_problems_is_named(files):
 
     with pytest.raises(KvRelayError, match=r"--offset 3 skips all of its 3 problems"):
         downstream_calls(None, str(files / "pipe.yaml"), str(files / "inputs.jsonl"), 2, (), None, "", False, offset=3)
+
+
+def _mmlu_folder(path, num_rows_by_subject: dict[str, int]):
+    path.mkdir()
+    for subject, num_rows in num_rows_by_subject.items():
+        rows = [f'"{subject} q{i}?",a{i},b{i},c{i},d{i},{"ABCD"[i % 4]}' for i in range(num_rows)]
+        (path / f"{subject}_test.csv").write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_mmlu_doc3_states_six_facts_of_one_subject_and_asks_one_of_them(tmp_path):
+    data = _mmlu_folder(tmp_path / "mmlu", {"zoology": 40, "astronomy": 33, "tiny": 26})
+    wl = get_workload("mmlu-doc3")
+    assert wl.spec.order == ("analyst", "answerer", "checker") and wl.spec.inputs == ("document", "question")
+    problems = wl.problems(str(data), None)
+    # "tiny" has no row past the document's: left out; one problem a subject, sorted
+    assert [p.problem_id for p in problems] == ["mmlu-doc-astronomy-0", "mmlu-doc-zoology-0"]
+    first = problems[0]
+    lines = first.inputs["document"].split("\n")
+    assert lines[0] == "Notes on astronomy:" and len(lines) == 7
+    # rows 20-25, each with its correct answer's text
+    assert lines[1] == "1. astronomy q20? Answer: a20" and lines[2] == "2. astronomy q21? Answer: b21"
+    assert first.inputs["question"] == "astronomy q20?\nA. a20\nB. b20\nC. c20\nD. d20" and first.reference == "A"
+    second_round = wl.problems(str(data), 6)  # a second round: each subject's next six rows, while they last
+    assert [p.problem_id for p in second_round] == [*(p.problem_id for p in problems), "mmlu-doc-astronomy-1",
+                                                    "mmlu-doc-zoology-1"]  # astronomy has no third six
+    assert second_round[2].inputs["document"].split("\n")[1] == "1. astronomy q26? Answer: c26"
+    assert second_round[2].inputs["question"].startswith("astronomy q28?")  # problem 2 asks the document's 3rd fact
+    answerer = wl.spec.agent("answerer").user.format(document="D", analyst="N", question="Q")
+    assert answerer == "Document:\nD\n\nNotes:\nN\n\nQuestion: Q"
+    assert wl.score("The answer is B.", "B") == 1.0 and wl.score("Answer: C", "B") == 0.0
+
+
+def test_mmlu_doc3_runs_on_the_shipped_data():
+    problems = get_workload("mmlu-doc3").problems(None, 3)
+    assert [p.problem_id for p in problems] == ["mmlu-doc-abstract_algebra-0", "mmlu-doc-astronomy-0",
+                                                "mmlu-doc-business_ethics-0"]
+    assert all(p.inputs["question"].split("\n")[0] in p.inputs["document"] for p in problems)
