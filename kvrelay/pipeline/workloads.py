@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.data import datasets, scoring
-from kvrelay.errors import ConfigError
+from kvrelay.errors import ConfigError, DataFileError
 from kvrelay.pipeline.spec import AgentSpec, PipelineSpec
 
 
@@ -115,7 +115,10 @@ def _doc_problems(path: str | None, limit: int | None) -> list[Problem]:
     by_subject: dict[str, list[datasets.MMLUProblem]] = {}
     for p in datasets.load_mmlu(path):
         by_subject.setdefault(p.subject, []).append(p)
-    subjects = sorted(s for s, rows in by_subject.items() if len(rows) > DOC_ROWS.stop)
+    subjects = sorted(s for s, rows in by_subject.items() if len(rows) >= DOC_ROWS.stop)
+    if not subjects:
+        raise DataFileError(f"mmlu-doc3 needs a subject with at least {DOC_ROWS.stop} MMLU rows (a document states "
+                            f"rows {DOC_ROWS.start}-{DOC_ROWS.stop - 1}); {path or 'the MMLU data'} has none")
     out = []
     for i in range(len(subjects) if limit is None else limit):
         subject, num_round = subjects[i % len(subjects)], i // len(subjects)

@@ -91,7 +91,7 @@ def _mmlu_folder(path, num_rows_by_subject: dict[str, int]):
 
 
 def test_mmlu_doc3_states_six_facts_of_one_subject_and_asks_one_of_them(tmp_path):
-    data = _mmlu_folder(tmp_path / "mmlu", {"zoology": 40, "astronomy": 33, "tiny": 26})
+    data = _mmlu_folder(tmp_path / "mmlu", {"zoology": 40, "astronomy": 32, "tiny": 25})
     wl = get_workload("mmlu-doc3")
     assert wl.spec.order == ("analyst", "answerer", "checker") and wl.spec.inputs == ("document", "question")
     problems = wl.problems(str(data), None)
@@ -108,8 +108,15 @@ def test_mmlu_doc3_states_six_facts_of_one_subject_and_asks_one_of_them(tmp_path
                                                     "mmlu-doc-zoology-1"]  # astronomy has no third six
     assert second_round[2].inputs["document"].split("\n")[1] == "1. astronomy q26? Answer: c26"
     assert second_round[2].inputs["question"].startswith("astronomy q28?")  # problem 2 asks the document's 3rd fact
+    assert second_round[2].reference == "A"  # row 28's letter, where the document's first row (26) has "C"
     answerer = wl.spec.agent("answerer").user.format(document="D", analyst="N", question="Q")
     assert answerer == "Document:\nD\n\nNotes:\nN\n\nQuestion: Q"
+    checker = wl.spec.agent("checker").user.format(document="D", answerer="A", question="Q")
+    assert checker == "Document:\nD\n\nQuestion: Q\n\nAnswer: A"
+    assert [wl.spec.agent(n).max_new_tokens for n in wl.spec.order] == [48, 24, 24]
+    with pytest.raises(DataFileError, match="needs a subject with at least 26 MMLU rows"):
+        wl.problems(str(_mmlu_folder(tmp_path / "short", {"tiny": 25})), None)
+    assert len(wl.problems(str(_mmlu_folder(tmp_path / "exact", {"exact": 26})), None)) == 1  # rows 20-25: enough
     assert wl.score("The answer is B.", "B") == 1.0 and wl.score("Answer: C", "B") == 0.0
 
 
