@@ -10,6 +10,13 @@ make every call its role's first). The arms alternate on a fresh server each pha
 same request list, so the spread between two phases of the same arm is the noise of the (shared, noisy) machine,
 and the on/off ratio of TTFT medians is read against it.
 
+``--salt chain`` sends each chain under a fresh ``cache_salt`` instead, as clients that keep one namespace per
+conversation do: every call is then its role's first, the calls the guard would shadow one by one, and the server's
+shadow share (``--quality-shadow-share``, kvrelay.server.shadow_pacer) is what holds their cost. ``--workload
+mmlu-doc3`` runs analyst -> answerer -> checker over a shared document instead, ``--pause-s`` waits before each chain
+(a user's pause between conversations, idle time the shadows may use), and each call's decode rate (tokens after
+the first over the time after the first) shows what shadow pieces between decode steps cost the streams.
+
 Per request: client TTFT (sent -> first content chunk), the server's engine TTFT and queue wait, method, rung,
 role and cached tokens (from the stream's ``kvrelay`` object and usage). Per phase, from ``/metrics`` and
 ``/proc`` before and after (after the shadows queued by the phase have drained): shadow references run and their
@@ -45,13 +52,14 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.eval.result_files import read_json, write_json_gz
-from kvrelay.pipeline.workloads import gsm8k_chain3
+from kvrelay.pipeline.workloads import get_workload
 from kvrelay.quality import QualityConfig
 
 ARM_FLAGS = {"on": [], "off": ["--quality-target", "off", "--method", "relay"]}
 SHADOW_METRICS = ("kvrelay_quality_shadow_runs_total", "kvrelay_quality_shadow_compute_seconds_total",
                   "kvrelay_quality_shadow_failed_total", "kvrelay_engine_ttft_seconds_sum",
-                  "kvrelay_engine_ttft_seconds_count", "kvrelay_generated_tokens_total")
+                  "kvrelay_engine_ttft_seconds_count", "kvrelay_generated_tokens_total",
+                  "kvrelay_live_engine_seconds_total")
 
 
 # ------------------------------------------------------------------------------------------------ pure helpers
@@ -110,13 +118,15 @@ def metrics_delta(before: dict[str, float], after: dict[str, float], names: tupl
     return {n: after[n] - before.get(n, 0.0) for n in names if n in after}
 
 
-def with_call_index(calls: list[dict], key: str = "agent") -> list[dict]:
-    """The calls, each with ``call_index``: its rank (from 0) among the calls of its ``key`` by send time
-    (``sent_s``), the count the guard keeps per role (one role per agent here, in both arms)."""
+def with_call_index(calls: list[dict], key: str | tuple[str, ...] = "agent") -> list[dict]:
+    """The calls, each with ``call_index``: its rank (from 0) among the calls of its ``key`` (a field, or a tuple of
+    fields) by send time (``sent_s``), the count the guard keeps per role (one role per agent in a namespace; with
+    a namespace per chain, per (client, chain, agent))."""
     out, seen = [], {}
     for c in sorted(calls, key=lambda c: c["sent_s"]):
-        seen[c[key]] = seen.get(c[key], -1) + 1
-        out.append({**c, "call_index": seen[c[key]]})
+        role = tuple(c[k] for k in key) if isinstance(key, tuple) else c[key]
+        seen[role] = seen.get(role, -1) + 1
+        out.append({**c, "call_index": seen[role]})
     return out
 
 
@@ -148,7 +158,18 @@ def ttft_summary(calls: list[dict], num_first: int) -> dict:
                          for a in dict.fromkeys(c["agent"] for c in calls)},
             "methods_after_first_calls": {m: sum(c["method"] == m for c in calls if c["call_index"] >= num_first)
                                           for m in sorted({str(c["method"]) for c in calls})},
-            "cached_tokens_mean": statistics.mean(c["cached_tokens"] or 0 for c in calls) if calls else None}
+            "cached_tokens_mean": statistics.mean(c["cached_tokens"] or 0 for c in calls) if calls else None,
+            **decode_summary(calls)}
+
+
+def decode_summary(calls: list[dict]) -> dict:
+    """Decode rate (tokens/s after the first) over the calls that have one, and TTFT of the downstream agents (every
+    agent after a chain's first, ``step`` > 0: the calls that reuse upstream KV and arrive right after an upstream
+    answer; none in a report from before rows had a step)."""
+    rates = [c["decode_tokens_per_s"] for c in calls if c.get("decode_tokens_per_s")]
+    downstream = [c["ttft_ms"] for c in calls if c.get("step")]
+    return {"decode_tokens_per_s_p50": percentile(rates, 0.5), "decode_tokens_per_s": summarize(rates),
+            "downstream_ttft_ms_p50": percentile(downstream, 0.5), "downstream_ttft_ms": summarize(downstream)}
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -173,23 +194,26 @@ def wait_for_shadows(url: str, timeout_s: float = 600) -> float:
 class ChainClient(threading.Thread):
     """Runs its chains one after another, each agent a streamed chat request; one row per request."""
 
-    def __init__(self, url: str, model: str, index: int, questions: list[str], max_tokens: dict[str, int],
-                 salt: str, t0: float, deadline: float) -> None:
+    def __init__(self, url: str, model: str, index: int, chains: list[dict], max_tokens: dict[str, int],
+                 salt: str | None, t0: float, deadline: float, workload: str = "gsm8k-chain3",
+                 pause_s: float = 0.0) -> None:
+        """``chains``: each chain's inputs (a problem's); ``salt`` None: a fresh ``cache_salt`` per chain."""
         super().__init__(daemon=True)
         self.client = OpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
-        self.model, self.index, self.questions, self.max_tokens, self.salt, self.t0 = (model, index, questions,
-                                                                                       max_tokens, salt, t0)
+        self.model, self.index, self.chains, self.max_tokens, self.salt, self.t0 = (model, index, chains,
+                                                                                    max_tokens, salt, t0)
+        self.spec, self.pause_s = get_workload(workload).spec, pause_s
         self.deadline = deadline  # no chain starts after it (the chains not run are left out of every phase)
         self.rows: list[dict] = []
         self.errors: list[str] = []
 
-    def ask(self, agent: str, system: str, user: str) -> tuple[str, dict]:
+    def ask(self, agent: str, system: str, user: str, salt: str) -> tuple[str, dict]:
         sent = time.perf_counter()
         first, text, ext, usage = None, "", {}, None
         stream = self.client.chat.completions.create(
             model=self.model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
             max_tokens=self.max_tokens[agent], temperature=0, stream=True, stream_options={"include_usage": True},
-            extra_body={"cache_salt": self.salt})
+            extra_body={"cache_salt": salt})
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
@@ -204,22 +228,31 @@ class ChainClient(threading.Thread):
                       "engine_ttft_ms": ext.get("ttft_ms"), "queue_ms": ext.get("queue_ms"),
                       "reuse_rate": ext.get("reuse_rate"), "prompt_tokens": usage.prompt_tokens if usage else None,
                       "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None,
-                      "completion_tokens": usage.completion_tokens if usage else None}
+                      "completion_tokens": usage.completion_tokens if usage else None,
+                      "decode_tokens_per_s": decode_rate(usage.completion_tokens if usage else None,
+                                                         first, end)}
 
     def run(self) -> None:
-        spec = gsm8k_chain3().spec
-        for chain, question in enumerate(self.questions):
+        for chain, inputs in enumerate(self.chains):
+            time.sleep(self.pause_s)
             if time.perf_counter() > self.deadline:
                 return
-            values = {"question": question}
-            for name in spec.order:
-                agent = spec.agent(name)
+            values, salt = dict(inputs), self.salt or uuid.uuid4().hex
+            for step, name in enumerate(self.spec.order):
+                agent = self.spec.agent(name)
                 try:
-                    values[name], row = self.ask(name, agent.system, agent.user.format(**values))
+                    values[name], row = self.ask(name, agent.system, agent.user.format(**values), salt)
                 except Exception as exc:  # counted; the rest of this chain is skipped
                     self.errors.append(repr(exc))
                     break
-                self.rows.append({**row, "chain": chain})
+                self.rows.append({**row, "chain": chain, "step": step})
+
+
+def decode_rate(num_tokens: int | None, first_s: float | None, end_s: float) -> float | None:
+    """Tokens after the first per second after the first (None: fewer than two tokens, or no first token)."""
+    if not num_tokens or num_tokens < 2 or first_s is None or end_s <= first_s:
+        return None
+    return (num_tokens - 1) / (end_s - first_s)
 
 
 def warm_up(url: str, model: str) -> None:
@@ -239,12 +272,12 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
     server = ServerProcess(args.model, f"shadow-load-{arm}{repeat}", log_dir, flags=ARM_FLAGS[arm])
     try:
         warm_up(server.url, args.model)
-        salt = uuid.uuid4().hex
+        salt = uuid.uuid4().hex if args.salt == "tenant" else None
         load_start = os.getloadavg()
         before, cpu_before = scrape(server.url), cpu_seconds(server.proc.pid)
         t0 = time.perf_counter()
-        clients = [ChainClient(server.url, args.model, k, qs, max_tokens, salt, t0, t0 + args.phase_deadline_s)
-                   for k, qs in enumerate(work)]
+        clients = [ChainClient(server.url, args.model, k, chains, max_tokens, salt, t0, t0 + args.phase_deadline_s,
+                               args.workload, args.pause_s) for k, chains in enumerate(work)]
         for c in clients:
             c.start()
         for c in clients:
@@ -253,11 +286,12 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
         cpu_live = cpu_seconds(server.proc.pid) - cpu_before
         drain_s = wait_for_shadows(server.url)
         after, cpu_all = scrape(server.url), cpu_seconds(server.proc.pid) - cpu_before
-        view = json.loads(urllib.request.urlopen(f"{server.url}/v1/kvrelay/quality?cache_salt={salt}",
-                                                 timeout=60).read())
+        view = {} if salt is None else json.loads(urllib.request.urlopen(
+            f"{server.url}/v1/kvrelay/quality?cache_salt={salt}", timeout=60).read())
     finally:
         server.stop()
-    calls = with_call_index([{**r, "arm": arm, "repeat": repeat} for c in clients for r in c.rows])
+    calls = with_call_index([{**r, "arm": arm, "repeat": repeat} for c in clients for r in c.rows],
+                            "agent" if salt is not None else ("client", "chain", "agent"))
     delta = metrics_delta(before, after, SHADOW_METRICS)
     shadow_s = delta.get("kvrelay_quality_shadow_compute_seconds_total", 0.0)
     num_first = QualityConfig().first_calls_per_role
@@ -266,6 +300,8 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
            "num_errors": sum(len(c.errors) for c in clients), "errors": [e for c in clients for e in c.errors][:5],
            "live_wall_s": live_s, "shadow_drain_s": drain_s, "server_cpu_s_live": cpu_live, "server_cpu_s": cpu_all,
            "metrics_delta": delta, "shadow_compute_s": shadow_s,
+           "shadow_share_of_live_engine_s": shadow_s / delta["kvrelay_live_engine_seconds_total"]
+           if delta.get("kvrelay_live_engine_seconds_total") else None,
            "num_shadows": delta.get("kvrelay_quality_shadow_runs_total", 0.0),
            "shadow_share_of_phase_wall": shadow_s / (live_s + drain_s),
            "shadow_s_per_live_engine_ttft_s": shadow_s / delta["kvrelay_engine_ttft_seconds_sum"]
@@ -288,7 +324,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=4, help="concurrent clients, each running its own chains")
     p.add_argument("--chains", type=int, default=6, help="gsm8k-chain3 chains per client, one after another")
     p.add_argument("--repeats", type=int, default=2, help="phases per arm (the arms alternate: on, off, on, off)")
-    p.add_argument("--max-tokens", default="32,24,16", help="solver,critic,finalizer completion tokens")
+    p.add_argument("--workload", default="gsm8k-chain3", choices=("gsm8k-chain3", "mmlu-doc3"))
+    p.add_argument("--max-tokens", default=None, help="the agents' completion tokens, in order (default: the "
+                                                       "workload's own, e.g. gsm8k-chain3's solver,critic,finalizer)")
+    p.add_argument("--salt", default="tenant", choices=("tenant", "chain"),
+                   help="one cache_salt for the phase (tenant) or a fresh one per chain (a namespace per "
+                        "conversation: every call its role's first)")
+    p.add_argument("--pause-s", type=float, default=0.0, help="each client waits this long before each chain")
     p.add_argument("--phase-deadline-s", type=float, default=600,
                    help="no chain starts later in a phase; the phases are compared on the calls all of them ran")
     p.add_argument("--offset", type=int, default=0, help="index of the first GSM8K test problem")
@@ -302,13 +344,16 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result.get("compare")), flush=True)
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers' (they inherit this environment): one thread each
-    spec = gsm8k_chain3().spec
-    max_tokens = dict(zip(spec.order, (int(t) for t in args.max_tokens.split(",")), strict=True))
-    problems = gsm8k_chain3().problems(args.data, args.offset + args.clients * args.chains)[args.offset:]
-    questions = [pr.inputs["question"] for pr in problems]
-    work = [questions[k * args.chains:(k + 1) * args.chains] for k in range(args.clients)]
+    workload = get_workload(args.workload)
+    spec = workload.spec
+    max_tokens = ({a: spec.agent(a).max_new_tokens for a in spec.order} if args.max_tokens is None else
+                  dict(zip(spec.order, (int(t) for t in args.max_tokens.split(",")), strict=True)))
+    problems = workload.problems(args.data, args.offset + args.clients * args.chains)[args.offset:]
+    inputs = [dict(pr.inputs) for pr in problems]
+    work = [inputs[k * args.chains:(k + 1) * args.chains] for k in range(args.clients)]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    head = {"command": " ".join(sys.argv), "model": args.model, "workload": "gsm8k-chain3", "clients": args.clients,
+    head = {"command": " ".join(sys.argv), "model": args.model, "workload": args.workload, "salt": args.salt,
+            "pause_s": args.pause_s, "clients": args.clients,
             "chains_per_client": args.chains, "max_tokens": max_tokens, "offset": args.offset,
             "first_calls_per_role": QualityConfig().first_calls_per_role, "sample_rate": QualityConfig().sample_rate,
             "env": {"machine": f"{platform.node()} {platform.machine()}", "cpus": os.cpu_count(),
@@ -343,7 +388,8 @@ def report(head: dict, phases: list[dict], phase_calls: list[list[dict]]) -> dic
               "phases": rows}
     if {"on", "off"} <= {row["arm"] for row in rows}:
         keys = ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_first_calls_p50", "ttft_ms_after_first_calls_p50",
-                "total_ms_p50", "server_cpu_s_per_call_run", "live_wall_s_per_call_run")
+                "downstream_ttft_ms_p50", "decode_tokens_per_s_p50", "total_ms_p50", "server_cpu_s_per_call_run",
+                "live_wall_s_per_call_run")
         result["compare"] = {k: compare_arms(rows, k) for k in keys
                              if all(math.isfinite(row[k]) for row in rows)}  # none: no call after the first calls
     return result

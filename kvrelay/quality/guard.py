@@ -45,6 +45,7 @@ class QualityGuard:
         self._offers_at_rung: dict[tuple[str, str], int] = {}
         self.num_samples = 0
         self.num_shadowed = 0
+        self.num_unaffordable = 0  # calls the rule wanted shadowed while the server's shadow share was spent
         self.shadow_cost_ms = 0.0
         self.moves = Counter()  # "up" / "down" -> count
 
@@ -79,22 +80,29 @@ class QualityGuard:
         state.calls_at_rung += 1
         return self.ladder[state.rung_index]
 
-    def should_shadow(self, namespace: str, role: str) -> bool:
+    def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
         """Whether this call of (namespace, role) also runs ``full`` as a reference: every one of the first
         ``first_calls_per_role`` calls of the role and at each rung it arrives at without samples, then one in
         ``1 / sample_rate`` (by the role's own count of calls, no random numbers), and every call at a rung whose
-        certificate is open (``LadderController.wants_samples``). Never with the guard off."""
+        certificate is open (``LadderController.wants_samples``). Never with the guard off.
+
+        ``affordable`` False (the server's shadow share is spent, kvrelay.server.shadow_pacer): a call the rule
+        wants is not shadowed and not counted, so the role's first calls and its cadence wait for a call that can
+        be (counted in ``num_unaffordable``)."""
         if not self.enabled:
             return False
         key = (namespace, role)
-        self._state(namespace, role)
+        state = self._state(namespace, role)
         at_rung = self._offers_at_rung.get(key, 0)
         num = self._num_offers.get(key, 0)
-        self._offers_at_rung[key] = at_rung + 1
-        self._num_offers[key] = num + 1
         every = self.config.sample_every
         shadow = (at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
-                  or self.controller.wants_samples(self._state(namespace, role)))
+                  or self.controller.wants_samples(state))
+        if shadow and not affordable:
+            self.num_unaffordable += 1
+            return False
+        self._offers_at_rung[key] = at_rung + 1
+        self._num_offers[key] = num + 1
         self.num_shadowed += shadow
         return shadow
 
@@ -142,4 +150,5 @@ class QualityGuard:
                 per_rung[self.ladder[state.rung_index].name] += 1
         return {"rung_moves": {"up": self.moves["up"], "down": self.moves["down"]},
                 "roles_per_rung": dict(per_rung), "num_samples": self.num_samples,
-                "num_shadowed": self.num_shadowed, "shadow_cost_ms": round(self.shadow_cost_ms, 3)}
+                "num_shadowed": self.num_shadowed, "num_unaffordable": self.num_unaffordable,
+                "shadow_cost_ms": round(self.shadow_cost_ms, 3)}

@@ -59,7 +59,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_quality_flags(p: argparse.ArgumentParser) -> None:
-    """``--quality-target``, ``--quality-sample`` and ``--quality-ladder``: defaults and help from ``QualityConfig``."""
+    """``--quality-target``, ``--quality-sample``, ``--quality-shadow-share`` and ``--quality-ladder``: defaults and
+    help from ``QualityConfig``."""
     from kvrelay.flags import finite_float
     from kvrelay.quality import QualityConfig
     from kvrelay.quality.ladder import ladder_text
@@ -72,6 +73,8 @@ def add_quality_flags(p: argparse.ArgumentParser) -> None:
                         f"references (docs/quality.md; default: {defaults.target})")
     p.add_argument("--quality-sample", type=finite_float, default=defaults.sample_rate,
                    help=f"{fields['sample_rate'].metadata['help']} (default: {defaults.sample_rate:g})")
+    p.add_argument("--quality-shadow-share", type=finite_float, default=defaults.shadow_share,
+                   help=f"{fields['shadow_share'].metadata['help']} (default: {defaults.shadow_share:g})")
     p.add_argument("--quality-ladder", default=ladder_text(defaults.ladder),
                    help=f"{fields['ladder'].metadata['help']}: method specs or NAME=SPEC, comma-separated; a learning "
                         f"rung (e.g. kvcomm: naive,kvcomm,relay,prefix) learns from the shadow references, no "
@@ -91,7 +94,8 @@ def quality_config(args: argparse.Namespace):
     ladder = parse_ladder(ladder_text(QualityConfig().ladder) if text is None else text)
     for rung in ladder:
         get_method(rung.method_spec)  # a bad spec fails here, before the model loads
-    return QualityConfig(target=target, sample_rate=args.quality_sample, ladder=ladder)
+    share = getattr(args, "quality_shadow_share", QualityConfig().shadow_share)  # a caller's namespace without it
+    return QualityConfig(target=target, sample_rate=args.quality_sample, shadow_share=share, ladder=ladder)
 
 
 def read_api_keys(path: str | None) -> frozenset[str]:

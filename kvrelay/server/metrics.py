@@ -35,6 +35,9 @@ class ServerMetrics:
         self.decode_batch = Histogram("kvrelay_decode_batch_size", "sequences decoded per batched step",
                                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.generated_tokens = Counter("kvrelay_generated_tokens", "completion tokens generated", registry=r)
+        self.live_engine_seconds = Counter("kvrelay_live_engine_seconds", "engine time in turns with live requests "
+                                           "(their prefill pieces, decode steps and post-processing; shadow "
+                                           "references not included)", registry=r)
         self.queue_depth = Gauge("kvrelay_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("kvrelay_running_requests", "requests prefilled and decoding", registry=r)
         self.sequence_kv_bytes = Gauge("kvrelay_sequence_kv_bytes", "KV bytes held by running requests", registry=r)

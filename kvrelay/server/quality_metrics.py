@@ -55,6 +55,10 @@ class _GuardCollector(Collector):
         for rung, count in sorted(aggregates["roles_per_rung"].items()):
             roles.add_metric([rung], count)
         yield roles
+        unaffordable = CounterMetricFamily("kvrelay_quality_shadow_unaffordable", "calls the guard would have "
+                                           "shadowed while the shadows' share of the compute was spent")
+        unaffordable.add_metric([], aggregates.get("num_unaffordable", 0))
+        yield unaffordable
         failed = CounterMetricFamily("kvrelay_quality_shadow_failed", "shadow references dropped on an error")
         failed.add_metric([], self.runner.num_failed)
         yield failed

@@ -45,9 +45,9 @@ class ServedGuard:
             return requested_method, QualityTag(role, rung.name, requested_method)
         return rung.method_spec or default_method, QualityTag(role, rung.name, rung.name)
 
-    def should_shadow(self, namespace: str, role: str) -> bool:
+    def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
         with self._lock:
-            return bool(self.guard.should_shadow(namespace, role))
+            return bool(self.guard.should_shadow(namespace, role, affordable))
 
     def record(self, namespace: str, role: str, rung_name: str, first_token_kl: float, top1_agree: bool,
                continuation_kl: float | None, shadow_cost_ms: float) -> None:

@@ -18,6 +18,7 @@ from kvrelay.server.quality_metrics import QualityMetrics
 from kvrelay.server.quality_route import quality_router
 from kvrelay.server.quality_serving import ServedGuard
 from kvrelay.server.shadow import ShadowRunner
+from kvrelay.server.shadow_pacer import ShadowPacer
 from kvrelay.server.shadow_teacher import ShadowTeacher
 
 log = logging.getLogger("kvrelay.server")
@@ -35,7 +36,7 @@ def install_quality(app: FastAPI, ctx: AppContext, engine: Engine, config: Any) 
     served = ServedGuard(QualityGuard(config))
     # the ladder's learning rungs (kvcomm) learn from the shadows, in the shadow's namespace: no warm-up flag
     teacher = ShadowTeacher(engine, [r.method_spec for r in config.ladder], ctx.worker.catalog.view)
-    runner = ShadowRunner(engine, served, teacher=teacher)
+    runner = ShadowRunner(engine, served, teacher=teacher, pacer=ShadowPacer(config.shadow_share))
     runner.on_result = QualityMetrics(ctx.metrics.registry, served, runner).observe
     ctx.worker.quality, ctx.worker.shadows = served, runner
     app.state.quality = served

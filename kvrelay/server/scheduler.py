@@ -160,6 +160,7 @@ class EngineWorker(RequestFailures):
         finally:
             with self._cond:
                 self._num_preparing -= 1
+                self._cond.notify_all()  # an idle worker waiting to start a shadow piece looks again
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop it from the queue, or stop it at the next step (its KV is freed)."""
@@ -172,8 +173,20 @@ class EngineWorker(RequestFailures):
                 self.metrics.cancelled.inc()
             self._cond.notify_all()
 
-    def _shadow_work(self) -> bool:
-        return self.shadows is not None and self.shadows.has_work
+    def _has_turn(self) -> bool:  # holding ``_cond``
+        if self._waiting or self._running or self._prefilling:
+            return True
+        wait_s = self._shadow_wait_s()
+        return wait_s is not None and wait_s <= 0
+
+    def _shadow_wait_s(self) -> float | None:  # holding ``_cond``, with no live work queued or running
+        """Seconds until a shadow piece may run (None: none can, or a request is being prepared: it is live work
+        the engine will have in a moment, which a shadow piece started now would delay)."""
+        if self.shadows is None or self._num_preparing:
+            return None
+        self.shadows.note_turn(None, idle=True)
+        wait_s = self.shadows.ready_in_s(self.chunk_budget)
+        return None if wait_s is None or wait_s == float("inf") else wait_s
 
     @property
     def num_running(self) -> int:
@@ -187,9 +200,8 @@ class EngineWorker(RequestFailures):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self._paused or not (self._waiting or self._running
-                                                                   or self._prefilling or self._shadow_work())):
-                    self._cond.wait()
+                while not self._stopping and (self._paused or not self._has_turn()):
+                    self._cond.wait(None if self._paused else self._shadow_wait_s())
                 if self._stopping:
                     break
             self.run_turn()
@@ -213,6 +225,7 @@ class EngineWorker(RequestFailures):
                 self._fail(failed, 500, "internal error in the engine worker", "internal_error")
 
     def _turn(self, jobs: list[Job]) -> None:
+        start_s, had_live = time.perf_counter(), bool(jobs or self._running or self._prefilling)
         for running in list(self._running):
             if running.cancelled.is_set():
                 self._finish(running, client_gone=True)
@@ -237,8 +250,15 @@ class EngineWorker(RequestFailures):
                 self._fail(j, 500, engine_failure_message(j.seq.error), "internal_error")
             elif j.seq.done:
                 self._contained(j, self._finish)
-        if self.shadows is not None and not self._prefilling and not self._waiting:
-            self.shadows.advance(self.chunk_budget)  # lowest priority: no live prefill is waiting
+        live_ms = (time.perf_counter() - start_s) * 1e3 if had_live else None
+        if live_ms is not None:
+            self.metrics.live_engine_seconds.inc(live_ms / 1e3)
+        if self.shadows is not None:
+            self.shadows.note_turn(live_ms,
+                                   idle=not (self._running or self._prefilling or self._waiting
+                                             or self._num_preparing))
+            if not self._prefilling and not self._waiting:
+                self.shadows.advance(self.chunk_budget)  # lowest priority: no live prefill is waiting
         self.metrics.running.set(len(self._running))
         self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running)
                                            + sum(_cache_bytes(j.task) for j in self._prefilling))

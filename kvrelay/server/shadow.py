@@ -9,11 +9,13 @@ compares it with what the request's own method computed:
   request's decode-step logits at the same positions (kept for sampled requests only, by a ``LogitsTap``).
 
 A shadow is work nobody waits for, so it runs at the lowest priority: the worker advances it one piece at a time
-only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT. Its
-pieces are sized by the worker's ``ChunkBudget`` as live pieces are, by predicted time: a piece of a fixed token
-count deep in an 8K-token reference costs several turns, and the running streams' next tokens (and a new request's
-first) wait for it. Its KV is private: it is planned without a store (nothing is read, published or counted as
-reuse) and freed once compared; before that, a ``ShadowTeacher`` hands it to the ladder's learning rungs as their
+only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT. A
+``ShadowPacer`` (kvrelay.server.shadow_pacer) holds the shadows to a share of the live compute: a call is shadowed
+only on credit, a piece runs between decode steps only on credit and in idle time only once the engine has been
+idle as long as the piece takes, and a paced piece is the least the worker's ``ChunkBudget`` gives (sized by
+predicted time, as live pieces are), so a stream's next token, or a new request's first, waits for at most that.
+Its KV is private: it is planned without a store (nothing is read, published or counted as reuse) and freed once
+compared; before that, a ``ShadowTeacher`` hands it to the ladder's learning rungs as their
 own dense prefill of the call. Its compute time, teaching included, is what it costs, counted per shadow and
 exported (``kvrelay.server.quality_metrics``).
 """
@@ -33,13 +35,15 @@ from kvrelay.engine import Engine, GenerateOptions, Sequence
 from kvrelay.engine.prefill import PrefillTask
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import SuffixSchedule
-from kvrelay.server.chunk_budget import ChunkBudget
+from kvrelay.server.chunk_budget import ChunkBudget, attended_keys
 from kvrelay.server.prefill_turn import next_piece
+from kvrelay.server.shadow_pacer import ShadowPacer
 from kvrelay.server.shadow_teacher import ShadowTeacher
 
 log = logging.getLogger("kvrelay.server")
 CONTINUATION_TOKENS = 4  # tokens of the method's own continuation compared with full's logits on them
 MAX_PENDING_SHADOWS = 8  # sampled requests whose reference waits or runs; a sample beyond it is not taken
+_LEAST_MS = 1e-6  # a paced piece's budget: the chunk budget gives it its least piece
 
 
 def kl_nats(full_logits: torch.Tensor, method_logits: torch.Tensor) -> torch.Tensor:
@@ -106,10 +110,13 @@ class ShadowRunner:
     """The worker's shadow references: ``offer`` right after a live request's first token, ``advance`` in turns
     with no live prefill waiting. ``guard`` is the quality guard (``should_shadow``, ``record``)."""
 
-    def __init__(self, engine: Engine, guard: Any, on_result=None, teacher: ShadowTeacher | None = None) -> None:
+    def __init__(self, engine: Engine, guard: Any, on_result=None, teacher: ShadowTeacher | None = None,
+                 pacer: ShadowPacer | None = None) -> None:
         """``on_result(ShadowResult)``: called after each recorded comparison (metrics); ``teacher``: hands each
-        finished reference's KV to the ladder's learning rungs (``kvrelay.server.shadow_teacher``)."""
+        finished reference's KV to the ladder's learning rungs (``kvrelay.server.shadow_teacher``); ``pacer``: the
+        share of the engine shadows may take and when (None: every free turn, a turn's budget per piece)."""
         self.engine, self.guard, self.on_result, self.teacher = engine, guard, on_result, teacher
+        self.pacer = pacer
         self.engine.method("full")
         self._pending: deque[ShadowJob] = deque()
         self.num_runs = 0
@@ -119,15 +126,20 @@ class ShadowRunner:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    @property
-    def has_work(self) -> bool:
-        """A shadow that could advance now (one waiting only for its live continuation has none)."""
-        return any(s.task is None or not s.task.done or s.continuation_ready for s in self._pending)
+    def _movable(self) -> ShadowJob | None:
+        """The first pending shadow that can advance (one waiting only for its live continuation cannot)."""
+        return next((s for s in self._pending if s.task is None or not s.task.done or s.continuation_ready), None)
 
     def offer(self, namespace: str, role: str, rung: str, seq: Sequence) -> ShadowJob | None:
         """After ``seq``'s first token: when the guard samples (namespace, role), queue its reference and tap the
         sequence's next decode logits. The sequence must not have decoded past its first token yet."""
-        if len(self._pending) >= MAX_PENDING_SHADOWS or not self.guard.should_shadow(namespace, role):
+        if len(self._pending) >= MAX_PENDING_SHADOWS:
+            return None
+        if self.pacer is None:
+            sampled = self.guard.should_shadow(namespace, role)
+        else:
+            sampled = self.guard.should_shadow(namespace, role, self.pacer.affordable)
+        if not sampled:
             return None
         tap = LogitsTap(seq.options.logits_mask, CONTINUATION_TOKENS)
         seq.options = dataclasses.replace(seq.options, logits_mask=tap)
@@ -136,41 +148,96 @@ class ShadowRunner:
         self._pending.append(shadow)
         return shadow
 
-    def advance(self, budget: ChunkBudget) -> bool:
-        """One piece of shadow work within one turn of ``budget`` (the piece the budget gives a live prefill at
-        the same positions): the first pending shadow that can move prefills a piece of its prompt, or (prompt
-        done, continuation known) runs its continuation chunk, compares and records. True when something ran."""
-        for shadow in list(self._pending):
-            try:
-                if shadow.task is None or not shadow.task.done:
-                    self._prefill(shadow, budget)
-                    return True
-                if shadow.continuation_ready:  # pending until recorded: a reader of ``num_pending`` (the gauge, a
-                    # test waiting for its shadow) sees 0 only once the comparison and its lessons are done
-                    self._compare(shadow)
-                    self._pending.remove(shadow)
-                    return True
-            except Exception:  # a reference that breaks is dropped; live requests never see it
-                log.exception("a shadow reference failed; it is dropped")
-                self.num_failed += 1
-                if shadow in self._pending:
-                    self._pending.remove(shadow)
-                if shadow.task is not None:
-                    shadow.task.cancel()
-                return True
-        return False
+    def note_turn(self, live_ms: float | None, idle: bool) -> None:
+        """The worker's turn: its live work took ``live_ms`` (None: it had none); ``idle``: no live work is left."""
+        if self.pacer is None:
+            return
+        if live_ms is not None:
+            self.pacer.live_turn(live_ms)
+        if idle:
+            self.pacer.idle()
 
-    def _prefill(self, shadow: ShadowJob, budget: ChunkBudget) -> None:
+    def ready_in_s(self, budget: ChunkBudget) -> float | None:
+        """Seconds until the next shadow piece may run (0: now); None when no shadow can advance."""
+        shadow = self._movable()
+        if shadow is None or self.pacer is None:
+            return None if shadow is None else 0.0
+        piece_ms = self._next_ms(shadow, budget)
+        return 0.0 if piece_ms is None else self.pacer.ready_in_s(piece_ms)  # None: dropped, the next turn moves on
+
+    def advance(self, budget: ChunkBudget) -> bool:
+        """One piece of shadow work within one turn of ``budget`` (unpaced: the piece the budget gives a live
+        prefill at the same positions; paced: its least piece, when the pacer lets it start): the first pending
+        shadow that can move prefills a piece of its prompt, or (prompt done, continuation known) runs its
+        continuation chunk, compares and records. True when something ran."""
+        shadow = self._movable()
+        if shadow is None:
+            return False
+        if self.pacer is not None:
+            piece_ms = self._next_ms(shadow, budget)
+            if piece_ms is None:
+                return True
+            if self.pacer.ready_in_s(piece_ms) > 0:
+                return False
+        start_s = time.perf_counter()
+        try:
+            if shadow.task is None or not shadow.task.done:
+                self._prefill(shadow, budget)
+            else:  # pending until recorded: a reader of ``num_pending`` (the gauge, a test waiting for its
+                # shadow) sees 0 only once the comparison and its lessons are done
+                self._compare(shadow)
+                self._pending.remove(shadow)
+        except Exception:  # a reference that breaks is dropped; live requests never see it
+            self._drop(shadow)
+        finally:
+            if self.pacer is not None:
+                self.pacer.spent((time.perf_counter() - start_s) * 1e3)
+        return True
+
+    def _drop(self, shadow: ShadowJob) -> None:
+        log.exception("a shadow reference failed; it is dropped")
+        self.num_failed += 1
+        if shadow in self._pending:
+            self._pending.remove(shadow)
+        if shadow.task is not None:
+            shadow.task.cancel()
+
+    def _next_ms(self, shadow: ShadowJob, budget: ChunkBudget) -> float | None:
+        """``_predict_ms``, or None when planning the shadow failed (it is dropped)."""
+        try:
+            return self._predict_ms(shadow, budget)
+        except Exception:  # noqa: BLE001 - a reference that breaks is dropped; live requests never see it
+            self._drop(shadow)
+            return None
+
+    def _task(self, shadow: ShadowJob) -> PrefillTask:
         if shadow.task is None:
             # no store: nothing is looked up, published or counted as reuse; room for the continuation chunk
             options = GenerateOptions(SamplingConfig(max_new_tokens=CONTINUATION_TOKENS, temperature=0.0),
                                       keep_cache=True, learn=False)
             shadow.task = self.engine.begin(shadow.prompt_ids, "full", options, store=_NO_STORE)
-        shadow.task.advance(*next_piece(shadow.task, budget, budget.turn_ms, first=True))
-        shadow.cost_ms = shadow.task.compute_ms
-        if shadow.task.last_piece is not None:
+        return shadow.task
+
+    def _predict_ms(self, shadow: ShadowJob, budget: ChunkBudget) -> float:
+        """The predicted time of ``shadow``'s next piece as ``advance`` would run it (paced: the least piece)."""
+        if shadow.task is not None and shadow.task.done:  # the continuation chunk after the prompt
+            num_prompt = len(shadow.prompt_ids)
+            return budget.predict_ms(CONTINUATION_TOKENS,
+                                     attended_keys(list(range(num_prompt, num_prompt + CONTINUATION_TOKENS))))
+        positions = self._task(shadow).upcoming_positions(budget.max_tokens)
+        if not positions:  # a plan in pieces of layers (``full`` is not one): its least piece, priced at a start
+            return budget.predict_ms(budget.min_tokens, attended_keys(list(range(budget.min_tokens))))
+        num = budget.num_tokens(positions, _LEAST_MS)
+        return budget.predict_ms(num, attended_keys(positions[:num]))
+
+    def _prefill(self, shadow: ShadowJob, budget: ChunkBudget) -> None:
+        task = self._task(shadow)
+        budget_ms = budget.turn_ms if self.pacer is None else _LEAST_MS
+        task.advance(*next_piece(task, budget, budget_ms, first=True))
+        shadow.cost_ms = task.compute_ms
+        if task.last_piece is not None:
             log.debug("shadow piece: %.1f tokens, %.0f keys, %.0f ms (predicted %.0f ms; turn budget %.0f ms)",
-                      *shadow.task.last_piece, budget.predict_ms(*shadow.task.last_piece[:2]), budget.turn_ms)
+                      *task.last_piece, budget.predict_ms(*task.last_piece[:2]), budget.turn_ms)
 
     def _compare(self, shadow: ShadowJob) -> ShadowResult:
         """The continuation chunk, the comparison, the record; the shadow's KV is freed."""

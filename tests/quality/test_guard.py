@@ -77,7 +77,24 @@ def test_a_custom_ladder_and_aggregates():
     g.record("ns", "r", "safe", 0.0, True, None, 12.5)
     agg = g.aggregates()
     assert agg == {"rung_moves": {"up": 0, "down": 0}, "roles_per_rung": {"cheap": 0, "safe": 1},
-                   "num_samples": 1, "num_shadowed": 0, "shadow_cost_ms": 12.5}
+                   "num_samples": 1, "num_shadowed": 0, "num_unaffordable": 0, "shadow_cost_ms": 12.5}
     snap = g.snapshot("ns")
     assert snap["ladder"] == [{"name": "cheap", "method": "naive"}, {"name": "safe", "method": "full"}]
     assert snap["roles"]["r"]["estimates"]["safe"]["num_samples"] == 1
+
+
+def test_a_call_the_share_cannot_pay_for_is_not_shadowed_and_the_role_waits_for_one_it_can():
+    """``affordable`` False (the server's shadow share is spent): a call the rule wants is neither shadowed nor
+    counted, so a role still gets its first calls' samples and its cadence, from the calls that can be."""
+    cfg = QualityConfig()
+    g = QualityGuard(cfg)
+    assert not g.should_shadow("ns", "r", affordable=False)
+    assert not g.should_shadow("ns", "r", affordable=False)
+    assert (g.aggregates()["num_unaffordable"], g.aggregates()["num_shadowed"]) == (2, 0)
+    assert all(g.should_shadow("ns", "r") for _ in range(cfg.first_calls_per_role))  # the whole window, still
+    every = cfg.sample_every
+    # the calls the cadence does not want count the same, affordable or not: the next wanted call is the every-th
+    assert not any(g.should_shadow("ns", "r", affordable=False) for _ in range(every - cfg.first_calls_per_role))
+    assert not g.should_shadow("ns", "r", affordable=False)  # wanted, unaffordable: not counted
+    assert g.should_shadow("ns", "r")  # so the next affordable call is the one shadowed
+    assert (g.aggregates()["num_unaffordable"], g.aggregates()["num_shadowed"]) == (3, cfg.first_calls_per_role + 1)

@@ -40,8 +40,8 @@ class _SpyGuard:
     def rung_for(self, namespace: str, role: str) -> _Rung:
         return self.rung
 
-    def should_shadow(self, namespace: str, role: str) -> bool:
-        return role in self.sampled_roles
+    def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
+        return role in self.sampled_roles and affordable
 
     def record(self, *args) -> None:
         self.records.append(args)
