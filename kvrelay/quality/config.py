@@ -9,9 +9,9 @@ Defaults hold without per-model or per-workload tuning:
   without knowing which.
 - **sample_rate** 0.05 after each rung's first ``first_calls_per_role`` (16) calls, which are all shadowed: a
   reference prefill costs about one ``full`` prefill, a few percent of a call that decodes a hundred tokens.
-- **shadow_share** 0.05: whatever the sample asks, the shadows take at most this share of the live compute
-  (kvrelay.server.shadow_pacer): a client that sends each conversation under a fresh namespace makes every call a
-  role's first, and without the share every call would be shadowed.
+- **shadow_share** 0.05: a tenant whose roles die before their warm-up (a namespace per conversation: every call
+  a role's first, kvrelay.quality.turnover) has its shadows held to this share of the live compute
+  (kvrelay.server.shadow_pacer); without it every such call would be shadowed.
 - **confidence** 0.9 one-sided, ``window`` 32 samples, judged from ``min_samples`` 16 on, ``hold_calls`` 16 before
   trying a cheaper rung, ``margin`` 0.8 of the KL target to count as well inside, ``kl_cap_factor`` 5 (see
   ``kvrelay.quality.estimate``): with these a rung at zero KL is certified well inside once it is judged, at
@@ -66,9 +66,8 @@ class QualityConfig:
         "help": "share of a role's calls also run with full as a shadow reference, after the first calls of "
                 "each rung it moves to (all shadowed); 0: only those"})
     shadow_share: float = field(default=0.05, metadata={
-        "help": "the most of the live compute the shadow references take, whatever the sample asks: a call is "
-                "shadowed only on credit earned by live work, pieces run between decode steps only on credit and in "
-                "idle time only once the engine has been idle as long as a piece takes (in (0, 1])"})
+        "help": "the most of the live compute the shadow references of a tenant whose roles die before their "
+                "warm-up (a namespace per conversation) take, in (0, 1]"})
     first_calls_per_role: int = field(default=16, metadata={
         "help": "calls of a role shadowed one by one after it arrives at a rung (and at its first)"})
     ladder: tuple[Rung, ...] = field(default=DEFAULT_LADDER, metadata={"help": "rungs, cheapest to safest"})

@@ -4,6 +4,10 @@ Everything is keyed by namespace first: a role's state lives under its namespace
 never move another tenant's rung, and ``snapshot(namespace)`` shows that namespace's roles only. The aggregates
 for ``/metrics`` are counts over every namespace and name no namespace or role.
 
+It holds at most ``MAX_ROLES`` roles, the least recently called out first: a client that salts each conversation
+makes new roles without end, and a role evicted is one that would start over (at the start rung, its first calls
+shadowed) if it came back.
+
 The guard is plain bookkeeping, deterministic and not thread-safe (the server wraps it in one lock).
 Call protocol per live request of a role: ``rung_for`` once when the request picks its method, ``should_shadow``
 once when its first token is out; for a shadowed request, ``record`` once its comparison with ``full`` is done.
@@ -13,11 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from kvrelay.errors import ConfigError
 from kvrelay.quality.config import QualityConfig
 from kvrelay.quality.ladder import LadderController, Move, RoleState, Rung, check_ladder
+from kvrelay.quality.turnover import RoleTurnover
+
+MAX_ROLES = 10_000  # (namespace, role) states kept, least recently called out first
 
 
 def _check_measure(name: str, value: object, must_be_finite: bool) -> None:
@@ -43,6 +50,8 @@ class QualityGuard:
         self._roles: dict[str, dict[str, RoleState]] = {}  # namespace -> role -> state
         self._num_offers: dict[tuple[str, str], int] = {}  # should_shadow calls per role (the cadence's clock)
         self._offers_at_rung: dict[tuple[str, str], int] = {}
+        self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()  # roles by last use: the eviction order
+        self.turnover = RoleTurnover(config.first_calls_per_role)
         self.num_samples = 0
         self.num_shadowed = 0
         self.num_unaffordable = 0  # calls the rule wanted shadowed while the server's shadow share was spent
@@ -56,9 +65,32 @@ class QualityGuard:
     def _state(self, namespace: str, role: str) -> RoleState:
         roles = self._roles.setdefault(namespace, {})
         state = roles.get(role)
+        key = (namespace, role)
         if state is None:
             state = roles[role] = self.controller.new_role()
+            self._recent[key] = None
+            if len(self._recent) > MAX_ROLES:
+                self._evict(*self._recent.popitem(last=False)[0])
+        else:
+            self._recent.move_to_end(key)
         return state
+
+    def _evict(self, namespace: str, role: str) -> None:
+        roles = self._roles[namespace]
+        del roles[role]
+        if not roles:
+            del self._roles[namespace]
+        self._num_offers.pop((namespace, role), None)
+        self._offers_at_rung.pop((namespace, role), None)
+
+    @property
+    def num_roles(self) -> int:
+        return len(self._recent)
+
+    def paced(self, namespace: str) -> bool:
+        """Whether this namespace's shadows are taken only on the server's shadow share: its tenant's roles do not
+        live through their warm-up (``RoleTurnover``)."""
+        return self.enabled and self.turnover.short_lived(namespace)
 
     def _moved(self, namespace: str, role: str, move: Move | None) -> None:
         """Count a move; a rung the role arrives at is shadowed on every call (``first_calls_per_role``) unless it
@@ -74,6 +106,7 @@ class QualityGuard:
         """The rung a new call of (namespace, role) runs at; counts the call (a role may step down here)."""
         if not self.enabled:
             return self.ladder[self.config.start_index]
+        self.turnover.observe(namespace, role not in self._roles.get(namespace, {}))
         state = self._state(namespace, role)
         self._moved(namespace, role, self.controller.before_call(state))
         state.num_calls += 1
@@ -86,9 +119,9 @@ class QualityGuard:
         ``1 / sample_rate`` (by the role's own count of calls, no random numbers), and every call at a rung whose
         certificate is open (``LadderController.wants_samples``). Never with the guard off.
 
-        ``affordable`` False (the server's shadow share is spent, kvrelay.server.shadow_pacer): a call the rule
-        wants is not shadowed and not counted, so the role's first calls and its cadence wait for a call that can
-        be (counted in ``num_unaffordable``)."""
+        ``affordable`` False (a ``paced`` namespace whose call the server's shadow share cannot pay for,
+        kvrelay.server.shadow_pacer): a call the rule wants is not shadowed and not counted, so the role's first
+        calls and its cadence wait for a call that can be (counted in ``num_unaffordable``)."""
         if not self.enabled:
             return False
         key = (namespace, role)
@@ -151,4 +184,5 @@ class QualityGuard:
         return {"rung_moves": {"up": self.moves["up"], "down": self.moves["down"]},
                 "roles_per_rung": dict(per_rung), "num_samples": self.num_samples,
                 "num_shadowed": self.num_shadowed, "num_unaffordable": self.num_unaffordable,
+                "num_roles": self.num_roles,
                 "shadow_cost_ms": round(self.shadow_cost_ms, 3)}

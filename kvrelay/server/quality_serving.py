@@ -45,6 +45,10 @@ class ServedGuard:
             return requested_method, QualityTag(role, rung.name, requested_method)
         return rung.method_spec or default_method, QualityTag(role, rung.name, rung.name)
 
+    def paced(self, namespace: str) -> bool:
+        with self._lock:
+            return bool(self.guard.paced(namespace))
+
     def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
         with self._lock:
             return bool(self.guard.should_shadow(namespace, role, affordable))

@@ -317,7 +317,7 @@ class EngineWorker(RequestFailures):
         job.decoder = IncrementalDecoder(self.tokenizer)
         job.record_logprobs(self.tokenizer)
         if self.shadows is not None and job.quality is not None:  # before its first decode step: taps its logits
-            self.shadows.offer(job.namespace, job.quality.role, job.quality.measured_as, job.seq)
+            self.shadows.offer(job.namespace, job.quality.role, job.quality.measured_as, job.seq, self.chunk_budget)
         if job.seq.output_ids:
             self._emit_text(job)
 

@@ -9,11 +9,12 @@ compares it with what the request's own method computed:
   request's decode-step logits at the same positions (kept for sampled requests only, by a ``LogitsTap``).
 
 A shadow is work nobody waits for, so it runs at the lowest priority: the worker advances it one piece at a time
-only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT. A
-``ShadowPacer`` (kvrelay.server.shadow_pacer) holds the shadows to a share of the live compute: a call is shadowed
-only on credit, a piece runs between decode steps only on credit and in idle time only once the engine has been
-idle as long as the piece takes, and a paced piece is the least the worker's ``ChunkBudget`` gives (sized by
-predicted time, as live pieces are), so a stream's next token, or a new request's first, waits for at most that.
+only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT, each piece
+sized by the worker's ``ChunkBudget`` by predicted time, as live pieces are. For a namespace whose roles do not live
+through their warm-up (the guard's ``paced``), a ``ShadowPacer`` (kvrelay.server.shadow_pacer) holds the shadows to
+a share of the live compute: a call is shadowed only on credit, a piece runs between decode steps only on a short
+credit and in idle time only once the engine has been idle as long as the piece takes, and a paced piece is the
+least the budget gives, so a stream's next token, or a new request's first, waits for at most that.
 Its KV is private: it is planned without a store (nothing is read, published or counted as reuse) and freed once
 compared; before that, a ``ShadowTeacher`` hands it to the ladder's learning rungs as their
 own dense prefill of the call. Its compute time, teaching included, is what it costs, counted per shadow and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -97,6 +99,9 @@ class ShadowJob:
     method_first_logits: torch.Tensor  # [vocab] fp32: the live request's first-token logits
     live: Sequence  # the live request's sequence (its output ids; its KV is never touched)
     tap: LogitsTap
+    paced: bool = False  # taken on the pacer's credit (kvrelay.server.shadow_pacer), charged ``charged_ms``
+    charged_ms: float = 0.0
+    spent_ms: float = 0.0  # its pieces' time, as the pacer counted it
     task: PrefillTask | None = None
     cost_ms: float = 0.0
     created_s: float = field(default_factory=time.perf_counter)
@@ -126,25 +131,31 @@ class ShadowRunner:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def _movable(self) -> ShadowJob | None:
-        """The first pending shadow that can advance (one waiting only for its live continuation cannot)."""
-        return next((s for s in self._pending if s.task is None or not s.task.done or s.continuation_ready), None)
+    def _movable(self) -> list[ShadowJob]:
+        """The pending shadows that can advance, in order (one waiting only for its live continuation cannot)."""
+        return [s for s in self._pending if s.task is None or not s.task.done or s.continuation_ready]
 
-    def offer(self, namespace: str, role: str, rung: str, seq: Sequence) -> ShadowJob | None:
+    def offer(self, namespace: str, role: str, rung: str, seq: Sequence, budget: ChunkBudget) -> ShadowJob | None:
         """After ``seq``'s first token: when the guard samples (namespace, role), queue its reference and tap the
-        sequence's next decode logits. The sequence must not have decoded past its first token yet."""
+        sequence's next decode logits. The sequence must not have decoded past its first token yet. A paced
+        namespace's call is offered as affordable only when the pacer's credit covers its reference's predicted
+        time (``budget``'s fit), which it is then charged."""
         if len(self._pending) >= MAX_PENDING_SHADOWS:
             return None
+        paced = self.pacer is not None and self.guard.paced(namespace)
+        cost_ms = reference_ms(len(seq.prompt_ids), budget) if paced else 0.0
         if self.pacer is None:
             sampled = self.guard.should_shadow(namespace, role)
         else:
-            sampled = self.guard.should_shadow(namespace, role, self.pacer.affordable)
+            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable(cost_ms))
         if not sampled:
             return None
+        if paced:
+            self.pacer.take(cost_ms)
         tap = LogitsTap(seq.options.logits_mask, CONTINUATION_TOKENS)
         seq.options = dataclasses.replace(seq.options, logits_mask=tap)
         shadow = ShadowJob(namespace, role, rung, list(seq.prompt_ids), seq.first_logits.detach().float().clone(),
-                           seq, tap)
+                           seq, tap, paced=paced, charged_ms=cost_ms)
         self._pending.append(shadow)
         return shadow
 
@@ -158,27 +169,24 @@ class ShadowRunner:
             self.pacer.idle()
 
     def ready_in_s(self, budget: ChunkBudget) -> float | None:
-        """Seconds until the next shadow piece may run (0: now); None when no shadow can advance."""
-        shadow = self._movable()
-        if shadow is None or self.pacer is None:
-            return None if shadow is None else 0.0
+        """Seconds until a shadow piece may run (0: now); None when no shadow can advance."""
+        waits = [self._wait_s(shadow, budget) for shadow in self._movable()]
+        return min(waits) if waits else None
+
+    def _wait_s(self, shadow: ShadowJob, budget: ChunkBudget) -> float:
+        if not shadow.paced:
+            return 0.0
         piece_ms = self._next_ms(shadow, budget)
-        return 0.0 if piece_ms is None else self.pacer.ready_in_s(piece_ms)  # None: dropped, the next turn moves on
+        return math.inf if piece_ms is None else self.pacer.ready_in_s(piece_ms)  # None: dropped
 
     def advance(self, budget: ChunkBudget) -> bool:
-        """One piece of shadow work within one turn of ``budget`` (unpaced: the piece the budget gives a live
-        prefill at the same positions; paced: its least piece, when the pacer lets it start): the first pending
-        shadow that can move prefills a piece of its prompt, or (prompt done, continuation known) runs its
-        continuation chunk, compares and records. True when something ran."""
-        shadow = self._movable()
+        """One piece of shadow work within one turn of ``budget``: of the first pending shadow that may run now (a
+        paced one when the pacer lets it start, its least piece; one that is not paced, the piece the budget gives
+        a live prefill at the same positions), a piece of its prompt, or (prompt done, continuation known) its
+        continuation chunk, the comparison and the record. True when something ran."""
+        shadow = next((s for s in self._movable() if self._wait_s(s, budget) <= 0), None)
         if shadow is None:
             return False
-        if self.pacer is not None:
-            piece_ms = self._next_ms(shadow, budget)
-            if piece_ms is None:
-                return True
-            if self.pacer.ready_in_s(piece_ms) > 0:
-                return False
         start_s = time.perf_counter()
         try:
             if shadow.task is None or not shadow.task.done:
@@ -191,7 +199,12 @@ class ShadowRunner:
             self._drop(shadow)
         finally:
             if self.pacer is not None:
-                self.pacer.spent((time.perf_counter() - start_s) * 1e3)
+                piece_ms = (time.perf_counter() - start_s) * 1e3
+                self.pacer.spent(piece_ms, shadow.paced)
+                if shadow.paced:
+                    shadow.spent_ms += piece_ms
+                    if shadow not in self._pending:  # ended: the difference from what it was charged
+                        self.pacer.settle(shadow.spent_ms - shadow.charged_ms)
         return True
 
     def _drop(self, shadow: ShadowJob) -> None:
@@ -203,11 +216,12 @@ class ShadowRunner:
             shadow.task.cancel()
 
     def _next_ms(self, shadow: ShadowJob, budget: ChunkBudget) -> float | None:
-        """``_predict_ms``, or None when planning the shadow failed (it is dropped)."""
+        """``_predict_ms``, or None when planning the (paced) shadow failed: it is dropped, its charge settled."""
         try:
             return self._predict_ms(shadow, budget)
         except Exception:  # noqa: BLE001 - a reference that breaks is dropped; live requests never see it
             self._drop(shadow)
+            self.pacer.settle(shadow.spent_ms - shadow.charged_ms)
             return None
 
     def _task(self, shadow: ShadowJob) -> PrefillTask:
@@ -219,7 +233,7 @@ class ShadowRunner:
         return shadow.task
 
     def _predict_ms(self, shadow: ShadowJob, budget: ChunkBudget) -> float:
-        """The predicted time of ``shadow``'s next piece as ``advance`` would run it (paced: the least piece)."""
+        """The predicted time of a paced ``shadow``'s next piece (its least piece)."""
         if shadow.task is not None and shadow.task.done:  # the continuation chunk after the prompt
             num_prompt = len(shadow.prompt_ids)
             return budget.predict_ms(CONTINUATION_TOKENS,
@@ -232,7 +246,7 @@ class ShadowRunner:
 
     def _prefill(self, shadow: ShadowJob, budget: ChunkBudget) -> None:
         task = self._task(shadow)
-        budget_ms = budget.turn_ms if self.pacer is None else _LEAST_MS
+        budget_ms = _LEAST_MS if shadow.paced else budget.turn_ms
         task.advance(*next_piece(task, budget, budget_ms, first=True))
         shadow.cost_ms = task.compute_ms
         if task.last_piece is not None:
@@ -275,6 +289,19 @@ class ShadowRunner:
             if shadow.task is not None:
                 shadow.task.cancel()
         self._pending.clear()
+
+
+def reference_ms(num_prompt: int, budget: ChunkBudget) -> float:
+    """A paced reference's predicted time by ``budget``'s fit: its prompt in least pieces, then the continuation
+    chunk."""
+    total_ms, start = 0.0, 0
+    while start < num_prompt:
+        positions = list(range(start, min(num_prompt, start + budget.max_tokens)))
+        num = budget.num_tokens(positions, _LEAST_MS)
+        total_ms += budget.predict_ms(num, attended_keys(positions[:num]))
+        start += num
+    end = num_prompt + CONTINUATION_TOKENS
+    return total_ms + budget.predict_ms(CONTINUATION_TOKENS, attended_keys(list(range(num_prompt, end))))
 
 
 class _NoStore:

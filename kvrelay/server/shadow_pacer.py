@@ -1,25 +1,26 @@
 """How much engine time the shadow references may take, and when they may take it.
 
 A shadow reference is a ``full`` prefill of a live call's prompt that nobody waits for (kvrelay.server.shadow). The
-guard asks for one on every call of a role's first calls, so traffic whose roles never get past their first calls
-(a client that sends each conversation under a fresh ``cache_salt``: a namespace per conversation, every call its
-role's first) would get a second, dearer prefill on every call. The pacer holds the shadows to a share of the live
-work whatever the guard asks, by three rules in engine time as the worker measures it:
+guard shadows every one of a role's first calls, its warm-up; a tenant that sends each conversation under a fresh
+``cache_salt`` makes roles that die after a few calls, so every call would be warm-up and get a second, dearer
+prefill. For such a tenant (the guard's ``paced`` namespaces, kvrelay.quality.turnover) the pacer holds the
+shadows to a share of the live work, by three rules in engine time as the worker measures it:
 
-1. **Taken only on credit.** Each live turn (its prefill pieces and decode step) earns ``share`` of its time, up
-   to ``CREDIT_WINDOW_S`` seconds' worth of the share; every shadow piece spends what it took. A sampled call is
-   shadowed only while the credit is positive (a call the guard wants then is not counted, so its cadence waits for
-   one that can be), so over a run shadows take at most ``share`` of the live compute, plus the window's credit and
-   the shadows already taken.
-2. **Paced while live requests run.** In a turn with live work a shadow runs one piece of the least size (the
-   chunk budget's ``min_tokens``), only while a second credit, of ``BUSY_WINDOW_S`` seconds' worth of the share,
-   is positive too: the running streams' decode steps wait for shadow pieces about ``share`` of their time, also
-   while the first credit is high (a fresh server's), not for a piece every turn.
-3. **In idle time, not where the next call is due.** With no live work, shadows already taken run on without
-   credit (so a server whose traffic stops drains them), but a piece starts only once the engine has been idle
-   for as long as the piece is predicted to take. An agent chain sends its next call as soon as the previous
-   answer is back, within a few milliseconds; it finds the engine free instead of behind a shadow piece. A call
-   that arrives later than that waits at most one least piece, and only while shadows are pending.
+1. **Taken only on credit.** Each live turn (its prefill pieces and decode step) earns ``share`` of its time; a
+   paced call is shadowed only when the credit covers its reference's predicted time, which it is charged at once
+   (and the difference when it ends). The credit is kept to ``CREDIT_WINDOW_S`` seconds' worth of the share, or
+   one reference's time if that is more. So the paced shadows take at most ``share`` of the live compute.
+2. **Paced while live requests run.** In a turn with live work a paced shadow runs one piece of the least size
+   (the chunk budget's ``min_tokens``), only while a second credit, ``BUSY_WINDOW_S`` seconds' worth of the share,
+   is positive: the running streams' decode steps wait for shadow pieces about ``share`` of their time.
+3. **In idle time, not where the next call is due.** With no live work a paced shadow runs on, but a piece starts
+   only once the engine has been idle for as long as the piece is predicted to take. An agent chain sends its next
+   call as soon as the previous answer is back, within a few milliseconds; it finds the engine free instead of
+   behind a shadow piece. A call that arrives later waits for at most one least piece.
+
+A tenant whose roles live long (agents called again and again in one namespace) keeps its warm-up: its shadows run
+as they always did, in any turn no live prefill waits for, a turn's budget a piece, and their time is spent from
+the same credit, so a paced tenant beside it gets less.
 
 Pure bookkeeping on an injected clock: the worker tells it live time, shadow time and when the engine went idle.
 """
@@ -37,21 +38,23 @@ BUSY_WINDOW_S = 1.0  # pieces between decode steps: the share of about the last 
 
 
 class ShadowPacer:
-    """Credit and idle time for the shadow runner: ``live_turn``/``idle`` from the worker, ``affordable`` at a sampled
-    call's first token, ``ready_in_s`` before a piece, ``spent`` after it."""
+    """Credit and idle time for the shadow runner: ``live_turn``/``idle`` from the worker; for a paced call
+    ``affordable`` then ``take`` at its first token, ``settle`` when its reference ends; ``ready_in_s`` before a
+    paced piece; ``spent`` after every piece."""
 
     def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter) -> None:
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0 < share <= 1):
             raise ConfigError(f"quality shadow share must be in (0, 1], got {share!r}")
         self.share, self.clock = float(share), clock
-        self.credit_ms = self.cap_ms  # a fresh server has a window's credit
-        self.busy_credit_ms = 0.0  # for pieces between decode steps: earned and spent as the credit, a short window
-        self.spent_ms = 0.0
+        self.credit_ms = 0.0  # a fresh server has none: live work pays for the first reference
+        self.busy_credit_ms = 0.0  # for paced pieces between decode steps: a short window of the same share
+        self.spent_ms = 0.0  # every shadow piece's time
+        self._asked_ms = 0.0  # the last reference refused: the credit may grow to its time
         self._idle_since: float | None = None  # when the engine's live work last ended; None while there is some
 
     @property
     def cap_ms(self) -> float:
-        return self.share * CREDIT_WINDOW_S * 1e3
+        return max(self.share * CREDIT_WINDOW_S * 1e3, self._asked_ms)
 
     def live_turn(self, ms: float) -> None:
         """A turn with live work took ``ms`` of engine time (it earns credit; the engine is busy)."""
@@ -69,21 +72,33 @@ class ShadowPacer:
     def is_idle(self) -> bool:
         return self._idle_since is not None
 
-    @property
-    def affordable(self) -> bool:
-        """Whether a call the guard samples may be shadowed now."""
-        return self.credit_ms > 0
+    def affordable(self, cost_ms: float) -> bool:
+        """Whether the credit covers a reference predicted at ``cost_ms``."""
+        if self.credit_ms >= cost_ms:
+            return True
+        self._asked_ms = cost_ms
+        return False
+
+    def take(self, cost_ms: float) -> None:
+        """A paced reference predicted at ``cost_ms`` was taken: charged now."""
+        self.credit_ms -= cost_ms
+
+    def settle(self, ms: float) -> None:
+        """A paced reference ended: ``ms`` is its time over (or, negative, under) what it was charged."""
+        self.credit_ms -= ms
 
     def ready_in_s(self, piece_ms: float) -> float:
-        """Seconds until a shadow piece predicted at ``piece_ms`` may start: while busy, 0 with both credits and inf
+        """Seconds until a paced piece predicted at ``piece_ms`` may start: while busy, 0 with busy credit and inf
         without; while idle, once the engine has been idle for ``piece_ms``."""
         if self._idle_since is None:
-            return 0.0 if self.credit_ms > 0 and self.busy_credit_ms > 0 else math.inf
+            return 0.0 if self.busy_credit_ms > 0 else math.inf
         return max(0.0, self._idle_since + piece_ms / 1e3 - self.clock())
 
-    def spent(self, ms: float) -> None:
-        """A shadow piece took ``ms`` of engine time (a piece between decode steps spends the busy credit too)."""
-        self.credit_ms -= ms
-        if self._idle_since is None:
+    def spent(self, ms: float, paced: bool) -> None:
+        """A shadow piece took ``ms`` of engine time: a paced one between decode steps spends the busy credit (its
+        reference was charged when taken), one that is not spends the credit."""
+        if not paced:
+            self.credit_ms -= ms
+        elif self._idle_since is None:
             self.busy_credit_ms -= ms
         self.spent_ms += ms

@@ -77,7 +77,8 @@ def test_a_custom_ladder_and_aggregates():
     g.record("ns", "r", "safe", 0.0, True, None, 12.5)
     agg = g.aggregates()
     assert agg == {"rung_moves": {"up": 0, "down": 0}, "roles_per_rung": {"cheap": 0, "safe": 1},
-                   "num_samples": 1, "num_shadowed": 0, "num_unaffordable": 0, "shadow_cost_ms": 12.5}
+                   "num_samples": 1, "num_shadowed": 0, "num_unaffordable": 0, "num_roles": 1,
+                   "shadow_cost_ms": 12.5}
     snap = g.snapshot("ns")
     assert snap["ladder"] == [{"name": "cheap", "method": "naive"}, {"name": "safe", "method": "full"}]
     assert snap["roles"]["r"]["estimates"]["safe"]["num_samples"] == 1
@@ -98,3 +99,20 @@ def test_a_call_the_share_cannot_pay_for_is_not_shadowed_and_the_role_waits_for_
     assert not g.should_shadow("ns", "r", affordable=False)  # wanted, unaffordable: not counted
     assert g.should_shadow("ns", "r")  # so the next affordable call is the one shadowed
     assert (g.aggregates()["num_unaffordable"], g.aggregates()["num_shadowed"]) == (3, cfg.first_calls_per_role + 1)
+
+
+def test_the_guard_keeps_at_most_max_roles_the_least_recently_called_out_first(monkeypatch):
+    from kvrelay.quality import guard as guard_module
+
+    monkeypatch.setattr(guard_module, "MAX_ROLES", 3)
+    g = QualityGuard()
+    for namespace in ("s1", "s2", "s3"):
+        g.rung_for(namespace, "r")
+        g.should_shadow(namespace, "r")
+    g.rung_for("s1", "r")  # s1 is the most recently called now
+    g.rung_for("s4", "r")  # a fourth role: s2's goes
+    assert g.num_roles == 3 and g.aggregates()["num_roles"] == 3
+    assert g.snapshot("s2")["roles"] == {} and set(g.snapshot("s1")["roles"]) == {"r"}
+    assert ("s2", "r") not in g._num_offers and ("s2", "r") not in g._offers_at_rung
+    assert g.snapshot("s1")["roles"]["r"]["num_calls"] == 2
+    assert g.should_shadow("s2", "r")  # a role that comes back starts over: its first calls shadowed

@@ -40,6 +40,9 @@ class _SpyGuard:
     def rung_for(self, namespace: str, role: str) -> _Rung:
         return self.rung
 
+    def paced(self, namespace: str) -> bool:  # the guard's turnover: the pacer tests set it
+        return getattr(self, "pace", False)
+
     def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
         return role in self.sampled_roles and affordable
 

@@ -1,6 +1,7 @@
-"""The shadow pacer: shadows take a share of the live compute, pieces between decode steps only on credit, and in
-idle time only once the engine has been idle as long as a piece takes. Pure rules on an injected clock, then the
-engine worker driven turn by turn with that clock (no thread, no timing)."""
+"""The shadow pacer: a paced namespace's shadows take a share of the live compute, pieces between decode steps only
+on a short credit, and in idle time only once the engine has been idle as long as a piece takes; a namespace that is
+not paced keeps its shadows as they were. Pure rules on an injected clock, then the engine worker driven turn by
+turn with that clock (no thread, no timing)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from kvrelay.errors import ConfigError
 from kvrelay.server.events import DoneEvent, ErrorEvent
-from kvrelay.server.shadow import ShadowRunner
+from kvrelay.server.shadow import ShadowRunner, reference_ms
 from kvrelay.server.shadow_pacer import BUSY_WINDOW_S, CREDIT_WINDOW_S, ShadowPacer
 from tests.server.test_quality_shadow import _drain, _job, _Rung, _SpyGuard, _worker
 
@@ -23,29 +24,34 @@ class Clock:
         return self.now_s
 
 
-def test_credit_is_earned_by_live_work_spent_by_shadows_and_capped_at_the_window():
-    clock = Clock()
-    pacer = ShadowPacer(0.05, clock)
-    assert pacer.credit_ms == pacer.cap_ms == pytest.approx(0.05 * CREDIT_WINDOW_S * 1e3)  # a fresh server
+def test_a_reference_is_taken_when_live_work_has_paid_for_it_and_charged_at_once():
+    pacer = ShadowPacer(0.05, Clock())
+    assert pacer.credit_ms == 0 and not pacer.affordable(1.0)  # a fresh server has no credit
     pacer.live_turn(1000.0)
-    assert pacer.credit_ms == pytest.approx(pacer.cap_ms)  # never over the window's share
-    pacer.spent(pacer.cap_ms + 30.0)
-    assert not pacer.affordable and pacer.credit_ms == pytest.approx(-30.0)
-    pacer.live_turn(400.0)  # 20 ms of credit: still short
-    assert not pacer.affordable
-    pacer.live_turn(300.0)
-    assert pacer.affordable and pacer.credit_ms == pytest.approx(5.0)
-    assert pacer.spent_ms == pytest.approx(pacer.cap_ms + 30.0)
+    assert pacer.credit_ms == pytest.approx(50.0)
+    assert not pacer.affordable(60.0) and pacer.affordable(50.0)
+    pacer.take(50.0)
+    assert pacer.credit_ms == pytest.approx(0.0) and not pacer.affordable(50.0)  # no second one on the same credit
+    pacer.settle(-20.0)  # it ran 20 ms under its charge
+    assert pacer.credit_ms == pytest.approx(20.0)
+    pacer.live_turn(CREDIT_WINDOW_S * 1e3 * 10)
+    assert pacer.credit_ms == pytest.approx(0.05 * CREDIT_WINDOW_S * 1e3)  # a minute's share at most
+    big_ms = pacer.cap_ms * 2  # a reference dearer than the window's share: the credit may grow to it
+    assert not pacer.affordable(big_ms)
+    pacer.live_turn(CREDIT_WINDOW_S * 1e3 * 10)
+    assert pacer.affordable(big_ms)
 
 
-def test_a_piece_between_decode_steps_needs_both_credits_and_one_in_idle_time_needs_idle_time():
+def test_a_paced_piece_between_decode_steps_needs_the_short_credit_and_one_in_idle_time_needs_idle_time():
     clock = Clock()
     pacer = ShadowPacer(0.05, clock)
-    assert pacer.ready_in_s(200.0) == math.inf  # busy on a fresh server: the long credit is there, the short is not
+    assert pacer.ready_in_s(200.0) == math.inf  # busy, nothing earned yet
     pacer.live_turn(10.0)
     assert pacer.ready_in_s(200.0) == 0.0  # the last 10 ms of live work paid for a piece to start
-    pacer.spent(190.0)  # a least piece between decode steps: about 3.8 s of live work before the next one
-    assert pacer.credit_ms > 0 and pacer.ready_in_s(200.0) == math.inf
+    credit = pacer.credit_ms
+    pacer.spent(190.0, paced=True)  # a least piece between decode steps: about 3.8 s of live work to the next one
+    assert pacer.credit_ms == credit  # a paced reference was charged when it was taken
+    assert pacer.ready_in_s(200.0) == math.inf
     for _ in range(37):
         pacer.live_turn(100.0)
     assert pacer.ready_in_s(200.0) == math.inf
@@ -59,11 +65,14 @@ def test_a_piece_between_decode_steps_needs_both_credits_and_one_in_idle_time_ne
     assert pacer.ready_in_s(200.0) == pytest.approx(0.05)
     clock.now_s += 0.05
     assert pacer.ready_in_s(200.0) == 0.0
-    busy_before = pacer.busy_credit_ms
-    pacer.spent(pacer.credit_ms + 10.0)  # an idle piece spends the long credit only
-    assert pacer.busy_credit_ms == busy_before and pacer.ready_in_s(200.0) == 0.0  # idle pieces need none
-    pacer.live_turn(5.0)  # a request arrives: busy again, out of the long credit
-    assert not pacer.is_idle and pacer.ready_in_s(200.0) == math.inf
+    busy, credit = pacer.busy_credit_ms, pacer.credit_ms
+    pacer.spent(200.0, paced=True)  # an idle piece spends neither credit
+    assert (pacer.busy_credit_ms, pacer.credit_ms) == (busy, credit)
+    pacer.spent(300.0, paced=False)  # a piece of a shadow not paced spends the credit a paced one is taken on
+    assert pacer.credit_ms == pytest.approx(credit - 300.0)
+    assert pacer.spent_ms == pytest.approx(190.0 + 200.0 + 300.0)
+    pacer.live_turn(5.0)  # a request arrives: busy again
+    assert not pacer.is_idle
 
 
 @pytest.mark.parametrize("share", [0, -0.1, 1.5, float("nan"), True, "0.05"])
@@ -79,8 +88,9 @@ def tiny():
     return load_model("random:tiny")
 
 
-def _paced_worker(lm, sampled_roles: set[str], clock: Clock, chunk_tokens: int = 8):
-    guard = _SpyGuard(sampled_roles, _Rung("cheap", "naive"))
+def _paced_worker(lm, clock: Clock, paced: bool = True, chunk_tokens: int = 8):
+    guard = _SpyGuard({"sampled"}, _Rung("cheap", "naive"))
+    guard.pace = paced
     worker = _worker(lm, guard, chunk_tokens)
     worker.shadows = ShadowRunner(worker.engine, worker.quality, pacer=ShadowPacer(0.05, clock))
     return worker, guard
@@ -98,13 +108,18 @@ def _progress(worker) -> tuple[int, int]:
     return (0, 0) if shadow.task is None else (shadow.task.num_chunks, shadow.task.num_remaining_tokens)
 
 
-def test_an_idle_worker_waits_as_long_as_a_piece_takes_before_it_starts_one(tiny):
+def test_an_idle_worker_waits_as_long_as_a_paced_piece_takes_before_it_starts_one(tiny):
     clock = Clock()
-    worker, guard = _paced_worker(tiny, {"sampled"}, clock)
+    worker, guard = _paced_worker(tiny, clock)
+    pacer = worker.shadows.pacer
+    pacer.credit_ms = pacer.cap_ms  # live work paid for it already
     sampled = _job(worker, tiny.tokenizer.encode("a sampled request " * 6), "sampled", 3)
     worker.submit(sampled)
     _end(worker, sampled)
-    assert worker.shadows.num_pending == 1 and worker.shadows.pacer.is_idle
+    shadow = worker.shadows._pending[0]
+    assert shadow.paced and shadow.charged_ms == pytest.approx(reference_ms(len(shadow.prompt_ids),
+                                                                            worker.chunk_budget))
+    assert worker.shadows.num_pending == 1 and pacer.is_idle
     before = _progress(worker)
     with worker._cond:
         wait_s = worker._shadow_wait_s()
@@ -121,31 +136,31 @@ def test_an_idle_worker_waits_as_long_as_a_piece_takes_before_it_starts_one(tiny
         assert worker._shadow_wait_s() == 0.0
     worker.run_turn()
     assert _progress(worker) != before
-    num_chunks = _progress(worker)[0]
-    least = worker.chunk_budget.min_tokens
-    assert worker.shadows._pending[0].task.last_piece[0] <= least  # a paced piece is the least the budget gives
-    clock.now_s += 1e3  # idle for long: the shadow drains without any credit
-    worker.shadows.pacer.spent(worker.shadows.pacer.cap_ms * 10)
+    assert shadow.task.last_piece[0] <= worker.chunk_budget.min_tokens  # a paced piece is the least the budget gives
+    credit = pacer.credit_ms
+    clock.now_s += 1e3  # idle for long: the shadow drains, and is settled against its charge
     _drain(worker, sampled)
     assert [(r[1], r[2]) for r in guard.records] == [("sampled", "cheap")]
-    assert num_chunks >= 1
+    assert pacer.credit_ms == pytest.approx(credit - (shadow.spent_ms - shadow.charged_ms))
     worker.stop()
 
 
-def test_without_credit_a_call_is_not_shadowed_and_decode_turns_run_no_shadow_piece(tiny):
+def test_without_credit_a_paced_call_is_not_shadowed_and_decode_turns_run_no_paced_piece(tiny):
     clock = Clock()
-    worker, guard = _paced_worker(tiny, {"sampled"}, clock)
+    worker, guard = _paced_worker(tiny, clock)
     pacer = worker.shadows.pacer
+    pacer.credit_ms = pacer.cap_ms
     first = _job(worker, tiny.tokenizer.encode("the first sampled call " * 4), "sampled", 30)
     worker.submit(first)
     while first.seq is None:
         worker.run_turn()
-    assert worker.shadows.num_pending == 1  # taken on the fresh server's credit
-    pacer.spent(pacer.credit_ms + 1e6)  # the share is spent
+    assert worker.shadows.num_pending == 1  # taken on the credit
+    pacer.busy_credit_ms = -1e6  # pieces between decode steps have had their share
     before = _progress(worker)
-    for _ in range(10):  # decode turns of the first call: live work, no credit, no shadow piece
+    for _ in range(10):  # decode turns of the first call: live work, no short credit, no shadow piece
         worker.run_turn()
         assert _progress(worker) == before
+    pacer.credit_ms = -1e6  # and the share is spent
     second = _job(worker, tiny.tokenizer.encode("a second sampled call " * 4), "sampled", 3)
     worker.submit(second)
     while second.seq is None:
@@ -155,5 +170,27 @@ def test_without_credit_a_call_is_not_shadowed_and_decode_turns_run_no_shadow_pi
     _end(worker, first, second)
     clock.now_s += 1e3
     _drain(worker, first, second)  # once idle, the shadow taken runs on without credit
-    assert len(guard.records) == 1 and pacer.credit_ms < 0
+    assert len(guard.records) == 1
+    worker.stop()
+
+
+def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on_no_credit(tiny):
+    """A long-lived tenant's warm-up is not held to the share: its shadow runs in decode turns with every credit
+    spent, a turn's budget a piece, and what it takes is spent from the credit a paced tenant is shadowed on."""
+    clock = Clock()
+    worker, guard = _paced_worker(tiny, clock, paced=False)
+    pacer = worker.shadows.pacer
+    pacer.credit_ms = pacer.busy_credit_ms = -1.0
+    job = _job(worker, tiny.tokenizer.encode("a long-lived role's call " * 4), "sampled", 30)
+    worker.submit(job)
+    while job.seq is None:
+        worker.run_turn()
+    shadow = worker.shadows._pending[0]
+    assert not shadow.paced and shadow.charged_ms == 0
+    for _ in range(3):
+        worker.run_turn()
+    assert shadow.task is not None and shadow.task.last_piece[0] > worker.chunk_budget.min_tokens
+    assert pacer.credit_ms < -1.0  # its pieces' time
+    _drain(worker, job)  # no clock moves: it needs no idle time either
+    assert len(guard.records) == 1
     worker.stop()
