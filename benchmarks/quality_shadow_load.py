@@ -59,7 +59,7 @@ ARM_FLAGS = {"on": [], "off": ["--quality-target", "off", "--method", "relay"]}
 SHADOW_METRICS = ("kvrelay_quality_shadow_runs_total", "kvrelay_quality_shadow_compute_seconds_total",
                   "kvrelay_quality_shadow_failed_total", "kvrelay_engine_ttft_seconds_sum",
                   "kvrelay_engine_ttft_seconds_count", "kvrelay_generated_tokens_total",
-                  "kvrelay_live_engine_seconds_total")
+                  "kvrelay_live_engine_seconds_total", "kvrelay_quality_shadow_unaffordable_total")
 
 
 # ------------------------------------------------------------------------------------------------ pure helpers
@@ -196,13 +196,13 @@ class ChainClient(threading.Thread):
 
     def __init__(self, url: str, model: str, index: int, chains: list[dict], max_tokens: dict[str, int],
                  salt: str | None, t0: float, deadline: float, workload: str = "gsm8k-chain3",
-                 pause_s: float = 0.0) -> None:
+                 pause_s: float = 0.0, on_chain=None) -> None:
         """``chains``: each chain's inputs (a problem's); ``salt`` None: a fresh ``cache_salt`` per chain."""
         super().__init__(daemon=True)
         self.client = OpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
         self.model, self.index, self.chains, self.max_tokens, self.salt, self.t0 = (model, index, chains,
                                                                                     max_tokens, salt, t0)
-        self.spec, self.pause_s = get_workload(workload).spec, pause_s
+        self.spec, self.pause_s, self.on_chain = get_workload(workload).spec, pause_s, on_chain
         self.deadline = deadline  # no chain starts after it (the chains not run are left out of every phase)
         self.rows: list[dict] = []
         self.errors: list[str] = []
@@ -237,6 +237,8 @@ class ChainClient(threading.Thread):
             time.sleep(self.pause_s)
             if time.perf_counter() > self.deadline:
                 return
+            if self.on_chain is not None:
+                self.on_chain(chain)
             values, salt = dict(inputs), self.salt or uuid.uuid4().hex
             for step, name in enumerate(self.spec.order):
                 agent = self.spec.agent(name)
@@ -276,8 +278,15 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
         load_start = os.getloadavg()
         before, cpu_before = scrape(server.url), cpu_seconds(server.proc.pid)
         t0 = time.perf_counter()
+        split: dict[str, float] = {}
+
+        def at_chain(chain: int) -> None:  # client 0 at the start of chain --split-after-chains: a mid-run scrape
+            if chain == args.split_after_chains and not split:
+                split.update(scrape(server.url))
+
         clients = [ChainClient(server.url, args.model, k, chains, max_tokens, salt, t0, t0 + args.phase_deadline_s,
-                               args.workload, args.pause_s) for k, chains in enumerate(work)]
+                               args.workload, args.pause_s, at_chain if k == 0 else None)
+                   for k, chains in enumerate(work)]
         for c in clients:
             c.start()
         for c in clients:
@@ -294,6 +303,7 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
                             "agent" if salt is not None else ("client", "chain", "agent"))
     delta = metrics_delta(before, after, SHADOW_METRICS)
     shadow_s = delta.get("kvrelay_quality_shadow_compute_seconds_total", 0.0)
+    late = metrics_delta(split, after, SHADOW_METRICS) if split else {}  # from the split on
     num_first = QualityConfig().first_calls_per_role
     row = {"arm": arm, "repeat": repeat, "flags": ARM_FLAGS[arm], "num_calls_run": len(calls),
            "num_calls_run_in_first_calls": sum(c["call_index"] < num_first for c in calls),
@@ -306,7 +316,10 @@ def run_phase(args: argparse.Namespace, arm: str, repeat: int, work: list[list[s
            "shadow_share_of_phase_wall": shadow_s / (live_s + drain_s),
            "shadow_s_per_live_engine_ttft_s": shadow_s / delta["kvrelay_engine_ttft_seconds_sum"]
            if delta.get("kvrelay_engine_ttft_seconds_sum") else None,
-           "load_average_start_end": [load_start, os.getloadavg()], "guard_roles": view.get("roles")}
+           "load_average_start_end": [load_start, os.getloadavg()], "guard_roles": view.get("roles"),
+           "metrics_delta_after_split": late,
+           "shadow_share_of_live_engine_s_after_split": late.get("kvrelay_quality_shadow_compute_seconds_total", 0.0)
+           / late["kvrelay_live_engine_seconds_total"] if late.get("kvrelay_live_engine_seconds_total") else None}
     quick = ttft_summary(calls, num_first)
     print(json.dumps({**{k: v for k, v in row.items() if not isinstance(v, dict)},
                       **{k: v for k, v in quick.items() if not isinstance(v, dict)}}), flush=True)
@@ -331,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="one cache_salt for the phase (tenant) or a fresh one per chain (a namespace per "
                         "conversation: every call its role's first)")
     p.add_argument("--pause-s", type=float, default=0.0, help="each client waits this long before each chain")
+    p.add_argument("--split-after-chains", type=int, default=0,
+                   help="also report the shadows' share from the start of the first client's chain K on (0: none): "
+                        "after a paced tenant has been judged")
     p.add_argument("--phase-deadline-s", type=float, default=600,
                    help="no chain starts later in a phase; the phases are compared on the calls all of them ran")
     p.add_argument("--offset", type=int, default=0, help="index of the first GSM8K test problem")

@@ -152,10 +152,12 @@ class QualityGuard:
                                             ("shadow_cost_ms", shadow_cost_ms, True)):
             if value is not None or name != "continuation_kl":
                 _check_measure(name, value, must_be_finite)
-        state = self._state(namespace, role)
-        self.controller.estimate(state, rung_name).add(float(first_token_kl), top1_agree, continuation_kl)
         self.num_samples += 1
         self.shadow_cost_ms += float(shadow_cost_ms)
+        if role not in self._roles.get(namespace, {}):  # evicted while its shadow ran: it starts over if it comes back
+            return
+        state = self._state(namespace, role)
+        self.controller.estimate(state, rung_name).add(float(first_token_kl), top1_agree, continuation_kl)
         self._moved(namespace, role, self.controller.after_sample(state, rung_name))
 
     def snapshot(self, namespace: str) -> dict:

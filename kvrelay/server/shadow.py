@@ -87,7 +87,7 @@ class ShadowResult:
     shadow_cost_ms: float
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: two shadows of one prompt are two (their tensors have no equality)
 class ShadowJob:
     """One sampled request's reference: its ``full`` prefill, then the continuation chunk once the live request
     has decoded far enough (or ended)."""
@@ -233,16 +233,15 @@ class ShadowRunner:
         return shadow.task
 
     def _predict_ms(self, shadow: ShadowJob, budget: ChunkBudget) -> float:
-        """The predicted time of a paced ``shadow``'s next piece (its least piece)."""
+        """The predicted time of a paced ``shadow``'s next piece (its least piece), from token counts: a shadow not
+        begun is not planned (no KV is held for it before it runs)."""
+        num_prompt = len(shadow.prompt_ids)
         if shadow.task is not None and shadow.task.done:  # the continuation chunk after the prompt
-            num_prompt = len(shadow.prompt_ids)
             return budget.predict_ms(CONTINUATION_TOKENS,
                                      attended_keys(list(range(num_prompt, num_prompt + CONTINUATION_TOKENS))))
-        positions = self._task(shadow).upcoming_positions(budget.max_tokens)
-        if not positions:  # a plan in pieces of layers (``full`` is not one): its least piece, priced at a start
-            return budget.predict_ms(budget.min_tokens, attended_keys(list(range(budget.min_tokens))))
-        num = budget.num_tokens(positions, _LEAST_MS)
-        return budget.predict_ms(num, attended_keys(positions[:num]))
+        start = num_prompt - shadow.task.num_remaining_tokens if shadow.task is not None else 0
+        num = min(budget.min_tokens, num_prompt - start)
+        return budget.predict_ms(num, attended_keys(list(range(start, start + num))))
 
     def _prefill(self, shadow: ShadowJob, budget: ChunkBudget) -> None:
         task = self._task(shadow)
@@ -292,16 +291,13 @@ class ShadowRunner:
 
 
 def reference_ms(num_prompt: int, budget: ChunkBudget) -> float:
-    """A paced reference's predicted time by ``budget``'s fit: its prompt in least pieces, then the continuation
-    chunk."""
-    total_ms, start = 0.0, 0
-    while start < num_prompt:
-        positions = list(range(start, min(num_prompt, start + budget.max_tokens)))
-        num = budget.num_tokens(positions, _LEAST_MS)
-        total_ms += budget.predict_ms(num, attended_keys(positions[:num]))
-        start += num
-    end = num_prompt + CONTINUATION_TOKENS
-    return total_ms + budget.predict_ms(CONTINUATION_TOKENS, attended_keys(list(range(num_prompt, end))))
+    """A paced reference's predicted time by ``budget``'s (linear) fit: its prompt in least pieces, then the
+    continuation chunk."""
+    fixed_ms, per_token_ms, per_key_ms = budget.coef_ms
+    num_pieces = -(-num_prompt // budget.min_tokens)
+    num_keys = attended_keys(list(range(num_prompt + CONTINUATION_TOKENS)))
+    return ((num_pieces + 1) * fixed_ms + per_token_ms * (num_prompt + CONTINUATION_TOKENS)
+            + per_key_ms * num_keys)
 
 
 class _NoStore:

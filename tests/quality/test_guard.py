@@ -115,4 +115,7 @@ def test_the_guard_keeps_at_most_max_roles_the_least_recently_called_out_first(m
     assert g.snapshot("s2")["roles"] == {} and set(g.snapshot("s1")["roles"]) == {"r"}
     assert ("s2", "r") not in g._num_offers and ("s2", "r") not in g._offers_at_rung
     assert g.snapshot("s1")["roles"]["r"]["num_calls"] == 2
+    g.record("s2", "r", "relay", 0.0, True)  # its shadow ended after it left: counted, the role not brought back
+    assert g.num_roles == 3 and g.snapshot("s2")["roles"] == {} and set(g.snapshot("s3")["roles"]) == {"r"}
+    assert g.aggregates()["num_samples"] == 1
     assert g.should_shadow("s2", "r")  # a role that comes back starts over: its first calls shadowed

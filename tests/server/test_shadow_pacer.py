@@ -6,6 +6,7 @@ turn with that clock (no thread, no timing)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -71,6 +72,8 @@ def test_a_paced_piece_between_decode_steps_needs_the_short_credit_and_one_in_id
     pacer.spent(300.0, paced=False)  # a piece of a shadow not paced spends the credit a paced one is taken on
     assert pacer.credit_ms == pytest.approx(credit - 300.0)
     assert pacer.spent_ms == pytest.approx(190.0 + 200.0 + 300.0)
+    pacer.spent(1e9, paced=False)
+    assert pacer.credit_ms == -pacer.cap_ms  # at most a window's debt
     pacer.live_turn(5.0)  # a request arrives: busy again
     assert not pacer.is_idle
 
@@ -194,3 +197,49 @@ def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on
     _drain(worker, job)  # no clock moves: it needs no idle time either
     assert len(guard.records) == 1
     worker.stop()
+
+
+def test_two_shadows_of_one_prompt_and_a_stream_beside_them_all_end_well(tiny):
+    """A client that sends the same prompt twice (a retry, n samples as n requests): two paced shadows of equal
+    fields are two shadows, and the live stream running beside them is never failed by them."""
+    clock = Clock()
+    worker, guard = _paced_worker(tiny, clock)
+    pacer = worker.shadows.pacer
+    pacer.credit_ms = pacer.cap_ms
+    twins = [_job(worker, tiny.tokenizer.encode("the same question twice " * 3), "sampled", 2) for _ in range(2)]
+    for job in twins:
+        worker.submit(job)
+    _end(worker, *twins)
+    assert worker.shadows.num_pending == 2
+    stream = _job(worker, tiny.tokenizer.encode("an unrelated long answer"), "other", 40)
+    worker.submit(stream)
+    while stream.seq is None:
+        worker.run_turn()
+    for _ in range(20):  # pieces between the stream's decode steps, on a short credit each turn
+        pacer.busy_credit_ms = 1.0
+        worker.run_turn()
+    _end(worker, stream)
+    clock.now_s += 1e3  # the idle grace over
+    _drain(worker, stream, *twins)
+    assert isinstance(stream.emit.events[-1], DoneEvent)
+    assert len(guard.records) == 2
+    worker.stop()
+
+
+def test_a_worker_thread_wakes_after_the_idle_grace_with_no_request_to_wake_it(tiny):
+    """The worker's loop sleeps out a paced piece's idle grace on its own (a timed wait), then runs the shadow: no
+    later request is needed to drain it. Bounded: the test waits for events, at most 60 s."""
+    worker, guard = _paced_worker(tiny, time.perf_counter)
+    pacer = worker.shadows.pacer
+    pacer.credit_ms = pacer.cap_ms
+    job = _job(worker, tiny.tokenizer.encode("a sampled call on a live worker " * 3), "sampled", 3)
+    worker.start()
+    try:
+        worker.submit(job)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (guard.records and worker.shadows.num_pending == 0):
+            time.sleep(0.01)
+        assert len(guard.records) == 1 and worker.shadows.num_pending == 0
+        assert isinstance(job.emit.events[-1], DoneEvent)
+    finally:
+        worker.stop()
