@@ -6,9 +6,9 @@ that sends each conversation under a fresh ``cache_salt`` makes roles that die a
 be warm-up and the warm-up never pays. ``RoleTurnover`` learns this online from the calls themselves: over a
 tenant's most recent ``WINDOW_CALLS`` calls, the share that was a role's first call in its namespace estimates how
 many calls a role gets (calls / new roles). A tenant whose roles get fewer calls than the warm-up window, once it
-has shown at least ``JUDGED_NEW_ROLES`` new roles (fewer are a tenant's own agents starting), is short-lived: its shadows are then taken only on the server's
-shadow share (kvrelay.server.shadow_pacer); a tenant with a few long-lived roles (one namespace, agents called
-again and again) keeps its warm-up.
+has shown at least ``JUDGED_NEW_ROLES`` new roles (fewer are a tenant's own agents starting), is short-lived: its
+shadows are then taken only on the server's shadow share (kvrelay.server.shadow_pacer); a tenant with a few
+long-lived roles (one namespace, agents called again and again) keeps its warm-up.
 
 A tenant is the API key's part of a namespace (``k<digest>``; "" without keys): a conversation's salt is below it,
 so one tenant's conversations are counted together and never another tenant's. Pure and deterministic.
