@@ -4,9 +4,9 @@ Everything is keyed by namespace first: a role's state lives under its namespace
 never move another tenant's rung, and ``snapshot(namespace)`` shows that namespace's roles only. The aggregates
 for ``/metrics`` are counts over every namespace and name no namespace or role.
 
-It holds at most ``MAX_ROLES`` roles, the least recently called out first: a client that salts each conversation
-makes new roles without end, and a role evicted is one that would start over (at the start rung, its first calls
-shadowed) if it came back.
+It holds at most ``MAX_ROLES`` roles per tenant (the API key's part of a namespace), the least recently called out
+first: a client that salts each conversation makes new roles without end, and evicts only its own tenant's. A role
+evicted starts over (at the start rung, its first calls shadowed) if it comes back.
 
 The guard is plain bookkeeping, deterministic and not thread-safe (the server wraps it in one lock).
 Call protocol per live request of a role: ``rung_for`` once when the request picks its method, ``should_shadow``
@@ -22,9 +22,9 @@ from collections import Counter, OrderedDict
 from kvrelay.errors import ConfigError
 from kvrelay.quality.config import QualityConfig
 from kvrelay.quality.ladder import LadderController, Move, RoleState, Rung, check_ladder
-from kvrelay.quality.turnover import RoleTurnover
+from kvrelay.quality.turnover import RoleTurnover, tenant_of
 
-MAX_ROLES = 10_000  # (namespace, role) states kept, least recently called out first
+MAX_ROLES = 10_000  # (namespace, role) states kept per tenant, least recently called out first
 
 
 def _check_measure(name: str, value: object, must_be_finite: bool) -> None:
@@ -50,7 +50,8 @@ class QualityGuard:
         self._roles: dict[str, dict[str, RoleState]] = {}  # namespace -> role -> state
         self._num_offers: dict[tuple[str, str], int] = {}  # should_shadow calls per role (the cadence's clock)
         self._offers_at_rung: dict[tuple[str, str], int] = {}
-        self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()  # roles by last use: the eviction order
+        # per tenant, its roles by last use: the eviction order (one tenant's churn never evicts another's roles)
+        self._recent: dict[str, OrderedDict[tuple[str, str], None]] = {}
         self.turnover = RoleTurnover(config.first_calls_per_role)
         self.num_samples = 0
         self.num_shadowed = 0
@@ -68,11 +69,12 @@ class QualityGuard:
         key = (namespace, role)
         if state is None:
             state = roles[role] = self.controller.new_role()
-            self._recent[key] = None
-            if len(self._recent) > MAX_ROLES:
-                self._evict(*self._recent.popitem(last=False)[0])
+            recent = self._recent.setdefault(tenant_of(namespace), OrderedDict())
+            recent[key] = None
+            if len(recent) > MAX_ROLES:
+                self._evict(*recent.popitem(last=False)[0])
         else:
-            self._recent.move_to_end(key)
+            self._recent[tenant_of(namespace)].move_to_end(key)
         return state
 
     def _evict(self, namespace: str, role: str) -> None:
@@ -85,7 +87,7 @@ class QualityGuard:
 
     @property
     def num_roles(self) -> int:
-        return len(self._recent)
+        return sum(len(recent) for recent in self._recent.values())
 
     def paced(self, namespace: str) -> bool:
         """Whether this namespace's shadows are taken only on the server's shadow share: its tenant's roles do not

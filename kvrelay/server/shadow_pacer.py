@@ -8,9 +8,9 @@ shadows to a share of the live work, by three rules in engine time as the worker
 
 1. **Taken only on credit.** Each live turn (its prefill pieces and decode step) earns ``share`` of its time; a
    paced call is shadowed only when the credit covers its reference's predicted time, which it is charged at once
-   (and the difference when it ends). The credit is kept within ``CREDIT_WINDOW_S`` seconds' worth of the share
-   (or one reference's time if that is more) either way. So the paced shadows take at most ``share`` of the live
-   compute.
+   (and the difference when it ends, whole). The credit is one pool for the server, kept under ``CREDIT_WINDOW_S``
+   seconds' worth of the share (or one reference's time if that is more). So the paced shadows take at most
+   ``share`` of the live compute, plus the window's credit.
 2. **Paced while live requests run.** In a turn with live work a paced shadow runs one piece of the least size
    (the chunk budget's ``min_tokens``), only while a second credit, ``BUSY_WINDOW_S`` seconds' worth of the share,
    is positive: the running streams' decode steps wait for shadow pieces about ``share`` of their time.
@@ -21,7 +21,7 @@ shadows to a share of the live work, by three rules in engine time as the worker
 
 A tenant whose roles live long (agents called again and again in one namespace) keeps its warm-up: its shadows run
 as they always did, in any turn no live prefill waits for, a turn's budget a piece, and their time is spent from
-the same credit (down to a window's debt), so a paced tenant beside it gets less.
+the same credit (down to a window's debt at most), so a paced tenant beside it gets less.
 
 Pure bookkeeping on an injected clock: the worker tells it live time, shadow time and when the engine went idle.
 """
@@ -85,12 +85,8 @@ class ShadowPacer:
         self.credit_ms -= cost_ms
 
     def settle(self, ms: float) -> None:
-        """A paced reference ended: ``ms`` is its time over (or, negative, under) what it was charged."""
-        self._debit(ms)
-
-    def _debit(self, ms: float) -> None:
-        # at most a window's debt: a long-lived tenant's warm-up does not shut the paced ones out for long
-        self.credit_ms = min(self.cap_ms, max(-self.cap_ms, self.credit_ms - ms))
+        """A paced reference ended: ``ms`` is its time over (or, negative, under) what it was charged, all of it."""
+        self.credit_ms = min(self.cap_ms, self.credit_ms - ms)
 
     def ready_in_s(self, piece_ms: float) -> float:
         """Seconds until a paced piece predicted at ``piece_ms`` may start: while busy, 0 with busy credit and inf
@@ -102,8 +98,8 @@ class ShadowPacer:
     def spent(self, ms: float, paced: bool) -> None:
         """A shadow piece took ``ms`` of engine time: a paced one between decode steps spends the busy credit (its
         reference was charged when taken), one that is not spends the credit."""
-        if not paced:
-            self._debit(ms)
+        if not paced:  # at most a window's debt: a long-lived tenant's warm-up does not shut the paced ones out long
+            self.credit_ms = min(self.cap_ms, max(-self.cap_ms, self.credit_ms - ms))
         elif self._idle_since is None:
             self.busy_credit_ms -= ms
         self.spent_ms += ms

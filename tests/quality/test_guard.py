@@ -119,3 +119,21 @@ def test_the_guard_keeps_at_most_max_roles_the_least_recently_called_out_first(m
     assert g.num_roles == 3 and g.snapshot("s2")["roles"] == {} and set(g.snapshot("s3")["roles"]) == {"r"}
     assert g.aggregates()["num_samples"] == 1
     assert g.should_shadow("s2", "r")  # a role that comes back starts over: its first calls shadowed
+
+
+def test_one_tenants_new_roles_never_evict_another_tenants(monkeypatch):
+    """The cap is per tenant: a salting tenant's churn evicts its own roles only, so another tenant's rung and
+    estimates stay where its own traffic put them."""
+    from kvrelay.quality import guard as guard_module
+
+    monkeypatch.setattr(guard_module, "MAX_ROLES", 3)
+    g = QualityGuard()
+    for _ in range(3):
+        g.rung_for("kB", "agent")
+        g.record("kB", "agent", g.rung_for("kB", "agent").name, 0.5, False)  # clearly bad: B's role steps up
+    rung_b = g.snapshot("kB")["roles"]["agent"]["rung"]
+    assert rung_b != QualityConfig().start
+    for i in range(20):  # tenant A: a new namespace per conversation
+        g.rung_for(f"kA/s{i}", "analyst")
+    assert g.snapshot("kB")["roles"]["agent"]["rung"] == rung_b
+    assert g.num_roles == 3 + 1
