@@ -1,5 +1,6 @@
-"""benchmarks/quality_shadow_load.py's pure helpers: percentiles, the ABAB plan and pairing of phases, the
-/metrics diff, and the split of each role's first calls (synthetic rows; no server)."""
+"""benchmarks/quality_shadow_load.py's pure helpers (benchmarks/shadow_load_stats.py): percentiles, the ABAB plan and
+pairing of phases, the /metrics diff, the split of each role's first calls, the decode rate and the downstream
+calls; and its report (synthetic rows; no server)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import math
 
 import numpy as np
 import pytest
-from quality_shadow_load import (
+from shadow_load_stats import (
     common_calls,
     compare_arms,
+    decode_rate,
+    decode_summary,
     metric_values,
     metrics_delta,
     percentile,
@@ -125,3 +128,22 @@ def test_the_report_compares_cpu_per_call_run_and_leaves_out_a_view_with_no_call
     assert out["compare"]["server_cpu_s_per_call_run"]["ratio"] == pytest.approx(2.1 / 0.95)  # not 21 / 19
     assert out["compare"]["ttft_ms_p50"]["ratio"] == 1.0
     assert "ttft_ms_after_first_calls_p50" not in out["compare"]
+
+
+def test_a_calls_decode_rate_counts_the_tokens_after_its_first_over_the_time_after_its_first():
+    assert decode_rate(11, 1.0, 3.0) == pytest.approx(5.0)
+    assert decode_rate(1, 1.0, 3.0) is None and decode_rate(None, 1.0, 3.0) is None
+    assert decode_rate(5, None, 3.0) is None and decode_rate(5, 3.0, 3.0) is None
+
+
+def test_downstream_calls_are_those_after_a_chains_first_and_roles_can_be_counted_per_conversation():
+    rows = [{"client": 0, "chain": ch, "agent": a, "step": st, "sent_s": ch * 10 + st, "ttft_ms": t,
+             "decode_tokens_per_s": r}
+            for ch, a, st, t, r in ((0, "x", 0, 900.0, 10.0), (0, "y", 1, 300.0, 20.0), (1, "x", 0, 800.0, None),
+                                    (1, "y", 1, 500.0, 30.0))]
+    out = decode_summary(rows)
+    assert out["downstream_ttft_ms_p50"] == 400.0 and out["downstream_ttft_ms"]["num"] == 2
+    assert out["decode_tokens_per_s_p50"] == 20.0 and out["decode_tokens_per_s"]["num"] == 3
+    assert [r["call_index"] for r in with_call_index(rows)] == [0, 0, 1, 1]  # per agent: one namespace
+    assert [r["call_index"] for r in with_call_index(rows, ("client", "chain", "agent"))] == [0, 0, 0, 0]
+    assert math.isnan(decode_summary([{"agent": "x", "ttft_ms": 1.0}])["downstream_ttft_ms_p50"])  # rows of old
