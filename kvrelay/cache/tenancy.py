@@ -122,6 +122,19 @@ class NamespaceLedger:
 NAMESPACE_SEPARATOR = "\0"
 
 
+def namespace_for(key_digest: str | None, salt_digest: str | None) -> str:
+    """The namespace of a request: its API key's digest (``k<hex>``, when the server has keys) and its
+    ``cache_salt``'s (``s<hex>``), "/"-joined; "" with neither."""
+    parts = ([f"k{key_digest}"] if key_digest else []) + ([f"s{salt_digest}"] if salt_digest else [])
+    return "/".join(parts)
+
+
+def tenant_of(namespace: str) -> str:
+    """The API key's part of a ``namespace_for`` namespace (the tenant: a salt is below it), "" when it has none."""
+    head = namespace.split("/", 1)[0]
+    return head if head.startswith("k") else ""
+
+
 def namespace_of(store: object) -> str:
     """The namespace ``store`` is bound to: a ``StoreView``'s (the server's ``CatalogView``), else the default ""
     (a whole store, or none)."""

@@ -51,6 +51,13 @@ DEFAULT_TARGET = QualityTarget()
 DEFAULT_START = "relay"
 
 
+def check_shadow_share(share: object) -> float:
+    """``share`` as a float in (0, 1], or a ConfigError naming the setting."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0 < share <= 1):
+        raise ConfigError(f"quality shadow share must be in (0, 1], got {share!r}")
+    return float(share)
+
+
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"quality {name} must be an integer >= 1, got {value!r}")
@@ -103,9 +110,7 @@ class QualityConfig:
         rate = self.sample_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0 <= rate <= 1):
             raise ConfigError(f"quality sample rate must be a share in [0, 1], got {rate!r}")
-        share = self.shadow_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0 < share <= 1):
-            raise ConfigError(f"quality shadow share must be in (0, 1], got {share!r}")
+        check_shadow_share(self.shadow_share)
         for name in ("first_calls_per_role", "window", "min_samples", "early_break_samples", "hold_calls"):
             _positive_int(name, getattr(self, name))
         if not self.early_break_samples <= self.min_samples <= self.window:

@@ -19,10 +19,11 @@ import dataclasses
 import math
 from collections import Counter, OrderedDict
 
+from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ConfigError
 from kvrelay.quality.config import QualityConfig
 from kvrelay.quality.ladder import LadderController, Move, RoleState, Rung, check_ladder
-from kvrelay.quality.turnover import RoleTurnover, tenant_of
+from kvrelay.quality.turnover import RoleTurnover
 
 MAX_ROLES = 10_000  # (namespace, role) states kept per tenant, least recently called out first
 

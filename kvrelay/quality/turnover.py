@@ -18,15 +18,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from kvrelay.cache.tenancy import tenant_of
+
 WINDOW_CALLS = 256  # recent calls per tenant the estimate reads: several hundred roles' worth of short-lived traffic
 JUDGED_NEW_ROLES = 16  # new roles in a tenant's window before it is judged: more agents than a team starts at once
 MAX_TENANTS = 1024  # tenants tracked, least recently seen out first (a tenant out of it starts over: long-lived)
-
-
-def tenant_of(namespace: str) -> str:
-    """The API key's part of a namespace (kvrelay.server.context: ``k<digest>/s<digest>``), "" when it has none."""
-    head = namespace.split("/", 1)[0]
-    return head if head.startswith("k") else ""
 
 
 class RoleTurnover:

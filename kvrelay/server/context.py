@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from kvrelay.cache.tenancy import namespace_for
 from kvrelay.errors import KvRelayError
 from kvrelay.reuse import PIPELINE_METHODS, get_method
 from kvrelay.server.catalog import SpanCatalog
@@ -44,17 +45,15 @@ class AppContext:
 
     def namespace_of(self, request: Request, cache_salt: str | None) -> str:
         """The tenant's namespace: its API key's digest (when keys are set) and its ``cache_salt``'s."""
-        parts = []
+        key_digest = None
         if self.settings.api_keys:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
             if key not in self.settings.api_keys:
                 raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                "authentication_error", code="invalid_api_key")
-            parts.append("k" + digest(key))
-        if cache_salt:
-            parts.append("s" + digest(cache_salt))
-        return "/".join(parts)
+            key_digest = digest(key)
+        return namespace_for(key_digest, digest(cache_salt) if cache_salt else None)
 
     def check_common(self, body, request: Request) -> tuple[str, str]:
         """The request's namespace and reuse method, after the checks every generating route shares."""

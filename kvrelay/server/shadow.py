@@ -295,9 +295,9 @@ def reference_ms(num_prompt: int, budget: ChunkBudget) -> float:
     continuation chunk."""
     fixed_ms, per_token_ms, per_key_ms = budget.coef_ms
     num_pieces = -(-num_prompt // budget.min_tokens)
-    num_keys = attended_keys(list(range(num_prompt + CONTINUATION_TOKENS)))
-    return ((num_pieces + 1) * fixed_ms + per_token_ms * (num_prompt + CONTINUATION_TOKENS)
-            + per_key_ms * num_keys)
+    num_tokens = num_prompt + CONTINUATION_TOKENS
+    num_keys = num_tokens * (num_tokens + 1) // 2  # attended_keys of positions 0..num_tokens-1, without the list
+    return (num_pieces + 1) * fixed_ms + per_token_ms * num_tokens + per_key_ms * num_keys
 
 
 class _NoStore:

@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Callable
 
-from kvrelay.errors import ConfigError
+from kvrelay.quality.config import check_shadow_share
 
 CREDIT_WINDOW_S = 60.0  # the credit a quiet minute earns at most: a new role's first shadows need not wait for it
 BUSY_WINDOW_S = 1.0  # pieces between decode steps: the share of about the last second's live work, so none bunch up
@@ -44,9 +44,7 @@ class ShadowPacer:
     paced piece; ``spent`` after every piece."""
 
     def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0 < share <= 1):
-            raise ConfigError(f"quality shadow share must be in (0, 1], got {share!r}")
-        self.share, self.clock = float(share), clock
+        self.share, self.clock = check_shadow_share(share), clock
         self.credit_ms = 0.0  # a fresh server has none: live work pays for the first reference
         self.busy_credit_ms = 0.0  # for paced pieces between decode steps: a short window of the same share
         self.spent_ms = 0.0  # every shadow piece's time

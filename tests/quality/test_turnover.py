@@ -3,8 +3,9 @@ tenant's conversations never pace another tenant."""
 
 from __future__ import annotations
 
+from kvrelay.cache.tenancy import tenant_of
 from kvrelay.quality import QualityConfig, QualityGuard
-from kvrelay.quality.turnover import JUDGED_NEW_ROLES, WINDOW_CALLS, RoleTurnover, tenant_of
+from kvrelay.quality.turnover import JUDGED_NEW_ROLES, WINDOW_CALLS, RoleTurnover
 
 WARM_UP = QualityConfig().first_calls_per_role
 
