@@ -13,12 +13,12 @@ Per problem, a fresh ``cache_salt``; the chain runs on the connector's server (e
 upstream answers as text, greedy), and each call is sent, with the very same messages, to the plain server right
 after (both see the same history, and load that drifts over time falls on both). With ``--kvrelay-serve`` a
 second pass follows: the connector's server is stopped (four servers at once do not fit the 2-core development
-machine's memory), two ``kvrelay serve`` processes start on the same model (the embedded GGUF, ``--kvrelay-model``,
-that SMOLLM2_DIR was exported from: the same chat template and prompt ids), one with its default settings
-(``epic`` under the quality guard) and one with ``--quality-target off --method full``, both on
+machine's memory), ``kvrelay serve`` processes start on the same model (the embedded GGUF, ``--kvrelay-model``,
+that SMOLLM2_DIR was exported from: the same chat template and prompt ids), one with its default settings (the
+quality guard, starting each role at its ``relay`` rung) and one with ``--quality-target off --method full``, each on
 ``--kvrelay-threads`` threads (default 1: vLLM's CPU worker runs its model on one thread of the two cores here, the
 other reserved for its engine), and every recorded call is sent again, in order and under a new salt per problem,
-to the plain server (``plain_again``, the reference of this pass) and to both.
+to the plain server (``plain_again``, the reference of this pass) and to each.
 
 Each server first answers one unmeasured request (its lazy set-up). Before each call the script waits
 ``--pause-s`` (default 1.5 s): a vLLM worker busy-polls for 1 s after its last step, both vLLM servers bind their
@@ -34,8 +34,9 @@ length).
 ``--workload mmlu-doc3`` runs three agents over a shared document instead (an analyst's notes, an answer, a check;
 every agent reads the whole document, so the downstream two find it at an offset after their own system prompt).
 ``--connector-method`` and ``--connector-profile`` set the connector's ``method`` and relay ``profile``;
-``--kvrelay-method`` runs ``kvrelay serve`` on that method with its quality guard off, and ``--skip-kvrelay-full``
-leaves out the ``full`` side.
+``--kvrelay-method`` runs ``kvrelay serve`` on that method with its quality guard off instead of its defaults,
+``--kvrelay-also`` adds a ``kvrelay serve`` side per method named (``kvrelay_<method>``, the guard off: fidelity
+against the connector's method), and ``--skip-kvrelay-full`` leaves out the ``full`` side.
 """
 
 from __future__ import annotations
@@ -63,10 +64,15 @@ from kvrelay.vllm.server_process import VllmServer, VllmServerConfig, free_port
 TOP_LOGPROBS = 20
 CALL_NUMBERS = ("ttft_ms", "total_ms", "cached_tokens", "prompt_tokens", "completion_tokens", "decode_tokens_per_s",
                 "kvrelay")
-# each side's fidelity and TTFT ratio are against vLLM without the connector at the same moments: kvrelay serve's
-# sides run in a second pass (the four servers at once do not fit the development machine's memory) beside a plain
-# vLLM server again
-REFERENCE_OF = {"connector": "plain", "kvrelay_serve": "plain_again", "kvrelay_full": "plain_again"}
+
+
+def reference_of(side: str) -> str | None:
+    """The side a side's fidelity and TTFT ratio are measured against: vLLM without the connector at the same
+    moments. kvrelay serve's sides (``kvrelay_*``) run in a second pass (the connector's server stopped for memory)
+    beside a plain vLLM server again."""
+    if side == "connector":
+        return "plain"
+    return "plain_again" if side.startswith("kvrelay_") else None
 
 
 def chat(client: OpenAI, model: str, messages: list[dict], max_tokens: int, salt: str) -> dict:
@@ -147,11 +153,11 @@ def call_sides(row: dict, order: tuple[str, ...], clients: dict[str, OpenAI], mo
 
 
 def numbers(outs: dict[str, dict]) -> dict[str, dict]:
-    """Each side's call numbers; a side with a reference (``REFERENCE_OF``) also its first-token fidelity."""
+    """Each side's call numbers; a side with a reference (``reference_of``) also its first-token fidelity."""
     out = {}
     for side, call in outs.items():
         out[side] = {k: call[k] for k in CALL_NUMBERS}
-        ref = outs.get(REFERENCE_OF.get(side, ""))
+        ref = outs.get(reference_of(side) or "")
         if ref is not None:
             agree, kl = first_token_fidelity(ref["first_logprobs"], call["first_logprobs"])
             out[side].update(first_token_agree=agree, kl_first_token_top=kl, same_text=call["text"] == ref["text"])
@@ -171,7 +177,7 @@ def summarize(rows: list[dict], sides: list[str]) -> dict:
         mine = [r for r in rows if r["agent"] == agent]
         stats: dict = {"n_calls": len(mine), "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in mine)}
         for side in sides:
-            calls, ref = [r[side] for r in mine], REFERENCE_OF.get(side, side)
+            calls, ref = [r[side] for r in mine], reference_of(side) or side
             s = {"ttft_ms_median": statistics.median(c["ttft_ms"] for c in calls),
                  "ttft_ratio_median": statistics.median(c["ttft_ms"] / r[ref]["ttft_ms"]
                                                         for c, r in zip(calls, mine, strict=True)),
@@ -179,7 +185,7 @@ def summarize(rows: list[dict], sides: list[str]) -> dict:
                  "prompt_tokens_mismatches": sum(c["prompt_tokens"] != r[ref]["prompt_tokens"]
                                                  for c, r in zip(calls, mine, strict=True)),
                  "decode_tokens_per_s_median": _median_rate(mine, side)}
-            if side in REFERENCE_OF:
+            if reference_of(side) is not None:
                 s.update(first_token_agreement=statistics.mean(c["first_token_agree"] for c in calls),
                          kl_first_token_top_mean=statistics.mean(c["kl_first_token_top"] for c in calls),
                          same_text_share=statistics.mean(c["same_text"] for c in calls))
@@ -282,6 +288,8 @@ def main() -> None:
     parser.add_argument("--skip-kvrelay-full", action="store_true", help="leave out kvrelay serve --method full")
     parser.add_argument("--kvrelay-method", default=None, help="kvrelay serve runs this method with the quality guard "
                         "off (default: its defaults, the guard)")
+    parser.add_argument("--kvrelay-also", default="", help="more kvrelay serve sides, one per method "
+                        "(comma-separated, e.g. epic), each with the quality guard off: sides kvrelay_<method>")
     parser.add_argument("--pause-s", type=float, default=1.5, help="wait before each call")
     parser.add_argument("--workload", default="gsm8k-chain3", choices=("gsm8k-chain3", "mmlu-doc3"),
                         help="the pipeline: a chain of answers, or three agents over a shared document")
@@ -320,6 +328,8 @@ def main() -> None:
                 sides_flags["kvrelay_serve"] = ("--quality-target", "off", "--method", args.kvrelay_method)
             if args.skip_kvrelay_full:
                 sides_flags.pop("kvrelay_full")
+            for method in filter(None, args.kvrelay_also.split(",")):
+                sides_flags[f"kvrelay_{method}"] = ("--quality-target", "off", "--method", method)
             for side, flags in sides_flags.items():
                 log = os.path.join(args.log_dir, f"vllm-chain-{side}.log") if args.log_dir else None
                 servers[side] = KvrelayServe(args.kvrelay_model, flags, args.kvrelay_threads, log)
@@ -350,7 +360,7 @@ def open_clients(urls: dict[str, str]) -> tuple[dict[str, OpenAI], dict[str, str
 def show(row: dict, sides: list[str]) -> None:
     print(f"{row['problem_id']} {row['agent']:9s} prompt {row['prompt_tokens']:4d}  " + "  ".join(
         f"{side} TTFT {row[side]['ttft_ms']:6.0f} cached {row[side]['cached_tokens']:4d}"
-        + (f" KL {row[side]['kl_first_token_top']:.4f}" if side in REFERENCE_OF else "") for side in sides),
+        + (f" KL {row[side]['kl_first_token_top']:.4f}" if reference_of(side) is not None else "") for side in sides),
         flush=True)
 
 
@@ -363,7 +373,7 @@ def report(args: argparse.Namespace, rows: list[dict], sides: list[str], load_st
             print(f"{agent:9s} {side:14s} TTFT median {s['ttft_ms_median']:6.0f} ms (x{s['ttft_ratio_median']:.2f} "
                   f"plain), cached {s['cached_tokens_mean']:5.1f} of {stats['prompt_tokens_mean']:.0f}"
                   + (f", agree {s['first_token_agreement']:.2f}, KL {s['kl_first_token_top_mean']:.4f}"
-                     if side in REFERENCE_OF else "")
+                     if reference_of(side) is not None else "")
                   + (f", {s['prompt_tokens_mismatches']} prompt-token mismatches" if s["prompt_tokens_mismatches"]
                      else ""))
     for side, s in summary["by_side"].items():
@@ -374,7 +384,7 @@ def report(args: argparse.Namespace, rows: list[dict], sides: list[str], load_st
         env = {"machine": f"{platform.node()} {platform.machine()}", "num_cpus": os.cpu_count(),
                "transport": "OpenAI HTTP servers", "client": "openai (streamed)", "pause_s": args.pause_s,
                "load_avg_1_5_15_start": load_start, "load_avg_1_5_15_end": os.getloadavg(),
-               "references": REFERENCE_OF,
+               "references": {side: reference_of(side) for side in sides if reference_of(side) is not None},
                "server_args": started}
         with open(args.json, "w") as f:
             json.dump({"env": env, "workload": args.workload, "n": args.limit, "offset": args.offset,
