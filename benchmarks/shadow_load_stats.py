@@ -1,11 +1,13 @@
 """benchmarks/quality_shadow_load.py's pure helpers: percentiles, the ABAB plan and the pairing of its phases, the
-``/metrics`` diff, each role's call count, and the summaries of a phase's calls (TTFT, decode rate). No server."""
+``/metrics`` diff, each role's call count, and the summaries of a phase's calls (TTFT, decode rate); and the shadow
+pacer's replay over recorded calls (benchmarks/shadow_pacer_replay.py). No server."""
 
 from __future__ import annotations
 
 import math
 import statistics
 
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -123,3 +125,70 @@ def decode_rate(num_tokens: int | None, first_s: float | None, end_s: float) -> 
     if not num_tokens or num_tokens < 2 or first_s is None or end_s <= first_s:
         return None
     return (num_tokens - 1) / (end_s - first_s)
+
+
+# ------------------------------------------------------------------------------------------------ the pacer replay
+def call_live_ms(call: dict) -> tuple[float, float]:
+    """A recorded call's live engine time: its prefill (engine TTFT less its queue wait) and its decode (the time
+    from its first token to its end, which one client's call has to itself)."""
+    prefill_ms = call["engine_ttft_ms"] - (call["queue_ms"] or 0.0)
+    return prefill_ms, max(0.0, call["total_ms"] - call["ttft_ms"])
+
+
+def fit_prefill_coef(calls: list[dict], chunk_tokens: int) -> tuple[float, float, float]:
+    """The chunk budget's (fixed per piece, per token, per attended key) in ms, fitted to the recorded calls that
+    reused nothing (their engine TTFT is a whole prefill, in pieces of ``chunk_tokens``): non-negative least squares
+    of relative error, as the budget fits its pieces (each subset of terms, the best feasible one)."""
+    rows = [c for c in calls if not c["cached_tokens"] and c["prompt_tokens"]]
+    if not rows:
+        raise ValueError("no recorded call without cached tokens to fit")
+    n = np.array([c["prompt_tokens"] for c in rows], dtype=float)
+    ms = np.array([call_live_ms(c)[0] for c in rows])
+    design = np.stack([np.ceil(n / chunk_tokens), n, n * (n + 1) / 2], axis=1) / ms[:, None]  # relative error
+    best, best_err = None, math.inf
+    for terms in ((1,), (0, 1), (1, 2), (0, 1, 2)):
+        sol, *_ = np.linalg.lstsq(design[:, terms], np.ones(len(rows)), rcond=None)
+        err = float(np.sum((design[:, terms] @ sol - 1.0) ** 2))
+        if np.all(sol >= 0) and err < best_err * (1 - 1e-9):
+            coef = [0.0, 0.0, 0.0]
+            for term, value in zip(terms, sol, strict=True):
+                coef[term] = float(value)
+            best, best_err = tuple(coef), err
+    if best is None:
+        raise ValueError("no non-negative fit")
+    return best
+
+
+def replay_pacer(calls: list[dict], pacer, cost_ms, affordable) -> dict:
+    """The calls, in send order, through ``pacer`` (a ``ShadowPacer`` on an injected clock): each call's prefill
+    earns, then it is offered at its first token (``affordable(pacer, cost)``: taken and charged ``cost_ms(call)``),
+    then its decode earns. Every call is offered (a tenant that salts each conversation: every call its role's
+    first) and a reference takes its predicted time. Whether each call was shadowed, and the shadows' share of the
+    live time."""
+    taken, shadow_ms, live_ms = [], 0.0, 0.0
+    for call in sorted(calls, key=lambda c: c["sent_s"]):
+        prefill_ms, decode_ms = call_live_ms(call)
+        pacer.live_turn(prefill_ms)
+        cost = cost_ms(call)
+        taken.append(bool(affordable(pacer, cost)))
+        if taken[-1]:
+            pacer.take(cost)
+            shadow_ms += cost
+        pacer.live_turn(decode_ms)
+        live_ms += prefill_ms + decode_ms
+    return {"taken": taken, "num_shadowed": sum(taken), "shadow_ms": shadow_ms, "live_ms": live_ms,
+            "shadow_share_of_live": shadow_ms / live_ms if live_ms else float("nan")}
+
+
+def shadowed_by_quartile(num_tokens: list[int], taken: list[bool], edges: list[float] | None = None) -> dict:
+    """Calls and shadowed calls per prompt-length quartile (edges: the 25/50/75th percentiles of ``num_tokens``
+    unless given; a length on an edge falls in the lower quartile)."""
+    edges = [percentile(num_tokens, q) for q in (0.25, 0.5, 0.75)] if edges is None else edges
+    quartiles = [{"num_calls": 0, "num_shadowed": 0} for _ in range(4)]
+    for n, t in zip(num_tokens, taken, strict=True):
+        q = quartiles[sum(n > e for e in edges)]
+        q["num_calls"] += 1
+        q["num_shadowed"] += bool(t)
+    for q in quartiles:
+        q["share_shadowed"] = q["num_shadowed"] / q["num_calls"] if q["num_calls"] else None
+    return {"edges_tokens": edges, "quartiles": quartiles}

@@ -12,9 +12,10 @@ A shadow is work nobody waits for, so it runs at the lowest priority: the worker
 only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT, each piece
 sized by the worker's ``ChunkBudget`` by predicted time, as live pieces are. For a namespace whose roles do not live
 through their warm-up (the guard's ``paced``), a ``ShadowPacer`` (kvrelay.server.shadow_pacer) holds the shadows to
-a share of the live compute: a call is shadowed only on credit, a piece runs between decode steps only on a short
-credit and in idle time only once the engine has been idle as long as the piece takes, and a paced piece is the
-least the budget gives, so a stream's next token, or a new request's first, waits for at most that.
+a share of the live compute: a call is shadowed only on credit (whatever its length), a piece runs between decode
+steps only on a short credit and in idle time only once the engine has been idle as long as the piece takes, and a
+paced piece is the least the budget gives, so a stream's next token, or a new request's first, waits for at most
+that.
 Its KV is private: it is planned without a store (nothing is read, published or counted as reuse) and freed once
 compared; before that, a ``ShadowTeacher`` hands it to the ladder's learning rungs as their
 own dense prefill of the call. Its compute time, teaching included, is what it costs, counted per shadow and
@@ -138,18 +139,18 @@ class ShadowRunner:
     def offer(self, namespace: str, role: str, rung: str, seq: Sequence, budget: ChunkBudget) -> ShadowJob | None:
         """After ``seq``'s first token: when the guard samples (namespace, role), queue its reference and tap the
         sequence's next decode logits. The sequence must not have decoded past its first token yet. A paced
-        namespace's call is offered as affordable only when the pacer's credit covers its reference's predicted
-        time (``budget``'s fit), which it is then charged."""
+        namespace's call is offered as affordable only while the pacer's credit is positive, whatever the call's
+        length, and is then charged its reference's predicted time (``budget``'s fit)."""
         if len(self._pending) >= MAX_PENDING_SHADOWS:
             return None
         paced = self.pacer is not None and self.guard.paced(namespace)
-        cost_ms = reference_ms(len(seq.prompt_ids), budget) if paced else 0.0
         if self.pacer is None:
             sampled = self.guard.should_shadow(namespace, role)
         else:
-            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable(cost_ms))
+            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable())
         if not sampled:
             return None
+        cost_ms = reference_ms(len(seq.prompt_ids), budget) if paced else 0.0
         if paced:
             self.pacer.take(cost_ms)
         tap = LogitsTap(seq.options.logits_mask, CONTINUATION_TOKENS)

@@ -6,11 +6,16 @@ guard shadows every one of a role's first calls, its warm-up; a tenant that send
 prefill. For such a tenant (the guard's ``paced`` namespaces, kvrelay.quality.turnover) the pacer holds the
 shadows to a share of the live work, by three rules in engine time as the worker measures it:
 
-1. **Taken only on credit.** Each live turn (its prefill pieces and decode step) earns ``share`` of its time; a
-   paced call is shadowed only when the credit covers its reference's predicted time, which it is charged at once
-   (and the difference when it ends, whole). The credit is one pool for the server, kept under ``CREDIT_WINDOW_S``
-   seconds' worth of the share (or one reference's time if that is more). So the paced shadows take at most
-   ``share`` of the live compute, plus the window's credit.
+1. **Taken on credit, whatever its length.** Each live turn (its prefill pieces and decode step) earns ``share`` of
+   its time; a paced call is shadowed when the credit is positive, and charged its reference's predicted time at
+   once (and the difference when it ends, whole), which may leave the credit in debt: the next paced call is
+   shadowed once live work has repaid it. Whether a call is shadowed does not depend on its own cost, so the
+   guard's sample of a paced tenant holds long prompts (where reuse errors grow) as often as short ones; a rule
+   that waited for the credit to cover each call's own cost would spend it on the short calls as soon as it
+   covered them and almost never shadow a long one. A long reference costs its own time in the gap after it, not
+   a wait before it: a call that is never shadowed holds nothing back, however long. The credit is one pool for the
+   server, kept under ``CREDIT_WINDOW_S`` seconds' worth of the share. So the paced shadows take at most ``share``
+   of the live compute, plus the window's credit and the last reference's time (taken on a credit just above 0).
 2. **Paced while live requests run.** In a turn with live work a paced shadow runs one piece of the least size
    (the chunk budget's ``min_tokens``), only while a second credit, ``BUSY_WINDOW_S`` seconds' worth of the share,
    is positive: the running streams' decode steps wait for shadow pieces about ``share`` of their time.
@@ -21,7 +26,8 @@ shadows to a share of the live work, by three rules in engine time as the worker
 
 A tenant whose roles live long (agents called again and again in one namespace) keeps its warm-up: its shadows run
 as they always did, in any turn no live prefill waits for, a turn's budget a piece, and their time is spent from
-the same credit (down to a window's debt at most), so a paced tenant beside it gets less.
+the same credit (down to a window's debt at most; a deeper debt, a paced reference's, is left as it is), so a
+paced tenant beside it gets less.
 
 Pure bookkeeping on an injected clock: the worker tells it live time, shadow time and when the engine went idle.
 """
@@ -48,12 +54,11 @@ class ShadowPacer:
         self.credit_ms = 0.0  # a fresh server has none: live work pays for the first reference
         self.busy_credit_ms = 0.0  # for paced pieces between decode steps: a short window of the same share
         self.spent_ms = 0.0  # every shadow piece's time
-        self._asked_ms = 0.0  # the last reference refused: the credit may grow to its time
         self._idle_since: float | None = None  # when the engine's live work last ended; None while there is some
 
     @property
     def cap_ms(self) -> float:
-        return max(self.share * CREDIT_WINDOW_S * 1e3, self._asked_ms)
+        return self.share * CREDIT_WINDOW_S * 1e3
 
     def live_turn(self, ms: float) -> None:
         """A turn with live work took ``ms`` of engine time (it earns credit; the engine is busy)."""
@@ -71,15 +76,14 @@ class ShadowPacer:
     def is_idle(self) -> bool:
         return self._idle_since is not None
 
-    def affordable(self, cost_ms: float) -> bool:
-        """Whether the credit covers a reference predicted at ``cost_ms``."""
-        if self.credit_ms >= cost_ms:
-            return True
-        self._asked_ms = cost_ms
-        return False
+    def affordable(self) -> bool:
+        """Whether a paced call may be shadowed now: the credit is positive (its own cost is not asked, so which
+        calls are shadowed does not depend on their length; a fresh server waits for its first live turn)."""
+        return self.credit_ms > 0
 
     def take(self, cost_ms: float) -> None:
-        """A paced reference predicted at ``cost_ms`` was taken: charged now."""
+        """A paced reference predicted at ``cost_ms`` was taken: charged now, into debt if it costs more than the
+        credit (repaid by live work before the next is taken)."""
         self.credit_ms -= cost_ms
 
     def settle(self, ms: float) -> None:
@@ -96,8 +100,9 @@ class ShadowPacer:
     def spent(self, ms: float, paced: bool) -> None:
         """A shadow piece took ``ms`` of engine time: a paced one between decode steps spends the busy credit (its
         reference was charged when taken), one that is not spends the credit."""
-        if not paced:  # at most a window's debt: a long-lived tenant's warm-up does not shut the paced ones out long
-            self.credit_ms = min(self.cap_ms, max(-self.cap_ms, self.credit_ms - ms))
+        if not paced:  # at most a window's debt: a long-lived tenant's warm-up does not shut the paced ones out long;
+            # a deeper debt is a paced reference's charge, which this floor must not forgive
+            self.credit_ms = min(self.cap_ms, max(min(self.credit_ms, -self.cap_ms), self.credit_ms - ms))
         elif self._idle_since is None:
             self.busy_credit_ms -= ms
         self.spent_ms += ms

@@ -6,6 +6,7 @@ turn with that clock (no thread, no timing)."""
 from __future__ import annotations
 
 import math
+import random
 import time
 
 import pytest
@@ -25,22 +26,103 @@ class Clock:
         return self.now_s
 
 
-def test_a_reference_is_taken_when_live_work_has_paid_for_it_and_charged_at_once():
+def test_a_reference_is_taken_on_a_positive_credit_and_charged_at_once_into_debt():
     pacer = ShadowPacer(0.05, Clock())
-    assert pacer.credit_ms == 0 and not pacer.affordable(1.0)  # a fresh server has no credit
+    assert pacer.credit_ms == 0 and not pacer.affordable()  # a fresh server has no credit
     pacer.live_turn(1000.0)
-    assert pacer.credit_ms == pytest.approx(50.0)
-    assert not pacer.affordable(60.0) and pacer.affordable(50.0)
-    pacer.take(50.0)
-    assert pacer.credit_ms == pytest.approx(0.0) and not pacer.affordable(50.0)  # no second one on the same credit
+    assert pacer.credit_ms == pytest.approx(50.0) and pacer.affordable()
+    pacer.take(200.0)  # dearer than the credit: taken all the same, the rest is a debt
+    assert pacer.credit_ms == pytest.approx(-150.0) and not pacer.affordable()  # no second one until it is repaid
+    pacer.live_turn(3000.0)
+    assert pacer.credit_ms == pytest.approx(0.0) and not pacer.affordable()
     pacer.settle(-20.0)  # it ran 20 ms under its charge
-    assert pacer.credit_ms == pytest.approx(20.0)
+    assert pacer.credit_ms == pytest.approx(20.0) and pacer.affordable()
     pacer.live_turn(CREDIT_WINDOW_S * 1e3 * 10)
-    assert pacer.credit_ms == pytest.approx(0.05 * CREDIT_WINDOW_S * 1e3)  # a minute's share at most
-    big_ms = pacer.cap_ms * 2  # a reference dearer than the window's share: the credit may grow to it
-    assert not pacer.affordable(big_ms)
-    pacer.live_turn(CREDIT_WINDOW_S * 1e3 * 10)
-    assert pacer.affordable(big_ms)
+    assert pacer.credit_ms == pytest.approx(0.05 * CREDIT_WINDOW_S * 1e3) == pacer.cap_ms  # a minute's share at most
+    big_ms = pacer.cap_ms * 20  # a reference dearer than the window's share needs no more than a positive credit
+    assert pacer.affordable()
+    pacer.take(big_ms)
+    assert pacer.credit_ms == pytest.approx(-19 * pacer.cap_ms)
+    pacer.spent(10.0, paced=False)  # a long-lived tenant's piece: its floor (a window's debt) forgives no paced debt
+    assert pacer.credit_ms == pytest.approx(-19 * pacer.cap_ms)
+
+
+def _replay(pacer: ShadowPacer, calls) -> list[bool]:
+    """Each call (live_ms, cost_ms): its live work, then offered at its first token (taken when affordable), its
+    reference as long as predicted. Whether each was shadowed."""
+    taken = []
+    for live_ms, cost_ms in calls:
+        pacer.live_turn(live_ms)
+        taken.append(pacer.affordable())
+        if taken[-1]:
+            pacer.take(cost_ms)
+    return taken
+
+
+SHORT_MS, LONG_MS = 600.0, 4000.0  # a long reference dearer than the window's credit (3 s at a 5% share)
+
+
+def test_a_steady_mix_of_short_and_long_calls_has_its_long_ones_shadowed_as_often_as_its_short_ones():
+    """Short and long calls alternate, each with live time of the same spread (seeded, not timed): a rule that asks
+    the credit to cover the call's own cost spends it on the short ones; here the long ones are shadowed about as
+    often, so the guard's sample of the tenant is not the short prompts'. Not exactly as often: a short reference's
+    debt is repaid in a few calls, and with the lengths strictly alternating, the parity of that count favours one
+    kind (0.86-1.06 long per short over seeds here; 0.8 with short debts of two calls)."""
+    rng = random.Random(7)
+    calls = [(rng.uniform(500.0, 1500.0), LONG_MS if k % 2 else SHORT_MS) for k in range(40_000)]
+    taken = _replay(ShadowPacer(0.05, Clock()), calls)
+    num_short = sum(t for t, c in zip(taken, calls, strict=True) if c[1] == SHORT_MS)
+    num_long = sum(t for t, c in zip(taken, calls, strict=True) if c[1] == LONG_MS)
+    assert num_long > 200  # long references every few minutes of live work, not never
+    assert 0.8 < num_long / num_short < 1.25
+    # the share pays for the mix's mean cost: about share * live / mean cost references
+    expected = 0.05 * sum(c[0] for c in calls) / ((SHORT_MS + LONG_MS) / 2)
+    assert 0.9 * expected < num_short + num_long < 1.1 * expected
+
+
+def test_an_outlier_is_shadowed_like_any_call_and_holds_the_sampling_back_only_for_its_own_cost():
+    """A huge prompt now and then (a reference of 20 minutes' share): refused while the credit is spent, it changes
+    nothing for the calls after it; taken on a positive credit, the next reference waits exactly for the live work
+    that repays its cost."""
+    share, live_ms, outlier_ms = 0.05, 1000.0, 60_000.0
+    steady = [(live_ms, SHORT_MS)] * 100
+    with_outlier = steady[:10] + [(live_ms, outlier_ms)] + steady[11:]
+    plain = _replay(ShadowPacer(share, Clock()), steady)
+    assert not plain[10]  # the outlier's turn falls on a debt: refused, as the short call there was
+    assert _replay(ShadowPacer(share, Clock()), with_outlier) == plain  # and the calls after it see no difference
+    pacer = ShadowPacer(share, Clock())
+    first = _replay(pacer, [(live_ms, outlier_ms)])  # the first call on a fresh server is the outlier
+    after = _replay(pacer, [(live_ms, SHORT_MS)] * 2000)
+    assert first == [True]
+    num_repay = math.ceil((outlier_ms - share * live_ms) / (share * live_ms))  # calls whose live work repays it
+    assert after.index(True) == num_repay  # the call right after the debt is repaid, no later
+    assert sum(after) == pytest.approx((2000 - num_repay) * share * live_ms / SHORT_MS, abs=1)  # then as before
+
+
+def test_the_paced_shadows_take_at_most_the_share_plus_a_window_and_one_reference_over_a_long_run():
+    """Heavy-tailed costs, references that run over or under their charge, a long-lived tenant's pieces spending
+    the same credit: at every call the paced references' time stays under ``share`` of the live time plus the
+    window's credit and the longest reference, and over the run it comes close to the share."""
+    rng = random.Random(11)
+    share = 0.05
+    pacer = ShadowPacer(share, Clock())
+    live_ms = paced_ms = longest_ms = 0.0
+    for k in range(60_000):
+        live = rng.uniform(200.0, 3000.0)
+        pacer.live_turn(live)
+        live_ms += live
+        if k % 5000 == 4999:  # a long-lived tenant's warm-up: its pieces spend the credit, down to a window's debt
+            for _ in range(20):
+                pacer.spent(1000.0, paced=False)
+        if pacer.affordable():
+            cost = min(rng.lognormvariate(6.0, 1.2), 600_000.0)  # 400 ms typical, now and then a minute and more
+            actual = cost * rng.uniform(0.6, 1.6)  # the cost model's error, a little over on average
+            pacer.take(cost)
+            pacer.settle(actual - cost)
+            paced_ms += actual
+            longest_ms = max(longest_ms, actual)
+        assert paced_ms <= share * live_ms + pacer.cap_ms + longest_ms
+    assert 0.9 * share < paced_ms / live_ms <= share
 
 
 def test_a_paced_piece_between_decode_steps_needs_the_short_credit_and_one_in_idle_time_needs_idle_time():
