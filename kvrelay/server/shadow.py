@@ -136,18 +136,20 @@ class ShadowRunner:
         """The pending shadows that can advance, in order (one waiting only for its live continuation cannot)."""
         return [s for s in self._pending if s.task is None or not s.task.done or s.continuation_ready]
 
-    def offer(self, namespace: str, role: str, rung: str, seq: Sequence, budget: ChunkBudget) -> ShadowJob | None:
+    def offer(self, namespace: str, role: str, rung: str, seq: Sequence, budget: ChunkBudget,
+              prefill_ms: float = 0.0) -> ShadowJob | None:
         """After ``seq``'s first token: when the guard samples (namespace, role), queue its reference and tap the
         sequence's next decode logits. The sequence must not have decoded past its first token yet. A paced
-        namespace's call is offered as affordable only while the pacer's credit is positive, whatever the call's
-        length, and is then charged its reference's predicted time (``budget``'s fit)."""
+        namespace's call is offered as affordable only while the pacer's credit, less what ``seq``'s own prefill
+        (``prefill_ms`` of engine time) earned, is positive, whatever the call's length, and is then charged its
+        reference's predicted time (``budget``'s fit)."""
         if len(self._pending) >= MAX_PENDING_SHADOWS:
             return None
         paced = self.pacer is not None and self.guard.paced(namespace)
         if self.pacer is None:
             sampled = self.guard.should_shadow(namespace, role)
         else:
-            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable())
+            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable(prefill_ms))
         if not sampled:
             return None
         cost_ms = reference_ms(len(seq.prompt_ids), budget) if paced else 0.0

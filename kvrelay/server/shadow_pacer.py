@@ -7,10 +7,12 @@ prefill. For such a tenant (the guard's ``paced`` namespaces, kvrelay.quality.tu
 shadows to a share of the live work, by three rules in engine time as the worker measures it:
 
 1. **Taken on credit, whatever its length.** Each live turn (its prefill pieces and decode step) earns ``share`` of
-   its time; a paced call is shadowed when the credit is positive, and charged its reference's predicted time at
-   once (and the difference when it ends, whole), which may leave the credit in debt: the next paced call is
-   shadowed once live work has repaid it. Whether a call is shadowed does not depend on its own cost, so the
-   guard's sample of a paced tenant holds long prompts (where reuse errors grow) as often as short ones; a rule
+   its time; a paced call is shadowed when the credit is positive without what its own prefill earned, and charged
+   its reference's predicted time at once (and the difference when it ends, whole), which may leave the credit in
+   debt: the next paced call is shadowed once live work has repaid it. Whether a call is shadowed depends neither on
+   its own cost nor on its own prefill's time (a long prefill would otherwise earn the credit it is then shadowed
+   on, and one client's long calls would be shadowed more often), so the guard's sample of a paced tenant holds
+   long prompts (where reuse errors grow) as often as short ones; a rule
    that waited for the credit to cover each call's own cost would spend it on the short calls as soon as it
    covered them and almost never shadow a long one. A long reference costs its own time in the gap after it, not
    a wait before it: a call that is never shadowed holds nothing back, however long. The credit is one pool for the
@@ -76,10 +78,11 @@ class ShadowPacer:
     def is_idle(self) -> bool:
         return self._idle_since is not None
 
-    def affordable(self) -> bool:
-        """Whether a paced call may be shadowed now: the credit is positive (its own cost is not asked, so which
-        calls are shadowed does not depend on their length; a fresh server waits for its first live turn)."""
-        return self.credit_ms > 0
+    def affordable(self, prefill_ms: float = 0.0) -> bool:
+        """Whether a paced call whose own prefill took ``prefill_ms`` of live time may be shadowed now: the credit,
+        less what that prefill earned, is positive (neither its cost nor its prefill is asked, so which calls are
+        shadowed does not depend on their length; a fresh server waits for its first live turn)."""
+        return self.credit_ms - self.share * prefill_ms > 0
 
     def take(self, cost_ms: float) -> None:
         """A paced reference predicted at ``cost_ms`` was taken: charged now, into debt if it costs more than the

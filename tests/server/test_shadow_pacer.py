@@ -80,6 +80,26 @@ def test_a_steady_mix_of_short_and_long_calls_has_its_long_ones_shadowed_as_ofte
     assert 0.9 * expected < num_short + num_long < 1.1 * expected
 
 
+def test_a_calls_own_prefill_does_not_earn_the_credit_it_is_shadowed_on():
+    """One client, random short and long calls, a long call's prefill 20x a short one's (seeded, not timed): were
+    its own prefill's earning counted, the credit would turn positive during the long calls' prefills and they would
+    be shadowed several times as often as the short ones (3.5-3.9x here); without it, about as often."""
+    rng, pacer = random.Random(7), ShadowPacer(0.05, clock=lambda: 0.0)
+    num_calls, num_taken = {"short": 0, "long": 0}, {"short": 0, "long": 0}
+    for _ in range(20000):
+        kind = rng.choice(("short", "long"))
+        prefill_ms = (300.0 if kind == "short" else 6000.0) * rng.uniform(0.8, 1.2)
+        pacer.live_turn(prefill_ms)
+        num_calls[kind] += 1
+        if pacer.affordable(prefill_ms):
+            pacer.take(600.0 if kind == "short" else 6000.0)
+            num_taken[kind] += 1
+        pacer.live_turn(1500.0 * rng.uniform(0.5, 1.5))  # its decode
+    rate = {kind: num_taken[kind] / num_calls[kind] for kind in num_calls}
+    assert min(rate.values()) > 0
+    assert 0.85 < rate["long"] / rate["short"] < 1.15
+
+
 def test_an_outlier_is_shadowed_like_any_call_and_holds_the_sampling_back_only_for_its_own_cost():
     """A huge prompt now and then (a reference of 20 minutes' share): refused while the credit is spent, it changes
     nothing for the calls after it; taken on a positive credit, the next reference waits exactly for the live work
@@ -256,6 +276,20 @@ def test_without_credit_a_paced_call_is_not_shadowed_and_decode_turns_run_no_pac
     clock.now_s += 1e3
     _drain(worker, first, second)  # once idle, the shadow taken runs on without credit
     assert len(guard.records) == 1
+    worker.stop()
+
+
+def test_the_worker_asks_the_credit_without_what_the_calls_own_prefill_earned(tiny):
+    """The worker hands the pacer the call's own prefill time (its engine work, measured), so that a long prefill
+    does not earn the credit its own reference is taken on."""
+    worker, _ = _paced_worker(tiny, Clock())
+    pacer = worker.shadows.pacer
+    asked = []
+    pacer.affordable = lambda prefill_ms=0.0: asked.append(prefill_ms) or True
+    job = _job(worker, tiny.tokenizer.encode("a sampled request " * 6), "sampled", 3)
+    worker.submit(job)
+    _end(worker, job)
+    assert asked == [job.prefill_compute_ms] and job.prefill_compute_ms > 0
     worker.stop()
 
 
