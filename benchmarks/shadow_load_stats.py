@@ -161,7 +161,8 @@ def fit_prefill_coef(calls: list[dict], chunk_tokens: int) -> tuple[float, float
 
 def replay_pacer(calls: list[dict], pacer, cost_ms, affordable) -> dict:
     """The calls, in send order, through ``pacer`` (a ``ShadowPacer`` on an injected clock): each call's prefill
-    earns, then it is offered at its first token (``affordable(pacer, cost)``: taken and charged ``cost_ms(call)``),
+    earns, then it is offered at its first token (``affordable(pacer, cost, prefill_ms)``: taken and charged
+    ``cost_ms(call)``),
     then its decode earns. Every call is offered (a tenant that salts each conversation: every call its role's
     first) and a reference takes its predicted time. Whether each call was shadowed, and the shadows' share of the
     live time."""
@@ -170,7 +171,7 @@ def replay_pacer(calls: list[dict], pacer, cost_ms, affordable) -> dict:
         prefill_ms, decode_ms = call_live_ms(call)
         pacer.live_turn(prefill_ms)
         cost = cost_ms(call)
-        taken.append(bool(affordable(pacer, cost)))
+        taken.append(bool(affordable(pacer, cost, prefill_ms)))
         if taken[-1]:
             pacer.take(cost)
             shadow_ms += cost

@@ -59,8 +59,10 @@ class OwnCostPacer(ShadowPacer):
         return False
 
 
-RULES = {"positive_credit": (ShadowPacer, lambda pacer, cost: pacer.affordable()),
-         "own_cost": (OwnCostPacer, lambda pacer, cost: pacer.covers(cost))}
+# the server's rule; the same with the call's own prefill earning counted; the credit asked to cover the call's cost
+RULES = {"positive_credit": (ShadowPacer, lambda pacer, cost, prefill_ms: pacer.affordable(prefill_ms)),
+         "positive_credit_own_prefill_counted": (ShadowPacer, lambda pacer, cost, prefill_ms: pacer.affordable()),
+         "own_cost": (OwnCostPacer, lambda pacer, cost, prefill_ms: pacer.covers(cost))}
 
 
 def replay(calls: list[dict], share: float, cost_ms, edges: list[float]) -> dict:

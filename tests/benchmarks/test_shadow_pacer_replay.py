@@ -26,12 +26,16 @@ def test_the_prefill_fit_recovers_a_piece_cost_a_token_cost_and_an_attention_cos
 
 
 def test_a_call_is_offered_after_its_prefill_has_earned_and_before_its_decode_does():
-    """Share 0.5: the first call's prefill (100 ms) earns 50 ms, so it is offered on a positive credit; its decode's
-    earnings come after the offer, so the second call, with no prefill of its own, finds the debt."""
+    """Share 0.5: the first call's prefill (100 ms) earns 50 ms, so it is offered on a positive credit (its own
+    prefill's earning counted here) or not (the server's rule leaves it out); its decode's earnings come after the
+    offer, so the second call, with no prefill of its own, finds the debt (or, by the server's rule, the credit)."""
     calls = [_row(10, 100.0, 100.0, sent_s=0.0), _row(10, 0.0, 1000.0, sent_s=1.0), _row(10, 0.0, 0.0, sent_s=2.0)]
     out = replay_pacer(calls[::-1], ShadowPacer(0.5, lambda: 0.0), lambda c: 200.0,  # sorted by send time
-                       lambda pacer, cost: pacer.affordable())
+                       lambda pacer, cost, prefill_ms: pacer.affordable())
     assert out["taken"] == [True, False, True]
+    own = replay_pacer(calls, ShadowPacer(0.5, lambda: 0.0), lambda c: 200.0,
+                       lambda pacer, cost, prefill_ms: pacer.affordable(prefill_ms))
+    assert own["taken"] == [False, True, True]
     assert out["shadow_ms"] == 400.0 and out["live_ms"] == pytest.approx(1200.0)
     assert out["shadow_share_of_live"] == pytest.approx(400.0 / 1200.0)
 
