@@ -159,6 +159,9 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict | None:
 
 def chat_response_format(text: dict[str, Any] | None) -> dict | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):  # `text` is any dict, so its format comes unchecked
+        raise _refuse("text.format must be an object, e.g. {\"type\": \"json_object\"}", "text.format",
+                      "invalid_value")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

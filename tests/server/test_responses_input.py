@@ -94,6 +94,14 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(kw, param, named):
     assert err.value.status == 400 and err.value.param == param and named in err.value.message
 
 
+@pytest.mark.parametrize("fmt", ["json_object", ["json_object"], 1])
+def test_a_text_format_that_is_no_object_is_a_400_not_a_500(fmt):
+    # the body types text as any dict, so its format arrives unchecked: a string was an AttributeError (a 500)
+    with pytest.raises(ApiError) as err:
+        chat_body(body(text={"format": fmt}), [], [{"role": "user", "content": "x"}])
+    assert err.value.status == 400 and err.value.param == "text.format" and "object" in err.value.message
+
+
 @pytest.mark.parametrize("items, param", [
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content.0.type"),
     ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
