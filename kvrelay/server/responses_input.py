@@ -134,6 +134,20 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     return messages
 
 
+def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict]) -> None:
+    """A ``function_call_output`` answers a call made before it, in the stored history or earlier in ``input``: a
+    400 naming the item (the chat check after translation would name a chat message the client never sent)."""
+    if isinstance(items, str):
+        return
+    seen = {call.get("id") for m in history for call in m.get("tool_calls") or []}
+    for i, item in enumerate(items):
+        if item.get("type") == "function_call":
+            seen.add(item.get("call_id"))
+        elif item.get("type") == "function_call_output" and item.get("call_id") not in seen:
+            raise _refuse(f"input[{i}].call_id {item.get('call_id')!r} answers no function_call before it (in input "
+                          "or the previous response)", f"input[{i}].call_id", "invalid_value")
+
+
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
     """Flat Responses function tools in chat-completions' nested shape; any other tool type is a 400."""
     if tools is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.server.protocol import ApiError, ChatCompletionRequest
-from kvrelay.server.responses_input import ResponsesRequest, chat_body, input_messages
+from kvrelay.server.responses_input import ResponsesRequest, chat_body, check_call_outputs, input_messages
 
 
 def body(**kw) -> ResponsesRequest:
@@ -112,3 +112,24 @@ def test_input_items_that_cannot_be_read_are_a_400(items, param):
     with pytest.raises(ApiError) as err:
         input_messages(items)
     assert err.value.status == 400 and err.value.param == param
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "1"}
+STORED = [{"role": "user", "content": "x"},
+          {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                 "function": {"name": "f", "arguments": "{}"}}]}]
+
+
+@pytest.mark.parametrize("items, history", [([CALL, OUTPUT], []), ([OUTPUT], STORED), ("hi", [])])
+def test_a_call_output_answers_a_call_in_input_or_the_stored_history(items, history):
+    check_call_outputs(items, history)
+
+
+@pytest.mark.parametrize("items", [[OUTPUT], [OUTPUT, CALL], [CALL, {**OUTPUT, "call_id": "call_2"}]])
+def test_a_call_output_that_answers_no_call_is_a_400_naming_the_input_item(items):
+    # it was the chat check's "messages[0].tool_call_id": a field of a translation the client never sent
+    with pytest.raises(ApiError) as err:
+        check_call_outputs(items, [])
+    at = next(i for i, item in enumerate(items) if item["type"] == "function_call_output")
+    assert err.value.status == 400 and err.value.param == f"input[{at}].call_id" and "messages" not in err.value.message
