@@ -155,7 +155,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
-    parallel_tool_calls: bool | None = None  # None: True (OpenAI's default)
+    parallel_tool_calls: StrictBool | None = None  # None: True (OpenAI's default)
     response_format: ResponseFormat | None = None
     # the deprecated function-calling fields: refused with a 400 (kvrelay.server.tools), not dropped
     functions: list[Any] | None = None

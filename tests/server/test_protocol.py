@@ -46,3 +46,14 @@ def test_a_bad_content_part_still_names_the_part_it_got_to(client):
     body = {**BODY, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     error = client.post("/v1/chat/completions", json=body).json()["error"]
     assert error["param"] == "messages.0.content.0.type", error
+
+
+@pytest.mark.parametrize("field, value", [
+    ("parallel_tool_calls", "yes"), ("parallel_tool_calls", 0),
+    ("tools", [{"type": "function", "function": {"name": "f", "strict": "true"}}]),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": 1}}),
+])
+def test_tool_booleans_are_strict_as_every_other_boolean(client, field, value):
+    # "yes" was read as true: the one lax boolean of the request, where OpenAI refuses it
+    r = client.post("/v1/chat/completions", json={**BODY, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.json()
