@@ -34,7 +34,8 @@ _PARAM_NAMES = ((re.compile(r"(tools(?:\.\d+|\[\d+\]))\.function\."), r"\1."),
                 (re.compile(r"response_format\.json_schema\."), "text.format."),
                 (re.compile(r"response_format"), "text.format"),
                 (re.compile(r"tool_choice\.function\."), "tool_choice."),
-                (re.compile(r"max_completion_tokens"), "max_output_tokens"))
+                (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+                (re.compile(r"^messages$"), "input"))  # the whole prompt (its length): an index would not map
 
 
 def responses_param(text: str | None) -> str | None:
