@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from kvrelay.server.protocol import ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt
+from kvrelay.server.protocol import ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt, _Body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_Body):
     # what OpenAI accepts but cannot change the answer here (user, service_tier, prompt_cache_key,
-    # reasoning, stream_options, ...) is ignored; what would change it is a field below and refused if set
-    model_config = ConfigDict(extra="ignore")
+    # reasoning, stream_options, ...) is ignored; what would change it is a field below and refused if set.
+    # _Body: a lone surrogate is a 400 naming this request's field, before translation (its chat message's name)
+    # and before the response echoes it (metadata: a 500 once encoding the response failed)
 
     model: str
     input: str | list[dict[str, Any]] = Field(default_factory=list)

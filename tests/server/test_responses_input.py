@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from kvrelay.server.protocol import ApiError, ChatCompletionRequest
+from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validation_message
 from kvrelay.server.responses_input import ResponsesRequest, chat_body, check_call_outputs, input_messages
 
 
@@ -133,3 +134,18 @@ def test_a_call_output_that_answers_no_call_is_a_400_naming_the_input_item(items
         check_call_outputs(items, [])
     at = next(i for i, item in enumerate(items) if item["type"] == "function_call_output")
     assert err.value.status == 400 and err.value.param == f"input[{at}].call_id" and "messages" not in err.value.message
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"metadata": {"\ud800": "x"}}, "metadata"),
+    ({"metadata": {"k": "\udfff"}}, "metadata"),
+    ({"instructions": "\ud800"}, "instructions"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "\ud800"}]}]}, "input"),
+])
+def test_a_lone_surrogate_is_refused_naming_the_responses_field(kw, param):
+    # metadata was echoed into the response, whose encoding failed (a 500); the others named the chat message
+    # ("messages.0.content") the request was translated into
+    with pytest.raises(ValidationError) as err:
+        ResponsesRequest.model_validate({"model": "m", "input": "x", **kw})
+    message, named = validation_message(err.value.errors())
+    assert named == param and "lone surrogate" in message
