@@ -16,7 +16,7 @@ DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
     from kvrelay.cache.tenancy import TenancyConfig
-    from kvrelay.flags import add_dataclass_flags, add_model_flags
+    from kvrelay.flags import add_dataclass_flags, add_model_flags, finite_float
     from kvrelay.server.catalog import MatchConfig
     from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
     from kvrelay.weights.loader import DEFAULT_MODEL
@@ -31,7 +31,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "the hidden states they need (e.g. relay); comma-separated specs")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
-    p.add_argument("--kv-budget-gb", type=float, default=2.0, help="byte budget of the KV span store (GiB)")
+    p.add_argument("--kv-budget-gb", type=finite_float, default=2.0,
+                   help="byte budget of the KV span store (GiB; default 2)")
     add_dataclass_flags(p, TenancyConfig)
     add_dataclass_flags(p, MatchConfig)
     p.add_argument("--api-keys", default=None, metavar="FILE",
@@ -121,6 +122,8 @@ def build_app(args: argparse.Namespace):
     from kvrelay.server.catalog import MatchConfig, SpanCatalog
     from kvrelay.tier.tiered import open_store
 
+    if not 0 <= args.port <= 65535:  # else uvicorn's OverflowError, once the model has loaded
+        raise ConfigError(f"--port must be a TCP port in [0, 65535], got {args.port}")
     if args.kv_budget_gb <= 0:
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
     if args.max_queue < 1 or args.max_running < 1:

@@ -57,7 +57,7 @@ def completions_router(ctx: AppContext) -> APIRouter:
                 raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from exc
 
         job, events = ctx.make_job(body, namespace, method, build, body.max_tokens, _DEFAULT_MAX_TOKENS,
-                                   body.logprobs)
+                                   body.logprobs, prompt_param="prompt")
         ctx.worker.submit(job)
         render = CompletionRender(Reply(ctx.model_id, False, body.logprobs is not None), include_usage(body))
         return await respond(ctx, request, job, events, body.stream, render)

@@ -47,6 +47,7 @@ class Job:
     # constrained decoding: ``new_mask()`` gives the call's LogitsMask (kvrelay.server.grammar.Constraint)
     constraint: Any = None
     method_named: bool = False  # the request named its method: the guard measures it, never replaces it
+    prompt_param: str = "messages"  # the request field holding the prompt, which a prompt's 400s name
     quality: Any = None  # the quality guard's tag (kvrelay.server.quality_serving.QualityTag); None: guard off
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)

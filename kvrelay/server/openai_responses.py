@@ -27,14 +27,15 @@ from kvrelay.server.respond import respond
 from kvrelay.server.response_store import ResponseStore, StoredResponse
 from kvrelay.server.responses import tool_call_json
 from kvrelay.server.responses_events import ResponseRender
-from kvrelay.server.responses_input import ResponsesRequest, chat_body, input_messages
+from kvrelay.server.responses_input import ResponsesRequest, chat_body, check_call_outputs, input_messages
 
 # chat-completions parameter names, as the Responses request spells them (for 400s raised after translation)
 _PARAM_NAMES = ((re.compile(r"(tools(?:\.\d+|\[\d+\]))\.function\."), r"\1."),
                 (re.compile(r"response_format\.json_schema\."), "text.format."),
                 (re.compile(r"response_format"), "text.format"),
                 (re.compile(r"tool_choice\.function\."), "tool_choice."),
-                (re.compile(r"max_completion_tokens"), "max_output_tokens"))
+                (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+                (re.compile(r"^messages$"), "input"))  # the whole prompt (its length): an index would not map
 
 
 def responses_param(text: str | None) -> str | None:
@@ -73,6 +74,7 @@ def _chat_request(store: ResponseStore, body: ResponsesRequest, namespace: str
                            param="previous_response_id", code="previous_response_not_found")
         history = previous.messages
     messages = input_messages(body.input)
+    check_call_outputs(body.input, history)
     if not history and not messages:
         raise ApiError(400, "input is empty", param="input", code="invalid_value")
     try:

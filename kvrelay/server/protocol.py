@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any, Literal
 
@@ -154,7 +155,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
-    parallel_tool_calls: bool | None = None  # None: True (OpenAI's default)
+    parallel_tool_calls: StrictBool | None = None  # None: True (OpenAI's default)
     response_format: ResponseFormat | None = None
     # the deprecated function-calling fields: refused with a 400 (kvrelay.server.tools), not dropped
     functions: list[Any] | None = None
@@ -173,7 +174,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return "invalid request", None
     # a value no member of a union takes gives one error per member: the one that got furthest names the problem
     # ("messages.0.content.0.text: holds a lone surrogate", not "messages.0.content: Input should be a valid string")
-    field_errors = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(errors[0].get("loc", ()))[:2]]
+    field_errors = [e for e in errors if _field_loc(e)[:1] == _field_loc(errors[0])[:1]]
     first = max(field_errors, key=lambda e: len(_field_loc(e)))
     loc = _field_loc(first)
     param = ".".join(loc) or None
@@ -187,6 +188,20 @@ def _field_loc(error: dict[str, Any]) -> list[str]:
 
 
 def _is_union_tag(part: Any) -> bool:
-    """pydantic names the member of a union in an error's location ("str", "list[int]"): not a field."""
+    """pydantic names the member of a union in an error's location ("str", "list[int]", a model's class name such
+    as "NamedToolChoice"): not a field."""
     return isinstance(part, str) and (not part.isidentifier() or part in ("str", "int", "float", "bool", "list",
-                                                                          "dict", "none"))
+                                                                          "dict", "none") or part in _model_names())
+
+
+@functools.cache
+def _model_names() -> frozenset[str]:
+    """Class names of kvrelay's request models (the tags of their union members); all are defined by the time a
+    request is validated."""
+    names, stack = set(), [BaseModel]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            stack.append(sub)
+            if sub.__module__.startswith("kvrelay."):
+                names.add(sub.__name__)
+    return frozenset(names)

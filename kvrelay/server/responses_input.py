@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from kvrelay.server.protocol import ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt
+from kvrelay.server.protocol import ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt, _Body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_Body):
     # what OpenAI accepts but cannot change the answer here (user, service_tier, prompt_cache_key,
-    # reasoning, stream_options, ...) is ignored; what would change it is a field below and refused if set
-    model_config = ConfigDict(extra="ignore")
+    # reasoning, stream_options, ...) is ignored; what would change it is a field below and refused if set.
+    # _Body: a lone surrogate is a 400 naming this request's field, before translation (its chat message's name)
+    # and before the response echoes it (metadata: a 500 once encoding the response failed)
 
     model: str
     input: str | list[dict[str, Any]] = Field(default_factory=list)
@@ -134,6 +135,20 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     return messages
 
 
+def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict]) -> None:
+    """A ``function_call_output`` answers a call made before it, in the stored history or earlier in ``input``: a
+    400 naming the item (the chat check after translation would name a chat message the client never sent)."""
+    if isinstance(items, str):
+        return
+    seen = {call.get("id") for m in history for call in m.get("tool_calls") or []}
+    for i, item in enumerate(items):
+        if item.get("type") == "function_call":
+            seen.add(item.get("call_id"))
+        elif item.get("type") == "function_call_output" and item.get("call_id") not in seen:
+            raise _refuse(f"input[{i}].call_id {item.get('call_id')!r} answers no function_call before it (in input "
+                          "or the previous response)", f"input[{i}].call_id", "invalid_value")
+
+
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
     """Flat Responses function tools in chat-completions' nested shape; any other tool type is a 400."""
     if tools is None:
@@ -159,6 +174,9 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict | None:
 
 def chat_response_format(text: dict[str, Any] | None) -> dict | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):  # `text` is any dict, so its format comes unchecked
+        raise _refuse("text.format must be an object, e.g. {\"type\": \"json_object\"}", "text.format",
+                      "invalid_value")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

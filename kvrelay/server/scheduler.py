@@ -107,11 +107,11 @@ class EngineWorker(RequestFailures):
         n = len(prompt.ids)
         room = self.context_tokens - n
         if n == 0:
-            raise ApiError(400, "the prompt is empty", param="messages", code="empty_prompt")
+            raise ApiError(400, "the prompt is empty", param=job.prompt_param, code="empty_prompt")
         if room < 1 or (job.max_tokens is not None and job.max_tokens > room):
             raise ApiError(400, f"the prompt has {n} tokens and asks for up to {job.max_tokens or 1} new ones, "
                            f"over the model's context of {self.context_tokens} tokens",
-                           param="messages", code="context_length_exceeded")
+                           param=job.prompt_param, code="context_length_exceeded")
         max_tokens = job.max_tokens or min(job.default_max_tokens, room)
         job.sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
         job.built = self.catalog.build_call(prompt, job.namespace, agent, job.role)

@@ -1,4 +1,5 @@
-"""The server's own pages: ``/health``, ``/metrics`` (the operator's: kvrelay.server.access) and ``/v1/models``."""
+"""The server's own pages: ``/health``, ``/metrics`` (the operator's: kvrelay.server.access), ``/v1/models`` and
+``/v1/models/{id}``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvrelay.server.access import check_metrics_access
 from kvrelay.server.context import AppContext
+from kvrelay.server.protocol import ApiError
 
 
 def service_router(ctx: AppContext) -> APIRouter:
@@ -23,10 +25,21 @@ def service_router(ctx: AppContext) -> APIRouter:
         check_metrics_access(request, settings.api_keys, settings.metrics_key)  # every tenant's sums: the operator's
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": ctx.model_id, "object": "model", "created": 0, "owned_by": "kvrelay"}
+
     @router.get("/v1/models")
     async def models(request: Request) -> dict:
         ctx.namespace_of(request, None)
-        return {"object": "list",
-                "data": [{"id": ctx.model_id, "object": "model", "created": 0, "owned_by": "kvrelay"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    # the openai client's models.retrieve(); ":path": a model named by its file path holds slashes
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        ctx.namespace_of(request, None)
+        if model_id != ctx.model_id:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {ctx.model_id!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     return router

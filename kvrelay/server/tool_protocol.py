@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Part(BaseModel):
@@ -20,7 +20,7 @@ class FunctionDef(_Part):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
-    strict: bool | None = None  # calls always follow the schema here (constrained decoding), strict or not
+    strict: StrictBool | None = None  # calls always follow the schema here (constrained decoding), strict or not
 
 
 class ToolDef(_Part):
@@ -55,7 +55,7 @@ class JsonSchemaSpec(_Part):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Part):

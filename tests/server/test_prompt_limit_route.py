@@ -66,3 +66,16 @@ def test_a_prompt_over_the_context_is_refused_before_its_ids_are_read(served, mo
     assert f"over the model's context of {limit}" in over.json()["error"]["message"]
     assert backend.reads == []  # refused from the encoding's length alone
     assert within.status_code == 200, within.text  # the guard lets a prompt within the context through
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 10**6}, "prompt"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}, "input"),
+])
+def test_a_prompt_and_its_max_tokens_over_the_context_name_the_route_s_prompt_field(served, route, body, param):
+    # the limit checked at admission named "messages" on every route: a field completions and Responses have not
+    r = served[1].post(route, json={"model": MODEL, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == param, error

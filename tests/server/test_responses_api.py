@@ -205,6 +205,8 @@ def test_stream_tool_call_arguments(server):
      "text.format.schema", "schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "nope"),
     ({"previous_response_id": "resp_missing"}, "previous_response_id", "resp_missing"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id", "call_x"),
+    ({"text": {"format": "json_object"}}, "text.format", "object"),
 ])
 def test_refused_parameters_are_400s_naming_the_field(server, kw, param, named):
     kw.setdefault("input", "hi")

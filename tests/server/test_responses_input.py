@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from kvrelay.server.protocol import ApiError, ChatCompletionRequest
-from kvrelay.server.responses_input import ResponsesRequest, chat_body, input_messages
+from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validation_message
+from kvrelay.server.responses_input import ResponsesRequest, chat_body, check_call_outputs, input_messages
 
 
 def body(**kw) -> ResponsesRequest:
@@ -94,6 +95,14 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(kw, param, named):
     assert err.value.status == 400 and err.value.param == param and named in err.value.message
 
 
+@pytest.mark.parametrize("fmt", ["json_object", ["json_object"], 1])
+def test_a_text_format_that_is_no_object_is_a_400_not_a_500(fmt):
+    # the body types text as any dict, so its format arrives unchecked: a string was an AttributeError (a 500)
+    with pytest.raises(ApiError) as err:
+        chat_body(body(text={"format": fmt}), [], [{"role": "user", "content": "x"}])
+    assert err.value.status == 400 and err.value.param == "text.format" and "object" in err.value.message
+
+
 @pytest.mark.parametrize("items, param", [
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content.0.type"),
     ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
@@ -104,3 +113,39 @@ def test_input_items_that_cannot_be_read_are_a_400(items, param):
     with pytest.raises(ApiError) as err:
         input_messages(items)
     assert err.value.status == 400 and err.value.param == param
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "1"}
+STORED = [{"role": "user", "content": "x"},
+          {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                 "function": {"name": "f", "arguments": "{}"}}]}]
+
+
+@pytest.mark.parametrize("items, history", [([CALL, OUTPUT], []), ([OUTPUT], STORED), ("hi", [])])
+def test_a_call_output_answers_a_call_in_input_or_the_stored_history(items, history):
+    check_call_outputs(items, history)
+
+
+@pytest.mark.parametrize("items", [[OUTPUT], [OUTPUT, CALL], [CALL, {**OUTPUT, "call_id": "call_2"}]])
+def test_a_call_output_that_answers_no_call_is_a_400_naming_the_input_item(items):
+    # it was the chat check's "messages[0].tool_call_id": a field of a translation the client never sent
+    with pytest.raises(ApiError) as err:
+        check_call_outputs(items, [])
+    at = next(i for i, item in enumerate(items) if item["type"] == "function_call_output")
+    assert err.value.status == 400 and err.value.param == f"input[{at}].call_id" and "messages" not in err.value.message
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"metadata": {"\ud800": "x"}}, "metadata"),
+    ({"metadata": {"k": "\udfff"}}, "metadata"),
+    ({"instructions": "\ud800"}, "instructions"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "\ud800"}]}]}, "input"),
+])
+def test_a_lone_surrogate_is_refused_naming_the_responses_field(kw, param):
+    # metadata was echoed into the response, whose encoding failed (a 500); the others named the chat message
+    # ("messages.0.content") the request was translated into
+    with pytest.raises(ValidationError) as err:
+        ResponsesRequest.model_validate({"model": "m", "input": "x", **kw})
+    message, named = validation_message(err.value.errors())
+    assert named == param and "lone surrogate" in message
