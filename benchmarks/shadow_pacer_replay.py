@@ -1,6 +1,7 @@
 """Which calls of a paced tenant the shadow pacer shadows, by prompt length: recorded call streams replayed through
-``ShadowPacer`` offline (no server, no model), its rule against one that asks the credit to cover each call's own
-reference.
+``ShadowPacer`` offline (no server, no model), its rule (each call drawn at the rate learned to spend the share)
+against two that decide on a credit: the first call after the credit, less what the call's own prefill earned,
+turns positive; and the credit asked to cover each call's own reference.
 
 Each stream is a ``quality_shadow_load.py --salt chain`` run's per-call rows (a fresh ``cache_salt`` per chain:
 every call its role's first, so the guard wants every call shadowed and the pacer alone decides). A call's live
@@ -8,7 +9,8 @@ engine time is its recorded prefill (engine TTFT less its queue wait) and decode
 so the engine had the call to itself); its reference's cost is ``kvrelay.server.shadow.reference_ms``, the server's
 own prediction, over a chunk budget whose coefficients are fitted to the stream's calls that reused nothing (a
 whole prefill each). A reference takes its predicted time, and every call is paced (no warm-up). The rows of the
-guard-off phases are replayed (their live times carry no shadow work), each phase from a fresh pacer. Beside them,
+guard-off phases are replayed (their live times carry no shadow work), each phase from a fresh pacer (the server's
+rule with its default seed). Beside them,
 labelled: ``resampled``, 2000 of a file's recorded chains drawn with replacement in a seeded order (a long run of
 the same mix), and ``synthetic``, lengths drawn from the recorded ones with every call's live time the streams'
 mean (the rule alone, without a long prompt's own longer prefill earning the credit it is shadowed on).
@@ -41,7 +43,7 @@ PAUSE_S = 1.5  # between resampled chains, as the recorded runs paused
 
 
 class OwnCostPacer(ShadowPacer):
-    """The comparison: a paced call is shadowed only when the credit covers its own reference's predicted time, and
+    """A comparison: a paced call is shadowed only when the credit covers its own reference's predicted time, and
     the credit may grow to the last refused reference's time (so a reference dearer than the window can be paid)."""
 
     def __init__(self, share: float, clock) -> None:
@@ -59,14 +61,23 @@ class OwnCostPacer(ShadowPacer):
         return False
 
 
-# the server's rule; the same with the call's own prefill earning counted; the credit asked to cover the call's cost
-RULES = {"positive_credit": (ShadowPacer, lambda pacer, cost, prefill_ms: pacer.affordable(prefill_ms)),
-         "positive_credit_own_prefill_counted": (ShadowPacer, lambda pacer, cost, prefill_ms: pacer.affordable()),
+class PositiveCreditPacer(ShadowPacer):
+    """A comparison: a paced call is shadowed when the credit, less what its own prefill earned, is positive (the
+    first call after the credit turns positive: drawn in proportion to the live time before it)."""
+
+    def positive(self, prefill_ms: float) -> bool:
+        return self.credit_ms - self.share * prefill_ms > 0
+
+
+# the server's rule (each call drawn at the learned rate); the first call on a positive credit; the credit asked to
+# cover the call's own cost
+RULES = {"bernoulli": (ShadowPacer, lambda pacer, cost, prefill_ms: pacer.affordable(cost)),
+         "positive_credit": (PositiveCreditPacer, lambda pacer, cost, prefill_ms: pacer.positive(prefill_ms)),
          "own_cost": (OwnCostPacer, lambda pacer, cost, prefill_ms: pacer.covers(cost))}
 
 
 def replay(calls: list[dict], share: float, cost_ms, edges: list[float]) -> dict:
-    """Both rules over one stream (each from a fresh pacer): shadowed calls per length quartile and the share."""
+    """Each rule over one stream (each from a fresh pacer): shadowed calls per length quartile and the share."""
     ordered = sorted(calls, key=lambda c: c["sent_s"])
     out = {"num_calls": len(ordered)}
     for name, (cls, affordable) in RULES.items():

@@ -56,7 +56,7 @@ class QualityGuard:
         self.turnover = RoleTurnover(config.first_calls_per_role)
         self.num_samples = 0
         self.num_shadowed = 0
-        self.num_unaffordable = 0  # calls the rule wanted shadowed while the server's shadow share was spent
+        self.num_unaffordable = 0  # calls the rule wanted shadowed that the server's shadow share did not draw
         self.shadow_cost_ms = 0.0
         self.moves = Counter()  # "up" / "down" -> count
 
@@ -122,9 +122,9 @@ class QualityGuard:
         ``1 / sample_rate`` (by the role's own count of calls, no random numbers), and every call at a rung whose
         certificate is open (``LadderController.wants_samples``). Never with the guard off.
 
-        ``affordable`` False (a ``paced`` namespace whose call the server's shadow share cannot pay for,
+        ``affordable`` False (a ``paced`` namespace's call the server's shadow share did not draw,
         kvrelay.server.shadow_pacer): a call the rule wants is not shadowed and not counted, so the role's first
-        calls and its cadence wait for a call that can be (counted in ``num_unaffordable``)."""
+        calls and its cadence wait for a call that is drawn (counted in ``num_unaffordable``)."""
         if not self.enabled:
             return False
         key = (namespace, role)

@@ -63,7 +63,6 @@ class Job:
     logprobs: list[dict] = field(default_factory=list)
     num_logprobs_sent: int = 0
     first_token_s: float | None = None
-    prefill_compute_ms: float = 0.0  # its prefill's own engine time, without the waits between pieces
 
     def cancel(self) -> None:
         self.cancelled.set()

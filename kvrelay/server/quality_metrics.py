@@ -56,7 +56,7 @@ class _GuardCollector(Collector):
             roles.add_metric([rung], count)
         yield roles
         unaffordable = CounterMetricFamily("kvrelay_quality_shadow_unaffordable", "calls the guard would have "
-                                           "shadowed while the shadows' share of the compute was spent")
+                                           "shadowed that the shadows' share of the compute did not draw")
         unaffordable.add_metric([], aggregates.get("num_unaffordable", 0))
         yield unaffordable
         failed = CounterMetricFamily("kvrelay_quality_shadow_failed", "shadow references dropped on an error")

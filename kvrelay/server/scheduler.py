@@ -295,7 +295,6 @@ class EngineWorker(RequestFailures):
     def _prefilled(self, job: Job) -> None:
         """A finished prefill joins the decode batch, its first token out at once."""
         job.seq = job.task.sequence()
-        job.prefill_compute_ms = job.task.compute_ms
         job.task = None
         self._prefilling.remove(job)
         self._begin(job)
@@ -318,8 +317,7 @@ class EngineWorker(RequestFailures):
         job.decoder = IncrementalDecoder(self.tokenizer)
         job.record_logprobs(self.tokenizer)
         if self.shadows is not None and job.quality is not None:  # before its first decode step: taps its logits
-            self.shadows.offer(job.namespace, job.quality.role, job.quality.measured_as, job.seq, self.chunk_budget,
-                               job.prefill_compute_ms)
+            self.shadows.offer(job.namespace, job.quality.role, job.quality.measured_as, job.seq, self.chunk_budget)
         if job.seq.output_ids:
             self._emit_text(job)
 

@@ -12,10 +12,10 @@ A shadow is work nobody waits for, so it runs at the lowest priority: the worker
 only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT, each piece
 sized by the worker's ``ChunkBudget`` by predicted time, as live pieces are. For a namespace whose roles do not live
 through their warm-up (the guard's ``paced``), a ``ShadowPacer`` (kvrelay.server.shadow_pacer) holds the shadows to
-a share of the live compute: a call is shadowed only on credit (whatever its length), a piece runs between decode
-steps only on a short credit and in idle time only once the engine has been idle as long as the piece takes, and a
-paced piece is the least the budget gives, so a stream's next token, or a new request's first, waits for at most
-that.
+a share of the live compute: a call is drawn at a rate learned to spend the share, the same for every call whatever
+its length (within a credit that bounds a run of lucky draws), a piece runs between decode steps only on a short
+credit and in idle time only once the engine has been idle as long as the piece takes, and a paced piece is the
+least the budget gives, so a stream's next token, or a new request's first, waits for at most that.
 Its KV is private: it is planned without a store (nothing is read, published or counted as reuse) and freed once
 compared; before that, a ``ShadowTeacher`` hands it to the ladder's learning rungs as their
 own dense prefill of the call. Its compute time, teaching included, is what it costs, counted per shadow and
@@ -100,7 +100,7 @@ class ShadowJob:
     method_first_logits: torch.Tensor  # [vocab] fp32: the live request's first-token logits
     live: Sequence  # the live request's sequence (its output ids; its KV is never touched)
     tap: LogitsTap
-    paced: bool = False  # taken on the pacer's credit (kvrelay.server.shadow_pacer), charged ``charged_ms``
+    paced: bool = False  # drawn by the pacer (kvrelay.server.shadow_pacer), charged ``charged_ms``
     charged_ms: float = 0.0
     spent_ms: float = 0.0  # its pieces' time, as the pacer counted it
     task: PrefillTask | None = None
@@ -136,23 +136,21 @@ class ShadowRunner:
         """The pending shadows that can advance, in order (one waiting only for its live continuation cannot)."""
         return [s for s in self._pending if s.task is None or not s.task.done or s.continuation_ready]
 
-    def offer(self, namespace: str, role: str, rung: str, seq: Sequence, budget: ChunkBudget,
-              prefill_ms: float = 0.0) -> ShadowJob | None:
+    def offer(self, namespace: str, role: str, rung: str, seq: Sequence, budget: ChunkBudget) -> ShadowJob | None:
         """After ``seq``'s first token: when the guard samples (namespace, role), queue its reference and tap the
         sequence's next decode logits. The sequence must not have decoded past its first token yet. A paced
-        namespace's call is offered as affordable only while the pacer's credit, less what ``seq``'s own prefill
-        (``prefill_ms`` of engine time) earned, is positive, whatever the call's length, and is then charged its
-        reference's predicted time (``budget``'s fit)."""
+        namespace's call is offered to the pacer with its reference's predicted time (``budget``'s fit), drawn at
+        the pacer's rate (the same for every call, whatever its length), and charged that time when taken."""
         if len(self._pending) >= MAX_PENDING_SHADOWS:
             return None
         paced = self.pacer is not None and self.guard.paced(namespace)
+        cost_ms = reference_ms(len(seq.prompt_ids), budget) if paced else 0.0
         if self.pacer is None:
             sampled = self.guard.should_shadow(namespace, role)
         else:
-            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable(prefill_ms))
+            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable(cost_ms))
         if not sampled:
             return None
-        cost_ms = reference_ms(len(seq.prompt_ids), budget) if paced else 0.0
         if paced:
             self.pacer.take(cost_ms)
         tap = LogitsTap(seq.options.logits_mask, CONTINUATION_TOKENS)

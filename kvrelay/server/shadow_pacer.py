@@ -6,18 +6,22 @@ guard shadows every one of a role's first calls, its warm-up; a tenant that send
 prefill. For such a tenant (the guard's ``paced`` namespaces, kvrelay.quality.turnover) the pacer holds the
 shadows to a share of the live work, by three rules in engine time as the worker measures it:
 
-1. **Taken on credit, whatever its length.** Each live turn (its prefill pieces and decode step) earns ``share`` of
-   its time; a paced call is shadowed when the credit is positive without what its own prefill earned, and charged
-   its reference's predicted time at once (and the difference when it ends, whole), which may leave the credit in
-   debt: the next paced call is shadowed once live work has repaid it. Whether a call is shadowed depends neither on
-   its own cost nor on its own prefill's time (a long prefill would otherwise earn the credit it is then shadowed
-   on, and one client's long calls would be shadowed more often), so the guard's sample of a paced tenant holds
-   long prompts (where reuse errors grow) as often as short ones; a rule
-   that waited for the credit to cover each call's own cost would spend it on the short calls as soon as it
-   covered them and almost never shadow a long one. A long reference costs its own time in the gap after it, not
-   a wait before it: a call that is never shadowed holds nothing back, however long. The credit is one pool for the
-   server, kept under ``CREDIT_WINDOW_S`` seconds' worth of the share. So the paced shadows take at most ``share``
-   of the live compute, plus the window's credit and the last reference's time (taken on a credit just above 0).
+1. **Drawn at one rate, whatever its length.** Each paced call is shadowed with probability ``rate``, the same for
+   every call, drawn from a seeded generator (the same traffic gets the same shadows): the rate that makes the
+   expected cost the share, ``(share * live - unpaced) / asked`` at most 1, over exponentially decayed sums of about
+   the last ``RATE_WINDOW_CALLS`` offered calls (live time, the shadow time of tenants that are not paced, and the
+   offered calls' predicted references, the call's own included). Any rule of the form "the first call after the
+   credit turns positive" samples calls in proportion to the live time before them, so the call after a long
+   document's chain (which holds more live time) is the likelier one, and long prompts are shadowed more often; a
+   rule that waited for the credit to cover each call's own cost would spend it on the short calls. Drawn
+   independently, a long call is as likely as a short one, so the guard's sample of a paced tenant holds long
+   prompts (where reuse errors grow) as often as short ones, and an outlier lowers the rate only by its part of the
+   window's asked cost. A credit bounds the draws: it earns ``share`` of the live time (``cap_ms`` at most), a taken
+   reference is charged its predicted time at once (and the difference when it ends, whole), and no paced call is
+   shadowed while it is more than ``cap_ms`` in debt, so a run of lucky draws takes at most the share plus twice
+   ``cap_ms`` and one reference. ``cap_ms`` is a minute's share, or ``CREDIT_WINDOW_REFS`` mean references where
+   that is more: a band narrower than a few references would refuse many draws after each long one, and spend less
+   than the share. The credit is one pool for the server.
 2. **Paced while live requests run.** In a turn with live work a paced shadow runs one piece of the least size
    (the chunk budget's ``min_tokens``), only while a second credit, ``BUSY_WINDOW_S`` seconds' worth of the share,
    is positive: the running streams' decode steps wait for shadow pieces about ``share`` of their time.
@@ -28,8 +32,8 @@ shadows to a share of the live work, by three rules in engine time as the worker
 
 A tenant whose roles live long (agents called again and again in one namespace) keeps its warm-up: its shadows run
 as they always did, in any turn no live prefill waits for, a turn's budget a piece, and their time is spent from
-the same credit (down to a window's debt at most; a deeper debt, a paced reference's, is left as it is), so a
-paced tenant beside it gets less.
+the same share (the rate's window, and the credit down to ``cap_ms`` of debt at most; a deeper debt, a paced
+reference's, is left as it is), so a paced tenant beside it gets less.
 
 Pure bookkeeping on an injected clock: the worker tells it live time, shadow time and when the engine went idle.
 """
@@ -37,35 +41,49 @@ Pure bookkeeping on an injected clock: the worker tells it live time, shadow tim
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable
 
 from kvrelay.quality.config import check_shadow_share
 
-CREDIT_WINDOW_S = 60.0  # the credit a quiet minute earns at most: a new role's first shadows need not wait for it
+CREDIT_WINDOW_S = 60.0  # the credit's bound (``cap_ms``): a minute's share, or this many mean references if more
+CREDIT_WINDOW_REFS = 16
 BUSY_WINDOW_S = 1.0  # pieces between decode steps: the share of about the last second's live work, so none bunch up
+RATE_WINDOW_CALLS = 256  # the rate is learned over about the last this many offered calls
+DEFAULT_SEED = 0x5EED  # the draws' seed: the same traffic gets the same shadows
 
 
 class ShadowPacer:
-    """Credit and idle time for the shadow runner: ``live_turn``/``idle`` from the worker; for a paced call
-    ``affordable`` then ``take`` at its first token, ``settle`` when its reference ends; ``ready_in_s`` before a
-    paced piece; ``spent`` after every piece."""
+    """The rate, the credit and idle time for the shadow runner: ``live_turn``/``idle`` from the worker; for a paced
+    call ``affordable`` (its predicted cost) then ``take`` at its first token, ``settle`` when its reference ends;
+    ``ready_in_s`` before a paced piece; ``spent`` after every piece."""
 
-    def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter, seed: int = DEFAULT_SEED) -> None:
         self.share, self.clock = check_shadow_share(share), clock
-        self.credit_ms = 0.0  # a fresh server has none: live work pays for the first reference
+        self.rng = random.Random(seed)
+        self.rate = 0.0  # the chance the last offered call had; a fresh server has none until live work is done
+        self.live_window_ms = 0.0  # live time, unpaced shadow time and offered calls' predicted references, each
+        self.unpaced_window_ms = 0.0  # decayed by 1 / RATE_WINDOW_CALLS at each offer
+        self.asked_window_ms = 0.0
+        self.credit_ms = 0.0  # the safety bound: earned at the share, charged each reference, refused past a debt
         self.busy_credit_ms = 0.0  # for paced pieces between decode steps: a short window of the same share
         self.spent_ms = 0.0  # every shadow piece's time
         self._idle_since: float | None = None  # when the engine's live work last ended; None while there is some
 
     @property
     def cap_ms(self) -> float:
-        return self.share * CREDIT_WINDOW_S * 1e3
+        """The most credit, and the deepest debt a paced call is shadowed on: a minute's share, or
+        ``CREDIT_WINDOW_REFS`` of the rate window's mean reference where that is more (a band narrower than a few
+        references would refuse the draws after each long one, and the share would not be spent)."""
+        mean_ref_ms = self.asked_window_ms / RATE_WINDOW_CALLS
+        return max(self.share * CREDIT_WINDOW_S * 1e3, CREDIT_WINDOW_REFS * mean_ref_ms)
 
     def live_turn(self, ms: float) -> None:
         """A turn with live work took ``ms`` of engine time (it earns credit; the engine is busy)."""
         self._idle_since = None
         if ms > 0:
+            self.live_window_ms += ms
             self.credit_ms = min(self.cap_ms, self.credit_ms + self.share * ms)
             self.busy_credit_ms = min(self.share * BUSY_WINDOW_S * 1e3, self.busy_credit_ms + self.share * ms)
 
@@ -78,15 +96,23 @@ class ShadowPacer:
     def is_idle(self) -> bool:
         return self._idle_since is not None
 
-    def affordable(self, prefill_ms: float = 0.0) -> bool:
-        """Whether a paced call whose own prefill took ``prefill_ms`` of live time may be shadowed now: the credit,
-        less what that prefill earned, is positive (neither its cost nor its prefill is asked, so which calls are
-        shadowed does not depend on their length; a fresh server waits for its first live turn)."""
-        return self.credit_ms - self.share * prefill_ms > 0
+    def affordable(self, cost_ms: float) -> bool:
+        """Whether a paced call whose reference is predicted at ``cost_ms`` is shadowed: the windows move on by one
+        offer, its cost is asked, and it is drawn at the rate that spends the share on what the window's calls
+        asked, the same for every call (a long one no likelier than a short one); refused, whatever the draw, while
+        the credit is more than ``cap_ms`` in debt."""
+        keep = 1.0 - 1.0 / RATE_WINDOW_CALLS
+        self.live_window_ms *= keep
+        self.unpaced_window_ms *= keep
+        self.asked_window_ms = self.asked_window_ms * keep + max(0.0, cost_ms)
+        left_ms = max(0.0, self.share * self.live_window_ms - self.unpaced_window_ms)
+        self.rate = min(1.0, left_ms / self.asked_window_ms) if self.asked_window_ms > 0 else float(left_ms > 0)
+        drawn = self.rng.random() < self.rate  # drawn on every offer: the draws follow the offers, not the debt
+        return drawn and self.credit_ms >= -self.cap_ms
 
     def take(self, cost_ms: float) -> None:
         """A paced reference predicted at ``cost_ms`` was taken: charged now, into debt if it costs more than the
-        credit (repaid by live work before the next is taken)."""
+        credit."""
         self.credit_ms -= cost_ms
 
     def settle(self, ms: float) -> None:
@@ -102,10 +128,11 @@ class ShadowPacer:
 
     def spent(self, ms: float, paced: bool) -> None:
         """A shadow piece took ``ms`` of engine time: a paced one between decode steps spends the busy credit (its
-        reference was charged when taken), one that is not spends the credit."""
-        if not paced:  # at most a window's debt: a long-lived tenant's warm-up does not shut the paced ones out long;
+        reference was charged when taken), one that is not spends the credit and the rate's share."""
+        if not paced:  # at most cap_ms of debt: a long-lived tenant's warm-up does not shut the paced ones out long;
             # a deeper debt is a paced reference's charge, which this floor must not forgive
             self.credit_ms = min(self.cap_ms, max(min(self.credit_ms, -self.cap_ms), self.credit_ms - ms))
+            self.unpaced_window_ms += ms
         elif self._idle_since is None:
             self.busy_credit_ms -= ms
         self.spent_ms += ms

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from shadow_load_stats import call_live_ms, fit_prefill_coef, replay_pacer, shadowed_by_quartile
+from shadow_pacer_replay import RULES, PositiveCreditPacer
 
 from kvrelay.server.shadow_pacer import ShadowPacer
 
@@ -26,18 +27,28 @@ def test_the_prefill_fit_recovers_a_piece_cost_a_token_cost_and_an_attention_cos
 
 
 def test_a_call_is_offered_after_its_prefill_has_earned_and_before_its_decode_does():
-    """Share 0.5: the first call's prefill (100 ms) earns 50 ms, so it is offered on a positive credit (its own
-    prefill's earning counted here) or not (the server's rule leaves it out); its decode's earnings come after the
-    offer, so the second call, with no prefill of its own, finds the debt (or, by the server's rule, the credit)."""
+    """Share 0.5: the first call's prefill (100 ms) earns 50 ms, so on the positive-credit rule it is offered on a
+    positive credit (its own prefill's earning counted) or not (left out); its decode's earnings come after the
+    offer, so the second call, with no prefill of its own, finds the debt (or, left out, the credit). The server's
+    rule is offered each call's cost, with the call's prefill in the window and its decode not yet."""
     calls = [_row(10, 100.0, 100.0, sent_s=0.0), _row(10, 0.0, 1000.0, sent_s=1.0), _row(10, 0.0, 0.0, sent_s=2.0)]
-    out = replay_pacer(calls[::-1], ShadowPacer(0.5, lambda: 0.0), lambda c: 200.0,  # sorted by send time
-                       lambda pacer, cost, prefill_ms: pacer.affordable())
+    out = replay_pacer(calls[::-1], PositiveCreditPacer(0.5, lambda: 0.0), lambda c: 200.0,  # sorted by send time
+                       lambda pacer, cost, prefill_ms: pacer.positive(0.0))
     assert out["taken"] == [True, False, True]
-    own = replay_pacer(calls, ShadowPacer(0.5, lambda: 0.0), lambda c: 200.0,
-                       lambda pacer, cost, prefill_ms: pacer.affordable(prefill_ms))
+    own = replay_pacer(calls, PositiveCreditPacer(0.5, lambda: 0.0), lambda c: 200.0,
+                       lambda pacer, cost, prefill_ms: pacer.positive(prefill_ms))
     assert own["taken"] == [False, True, True]
     assert out["shadow_ms"] == 400.0 and out["live_ms"] == pytest.approx(1200.0)
     assert out["shadow_share_of_live"] == pytest.approx(400.0 / 1200.0)
+    asked = []
+
+    def drawn(pacer, cost, prefill_ms):
+        taken = RULES["bernoulli"][1](pacer, cost, prefill_ms)
+        asked.append((cost, pacer.rate))
+        return taken
+
+    replay_pacer(calls, ShadowPacer(0.5, lambda: 0.0), lambda c: 200.0, drawn)
+    assert asked[0] == (200.0, pytest.approx(0.5 * 100.0 * (1 - 1 / 256) / 200.0))  # its prefill, not its decode
 
 
 def test_calls_are_counted_per_prompt_length_quartile_an_edge_in_the_lower_one():
