@@ -21,6 +21,7 @@ from kvrelay.reuse import PIPELINE_METHODS, get_method
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.events import Event
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.penalty_check import penalties_of
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.scheduler import EngineWorker, Job
 
@@ -77,7 +78,10 @@ class AppContext:
 
     def make_job(self, body, namespace: str, method: str, build, max_tokens: int | None, default_max_tokens: int,
                  num_top_logprobs: int | None, **extra: Any) -> tuple[Job, asyncio.Queue]:
-        """A job for ``body`` and the asyncio queue its events arrive on; ``extra``: more ``Job`` fields."""
+        """A job for ``body`` and the asyncio queue its events arrive on; ``extra``: more ``Job`` fields. A bad
+        ``logit_bias`` key is an ApiError 400 here, before anything is queued."""
+        # a token id has a logit only where both agree (a padded lm_head has rows no token decodes to)
+        penalties = penalties_of(body, min(self.tokenizer.vocab_size, self.worker.engine.lm.config.vocab_size))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -92,7 +96,8 @@ class AppContext:
                   bool(body.kvrelay and body.kvrelay.debug), emit,
                   cache_output=not body.kvrelay or body.kvrelay.cache_output,
                   first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs),
-                  method_named=bool(body.kvrelay and body.kvrelay.method and body.kvrelay.method.strip()), **extra)
+                  method_named=bool(body.kvrelay and body.kvrelay.method and body.kvrelay.method.strip()),
+                  penalties=penalties, **extra)
         return job, events
 
     async def next_event(self, request: Request, job: Job, events: asyncio.Queue) -> Event | None:

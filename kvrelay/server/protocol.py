@@ -73,7 +73,7 @@ def _lone_surrogate_at(value: Any) -> str | None:
 
 
 class _Body(BaseModel):
-    # agent frameworks send parameters we do not implement (presence_penalty, user, tools...): ignored
+    # agent frameworks send parameters that do not change the answer here (user, metadata...): ignored
     model_config = ConfigDict(extra="ignore")
 
     @field_validator("*", mode="after")
@@ -142,6 +142,12 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
     kvrelay: KvrelayOptions | None = None
+    # OpenAI's ranges; None as 0 (frameworks send null or 0 for "off"). A bias's key and range are checked by
+    # ``kvrelay.server.penalty_check``: it knows the vocabulary, and names the key (an error location here would
+    # drop a numeric key as a union member's tag)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat] | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
