@@ -64,6 +64,9 @@ class AppContext:
                            param="model", code="model_not_found")
         if body.n != 1:
             raise ApiError(400, "n > 1 is not supported: send n separate requests", param="n", code="unsupported")
+        if body.stream_options is not None and not body.stream:  # OpenAI's 400: the options of a stream only
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options",
+                           code="invalid_value")
         if len(body.stop_list()) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop", code="invalid_value")
         method = (body.kvrelay.method if body.kvrelay and body.kvrelay.method else self.settings.method).strip()

@@ -114,19 +114,28 @@ class ContentPart(_Body):
     text: str
 
 
+class RefusalPart(_Body):
+    """An assistant's earlier refusal, as OpenAI returns it and accepts it back (an assistant's content only)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ChatMessage(_Body):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may then be null)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    refusal: str | None = None  # an assistant's refusal beside null content, as OpenAI's replies carry it
 
     def text(self) -> str:
+        """What the message said; a refusal is the words the assistant answered with, so it is rendered as text."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, ContentPart) else part.refusal for part in self.content)
 
 
 class _Sampling(_Body):
