@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -116,6 +117,19 @@ def read_api_keys(path: str | None) -> frozenset[str]:
     return keys
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """ConfigError unless ``host:port`` can be bound now, as uvicorn will bind it (its family rule, SO_REUSEADDR):
+    a port in use was uvicorn's error after the model had loaded (and after the "serving on" line). A port taken
+    between this check and uvicorn's bind still fails there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
 def build_app(args: argparse.Namespace):
     """Model, store, engine and the FastAPI app for ``args``."""
     from kvrelay.cache.tenancy import TenancyConfig
@@ -129,6 +143,7 @@ def build_app(args: argparse.Namespace):
 
     if not 0 <= args.port <= 65535:  # else uvicorn's OverflowError, once the model has loaded
         raise ConfigError(f"--port must be a TCP port in [0, 65535], got {args.port}")
+    check_can_listen(args.host, args.port)
     if args.kv_budget_gb <= 0:
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
     if args.max_queue < 1 or args.max_running < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -50,3 +52,16 @@ def test_default_max_tokens_bounds_requests_without_max_tokens():
         assert asked["usage"]["completion_tokens"] == 7  # a request's own max_tokens is not bounded by it
         response = client.post("/v1/responses", json={"model": "random:tiny", "input": "Hi"}).json()
         assert response["usage"]["output_tokens"] <= 5
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(capsys):
+    # it was the "serving on" banner after the model had loaded, then uvicorn's bind error
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--model", "no-such-model-anywhere", "--port", str(port)])
+        assert cmd_serve(args) == 2
+    err = capsys.readouterr().err
+    assert f"kvrelay serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert len(err.strip().splitlines()) == 1 and "no-such-model" not in err
