@@ -29,6 +29,8 @@ from kvrelay.server.quality_setup import install_quality
 from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, EngineWorker
 from kvrelay.server.service_routes import service_router
 
+DEFAULT_MAX_TOKENS = 256
+
 
 @dataclass
 class ServerSettings:
@@ -38,7 +40,9 @@ class ServerSettings:
     max_queue: int = 64
     max_running: int = 8
     max_body_bytes: int = 8 << 20
-    default_max_tokens: int = 256  # chat requests without max_tokens (bounded by the context)
+    # chat and Responses requests without max_tokens / max_output_tokens get this many at most (and no more than
+    # the context leaves): a bound on how long one request holds a slot of a shared server's decode batch
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     # chunked prefill: a turn's prefill between two decode steps of the running batch costs what this many tokens
     # cost at the start of a prompt (``server.chunk_budget``): a long prompt delays each running stream by one piece
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
@@ -47,6 +51,9 @@ class ServerSettings:
     quality: Any = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.default_max_tokens, int) or isinstance(self.default_max_tokens, bool) \
+                or self.default_max_tokens < 1:
+            raise ConfigError(f"--default-max-tokens must be an integer >= 1, got {self.default_max_tokens!r}")
         if not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 1:
             raise ConfigError(f"--prefill-chunk-tokens must be an integer >= 1, got {self.prefill_chunk_tokens!r}")
 

@@ -23,7 +23,7 @@ from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
 from kvrelay.server.context import AppContext, digest
 from kvrelay.server.prompting import chat_ids
-from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest
+from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest, RefusalPart
 from kvrelay.server.respond import CompletionRender, include_usage, respond
 from kvrelay.server.responses import Reply
 from kvrelay.server.scheduler import Job
@@ -47,6 +47,10 @@ def _check_messages(body: ChatCompletionRequest) -> None:
         if m.content is None and m.role != "assistant":
             raise ApiError(400, f"messages[{i}] has no content", param=f"messages.{i}.content",
                            code="invalid_value")
+        for j, part in enumerate(m.content if isinstance(m.content, list) and m.role != "assistant" else []):
+            if isinstance(part, RefusalPart):  # OpenAI takes a refusal part from an assistant only
+                raise ApiError(400, f"messages[{i}].content[{j}]: a refusal part belongs to an assistant message, "
+                               f"not a {m.role} one", param=f"messages.{i}.content.{j}.type", code="invalid_value")
     check_tool_messages(body)
 
 
@@ -54,6 +58,8 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
     namespace, method = ctx.check_common(body, request)
     _check_messages(body)
+    if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     plan = plan_tools(body)
     from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.flags import add_dataclass_flags, add_model_flags, finite_float
+    from kvrelay.server.app import DEFAULT_MAX_TOKENS
     from kvrelay.server.catalog import MatchConfig
     from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
     from kvrelay.weights.loader import DEFAULT_MODEL
@@ -49,6 +51,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "what this many tokens cost at the start of a prompt (pieces deeper in a long prompt get "
                         f"fewer tokens; a long prompt delays the others by one piece; default "
                         f"{DEFAULT_PREFILL_CHUNK_TOKENS})")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="most tokens a chat or Responses request without max_tokens (max_output_tokens) gets; it "
+                        "bounds how long such a request holds a slot of the decode batch (default "
+                        f"{DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)")
     add_quality_flags(p)
     p.add_argument("--store", default="memory",
                    help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
@@ -111,6 +117,19 @@ def read_api_keys(path: str | None) -> frozenset[str]:
     return keys
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """ConfigError unless ``host:port`` can be bound now, as uvicorn will bind it (its family rule, SO_REUSEADDR):
+    a port in use was uvicorn's error after the model had loaded (and after the "serving on" line). A port taken
+    between this check and uvicorn's bind still fails there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
 def build_app(args: argparse.Namespace):
     """Model, store, engine and the FastAPI app for ``args``."""
     from kvrelay.cache.tenancy import TenancyConfig
@@ -124,6 +143,7 @@ def build_app(args: argparse.Namespace):
 
     if not 0 <= args.port <= 65535:  # else uvicorn's OverflowError, once the model has loaded
         raise ConfigError(f"--port must be a TCP port in [0, 65535], got {args.port}")
+    check_can_listen(args.host, args.port)
     if args.kv_budget_gb <= 0:
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
     if args.max_queue < 1 or args.max_running < 1:
@@ -136,16 +156,16 @@ def build_app(args: argparse.Namespace):
     tenancy = dataclass_from_args(TenancyConfig, args)
     quality = quality_config(args)  # a bad target fails here, before the model loads
     match = dataclass_from_args(MatchConfig, args)
+    # its checks (--default-max-tokens, --prefill-chunk-tokens) run here, before the model loads
+    settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
+                              max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                              default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality)
     lm = load_model_from(args)
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
                        namespace_budget_bytes=tenancy.namespace_budget_bytes)
     store.set_namespace_idle_s(tenancy.idle_s)
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, match=match, decode=lm.tokenizer.decode)
-    settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
-                              max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens)
-    settings.metrics_key = metrics_key
-    settings.quality = quality
     return create_app(engine, catalog, settings)
 
 

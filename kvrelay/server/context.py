@@ -21,6 +21,7 @@ from kvrelay.reuse import PIPELINE_METHODS, get_method
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.events import Event
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.penalty_check import penalties_of
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.scheduler import EngineWorker, Job
 
@@ -63,6 +64,9 @@ class AppContext:
                            param="model", code="model_not_found")
         if body.n != 1:
             raise ApiError(400, "n > 1 is not supported: send n separate requests", param="n", code="unsupported")
+        if body.stream_options is not None and not body.stream:  # OpenAI's 400: the options of a stream only
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options",
+                           code="invalid_value")
         if len(body.stop_list()) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop", code="invalid_value")
         method = (body.kvrelay.method if body.kvrelay and body.kvrelay.method else self.settings.method).strip()
@@ -77,7 +81,10 @@ class AppContext:
 
     def make_job(self, body, namespace: str, method: str, build, max_tokens: int | None, default_max_tokens: int,
                  num_top_logprobs: int | None, **extra: Any) -> tuple[Job, asyncio.Queue]:
-        """A job for ``body`` and the asyncio queue its events arrive on; ``extra``: more ``Job`` fields."""
+        """A job for ``body`` and the asyncio queue its events arrive on; ``extra``: more ``Job`` fields. A bad
+        ``logit_bias`` key is an ApiError 400 here, before anything is queued."""
+        # a token id has a logit only where both agree (a padded lm_head has rows no token decodes to)
+        penalties = penalties_of(body, min(self.tokenizer.vocab_size, self.worker.engine.lm.config.vocab_size))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -92,7 +99,8 @@ class AppContext:
                   bool(body.kvrelay and body.kvrelay.debug), emit,
                   cache_output=not body.kvrelay or body.kvrelay.cache_output,
                   first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs),
-                  method_named=bool(body.kvrelay and body.kvrelay.method and body.kvrelay.method.strip()), **extra)
+                  method_named=bool(body.kvrelay and body.kvrelay.method and body.kvrelay.method.strip()),
+                  penalties=penalties, **extra)
         return job, events
 
     async def next_event(self, request: Request, job: Job, events: asyncio.Queue) -> Event | None:

@@ -46,6 +46,8 @@ class Job:
     tool_stream: Any = None
     # constrained decoding: ``new_mask()`` gives the call's LogitsMask (kvrelay.server.grammar.Constraint)
     constraint: Any = None
+    # logit_bias and penalties (kvrelay.engine.penalties.Penalties); None: none that change anything
+    penalties: Any = None
     method_named: bool = False  # the request named its method: the guard measures it, never replaces it
     prompt_param: str = "messages"  # the request field holding the prompt, which a prompt's 400s name
     quality: Any = None  # the quality guard's tag (kvrelay.server.quality_serving.QualityTag); None: guard off
@@ -57,6 +59,7 @@ class Job:
     built: CallBuild | None = None
     sampling: SamplingConfig | None = None  # set by ``prepare``
     task: PrefillTask | None = None  # while its prefill runs
+    penalized: Any = None  # its call's PenalizedLogits (its logprobs are read before the bias), set by the worker
     num_skipped_turns: int = 0  # turns its prefill got no budget
     matcher: StopMatcher | None = None
     decoder: IncrementalDecoder | None = None
@@ -75,7 +78,7 @@ class Job:
         if self.seq.output_ids:
             first = self.seq.first_logits
             if self.constraint is not None:  # a grammar's tokens only (kvrelay.server.grammar.GrammarMask)
-                first = self.seq.options.logits_mask.mask_first(first)
+                first = self.seq.options.logits_mask.mask_first(first)  # a PenalizedLogits passes it through
             self.logprobs.append(token_logprobs(first, self.seq.output_ids[0], self.num_top_logprobs, tokenizer))
         self.seq.sampler = _RecordingSampler(self.seq.sampler, self, tokenizer)
 
@@ -148,6 +151,8 @@ class _RecordingSampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         token_id = self.inner(logits)
+        if self.job.penalized is not None:  # OpenAI's logprobs are the model's, before logit_bias and penalties
+            logits = self.job.penalized.logprob_logits(logits)
         self.job.logprobs.append(token_logprobs(logits, token_id, self.job.num_top_logprobs or 0, self.tokenizer))
         return token_id
 

@@ -73,7 +73,7 @@ def _lone_surrogate_at(value: Any) -> str | None:
 
 
 class _Body(BaseModel):
-    # agent frameworks send parameters we do not implement (presence_penalty, user, tools...): ignored
+    # agent frameworks send parameters that do not change the answer here (user, metadata...): ignored
     model_config = ConfigDict(extra="ignore")
 
     @field_validator("*", mode="after")
@@ -114,19 +114,28 @@ class ContentPart(_Body):
     text: str
 
 
+class RefusalPart(_Body):
+    """An assistant's earlier refusal, as OpenAI returns it and accepts it back (an assistant's content only)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ChatMessage(_Body):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may then be null)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    refusal: str | None = None  # an assistant's refusal beside null content, as OpenAI's replies carry it
 
     def text(self) -> str:
+        """What the message said; a refusal is the words the assistant answered with, so it is rendered as text."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, ContentPart) else part.refusal for part in self.content)
 
 
 class _Sampling(_Body):
@@ -142,6 +151,12 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
     kvrelay: KvrelayOptions | None = None
+    # OpenAI's ranges; None as 0 (frameworks send null or 0 for "off"). A bias's key and range are checked by
+    # ``kvrelay.server.penalty_check``: it knows the vocabulary, and names the key (an error location here would
+    # drop a numeric key as a union member's tag)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat] | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -17,6 +17,12 @@ from pydantic import Field
 from kvrelay.server.protocol import ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt, _Body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# the other values OpenAI documents for ``include``: each asks for more of an item this server never produces (hosted
+# tools' calls, input images, reasoning), so there is nothing to add and the answer is the same: accepted (a client
+# that always sends reasoning.encrypted_content works). Any other value is a typo or newer than this list: a 400.
+IGNORED_INCLUDES = ("code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                    "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
+                    "web_search_call.action.sources", "web_search_call.results")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -68,6 +74,10 @@ def check_supported(body: ResponsesRequest) -> None:
                       "conversation")
     if body.prompt is not None:
         raise _refuse("stored prompt templates are not supported: send instructions and input", "prompt")
+    for i, value in enumerate(body.include or []):
+        if value != LOGPROBS_INCLUDE and value not in IGNORED_INCLUDES:
+            raise _refuse(f"include[{i}] {value!r} is not one of {', '.join((LOGPROBS_INCLUDE, *IGNORED_INCLUDES))}",
+                          f"include.{i}", "invalid_value")
     if body.max_tool_calls is not None:
         raise _refuse("max_tool_calls is not supported; parallel_tool_calls=false allows one call per response",
                       "max_tool_calls")

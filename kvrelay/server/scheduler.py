@@ -279,9 +279,11 @@ class EngineWorker(RequestFailures):
         try:
             if job.built is None:
                 self.prepare(job)
+            mask = job.constraint.new_mask() if job.constraint else None
+            if job.penalties is not None:  # outside the grammar: its -inf stays, whatever the bias
+                mask = job.penalized = job.penalties.new_mask(mask)
             job.task = self.engine.begin(job.built.call, job.method, GenerateOptions(
-                job.sampling, keep_cache=True, logits_mask=job.constraint.new_mask() if job.constraint else None),
-                                         store=self.catalog.view(job.namespace))
+                job.sampling, keep_cache=True, logits_mask=mask), store=self.catalog.view(job.namespace))
         except ApiError as exc:
             self._release(job)
             job.emit(ErrorEvent.of(exc))

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
+from starlette.testclient import TestClient
 
 from kvrelay.cli import build_parser
-from kvrelay.server.cli import cmd_serve
+from kvrelay.server.app import DEFAULT_MAX_TOKENS
+from kvrelay.server.cli import build_app, cmd_serve
 
 
 @pytest.mark.parametrize("flags, words", [
     (("--port", "99999"), "--port must be a TCP port in [0, 65535], got 99999"),
     (("--port", "-1"), "--port must be a TCP port in [0, 65535], got -1"),
     (("--kv-budget-gb", "0"), "--kv-budget-gb must be positive"),
+    (("--default-max-tokens", "0"), "--default-max-tokens must be an integer >= 1, got 0"),
+    (("--default-max-tokens", "-5"), "--default-max-tokens must be an integer >= 1, got -5"),
+    # was checked once the model had loaded (ServerSettings was built after it)
+    (("--prefill-chunk-tokens", "0"), "--prefill-chunk-tokens must be an integer >= 1, got 0"),
 ])
 def test_a_bad_serve_flag_is_refused_before_the_model_loads(capsys, flags, words):
     # the port was a traceback from uvicorn's bind, after the model had loaded
@@ -27,3 +35,33 @@ def test_a_kv_budget_that_is_no_finite_number_names_the_flag(capsys, value):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["serve", "--kv-budget-gb", value])
     assert exit_.value.code == 2 and "--kv-budget-gb" in capsys.readouterr().err
+
+
+def test_default_max_tokens_bounds_requests_without_max_tokens():
+    # a request without max_tokens stopped at 256 tokens, with no flag to change it
+    assert build_parser().parse_args(["serve"]).default_max_tokens == DEFAULT_MAX_TOKENS == 256
+    args = build_parser().parse_args(["serve", "--model", "random:tiny", "--quality-target", "off", "--method", "full",
+                                      "--default-max-tokens", "5"])
+    never_stop = {"logit_bias": {"0": -100, "2": -100}}  # random:tiny's stop ids: every answer runs to the bound
+    with TestClient(build_app(args)) as client:
+        chat = client.post("/v1/chat/completions", json={"model": "random:tiny", **never_stop,
+                                                         "messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert chat["usage"]["completion_tokens"] == 5 and chat["choices"][0]["finish_reason"] == "length"
+        asked = client.post("/v1/chat/completions", json={"model": "random:tiny", "max_tokens": 7, **never_stop,
+                                                          "messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert asked["usage"]["completion_tokens"] == 7  # a request's own max_tokens is not bounded by it
+        response = client.post("/v1/responses", json={"model": "random:tiny", "input": "Hi"}).json()
+        assert response["usage"]["output_tokens"] <= 5
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(capsys):
+    # it was the "serving on" banner after the model had loaded, then uvicorn's bind error
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--model", "no-such-model-anywhere", "--port", str(port)])
+        assert cmd_serve(args) == 2
+    err = capsys.readouterr().err
+    assert f"kvrelay serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert len(err.strip().splitlines()) == 1 and "no-such-model" not in err

@@ -42,7 +42,7 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": CONT
 MESSAGES = st.one_of(st.lists(MESSAGE, min_size=1, max_size=4), st.sampled_from(WRONG), st.sampled_from(STRINGS))
 
 SAMPLING_FIELDS = ["model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options",
-                   "cache_salt", "kvrelay", "logprobs", "user", "presence_penalty"]
+                   "cache_salt", "kvrelay", "logprobs", "user", "presence_penalty", "frequency_penalty", "logit_bias"]
 CHAT_FIELDS = [*SAMPLING_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                "response_format", "parallel_tool_calls"]
 COMPLETION_FIELDS = [*SAMPLING_FIELDS, "prompt", "echo"]
@@ -53,7 +53,11 @@ STREAM_OPTIONS = st.one_of(VALUE, st.fixed_dictionaries({}, optional={"include_u
 PROMPT = st.one_of(st.sampled_from(STRINGS), st.sampled_from(WRONG), st.text(max_size=40),
                    st.lists(st.integers(-5, 2**40), min_size=0, max_size=8), st.lists(st.sampled_from(STRINGS),
                                                                                       max_size=3))
+# token-id keys in and out of the vocabulary, other digits ("\u0663" is a digit to str.isdigit), any value
+LOGIT_BIAS = st.one_of(VALUE, st.dictionaries(st.one_of(st.integers(-3, 2**20).map(str), st.text(max_size=5)), VALUE,
+                                              max_size=3))
 SPECIAL = {"kvrelay": KVRELAY, "stream_options": STREAM_OPTIONS, "messages": MESSAGES, "prompt": PROMPT,
+           "logit_bias": LOGIT_BIAS,
            "stop": st.one_of(VALUE, st.lists(st.sampled_from(STRINGS), max_size=6))}
 
 

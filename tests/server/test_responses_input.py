@@ -6,7 +6,13 @@ import pytest
 from pydantic import ValidationError
 
 from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validation_message
-from kvrelay.server.responses_input import ResponsesRequest, chat_body, check_call_outputs, input_messages
+from kvrelay.server.responses_input import (
+    IGNORED_INCLUDES,
+    ResponsesRequest,
+    chat_body,
+    check_call_outputs,
+    input_messages,
+)
 
 
 def body(**kw) -> ResponsesRequest:
@@ -80,6 +86,13 @@ def test_logprobs_through_include():
     assert "logprobs" not in chat_body(body(include=[]), [], [])
 
 
+def test_the_includes_openai_documents_are_accepted():
+    # each asks for more of an item this server never produces: the answer is the same without them
+    chat = chat_body(body(include=list(IGNORED_INCLUDES)), [], [{"role": "user", "content": "x"}])
+    assert "logprobs" not in chat
+    assert "reasoning.encrypted_content" in IGNORED_INCLUDES and "file_search_call.results" in IGNORED_INCLUDES
+
+
 @pytest.mark.parametrize("kw, param, named", [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice.type", "file_search"),
@@ -88,6 +101,9 @@ def test_logprobs_through_include():
     ({"conversation": "conv_1"}, "conversation", "conversation"),
     ({"prompt": {"id": "p"}}, "prompt", "prompt"),
     ({"max_tool_calls": 2}, "max_tool_calls", "max_tool_calls"),
+    # an unknown include was ignored: a typo of message.output_text.logprobs silently returned none
+    ({"include": ["message.output_text.logprob"]}, "include.0", "message.output_text.logprob"),
+    ({"include": ["reasoning.encrypted_content", "usage"]}, "include.1", "usage"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(kw, param, named):
     with pytest.raises(ApiError) as err:

@@ -1,0 +1,29 @@
+"""A request's ``logit_bias``, ``frequency_penalty`` and ``presence_penalty``, checked against the vocabulary.
+
+pydantic has checked the penalties' range ([-2, 2]) and that each bias is a number; here a bias must be in
+[-100, 100] and its key a token id, as OpenAI's are: a decimal integer (a string, JSON's keys being strings) within
+the vocabulary. A bad one is a 400 naming it (``logit_bias.<key>``), not an index error on the engine thread (a 500
+after the prompt's prefill).
+"""
+
+from __future__ import annotations
+
+from kvrelay.engine.penalties import Penalties
+from kvrelay.server.protocol import ApiError
+
+
+def penalties_of(body, vocab_size: int) -> Penalties | None:
+    """The request's ``Penalties``, or None when they change nothing (absent, null, 0, an empty or all-0 bias)."""
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        token_id = int(key) if key.isascii() and key.isdigit() else None
+        if token_id is None or token_id >= vocab_size:
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size}) (a decimal integer)",
+                           param=f"logit_bias.{key}", code="invalid_value")
+        if not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{key!r}] is {value!r}, outside [-100, 100]", param=f"logit_bias.{key}",
+                           code="invalid_value")
+        bias.append((token_id, float(value)))
+    penalties = Penalties(tuple(sorted(bias)), float(body.frequency_penalty or 0.0),
+                          float(body.presence_penalty or 0.0))
+    return penalties if penalties.active else None

@@ -1,0 +1,53 @@
+"""``PenalizedLogits``: OpenAI's formula on one call's logits, around the call's own constraint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.engine.constrained import TokenRefused, sample_masked
+from kvrelay.engine.penalties import Penalties
+from kvrelay.model.sampling import Sampler, SamplingConfig
+
+
+class _Refuses:
+    """A constraint that masks token 0 and refuses token ``refused`` when taken."""
+
+    def __init__(self, refused: int) -> None:
+        self.refused, self.taken = refused, []
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        out = logits.clone()
+        out[0] = float("-inf")
+        return out
+
+    def advance(self, token_id: int) -> None:
+        if token_id == self.refused:
+            raise TokenRefused(str(token_id))
+        self.taken.append(token_id)
+
+
+def test_bias_and_penalties_follow_openais_formula():
+    mask = Penalties(((1, 2.0),), frequency_penalty=0.5, presence_penalty=0.25).new_mask()
+    logits = torch.zeros(4)
+    assert mask.apply(logits).tolist() == [0, 2, 0, 0]
+    for token_id in (3, 3, 2):
+        mask.advance(token_id)
+    # token 3: twice (2 * 0.5 + 0.25), token 2: once (0.5 + 0.25)
+    assert mask.apply(logits).tolist() == pytest.approx([0, 2, -0.75, -1.25])
+    assert mask.logprob_logits(logits) is mask.unadjusted  # logprobs: before the bias
+
+
+def test_the_constraints_mask_stays_and_a_refused_token_is_not_counted():
+    inner = _Refuses(refused=2)
+    mask = Penalties(((0, 100.0),), frequency_penalty=2.0).new_mask(inner)
+    logits = torch.tensor([0.0, 0.0, 5.0, 1.0])
+    sampler = Sampler(SamplingConfig(temperature=0.0))
+    assert sample_masked(sampler, mask, logits) == 3  # 0 masked (-inf + 100), 2 refused: the next best
+    assert inner.taken == [3] and mask.counts.tolist() == [0, 0, 0, 1]
+    assert mask.apply(logits)[0] == float("-inf")
+
+
+def test_zeros_are_inactive():
+    assert not Penalties(((5, 0.0),), 0.0, 0.0).active
+    assert Penalties((), 0.0, -0.1).active
