@@ -16,7 +16,9 @@ def penalties_of(body, vocab_size: int) -> Penalties | None:
     """The request's ``Penalties``, or None when they change nothing (absent, null, 0, an empty or all-0 bias)."""
     bias = []
     for key, value in (body.logit_bias or {}).items():
-        token_id = int(key) if key.isascii() and key.isdigit() else None
+        # at most 18 significant digits: int() of a 4301-digit key is a ValueError (a 500), and no vocabulary is near
+        digits = key.lstrip("0") or "0"
+        token_id = int(digits) if key.isascii() and key.isdigit() and len(digits) <= 18 else None
         if token_id is None or token_id >= vocab_size:
             raise ApiError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size}) (a decimal integer)",
                            param=f"logit_bias.{key}", code="invalid_value")
