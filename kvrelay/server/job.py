@@ -144,15 +144,25 @@ class Job:
 
 
 class _RecordingSampler:
-    """Wraps a sequence's sampler to keep each step's logprobs (OpenAI ``logprobs``)."""
+    """Wraps a sequence's sampler to keep each step's logprobs (OpenAI ``logprobs``), one entry per output position:
+    a constraint that refuses a sampled token has it sampled again in the same step
+    (kvrelay.engine.constrained.sample_masked), and the new pick replaces the refused one's entry, read from the
+    step's first logits (the resample's have the refused token at -inf)."""
 
     def __init__(self, inner, job: Job, tokenizer) -> None:
         self.inner, self.job, self.tokenizer = inner, job, tokenizer
+        self._position, self._logits = -1, None  # the step being sampled and its first logits
 
     def __call__(self, logits: torch.Tensor) -> int:
         token_id = self.inner(logits)
         if self.job.penalized is not None:  # OpenAI's logprobs are the model's, before logit_bias and penalties
             logits = self.job.penalized.logprob_logits(logits)
+        position = len(self.job.seq.output_ids)  # this step's token's index in the output
+        if position == self._position:  # a resample after a refusal: the step's entry is replaced
+            logits = self._logits
+        else:
+            self._position, self._logits = position, logits
+        del self.job.logprobs[position:]
         self.job.logprobs.append(token_logprobs(logits, token_id, self.job.num_top_logprobs or 0, self.tokenizer))
         return token_id
 
