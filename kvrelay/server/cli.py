@@ -143,7 +143,6 @@ def build_app(args: argparse.Namespace):
 
     if not 0 <= args.port <= 65535:  # else uvicorn's OverflowError, once the model has loaded
         raise ConfigError(f"--port must be a TCP port in [0, 65535], got {args.port}")
-    check_can_listen(args.host, args.port)
     if args.kv_budget_gb <= 0:
         raise ConfigError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
     if args.max_queue < 1 or args.max_running < 1:
@@ -160,6 +159,8 @@ def build_app(args: argparse.Namespace):
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens,
                               default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality)
+    # last before the model loads: a bad flag is named whatever holds the port (a test's app, never bound, too)
+    check_can_listen(args.host, args.port)
     lm = load_model_from(args)
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
                        namespace_budget_bytes=tenancy.namespace_budget_bytes)

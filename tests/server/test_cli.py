@@ -41,7 +41,7 @@ def test_default_max_tokens_bounds_requests_without_max_tokens():
     # a request without max_tokens stopped at 256 tokens, with no flag to change it
     assert build_parser().parse_args(["serve"]).default_max_tokens == DEFAULT_MAX_TOKENS == 256
     args = build_parser().parse_args(["serve", "--model", "random:tiny", "--quality-target", "off", "--method", "full",
-                                      "--default-max-tokens", "5"])
+                                      "--default-max-tokens", "5", "--port", "0"])  # never bound: any port is free
     never_stop = {"logit_bias": {"0": -100, "2": -100}}  # random:tiny's stop ids: every answer runs to the bound
     with TestClient(build_app(args)) as client:
         chat = client.post("/v1/chat/completions", json={"model": "random:tiny", **never_stop,
@@ -65,3 +65,17 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(capsys):
     err = capsys.readouterr().err
     assert f"kvrelay serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
     assert len(err.strip().splitlines()) == 1 and "no-such-model" not in err
+
+
+def test_a_bad_flag_is_named_even_when_the_port_is_in_use(capsys):
+    # the bind check ran first: with the default port taken (another server on 8000), every flag error read
+    # "cannot listen on 127.0.0.1:8000", and these tests failed on a machine serving there
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--model", "no-such-model-anywhere", "--port", str(port),
+                                          "--kv-budget-gb", "0"])
+        assert cmd_serve(args) == 2
+    err = capsys.readouterr().err
+    assert "--kv-budget-gb must be positive" in err and "cannot listen" not in err
