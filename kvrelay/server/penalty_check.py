@@ -1,8 +1,8 @@
 """A request's ``logit_bias``, ``frequency_penalty`` and ``presence_penalty``, checked against the vocabulary.
 
-pydantic has checked the penalties' range ([-2, 2]) and that each bias is a number; here a bias must be in
-[-100, 100] and its key a token id, as OpenAI's are: a decimal integer (a string, JSON's keys being strings) within
-the vocabulary. A bad one is a 400 naming it (``logit_bias.<key>``), not an index error on the engine thread (a 500
+pydantic has checked the penalties' range ([-2, 2]) and that ``logit_bias`` is an object; here a bias must be a
+number in [-100, 100] and its key a token id, as OpenAI's are: a decimal integer (a string, JSON's keys being
+strings) within the vocabulary. A bad one is a 400 naming it (``logit_bias.<key>``), not an index error on the engine thread (a 500
 after the prompt's prefill).
 """
 
@@ -21,6 +21,9 @@ def penalties_of(body, vocab_size: int) -> Penalties | None:
         token_id = int(digits) if key.isascii() and key.isdigit() and len(digits) <= 18 else None
         if token_id is None or token_id >= vocab_size:
             raise ApiError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size}) (a decimal integer)",
+                           param=f"logit_bias.{key}", code="invalid_value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number, got {type(value).__name__}",
                            param=f"logit_bias.{key}", code="invalid_value")
         if not -100 <= value <= 100:
             raise ApiError(400, f"logit_bias[{key!r}] is {value!r}, outside [-100, 100]", param=f"logit_bias.{key}",

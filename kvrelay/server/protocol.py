@@ -151,12 +151,12 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
     kvrelay: KvrelayOptions | None = None
-    # OpenAI's ranges; None as 0 (frameworks send null or 0 for "off"). A bias's key and range are checked by
+    # OpenAI's ranges; None as 0 (frameworks send null or 0 for "off"). A bias's key, value and range are checked by
     # ``kvrelay.server.penalty_check``: it knows the vocabulary, and names the key (an error location here would
-    # drop a numeric key as a union member's tag)
+    # drop a numeric key as a union member's tag: a value that is no number was a 400 naming only logit_bias)
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -148,6 +148,10 @@ def test_completions_honour_a_bias_too(srv):
     ({"logit_bias": {"hello": 1}}, "logit_bias.hello"),
     ({"logit_bias": {"5": 101}}, "logit_bias.5"),
     ({"logit_bias": {"5": -100.5}}, "logit_bias.5"),
+    # a value that is no number named only logit_bias: pydantic's location drops a numeric key as a union tag
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"logit_bias": {"5": True}}, "logit_bias.5"),
+    ({"logit_bias": {"5": None}}, "logit_bias.5"),
     ({"logit_bias": [5]}, "logit_bias"),
 ])
 @pytest.mark.parametrize("route", ["chat/completions", "completions"])
