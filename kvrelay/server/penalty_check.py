@@ -2,8 +2,8 @@
 
 pydantic has checked the penalties' range ([-2, 2]) and that ``logit_bias`` is an object; here a bias must be a
 number in [-100, 100] and its key a token id, as OpenAI's are: a decimal integer (a string, JSON's keys being
-strings) within the vocabulary. A bad one is a 400 naming it (``logit_bias.<key>``), not an index error on the engine thread (a 500
-after the prompt's prefill).
+strings) within the vocabulary. A bad one is a 400 naming it (``logit_bias.<key>``), not an index error on the
+engine thread (a 500 after the prompt's prefill).
 """
 
 from __future__ import annotations
