@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ConfigError
@@ -116,7 +117,7 @@ class QualityGuard:
         state.calls_at_rung += 1
         return self.ladder[state.rung_index]
 
-    def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
+    def should_shadow(self, namespace: str, role: str, affordable: bool | Callable[[], bool] = True) -> bool:
         """Whether this call of (namespace, role) also runs ``full`` as a reference: every one of the first
         ``first_calls_per_role`` calls of the role and at each rung it arrives at without samples, then one in
         ``1 / sample_rate`` (by the role's own count of calls, no random numbers), and every call at a rung whose
@@ -124,7 +125,8 @@ class QualityGuard:
 
         ``affordable`` False (a ``paced`` namespace's call the server's shadow share did not draw,
         kvrelay.server.shadow_pacer): a call the rule wants is not shadowed and not counted, so the role's first
-        calls and its cadence wait for a call that is drawn (counted in ``num_unaffordable``)."""
+        calls and its cadence wait for a call that is drawn (counted in ``num_unaffordable``). A callable is asked
+        only for a call the rule wants: the pacer's draw, whose rate is learned over the calls it is asked for."""
         if not self.enabled:
             return False
         key = (namespace, role)
@@ -134,7 +136,7 @@ class QualityGuard:
         every = self.config.sample_every
         shadow = (at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
                   or self.controller.wants_samples(state))
-        if shadow and not affordable:
+        if shadow and not (affordable() if callable(affordable) else affordable):
             self.num_unaffordable += 1
             return False
         self._offers_at_rung[key] = at_rung + 1

@@ -10,6 +10,7 @@ tenant's rung.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ class ServedGuard:
         with self._lock:
             return bool(self.guard.paced(namespace))
 
-    def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
+    def should_shadow(self, namespace: str, role: str, affordable: bool | Callable[[], bool] = True) -> bool:
         with self._lock:
             return bool(self.guard.should_shadow(namespace, role, affordable))
 

@@ -148,7 +148,9 @@ class ShadowRunner:
         if self.pacer is None:
             sampled = self.guard.should_shadow(namespace, role)
         else:
-            sampled = self.guard.should_shadow(namespace, role, not paced or self.pacer.affordable(cost_ms))
+            # the pacer is asked only for a call the guard wants: its rate is learned over those
+            sampled = self.guard.should_shadow(namespace, role,
+                                               (lambda: self.pacer.affordable(cost_ms)) if paced else True)
         if not sampled:
             return None
         if paced:

@@ -10,7 +10,8 @@ shadows to a share of the live work, by three rules in engine time as the worker
    every call, drawn from a seeded generator (the same traffic gets the same shadows): the rate that makes the
    expected cost the share, ``(share * live - unpaced) / asked`` at most 1, over exponentially decayed sums of about
    the last ``RATE_WINDOW_CALLS`` offered calls (live time, the shadow time of tenants that are not paced, and the
-   offered calls' predicted references, the call's own included). Any rule of the form "the first call after the
+   offered calls' predicted references, the call's own included). A call is offered only when the guard wants it
+   shadowed (a role's warm-up or cadence), so the share is spent on the calls that want it. Any rule of the form "the first call after the
    credit turns positive" samples calls in proportion to the live time before them, so the call after a long
    document's chain (which holds more live time) is the likelier one, and long prompts are shadowed more often; a
    rule that waited for the credit to cover each call's own cost would spend it on the short calls. Drawn

@@ -84,6 +84,20 @@ def test_a_custom_ladder_and_aggregates():
     assert snap["roles"]["r"]["estimates"]["safe"]["num_samples"] == 1
 
 
+def test_the_pacers_draw_is_asked_only_for_a_call_the_rule_wants():
+    """A callable ``affordable`` (the server's pacer, which learns its rate over the calls it is asked for) is asked
+    for the role's warm-up and its cadence's calls only, not for the calls between."""
+    cfg = QualityConfig()
+    g = QualityGuard(cfg)
+    asked = []
+    every = cfg.sample_every
+    num_calls = cfg.first_calls_per_role + 2 * every
+    taken = [g.should_shadow("ns", "r", lambda: asked.append(1) or True) for _ in range(num_calls)]
+    assert len(asked) == sum(taken) == cfg.first_calls_per_role + 2
+    assert not g.should_shadow("ns", "r", lambda: False)  # a callable answering False: not counted, as False is
+    assert g.aggregates()["num_unaffordable"] == 0  # the call between the cadence's is not wanted, not unaffordable
+
+
 def test_a_call_the_share_cannot_pay_for_is_not_shadowed_and_the_role_waits_for_one_it_can():
     """``affordable`` False (the server's shadow share is spent): a call the rule wants is neither shadowed nor
     counted, so a role still gets its first calls' samples and its cadence, from the calls that can be."""

@@ -43,8 +43,9 @@ class _SpyGuard:
     def paced(self, namespace: str) -> bool:  # the guard's turnover: the pacer tests set it
         return getattr(self, "pace", False)
 
-    def should_shadow(self, namespace: str, role: str, affordable: bool = True) -> bool:
-        return role in self.sampled_roles and affordable
+    def should_shadow(self, namespace: str, role: str, affordable=True) -> bool:
+        # as the guard: a callable (the pacer's draw) is asked only for a call the rule wants
+        return role in self.sampled_roles and (affordable() if callable(affordable) else affordable)
 
     def record(self, *args) -> None:
         self.records.append(args)
