@@ -11,18 +11,18 @@ shadows to a share of the live work, by three rules in engine time as the worker
    expected cost the share, ``(share * live - unpaced) / asked`` at most 1, over exponentially decayed sums of about
    the last ``RATE_WINDOW_CALLS`` offered calls (live time, the shadow time of tenants that are not paced, and the
    offered calls' predicted references, the call's own included). A call is offered only when the guard wants it
-   shadowed (a role's warm-up or cadence), so the share is spent on the calls that want it. Any rule of the form "the first call after the
-   credit turns positive" samples calls in proportion to the live time before them, so the call after a long
-   document's chain (which holds more live time) is the likelier one, and long prompts are shadowed more often; a
-   rule that waited for the credit to cover each call's own cost would spend it on the short calls. Drawn
-   independently, a long call is as likely as a short one, so the guard's sample of a paced tenant holds long
-   prompts (where reuse errors grow) as often as short ones, and an outlier lowers the rate only by its part of the
-   window's asked cost. A credit bounds the draws: it earns ``share`` of the live time (``cap_ms`` at most), a taken
-   reference is charged its predicted time at once (and the difference when it ends, whole), and no paced call is
-   shadowed while it is more than ``cap_ms`` in debt, so a run of lucky draws takes at most the share plus twice
-   ``cap_ms`` and one reference. ``cap_ms`` is a minute's share, or ``CREDIT_WINDOW_REFS`` mean references where
-   that is more: a band narrower than a few references would refuse many draws after each long one, and spend less
-   than the share. The credit is one pool for the server.
+   shadowed (a role's warm-up or cadence), so the share is spent on the calls that want it. Any rule of the form "the
+   first call after the credit turns positive" samples calls in proportion to the live time before them, so the call
+   after a long document's chain (which holds more live time) is the likelier one, and long prompts are shadowed more
+   often; a rule that waited for the credit to cover each call's own cost would spend it on the short calls. Drawn
+   independently, a long call is as likely as a short one, so the guard's sample of a paced tenant holds long prompts
+   (where reuse errors grow) as often as short ones, and an outlier lowers the rate only by its part of the window's
+   asked cost. A credit bounds the draws: it earns ``share`` of the live time (``cap_ms`` at most), a taken reference
+   is charged its predicted time at once (and the difference when it ends, whole), and no paced call is shadowed
+   while it is more than ``cap_ms`` in debt, so a run of lucky draws takes at most the share plus twice ``cap_ms``
+   and one reference. ``cap_ms`` is a minute's share, or ``CREDIT_WINDOW_REFS`` mean references where that is more: a
+   band narrower than a few references would refuse many draws after each long one, and spend less than the share.
+   The credit is one pool for the server.
 2. **Paced while live requests run.** In a turn with live work a paced shadow runs one piece of the least size
    (the chunk budget's ``min_tokens``), only while a second credit, ``BUSY_WINDOW_S`` seconds' worth of the share,
    is positive: the running streams' decode steps wait for shadow pieces about ``share`` of their time.
