@@ -34,7 +34,8 @@ shadows to a share of the live work, by three rules in engine time as the worker
 A tenant whose roles live long (agents called again and again in one namespace) keeps its warm-up: its shadows run
 as they always did, in any turn no live prefill waits for, a turn's budget a piece, and their time is spent from
 the same share (the rate's window, and the credit down to ``cap_ms`` of debt at most; a deeper debt, a paced
-reference's, is left as it is), so a paced tenant beside it gets less.
+reference's, is left as it is), so a paced tenant beside it gets less, and none while those shadows take the whole
+share of the window (a paced tenant's own warm-up, before it was judged, counts the same).
 
 Pure bookkeeping on an injected clock: the worker tells it live time, shadow time and when the engine went idle.
 """
