@@ -58,6 +58,10 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
     namespace, method = ctx.check_common(body, request)
     _check_messages(body)
+    if any(m != "text" for m in body.modalities or []) or body.audio is not None:
+        param = "audio" if body.audio is not None else "modalities"
+        raise ApiError(400, f"{param}: this server answers with text only (no audio output)", param=param,
+                       code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     plan = plan_tools(body)

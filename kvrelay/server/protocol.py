@@ -175,6 +175,9 @@ class ChatCompletionRequest(_Sampling):
     # the deprecated function-calling fields: refused with a 400 (kvrelay.server.tools), not dropped
     functions: list[Any] | None = None
     function_call: Any = None
+    # audio output: refused with a 400 (kvrelay.server.chat_route): dropped, the answer would come without it
+    modalities: list[Any] | None = None
+    audio: Any = None
 
 
 class CompletionRequest(_Sampling):

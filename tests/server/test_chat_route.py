@@ -67,3 +67,17 @@ def test_a_refusal_part_in_a_user_message_is_a_400(client):
     messages = [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
     reply = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.0.content.0.type", reply.text
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"modalities": ["text", "audio"]}, "modalities"),
+                                               ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+                                               ({"modalities": ["audio"], "audio": {"voice": "alloy"}}, "audio")])
+def test_audio_output_is_a_400_not_text_served_as_if_asked(client, fields, param):
+    reply = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [USER], "max_tokens": 1, **fields})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.mark.parametrize("fields", [{"modalities": ["text"]}, {"modalities": None, "audio": None}])
+def test_text_modalities_are_served(client, fields):
+    reply = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [USER], "max_tokens": 1, **fields})
+    assert reply.status_code == 200, reply.text
