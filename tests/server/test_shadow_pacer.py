@@ -265,11 +265,14 @@ def tiny():
     return load_model("random:tiny")
 
 
-def _paced_worker(lm, clock: Clock, paced: bool = True, chunk_tokens: int = 8):
+def _paced_worker(lm, clock: Clock, paced: bool = True, chunk_tokens: int = 8, paid: bool = False):
+    """A worker whose shadows are paced on ``clock``; ``paid``: live work has paid for them already (``_paid``)."""
     guard = _SpyGuard({"sampled"}, _Rung("cheap", "naive"))
     guard.pace = paced
     worker = _worker(lm, guard, chunk_tokens)
     worker.shadows = ShadowRunner(worker.engine, worker.quality, pacer=ShadowPacer(0.05, clock))
+    if paid:
+        _paid(worker.shadows.pacer)
     return worker, guard
 
 
@@ -292,9 +295,8 @@ def _progress(worker) -> tuple[int, int]:
 
 def test_an_idle_worker_waits_as_long_as_a_paced_piece_takes_before_it_starts_one(tiny):
     clock = Clock()
-    worker, guard = _paced_worker(tiny, clock)
+    worker, guard = _paced_worker(tiny, clock, paid=True)
     pacer = worker.shadows.pacer
-    _paid(pacer)
     sampled = _job(worker, tiny.tokenizer.encode("a sampled request " * 6), "sampled", 3)
     worker.submit(sampled)
     _end(worker, sampled)
@@ -329,9 +331,8 @@ def test_an_idle_worker_waits_as_long_as_a_paced_piece_takes_before_it_starts_on
 
 def test_without_credit_a_paced_call_is_not_shadowed_and_decode_turns_run_no_paced_piece(tiny):
     clock = Clock()
-    worker, guard = _paced_worker(tiny, clock)
+    worker, guard = _paced_worker(tiny, clock, paid=True)
     pacer = worker.shadows.pacer
-    _paid(pacer)
     first = _job(worker, tiny.tokenizer.encode("the first sampled call " * 4), "sampled", 30)
     worker.submit(first)
     while first.seq is None:
@@ -398,9 +399,8 @@ def test_two_shadows_of_one_prompt_and_a_stream_beside_them_all_end_well(tiny):
     """A client that sends the same prompt twice (a retry, n samples as n requests): two paced shadows of equal
     fields are two shadows, and the live stream running beside them is never failed by them."""
     clock = Clock()
-    worker, guard = _paced_worker(tiny, clock)
+    worker, guard = _paced_worker(tiny, clock, paid=True)
     pacer = worker.shadows.pacer
-    _paid(pacer)
     twins = [_job(worker, tiny.tokenizer.encode("the same question twice " * 3), "sampled", 2) for _ in range(2)]
     for job in twins:
         worker.submit(job)
@@ -424,9 +424,7 @@ def test_two_shadows_of_one_prompt_and_a_stream_beside_them_all_end_well(tiny):
 def test_a_worker_thread_wakes_after_the_idle_grace_with_no_request_to_wake_it(tiny):
     """The worker's loop sleeps out a paced piece's idle grace on its own (a timed wait), then runs the shadow: no
     later request is needed to drain it. Bounded: the test waits for events, at most 60 s."""
-    worker, guard = _paced_worker(tiny, time.perf_counter)
-    pacer = worker.shadows.pacer
-    _paid(pacer)
+    worker, guard = _paced_worker(tiny, time.perf_counter, paid=True)
     job = _job(worker, tiny.tokenizer.encode("a sampled call on a live worker " * 3), "sampled", 3)
     worker.start()
     try:
