@@ -164,6 +164,15 @@ def _tool_format(plan: ToolPlan, schema: dict | None) -> dict:
             "stop_after_first": not plan.parallel}
 
 
+# xgrammar's messages start with its log prefix: "[06:40:17] /path/json_schema_converter.cc:5082: "
+_LOG_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
+
+
+def library_reason(exc: Exception) -> str:
+    """The grammar library's reason, without its log line's time, source file and line."""
+    return _LOG_PREFIX.sub("", str(exc)).strip()
+
+
 def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer) -> Constraint | None:
     """The request's compiled grammar, or None when its output is free text; a 400 when the library cannot
     compile a schema (naming the field)."""
@@ -180,6 +189,6 @@ def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer)
     try:
         compiled = vocab.compiler.compile_structural_tag(json.dumps(spec))
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses for schemas it cannot take
-        raise ApiError(400, f"{param}: this JSON schema cannot be used for constrained decoding: {exc}",
-                       param=param, code="invalid_value") from exc
+        raise ApiError(400, f"{param}: this JSON schema cannot be used for constrained decoding: "
+                            f"{library_reason(exc)}", param=param, code="invalid_value") from exc
     return Constraint(compiled, vocab)

@@ -35,8 +35,9 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-# an absolute filesystem path's directories (not a URL's, not an API route): an error names no server path
-_SERVER_DIRS = re.compile(r"(?<![\w:/.~-])/(?!v1/)(?:[^\s/'\"`,;:()\[\]{}<>]+/)+")
+# an absolute filesystem path's directories (not a URL's, an API route or a JSON pointer such as #/$defs/):
+# an error names no server path
+_SERVER_DIRS = re.compile(r"(?<![\w:/.~#-])/(?!v1/)(?:[^\s/'\"`,;:()\[\]{}<>]+/)+")
 
 
 def redact_paths(message: str) -> str:

@@ -200,8 +200,10 @@ class ToolStream:
 
     ``feed`` takes each new piece of text and returns delta events (see kvrelay.server.chat_route); ``close``
     returns the last deltas and the done event's fields. A call counts only when it closed and parses into a
-    known tool's name and a JSON arguments object; a call cut off by max_tokens is text, and the answer's
-    finish_reason stays "length".
+    known tool's name and a JSON arguments object. A call cut off by max_tokens is no call, and the answer's
+    finish_reason stays "length"; its text is content under "auto", and dropped where the turn is calls only
+    ("required" or a named tool), as the grammar allows no text there (the stream has shown its name and the
+    arguments so far as a call's pieces, as OpenAI's does).
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -241,16 +243,17 @@ class ToolStream:
     def close(self, finish_reason: str) -> tuple[list[dict], dict]:
         """The remaining deltas and {"text", "tool_calls", "finish_reason"} of the done event."""
         events: list[dict] = []
-        if self.call is not None:  # cut off inside a call: its text is content, never a call
-            self._text(CALL_OPEN + self.call.body, events)
+        if self.call is not None:  # cut off inside a call: never a call; its text is content only where text may be
+            if self.plan.mode == "auto":
+                self._text(CALL_OPEN + self.call.body, events)
             self.call = None
         self._text(self.pending, events)
         self.pending = ""
         text = "".join(self.text_parts)
+        if self.calls and not text.strip():  # the newlines between calls are no answer
+            text = ""
         if self.calls and finish_reason != "length":
             finish_reason = "tool_calls"
-            if not text.strip():
-                text = ""
         return events, {"text": text, "tool_calls": list(self.calls), "finish_reason": finish_reason}
 
     # ------------------------------------------------------------------ internals

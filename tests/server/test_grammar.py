@@ -172,3 +172,19 @@ def test_without_the_grammar_library_a_request_that_needs_it_is_a_clear_400(toke
     assert (err.value.status, err.value.param, err.value.code) == (400, "response_format", "unsupported")
     assert "kvrelay[tools]" in err.value.message
     assert constraint_for(None, None, tokenizer) is None  # plain text needs no grammar
+
+
+@pytest.mark.parametrize("schema, reason", [
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}, "Cannot find field '$defs' in #/$defs/nope"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "Invalid range: minimum greater than maximum"),
+])
+def test_a_schema_the_library_cannot_take_is_a_400_with_its_reason_alone(tokenizer, schema, reason):
+    """The library's reason, without its log line's time and source file, and a JSON pointer kept whole once the
+    error body's path redaction has run (it took "#/$defs/" for a directory)."""
+    from kvrelay.server.protocol import ApiError, redact_paths
+
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    with pytest.raises(ApiError) as err:
+        constraint_for(None, fmt, tokenizer)
+    message = redact_paths(err.value.message)
+    assert message == f"response_format: this JSON schema cannot be used for constrained decoding: {reason}", message

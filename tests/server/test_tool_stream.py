@@ -72,6 +72,20 @@ def test_a_call_cut_by_max_tokens_is_text_and_length():
     assert done == {"text": text, "tool_calls": [], "finish_reason": "length"}
 
 
+@pytest.mark.parametrize("mode, forced", [("required", None), ("named", "search")])
+def test_where_the_turn_is_calls_only_a_cut_call_is_no_text(mode, forced):
+    """Under "required" or a named tool the grammar allows no text: a second call cut by max_tokens is dropped,
+    not returned as content in the call format (the first, closed call stays)."""
+    plan = ToolPlan(PLAN.functions, mode, forced)
+    first = call_text("search", '{"q": "a"}')
+    events, done = run(first + "\n" + call_text("search", '{"q": "bb"}')[:-9], finish_reason="length",
+                   plan=plan)
+    assert done["text"] == "" and done["finish_reason"] == "length"
+    assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("search", '{"q": "a"}')]
+    content, calls = rebuilt(events)
+    assert content.strip() == "" and calls[0]["arguments"] == '{"q": "a"}'
+
+
 @pytest.mark.parametrize("body", ['{"name": "nope", "arguments": {}}', '{"name": "search", "arguments": [1]}',
                                   '{"name": "search", "arguments": {"a": 1}', '{"name": "search"}'])
 def test_a_malformed_or_unknown_call_stays_text(body):
