@@ -27,7 +27,8 @@ from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest, Refu
 from kvrelay.server.respond import CompletionRender, include_usage, respond
 from kvrelay.server.responses import Reply
 from kvrelay.server.scheduler import Job
-from kvrelay.server.tools import ToolPlan, ToolStream, check_tool_messages, plan_tools, render_messages
+from kvrelay.server.schema_limits import check_total_size
+from kvrelay.server.tools import ToolPlan, ToolStream, answer_schema, check_tool_messages, plan_tools, render_messages
 
 
 @dataclass
@@ -54,6 +55,19 @@ def _check_messages(body: ChatCompletionRequest) -> None:
     check_tool_messages(body)
 
 
+async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namespace: str, ctx: AppContext):
+    """The request's compiled grammar (kvrelay.server.grammar), None for free text; a 400 when its schemas together
+    are past the limits (kvrelay.server.schema_limits)."""
+    answer = answer_schema(body)
+    schemas = [(f.parameters, f"tools.{i}.function.parameters") for i, f in enumerate(plan.functions if plan else ())
+               if f.parameters is not None]
+    check_total_size([*schemas, *([(answer, "response_format.json_schema.schema")] if answer is not None else [])])
+    from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
+
+    # off the event loop: the grammar library's first setup and a new schema's compile take up to seconds
+    return await asyncio.to_thread(constraint_for, plan, body.response_format, ctx.tokenizer)
+
+
 async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
     """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
     namespace, method = ctx.check_common(body, request)
@@ -65,10 +79,7 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     plan = plan_tools(body)
-    from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
-
-    # off the event loop: the grammar library's first setup and a new schema's compile take up to seconds
-    constraint = await asyncio.to_thread(constraint_for, plan, body.response_format, ctx.tokenizer)
+    constraint = await _constraint(body, plan, namespace, ctx)
     messages = render_messages(body, plan)
     system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")
     agent = request.headers.get("x-kvrelay-agent") or "sys-" + digest(system)
