@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
 from kvrelay.server.context import AppContext, digest
@@ -56,16 +57,18 @@ def _check_messages(body: ChatCompletionRequest) -> None:
 
 
 async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namespace: str, ctx: AppContext):
-    """The request's compiled grammar (kvrelay.server.grammar), None for free text; a 400 when its schemas together
-    are past the limits (kvrelay.server.schema_limits)."""
+    """The request's compiled grammar (kvrelay.server.grammar), None for free text. Off the event loop, on the
+    grammar threads (kvrelay.server.grammar_compiles): the library's first setup and a new schema's compile take
+    up to seconds. A request with nothing to compile never waits for those threads."""
     answer = answer_schema(body)
+    if plan is None and answer is None:
+        return None
     schemas = [(f.parameters, f"tools.{i}.function.parameters") for i, f in enumerate(plan.functions if plan else ())
                if f.parameters is not None]
     check_total_size([*schemas, *([(answer, "response_format.json_schema.schema")] if answer is not None else [])])
     from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
 
-    # off the event loop: the grammar library's first setup and a new schema's compile take up to seconds
-    return await asyncio.to_thread(constraint_for, plan, body.response_format, ctx.tokenizer)
+    return await ctx.compiles.run(tenant_of(namespace), constraint_for, plan, body.response_format, ctx.tokenizer)
 
 
 async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
