@@ -23,6 +23,7 @@ from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
 from kvrelay.server.context import AppContext, digest
+from kvrelay.server.grammar_cache import grammar_key
 from kvrelay.server.prompting import chat_ids
 from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest, RefusalPart
 from kvrelay.server.respond import CompletionRender, include_usage, respond
@@ -59,7 +60,8 @@ def _check_messages(body: ChatCompletionRequest) -> None:
 async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namespace: str, ctx: AppContext):
     """The request's compiled grammar (kvrelay.server.grammar), None for free text. Off the event loop, on the
     grammar threads (kvrelay.server.grammar_compiles): the library's first setup and a new schema's compile take
-    up to seconds. A request with nothing to compile never waits for those threads."""
+    up to seconds. A request with nothing to compile never waits for those threads; one whose namespace compiled
+    the same grammar before takes it from the cache (kvrelay.server.grammar_cache)."""
     answer = answer_schema(body)
     if plan is None and answer is None:
         return None
@@ -68,7 +70,14 @@ async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namesp
     check_total_size([*schemas, *([(answer, "response_format.json_schema.schema")] if answer is not None else [])])
     from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
 
-    return await ctx.compiles.run(tenant_of(namespace), constraint_for, plan, body.response_format, ctx.tokenizer)
+    key = grammar_key(plan, body.response_format)
+    constraint = ctx.grammars.get(namespace, key)
+    if constraint is None:
+        constraint = await ctx.compiles.run(tenant_of(namespace), constraint_for, plan, body.response_format,
+                                            ctx.tokenizer)
+        if constraint is not None:
+            ctx.grammars.put(namespace, key, constraint, constraint.compiled.memory_size_bytes)
+    return constraint
 
 
 async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
