@@ -71,13 +71,17 @@ async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namesp
     from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
 
     key = grammar_key(plan, body.response_format)
-    constraint = ctx.grammars.get(namespace, key)
-    if constraint is None:
-        constraint = await ctx.compiles.run(tenant_of(namespace), constraint_for, plan, body.response_format,
-                                            ctx.tokenizer)
-        if constraint is not None:
-            ctx.grammars.put(namespace, key, constraint, constraint.compiled.memory_size_bytes)
-    return constraint
+
+    def cached_or_compiled():  # on the tenant's turn: a request just before it may have compiled the same grammar
+        constraint = ctx.grammars.get(namespace, key)
+        if constraint is None:
+            constraint = constraint_for(plan, body.response_format, ctx.tokenizer)
+            if constraint is not None:
+                ctx.grammars.put(namespace, key, constraint, constraint.compiled.memory_size_bytes)
+        return constraint
+
+    cached = ctx.grammars.get(namespace, key)
+    return cached if cached is not None else await ctx.compiles.run(tenant_of(namespace), cached_or_compiled)
 
 
 async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:

@@ -71,3 +71,23 @@ def test_slow_compiles_of_one_tenant_delay_no_other_request(gated):
             t.join(timeout=120)
         srv.stop()
     assert [r.status_code for r in answers] == [200] * NUM_SLOW
+
+
+def test_requests_of_one_namespace_waiting_for_the_same_grammar_compile_it_once(gated):
+    srv = LiveServer(api_keys=KEYS)
+    answers: list[httpx.Response] = []
+    same = [threading.Thread(target=lambda: answers.append(_chat(srv, "key-a", response_format=SLOW)))
+            for _ in range(3)]
+    try:
+        chat_requests = srv.app.state.metrics.requests.labels("chat")
+        for t in same:
+            t.start()
+        srv.wait_until(lambda: chat_requests._value.get() == len(same) and gated.num_slow_entered == 1,
+                       "the first compile held, the other requests waiting for their turn")
+    finally:
+        gated.release.set()
+        for t in same:
+            t.join(timeout=120)
+        srv.stop()
+    assert [r.status_code for r in answers] == [200] * len(same)
+    assert gated.num_slow_entered == 1  # the others took the grammar the first one compiled
