@@ -29,7 +29,7 @@ from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest, Refu
 from kvrelay.server.respond import CompletionRender, include_usage, respond
 from kvrelay.server.responses import Reply
 from kvrelay.server.scheduler import Job
-from kvrelay.server.schema_limits import check_total_size
+from kvrelay.server.schema_limits import check_request_schemas
 from kvrelay.server.tools import ToolPlan, ToolStream, answer_schema, check_tool_messages, plan_tools, render_messages
 
 
@@ -62,12 +62,8 @@ async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namesp
     grammar threads (kvrelay.server.grammar_compiles): the library's first setup and a new schema's compile take
     up to seconds. A request with nothing to compile never waits for those threads; one whose namespace compiled
     the same grammar before takes it from the cache (kvrelay.server.grammar_cache)."""
-    answer = answer_schema(body)
-    if plan is None and answer is None:
+    if plan is None and answer_schema(body) is None:
         return None
-    schemas = [(f.parameters, f"tools.{i}.function.parameters") for i, f in enumerate(plan.functions if plan else ())
-               if f.parameters is not None]
-    check_total_size([*schemas, *([(answer, "response_format.json_schema.schema")] if answer is not None else [])])
     from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
 
     key = grammar_key(plan, body.response_format)
@@ -94,7 +90,12 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
                        code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    plan = plan_tools(body)
+    answer = answer_schema(body)
+    tools = body.tools or []
+    check_request_schemas([t.function.parameters for t in tools], answer)  # bounded work, before any is validated
+    # validating the tools' schemas takes up to a fraction of a second (jsonschema): on the tenant's compile turn,
+    # off the event loop, which serves every tenant
+    plan = await ctx.compiles.run(tenant_of(namespace), plan_tools, body) if tools else plan_tools(body)
     constraint = await _constraint(body, plan, namespace, ctx)
     messages = render_messages(body, plan)
     system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")

@@ -1,5 +1,5 @@
-"""Where a request's grammar is compiled: off the event loop, on threads of its own, one compile at a time per
-tenant (API key).
+"""Where a request's grammar is compiled (and its tools' schemas validated, kvrelay.server.tools.plan_tools): off
+the event loop, on threads of its own, one at a time per tenant (API key).
 
 A compile takes from milliseconds to seconds (kvrelay.server.schemas bounds how long), and cannot be interrupted
 once started. On asyncio's default executor (a handful of threads on a small machine) a few slow compiles of one

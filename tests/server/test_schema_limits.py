@@ -5,16 +5,19 @@ text.format)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Iterator
 
 import pytest
+from jsonschema import Draft202012Validator
 from starlette.testclient import TestClient
 
 import kvrelay.server.grammar as grammar
+import kvrelay.server.schemas as schemas
 from kvrelay.server.pattern_limits import MAX_NESTED_REPEAT, MAX_PATTERN_REPEAT, pattern_problem
-from kvrelay.server.schema_limits import MAX_PROPERTY_PAIRS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
+from kvrelay.server.schema_limits import MAX_PROPERTY_PAIRS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, MAX_TOOLS
 from tests.server.inproc import MODEL, make_app
 
 CHAT, RESPONSES = "/v1/chat/completions", "/v1/responses"
@@ -121,3 +124,48 @@ def test_common_patterns_are_within_the_limits(pattern):
                                      f"((a{{1,{MAX_NESTED_REPEAT}}}))*{{1,2}}", "(?:b|a{1,9}){1,9}"])
 def test_costly_patterns_are_refused(pattern):
     assert pattern_problem(pattern) is not None
+
+
+@pytest.mark.parametrize("path", [CHAT, RESPONSES])
+def test_more_tools_than_openai_allows_is_a_400_naming_tools(client, compiled, path):
+    tools = [{"name": f"t{i}", "parameters": {"type": "object"}} for i in range(MAX_TOOLS + 1)]
+    if path == CHAT:
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": t} for t in tools]}
+    else:
+        body = {"model": MODEL, "max_output_tokens": 2, "input": "hi", "tools": [{"type": "function", **t}
+                                                                                 for t in tools]}
+    r = post(client, path, json.dumps(body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text[:300]
+    assert compiled == []
+
+
+class _RecordingValidator:
+    """jsonschema's validator class, recording whether each schema check ran on the event loop's thread."""
+
+    on_event_loop: list[bool] = []
+
+    @classmethod
+    def check_schema(cls, schema):
+        try:
+            asyncio.get_running_loop()
+            cls.on_event_loop.append(True)
+        except RuntimeError:
+            cls.on_event_loop.append(False)
+        return Draft202012Validator.check_schema(schema)
+
+    def __new__(cls, *args, **kw):
+        return Draft202012Validator(*args, **kw)
+
+
+@pytest.mark.parametrize("slot", SLOTS)
+def test_schemas_are_validated_off_the_event_loop(client, monkeypatch, slot):
+    """jsonschema's check takes about 0.1 s per schema of 1000 values: on the event loop, which answers every
+    tenant's requests and streams, a request of many tools would stall all of them."""
+    monkeypatch.setattr(schemas, "Draft202012Validator", _RecordingValidator)
+    monkeypatch.setattr(_RecordingValidator, "on_event_loop", [])
+    path, body, _ = SLOTS[slot]
+    schema = objects(3 + list(SLOTS).index(slot))  # one per slot: a namespace's repeat takes its compiled grammar
+    r = post(client, path, body.replace("%s", MODEL).replace("{}}", json.dumps(schema) + "}", 1))
+    assert r.status_code == 200, r.text[:300]
+    assert _RecordingValidator.on_event_loop == [False]
