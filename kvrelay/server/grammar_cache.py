@@ -10,6 +10,7 @@ bytes, least recently used first out.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -18,8 +19,9 @@ MAX_GRAMMAR_CACHE_BYTES = 256 << 20
 
 
 def grammar_key(plan: Any, response_format: Any) -> str:
-    """What a compiled grammar depends on: the tool plan and the response format, as their full reprs."""
-    return repr((plan, response_format))
+    """What a compiled grammar depends on (the tool plan and the response format, their full reprs), as a digest: a
+    key's size is then fixed, whatever the tools' descriptions, and the bytes bound holds."""
+    return hashlib.sha256(repr((plan, response_format)).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class GrammarCache:

@@ -11,7 +11,9 @@ import pytest
 from starlette.testclient import TestClient
 
 import kvrelay.server.grammar as grammar
-from kvrelay.server.grammar_cache import GrammarCache
+from kvrelay.server.grammar_cache import GrammarCache, grammar_key
+from kvrelay.server.tool_protocol import FunctionDef
+from kvrelay.server.tools import ToolPlan
 from tests.server.inproc import MODEL, make_app
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
@@ -70,3 +72,11 @@ def test_the_cache_is_bounded_in_bytes_least_recently_used_first_out():
     assert cache.num_bytes == 80 and len(cache) == 2
     cache.put("d", "k4", "g4", 101)  # alone over the bound: not kept, nothing dropped for it
     assert cache.get("d", "k4") is None and len(cache) == 2
+
+
+def test_a_key_is_a_fixed_size_digest_whatever_the_tools_descriptions():
+    """Keys are not counted in the byte bound: a key holding the tools' text would let long descriptions grow it."""
+    long_plan = ToolPlan((FunctionDef(name="f", description="d" * 100_000),), "auto")
+    short_plan = ToolPlan((FunctionDef(name="f", description="d"),), "auto")
+    assert len(grammar_key(long_plan, None)) == len(grammar_key(short_plan, None)) == 64
+    assert grammar_key(long_plan, None) != grammar_key(short_plan, None)
