@@ -73,6 +73,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
             yield
         finally:
             worker.stop()
+            ctx.compiles.shutdown()
 
     app = FastAPI(title="kvrelay", lifespan=lifespan, **docs_urls(settings.api_keys))
     app.state.worker, app.state.catalog, app.state.metrics, app.state.context = worker, catalog, metrics, ctx

@@ -19,15 +19,18 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
 from kvrelay.server.context import AppContext, digest
+from kvrelay.server.grammar_cache import grammar_key
 from kvrelay.server.prompting import chat_ids
 from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest, RefusalPart
 from kvrelay.server.respond import CompletionRender, include_usage, respond
 from kvrelay.server.responses import Reply
 from kvrelay.server.scheduler import Job
-from kvrelay.server.tools import ToolPlan, ToolStream, check_tool_messages, plan_tools, render_messages
+from kvrelay.server.schema_limits import check_request_schemas
+from kvrelay.server.tools import ToolPlan, ToolStream, answer_schema, check_tool_messages, plan_tools, render_messages
 
 
 @dataclass
@@ -54,6 +57,29 @@ def _check_messages(body: ChatCompletionRequest) -> None:
     check_tool_messages(body)
 
 
+async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namespace: str, ctx: AppContext):
+    """The request's compiled grammar (kvrelay.server.grammar), None for free text. Off the event loop, on the
+    grammar threads (kvrelay.server.grammar_compiles): the library's first setup and a new schema's compile take
+    up to seconds. A request with nothing to compile never waits for those threads; one whose namespace compiled
+    the same grammar before takes it from the cache (kvrelay.server.grammar_cache)."""
+    if plan is None and answer_schema(body) is None:
+        return None
+    from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
+
+    key = grammar_key(plan, body.response_format)
+
+    def cached_or_compiled():  # on the tenant's turn: a request just before it may have compiled the same grammar
+        constraint = ctx.grammars.get(namespace, key)
+        if constraint is None:
+            constraint = constraint_for(plan, body.response_format, ctx.tokenizer)
+            if constraint is not None:
+                ctx.grammars.put(namespace, key, constraint, constraint.compiled.memory_size_bytes)
+        return constraint
+
+    cached = ctx.grammars.get(namespace, key)
+    return cached if cached is not None else await ctx.compiles.run(tenant_of(namespace), cached_or_compiled)
+
+
 async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
     """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
     namespace, method = ctx.check_common(body, request)
@@ -64,11 +90,13 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
                        code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    plan = plan_tools(body)
-    from kvrelay.server.grammar import constraint_for  # the grammar library loads with the first request
-
-    # off the event loop: the grammar library's first setup and a new schema's compile take up to seconds
-    constraint = await asyncio.to_thread(constraint_for, plan, body.response_format, ctx.tokenizer)
+    answer = answer_schema(body)
+    tools = body.tools or []
+    check_request_schemas([t.function.parameters for t in tools], answer)  # bounded work, before any is validated
+    # validating the tools' schemas takes up to a fraction of a second (jsonschema): on the tenant's compile turn,
+    # off the event loop, which serves every tenant
+    plan = await ctx.compiles.run(tenant_of(namespace), plan_tools, body) if tools else plan_tools(body)
+    constraint = await _constraint(body, plan, namespace, ctx)
     messages = render_messages(body, plan)
     system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")
     agent = request.headers.get("x-kvrelay-agent") or "sys-" + digest(system)

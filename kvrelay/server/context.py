@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -20,6 +20,8 @@ from kvrelay.errors import KvRelayError
 from kvrelay.reuse import PIPELINE_METHODS, get_method
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.events import Event
+from kvrelay.server.grammar_cache import GrammarCache
+from kvrelay.server.grammar_compiles import GrammarCompiles
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.penalty_check import penalties_of
 from kvrelay.server.protocol import ApiError
@@ -43,6 +45,8 @@ class AppContext:
     settings: ServerSettings
     tokenizer: Any
     model_id: str
+    compiles: GrammarCompiles = field(default_factory=GrammarCompiles)  # requests' grammars (tools, formats)
+    grammars: GrammarCache = field(default_factory=GrammarCache)  # compiled ones, per namespace
 
     def namespace_of(self, request: Request, cache_salt: str | None) -> str:
         """The tenant's namespace: its API key's digest (when keys are set) and its ``cache_salt``'s."""

@@ -72,7 +72,8 @@ class _Vocabulary:
         kind = xgr.VocabType.BYTE_FALLBACK if byte_fallback else xgr.VocabType.BYTE_LEVEL
         stops = sorted(tokenizer.stop_ids)
         info = xgr.TokenizerInfo(pieces, kind, vocab_size=size, stop_token_ids=stops)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # no cache of the library's: it is shared by every tenant and unbounded (kvrelay.server.grammar_cache)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.size = size
         special = set(tokenizer.backend.get_added_tokens_decoder()) - set(stops)
         keep = np.ones(size, dtype=bool)

@@ -8,13 +8,15 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from kvrelay.server.protocol import ApiError
+from kvrelay.server.schema_limits import SchemaSize
 
 
 def check_schema(schema: Any, param: str, arguments: bool = False) -> None:
-    """A 400 naming ``param`` unless ``schema`` is a valid JSON schema (an object schema when ``arguments``:
-    a tool's arguments are a JSON object)."""
+    """A 400 naming ``param`` unless ``schema`` is a valid JSON schema within the size limits (an object schema when
+    ``arguments``: a tool's arguments are a JSON object)."""
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param} must be a JSON schema object", param=param, code="invalid_value")
+    SchemaSize().add(schema, param)  # before jsonschema, which recurses per nesting level
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:

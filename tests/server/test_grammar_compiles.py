@@ -1,0 +1,93 @@
+"""A tenant whose grammars take long to compile (tools, response_format) delays no other tenant: compiles run on
+their own threads, one at a time per tenant (kvrelay.server.grammar_compiles), and a request with nothing to
+compile never waits for them. A compile is held open here (the compile function gated), so the overlap is made
+certain rather than timed."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+import kvrelay.server.grammar as grammar
+from tests.server.conftest import MODEL
+from tests.server.live import LiveServer
+
+KEYS = frozenset({"key-a", "key-b"})
+NUM_SLOW = 33  # more than asyncio's default executor ever has threads (min(32, cpus + 4))
+SLOW = {"type": "json_schema", "json_schema": {"name": "slow", "schema": {"type": "object", "title": "slow"}}}
+
+
+class GatedCompiles:
+    """``constraint_for``, where a grammar titled "slow" waits for ``release`` first."""
+
+    def __init__(self, real) -> None:
+        self.real, self.release, self.num_slow_entered = real, threading.Event(), 0
+        self._lock = threading.Lock()
+
+    def __call__(self, plan, fmt, tokenizer):
+        if fmt is not None and fmt.json_schema is not None and fmt.json_schema.name == "slow":
+            with self._lock:
+                self.num_slow_entered += 1
+            assert self.release.wait(timeout=120), "the test never released the compile"
+        return self.real(plan, fmt, tokenizer)
+
+
+@pytest.fixture
+def gated(monkeypatch) -> GatedCompiles:
+    gate = GatedCompiles(grammar.constraint_for)
+    monkeypatch.setattr(grammar, "constraint_for", gate)
+    return gate
+
+
+def _chat(srv: LiveServer, key: str, **body) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **body}
+    return httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=60)  # bounds a broken server only: each request below is answered without waiting
+
+
+def test_slow_compiles_of_one_tenant_delay_no_other_request(gated):
+    srv = LiveServer(api_keys=KEYS)
+    answers: list[httpx.Response] = []
+    slow = [threading.Thread(target=lambda: answers.append(_chat(srv, "key-a", response_format=SLOW)))
+            for _ in range(NUM_SLOW)]
+    try:
+        chat_requests = srv.app.state.metrics.requests.labels("chat")
+        for t in slow:
+            t.start()
+        # every slow request has reached its compile step (the route counts it, then runs to the compile at once)
+        srv.wait_until(lambda: chat_requests._value.get() == NUM_SLOW and gated.num_slow_entered >= 1,
+                       "the slow requests queued for their compiles")
+        plain = _chat(srv, "key-b")
+        assert plain.status_code == 200, plain.text
+        other_grammar = _chat(srv, "key-b", response_format={"type": "json_object"})
+        assert other_grammar.status_code == 200, other_grammar.text
+        assert gated.num_slow_entered == 1  # tenant a's compiles run one at a time
+        assert answers == []  # and all of them were still held while tenant b was answered
+    finally:
+        gated.release.set()
+        for t in slow:
+            t.join(timeout=120)
+        srv.stop()
+    assert [r.status_code for r in answers] == [200] * NUM_SLOW
+
+
+def test_requests_of_one_namespace_waiting_for_the_same_grammar_compile_it_once(gated):
+    srv = LiveServer(api_keys=KEYS)
+    answers: list[httpx.Response] = []
+    same = [threading.Thread(target=lambda: answers.append(_chat(srv, "key-a", response_format=SLOW)))
+            for _ in range(3)]
+    try:
+        chat_requests = srv.app.state.metrics.requests.labels("chat")
+        for t in same:
+            t.start()
+        srv.wait_until(lambda: chat_requests._value.get() == len(same) and gated.num_slow_entered == 1,
+                       "the first compile held, the other requests waiting for their turn")
+    finally:
+        gated.release.set()
+        for t in same:
+            t.join(timeout=120)
+        srv.stop()
+    assert [r.status_code for r in answers] == [200] * len(same)
+    assert gated.num_slow_entered == 1  # the others took the grammar the first one compiled
