@@ -31,7 +31,8 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": redact_paths(message), "type": type_, "param": _text(param), "code": code}}
+    body = {"error": {"message": _bounded(redact_paths(message)), "type": type_, "param": _bounded(_text(param)),
+                      "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -44,6 +45,18 @@ def redact_paths(message: str) -> str:
     """``message`` with the directories of any absolute path replaced (a file's own name stays, as the clue), and
     as valid Unicode (a lone surrogate it quotes from a request escaped, so the error JSON can be encoded)."""
     return _SERVER_DIRS.sub("<server path>/", _text(message))
+
+
+# an error quotes what the request sent (an id, a model name, a value); a megabyte id is not echoed back whole
+MAX_ERROR_TEXT_CHARS = 2000
+
+
+def _bounded(text: str | None) -> str | None:
+    """``text`` cut in the middle to at most about MAX_ERROR_TEXT_CHARS, saying how much was left out."""
+    if text is None or len(text) <= MAX_ERROR_TEXT_CHARS:
+        return text
+    half = MAX_ERROR_TEXT_CHARS // 2
+    return f"{text[:half]}... ({len(text) - 2 * half} characters left out) ...{text[-half:]}"
 
 
 def _text(text: str | None) -> str | None:

@@ -38,3 +38,12 @@ def test_another_model_is_a_404_model_not_found_and_a_key_is_needed(http):
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
     with pytest.raises(openai.AuthenticationError):
         _client(http, "wrong").models.retrieve("random:tiny")
+
+
+def test_a_huge_id_is_not_echoed_back_whole(http):
+    """The 404 quotes the model id it got: 60,000 characters came back whole (and so would any echoed value)."""
+    with pytest.raises(openai.NotFoundError) as err:
+        _client(http).models.retrieve("m" * 60_000)
+    message = err.value.body["message"]
+    assert "characters left out" in message and len(message) < 2_200, len(message)
+    assert message.startswith("the model 'mmm")  # still says what it got
