@@ -189,7 +189,8 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
     from kvrelay.weights.hf_export import export_hf
 
     out = export_hf(args.model, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"wrote {out} (load it with vLLM: python -m kvrelay.vllm.launch serve {out})")
+    print(f"wrote {out} (load it with vLLM: python -m kvrelay.vllm.launch serve {out} --dtype {args.dtype} "
+          "--enforce-eager; docs/vllm.md)")
     return 0
 
 

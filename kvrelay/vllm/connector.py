@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvrelay.errors import ConfigError, KvRelayError
+from kvrelay.errors import ConfigError
 from kvrelay.server.context import digest
 from kvrelay.vllm.hub import ConnectorConfig, Hub, hub_for, model_fingerprint
 from kvrelay.vllm.methods import BoundModel, check_bound, connector_method
@@ -129,6 +129,10 @@ class KVRelayConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         log_to_stderr()
         self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and self.config.load and policy != "recompute":
+            log.warning("kvrelay connector: kv_load_failure_policy is %r: a request whose load fails is failed, not "
+                        "prefilled; set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config", policy)
         model_config = vllm_config.model_config
         if vllm_config.parallel_config.world_size > 1:
             raise ConfigError("kvrelay connector: one worker only (tensor and pipeline parallel size 1): each worker "
@@ -136,10 +140,17 @@ class KVRelayConnector(KVConnectorBase_V1):
         self.hf_config = model_config.hf_config.to_dict()
         self.model_config = config_from_hf(self.hf_config)
         self.block_size = vllm_config.cache_config.block_size
+        # a stored span's bytes per token (its K and V at every layer, in vLLM's KV dtype): a request whose span
+        # would exceed the store's whole memory tier is not indexed, as the worker could never store it
+        cfg, cache_dtype = self.model_config, getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        self._span_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                                      * torch.empty(0, dtype=model_config.dtype).element_size()
+                                      if cache_dtype == "auto" else 0)
         fingerprint = model_fingerprint(str(model_config.model), self.hf_config, model_config.dtype)
         self.hub: Hub = hub_for(self.config, fingerprint)
         # scheduler side
         self._plans: dict[str, LoadPlan] = {}
+        self._asked: dict[str, int] = {}  # request id -> the tokens vLLM had computed when it asked for a match
         self._saves: list[SaveJob] = []
         self._loads: list[LoadJob] = []
         # worker side
@@ -159,10 +170,21 @@ class KVRelayConnector(KVConnectorBase_V1):
         return self._saver
 
     # ================================================================== scheduler side
+    # These run in vLLM's engine-core process, inside its scheduler: an exception here would end the engine and
+    # every request on it. Each failure is logged and the request goes on as without the connector (nothing
+    # claimed, nothing stored); a claim vLLM granted but the connector cannot serve becomes a failed load, whose
+    # blocks vLLM recomputes (kv_load_failure_policy "recompute").
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load or request.prompt_token_ids is None:
             return 0, False
-        plan = self.hub.plan(list(request.prompt_token_ids), namespace_of(request.cache_salt), num_computed_tokens)
+        self._asked[request.request_id] = num_computed_tokens
+        try:
+            plan = self.hub.plan(list(request.prompt_token_ids), namespace_of(request.cache_salt),
+                                 num_computed_tokens)
+        except Exception:  # noqa: BLE001 - the request is prefilled by vLLM instead
+            log.exception("kvrelay connector: matching request %s failed; vLLM prefills it as without the "
+                          "connector", request.request_id)
+            plan = None
         if plan is None:
             self._plans.pop(request.request_id, None)
             return 0, False
@@ -171,19 +193,28 @@ class KVRelayConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         plan = self._plans.pop(request.request_id, None)
+        num_computed = self._asked.pop(request.request_id, 0)  # vLLM's own hit, as it was given to the match
         if num_external_tokens == 0:
             return
-        if plan is None or plan.num_claimed != num_external_tokens:  # vLLM grants what was asked, or nothing
-            raise KvRelayError(f"kvrelay connector: request {request.request_id} was granted {num_external_tokens} "
-                               f"tokens, not the {plan and plan.num_claimed} planned")
         block_ids = list(blocks.get_block_ids()[0])
+        prompt = request.prompt_token_ids or []
+        if plan is None or plan.num_claimed != num_external_tokens:  # vLLM grants what was asked, or nothing
+            # not served: its blocks are reported failed (``start_load_kv``) and vLLM recomputes them
+            error = f"granted {num_external_tokens} tokens, not the {plan and plan.num_claimed} planned"
+            plan = LoadPlan(num_computed, num_computed + num_external_tokens)
+            self._loads.append(LoadJob(request.request_id, namespace_of(request.cache_salt), [], plan, block_ids,
+                                       error=error))
+            return
         self._loads.append(LoadJob(request.request_id, namespace_of(request.cache_salt),
-                                   list(request.prompt_token_ids[: plan.run_end]), plan, block_ids))
+                                   list(prompt[: plan.run_end]), plan, block_ids))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, KVRelayWorkerReport):
-            self.hub.reported(report.stored, report.dropped)
+            try:
+                self.hub.reported(report.stored, report.dropped)
+            except Exception:  # noqa: BLE001 - a span then stays matchable; its load finds it missing
+                log.exception("kvrelay connector: the worker's report of stored and dropped spans was not applied")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVRelayMetadata(self._saves, self._loads)
@@ -194,17 +225,31 @@ class KVRelayConnector(KVConnectorBase_V1):
         """Index the request's tokens now (a request arriving before the worker stores them still matches) and
         hold its blocks until the worker has copied them (``saver``)."""
         self._plans.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
+        try:
+            return self._index_finished(request, block_ids)
+        except Exception:  # noqa: BLE001 - the request's K/V is not stored; vLLM frees its blocks now
+            log.exception("kvrelay connector: request %s's KV not stored (indexing it failed)", request.request_id)
+            return False, None
+
+    def _index_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         if not self.config.save or num_tokens < self.config.min_match_tokens:
+            return False, None
+        if num_tokens * self._span_bytes_per_token > self.config.budget_bytes:
+            log.warning("kvrelay connector: request %s's KV not stored: %d tokens need %d bytes, more than the "
+                        "store's memory tier holds (kv_budget_gb %g)", request.request_id, num_tokens,
+                        num_tokens * self._span_bytes_per_token, self.config.kv_budget_gb)
             return False, None
         hub, namespace = self.hub, namespace_of(request.cache_salt)
         token_ids = list(request.all_token_ids[:num_tokens])
         span_id = hub.catalog.new_span_id(request.num_prompt_tokens)  # kvrelay serve's completion ids
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        job = SaveJob(request.request_id, span_id, namespace, token_ids, list(block_ids[:num_blocks]))
         with hub.lock:
             hub.catalog.index.add(span_id, token_ids, namespace)
             hub.pending.add((namespace, span_id))
-        num_blocks = math.ceil(num_tokens / self.block_size)
-        self._saves.append(SaveJob(request.request_id, span_id, namespace, token_ids, list(block_ids[:num_blocks])))
+        self._saves.append(job)
         return True, None
 
     # ================================================================== worker side
@@ -254,6 +299,11 @@ class KVRelayConnector(KVConnectorBase_V1):
         for job in meta.saves:  # read now, while vLLM holds the blocks; stored in the saver's thread
             self._saver.submit(job)
         for job in meta.loads:
+            if job.error is not None:  # a claim the scheduler side could not plan: vLLM recomputes its blocks
+                log.warning("kvrelay connector: request %s: %s; its blocks are reported to vLLM as not loaded",
+                            job.req_id, job.error)
+                self._fail_load(job)
+                continue
             t0 = time.perf_counter()
             for piece in job.plan.pieces:  # a span this load reads may still be being stored
                 self._saver.wait_stored(job.namespace, piece.span_id)
@@ -265,14 +315,19 @@ class KVRelayConnector(KVConnectorBase_V1):
             except Exception:  # noqa: BLE001 - one request's failed load never stops the step
                 log.exception("kvrelay connector: load for request %s failed; its blocks are reported to vLLM "
                               "(recomputed under kv_load_failure_policy 'recompute')", job.req_id)
-                first = job.plan.num_computed // self.block_size
-                self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
+                self._fail_load(job)
                 continue
             log.info("kvrelay connector: request %s: %d tokens claimed, %d loaded, %d computed (%d spans missing; "
                      "%d token-layers) in %.1f ms (forward %.1f ms on %d threads; %.1f ms waiting for spans being "
                      "stored)%s", result.req_id, result.num_claimed, result.num_loaded, result.num_recomputed,
                      result.spans_missing, result.num_token_layers, result.load_ms, result.forward_ms,
                      torch.get_num_threads(), wait_ms, f"; {result.note}" if result.note else "")
+
+    def _fail_load(self, job: LoadJob) -> None:
+        """Report ``job``'s claimed blocks as not loaded (``get_block_ids_with_load_errors``): vLLM recomputes them
+        under kv_load_failure_policy "recompute", and fails the request under its default, "fail"."""
+        first = job.plan.num_computed // self.block_size
+        self._failed_blocks.update(job.block_ids[first: math.ceil(job.plan.end / self.block_size)])
 
     def has_connector_metadata(self) -> bool:
         """False, so that vLLM's attention layers skip ``wait_for_layer_load`` and ``save_kv_layer`` (two calls per

@@ -1,11 +1,11 @@
 """The connector's settings and the store both its halves share in one process.
 
 vLLM builds the connector twice: a scheduler-side instance in the engine-core process and a worker-side one
-in each worker. With one worker (``UniProcExecutor``, vLLM's default for a single device) both live in the
-engine-core process, and they share one ``Hub``: the span store (memory in front of the shared tier, as
-``kvrelay serve`` uses it), the token index the scheduler matches prompts against, and the spans whose save
-the worker has not done yet. Workers in other processes (tensor parallelism) open their own hub on the same
-shared tier URL; a memory-only store cannot reach them, so that is refused at start.
+in the worker. Where both live in one process (vLLM's ``UniProcExecutor``) they share one ``Hub``: the span store
+(memory in front of the shared tier, as ``kvrelay serve`` uses it), the token index the scheduler matches prompts
+against, and the spans whose save the worker has not done yet. vLLM's CPU build runs its worker in a process of its
+own even for one device: each side then has its own hub, and the scheduler side learns what the worker stored from
+the worker's reports (``Hub.reported``). More than one worker (tensor or pipeline parallelism) is refused at start.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.lm import fingerprint_of
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.index import MATCH_PREFERENCES
+from kvrelay.tier.backends.base import redact
 from kvrelay.tier.tiered import TieredStore, open_store
 from kvrelay.vllm.plan import CONNECTOR_METHODS, LoadPlan, Run, method_name, plan_load
 from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.integrity import file_sha256
 
 GIB = 1 << 30
+STORE_SCHEMES = ("disk:", "redis://", "rediss://", "unix://")  # what ``tier.tiered.open_store`` opens
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,14 @@ class ConnectorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "epic_k" else 1):
                 raise ConfigError(f"kvrelay connector: {name} must be an integer >= "
                                   f"{0 if name == 'epic_k' else 1}, got {value!r}")
-        if not isinstance(self.store, str) or not self.store.strip():
-            raise ConfigError(f"kvrelay connector: store must be memory, disk:PATH or redis://..., got "
-                              f"{self.store!r}")
+        for name in ("save", "load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"kvrelay connector: {name} must be true or false, got {getattr(self, name)!r}")
+        store = self.store.strip() if isinstance(self.store, str) else ""
+        if not (store == "memory" or store.startswith(STORE_SCHEMES) and store not in STORE_SCHEMES):
+            shown = redact(store) if store else self.store
+            raise ConfigError(f"kvrelay connector: store must be memory, disk:PATH or redis://host:port/db, got "
+                              f"{shown!r}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -214,3 +214,31 @@ def test_a_load_computes_its_tokens_kv_without_the_output_head(lm, vllm_model, m
     bind_transformer(cfg, vllm_model).prefill(torch.tensor(prompt[: last + 1]), expected,
                                               StaticSchedule(torch.tensor(plan.recompute)))
     assert torch.equal(k, expected.kv_all(0, plan.end)[0]) and torch.equal(v, expected.kv_all(0, plan.end)[1])
+
+
+def test_an_exact_claim_past_vllms_prefix_reads_nothing_of_it_back(lm, vllm_model, monkeypatch):
+    """A claim loaded whole as stored (the exact prefix beyond vLLM's own cache: a prompt repeated near the context
+    limit) needs none of what vLLM computed before it; a claim with tokens to compute reads it (they attend to it)."""
+    cfg, gen = lm.config, torch.Generator().manual_seed(5)
+    upstream = torch.randint(0, 49152, (60,), generator=gen).tolist()
+    hub = Hub(ConnectorConfig(), lm.fingerprint)
+    full = full_prefill(lm, upstream)
+    hub.catalog.put("", "up", full.export(0, 60, upstream, lm.fingerprint))
+    prompt = upstream[:50] + [3, 4]
+    plan = plan_load(prompt, 16, [Run(0, 50, "up", 0)], hub.catalog.index.token_ids, "epic")
+    assert (plan.num_computed, plan.end, plan.recompute) == (16, 50, [])
+    paged, _ = paged_kv(cfg)
+    paged.write(paged.slots([2, 5, 6, 1], 0, 16), *full.kv_all(0, 16))  # vLLM's own first block
+    reads = []
+    monkeypatch.setattr(paged, "read_range", lambda *a: reads.append(a) or PagedKV.read_range(paged, *a))
+    worker = WorkerSide(hub, paged, cfg, bind_transformer(cfg, vllm_model))
+    result = worker.load(LoadJob("r", "", prompt[: plan.end], plan, [2, 5, 6, 1]))
+    assert reads == [] and (result.num_loaded, result.num_recomputed) == (34, 0)
+    k, v = paged.read(paged.slots([2, 5, 6, 1], 0, 50))
+    assert torch.equal(k, full.kv_all(0, 50)[0]) and torch.equal(v, full.kv_all(0, 50)[1])
+    # the span gone: its tokens are computed, attending to vLLM's first block, read back for them
+    hub.catalog.drop("", "up")
+    result = worker.load(LoadJob("r", "", prompt[: plan.end], plan, [2, 5, 6, 1]))
+    assert len(reads) == 1 and (result.spans_missing, result.num_recomputed) == (1, 34)
+    k, _ = paged.read(paged.slots([2, 5, 6, 1], 0, 50))
+    torch.testing.assert_close(k, full.kv_all(0, 50)[0], rtol=1e-4, atol=1e-4)
