@@ -102,3 +102,16 @@ def test_a_claim_granted_as_planned_becomes_a_load(connector):
     connector.update_state_after_alloc(req, blocks([5, 6, 7, 8, 9]), 64)
     (job,) = connector._loads
     assert job.error is None and job.plan is plan and job.token_ids == req.prompt_token_ids[:64]
+
+
+def test_a_worker_report_that_cannot_be_applied_never_ends_the_engine(connector, caplog, monkeypatch):
+    from kvrelay.vllm.connector import KVRelayWorkerReport
+
+    def broken(*args):
+        raise RuntimeError("hub broken")
+
+    monkeypatch.setattr(connector.hub, "reported", broken)
+    report = KVRelayWorkerReport(stored=[("", "s1")], dropped=[])
+    with caplog.at_level(logging.ERROR, "kvrelay.vllm"):
+        connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    assert "the worker's report of stored and dropped spans was not applied" in caplog.text
