@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         code = args.fn(args)
         sys.stdout.flush()  # here, not at exit: a reader that went away is then caught below
         return code
+    except KeyboardInterrupt:  # Ctrl-C in a long command: one line and the shell's status for SIGINT, no traceback
+        print("\nkvrelay: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (``kvrelay methods | head``): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit flush raises nothing
         return 0

@@ -173,3 +173,17 @@ def test_a_reader_that_closes_the_pipe_early_is_no_error():
     proc.stdout.close()  # the reader is gone before the listing is written
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and err == b"", err
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(capfd, monkeypatch):
+    """Ctrl-C lands wherever the command is (here: listing the methods); the user sees one line, not a traceback,
+    and the shell's status for an interrupted command."""
+    from kvrelay.reuse import catalog
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(catalog, "method_catalog", interrupted)
+    code, err = _main_in_process(["methods"], capfd)
+    assert code == 130
+    assert err.strip() == "kvrelay: interrupted" and "Traceback" not in err
