@@ -131,7 +131,8 @@ class Engine:
         self.compute_token_layers_per_s: float | None = None
         if store is not None:
             store.set_fingerprint(lm.fingerprint)
-        for spec in methods:
+        # one spec given alone (methods="relay") is that method, not one method per character of it
+        for spec in (methods,) if isinstance(methods, (str, ReuseMethod)) else methods:
             self.method(spec)
 
     # ------------------------------------------------------------------ methods

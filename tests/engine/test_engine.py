@@ -200,3 +200,19 @@ def test_spans_read_in_place_give_what_copied_spans_give(lm, method, monkeypatch
     assert in_place.stats.num_computed_token_layers == copied.stats.num_computed_token_layers
     torch.testing.assert_close(in_place.first_logits, copied.first_logits, atol=1e-4, rtol=0)
     assert in_place.output_ids == copied.output_ids
+
+
+def test_one_method_spec_given_alone_is_that_method(lm):
+    """``Engine(lm, store, methods="epic")`` sets up epic, not one method per character of the string."""
+    from kvrelay.engine import Engine, GenerateOptions
+
+    engine = Engine(lm, KVStore(budget_bytes=1 << 24), methods="epic")
+    out = engine.generate(_prompt(8, 0), "epic", GenerateOptions(SamplingConfig(max_new_tokens=1)))
+    assert out.stats.num_prompt_tokens == 8
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10**9])
+def test_a_token_id_outside_the_vocabulary_is_a_clear_error(lm, bad_id):
+    vocab = lm.config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt token id {bad_id} is outside .*vocabulary \[0, {vocab}\)"):
+        generate(lm, [1, bad_id, 2], "full", sampling=SamplingConfig(max_new_tokens=1))
