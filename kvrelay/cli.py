@@ -32,6 +32,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(DemoConfig, args)
     check_output_dir(cfg.out, "--out")
+    check_workload_data("gsm8k-chain3", cfg.data)
     run_demo(cfg)
     return 0
 

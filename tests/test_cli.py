@@ -190,3 +190,13 @@ def test_ctrl_c_in_a_command_is_one_line_and_status_130(capfd, monkeypatch):
         pytest.fail("Ctrl-C escaped kvrelay.cli.main")
     assert code == 130
     assert err.strip() == "kvrelay: interrupted" and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench"], ["bench", "--workload", "mmlu-doc3"]])
+def test_missing_default_data_is_said_before_the_model_loads(command, capfd, monkeypatch, tmp_path):
+    """A fresh clone without the benchmark data: the data is named, in one line, before the model would load (a
+    model that does not exist would be the error otherwise)."""
+    monkeypatch.setenv("KVRELAY_DATA", str(tmp_path / "no-data-here"))
+    code, err = _main_in_process([*command, "--model", "no-such-model"], capfd)
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(tmp_path / "no-data-here") in err and "no-such-model" not in err
