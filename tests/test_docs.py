@@ -54,3 +54,15 @@ def test_every_serve_flag_is_in_docs_serving():
     text = (ROOT / "docs" / "serving.md").read_text()
     missing = [f for f in flags if f"`{f}`" not in text and not (f.startswith("--no-") and f"`--{f[5:]}`" in text)]
     assert missing == []
+
+
+def test_every_flag_with_a_default_says_it_in_its_help():
+    """`kvrelay <cmd> --help` is where a user reads a flag's default: every flag that has one (other than off or
+    empty) says it."""
+    parser = build_parser()
+    commands = next(a for a in parser._subparsers._group_actions if hasattr(a, "choices")).choices
+    silent = [f"{name} {action.option_strings[0]}" for name, command in commands.items()
+              for action in command._actions
+              if action.option_strings and action.help and action.default not in (None, False, "", [])
+              and action.dest != "help" and "default" not in action.help]
+    assert silent == []

@@ -44,8 +44,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a file holding the bearer token /metrics then needs (for a Prometheus scrape job's "
                         "credentials_file); with --api-keys and without it, /metrics is off, since it sums every "
                         "tenant's traffic (docs/tenants.md)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
-    p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429 (default 64)")
+    p.add_argument("--max-running", type=int, default=8,
+                   help="requests decoded together in one batch (default 8)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
                    help="chunked prefill: a piece prefilled between two decode steps of the running requests costs "
                         "what this many tokens cost at the start of a prompt (pieces deeper in a long prompt get "
