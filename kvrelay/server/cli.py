@@ -106,6 +106,17 @@ def quality_config(args: argparse.Namespace):
     return QualityConfig(target=target, sample_rate=args.quality_sample, shadow_share=share, ladder=ladder)
 
 
+def serving_methods(args: argparse.Namespace) -> str:
+    """What the startup line says runs a request that names no method: with the quality guard on, its agent's rung
+    of the ladder, not ``--method`` (which runs them only with ``--quality-target off``)."""
+    from kvrelay.quality.ladder import ladder_text
+
+    config = quality_config(args)
+    if config is None:
+        return f"with method {args.method}"
+    return f"with each agent at its quality-guard rung ({ladder_text(config.ladder)}; target {args.quality_target})"
+
+
 def read_api_keys(path: str | None) -> frozenset[str]:
     if path is None:
         return frozenset()
@@ -194,10 +205,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
 
-    print(f"kvrelay serve: {args.model} with method {args.method} on http://{args.host}:{args.port}/v1 "
-          f"(store: {redact(args.store)}; decode weights: {app.state.worker.engine.lm.decode_weights}; "
-          f"matmuls: {app.state.worker.engine.lm.matmuls}; threads: {torch.get_num_threads()})",
-          file=sys.stderr, flush=True)
+    lm = app.state.worker.engine.lm
+    print(f"kvrelay serve: {args.model} {serving_methods(args)} on http://{args.host}:{args.port}/v1 "
+          f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
+          f"threads: {torch.get_num_threads()})", file=sys.stderr, flush=True)
     from kvrelay.server.http_protocol import JsonErrorH11Protocol
 
     # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON
