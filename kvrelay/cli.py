@@ -239,7 +239,8 @@ def _add_run_parser(sub) -> None:
                      help=f"reuse method spec NAME or NAME[k=v,...]; choices: {', '.join(PIPELINE_METHODS)} "
                           "(default: full)")
     run.add_argument("--input", action="append", default=[],
-                     help="a task input as NAME=TEXT or NAME=@FILE (UTF-8 text); repeatable")
+                     help="a task input as NAME=TEXT or NAME=@FILE (UTF-8 text); repeatable; a pipeline with one "
+                          "input also takes TEXT alone (a text with '=' in it: NAME=TEXT)")
     add_model_flags(run, DEFAULT_MODEL)
     run.add_argument("--store-bytes", type=positive_integer, default=4 << 30,
                      help="KV store budget in bytes (default: 4 GiB)")
