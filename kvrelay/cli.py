@@ -166,14 +166,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = chat_prompt_ids(lm.tokenizer, messages).ids
-    out = Engine(lm).generate(ids, "full", GenerateOptions(sampling))
-    print(out.text)
+    out = _stream_generation(Engine(lm), ids, GenerateOptions(sampling))
     s = out.stats
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
           f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms (decode weights: {lm.decode_weights}; "
           f"matmuls: {lm.matmuls}; threads: {torch.get_num_threads()}), "
           f"stop: {out.stop_reason}]", file=sys.stderr)
     return 0
+
+
+def _stream_generation(engine, ids: list[int], options):
+    """One ``full`` call whose text is printed as it is decoded (a long answer on a CPU takes minutes, and Ctrl-C
+    keeps what was printed); the finished output."""
+    from kvrelay.server.textstream import IncrementalDecoder
+
+    seq = engine.start(ids, "full", options)
+    decoder, num_printed = IncrementalDecoder(engine.lm.tokenizer), 0
+    while True:
+        text = decoder.feed(seq.output_ids)
+        print(text[num_printed:], end="", flush=True)
+        num_printed = len(text)
+        if seq.done:
+            break
+        engine.step([seq])
+    out = engine.finish(seq)
+    if seq.error is not None:
+        raise seq.error
+    print(out.text[num_printed:] if out.text.startswith(text) else "")  # what a split character held back
+    return out
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:

@@ -200,3 +200,24 @@ def test_missing_default_data_is_said_before_the_model_loads(command, capfd, mon
     code, err = _main_in_process([*command, "--model", "no-such-model"], capfd)
     assert code == 2 and err.count("\n") == 1, err
     assert str(tmp_path / "no-data-here") in err and "no-such-model" not in err
+
+
+def test_generate_prints_the_answer_as_it_is_decoded(capsys, monkeypatch):
+    """The text is on stdout before the call finishes (a long answer on a CPU takes minutes), and all of it: what
+    was streamed and the rest make the output's text."""
+    from kvrelay.engine import Engine
+
+    streamed_before_finish, outputs = [], []
+    finish = Engine.finish
+
+    def finish_after_reading_stdout(self, seq):
+        streamed_before_finish.append(capsys.readouterr().out)
+        outputs.append(finish(self, seq))
+        return outputs[-1]
+
+    monkeypatch.setattr(Engine, "finish", finish_after_reading_stdout)
+    capsys.readouterr()
+    assert main(["generate", "hi", "--model", "random:tiny", "--max-new-tokens", "8"]) == 0
+    rest = capsys.readouterr().out
+    assert len(outputs) == 1 and outputs[0].text  # random weights: newlines, still text
+    assert streamed_before_finish[0] and streamed_before_finish[0] + rest == outputs[0].text + "\n"
