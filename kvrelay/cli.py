@@ -215,10 +215,12 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvrelay import __version__
     from kvrelay.eval.profile_cli import add_profile_parser
     from kvrelay.server.cli import add_serve_parser
 
     parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
+    parser.add_argument("--version", action="version", version=f"kvrelay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_demo_parser, _add_bench_parser, _add_run_parser, add_profile_parser, _add_generate_parser,
                 _add_methods_parser, _add_export_parser, add_serve_parser):

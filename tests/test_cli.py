@@ -221,3 +221,11 @@ def test_generate_prints_the_answer_as_it_is_decoded(capsys, monkeypatch):
     rest = capsys.readouterr().out
     assert len(outputs) == 1 and outputs[0].text  # random weights: newlines, still text
     assert streamed_before_finish[0] and streamed_before_finish[0] + rest == outputs[0].text + "\n"
+
+
+def test_version(capsys):
+    from kvrelay import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"kvrelay {__version__}\n"
