@@ -216,3 +216,17 @@ def test_a_token_id_outside_the_vocabulary_is_a_clear_error(lm, bad_id):
     vocab = lm.config.vocab_size
     with pytest.raises(ValueError, match=rf"prompt token id {bad_id} is outside .*vocabulary \[0, {vocab}\)"):
         generate(lm, [1, bad_id, 2], "full", sampling=SamplingConfig(max_new_tokens=1))
+
+
+@pytest.mark.parametrize("ref, words", [
+    (dict(start=0, end=999, src_start=0), r"covers prompt tokens \[0, 999\), past the prompt's 8 tokens"),
+    (dict(start=5, end=2, src_start=0), r"needs 0 <= start <= end and src_start >= 0, got \[5, 2\) from 0"),
+    (dict(start=0, end=4, src_start=-1), r"needs 0 <= start <= end and src_start >= 0"),
+])
+def test_a_span_ref_outside_its_prompt_is_a_clear_error(lm, ref, words):
+    """A call's SpanRef that does not fit its prompt is refused where it is made, naming the span (it was planned
+    or dropped without a word)."""
+    from kvrelay.reuse import CallInput, SpanRef
+
+    with pytest.raises(ValueError, match=rf"SpanRef of 'solver'.*{words}"):
+        CallInput(_prompt(8, 0), [SpanRef(span_id="solver", **ref)])
