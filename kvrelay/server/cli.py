@@ -210,6 +210,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
           f"threads: {torch.get_num_threads()})", file=sys.stderr, flush=True)
     from kvrelay.server.http_protocol import JsonErrorH11Protocol
+    from kvrelay.server.shutdown_log import install_cut_off_filter
+
+    install_cut_off_filter()  # Ctrl-C with a request running: one line, not its CancelledError traceback
 
     # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
