@@ -230,3 +230,12 @@ def test_a_span_ref_outside_its_prompt_is_a_clear_error(lm, ref, words):
 
     with pytest.raises(ValueError, match=rf"SpanRef of 'solver'.*{words}"):
         CallInput(_prompt(8, 0), [SpanRef(span_id="solver", **ref)])
+
+
+def test_sampling_config_in_place_of_generate_options_is_named(lm):
+    from kvrelay.engine import Engine
+
+    engine = Engine(lm)
+    for run in (engine.generate, engine.start, engine.begin):
+        with pytest.raises(TypeError, match=r"options must be a GenerateOptions, got a SamplingConfig \(wrap it"):
+            run(_prompt(8, 0), "full", SamplingConfig(max_new_tokens=2))
