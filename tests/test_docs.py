@@ -66,3 +66,14 @@ def test_every_flag_with_a_default_says_it_in_its_help():
               if action.option_strings and action.help and action.default not in (None, False, "", [])
               and action.dest != "help" and "default" not in action.help]
     assert silent == []
+
+
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_examples_compile_as_scripts(doc):
+    """A user pastes a doc's example into a file and runs it: it must at least be a valid script (a top-level
+    ``await``, which only a notebook takes, is not)."""
+    for i, block in enumerate(PYTHON_BLOCK.findall(doc.read_text())):
+        compile(block, f"{doc.name}: python block {i + 1}", "exec")
