@@ -22,22 +22,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
-import torch
+# run as `python benchmarks/llamacpp_side_by_side.py` (run_all.sh, the table's caption): the project root, not
+# benchmarks/, must be on the path for its `benchmarks.` imports
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gguf_formats import FORMATS, write_gguf_as
-from benchmarks.llamacpp_peers import LlamaCpp, SavedSeq
-from kvrelay.cache.store import KVStore
-from kvrelay.engine import Engine, GenerateOptions
-from kvrelay.eval.harness import environment
-from kvrelay.model.sampling import SamplingConfig
-from kvrelay.pipeline.runner import PipelineRunner
-from kvrelay.pipeline.workloads import get_workload
-from kvrelay.reuse import PIPELINE_METHODS, get_method
-from kvrelay.weights.loader import DEFAULT_MODEL, cache_dir, gguf_path, load_model
+import torch  # noqa: E402
+
+from benchmarks.gguf_formats import FORMATS, write_gguf_as  # noqa: E402
+from benchmarks.llamacpp_peers import LlamaCpp, SavedSeq  # noqa: E402
+from kvrelay.cache.store import KVStore  # noqa: E402
+from kvrelay.engine import Engine, GenerateOptions  # noqa: E402
+from kvrelay.eval.harness import environment  # noqa: E402
+from kvrelay.model.sampling import SamplingConfig  # noqa: E402
+from kvrelay.pipeline.runner import PipelineRunner  # noqa: E402
+from kvrelay.pipeline.workloads import get_workload  # noqa: E402
+from kvrelay.reuse import PIPELINE_METHODS, get_method  # noqa: E402
+from kvrelay.weights.loader import DEFAULT_MODEL, cache_dir, gguf_path, load_model  # noqa: E402
 
 SHIPPED_FORMAT = "Q4_1"
 PEERS = ("prefix", "cache_reuse")

@@ -17,9 +17,13 @@ import platform
 import sys
 from pathlib import Path
 
-import httpx
+# `python benchmarks/tool_choice_auto.py` as well as `python -m benchmarks.tool_choice_auto`: the project root, not
+# benchmarks/, must be on the path for the `benchmarks.` import
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.agent_tools import ServerProcess
+import httpx  # noqa: E402
+
+from benchmarks.agent_tools import ServerProcess  # noqa: E402
 
 SYSTEM = ("You are a helpful AI assistant. Solve tasks using your tools. Reply with TERMINATE when the task has been "
           "completed.")  # AutoGen AssistantAgent's default system message

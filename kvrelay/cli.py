@@ -32,6 +32,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(DemoConfig, args)
     check_output_dir(cfg.out, "--out")
+    check_workload_data("gsm8k-chain3", cfg.data)
     run_demo(cfg)
     return 0
 
@@ -165,14 +166,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = chat_prompt_ids(lm.tokenizer, messages).ids
-    out = Engine(lm).generate(ids, "full", GenerateOptions(sampling))
-    print(out.text)
+    out = _stream_generation(Engine(lm), ids, GenerateOptions(sampling))
     s = out.stats
     print(f"\n[{lm.name}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
           f"{s.num_generated_tokens} tokens in {s.decode_ms:.0f} ms (decode weights: {lm.decode_weights}; "
           f"matmuls: {lm.matmuls}; threads: {torch.get_num_threads()}), "
           f"stop: {out.stop_reason}]", file=sys.stderr)
     return 0
+
+
+def _stream_generation(engine, ids: list[int], options):
+    """One ``full`` call whose text is printed as it is decoded (a long answer on a CPU takes minutes, and Ctrl-C
+    keeps what was printed); the finished output."""
+    from kvrelay.server.textstream import IncrementalDecoder
+
+    seq = engine.start(ids, "full", options)
+    decoder, num_printed = IncrementalDecoder(engine.lm.tokenizer), 0
+    while True:
+        text = decoder.feed(seq.output_ids)
+        print(text[num_printed:], end="", flush=True)
+        num_printed = len(text)
+        if seq.done:
+            break
+        engine.step([seq])
+    out = engine.finish(seq)
+    if seq.error is not None:
+        raise seq.error
+    print(out.text[num_printed:] if out.text.startswith(text) else "")  # what a split character held back
+    return out
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
@@ -195,10 +216,12 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvrelay import __version__
     from kvrelay.eval.profile_cli import add_profile_parser
     from kvrelay.server.cli import add_serve_parser
 
     parser = Parser(prog="kvrelay", description="KV-cache reuse across LLM agents")
+    parser.add_argument("--version", action="version", version=f"kvrelay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_demo_parser, _add_bench_parser, _add_run_parser, add_profile_parser, _add_generate_parser,
                 _add_methods_parser, _add_export_parser, add_serve_parser):
@@ -239,7 +262,8 @@ def _add_run_parser(sub) -> None:
                      help=f"reuse method spec NAME or NAME[k=v,...]; choices: {', '.join(PIPELINE_METHODS)} "
                           "(default: full)")
     run.add_argument("--input", action="append", default=[],
-                     help="a task input as NAME=TEXT or NAME=@FILE (UTF-8 text); repeatable")
+                     help="a task input as NAME=TEXT or NAME=@FILE (UTF-8 text); repeatable; a pipeline with one "
+                          "input also takes TEXT alone (a text with '=' in it: NAME=TEXT)")
     add_model_flags(run, DEFAULT_MODEL)
     run.add_argument("--store-bytes", type=positive_integer, default=4 << 30,
                      help="KV store budget in bytes (default: 4 GiB)")
@@ -287,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         code = args.fn(args)
         sys.stdout.flush()  # here, not at exit: a reader that went away is then caught below
         return code
+    except KeyboardInterrupt:  # Ctrl-C in a long command: one line and the shell's status for SIGINT, no traceback
+        print("\nkvrelay: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (``kvrelay methods | head``): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit flush raises nothing
         return 0

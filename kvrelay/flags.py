@@ -227,12 +227,16 @@ def _probe_folder(folder: Path, flag: str, path: str) -> None:
 
 def check_workload_data(workload: str, *paths: str | None) -> None:
     """Read a workload's data files once before the model loads: a bad line fails in a second, not after a run (a
-    pipeline file, which has no default data, without its first one fails too)."""
+    pipeline file, which has no default data, without its first one fails too). A named workload without a data
+    file opens its default one's first problem, so data that is not there is said before the model loads too."""
     from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
 
     for i, path in enumerate(paths):
-        if path is not None or (i == 0 and is_pipeline_file(workload)):
-            get_workload(workload).problems(path, None)
+        if path is not None or is_pipeline_file(workload):
+            if path is not None or i == 0:
+                get_workload(workload).problems(path, None)
+        elif i == 0:
+            get_workload(workload).problems(None, 1)
 
 
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_decode: bool = True) -> None:

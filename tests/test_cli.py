@@ -173,3 +173,59 @@ def test_a_reader_that_closes_the_pipe_early_is_no_error():
     proc.stdout.close()  # the reader is gone before the listing is written
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and err == b"", err
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(capfd, monkeypatch):
+    """Ctrl-C lands wherever the command is (here: listing the methods); the user sees one line, not a traceback,
+    and the shell's status for an interrupted command."""
+    from kvrelay.reuse import catalog
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(catalog, "method_catalog", interrupted)
+    try:
+        code, err = _main_in_process(["methods"], capfd)
+    except KeyboardInterrupt:  # escaped main: the user saw a traceback (caught here so pytest itself goes on)
+        pytest.fail("Ctrl-C escaped kvrelay.cli.main")
+    assert code == 130
+    assert err.strip() == "kvrelay: interrupted" and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench"], ["bench", "--workload", "mmlu-doc3"]])
+def test_missing_default_data_is_said_before_the_model_loads(command, capfd, monkeypatch, tmp_path):
+    """A fresh clone without the benchmark data: the data is named, in one line, before the model would load (a
+    model that does not exist would be the error otherwise)."""
+    monkeypatch.setenv("KVRELAY_DATA", str(tmp_path / "no-data-here"))
+    code, err = _main_in_process([*command, "--model", "no-such-model"], capfd)
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(tmp_path / "no-data-here") in err and "no-such-model" not in err
+
+
+def test_generate_prints_the_answer_as_it_is_decoded(capsys, monkeypatch):
+    """The text is on stdout before the call finishes (a long answer on a CPU takes minutes), and all of it: what
+    was streamed and the rest make the output's text."""
+    from kvrelay.engine import Engine
+
+    streamed_before_finish, outputs = [], []
+    finish = Engine.finish
+
+    def finish_after_reading_stdout(self, seq):
+        streamed_before_finish.append(capsys.readouterr().out)
+        outputs.append(finish(self, seq))
+        return outputs[-1]
+
+    monkeypatch.setattr(Engine, "finish", finish_after_reading_stdout)
+    capsys.readouterr()
+    assert main(["generate", "hi", "--model", "random:tiny", "--max-new-tokens", "8"]) == 0
+    rest = capsys.readouterr().out
+    assert len(outputs) == 1 and outputs[0].text  # random weights: newlines, still text
+    assert streamed_before_finish[0] and streamed_before_finish[0] + rest == outputs[0].text + "\n"
+
+
+def test_version(capsys):
+    from kvrelay import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"kvrelay {__version__}\n"

@@ -54,3 +54,26 @@ def test_every_serve_flag_is_in_docs_serving():
     text = (ROOT / "docs" / "serving.md").read_text()
     missing = [f for f in flags if f"`{f}`" not in text and not (f.startswith("--no-") and f"`--{f[5:]}`" in text)]
     assert missing == []
+
+
+def test_every_flag_with_a_default_says_it_in_its_help():
+    """`kvrelay <cmd> --help` is where a user reads a flag's default: every flag that has one (other than off or
+    empty) says it."""
+    parser = build_parser()
+    commands = next(a for a in parser._subparsers._group_actions if hasattr(a, "choices")).choices
+    silent = [f"{name} {action.option_strings[0]}" for name, command in commands.items()
+              for action in command._actions
+              if action.option_strings and action.help and action.default not in (None, False, "", [])
+              and action.dest != "help" and "default" not in action.help]
+    assert silent == []
+
+
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_examples_compile_as_scripts(doc):
+    """A user pastes a doc's example into a file and runs it: it must at least be a valid script (a top-level
+    ``await``, which only a notebook takes, is not)."""
+    for i, block in enumerate(PYTHON_BLOCK.findall(doc.read_text())):
+        compile(block, f"{doc.name}: python block {i + 1}", "exec")

@@ -137,6 +137,11 @@ def check_fits(lm: LoadedModel, prompt_ids: list[int], num_new: int) -> int:
     """Prompt + new tokens, or a ContextLengthError naming the model's limit."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
+    # an id outside the embedding table would otherwise be an IndexError deep inside torch's embedding lookup
+    lowest, highest = min(prompt_ids), max(prompt_ids)
+    if lowest < 0 or highest >= lm.config.vocab_size:
+        bad = lowest if lowest < 0 else highest
+        raise ValueError(f"prompt token id {bad} is outside {lm.name}'s vocabulary [0, {lm.config.vocab_size})")
     total = len(prompt_ids) + num_new
     if total > lm.config.max_position_embeddings:
         raise ContextLengthError(

@@ -131,7 +131,8 @@ class Engine:
         self.compute_token_layers_per_s: float | None = None
         if store is not None:
             store.set_fingerprint(lm.fingerprint)
-        for spec in methods:
+        # one spec given alone (methods="relay") is that method, not one method per character of it
+        for spec in (methods,) if isinstance(methods, (str, ReuseMethod)) else methods:
             self.method(spec)
 
     # ------------------------------------------------------------------ methods
@@ -159,7 +160,7 @@ class Engine:
         """``start`` as a task the caller advances a token budget at a time (chunked prefill, between other
         calls' decode steps); ``task.sequence()`` once it is done. A prompt that does not fit raises here."""
         call = call if isinstance(call, CallInput) else CallInput(list(call))
-        return PrefillTask(self, call, self.method(method), options or GenerateOptions(),
+        return PrefillTask(self, call, self.method(method), _checked_options(options),
                            self.store if store is None else store)
 
     def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
@@ -168,7 +169,7 @@ class Engine:
 
         ``store``: the store this call plans from instead of the engine's (e.g. one tenant's namespace view).
         """
-        options = options or GenerateOptions()
+        options = _checked_options(options)
         store = self.store if store is None else store
         call = call if isinstance(call, CallInput) else CallInput(list(call))
         method = self.method(method)
@@ -373,3 +374,14 @@ class _DecodeMark:
         self.seq.cache.length = self.length
         for layer in list(self.seq.decode_rows):
             del self.seq.decode_rows[layer][self.num_rows.get(layer, 0):]
+
+
+def _checked_options(options: GenerateOptions | None) -> GenerateOptions:
+    """``options``, or the defaults; a SamplingConfig given in its place (the likely slip) is named, not an
+    AttributeError deep in the call."""
+    if options is None:
+        return GenerateOptions()
+    if not isinstance(options, GenerateOptions):
+        hint = " (wrap it: GenerateOptions(SamplingConfig(...)))" if isinstance(options, SamplingConfig) else ""
+        raise TypeError(f"options must be a GenerateOptions, got a {type(options).__name__}{hint}")
+    return options

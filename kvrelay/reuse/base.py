@@ -38,6 +38,11 @@ class SpanRef:
     kind: str = "output"  # "output" (an upstream agent's generated ids) or "input" (a task input)
     name: str = ""  # the placeholder it fills in the prompt template ("question", "agent1"), if known
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end or self.src_start < 0:
+            raise ValueError(f"SpanRef of {self.span_id!r}: needs 0 <= start <= end and src_start >= 0, got "
+                             f"[{self.start}, {self.end}) from {self.src_start}")
+
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
@@ -58,6 +63,14 @@ class CallInput:
     refs: list[SpanRef] = field(default_factory=list)
     name: str = ""
     role: str = ""  # ``role_key`` of the agent's system prompt ("": unknown)
+
+    def __post_init__(self) -> None:
+        # a ref past the prompt would otherwise be planned as loads the prompt has no room for, or dropped silently
+        outside = [ref for ref in self.refs if ref.end > len(self.prompt_ids)]
+        if outside:
+            ref = outside[0]
+            raise ValueError(f"SpanRef of {ref.span_id!r} covers prompt tokens [{ref.start}, {ref.end}), past the "
+                             f"prompt's {len(self.prompt_ids)} tokens")
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a file holding the bearer token /metrics then needs (for a Prometheus scrape job's "
                         "credentials_file); with --api-keys and without it, /metrics is off, since it sums every "
                         "tenant's traffic (docs/tenants.md)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
-    p.add_argument("--max-running", type=int, default=8, help="requests decoded together in one batch")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429 (default 64)")
+    p.add_argument("--max-running", type=int, default=8,
+                   help="requests decoded together in one batch (default 8)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
                    help="chunked prefill: a piece prefilled between two decode steps of the running requests costs "
                         "what this many tokens cost at the start of a prompt (pieces deeper in a long prompt get "
@@ -103,6 +104,17 @@ def quality_config(args: argparse.Namespace):
         get_method(rung.method_spec)  # a bad spec fails here, before the model loads
     share = getattr(args, "quality_shadow_share", QualityConfig().shadow_share)  # a caller's namespace without it
     return QualityConfig(target=target, sample_rate=args.quality_sample, shadow_share=share, ladder=ladder)
+
+
+def serving_methods(args: argparse.Namespace) -> str:
+    """What the startup line says runs a request that names no method: with the quality guard on, its agent's rung
+    of the ladder, not ``--method`` (which runs them only with ``--quality-target off``)."""
+    from kvrelay.quality.ladder import ladder_text
+
+    config = quality_config(args)
+    if config is None:
+        return f"with method {args.method}"
+    return f"with each agent at its quality-guard rung ({ladder_text(config.ladder)}; target {args.quality_target})"
 
 
 def read_api_keys(path: str | None) -> frozenset[str]:
@@ -193,11 +205,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
 
-    print(f"kvrelay serve: {args.model} with method {args.method} on http://{args.host}:{args.port}/v1 "
-          f"(store: {redact(args.store)}; decode weights: {app.state.worker.engine.lm.decode_weights}; "
-          f"matmuls: {app.state.worker.engine.lm.matmuls}; threads: {torch.get_num_threads()})",
-          file=sys.stderr, flush=True)
+    lm = app.state.worker.engine.lm
+    print(f"kvrelay serve: {args.model} {serving_methods(args)} on http://{args.host}:{args.port}/v1 "
+          f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
+          f"threads: {torch.get_num_threads()})", file=sys.stderr, flush=True)
     from kvrelay.server.http_protocol import JsonErrorH11Protocol
+    from kvrelay.server.shutdown_log import install_cut_off_filter
+
+    install_cut_off_filter()  # Ctrl-C with a request running: one line, not its CancelledError traceback
 
     # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,

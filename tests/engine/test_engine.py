@@ -200,3 +200,42 @@ def test_spans_read_in_place_give_what_copied_spans_give(lm, method, monkeypatch
     assert in_place.stats.num_computed_token_layers == copied.stats.num_computed_token_layers
     torch.testing.assert_close(in_place.first_logits, copied.first_logits, atol=1e-4, rtol=0)
     assert in_place.output_ids == copied.output_ids
+
+
+def test_one_method_spec_given_alone_is_that_method(lm):
+    """``Engine(lm, store, methods="epic")`` sets up epic, not one method per character of the string."""
+    from kvrelay.engine import Engine, GenerateOptions
+
+    engine = Engine(lm, KVStore(budget_bytes=1 << 24), methods="epic")
+    out = engine.generate(_prompt(8, 0), "epic", GenerateOptions(SamplingConfig(max_new_tokens=1)))
+    assert out.stats.num_prompt_tokens == 8
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10**9])
+def test_a_token_id_outside_the_vocabulary_is_a_clear_error(lm, bad_id):
+    vocab = lm.config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt token id {bad_id} is outside .*vocabulary \[0, {vocab}\)"):
+        generate(lm, [1, bad_id, 2], "full", sampling=SamplingConfig(max_new_tokens=1))
+
+
+@pytest.mark.parametrize("ref, words", [
+    (dict(start=0, end=999, src_start=0), r"covers prompt tokens \[0, 999\), past the prompt's 8 tokens"),
+    (dict(start=5, end=2, src_start=0), r"needs 0 <= start <= end and src_start >= 0, got \[5, 2\) from 0"),
+    (dict(start=0, end=4, src_start=-1), r"needs 0 <= start <= end and src_start >= 0"),
+])
+def test_a_span_ref_outside_its_prompt_is_a_clear_error(lm, ref, words):
+    """A call's SpanRef that does not fit its prompt is refused where it is made, naming the span (it was planned
+    or dropped without a word)."""
+    from kvrelay.reuse import CallInput, SpanRef
+
+    with pytest.raises(ValueError, match=rf"SpanRef of 'solver'.*{words}"):
+        CallInput(_prompt(8, 0), [SpanRef(span_id="solver", **ref)])
+
+
+def test_sampling_config_in_place_of_generate_options_is_named(lm):
+    from kvrelay.engine import Engine
+
+    engine = Engine(lm)
+    for run in (engine.generate, engine.start, engine.begin):
+        with pytest.raises(TypeError, match=r"options must be a GenerateOptions, got a SamplingConfig \(wrap it"):
+            run(_prompt(8, 0), "full", SamplingConfig(max_new_tokens=2))

@@ -35,3 +35,13 @@ def test_a_bad_quality_flag_is_a_clear_error_before_the_model_loads(capsys, flag
     assert cmd_serve(args) == 2  # the model named is never looked for: the flag is refused first
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and "no-such-model" not in err
+
+
+def test_the_startup_line_says_what_runs_a_request_that_names_no_method():
+    """With the guard on, such a request runs at its agent's rung, not ``--method``: the line says so (it said
+    'with method epic' while agents ran relay)."""
+    from kvrelay.server.cli import serving_methods
+
+    guarded = serving_methods(_serve_args("--method", "epic"))
+    assert "epic" not in guarded and "quality-guard rung (naive,relay,prefix; target kl=0.05,agreement=0.9)" in guarded
+    assert serving_methods(_serve_args("--method", "epic", "--quality-target", "off")) == "with method epic"

@@ -1,0 +1,31 @@
+"""One line, not a traceback, for a request cut off when the server stops.
+
+On Ctrl-C uvicorn waits ``timeout_graceful_shutdown`` seconds for running requests, then cancels them; each
+cancelled request is logged as "Exception in ASGI application" with the whole CancelledError traceback through
+uvicorn, starlette and fastapi, which reads like a crash. The stop was asked for; the line says what happened."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+UVICORN_ERROR_LOGGER = "uvicorn.error"
+CUT_OFF_MESSAGE = "a request still running when the server stopped was cut off"
+
+
+class CutOffRequestFilter(logging.Filter):
+    """Rewrites uvicorn's record of a request cancelled at shutdown into one line without its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc_type = record.exc_info[0] if record.exc_info else None
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            record.msg, record.args = CUT_OFF_MESSAGE, ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def install_cut_off_filter() -> None:
+    """On uvicorn's error logger (uvicorn's log config adds handlers to it and keeps its filters)."""
+    logger = logging.getLogger(UVICORN_ERROR_LOGGER)
+    if not any(isinstance(f, CutOffRequestFilter) for f in logger.filters):
+        logger.addFilter(CutOffRequestFilter())
