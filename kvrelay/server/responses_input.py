@@ -118,7 +118,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
     for i, item in enumerate(items):
-        param = f"input[{i}]"
+        param = f"input.{i}"
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -155,8 +155,8 @@ def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict]) -
         if item.get("type") == "function_call":
             seen.add(item.get("call_id"))
         elif item.get("type") == "function_call_output" and item.get("call_id") not in seen:
-            raise _refuse(f"input[{i}].call_id {item.get('call_id')!r} answers no function_call before it (in input "
-                          "or the previous response)", f"input[{i}].call_id", "invalid_value")
+            raise _refuse(f"input.{i}.call_id {item.get('call_id')!r} answers no function_call before it (in input "
+                          "or the previous response)", f"input.{i}.call_id", "invalid_value")
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:

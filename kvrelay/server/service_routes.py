@@ -18,7 +18,10 @@ def service_router(ctx: AppContext) -> APIRouter:
 
     @router.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": ctx.model_id, "method": settings.method, "running": ctx.worker.num_running}
+        # with the quality guard on, a request that names no method runs at its agent's rung, not ``--method``
+        guarded = settings.quality is not None and settings.quality.target is not None
+        return {"status": "ok", "model": ctx.model_id, "method": None if guarded else settings.method,
+                "quality_guard": guarded, "running": ctx.worker.num_running}
 
     @router.get("/metrics")
     async def prometheus(request: Request) -> Response:

@@ -200,12 +200,12 @@ def test_stream_tool_call_arguments(server):
 @pytest.mark.parametrize("kw, param, named", [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-     "input[0].content.0.type", "input_image"),
+     "input.0.content.0.type", "input_image"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "required": 3}}}},
      "text.format.schema", "schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "nope"),
     ({"previous_response_id": "resp_missing"}, "previous_response_id", "resp_missing"),
-    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id", "call_x"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input.0.call_id", "call_x"),
     ({"text": {"format": "json_object"}}, "text.format", "object"),
 ])
 def test_refused_parameters_are_400s_naming_the_field(server, kw, param, named):

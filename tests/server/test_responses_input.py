@@ -120,10 +120,10 @@ def test_a_text_format_that_is_no_object_is_a_400_not_a_500(fmt):
 
 
 @pytest.mark.parametrize("items, param", [
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content.0.type"),
-    ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
-    ([{"role": "tool", "content": "x"}], "input[0].role"),
-    ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input.0.content.0.type"),
+    ([{"type": "item_reference", "id": "msg_1"}], "input.0.type"),
+    ([{"role": "tool", "content": "x"}], "input.0.role"),
+    ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input.0.call_id"),
 ])
 def test_input_items_that_cannot_be_read_are_a_400(items, param):
     with pytest.raises(ApiError) as err:
@@ -149,7 +149,7 @@ def test_a_call_output_that_answers_no_call_is_a_400_naming_the_input_item(items
     with pytest.raises(ApiError) as err:
         check_call_outputs(items, [])
     at = next(i for i, item in enumerate(items) if item["type"] == "function_call_output")
-    assert err.value.status == 400 and err.value.param == f"input[{at}].call_id" and "messages" not in err.value.message
+    assert err.value.status == 400 and err.value.param == f"input.{at}.call_id" and "messages" not in err.value.message
 
 
 @pytest.mark.parametrize("kw, param", [

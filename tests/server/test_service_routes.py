@@ -47,3 +47,15 @@ def test_a_huge_id_is_not_echoed_back_whole(http):
     message = err.value.body["message"]
     assert "characters left out" in message and len(message) < 2_200, len(message)
     assert message.startswith("the model 'mmm")  # still says what it got
+
+
+def test_health_says_whether_the_quality_guard_or_the_method_serves():
+    """With the guard on, a request that names no method runs at its agent's rung: /health said ``--method``."""
+    from kvrelay.quality.config import QualityConfig
+
+    for quality, method, guarded in ((QualityConfig(), None, True), (None, "epic", False)):
+        engine = Engine(load_model("random:tiny"), KVStore(1 << 24))
+        catalog = SpanCatalog(engine.store, engine.lm.fingerprint)
+        app = create_app(engine, catalog, ServerSettings(method="epic", quality=quality))
+        health = TestClient(app).get("/health").json()
+        assert (health["method"], health["quality_guard"]) == (method, guarded), health
