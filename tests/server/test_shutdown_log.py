@@ -34,10 +34,22 @@ def _log_exception(logger: logging.Logger, exc: BaseException) -> None:
         logger.error("Exception in ASGI application\n", exc_info=True)  # as uvicorn's run_asgi logs it
 
 
+def _shutdown_cancels(logger: logging.Logger) -> None:
+    logger.error("Cancel %s running task(s), timeout graceful shutdown exceeded", 1)  # as uvicorn's shutdown logs it
+
+
 def test_a_request_cancelled_at_shutdown_is_one_line(uvicorn_error_log):
     logger, out = uvicorn_error_log
+    _shutdown_cancels(logger)
     _log_exception(logger, asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded"))
-    assert out.getvalue() == CUT_OFF_MESSAGE + "\n"
+    assert out.getvalue().splitlines()[-1] == CUT_OFF_MESSAGE and "Traceback" not in out.getvalue()
+
+
+def test_a_request_cancelled_while_serving_keeps_its_traceback(uvicorn_error_log):
+    """No shutdown asked for: a cancelled request is a bug to see, not a stop to report."""
+    logger, out = uvicorn_error_log
+    _log_exception(logger, asyncio.CancelledError())
+    assert "Traceback" in out.getvalue() and CUT_OFF_MESSAGE not in out.getvalue()
 
 
 def test_other_errors_keep_their_traceback(uvicorn_error_log):
