@@ -16,6 +16,10 @@ from kvrelay.server.protocol import ApiError
 MAX_TOOLS = 128  # as OpenAI's
 MAX_SCHEMA_DEPTH = 64  # nested JSON objects and arrays in one schema (an object property is two: itself, properties)
 MAX_SCHEMA_NODES = 4096  # JSON values (objects, arrays, scalars) in one request's schemas together
+# keywords whose text value the grammar never sees (annotations): not counted in MAX_SCHEMA_NODES. Frameworks put
+# one on every property (pydantic a title, MCP servers a description), nearly doubling a schema's count: 128
+# ordinary MCP tools counted past the limit on their descriptions alone
+ANNOTATIONS = frozenset({"title", "description", "$comment", "$schema"})
 # every ``properties`` map's size, squared, summed over the request's schemas: compile time grows about so with
 # optional properties (on a 2-core CPU one object of 256 took 0.4 s, seven of 256 took 9 s)
 MAX_PROPERTY_PAIRS = 1 << 16
@@ -54,7 +58,8 @@ class SchemaSize:
                         raise _too_big(param, "too many properties: the number of each object's properties, "
                                        f"squared and summed over the request's schemas, is over {MAX_PROPERTY_PAIRS} "
                                        "(one object of 256 properties, or 64 objects of 32)")
-                stack.extend((v, depth + 1) for v in value.values())
+                stack.extend((v, depth + 1) for k, v in value.items()
+                             if not (k in ANNOTATIONS and isinstance(v, str)))
             elif isinstance(value, list):
                 stack.extend((v, depth + 1) for v in value)
 

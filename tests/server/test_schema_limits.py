@@ -12,12 +12,19 @@ from collections.abc import Iterator
 
 import pytest
 from jsonschema import Draft202012Validator
+from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
 import kvrelay.server.grammar as grammar
 import kvrelay.server.schemas as schemas
 from kvrelay.server.pattern_limits import MAX_NESTED_REPEAT, MAX_PATTERN_REPEAT, pattern_problem
-from kvrelay.server.schema_limits import MAX_PROPERTY_PAIRS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, MAX_TOOLS
+from kvrelay.server.schema_limits import (
+    MAX_PROPERTY_PAIRS,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
+    MAX_TOOLS,
+    check_request_schemas,
+)
 from tests.server.inproc import MODEL, make_app
 
 CHAT, RESPONSES = "/v1/chat/completions", "/v1/responses"
@@ -169,3 +176,21 @@ def test_schemas_are_validated_off_the_event_loop(client, monkeypatch, slot):
     r = post(client, path, body.replace("%s", MODEL).replace("{}}", json.dumps(schema) + "}", 1))
     assert r.status_code == 200, r.text[:300]
     assert _RecordingValidator.on_event_loop == [False]
+
+
+class _CreatePullRequest(BaseModel):  # a GitHub MCP server's tool, as FastMCP makes its arguments' schema (pydantic)
+    owner: str = Field(description="Repository owner (user or organization)")
+    repo: str = Field(description="Repository name")
+    title: str = Field(description="Pull request title")
+    body: str | None = Field(None, description="Pull request description")
+    head: str = Field(description="The branch containing the changes")
+    base: str = Field(description="The branch to merge into")
+    draft: bool = Field(False, description="Create as a draft pull request")
+    maintainer_can_modify: bool = Field(True, description="Allow maintainers to push to the branch")
+
+
+def test_as_many_framework_tools_as_openai_allows_are_within_the_limits():
+    """128 tools of eight arguments, with the title and description pydantic and MCP servers give every property:
+    the annotations are text the grammar never sees, and no limit counts them against a request's tools."""
+    schema = _CreatePullRequest.model_json_schema()
+    check_request_schemas([schema] * MAX_TOOLS, None)
