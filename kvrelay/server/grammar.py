@@ -88,7 +88,7 @@ _VOCABULARIES: dict[int, _Vocabulary] = {}
 _LOCK = threading.Lock()
 
 
-def _vocabulary(tokenizer) -> _Vocabulary:
+def vocabulary(tokenizer) -> _Vocabulary:
     with _LOCK:
         vocab = _VOCABULARIES.get(id(tokenizer))
         if vocab is None:
@@ -143,24 +143,24 @@ class Constraint:
         return GrammarMask(self.compiled, self.vocab)
 
 
-def _json_format(schema: dict) -> dict:
+def json_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 def _calls_format(plan: ToolPlan) -> dict:
     """One or more calls (one unless parallel), separated by a newline, and nothing else."""
-    tags = [{"type": "tag", "begin": call_prefix(name), "content": _json_format(plan.schema_of(name)),
+    tags = [{"type": "tag", "begin": call_prefix(name), "content": json_format(plan.schema_of(name)),
              "end": "}" + CALL_CLOSE} for name in plan.callable_names]
     return {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEP, "at_least_one": True,
             "stop_after_first": not plan.parallel}
 
 
-def _tool_format(plan: ToolPlan, schema: dict | None) -> dict:
+def tool_format(plan: ToolPlan, schema: dict | None) -> dict:
     calls = _calls_format(plan)
     if plan.mode != "auto":
         return calls
     if schema is not None:  # the answer is JSON of the schema, unless the model calls a tool instead
-        return {"type": "or", "elements": [calls, _json_format(schema)]}
+        return {"type": "or", "elements": [calls, json_format(schema)]}
     return {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": calls["tags"], "at_least_one": False,
             "stop_after_first": not plan.parallel}
 
@@ -184,9 +184,9 @@ def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer)
     if xgr is None:
         raise ApiError(400, f"{param} needs constrained decoding, and this server has no grammar library: install "
                             "it with pip install 'kvrelay[tools]' (xgrammar)", param=param, code="unsupported")
-    vocab = _vocabulary(tokenizer)
+    vocab = vocabulary(tokenizer)
     spec = {"type": "structural_tag",
-            "format": _tool_format(plan, schema) if plan is not None else _json_format(schema)}
+            "format": tool_format(plan, schema) if plan is not None else json_format(schema)}
     try:
         compiled = vocab.compiler.compile_structural_tag(json.dumps(spec))
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses for schemas it cannot take

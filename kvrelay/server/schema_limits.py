@@ -15,7 +15,10 @@ from kvrelay.server.protocol import ApiError
 
 MAX_TOOLS = 128  # as OpenAI's
 MAX_SCHEMA_DEPTH = 64  # nested JSON objects and arrays in one schema (an object property is two: itself, properties)
-MAX_SCHEMA_NODES = 4096  # JSON values (objects, arrays, scalars) in one request's schemas together
+MAX_SCHEMA_NODES = 4096  # JSON values (objects, arrays, scalars) in one schema
+# ... and in one request's schemas together (one grammar): 128 tools of a typical MCP server's size (8 arguments,
+# about 35 values each) fit; the compile of twice that many values takes a few seconds of one compile thread
+MAX_REQUEST_SCHEMA_NODES = 8192
 # keywords whose text value the grammar never sees (annotations): not counted in MAX_SCHEMA_NODES. Frameworks put
 # one on every property (pydantic a title, MCP servers a description), nearly doubling a schema's count: 128
 # ordinary MCP tools counted past the limit on their descriptions alone
@@ -39,14 +42,20 @@ class SchemaSize:
 
     def add(self, schema: Any, param: str) -> None:
         """Count ``schema`` in; a 400 naming ``param`` past ``MAX_SCHEMA_DEPTH`` nesting levels, or when the
-        request's schemas so far pass ``MAX_SCHEMA_NODES`` or ``MAX_PROPERTY_PAIRS``. Iterative, and stops at the
-        first limit passed: its cost is bounded by the limits, not by the schema."""
+        schema passes ``MAX_SCHEMA_NODES``, or the request's schemas so far pass ``MAX_REQUEST_SCHEMA_NODES`` or
+        ``MAX_PROPERTY_PAIRS``. Iterative, and stops at the first limit passed: its cost is bounded by the limits,
+        not by the schema."""
         stack: list[tuple[Any, int]] = [(schema, 1)]
+        num_own_nodes = 0
         while stack:
             value, depth = stack.pop()
             self.num_nodes += 1
-            if self.num_nodes > MAX_SCHEMA_NODES:
-                raise _too_big(param, f"more than {MAX_SCHEMA_NODES} JSON values in the request's schemas together")
+            num_own_nodes += 1
+            if num_own_nodes > MAX_SCHEMA_NODES:
+                raise _too_big(param, f"more than {MAX_SCHEMA_NODES} JSON values in one schema")
+            if self.num_nodes > MAX_REQUEST_SCHEMA_NODES:
+                raise _too_big(param, f"more than {MAX_REQUEST_SCHEMA_NODES} JSON values in the request's schemas "
+                                      "together")
             if depth > MAX_SCHEMA_DEPTH:
                 raise _too_big(param, f"nested more than {MAX_SCHEMA_DEPTH} objects and arrays deep")
             if isinstance(value, dict):

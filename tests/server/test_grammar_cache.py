@@ -52,7 +52,7 @@ def test_a_namespace_reuses_its_own_grammar_and_no_other_s(client, compiled, bod
     assert len(compiled) == 1  # the repeat took the namespace's own compiled grammar
     _ask(client, salt + "-b", **body)
     assert len(compiled) == 2  # another namespace compiled its own
-    assert grammar._vocabulary(client.app.state.context.tokenizer).compiler.get_cache_size_bytes() == 0
+    assert grammar.vocabulary(client.app.state.context.tokenizer).compiler.get_cache_size_bytes() == 0
 
 
 def test_a_different_grammar_is_compiled_anew(client, compiled):

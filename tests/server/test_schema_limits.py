@@ -18,8 +18,10 @@ from starlette.testclient import TestClient
 import kvrelay.server.grammar as grammar
 import kvrelay.server.schemas as schemas
 from kvrelay.server.pattern_limits import MAX_NESTED_REPEAT, MAX_PATTERN_REPEAT, pattern_problem
+from kvrelay.server.protocol import ApiError
 from kvrelay.server.schema_limits import (
     MAX_PROPERTY_PAIRS,
+    MAX_REQUEST_SCHEMA_NODES,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
     MAX_TOOLS,
@@ -194,3 +196,23 @@ def test_as_many_framework_tools_as_openai_allows_are_within_the_limits():
     the annotations are text the grammar never sees, and no limit counts them against a request's tools."""
     schema = _CreatePullRequest.model_json_schema()
     check_request_schemas([schema] * MAX_TOOLS, None)
+
+
+def enum_of(num_values: int) -> dict:
+    """A schema of ``num_values`` JSON values: itself, its enum list and the enum's values."""
+    return {"enum": list(range(num_values - 2))}
+
+
+def test_one_schema_and_the_request_s_schemas_have_their_own_value_limits():
+    """One schema holds at most MAX_SCHEMA_NODES values; a request's schemas together twice as many (128 tools of
+    a typical server's size fit), the 400 naming the schema where the sum passed the limit."""
+    check_request_schemas([enum_of(MAX_SCHEMA_NODES)], None)
+    with pytest.raises(ApiError) as err:
+        check_request_schemas([enum_of(MAX_SCHEMA_NODES + 1)], None)
+    assert err.value.param == "tools.0.function.parameters" and "in one schema" in err.value.message
+    per_tool = MAX_SCHEMA_NODES * 3 // 4
+    num_fit = MAX_REQUEST_SCHEMA_NODES // per_tool
+    check_request_schemas([enum_of(per_tool)] * num_fit, None)
+    with pytest.raises(ApiError) as err:
+        check_request_schemas([enum_of(per_tool)] * num_fit, enum_of(per_tool))
+    assert err.value.param == "response_format.json_schema.schema" and "together" in err.value.message
