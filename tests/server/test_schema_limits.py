@@ -196,6 +196,8 @@ def test_as_many_framework_tools_as_openai_allows_are_within_the_limits():
     the annotations are text the grammar never sees, and no limit counts them against a request's tools."""
     schema = _CreatePullRequest.model_json_schema()
     check_request_schemas([schema] * MAX_TOOLS, None)
+    # with room: an answer's schema of a thousand values beside them (a typed final answer)
+    check_request_schemas([schema] * MAX_TOOLS, enum_of(1000))
 
 
 def enum_of(num_values: int) -> dict:
