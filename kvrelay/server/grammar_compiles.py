@@ -15,8 +15,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from kvrelay.server.protocol import ApiError
+
 T = TypeVar("T")
 NUM_COMPILE_THREADS = 2  # compiles of different tenants at once; each compile uses one thread
+# a tenant's requests waiting for its turn, each holding its body: one more is a 429 (as the server's queue, 64)
+MAX_WAITING_PER_TENANT = 64
 
 
 class GrammarCompiles:
@@ -29,13 +33,22 @@ class GrammarCompiles:
     async def run(self, tenant: str, compile_fn: Callable[..., T], *args) -> T:
         """``compile_fn(*args)`` on a compile thread once ``tenant`` has no other compile running."""
         lock, num_users = self._turns.setdefault(tenant, (asyncio.Lock(), [0]))
+        if num_users[0] > MAX_WAITING_PER_TENANT:  # one compiling, the rest waiting
+            raise ApiError(429, f"{MAX_WAITING_PER_TENANT} requests of this tenant already wait for their tools' or "
+                           "format's grammar to compile; retry later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"})
         num_users[0] += 1
         try:
             await lock.acquire()
         except BaseException:  # cancelled while waiting for its turn: nothing started
             self._leave(tenant, num_users)
             raise
-        future = asyncio.get_running_loop().run_in_executor(self._pool, compile_fn, *args)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._pool, compile_fn, *args)
+        except BaseException:  # the threads are shut down: the turn is given back
+            lock.release()
+            self._leave(tenant, num_users)
+            raise
 
         def finished(_) -> None:  # the turn ends with the compile, not with the request that asked for it
             lock.release()

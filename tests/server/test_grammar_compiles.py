@@ -91,3 +91,31 @@ def test_requests_of_one_namespace_waiting_for_the_same_grammar_compile_it_once(
         srv.stop()
     assert [r.status_code for r in answers] == [200] * len(same)
     assert gated.num_slow_entered == 1  # the others took the grammar the first one compiled
+
+
+def test_a_tenants_waiting_requests_are_bounded_and_a_shut_down_pool_gives_the_turn_back():
+    """One compiling and MAX_WAITING_PER_TENANT waiting: one more of that tenant is a 429 (each held its body for
+    as long as it waited), another tenant's is compiled. After shutdown a compile is refused and its turn given
+    back (it was kept: every later request of the tenant waited for good)."""
+    import asyncio
+
+    from kvrelay.server.grammar_compiles import MAX_WAITING_PER_TENANT, GrammarCompiles
+    from kvrelay.server.protocol import ApiError
+
+    async def main() -> None:
+        compiles, gate = GrammarCompiles(num_threads=2), threading.Event()
+        first = asyncio.create_task(compiles.run("a", gate.wait))
+        waiting = [asyncio.create_task(compiles.run("a", int, "1")) for _ in range(MAX_WAITING_PER_TENANT)]
+        await asyncio.sleep(0)  # one turn of the loop: each task has taken its place (no time passes)
+        with pytest.raises(ApiError) as err:
+            await compiles.run("a", int, "1")
+        assert err.value.status == 429 and err.value.headers == {"Retry-After": "1"}
+        assert await compiles.run("b", int, "2") == 2
+        gate.set()
+        assert await first is True and [await w for w in waiting] == [1] * MAX_WAITING_PER_TENANT
+        compiles.shutdown()
+        with pytest.raises(RuntimeError):
+            await compiles.run("c", int, "3")
+        assert "c" not in compiles._turns
+
+    asyncio.run(main())
