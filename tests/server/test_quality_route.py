@@ -65,6 +65,7 @@ def test_each_tenant_sees_only_its_own_roles_and_metrics_name_none():
         assert samples["kvrelay_quality_shadow_runs_total"] == 3
         assert samples["kvrelay_quality_shadow_compute_seconds_total"] > 0
         assert sum(v for k, v in samples.items() if k.startswith("kvrelay_quality_roles{")) == 3
+        assert not any(k.startswith("kvrelay_quality_shadow_lessons") for k in samples)  # no learning rung
         for secret in (ROLE, "reviewer", digest("key-a"), digest("key-b"), "key-a"):
             assert secret not in text  # no role, tenant or key named in the operator's page
     finally:
