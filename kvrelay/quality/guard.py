@@ -27,6 +27,15 @@ from kvrelay.quality.ladder import LadderController, Move, RoleState, Rung, chec
 from kvrelay.quality.turnover import RoleTurnover
 
 MAX_ROLES = 10_000  # (namespace, role) states kept per tenant, least recently called out first
+#: the setting a request's own method is measured under: ``requested:SPEC``. A rung name is a word (no ``:``), so a
+#: request that names ``relay`` is never counted as the rung ``relay``: its samples cannot move the role, nor stand
+#: in the estimate a rung is judged on (a ladder's ``relay=relay[...]`` is not the plain ``relay`` it named)
+REQUESTED_PREFIX = "requested:"
+
+
+def requested_setting(method_spec: str) -> str:
+    """The setting under which the calls of a request that named ``method_spec`` itself are estimated."""
+    return REQUESTED_PREFIX + method_spec
 
 
 def _check_measure(name: str, value: object, must_be_finite: bool) -> None:
@@ -52,6 +61,9 @@ class QualityGuard:
         self._roles: dict[str, dict[str, RoleState]] = {}  # namespace -> role -> state
         self._num_offers: dict[tuple[str, str], int] = {}  # should_shadow calls per role (the cadence's clock)
         self._offers_at_rung: dict[tuple[str, str], int] = {}
+        # per role, should_shadow calls per requested setting: a request's own method has its own warm-up and
+        # cadence, so such calls never use up the first calls the role's rung is shadowed on
+        self._requested_offers: dict[tuple[str, str], dict[str, int]] = {}
         # per tenant, its roles by last use: the eviction order (one tenant's churn never evicts another's roles)
         self._recent: dict[str, OrderedDict[tuple[str, str], None]] = {}
         self.turnover = RoleTurnover(config.first_calls_per_role)
@@ -86,6 +98,7 @@ class QualityGuard:
             del self._roles[namespace]
         self._num_offers.pop((namespace, role), None)
         self._offers_at_rung.pop((namespace, role), None)
+        self._requested_offers.pop((namespace, role), None)
 
     @property
     def num_roles(self) -> int:
@@ -106,18 +119,22 @@ class QualityGuard:
         known = self.controller.estimate(state, move.to_rung).num_samples >= self.config.min_samples
         self._offers_at_rung[(namespace, role)] = self.config.first_calls_per_role if known else 0
 
-    def rung_for(self, namespace: str, role: str) -> Rung:
-        """The rung a new call of (namespace, role) runs at; counts the call (a role may step down here)."""
+    def rung_for(self, namespace: str, role: str, requested: bool = False) -> Rung:
+        """The rung a new call of (namespace, role) runs at; counts the call (a role may step down here).
+        ``requested``: the call runs a method it named itself; it counts among the role's calls but not as a call
+        at its rung (``hold_calls``), and never moves the role."""
         if not self.enabled:
             return self.ladder[self.config.start_index]
         self.turnover.observe(namespace, role not in self._roles.get(namespace, {}))
         state = self._state(namespace, role)
-        self._moved(namespace, role, self.controller.before_call(state))
+        if not requested:
+            self._moved(namespace, role, self.controller.before_call(state))
+            state.calls_at_rung += 1
         state.num_calls += 1
-        state.calls_at_rung += 1
         return self.ladder[state.rung_index]
 
-    def should_shadow(self, namespace: str, role: str, affordable: bool | Callable[[], bool] = True) -> bool:
+    def should_shadow(self, namespace: str, role: str, affordable: bool | Callable[[], bool] = True,
+                      setting: str | None = None) -> bool:
         """Whether this call of (namespace, role) also runs ``full`` as a reference: every one of the first
         ``first_calls_per_role`` calls of the role and at each rung it arrives at without samples, then one in
         ``1 / sample_rate`` (by the role's own count of calls, no random numbers), and every call at a rung whose
@@ -126,21 +143,33 @@ class QualityGuard:
         ``affordable`` False (a ``paced`` namespace's call the server's shadow share did not draw,
         kvrelay.server.shadow_pacer): a call the rule wants is not shadowed and not counted, so the role's first
         calls and its cadence wait for a call that is drawn (counted in ``num_unaffordable``). A callable is asked
-        only for a call the rule wants: the pacer's draw, whose rate is learned over the calls it is asked for."""
+        only for a call the rule wants: the pacer's draw, whose rate is learned over the calls it is asked for.
+
+        ``setting``: what the call runs (``requested_setting`` for a method the request named; None or a rung name:
+        the role's rung). A requested setting has its own count, by the same rule (its first calls, then the
+        cadence), so calls that name a method never use up the shadows of the role's rung."""
         if not self.enabled:
             return False
         key = (namespace, role)
         state = self._state(namespace, role)
-        at_rung = self._offers_at_rung.get(key, 0)
-        num = self._num_offers.get(key, 0)
         every = self.config.sample_every
-        shadow = (at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
-                  or self.controller.wants_samples(state))
+        if setting is not None and setting.startswith(REQUESTED_PREFIX):
+            counts = self._requested_offers.setdefault(key, {})
+            num = counts.get(setting, 0)
+            shadow = num < self.config.first_calls_per_role or (every > 0 and num % every == 0)
+        else:
+            at_rung = self._offers_at_rung.get(key, 0)
+            num = self._num_offers.get(key, 0)
+            shadow = (at_rung < self.config.first_calls_per_role or (every > 0 and num % every == 0)
+                      or self.controller.wants_samples(state))
         if shadow and not (affordable() if callable(affordable) else affordable):
             self.num_unaffordable += 1
             return False
-        self._offers_at_rung[key] = at_rung + 1
-        self._num_offers[key] = num + 1
+        if setting is not None and setting.startswith(REQUESTED_PREFIX):
+            counts[setting] = num + 1
+        else:
+            self._offers_at_rung[key] = at_rung + 1
+            self._num_offers[key] = num + 1
         self.num_shadowed += shadow
         return shadow
 

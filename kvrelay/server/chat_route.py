@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
-from kvrelay.server.context import AppContext, digest
+from kvrelay.server.context import AppContext, agent_of, digest
 from kvrelay.server.grammar_cache import grammar_key
 from kvrelay.server.prompting import chat_ids
 from kvrelay.server.protocol import ROLES, ApiError, ChatCompletionRequest, RefusalPart
@@ -99,7 +99,7 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     constraint = await _constraint(body, plan, namespace, ctx)
     messages = render_messages(body, plan)
     system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")
-    agent = request.headers.get("x-kvrelay-agent") or "sys-" + digest(system)
+    agent = agent_of(request, "sys-" + digest(system))
     tokenizer, catalog = ctx.tokenizer, ctx.catalog
 
     def build():

@@ -101,7 +101,10 @@ def quality_config(args: argparse.Namespace):
     text = getattr(args, "quality_ladder", None)  # None: a caller's namespace without the flag
     ladder = parse_ladder(ladder_text(QualityConfig().ladder) if text is None else text)
     for rung in ladder:
-        get_method(rung.method_spec)  # a bad spec fails here, before the model loads
+        try:
+            get_method(rung.method_spec)  # a bad spec fails here, before the model loads
+        except ConfigError as exc:  # named as the ladder's: --method and --methods take specs too
+            raise ConfigError(f"quality ladder rung {rung.name!r}: {exc}") from None
     share = getattr(args, "quality_shadow_share", QualityConfig().shadow_share)  # a caller's namespace without it
     return QualityConfig(target=target, sample_rate=args.quality_sample, shadow_share=share, ladder=ladder)
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvrelay.errors import ContextLengthError
-from kvrelay.server.context import AppContext
+from kvrelay.server.context import AppContext, agent_of
 from kvrelay.server.prompting import PromptBuild, completion_ids
 from kvrelay.server.protocol import ApiError, CompletionRequest
 from kvrelay.server.respond import CompletionRender, include_usage, respond
@@ -43,7 +43,7 @@ def completions_router(ctx: AppContext) -> APIRouter:
         ctx.metrics.requests.labels("completions").inc()
         namespace, method = ctx.check_common(body, request)
         prompt = checked_prompt(body, ctx.tokenizer)
-        agent = request.headers.get("x-kvrelay-agent") or "completion"
+        agent = agent_of(request, "completion")
         catalog = ctx.catalog
 
         def build():

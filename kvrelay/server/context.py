@@ -37,6 +37,22 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: the longest ``x-kvrelay-agent``, as a body's ``cache_salt``: the name is a key the quality guard keeps per role
+#: (up to ``kvrelay.quality.guard.MAX_ROLES`` a tenant) and echoes in every response, so a 60 KB header would be
+#: kept 10,000 times over
+MAX_AGENT_CHARS = 256
+
+
+def agent_of(request: Request, fallback: str) -> str:
+    """The request's agent: its ``x-kvrelay-agent`` header, else ``fallback``; a 400 naming the header when it is
+    too long."""
+    agent = request.headers.get("x-kvrelay-agent")
+    if agent and len(agent) > MAX_AGENT_CHARS:
+        raise ApiError(400, f"the x-kvrelay-agent header has {len(agent)} characters, over {MAX_AGENT_CHARS}",
+                       param="x-kvrelay-agent", code="invalid_value")
+    return agent or fallback
+
+
 @dataclass
 class AppContext:
     worker: EngineWorker

@@ -152,6 +152,10 @@ class ChatMessage(_Body):
         return "".join(part.text if isinstance(part, ContentPart) else part.refusal for part in self.content)
 
 
+#: the longest ``cache_salt`` (a body's, and the quality route's query)
+MAX_SALT_CHARS = 256
+
+
 class _Sampling(_Body):
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -163,7 +167,7 @@ class _Sampling(_Body):
     n: StrictInt = Field(default=1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, max_length=MAX_SALT_CHARS)
     kvrelay: KvrelayOptions | None = None
     # OpenAI's ranges; None as 0 (frameworks send null or 0 for "off"). A bias's key, value and range are checked by
     # ``kvrelay.server.penalty_check``: it knows the vocabulary, and names the key (an error location here would

@@ -62,7 +62,9 @@ class _GuardCollector(Collector):
         failed = CounterMetricFamily("kvrelay_quality_shadow_failed", "shadow references dropped on an error")
         failed.add_metric([], self.runner.num_failed)
         yield failed
-        if self.runner.teacher is not None:
+        # the lessons' series only with a learning rung on the ladder (as documented): a teacher is always built,
+        # and a counter stuck at 0 on every default server reads as learning that never happens
+        if self.runner.teacher is not None and self.runner.teacher.methods:
             lessons = CounterMetricFamily("kvrelay_quality_shadow_lessons", "shadow references handed to a learning "
                                           "rung of the ladder as its own dense prefill (kvcomm's anchors)")
             lessons.add_metric([], self.runner.teacher.num_taught)

@@ -13,7 +13,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from kvrelay.server.context import AppContext
-from kvrelay.server.protocol import ApiError
+from kvrelay.server.protocol import MAX_SALT_CHARS, ApiError
 
 
 def quality_router(ctx: AppContext) -> APIRouter:
@@ -23,6 +23,9 @@ def quality_router(ctx: AppContext) -> APIRouter:
     async def quality(request: Request, cache_salt: str | None = None) -> dict:
         if cache_salt is not None and not cache_salt.strip():
             raise ApiError(400, "cache_salt must not be empty", param="cache_salt", code="invalid_value")
+        if cache_salt is not None and len(cache_salt) > MAX_SALT_CHARS:  # no request's salt can be longer
+            raise ApiError(400, f"cache_salt has {len(cache_salt)} characters, over {MAX_SALT_CHARS}",
+                           param="cache_salt", code="invalid_value")
         namespace = ctx.namespace_of(request, cache_salt)
         served = ctx.worker.quality
         if served is None:

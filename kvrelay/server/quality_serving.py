@@ -14,11 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.quality.guard import requested_setting
+
 
 @dataclass(frozen=True)
 class QualityTag:
     """What a request carries for the guard: its role, the rung the role is at, and the setting it was measured
-    under (the rung's name, or the method spec the request named itself)."""
+    under (the rung's name, or ``requested:SPEC`` for the method spec the request named itself)."""
 
     role: str
     rung: str
@@ -41,18 +43,19 @@ class ServedGuard:
         """The method a request runs and its tag. A request that names its own method keeps it (still measured,
         under that spec); otherwise the role's current rung picks it."""
         with self._lock:
-            rung = self.guard.rung_for(namespace, role)
+            rung = self.guard.rung_for(namespace, role, bool(requested_method))
         if requested_method:
-            return requested_method, QualityTag(role, rung.name, requested_method)
+            return requested_method, QualityTag(role, rung.name, requested_setting(requested_method))
         return rung.method_spec or default_method, QualityTag(role, rung.name, rung.name)
 
     def paced(self, namespace: str) -> bool:
         with self._lock:
             return bool(self.guard.paced(namespace))
 
-    def should_shadow(self, namespace: str, role: str, affordable: bool | Callable[[], bool] = True) -> bool:
+    def should_shadow(self, namespace: str, role: str, affordable: bool | Callable[[], bool] = True,
+                      setting: str | None = None) -> bool:
         with self._lock:
-            return bool(self.guard.should_shadow(namespace, role, affordable))
+            return bool(self.guard.should_shadow(namespace, role, affordable, setting))
 
     def record(self, namespace: str, role: str, rung_name: str, first_token_kl: float, top1_agree: bool,
                continuation_kl: float | None, shadow_cost_ms: float) -> None:

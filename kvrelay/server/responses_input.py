@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvrelay.server.protocol import ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt, _Body
+from kvrelay.server.protocol import MAX_SALT_CHARS, ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt, _Body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # the other values OpenAI documents for ``include``: each asks for more of an item this server never produces (hosted
@@ -56,7 +56,7 @@ class ResponsesRequest(_Body):
     max_tool_calls: StrictInt | None = None
     # kvrelay's extensions, as on chat completions
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, max_length=MAX_SALT_CHARS)
     kvrelay: KvrelayOptions | None = None
 
 

@@ -145,12 +145,13 @@ class ShadowRunner:
             return None
         paced = self.pacer is not None and self.guard.paced(namespace)
         cost_ms = reference_ms(len(seq.prompt_ids), budget) if paced else 0.0
+        # ``rung``: what the call runs; a method the request named is counted apart from the role's rung
         if self.pacer is None:
-            sampled = self.guard.should_shadow(namespace, role)
+            sampled = self.guard.should_shadow(namespace, role, True, rung)
         else:
             # the pacer is asked only for a call the guard wants: its rate is learned over those
             sampled = self.guard.should_shadow(namespace, role,
-                                               (lambda: self.pacer.affordable(cost_ms)) if paced else True)
+                                               (lambda: self.pacer.affordable(cost_ms)) if paced else True, rung)
         if not sampled:
             return None
         if paced:

@@ -8,6 +8,8 @@ import pytest
 
 from kvrelay.errors import ConfigError
 from kvrelay.quality import QualityConfig, QualityGuard, Rung
+from kvrelay.quality.guard import requested_setting
+from kvrelay.server.quality_serving import ServedGuard
 
 
 def shadows(g: QualityGuard, num_calls: int, namespace: str = "ns", role: str = "r") -> list[int]:
@@ -151,3 +153,28 @@ def test_one_tenants_new_roles_never_evict_another_tenants(monkeypatch):
         g.rung_for(f"kA/s{i}", "analyst")
     assert g.snapshot("kB")["roles"]["agent"]["rung"] == rung_b
     assert g.num_roles == 3 + 1
+
+
+def test_a_request_naming_its_rungs_method_is_measured_apart_and_never_moves_the_role():
+    # the server's path: the request names "relay", the very name of the rung its role is at
+    served = ServedGuard(QualityGuard(QualityConfig()))
+    for _ in range(QualityConfig().min_samples):
+        method, tag = served.pick("ns", "r", "relay", "epic")
+        assert method == "relay" and tag.rung == "relay"
+        assert served.should_shadow("ns", "r", True, tag.measured_as)
+        served.record("ns", "r", tag.measured_as, 1.0, False, 1.0, 1.0)  # clearly bad: a rung would break
+    role = served.snapshot("ns")["roles"]["r"]
+    assert role["rung"] == "relay" and role["moves"] == []
+    assert set(role["estimates"]) == {requested_setting("relay")}  # the rung's own estimate is untouched
+
+
+def test_calls_naming_a_method_do_not_use_up_the_warm_up_of_the_roles_rung():
+    cfg = QualityConfig()
+    g = QualityGuard(cfg)
+    for _ in range(cfg.first_calls_per_role):  # a client that names its method: its own warm-up, all shadowed
+        g.rung_for("ns", "r", requested=True)
+        assert g.should_shadow("ns", "r", True, requested_setting("full"))
+    assert g._roles["ns"]["r"].calls_at_rung == 0  # not calls at the rung: they bring no cheaper rung's trial nearer
+    for _ in range(cfg.first_calls_per_role):  # the rung's own first calls are all shadowed still
+        rung = g.rung_for("ns", "r")
+        assert g.should_shadow("ns", "r", True, rung.name)

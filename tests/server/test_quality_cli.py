@@ -29,6 +29,12 @@ def test_the_flags_set_target_and_sample_and_off_turns_the_guard_off():
     (("--quality-target", "kl=abc"), "'abc' is not a number"),
     (("--quality-target", "latency=3"), "expected 'kl=K,agreement=A' or 'off'"),
     (("--quality-sample", "1.5"), "sample rate must be a share in [0, 1]"),
+    (("--quality-target", "kl=-1"), "quality target kl must be a finite number > 0"),
+    (("--quality-target", "agreement=2"), "quality target agreement must be in [0, 1]"),
+    (("--quality-shadow-share", "0"), "quality shadow share must be in (0, 1]"),
+    (("--quality-ladder", ""), "quality ladder '': an empty rung"),
+    # an unknown rung is named as the ladder's, not as --method's
+    (("--quality-ladder", "naive,bogus,prefix"), "quality ladder rung 'bogus': unknown method 'bogus'"),
 ])
 def test_a_bad_quality_flag_is_a_clear_error_before_the_model_loads(capsys, flags, words):
     args = _serve_args("--model", "no-such-model-anywhere", *flags)

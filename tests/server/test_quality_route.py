@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from kvrelay.quality import QualityConfig, QualityTarget
-from kvrelay.server.context import digest
+from kvrelay.server.context import MAX_AGENT_CHARS, digest
+from kvrelay.server.protocol import MAX_SALT_CHARS
 from tests.server.conftest import MODEL
 from tests.server.live import LiveServer
 
@@ -65,6 +66,7 @@ def test_each_tenant_sees_only_its_own_roles_and_metrics_name_none():
         assert samples["kvrelay_quality_shadow_runs_total"] == 3
         assert samples["kvrelay_quality_shadow_compute_seconds_total"] > 0
         assert sum(v for k, v in samples.items() if k.startswith("kvrelay_quality_roles{")) == 3
+        assert not any(k.startswith("kvrelay_quality_shadow_lessons") for k in samples)  # no learning rung
         for secret in (ROLE, "reviewer", digest("key-a"), digest("key-b"), "key-a"):
             assert secret not in text  # no role, tenant or key named in the operator's page
     finally:
@@ -111,12 +113,32 @@ def test_tenant_b_rung_and_estimates_are_the_same_whether_or_not_tenant_a_sent_t
     assert beside_a == alone
 
 
-@pytest.mark.parametrize("salt", ["", "   "])
+@pytest.mark.parametrize("salt", ["", "   ", "s" * (MAX_SALT_CHARS + 1)])  # the last: no request's salt
 def test_a_bad_cache_salt_is_a_clear_400(salt):
     srv = _live()
     try:
         r = httpx.get(f"{srv.url}/v1/kvrelay/quality", params={"cache_salt": salt},
                       headers={"Authorization": "Bearer key-a"}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    finally:
+        srv.stop()
+
+
+def test_an_agent_name_over_its_bound_is_a_clear_400_on_every_route():
+    # the guard keeps the name per role and echoes it in every response: a long one is refused, not kept
+    srv = _live()
+    try:
+        for route, body in (("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                            ("completions", {"prompt": "hi"})):
+            for agent, status in (("a" * MAX_AGENT_CHARS, 200), ("a" * (MAX_AGENT_CHARS + 1), 400)):
+                r = httpx.post(f"{srv.url}/v1/{route}", json={"model": MODEL, "max_tokens": 1, **body},
+                               headers={"Authorization": "Bearer key-a", "x-kvrelay-agent": agent}, timeout=30)
+                assert r.status_code == status, (route, r.text)
+                if status == 400:
+                    assert r.json()["error"]["param"] == "x-kvrelay-agent"
+                else:
+                    assert r.json()["kvrelay"]["quality"]["role"] == agent
+            srv.wait_until(lambda: srv.worker.shadows.num_pending == 0, "the shadow references recorded")
+        assert sorted(_quality(srv, "key-a").json()["roles"]) == ["a" * MAX_AGENT_CHARS]
     finally:
         srv.stop()

@@ -37,13 +37,13 @@ class _SpyGuard:
         self.sampled_roles, self.rung = sampled_roles, rung
         self.records: list[tuple] = []
 
-    def rung_for(self, namespace: str, role: str) -> _Rung:
+    def rung_for(self, namespace: str, role: str, requested: bool = False) -> _Rung:
         return self.rung
 
     def paced(self, namespace: str) -> bool:  # the guard's turnover: the pacer tests set it
         return getattr(self, "pace", False)
 
-    def should_shadow(self, namespace: str, role: str, affordable=True) -> bool:
+    def should_shadow(self, namespace: str, role: str, affordable=True, setting=None) -> bool:
         # as the guard: a callable (the pacer's draw) is asked only for a call the rule wants
         return role in self.sampled_roles and (affordable() if callable(affordable) else affordable)
 
@@ -134,7 +134,7 @@ def test_a_request_not_sampled_gets_no_shadow_and_a_named_method_is_kept(tiny):
     picked = _job(worker, tiny.tokenizer.encode("the rung picks my method"), "a", 3)
     named = _job(worker, tiny.tokenizer.encode("I name my method"), "a", 3, method="full", named=True)
     assert (picked.method, picked.quality.rung, picked.quality.measured_as) == ("naive", "cheap", "cheap")
-    assert (named.method, named.quality.rung, named.quality.measured_as) == ("full", "cheap", "full")
+    assert (named.method, named.quality.rung, named.quality.measured_as) == ("full", "cheap", "requested:full")
     for job in (picked, named):
         worker.submit(job)
     _drain(worker, picked, named)

@@ -3,6 +3,7 @@ shadows teach kvcomm with no warm-up flag, and the role's kvcomm call then reuse
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from kvrelay.cache.tenancy import key_namespace
@@ -53,5 +54,7 @@ def test_the_role_shadows_teach_its_kvcomm_rung_with_no_warm_up(ladder):
         else:
             assert lessons == 0 and pooled == {}
             assert "0 of 2 anchors" in ext["fallback"]
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert ("kvrelay_quality_shadow_lessons_total" in metrics) == (ladder is LEARNING)  # a learning rung's only
     finally:
         srv.stop()
