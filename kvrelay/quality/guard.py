@@ -31,6 +31,9 @@ MAX_ROLES = 10_000  # (namespace, role) states kept per tenant, least recently c
 #: request that names ``relay`` is never counted as the rung ``relay``: its samples cannot move the role, nor stand
 #: in the estimate a rung is judged on (a ladder's ``relay=relay[...]`` is not the plain ``relay`` it named)
 REQUESTED_PREFIX = "requested:"
+# method specs a role's requests named that are estimated at once (least recently named out first): a client
+# naming a new spec with every call grew the role's state without end
+MAX_REQUESTED_SETTINGS = 16
 
 
 def requested_setting(method_spec: str) -> str:
@@ -154,7 +157,7 @@ class QualityGuard:
         state = self._state(namespace, role)
         every = self.config.sample_every
         if setting is not None and setting.startswith(REQUESTED_PREFIX):
-            counts = self._requested_offers.setdefault(key, {})
+            counts = self._requested_counts(key, state, setting)
             num = counts.get(setting, 0)
             shadow = num < self.config.first_calls_per_role or (every > 0 and num % every == 0)
         else:
@@ -173,6 +176,18 @@ class QualityGuard:
         self.num_shadowed += shadow
         return shadow
 
+    def _requested_counts(self, key: tuple[str, str], state: RoleState, setting: str) -> dict[str, int]:
+        """The role's requested settings' call counts, ``setting`` the most recent; past MAX_REQUESTED_SETTINGS
+        the least recently named one is forgotten with its estimate."""
+        counts = self._requested_offers.setdefault(key, {})
+        if setting in counts:
+            counts[setting] = counts.pop(setting)  # most recent last
+        elif len(counts) >= MAX_REQUESTED_SETTINGS:
+            oldest = next(iter(counts))
+            del counts[oldest]
+            state.estimates.pop(oldest, None)
+        return counts
+
     def record(self, namespace: str, role: str, rung_name: str, first_token_kl: float, top1_agree: bool,
                continuation_kl: float | None = None, shadow_cost_ms: float = 0.0) -> None:
         """One shadow comparison of a call of (namespace, role) run under ``rung_name`` (a rung, or the method
@@ -190,6 +205,9 @@ class QualityGuard:
         self.shadow_cost_ms += float(shadow_cost_ms)
         if role not in self._roles.get(namespace, {}):  # evicted while its shadow ran: it starts over if it comes back
             return
+        if rung_name.startswith(REQUESTED_PREFIX) and rung_name not in self._requested_offers.get((namespace, role),
+                                                                                                  {}):
+            return  # a requested setting forgotten while its shadow ran
         state = self._state(namespace, role)
         self.controller.estimate(state, rung_name).add(float(first_token_kl), top1_agree, continuation_kl)
         self._moved(namespace, role, self.controller.after_sample(state, rung_name))

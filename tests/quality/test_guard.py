@@ -178,3 +178,22 @@ def test_calls_naming_a_method_do_not_use_up_the_warm_up_of_the_roles_rung():
     for _ in range(cfg.first_calls_per_role):  # the rung's own first calls are all shadowed still
         rung = g.rung_for("ns", "r")
         assert g.should_shadow("ns", "r", True, rung.name)
+
+
+def test_a_role_keeps_a_bounded_number_of_requested_settings():
+    """A client naming a new method spec with every call: the role keeps the most recently named ones' counts and
+    estimates only (they grew without end), and a shadow of a forgotten one that lands later adds nothing."""
+    from kvrelay.quality.guard import MAX_REQUESTED_SETTINGS
+
+    g = QualityGuard(QualityConfig())
+    specs = [requested_setting(f"relay[keep_share={k / 1000}]") for k in range(1, MAX_REQUESTED_SETTINGS + 2)]
+    for spec in specs[:-1]:
+        g.rung_for("ns", "r", requested=True)
+        assert g.should_shadow("ns", "r", True, spec)
+        g.record("ns", "r", spec, 0.01, True)
+    g.should_shadow("ns", "r", True, specs[0])  # named again: now the most recent
+    g.should_shadow("ns", "r", True, specs[-1])  # one more: the least recently named (specs[1]) is forgotten
+    g.record("ns", "r", specs[1], 0.01, True)  # its shadow landing late
+    estimates = g._roles["ns"]["r"].estimates
+    assert len(estimates) == MAX_REQUESTED_SETTINGS - 1 and specs[1] not in estimates and specs[0] in estimates
+    assert len(g._requested_offers[("ns", "r")]) == MAX_REQUESTED_SETTINGS
