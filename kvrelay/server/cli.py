@@ -96,15 +96,15 @@ def quality_config(args: argparse.Namespace):
     from kvrelay.reuse import get_method
 
     target = QualityConfig.parse_target(args.quality_target)
-    if target is None:
-        return None
     text = getattr(args, "quality_ladder", None)  # None: a caller's namespace without the flag
     ladder = parse_ladder(ladder_text(QualityConfig().ladder) if text is None else text)
-    for rung in ladder:
+    for rung in ladder:  # checked with the guard off too: a typo there is refused, not kept for when it is on
         try:
             get_method(rung.method_spec)  # a bad spec fails here, before the model loads
         except ConfigError as exc:  # named as the ladder's: --method and --methods take specs too
             raise ConfigError(f"quality ladder rung {rung.name!r}: {exc}") from None
+    if target is None:
+        return None
     share = getattr(args, "quality_shadow_share", QualityConfig().shadow_share)  # a caller's namespace without it
     return QualityConfig(target=target, sample_rate=args.quality_sample, shadow_share=share, ladder=ladder)
 

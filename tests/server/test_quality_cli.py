@@ -35,6 +35,7 @@ def test_the_flags_set_target_and_sample_and_off_turns_the_guard_off():
     (("--quality-ladder", ""), "quality ladder '': an empty rung"),
     # an unknown rung is named as the ladder's, not as --method's
     (("--quality-ladder", "naive,bogus,prefix"), "quality ladder rung 'bogus': unknown method 'bogus'"),
+    (("--quality-target", "off", "--quality-ladder", "naive,bogus,prefix"), "quality ladder rung 'bogus'"),
 ])
 def test_a_bad_quality_flag_is_a_clear_error_before_the_model_loads(capsys, flags, words):
     args = _serve_args("--model", "no-such-model-anywhere", *flags)
