@@ -109,16 +109,24 @@ def client() -> Iterator[TestClient]:
         yield c
 
 
+def assert_no_5xx(r, sent: str | bytes) -> bool:
+    """``r`` is no 5xx, and an error is OpenAI's error body; whether it was an error."""
+    assert r.status_code < 500, (r.status_code, r.text[:500], sent[:500])
+    if r.status_code < 400:
+        return False
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert err["param"] is None or isinstance(err["param"], str), err
+    assert "Traceback" not in r.text
+    return True
+
+
 def _check(client: TestClient, path: str, content: str | bytes) -> None:
     r = client.post(path, content=content, headers={"content-type": "application/json"})
-    assert r.status_code < 500, (r.status_code, r.text[:500], content[:500])
-    if r.status_code >= 400:
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"}, err
-        assert isinstance(err["message"], str) and err["message"], err
-        assert err["param"] is None or isinstance(err["param"], str), err
-        assert "Traceback" not in r.text
-    elif r.headers["content-type"].startswith("text/event-stream"):
+    if assert_no_5xx(r, content):
+        return
+    if r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]") or '"error"' in r.text, r.text[-500:]
     else:
         assert "choices" in r.json()
