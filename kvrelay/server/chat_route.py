@@ -57,6 +57,21 @@ def _check_messages(body: ChatCompletionRequest) -> None:
     check_tool_messages(body)
 
 
+async def _tool_plan(body: ChatCompletionRequest, namespace: str, ctx: AppContext) -> ToolPlan | None:
+    """The request's checked tool plan. Validating the tools' schemas takes up to a fraction of a second
+    (jsonschema): on the tenant's compile turn, off the event loop, which serves every tenant. A namespace that sent
+    the same tools and choice before takes its plan from the cache without waiting for the turn (an agent sends
+    its tools with every step; a long compile of the same tenant held each step's checks)."""
+    key = "plan:" + grammar_key((body.tools, body.functions, body.function_call),
+                                (body.tool_choice, body.parallel_tool_calls))
+    plan = ctx.grammars.get(namespace, key)
+    if plan is None:
+        plan = await ctx.compiles.run(tenant_of(namespace), plan_tools, body)
+        if plan is not None:  # its size: about the tools' text it holds
+            ctx.grammars.put(namespace, key, plan, sum(len(repr(f)) for f in plan.functions))
+    return plan
+
+
 async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namespace: str, ctx: AppContext):
     """The request's compiled grammar (kvrelay.server.grammar), None for free text. Off the event loop, on the
     grammar threads (kvrelay.server.grammar_compiles): the library's first setup and a new schema's compile take
@@ -93,9 +108,7 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     answer = answer_schema(body)
     tools = body.tools or []
     check_request_schemas([t.function.parameters for t in tools], answer)  # bounded work, before any is validated
-    # validating the tools' schemas takes up to a fraction of a second (jsonschema): on the tenant's compile turn,
-    # off the event loop, which serves every tenant
-    plan = await ctx.compiles.run(tenant_of(namespace), plan_tools, body) if tools else plan_tools(body)
+    plan = await _tool_plan(body, namespace, ctx) if tools else plan_tools(body)
     constraint = await _constraint(body, plan, namespace, ctx)
     messages = render_messages(body, plan)
     system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")

@@ -80,3 +80,16 @@ def test_a_key_is_a_fixed_size_digest_whatever_the_tools_descriptions():
     short_plan = ToolPlan((FunctionDef(name="f", description="d"),), "auto")
     assert len(grammar_key(long_plan, None)) == len(grammar_key(short_plan, None)) == 64
     assert grammar_key(long_plan, None) != grammar_key(short_plan, None)
+
+
+def test_a_namespace_s_repeated_tools_skip_the_compile_turn(client, monkeypatch):
+    """An agent sends its tools with every step: the first step's checked plan is its namespace's, so a later step
+    waits for no compile turn (a long compile of the same tenant held every step's schema checks); another
+    namespace, or another tool_choice, checks its own."""
+    turns = []
+    real = client.app.state.context.compiles.run
+    monkeypatch.setattr(client.app.state.context.compiles, "run", lambda *a: turns.append(a[1]) or real(*a))
+    for salt, choice in (("a", "auto"), ("a", "auto"), ("b", "auto"), ("a", "required")):
+        _ask(client, f"plan-cache-{salt}", tools=TOOLS, tool_choice=choice)
+    names = [getattr(fn, "__name__", "") for fn in turns]
+    assert names.count("plan_tools") == 3, names
