@@ -131,3 +131,13 @@ def keyed_server(tmp_path_factory) -> Iterator[Server]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def compiled(monkeypatch) -> list:
+    """The grammars the server compiled in this test (the real compile, recorded)."""
+    import kvrelay.server.grammar as grammar
+
+    calls, real = [], grammar.constraint_for
+    monkeypatch.setattr(grammar, "constraint_for", lambda *a: calls.append(a) or real(*a))
+    return calls

@@ -28,12 +28,6 @@ def client() -> Iterator[TestClient]:
         yield c
 
 
-@pytest.fixture
-def compiled(monkeypatch) -> list:
-    calls, real = [], grammar.constraint_for
-    monkeypatch.setattr(grammar, "constraint_for", lambda *a: calls.append(a) or real(*a))
-    return calls
-
 
 def _ask(client: TestClient, salt: str, **body) -> None:
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "cache_salt": salt,

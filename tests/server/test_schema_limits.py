@@ -15,7 +15,6 @@ from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
-import kvrelay.server.grammar as grammar
 import kvrelay.server.schemas as schemas
 from kvrelay.server.pattern_limits import MAX_NESTED_REPEAT, MAX_PATTERN_REPEAT, pattern_problem
 from kvrelay.server.protocol import ApiError
@@ -72,13 +71,6 @@ def client() -> Iterator[TestClient]:
     with TestClient(make_app(default_max_tokens=2), raise_server_exceptions=False) as c:
         yield c
 
-
-@pytest.fixture
-def compiled(monkeypatch) -> list:
-    """The grammars the server compiled in this test (the real compile, recorded)."""
-    calls, real = [], grammar.constraint_for
-    monkeypatch.setattr(grammar, "constraint_for", lambda *a: calls.append(a) or real(*a))
-    return calls
 
 
 def post(client: TestClient, path: str, text: str):
