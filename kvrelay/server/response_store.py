@@ -3,16 +3,18 @@
 A stored response keeps the conversation it ended (as chat messages, instructions excluded: OpenAI does
 not carry them over) and the response object returned. Entries live under the caller's namespace (API
 key, ``cache_salt``): a lookup from another namespace misses exactly like an unknown id, so ids leak
-nothing across tenants. Two bounds, both LRU: entries per namespace (one tenant's churn evicts only its
-own responses) and total bytes (``cache_salt`` is client-chosen, so the number of namespaces is not).
+nothing across tenants. Two bounds: entries per namespace (one namespace's churn evicts only its own least
+recent responses) and total bytes (``cache_salt`` is client-chosen, so the number of namespaces is not), where
+room is made from the API key holding the most bytes (``FairLru``): one tenant's large conversations never push
+out the stored responses of a tenant holding less.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from kvrelay.server.fair_lru import FairLru
 
 
 @dataclass(frozen=True)
@@ -33,56 +35,26 @@ class ResponseStoreConfig:
 
 
 class ResponseStore:
-    """Thread-safe bounded LRU of (namespace, response id) -> ``StoredResponse``."""
+    """Thread-safe bounded store of (namespace, response id) -> ``StoredResponse`` (``FairLru``)."""
 
     def __init__(self, config: ResponseStoreConfig | None = None) -> None:
         self.config = config or ResponseStoreConfig()
-        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
-        self._ids_of: dict[str, OrderedDict[str, None]] = {}  # namespace -> its ids, oldest first
-        self._lock = threading.Lock()
-        self.num_bytes = 0
+        self._lru = FairLru(self.config.max_bytes, self.config.max_per_namespace)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._lru.num_bytes
 
     def put(self, namespace: str, response_id: str, messages: list[dict], response: dict) -> bool:
         """Store one response; False when it alone is over the byte budget (it is then not stored)."""
         num_bytes = len(json.dumps(messages)) + len(json.dumps(response))
-        if num_bytes > self.config.max_bytes:
-            return False
-        with self._lock:
-            self._drop((namespace, response_id))
-            ids = self._ids_of.setdefault(namespace, OrderedDict())
-            while len(ids) >= self.config.max_per_namespace:
-                self._drop((namespace, next(iter(ids))))
-                ids = self._ids_of.setdefault(namespace, OrderedDict())
-            while self.num_bytes + num_bytes > self.config.max_bytes:
-                self._drop(next(iter(self._entries)))
-            ids = self._ids_of.setdefault(namespace, OrderedDict())
-            self._entries[(namespace, response_id)] = StoredResponse(messages, response, num_bytes)
-            ids[response_id] = None
-            self.num_bytes += num_bytes
-        return True
+        return self._lru.put(namespace, response_id, StoredResponse(messages, response, num_bytes), num_bytes)
 
     def get(self, namespace: str, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            entry = self._entries.get((namespace, response_id))
-            if entry is not None:
-                self._entries.move_to_end((namespace, response_id))
-                self._ids_of[namespace].move_to_end(response_id)
-            return entry
+        return self._lru.get(namespace, response_id)
 
     def delete(self, namespace: str, response_id: str) -> bool:
-        with self._lock:
-            return self._drop((namespace, response_id))
-
-    def _drop(self, key: tuple[str, str]) -> bool:
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return False
-        self.num_bytes -= entry.num_bytes
-        ids = self._ids_of[key[0]]
-        del ids[key[1]]
-        if not ids:
-            del self._ids_of[key[0]]
-        return True
+        return self._lru.delete(namespace, response_id)
