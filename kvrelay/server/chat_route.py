@@ -95,14 +95,29 @@ async def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None, namesp
     return cached if cached is not None else await ctx.compiles.run(tenant_of(namespace), cached_or_compiled)
 
 
-async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
-    """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
-    namespace, method = ctx.check_common(body, request)
-    _check_messages(body)
+def _check_supported(body: ChatCompletionRequest) -> None:
+    """400 for what OpenAI would honour and this server cannot: dropped, the answer would silently differ."""
     if any(m != "text" for m in body.modalities or []) or body.audio is not None:
         param = "audio" if body.audio is not None else "modalities"
         raise ApiError(400, f"{param}: this server answers with text only (no audio output)", param=param,
                        code="unsupported")
+    if body.web_search_options is not None:
+        raise ApiError(400, "web_search_options is not supported: this server runs no web search; search in the "
+                       "client and send the results as messages", param="web_search_options", code="unsupported")
+    if body.moderation is not None:
+        raise ApiError(400, "moderation is not supported: this server runs no moderation model; moderate in the "
+                       "client", param="moderation", code="unsupported")
+    if body.verbosity not in (None, "medium"):
+        raise ApiError(400, f"verbosity {body.verbosity!r} is not supported: the model is not told how long to "
+                       "answer; omit it (or send 'medium') and bound the answer with max_completion_tokens",
+                       param="verbosity", code="unsupported")
+
+
+async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
+    """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
+    namespace, method = ctx.check_common(body, request)
+    _check_messages(body)
+    _check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     answer = answer_schema(body)

@@ -32,6 +32,12 @@ def checked_prompt(body: CompletionRequest, tokenizer) -> str | list[int]:
         raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo", code="unsupported")
+    if body.suffix:  # an insertion: the text must lead into the suffix, which a plain continuation does not
+        raise ApiError(400, "suffix is not supported: this server continues the prompt, it does not insert text "
+                       "before a suffix", param="suffix", code="unsupported")
+    if body.best_of not in (None, 1):  # the answer would be the likeliest of several, not one sample
+        raise ApiError(400, "best_of other than 1 is not supported: send separate requests and compare their "
+                       "logprobs", param="best_of", code="unsupported")
     return prompt
 
 

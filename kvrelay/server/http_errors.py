@@ -97,11 +97,18 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return error_response(400, message, param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.errors.labels(str(exc.status_code)).inc()
         # 400: a body JSON cannot read; 413: a body that passed the limit while it arrived (BodyLimit)
-        code = {404: "not_found", 400: "invalid_value", 413: "request_too_large"}.get(exc.status_code)
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", code=code)
+        code = {404: "not_found", 405: "method_not_allowed", 400: "invalid_value",
+                413: "request_too_large"}.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # the router's: a client calling an API this server lacks learns which
+            served = sorted(f"{method.upper()} {path}" for path, methods in app.openapi()["paths"].items()
+                            if path.startswith("/v1/") for method in methods)  # the schema is built once
+            message = (f"{request.method} {request.url.path}: {message.lower()}; this server serves "
+                       f"{', '.join(served)}")
+        return error_response(exc.status_code, message, "invalid_request_error", code=code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -196,12 +196,19 @@ class ChatCompletionRequest(_Sampling):
     # audio output: refused with a 400 (kvrelay.server.chat_route): dropped, the answer would come without it
     modalities: list[Any] | None = None
     audio: Any = None
+    # each changes the answer on OpenAI and has no counterpart here: refused when set (kvrelay.server.chat_route)
+    web_search_options: Any = None
+    moderation: Any = None
+    verbosity: Any = None  # "medium", OpenAI's default, is what every answer here is
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool = False
+    # refused when set to anything but their no-op (kvrelay.server.completions_route): each changes the answer
+    suffix: str | None = None
+    best_of: StrictInt | None = None
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

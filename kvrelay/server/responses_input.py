@@ -54,6 +54,8 @@ class ResponsesRequest(_Body):
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: StrictInt | None = None
+    moderation: Any = None
+    context_management: list[Any] | None = None
     # kvrelay's extensions, as on chat completions
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     cache_salt: str | None = Field(default=None, max_length=MAX_SALT_CHARS)
@@ -81,6 +83,16 @@ def check_supported(body: ResponsesRequest) -> None:
     if body.max_tool_calls is not None:
         raise _refuse("max_tool_calls is not supported; parallel_tool_calls=false allows one call per response",
                       "max_tool_calls")
+    if body.moderation is not None:
+        raise _refuse("moderation is not supported: this server runs no moderation model; moderate in the client",
+                      "moderation")
+    if body.context_management:
+        raise _refuse("context_management is not supported: this server does not compact a conversation; a "
+                      "prompt over the context is a 400 (context_length_exceeded)", "context_management")
+    verbosity = (body.text or {}).get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise _refuse(f"text.verbosity {verbosity!r} is not supported: the model is not told how long to answer; "
+                      "omit it (or send 'medium') and bound the answer with max_output_tokens", "text.verbosity")
 
 
 def _text_of(content: Any, param: str) -> str:
