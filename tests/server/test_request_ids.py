@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from itertools import pairwise
 
 import httpx
 import openai
@@ -36,6 +37,8 @@ def test_each_answer_has_its_own_random_id(srv):
     ids = [chat._request_id, again._request_id, models.headers["x-request-id"]]
     assert all(ID.fullmatch(i or "") for i in ids), ids
     assert len(set(ids)) == 3, ids
+    # not a counter: consecutive ids are as far apart as random 128-bit numbers are (all but surely > 2**64)
+    assert all(abs(int(a[4:], 16) - int(b[4:], 16)) > 1 << 64 for a, b in pairwise(ids)), ids
 
 
 def test_a_stream_carries_the_id_in_its_headers(srv):
