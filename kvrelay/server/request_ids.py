@@ -67,27 +67,44 @@ class RequestIds:
         request_id = new_request_id()
         scope.setdefault("state", {})[_STATE_KEY] = request_id
         token = _current_id.set(request_id)
-        started_s = time.perf_counter()
-        status: int | str = "-"
+        access = _AccessLine(scope, request_id)
 
         async def send_with_id(message: dict) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                access.status = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (REQUEST_ID_HEADER.encode(), request_id.encode())]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                access.write()  # before the last bytes go out: a client holding its answer finds the line written
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
-            # the app's 500 handler (kvrelay.server.http_errors) answers outside this middleware
-            status = 500 if status == "-" else status
+            # the app's 500 handler (kvrelay.server.http_errors) answers outside this middleware, after this line
+            access.write(500)
             raise
         finally:
             _current_id.reset(token)
-            if access_log.isEnabledFor(logging.INFO):
-                client = client_request_id(scope["headers"])
-                access_log.info("%s %s %s %s %.1f ms%s", request_id, scope["method"], scope["path"], status,
-                                (time.perf_counter() - started_s) * 1e3,
-                                f" client_request_id={client}" if client else "", extra={"request_id": request_id})
+            access.write()  # a request whose client left before its answer ended
+
+
+class _AccessLine:
+    """One request's access line, written once: its id, method, path, status and time until its answer ended."""
+
+    def __init__(self, scope: dict, request_id: str) -> None:
+        self.scope, self.request_id = scope, request_id
+        self.started_s = time.perf_counter()
+        self.status: int | None = None
+        self.written = False
+
+    def write(self, status_if_none: int | None = None) -> None:
+        if self.written:
+            return
+        self.written = True
+        if access_log.isEnabledFor(logging.INFO):
+            status = self.status or status_if_none or "-"
+            client = client_request_id(self.scope["headers"])
+            access_log.info("%s %s %s %s %.1f ms%s", self.request_id, self.scope["method"], self.scope["path"],
+                            status, (time.perf_counter() - self.started_s) * 1e3,
+                            f" client_request_id={client}" if client else "", extra={"request_id": self.request_id})
