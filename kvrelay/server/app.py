@@ -26,6 +26,7 @@ from kvrelay.server.http_errors import BodyLimit, add_error_handlers
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.openai_responses import responses_router
 from kvrelay.server.quality_setup import install_quality
+from kvrelay.server.request_ids import RequestIds
 from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, EngineWorker
 from kvrelay.server.service_routes import service_router
 
@@ -80,6 +81,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
     add_error_handlers(app, metrics)  # OpenAI's error JSON, never a traceback
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, api_keys=settings.api_keys)
+    app.add_middleware(RequestIds)  # added last: outside BodyLimit, so its 413s and 429s carry an id too
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions
     app.include_router(completions_router(ctx))  # POST /v1/completions

@@ -217,7 +217,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     install_cut_off_filter()  # Ctrl-C with a request running: one line, not its CancelledError traceback
 
-    # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON
+    # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON; access_log off:
+    # kvrelay.server.request_ids writes the access line, with the request's id (--log-level info shows it)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                http=JsonErrorH11Protocol)
+                http=JsonErrorH11Protocol, access_log=False)
     return 0

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvrelay.server.body_rate import BodyRate, client_key
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import ApiError, error_response, validation_message
+from kvrelay.server.request_ids import REQUEST_ID_HEADER, request_id_of
 
 log = logging.getLogger("kvrelay.server")
 
@@ -111,7 +112,11 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return error_response(exc.status_code, message, "invalid_request_error", code=code)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error", exc_info=exc)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # answered outside RequestIds (Starlette's outermost middleware calls this), so the id is set here too
+        request_id = request_id_of(request.scope)
+        log.exception("unexpected error in request %s (%s %s)", request_id or "-", request.method, request.url.path,
+                      exc_info=exc, extra={"request_id": request_id})
         metrics.errors.labels("500").inc()
-        return error_response(500, "internal server error", "server_error", code="internal_error")
+        return error_response(500, "internal server error", "server_error", code="internal_error",
+                              headers={REQUEST_ID_HEADER: request_id} if request_id else None)

@@ -20,6 +20,7 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.server.catalog import CallBuild
 from kvrelay.server.events import DeltaEvent, DoneEvent, Event, ToolCall, delta_of, tool_calls_of
 from kvrelay.server.prompting import PromptBuild
+from kvrelay.server.request_ids import current_request_id
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, encode_logprobs, token_logprobs
 
 
@@ -51,6 +52,8 @@ class Job:
     method_named: bool = False  # the request named its method: the guard measures it, never replaces it
     prompt_param: str = "messages"  # the request field holding the prompt, which a prompt's 400s name
     quality: Any = None  # the quality guard's tag (kvrelay.server.quality_serving.QualityTag); None: guard off
+    # the HTTP request's id (kvrelay.server.request_ids), read where the job is made: the worker's lines name it
+    request_id: str = field(default_factory=current_request_id)
     cancelled: threading.Event = field(default_factory=threading.Event)
     created_s: float = field(default_factory=time.perf_counter)
     disconnect_checked_s: float = 0.0  # asyncio side: when the client's connection was last checked

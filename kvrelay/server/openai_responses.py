@@ -1,5 +1,5 @@
-"""``POST /v1/responses`` (OpenAI's Responses API, the OpenAI Agents SDK's default) and ``GET``/``DELETE``
-of stored responses.
+"""``POST /v1/responses`` (OpenAI's Responses API, the OpenAI Agents SDK's default), ``GET``/``DELETE``
+of stored responses and ``GET`` of their input items.
 
 A request is translated into a chat-completions request (kvrelay.server.responses_input) and runs through
 the very same job path as ``/v1/chat/completions``: the same namespace, reuse method, output registry,
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
@@ -28,6 +29,7 @@ from kvrelay.server.response_store import ResponseStore, StoredResponse
 from kvrelay.server.responses import tool_call_json
 from kvrelay.server.responses_events import ResponseRender
 from kvrelay.server.responses_input import ResponsesRequest, chat_body, check_call_outputs, input_messages
+from kvrelay.server.responses_items import DEFAULT_PAGE_ITEMS, MAX_PAGE_ITEMS, check_includes, input_items, item_page
 
 # chat-completions parameter names, as the Responses request spells them (for 400s raised after translation)
 _PARAM_NAMES = ((re.compile(r"(tools(?:\.\d+|\[\d+\]))\.function\."), r"\1."),
@@ -62,10 +64,11 @@ def _assistant_message(done: DoneEvent) -> dict:
 
 
 def _chat_request(store: ResponseStore, body: ResponsesRequest, namespace: str
-                  ) -> tuple[ChatCompletionRequest, list[dict]]:
-    """The chat-completions request ``body`` stands for, and the conversation it continues (its history, then its
-    input as chat messages)."""
+                  ) -> tuple[ChatCompletionRequest, list[dict], list[dict]]:
+    """The chat-completions request ``body`` stands for, the conversation it continues (its history, then its
+    input as chat messages) and the items it is generated from (what ``input_items`` lists)."""
     history: list[dict] = []
+    history_items: list[dict] = []
     if body.previous_response_id:
         previous = store.get(namespace, body.previous_response_id)
         if previous is None:
@@ -73,6 +76,7 @@ def _chat_request(store: ResponseStore, body: ResponsesRequest, namespace: str
                            "(store=false), was evicted, or belongs to another namespace (API key, cache_salt)",
                            param="previous_response_id", code="previous_response_not_found")
         history = previous.messages
+        history_items = previous.input_items + previous.response.get("output", [])
     messages = input_messages(body.input)
     check_call_outputs(body.input, history)
     if not history and not messages:
@@ -82,7 +86,7 @@ def _chat_request(store: ResponseStore, body: ResponsesRequest, namespace: str
     except ValidationError as exc:
         message, param = validation_message(exc.errors())
         raise ApiError(400, responses_param(message), param=responses_param(param), code="invalid_value") from exc
-    return chat, history + messages
+    return chat, history + messages, history_items + input_items(body.input)
 
 
 class _ResponsesAnswer:
@@ -90,13 +94,15 @@ class _ResponsesAnswer:
     (the default), the finished response and its conversation are kept for a later ``previous_response_id``."""
 
     def __init__(self, body: ResponsesRequest, model_id: str, store: ResponseStore, namespace: str,
-                 conversation: list[dict]) -> None:
+                 conversation: list[dict], items: list[dict]) -> None:
         self.render = ResponseRender(body, model_id)
         self.body, self.store, self.namespace, self.conversation = body, store, namespace, conversation
+        self.items = items
 
     def _keep(self, done: DoneEvent, response: dict) -> None:
         if self.body.store is not False:
-            self.store.put(self.namespace, response["id"], self.conversation + [_assistant_message(done)], response)
+            self.store.put(self.namespace, response["id"], self.conversation + [_assistant_message(done)], response,
+                           self.items)
 
     def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         response = self.render.full(deltas, done)
@@ -130,12 +136,12 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
     async def create(body: ResponsesRequest, request: Request) -> Response:
         ctx.metrics.requests.labels("responses").inc()
         namespace = ctx.namespace_of(request, body.cache_salt)
-        chat, conversation = _chat_request(store, body, namespace)
+        chat, conversation, items = _chat_request(store, body, namespace)
         try:
             queued = await queue_chat(chat, request, ctx)
         except ApiError as exc:
             raise _in_responses_terms(exc) from exc
-        answer = _ResponsesAnswer(body, ctx.model_id, store, namespace, conversation)
+        answer = _ResponsesAnswer(body, ctx.model_id, store, namespace, conversation, items)
         return await respond(ctx, request, queued.job, queued.events, bool(body.stream), answer)
 
     def stored(request: Request, response_id: str, cache_salt: str | None) -> tuple[str, StoredResponse]:
@@ -149,6 +155,19 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request, cache_salt: str | None = None) -> dict:
         return stored(request, response_id, cache_salt)[1].response
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request, cache_salt: str | None = None,
+                               limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ITEMS)] = DEFAULT_PAGE_ITEMS,
+                               order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                               before: str | None = None, include: Annotated[list[str], Query()] = (),
+                               include_brackets: Annotated[list[str], Query(alias="include[]")] = ()) -> dict:
+        # include[]: the openai client's spelling of a list in a query
+        check_includes([*include, *include_brackets])
+        if before is not None:
+            raise ApiError(400, "before is not supported: page with after (the openai client does)", param="before",
+                           code="unsupported")
+        return item_page(stored(request, response_id, cache_salt)[1].input_items, limit, order, after)
 
     @router.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request, cache_salt: str | None = None) -> dict:

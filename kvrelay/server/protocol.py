@@ -227,7 +227,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 
 def _field_loc(error: dict[str, Any]) -> list[str]:
-    return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    loc = error.get("loc", ())
+    if loc[:1] in (("query",), ("path",)):  # where a GET's parameter was: the parameter's name alone names it
+        loc = loc[1:]
+    return [str(p) for p in loc if p != "body" and not _is_union_tag(p)]
 
 
 def _is_union_tag(part: Any) -> bool:

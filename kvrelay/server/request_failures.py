@@ -30,22 +30,23 @@ class RequestFailures:
         """A request whose prefill failed is failed alone; one whose method planned an inconsistent schedule (the
         engine's fault, never the request's) starts over with ``FALLBACK_METHOD``."""
         if isinstance(exc, ScheduleError) and job.method != FALLBACK_METHOD:
-            log.error("%s planned an inconsistent schedule (%s): the request starts over with %s", job.method, exc,
-                      FALLBACK_METHOD)
+            log.error("%s planned an inconsistent schedule (%s): request %s starts over with %s", job.method, exc,
+                      job.request_id or "-", FALLBACK_METHOD)
             self._prefilling.remove(job)
             job.task.cancel()
             # served by the fallback, it measures nothing of the method its role's rung chose
             job.task, job.method, job.quality = None, FALLBACK_METHOD, None
             self._admit(job)
         elif isinstance(exc, ScheduleError):
-            log.error("the fallback %s planned an inconsistent schedule", FALLBACK_METHOD, exc_info=exc)
+            log.error("the fallback %s planned an inconsistent schedule for request %s", FALLBACK_METHOD,
+                      job.request_id or "-", exc_info=exc)
             self._fail(job, 500, "internal error while starting this request", "internal_error")
         elif isinstance(exc, ApiError):
             self._fail(job, exc.status, exc.message, exc.code)
         elif isinstance(exc, KvRelayError):
             self._fail(job, 400, str(exc), "invalid_value")
         else:
-            log.error("prefilling a request failed", exc_info=exc)
+            log.error("prefilling request %s failed", job.request_id or "-", exc_info=exc)
             self._fail(job, 500, "internal error while starting this request", "internal_error")
 
     def _contained(self, job: Job, handle: Callable[[Job], None]) -> None:
@@ -53,7 +54,7 @@ class RequestFailures:
         try:
             handle(job)
         except Exception:
-            log.exception("serving one request failed")
+            log.exception("serving request %s failed", job.request_id or "-")
             self._fail(job, 500, "internal error while serving this request", "internal_error")
 
     def _fail(self, job: Job, status: int, message: str, code: str) -> None:

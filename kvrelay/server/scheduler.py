@@ -149,7 +149,7 @@ class EngineWorker(RequestFailures):
         except KvRelayError as exc:
             job.emit(ErrorEvent(400, str(exc), None, "invalid_value"))
         except Exception:
-            log.exception("preparing a request failed")
+            log.exception("preparing request %s failed", job.request_id or "-")
             job.emit(ErrorEvent(500, "internal error while starting this request", None, "internal_error"))
         else:
             with self._cond:
@@ -271,7 +271,7 @@ class EngineWorker(RequestFailures):
             if self._start(job):
                 self._prefilling.append(job)
         except Exception:
-            log.exception("starting a request failed")
+            log.exception("starting request %s failed", job.request_id or "-")
             self._fail(job, 500, "internal error while starting this request", "internal_error")
 
     def _start(self, job: Job) -> bool:

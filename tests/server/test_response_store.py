@@ -33,7 +33,7 @@ def test_one_namespace_evicts_only_its_own_least_recent():
 
 
 def test_the_byte_budget_evicts_least_recent_first_and_refuses_what_cannot_fit():
-    one = len(json.dumps([{"role": "user", "content": "x" * 100}])) + len(json.dumps({"id": "r0"}))
+    one = len(json.dumps([{"role": "user", "content": "x" * 100}])) + len(json.dumps({"id": "r0"})) + len("[]")
     store = ResponseStore(ResponseStoreConfig(max_bytes=2 * one))
     put(store, "a", "r0", "x" * 100)
     put(store, "b", "r1", "x" * 100)
@@ -54,3 +54,15 @@ def test_replacing_an_id_does_not_count_it_twice():
 def test_config_is_validated():
     with pytest.raises(ValueError):
         ResponseStoreConfig(max_per_namespace=0)
+
+
+def test_the_input_items_count_in_a_responses_bytes():
+    messages, response = [{"role": "user", "content": "x"}], {"id": "r"}
+    items = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y" * 500}]}]
+    store = ResponseStore()
+    store.put("a", "without", messages, response)
+    store.put("b", "with", messages, response, items)
+    assert store.get("b", "with").input_items == items
+    assert store.get("b", "with").num_bytes - store.get("a", "without").num_bytes == len(json.dumps(items)) - len("[]")
+    assert store.num_bytes == store.get("a", "without").num_bytes + store.get("b", "with").num_bytes
+    assert not ResponseStore(ResponseStoreConfig(max_bytes=500)).put("a", "r", messages, response, items)

@@ -58,9 +58,9 @@ def test_the_no_op_values_of_those_parameters_are_served(server, api, extra):
 def test_a_route_the_server_lacks_is_a_404_naming_it_and_what_is_served(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError) as err:
-        client.responses.input_items.list("resp_x")
+        client.embeddings.create(model=MODEL, input="hi")
     message = err.value.body["message"]
-    assert message.startswith("GET /v1/responses/resp_x/input_items:"), message
+    assert message.startswith("POST /v1/embeddings:"), message
     assert "POST /v1/responses" in message and "GET /v1/models" in message, message
     assert err.value.body["code"] == "not_found"
     with pytest.raises(openai.APIStatusError) as err:  # a served path, a method it lacks

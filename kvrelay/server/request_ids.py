@@ -1,0 +1,110 @@
+"""One id per HTTP request, sent back as ``x-request-id`` (as OpenAI's API does; the openai client shows it as
+``response._request_id`` and an error's ``request_id``) and written in the server's log lines about that request,
+so an operator can find a user's failed call in the logs by the id the user quotes.
+
+The id is the server's own: ``req_`` and 32 random hex digits, never a counter (a tenant reading its ids must learn
+nothing of how many requests other tenants sent). A client's ``x-request-id`` (a proxy's trace id, say) is not
+taken as the id: two requests could then share one, and a client could plant any text in the log. It is written in
+the access line beside the server's id when it is short and plain (``CLIENT_ID_PATTERN``); otherwise it is dropped.
+
+Pure ASGI, as ``BodyLimit``: ``@app.middleware`` would hide the client's disconnect from the handlers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import secrets
+import time
+
+REQUEST_ID_HEADER = "x-request-id"
+_STATE_KEY = "request_id"  # under the ASGI scope's "state": ``request.state.request_id`` in a handler
+CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+NUM_ID_HEX_DIGITS = 32
+
+access_log = logging.getLogger("kvrelay.server.access")
+# the id of the request the running task serves ("" outside one): a ``Job`` made in the request's task keeps it, so
+# the engine worker's lines about that job can name it
+_current_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvrelay_request_id", default="")
+
+
+def new_request_id() -> str:
+    return "req_" + secrets.token_hex(NUM_ID_HEX_DIGITS // 2)
+
+
+def current_request_id() -> str:
+    """The id of the HTTP request this task serves, or "" outside one."""
+    return _current_id.get()
+
+
+def request_id_of(scope: dict) -> str:
+    """The id ``RequestIds`` gave the request of ``scope`` ("" if it gave none)."""
+    return scope.get("state", {}).get(_STATE_KEY, "")
+
+
+def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's own ``x-request-id`` when it is short and plain enough to log, else None."""
+    for name, value in headers:
+        if name.lower() == REQUEST_ID_HEADER.encode():
+            text = value.decode("latin-1")
+            return text if CLIENT_ID_PATTERN.fullmatch(text) else None
+    return None
+
+
+class RequestIds:
+    """Gives each HTTP request a new id: in the scope's state (``request_id_of``), in the task's context
+    (``current_request_id``), on the response's headers, and in one access line (INFO, ``kvrelay.server.access``)
+    when the request ends."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        scope.setdefault("state", {})[_STATE_KEY] = request_id
+        token = _current_id.set(request_id)
+        access = _AccessLine(scope, request_id)
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                access.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (REQUEST_ID_HEADER.encode(), request_id.encode())]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                access.write()  # before the last bytes go out: a client holding its answer finds the line written
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            # the app's 500 handler (kvrelay.server.http_errors) answers outside this middleware, after this line
+            access.write(500)
+            raise
+        finally:
+            _current_id.reset(token)
+            access.write()  # a request whose client left before its answer ended
+
+
+class _AccessLine:
+    """One request's access line, written once: its id, method, path, status and time until its answer ended."""
+
+    def __init__(self, scope: dict, request_id: str) -> None:
+        self.scope, self.request_id = scope, request_id
+        self.started_s = time.perf_counter()
+        self.status: int | None = None
+        self.written = False
+
+    def write(self, status_if_none: int | None = None) -> None:
+        if self.written:
+            return
+        self.written = True
+        if access_log.isEnabledFor(logging.INFO):
+            status = self.status or status_if_none or "-"
+            client = client_request_id(self.scope["headers"])
+            access_log.info("%s %s %s %s %.1f ms%s", self.request_id, self.scope["method"], self.scope["path"],
+                            status, (time.perf_counter() - self.started_s) * 1e3,
+                            f" client_request_id={client}" if client else "", extra={"request_id": self.request_id})
