@@ -45,7 +45,7 @@ def test_the_stream_reads_no_call_under_none():
     # a server without the grammar library decodes "none" unconstrained: a call's text is then content
     text = "Here: " + call_text("get_weather", '{"unit": "celsius", "city": "Paris"}')
     stream = ToolStream(NONE_PLAN)
-    events = stream.feed(text[:9]) + stream.feed(text[9:])
+    events = [e for at in range(0, len(text), 4) for e in stream.feed(text[at : at + 4])]  # pieces, as decoded
     assert all("tool_call" not in e for e in events) and "".join(e["text"] for e in events) == text
     _, done = stream.close("stop")
     assert done == {"text": text, "tool_calls": [], "finish_reason": "stop"}
