@@ -37,7 +37,7 @@ from kvrelay.server.tools import ToolPlan, ToolStream, answer_schema, check_tool
 class QueuedChat:
     job: Job
     events: asyncio.Queue
-    tools: ToolPlan | None  # None: the tools are hidden (tool_choice "none") or there are none
+    tools: ToolPlan | None  # None: the request has no tools
 
 
 def _check_messages(body: ChatCompletionRequest) -> None:

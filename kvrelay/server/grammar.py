@@ -12,9 +12,13 @@ The grammars (the call format is kvrelay.server.tools'):
 - ``tool_choice`` "required": one or more calls (one unless ``parallel_tool_calls``), separated by a newline,
   and nothing else; a named tool: exactly one call of it;
 - "auto": free text, and from ``<tool_call>`` on a call of a known tool whose arguments follow its schema;
+- "none": free text that never contains ``<tool_call>`` (the tools are in the prompt, so a model may try to call
+  one: the grammar makes it write something else). A server without xgrammar decodes "none" unconstrained rather
+  than refuse it: it is a text answer, which needs no grammar library, and the answer still holds no tool call
+  (kvrelay.server.tools.ToolStream reads none under "none"), though its text may then hold the opener;
 - ``response_format`` json_object / json_schema: one JSON value of the schema; with "auto" tools, either
-  calls or that JSON value (an agent with tools and a typed final answer); with "required" or a named tool the
-  turn is calls only, so the format does not apply to it.
+  calls or that JSON value (an agent with tools and a typed final answer); with "none", that JSON value only;
+  with "required" or a named tool the turn is calls only, so the format does not apply to it.
 
 Each call's ``{"name": ..., "arguments": `` prefix is forced text and its arguments follow the tool's schema. A
 stop token is allowed only where the grammar may end, so a forced call cannot stop half-way; max_tokens can
@@ -156,6 +160,8 @@ def _calls_format(plan: ToolPlan) -> dict:
 
 
 def tool_format(plan: ToolPlan, schema: dict | None) -> dict:
+    if not plan.may_call:  # "none": JSON of the format, or text that never opens a call
+        return json_format(schema) if schema is not None else {"type": "any_text", "excludes": [CALL_OPEN]}
     calls = _calls_format(plan)
     if plan.mode != "auto":
         return calls
@@ -180,7 +186,9 @@ def constraint_for(plan: ToolPlan | None, fmt: ResponseFormat | None, tokenizer)
     schema = check_response_format(fmt)
     if plan is None and schema is None:
         return None
-    param = "tools" if plan is not None else "response_format"
+    param = "tools" if plan is not None and plan.may_call else "response_format"
+    if xgr is None and schema is None and not plan.may_call:  # "none": unconstrained text (see the docstring)
+        return None
     if xgr is None:
         raise ApiError(400, f"{param} needs constrained decoding, and this server has no grammar library: install "
                             "it with pip install 'kvrelay[tools]' (xgrammar)", param=param, code="unsupported")

@@ -34,8 +34,11 @@ EMPTY_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}, "additionalPropert
 class ToolPlan:
     """What a request's tool parameters ask for."""
 
-    functions: tuple[FunctionDef, ...]  # the tools the prompt shows (none when tool_choice is "none")
-    mode: str  # "auto": text or calls; "required": at least one call; "named": one call of ``forced_name``
+    functions: tuple[FunctionDef, ...]  # the tools the prompt shows, under every mode
+    # "auto": text or calls; "required": at least one call; "named": one call of ``forced_name``; "none": text only
+    # (the tools stay in the prompt, as OpenAI's and vLLM's: the model still knows them, and a step switching to
+    # "none" keeps the previous step's prompt as its exact prefix)
+    mode: str
     forced_name: str | None = None
     parallel: bool = True  # several calls in one turn
 
@@ -46,7 +49,13 @@ class ToolPlan:
         raise KeyError(name)
 
     @property
+    def may_call(self) -> bool:
+        return self.mode != "none"
+
+    @property
     def callable_names(self) -> tuple[str, ...]:
+        if not self.may_call:
+            return ()
         return (self.forced_name,) if self.forced_name else tuple(f.name for f in self.functions)
 
 
@@ -65,7 +74,7 @@ def new_call_id() -> str:
 
 # ---------------------------------------------------------------------- request side
 def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool plan (None: no tool calling), or an ApiError 400 naming the field at fault."""
+    """The request's tool plan (None: no tools), or an ApiError 400 naming the field at fault."""
     from kvrelay.server.schemas import check_schema  # jsonschema: imported with the first tool request
 
     if body.functions is not None or body.function_call is not None:
@@ -85,10 +94,12 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
         choice = "auto" if tools else "none"
     if choice != "none" and not tools:
         raise ApiError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
-    if choice == "none":
+    if not tools:
         return None
     parallel = body.parallel_tool_calls is not False
     functions = tuple(t.function for t in tools)
+    if choice == "none":
+        return ToolPlan(functions, "none", None, parallel=False)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise ApiError(400, f"tool_choice names the function {choice.function.name!r}, which is not one of "
@@ -203,7 +214,9 @@ class ToolStream:
     known tool's name and a JSON arguments object. A call cut off by max_tokens is no call, and the answer's
     finish_reason stays "length"; its text is content under "auto", and dropped where the turn is calls only
     ("required" or a named tool), as the grammar allows no text there (the stream has shown its name and the
-    arguments so far as a call's pieces, as OpenAI's does).
+    arguments so far as a call's pieces, as OpenAI's does). Under "none" every piece is content: the grammar keeps
+    ``<tool_call>`` out of the text, and where no grammar runs (a server without xgrammar) text that looks like a
+    call is still no call.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -216,6 +229,9 @@ class ToolStream:
 
     def feed(self, delta: str) -> list[dict]:
         events: list[dict] = []
+        if not self.plan.may_call:
+            self._text(delta, events)
+            return events
         if self.call is None:
             self.pending += delta
         else:

@@ -119,7 +119,7 @@ def test_history_renders_calls_as_generated_and_results_as_one_user_turn():
                                       + call_text("get_weather", '{"city": "Rome"}'))
     assert messages[3]["content"] == ('<tool_response name="get_weather">\nSunny\n</tool_response>\n'
                                       '<tool_response name="get_weather">\nRain\n</tool_response>\n\nThanks')
-    hidden = render_messages(body, None)  # tool_choice "none": no tool text in the system message
+    hidden = render_messages(body, None)  # no tools: no tool text in the system message
     assert hidden[0]["content"] == "Be brief."
 
 
@@ -143,7 +143,8 @@ def test_bad_tool_parameters_name_the_field(kw, param):
 def test_plans():
     user = [{"role": "user", "content": "hi"}]
     assert plan_tools(_request(messages=user)) is None
-    assert plan_tools(_request(messages=user, tools=[WEATHER], tool_choice="none")) is None
+    assert plan_tools(_request(messages=user, tool_choice="none")) is None
+    assert plan_tools(_request(messages=user, tools=[WEATHER], tool_choice="none")).mode == "none"
     auto = plan_tools(_request(messages=user, tools=[WEATHER]))
     assert (auto.mode, auto.parallel) == ("auto", True)
     single = plan_tools(_request(messages=user, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))

@@ -113,8 +113,8 @@ def test_llm_call_runs_the_called_tool_and_the_next_call_reads_its_result(smol):
         question = [{"role": "system", "content": "You answer weather questions."},
                     {"role": "user", "content": "What is the weather in Paris?"}]
         observation = llm.call(question, tools=[weather_tool], available_functions={"get_weather": get_weather})
-        # the answer step keeps the tools under CrewAI's "auto" (the prompt keeps step one's prefix; "none" would
-        # leave the tools out of the prompt), and the model answers in text
+        # the answer step keeps the tools under CrewAI's "auto" (the prompt keeps step one's prefix, as "none" would
+        # too), and the model answers in text
         answer_llm = crew_llm(smol, http, max_tokens=30, extra_body={"cache_salt": salt})
         answer = answer_llm.call([*question, {"role": "user", "content": f"Observation: {observation}"}],
                                  tools=[weather_tool], available_functions={"get_weather": get_weather})
