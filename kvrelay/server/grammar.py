@@ -12,7 +12,8 @@ The grammars (the call format is kvrelay.server.tools'):
 - ``tool_choice`` "required": one or more calls (one unless ``parallel_tool_calls``), separated by a newline,
   and nothing else; a named tool: exactly one call of it;
 - "auto": free text, and from ``<tool_call>`` on a call of a known tool whose arguments follow its schema;
-- "none": free text that never contains ``<tool_call>`` (the tools are in the prompt, so a model may try to call
+- "none": free text that never contains ``<tool_call`` (nor so ``<tool_call>``, nor a lookalike such as
+  ``<tool_call name=...>``; the tools are in the prompt, so a model may try to call
   one: the grammar makes it write something else). A server without xgrammar decodes "none" unconstrained rather
   than refuse it: it is a text answer, which needs no grammar library, and the answer still holds no tool call
   (kvrelay.server.tools.ToolStream reads none under "none"), though its text may then hold the opener;
@@ -161,7 +162,7 @@ def _calls_format(plan: ToolPlan) -> dict:
 
 def tool_format(plan: ToolPlan, schema: dict | None) -> dict:
     if not plan.may_call:  # "none": JSON of the format, or text that never opens a call
-        return json_format(schema) if schema is not None else {"type": "any_text", "excludes": [CALL_OPEN]}
+        return json_format(schema) if schema is not None else {"type": "any_text", "excludes": [CALL_OPEN[:-1]]}
     calls = _calls_format(plan)
     if plan.mode != "auto":
         return calls

@@ -57,11 +57,12 @@ def test_none_is_free_text_that_never_opens_a_call(tokenizer):
     mask = constraint_for(NONE_PLAN, None, tokenizer).new_mask()
     free = allowed(tokenizer, mask)
     assert len(free) > tokenizer.vocab_size // 2 and free & tokenizer.stop_ids
-    said = "Sure <tool_call"
+    said = "Sure <tool_"
     for token_id in tokenizer.encode(said):
         mask.advance(token_id)
     now = allowed(tokenizer, mask)
-    closing = [i for i in range(tokenizer.vocab_size) if CALL_OPEN in said + tokenizer.decode([i])]
+    opener = CALL_OPEN[:-1]  # "<tool_call": the opener, and lookalikes such as <tool_call name="f">, are out
+    closing = [i for i in range(tokenizer.vocab_size) if opener in said + tokenizer.decode([i])]
     assert closing and not now & set(closing)  # no token completes the opener
     assert len(now) > tokenizer.vocab_size // 2  # anything else goes on
 
