@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvrelay.errors import ConfigError
-from kvrelay.eval.profiler import SELECTS, build_profile, plot_profile
-from kvrelay.eval.selector_calibration import calibrate_selector
+from kvrelay.eval.configs import SELECTS
 from kvrelay.flags import (
     add_model_flags,
     check_output_file,
@@ -23,8 +23,10 @@ from kvrelay.flags import (
     positive_integer,
 )
 from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
-from kvrelay.reuse.profile import LayerProfile, layer_profile, profile_path
-from kvrelay.weights.loader import DEFAULT_MODEL
+from kvrelay.weights.aliases import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from kvrelay.reuse.profile import LayerProfile
 
 __all__ = ["add_profile_parser", "run_profile"]
 
@@ -70,6 +72,11 @@ def add_profile_parser(sub) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     """Check the flags, calibrate (the whole profile, or its selector only), write the profile and report it."""
+    # here, not at the top: the parser above is built for every ``kvrelay`` command, and these load torch
+    from kvrelay.eval.profiler import build_profile, plot_profile
+    from kvrelay.eval.selector_calibration import calibrate_selector
+    from kvrelay.reuse.profile import layer_profile, profile_path
+
     workloads = _calibration_workloads(args)
     lm = load_model_from(args)
     if args.selector_only:  # keep the model's searched band, choose the selector (and any band of its own) again
