@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
+from kvrelay.closed_pipe import reader_gone
 from kvrelay.errors import ConfigError, DataFileError, KvRelayError
 from kvrelay.flags import (
     Parser,
@@ -314,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nkvrelay: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (``kvrelay methods | head``): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit flush raises nothing
-        return 0
+        return reader_gone()
     except (KvRelayError, ValueError, KeyError, OSError) as exc:
         message = str(exc) if not isinstance(exc, KeyError) else str(exc.args[0] if exc.args else exc)
         print(f"kvrelay: error: {' '.join(message.split()) or type(exc).__name__}", file=sys.stderr)
