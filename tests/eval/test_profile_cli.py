@@ -18,7 +18,7 @@ from kvrelay.reuse.profile import SHIPPED_PROFILES, LayerProfile
 from kvrelay.reuse.relay_policy import BandPolicy
 
 # the profile's knob vocabulary and the selector calibration's band knobs, as its labels spell them
-INTERNAL_NAMES = re.compile(r"\b(top_r|l_pre|l_suf|prune|tau_dev|tau_inf|pre_dense|pos_prior|away)=|l_det=l_start|"
+INTERNAL_NAMES = re.compile(r"\b(top_r|l_pre|l_suf|prune|tau_dev|tau_inf|pre_dense|pos_prior|away)\b|l_det=l_start|"
                             r"l_end=top-")
 SPEC = re.compile(r"relay\[[^\]]*\]")
 
