@@ -21,6 +21,8 @@ from pathlib import Path
 
 import table_render as render
 
+from kvrelay.closed_pipe import run_main
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 DOCUMENTS = (BENCHMARKS_MD, ROOT / "docs" / "methods.md")
@@ -147,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))  # a reader that goes away (| head) ends it quietly

@@ -13,6 +13,8 @@ import json
 import sys
 from collections import defaultdict
 
+from kvrelay.closed_pipe import run_main
+
 COUNTS = ("num_prompt_tokens", "prompt_token_layers", "reused_token_layers", "reused_span_token_layers",
           "recomputed_token_layers")
 
@@ -56,4 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))  # a reader that goes away (| head) ends it quietly

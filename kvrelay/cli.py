@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
+from kvrelay.closed_pipe import reader_gone
 from kvrelay.errors import ConfigError, DataFileError, KvRelayError
 from kvrelay.flags import (
     Parser,
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo_parser(sub) -> None:
-    from kvrelay.demo import DemoConfig
+    from kvrelay.eval.configs import DemoConfig
 
     demo = sub.add_parser("demo", help="gsm8k-chain3 on the default model, every method side by side")
     add_dataclass_flags(demo, DemoConfig)
@@ -238,8 +238,7 @@ def _add_demo_parser(sub) -> None:
 
 
 def _add_bench_parser(sub) -> None:
-    from kvrelay.eval.branch_bench import BranchBenchConfig
-    from kvrelay.eval.harness import BenchConfig
+    from kvrelay.eval.configs import BenchConfig, BranchBenchConfig
 
     bench = sub.add_parser("bench", help="every method on a named workload: TTFT, reuse, fidelity; table + JSON "
                                          "(gsm8k-branches: full, prefix, rksc per problem)")
@@ -254,7 +253,7 @@ def _add_bench_parser(sub) -> None:
 
 def _add_run_parser(sub) -> None:
     from kvrelay.reuse import PIPELINE_METHODS
-    from kvrelay.weights.loader import DEFAULT_MODEL
+    from kvrelay.weights.aliases import DEFAULT_MODEL
 
     run = sub.add_parser("run", help="run one pipeline (YAML) with a method; print outputs and stats")
     run.add_argument("pipeline", help="pipeline file (YAML): inputs, agents with {name} placeholders")
@@ -274,8 +273,8 @@ def _add_run_parser(sub) -> None:
 
 
 def _add_generate_parser(sub) -> None:
-    from kvrelay.model.sampling import SamplingConfig
-    from kvrelay.weights.loader import DEFAULT_MODEL
+    from kvrelay.model.sampling_config import SamplingConfig
+    from kvrelay.weights.aliases import DEFAULT_MODEL
 
     gen = sub.add_parser("generate", help="one chat completion with the engine")
     gen.add_argument("prompt", help="the user message (text, taken literally)")
@@ -315,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nkvrelay: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (``kvrelay methods | head``): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit flush raises nothing
-        return 0
+        return reader_gone()
     except (KvRelayError, ValueError, KeyError, OSError) as exc:
         message = str(exc) if not isinstance(exc, KeyError) else str(exc.args[0] if exc.args else exc)
         print(f"kvrelay: error: {' '.join(message.split()) or type(exc).__name__}", file=sys.stderr)

@@ -13,64 +13,24 @@ import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from kvrelay.engine import Engine
 from kvrelay.errors import ConfigError
-from kvrelay.eval.harness import Bench, BenchConfig
+from kvrelay.eval.configs import DemoConfig
+from kvrelay.eval.harness import Bench
 from kvrelay.eval.plots import write_plots
 from kvrelay.eval.report import format_by_agent, format_table, format_time_split
 from kvrelay.pipeline.workloads import Workload
-from kvrelay.weights.loader import DEFAULT_MODEL, cache_dir
-
-# full and prefix are the references; epic is the most faithful repair per recomputed token-layer on
-# SmolLM2 (docs/methods.md), relay is this project's method. naive and cacheblend add little to the
-# story for their time; kvcomm learns its anchor pools online, so a few problems are all warm-up for it.
-# `kvrelay bench` runs all six.
-DEMO_METHODS = ("full", "prefix", "epic", "relay")
+from kvrelay.weights.loader import cache_dir
 
 # Environment variables the Makefile sets: when `make` started and when the venv install finished
 # (epoch seconds), so that the time table can include the install, which happens outside Python.
 MAKE_START_ENV = "KVRELAY_MAKE_START"
 INSTALLED_AT_ENV = "KVRELAY_INSTALLED_AT"
-
-
-@dataclass
-class DemoConfig:
-    model: str = field(default=DEFAULT_MODEL, metadata={
-        "help": "model: an alias, a .gguf file, a Hugging Face folder or random:<preset>"})
-    # 2 problems: the second one shows what a kept store buys (the agents' system prompts are reused
-    # exactly); more problems tighten the medians, not the story.
-    problems: int = field(default=2, metadata={"help": "GSM8K problems to run (>= 1)"})
-    methods: tuple[str, ...] = field(default=DEMO_METHODS, metadata={
-        "help": "comma-separated reuse method specs, each NAME or NAME[k=v,...] (full and prefix always run)"})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    repeats: int = field(default=1, metadata={"help": "timed runs per method and call, median kept (>= 1)"})
-    greedy_tokens: int = field(default=16, metadata={
-        "help": "G of greedy@G: tokens each method decodes greedily to compare with full (>= 1)"})
-    # The reference pipeline decodes every agent's output with `full`: half the run at the workload's
-    # 128/96/32 tokens. A cap of 64 keeps the solver's and critic's outputs (the spans downstream calls
-    # reuse) long enough to dominate the downstream prompts.
-    max_new_tokens: int = field(default=64, metadata={
-        "help": "cap on each agent's output tokens (kvrelay bench uses the workload's own: 128/96/32)"})
-    keep_store: bool = field(default=True, metadata={
-        "help": "keep one store across the problems, as a server keeps its cache (the agents' system "
-                "prompts are then reused exactly from the second problem on)"})
-    data: str | None = field(default=None, metadata={
-        "help": "GSM8K JSON-lines file (default: ../shared/data/gsm8k/test_dev.jsonl)"})
-    out: str = field(default="kvrelay-demo", metadata={"help": "folder for the JSON and the plots (created)"})
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:  # the others are checked by BenchConfig
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    def bench_config(self) -> BenchConfig:
-        return BenchConfig(workload="gsm8k-chain3", methods=self.methods, limit=self.problems, model=self.model,
-                           device=self.device, repeats=self.repeats, greedy_tokens=self.greedy_tokens,
-                           keep_store=self.keep_store, data=self.data)
 
 
 class _Clock:

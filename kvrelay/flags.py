@@ -109,6 +109,8 @@ def non_negative_integer(text: str) -> int:
 
 
 def device_arg(text: str) -> str:
+    if text == "cpu":  # the default, usable on every machine; argparse checks it on every parse (bad flags too),
+        return text  # and checking it would load torch
     from kvrelay.weights.devices import check_device
 
     try:

@@ -229,3 +229,35 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out == f"kvrelay {__version__}\n"
+
+
+# Builds the whole parser and runs every command's --help and a mistyped flag (argparse checks the flags' string
+# defaults then too), printing each exit status and which of the heavy modules got imported.
+_PARSE_EVERY_COMMAND = """
+import contextlib, io, json, sys
+from kvrelay.cli import build_parser
+
+commands = [name for action in build_parser()._subparsers._group_actions for name in action.choices]
+codes = {}
+for argv in (["--help"], *([c, "--help"] for c in commands), *([c, "--no-such-flag"] for c in commands)):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exc:
+            codes[" ".join(argv)] = exc.code
+print(json.dumps({"codes": codes, "heavy": sorted(m for m in ("torch", "fastapi", "uvicorn") if m in sys.modules)}))
+"""
+
+
+def test_help_and_flag_errors_load_no_torch():
+    """``kvrelay --help``, every command's ``--help`` and a mistyped flag answer without importing torch (seconds to
+    load) or the web stack: the parsers come from torch-free config modules, the commands import the rest."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _PARSE_EVERY_COMMAND], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    codes = result["codes"]
+    assert {"serve --help", "bench --help", "profile --help", "generate --no-such-flag"} <= set(codes)
+    assert all(code == (0 if argv.endswith("--help") else 2) for argv, code in codes.items()), codes
+    assert result["heavy"] == []

@@ -4,8 +4,9 @@ import io
 
 import pytest
 
-from kvrelay.demo import DEMO_METHODS, DemoConfig, capped, run_demo
+from kvrelay.demo import capped, run_demo
 from kvrelay.errors import ConfigError
+from kvrelay.eval.configs import DEMO_METHODS, DemoConfig
 from kvrelay.eval.report import format_time_split
 from kvrelay.pipeline.workloads import get_workload
 from kvrelay.reuse import PIPELINE_METHODS, profile

@@ -13,54 +13,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from kvrelay.branches.blocks import POLICIES, interleave, replay
 from kvrelay.branches.prompts import BranchConfig
-from kvrelay.branches.rksc import RKSCMethod
 from kvrelay.branches.runner import BranchRunner
 from kvrelay.data import scoring
 from kvrelay.data.datasets import load_gsm8k
-from kvrelay.errors import ConfigError
+from kvrelay.eval.configs import REFERENCES, BranchBenchConfig
 from kvrelay.eval.harness import environment
 from kvrelay.eval.stats import mean, median, median_ratio
-from kvrelay.reuse import get_method, split_method_specs
-from kvrelay.weights.loader import DEFAULT_MODEL, load_model
-
-REFERENCES = ("full", "prefix")
-
-
-@dataclass
-class BranchBenchConfig:
-    methods: tuple[str, ...] = ("full", "prefix", "rksc")
-    limit: int = 5  # problems
-    offset: int = 0  # first problem (to split a run into lanes)
-    model: str = DEFAULT_MODEL
-    device: str = "cpu"
-    data: str | None = None
-    branches: int = 8
-    branch_tokens: int = 64
-    compare_budgets_mb: tuple[float, ...] = (8.0, 24.0)  # block-cache budgets for RSBCM vs LRU
-    # requests in flight at once when the trace is replayed (1 = the run's own order; more: a server
-    # interleaving several problems' requests, so a problem's root must survive the others' blocks)
-    compare_concurrency: tuple[int, ...] = (1, 4)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.methods, str):
-            self.methods = split_method_specs(self.methods)
-        for spec in self.methods:
-            if spec not in REFERENCES and not isinstance(get_method(spec), RKSCMethod):
-                raise ConfigError(f"gsm8k-branches runs full, prefix and rksc[...], not {spec!r}")
-        self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
-        self.compare_budgets_mb = tuple(float(b) for b in self.compare_budgets_mb)
-        self.compare_concurrency = tuple(int(c) for c in self.compare_concurrency)
-        if any(c < 1 for c in self.compare_concurrency):
-            raise ConfigError(f"compare_concurrency must be >= 1, got {self.compare_concurrency}")
-        if self.limit < 1 or self.offset < 0:
-            raise ConfigError(f"limit must be >= 1 and offset >= 0, got {self.limit} and {self.offset}")
-        BranchConfig(self.branches, self.branch_tokens)  # validates
+from kvrelay.reuse import get_method
+from kvrelay.weights.loader import load_model
 
 
 def run_branch_bench(cfg: BranchBenchConfig, lm=None, progress: bool = True,

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions, sync_device
 from kvrelay.errors import ConfigError
+from kvrelay.eval.configs import BenchConfig
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, greedy_match, kl_first_token
 from kvrelay.eval.report import CallRow, summarize
 from kvrelay.eval.stats import mean, median
@@ -32,60 +32,9 @@ from kvrelay.model.sampling import SamplingConfig
 from kvrelay.model.schedule import StaticSchedule
 from kvrelay.pipeline.runner import PipelineRunner
 from kvrelay.pipeline.workloads import Workload, get_workload
-from kvrelay.reuse import PIPELINE_METHODS, CallInput, ReuseMethod, get_method, split_method_specs
+from kvrelay.reuse import CallInput, ReuseMethod, get_method
 from kvrelay.tier.tiered import open_store
-from kvrelay.weights.loader import DEFAULT_MODEL, load_model
-
-REFERENCES = ("full", "prefix")  # always measured: speedups and fidelity are relative to them
-
-
-@dataclass
-class BenchConfig:
-    workload: str = "gsm8k-chain3"
-    methods: tuple[str, ...] = PIPELINE_METHODS
-    limit: int = 5  # problems
-    offset: int = 0  # first problem (a long run split into lanes; merge them with report.merge_results)
-    model: str = DEFAULT_MODEL
-    device: str = "cpu"
-    mode: str = "agent"  # agent | e2e
-    data: str | None = None
-    repeats: int = 3  # timed TTFT runs per method and call (median kept), interleaved across methods
-    greedy_tokens: int = 32  # G of greedy_match_rate
-    seed: int = 0
-    store_bytes: int = 4 << 30
-    store: str = field(default="memory", metadata={"help": "span store: memory, disk:PATH or redis://host:port/db "
-                                                           "(a shared tier behind the memory store)"})
-    # One store across the problems of the run, as a serving engine keeps its cache: every method then
-    # also reuses the exact cross-request prefix (an agent's system prompt) before its own approximation.
-    # Off: a fresh store per problem (method-only comparisons).
-    keep_store: bool = field(default=False, metadata={
-        "help": "keep one store across the problems of the run, so every method also reuses the exact "
-                "cross-request prefix (off: a fresh store per problem, for method-only comparisons)"})
-    # Problems run first and not recorded, so that stateful methods (KVCOMM's anchor pools) are measured
-    # warm, as in a server that has been running; 0 measures them from a cold start. They are the
-    # warm_problems after the measured ones (disjoint from them), or the first ones of warm_data.
-    warm_problems: int = 0
-    warm_data: str | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.methods, str):
-            self.methods = split_method_specs(self.methods)
-        for spec in self.methods:
-            if get_method(spec).name not in PIPELINE_METHODS:  # also validates names and parameters
-                raise ConfigError(f"method {spec!r} runs on the gsm8k-branches workload only")
-        if self.mode not in ("agent", "e2e"):
-            raise ConfigError(f"mode must be 'agent' or 'e2e', got {self.mode!r}")
-        for name in ("limit", "repeats", "greedy_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.offset < 0:
-            raise ConfigError(f"offset must be >= 0, got {self.offset}")
-        if self.warm_problems < 0:
-            raise ConfigError(f"warm_problems must be >= 0, got {self.warm_problems}")
-        if self.warm_data is not None and not self.warm_problems:
-            raise ConfigError("warm_data is given but warm_problems is 0")
-        # references first, then the requested methods in order, no duplicates
-        self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
+from kvrelay.weights.loader import load_model
 
 
 def new_token_mask(call: CallInput, store: KVStore, lm: LoadedModel) -> list[bool]:

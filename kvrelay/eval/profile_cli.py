@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvrelay.errors import ConfigError
-from kvrelay.eval.profiler import SELECTS, build_profile, plot_profile
-from kvrelay.eval.selector_calibration import calibrate_selector
+from kvrelay.eval.configs import SELECTS
 from kvrelay.flags import (
     add_model_flags,
     check_output_file,
@@ -23,8 +23,10 @@ from kvrelay.flags import (
     positive_integer,
 )
 from kvrelay.pipeline.workloads import get_workload, is_pipeline_file
-from kvrelay.reuse.profile import LayerProfile, layer_profile, profile_path
-from kvrelay.weights.loader import DEFAULT_MODEL
+from kvrelay.weights.aliases import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from kvrelay.reuse.profile import LayerProfile
 
 __all__ = ["add_profile_parser", "run_profile"]
 
@@ -70,6 +72,11 @@ def add_profile_parser(sub) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     """Check the flags, calibrate (the whole profile, or its selector only), write the profile and report it."""
+    # here, not at the top: the parser above is built for every ``kvrelay`` command, and these load torch
+    from kvrelay.eval.profiler import build_profile, plot_profile
+    from kvrelay.eval.selector_calibration import calibrate_selector
+    from kvrelay.reuse.profile import layer_profile, profile_path
+
     workloads = _calibration_workloads(args)
     lm = load_model_from(args)
     if args.selector_only:  # keep the model's searched band, choose the selector (and any band of its own) again
@@ -121,17 +128,25 @@ def _calibration_workloads(args: argparse.Namespace) -> list[str]:
 
 
 def _print_profile(model: str, profile: LayerProfile, path_tokens: int) -> None:
+    """The profile in the names a user acts on: each band and selector as the relay spec of docs/methods.md's
+    settings (what no setting names follows a ``+``)."""
+    from kvrelay.eval.selector_calibration import candidate_specs
+    from kvrelay.reuse.relay_policy import knobs_as_spec
+
     dev = profile.deviation_band
     print(f"{model}: band holding {profile.band_mass:.0%} of the value deviation: L_start={dev[0]} L_det={dev[1]} "
           f"L_end={dev[2]} ({profile.calibration['tokens']} tokens)")
-    for band, score in profile.band_scores.items():
-        print(f"  relay band ({band}): first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
-    print(f"chosen ({profile.select}): L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end}")
-    for spec, score in profile.selector_scores.items():
+    for band, score in profile.band_scores.items():  # each scored with the paper's thresholds
+        spec = knobs_as_spec({}, band.split(","))
+        print(f"  {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}")
+    start, det, end = profile.searched_band or profile.layers
+    print(f"chosen ({profile.select}): L_start={start} L_det={det} L_end={end} (band={start}:{det}:{end})")
+    specs = candidate_specs(profile)
+    for label, score in profile.selector_scores.items():
         path = (f", KL over {path_tokens} tokens {score['path_kl']:.4f}, greedy@{path_tokens} "
                 f"{score['greedy']:.2f}") if "path_kl" in score else ""
-        print(f"  selector {spec}: first-token KL(full||relay) {score['kl']:.4f}, reuse {score['reuse']:.3f}{path}")
-    print(f"selector: {profile.selector or 'the paper thresholds'}"
-          + (f", on a band of its own: L_start={profile.l_start} L_det={profile.l_det} L_end={profile.l_end} "
-             f"(the band search's: {profile.searched_band})" if profile.band_moved else ""))
+        print(f"  {specs.get(label, label)}: first-token KL(full||relay) {score['kl']:.4f}, "
+              f"reuse {score['reuse']:.3f}{path}")
+    print(f"relay runs (selector=profile): {knobs_as_spec(profile.selector, profile.layers)}"
+          + (f" (the band search's band: {':'.join(map(str, profile.searched_band))})" if profile.band_moved else ""))
     print("value cos by layer: " + " ".join(f"{c:.3f}" for c in profile.value_cos))

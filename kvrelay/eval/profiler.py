@@ -41,6 +41,7 @@ from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions
 from kvrelay.errors import KvRelayError
 from kvrelay.eval.calibration_calls import MethodScore, calibration_data, downstream_calls, score_methods
+from kvrelay.eval.configs import SELECTS
 from kvrelay.eval.selector_calibration import calibrate_selector
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.sampling import SamplingConfig
@@ -122,7 +123,6 @@ def choose_detection_layer(token_dev: torch.Tensor, start: int, end: int) -> tup
 
 
 Band = tuple[int, int, int]  # (L_start, L_det, L_end)
-SELECTS = ("search", "fidelity", "deviation")  # how build_profile picks the band (the first is the default)
 
 
 def fidelity_candidates(num_layers: int, deviation_band: Band) -> list[Band]:

@@ -22,9 +22,10 @@ from kvrelay.model.lm import LoadedModel
 from kvrelay.reuse.epic import EpicMethod
 from kvrelay.reuse.profile import LayerProfile
 from kvrelay.reuse.relay import PAPER_SELECTOR, RelayMethod
+from kvrelay.reuse.relay_policy import knobs_as_spec
 
 __all__ = ["AT_START", "BAND_KNOBS", "BELOW_TOP", "ENTER_AT", "KL_GIVE_WAY", "KL_SHARE_OF_EPIC", "SELECTOR_CANDIDATES",
-           "calibrate_selector", "candidate_band", "choose_selector", "selector_spec"]
+           "calibrate_selector", "candidate_band", "candidate_specs", "choose_selector", "selector_spec"]
 
 
 # relay's selectors tried on the calibration calls: the paper's thresholds; span openings kept (EPIC's observation)
@@ -83,6 +84,14 @@ def selector_spec(knobs: dict) -> str:
         return "relay (paper's selector)"
     names = {AT_START: "l_det=l_start", ENTER_AT: "l_start={}", BELOW_TOP: "l_end=top-{}"}
     return "relay[" + ",".join(names[k].format(v) if k in names else f"{k}={v}" for k, v in knobs.items()) + "]"
+
+
+def candidate_specs(profile: LayerProfile) -> dict[str, str]:
+    """Each candidate's label (``selector_spec``, the key of ``profile.selector_scores``) -> the relay spec a user
+    writes for it, on the band it runs on from ``profile``'s searched band (``relay_policy.knobs_as_spec``)."""
+    searched = tuple(profile.searched_band or profile.layers)
+    return {selector_spec(k): knobs_as_spec(_relay_knobs(k), band) for k in SELECTOR_CANDIDATES
+            if (band := candidate_band(k, searched, profile.num_layers)) is not None}
 
 
 def candidate_band(knobs: dict, band: tuple[int, int, int], num_layers: int) -> tuple[int, int, int] | None:

@@ -12,52 +12,17 @@ sampling garbage, so the caller can fail that one sequence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.errors import ConfigError
+from kvrelay.model.sampling_config import MIN_TEMPERATURE, SamplingConfig
 
-# Below this the distribution is the argmax for any logit gap float32 logits resolve, so the sampler
-# takes the argmax outright (ties aside, what sampling at that temperature would give).
-MIN_TEMPERATURE = 1e-6
+__all__ = ["MIN_TEMPERATURE", "Sampler", "SamplingConfig", "SamplingError"]
 
 
 class SamplingError(RuntimeError):
     """Logits no token can be sampled from (NaN, +inf, or every token masked): the model's fault, not the
     request's, and that sequence's alone."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate at most (>= 1)"})
-    temperature: float = field(default=0.0, metadata={"help": "softmax temperature, finite, >= 0; 0 = greedy "
-                                                              f"(as is anything below {MIN_TEMPERATURE:g})"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]; 1 = off"})
-    seed: int = field(default=0, metadata={"help": "random seed of the sampler (integer)"})
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not _is_finite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.seed) or not -(1 << 63) <= self.seed < (1 << 64):
-            raise ConfigError(f"seed must be an integer in [-2**63, 2**64 - 1] (a torch.Generator's seed), "
-                              f"got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
 
 
 class Sampler:

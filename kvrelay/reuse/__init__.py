@@ -12,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+from typing import TYPE_CHECKING
 
 from kvrelay.errors import ConfigError
-from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef, role_key
+
+if TYPE_CHECKING:
+    from kvrelay.reuse.base import CallInput, Plan, ReuseMethod, SpanLoad, SpanRef, role_key
 
 METHODS: dict[str, str] = {
     "full": "kvrelay.reuse.full:FullMethod", "prefix": "kvrelay.reuse.prefix:PrefixMethod",
@@ -29,6 +32,17 @@ PIPELINE_METHODS = tuple(m for m in METHODS if m != "rksc")
 __all__ = ["PIPELINE_METHODS", "METHODS",
            "CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "get_method", "method_class",
            "role_key", "split_method_specs"]
+
+
+# kvrelay.reuse.base's names, imported on first use: the registry and spec parsing above and below are torch-free, so
+# the CLI lists the methods in its flags' help without loading torch
+_BASE_NAMES = frozenset({"CallInput", "Plan", "ReuseMethod", "SpanLoad", "SpanRef", "role_key"})
+
+
+def __getattr__(name: str):
+    if name in _BASE_NAMES:
+        return getattr(importlib.import_module("kvrelay.reuse.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def method_class(name: str) -> type[ReuseMethod]:

@@ -9,6 +9,7 @@ pruning inside the band, and the drift correction of the tokens it leaves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from kvrelay.errors import ConfigError
@@ -17,6 +18,8 @@ from kvrelay.errors import ConfigError
 KNOBS = {"tau_dev": "tau_dev", "tau_inf": "tau_inf", "l_suf": "end_tokens", "l_pre": "open_tokens",
          "pre_dense": "dense_openings", "top_r": "keep_share", "prune": "prune_share", "drift": "drift",
          "pos_prior": "pos_prior", "away": "away"}
+#: the knobs a relay setting names (docs/methods.md), each as that setting, in the order the docs list them
+KNOB_SETTINGS = {"top_r": "keep_share", "l_pre": "span_openings", "prune": "prune_share", "drift": "drift"}
 #: the paper's selector as knobs (second-hand figures, DESIGN.md): the thresholds and each span's last 10 tokens
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10}
 #: the budget's share when a spec asks for the budget and nothing gives one: the share both shipped profiles chose
@@ -91,6 +94,30 @@ class BandPolicy:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def knobs_as_spec(knobs: dict, band: Sequence[int]) -> str:
+    """A policy in the knob vocabulary, on ``band`` (L_start, L_det, L_end), as a user names it: the relay spec of
+    the settings docs/methods.md documents (``relay[selector=budget,keep_share=0.3,...,band=2:2:29]``), then, after
+    `` + ``, the parts no setting names (a profile's policy may hold them; a plain ``relay`` runs them from it)."""
+    policy = BandPolicy.from_knobs(knobs)  # unknown knobs and bad values fail here
+    budget = policy.keep_share is not None
+    settings = {"selector": "budget" if budget else "threshold"}
+    settings |= {name: knobs[knob] for knob, name in KNOB_SETTINGS.items() if knobs.get(knob) is not None}
+    settings["band"] = ":".join(str(layer) for layer in band)
+    spec = "relay[" + ",".join(f"{name}={value}" for name, value in settings.items()) + "]"
+    paper, extras = BandPolicy(), []
+    if not budget and (policy.tau_dev, policy.tau_inf) != (paper.tau_dev, paper.tau_inf):
+        extras.append(f"thresholds {policy.tau_dev:g}x deviation, {policy.tau_inf:g}x attention")
+    if policy.end_tokens != (0 if budget else paper.end_tokens):  # a budget spec keeps no span ends
+        extras.append(f"each span's last {policy.end_tokens} tokens kept")
+    if policy.dense_openings:
+        extras.append("openings computed at every layer")
+    if policy.pos_prior:
+        extras.append(f"early-token prior {policy.pos_prior:g}")
+    if policy.away:
+        extras.append(f"lost-context attention prior {policy.away:g}")
+    return spec + "".join(f" + {extra}" for extra in extras)
 
 
 def _check_share(name: str, value: float | None) -> None:

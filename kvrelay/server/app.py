@@ -27,10 +27,9 @@ from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.openai_responses import responses_router
 from kvrelay.server.quality_setup import install_quality
 from kvrelay.server.request_ids import RequestIds
-from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, EngineWorker
+from kvrelay.server.scheduler import EngineWorker
+from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.service_routes import service_router
-
-DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass

@@ -15,33 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrelay.cache.store import KVStore, SpanLike, StoreView
-from kvrelay.errors import ConfigError
 from kvrelay.reuse.base import CallInput, SpanRef
-from kvrelay.server.index import MATCH_PREFERENCES, TokenIndex
+from kvrelay.server.index import TokenIndex
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
-
-
-@dataclass(frozen=True)
-class MatchConfig:
-    """How the server finds stored runs in a prompt (``kvrelay serve`` flags are derived from these fields)."""
-
-    min_match_tokens: int = field(default=16, metadata={"help": (
-        "shortest run of prompt tokens, outside the exact prefix, reused from a stored span")})
-    match_framing: bool = field(default=False, metadata={"help": (
-        "let runs found at any offset take in a chat prompt's framing (turn tokens, role headers) between "
-        "message contents; off: only contents are matched and the framing is computed in the request's own "
-        "context, as the pipeline runner does (the exact prefix is reused either way)")})
-    match_prefer: str = field(default="oldest", metadata={"choices": MATCH_PREFERENCES, "help": (
-        "which run a text shared with several stored spans is taken from: the span that stored it first (as "
-        "the pipeline runner takes a task input from the first call that prefilled it), or the longest run")})
-
-    def __post_init__(self) -> None:
-        if self.match_prefer not in MATCH_PREFERENCES:
-            raise ConfigError(f"--match-prefer must be one of {', '.join(MATCH_PREFERENCES)}, got "
-                              f"{self.match_prefer!r}")
-        if not isinstance(self.min_match_tokens, int) or self.min_match_tokens < 1:
-            raise ConfigError(f"--min-match-tokens must be an integer >= 1, got {self.min_match_tokens!r}")
+from kvrelay.server.serve_config import MatchConfig
 
 
 @dataclass

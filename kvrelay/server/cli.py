@@ -18,10 +18,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.flags import add_dataclass_flags, add_model_flags, finite_float
-    from kvrelay.server.app import DEFAULT_MAX_TOKENS
-    from kvrelay.server.catalog import MatchConfig
-    from kvrelay.server.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
-    from kvrelay.weights.loader import DEFAULT_MODEL
+    from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, MatchConfig
+    from kvrelay.weights.aliases import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
     add_model_flags(p, DEFAULT_MODEL)

@@ -34,12 +34,12 @@ from kvrelay.server.prefill_turn import advance_prefills
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
 from kvrelay.server.request_failures import RequestFailures, engine_failure_message
+from kvrelay.server.serve_config import DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its home is kvrelay.server.job
 
 log = logging.getLogger("kvrelay.server")
-DEFAULT_PREFILL_CHUNK_TOKENS = 512  # a turn's prefill budget: what this many tokens cost at a prompt's start
 _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
 
 

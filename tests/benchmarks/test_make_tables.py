@@ -4,6 +4,9 @@ and the results kept in the tree are the ones those tables read, within the size
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import make_tables
 from table_render import RESULTS, result_path
@@ -37,3 +40,12 @@ def test_every_table_is_placed_once_and_reads_files_that_exist():
 def test_results_in_the_tree_fit_the_budget():
     num_bytes = sum(p.stat().st_size for p in RESULTS.rglob("*") if p.is_file())
     assert num_bytes <= RESULTS_BUDGET_BYTES, f"benchmarks/results holds {num_bytes / 1e6:.1f} MB"
+
+
+def test_files_piped_into_a_reader_that_closes_early_is_no_error():
+    """``python benchmarks/make_tables.py --files | head -1``: the listing stops quietly when its reader goes away."""
+    script = Path(make_tables.__file__)
+    proc = subprocess.Popen([sys.executable, str(script), "--files"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the listing is written
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == b"", err
