@@ -95,9 +95,9 @@ def test_vllms_parser_returns_the_forced_call_in_openais_shape(flow):
 def test_the_tool_step_reuses_the_call_exactly_and_answers_as_plain_vllm(server, flow):
     """A's second step: its first step's prompt and the call it generated are one exact stored prefix (vLLM's
     cache holds whole 128-token blocks, the connector the rest), so the answer is plain prefill's, token for token.
-    The prefix ends where vLLM's re-tokenization of the rendered call leaves the ids the model generated (the same
-    text: the grammar closes the arguments and the call in separate tokens, ``"`` ``}`` ``}``, which re-tokenize
-    as ``"`` ``}}``)."""
+    The prefix ends where vLLM's re-tokenization of the rendered call leaves the ids the constrained decode
+    produced (past the argument's value, on SmolLM2), not at the call's start: the template renders the call as
+    the grammar made the model write it."""
     a1, first = flow["a1"]
     messages, second = flow["a2"]
     prompt_ids = server.post("/tokenize", {"model": server.model, "messages": messages, "tools": [WEATHER],
