@@ -3,10 +3,10 @@
 vLLM does not load these GGUF files itself, and kvrelay's tests must not download a model: the folder is built
 from the same dequantized weights and tokenizer that ``load_model`` reads, so the engine under test and kvrelay
 compute with the same numbers. The folder holds config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json (with the chat template), generation_config.json (the stop tokens) and kvrelay.json: which
-model the folder was exported from and the fingerprint that model's relay layer profile is found under, so that
-``relay`` on the folder (``kvrelay serve --model FOLDER``, the vLLM connector) uses the source model's profile
-without a setting, for as long as the weights file is the one exported.
+tokenizer_config.json (with the chat template, which renders tools too), generation_config.json (the stop
+tokens) and kvrelay.json: which model the folder was exported from and the fingerprint that model's relay layer
+profile is found under, so that ``relay`` on the folder (``kvrelay serve --model FOLDER``, the vLLM connector)
+uses the source model's profile without a setting, for as long as the weights file is the one exported.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvrelay.errors import ConfigError, ModelNotFoundError
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.weights.export_record import EXPORT_RECORD, WEIGHTS_FILE
+from kvrelay.weights.tool_template import tool_chat_template
 
 # ModelConfig.family -> (architecture class, config.json model_type) as transformers and vLLM name them
 _ARCHITECTURES = {
@@ -72,9 +73,12 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 
 def tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
     """tokenizer_config.json: the fast tokenizer as it is (no BOS added by encoding: the chat template writes
-    it where the model wants it, as kvrelay's own tokenizer does), its special tokens and chat template."""
+    it where the model wants it, as kvrelay's own tokenizer does), its special tokens and chat template, which
+    also renders OpenAI tools in kvrelay serve's format (kvrelay.weights.tool_template: vLLM's tool calling needs
+    a template that renders them, and neither embedded model's has one)."""
+    template = tool_chat_template(tokenizer.chat_template) if tokenizer.chat_template else None
     return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
-            "eos_token": tokenizer.eos_token, "chat_template": tokenizer.chat_template,
+            "eos_token": tokenizer.eos_token, "chat_template": template,
             "model_max_length": max_length, "clean_up_tokenization_spaces": False,
             "add_bos_token": False, "add_eos_token": False}
 
