@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from kvrelay.server.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from kvrelay.cache.store import KVStore
-
-_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class ServerMetrics:
@@ -19,13 +21,8 @@ class ServerMetrics:
         self.requests_done = Counter("kvrelay_completions", "completions finished", ["method"], registry=r)
         self.errors = Counter("kvrelay_errors", "requests answered with an error", ["status"], registry=r)
         self.rejected = Counter("kvrelay_rejected_queue_full", "requests refused with 429 (queue full)", registry=r)
-        self.cancelled = Counter("kvrelay_cancelled", "requests cancelled because the client went away", registry=r)
         self.publish_skipped = Counter("kvrelay_publish_skipped",
                                        "outputs not stored: no room in their namespace's share", registry=r)
-        self.ttft = Histogram("kvrelay_ttft_seconds", "request arrival to first token (queue included)",
-                              buckets=_TTFT_BUCKETS_S, registry=r)
-        self.engine_ttft = Histogram("kvrelay_engine_ttft_seconds", "plan + reused-KV load + prefill + first token",
-                                     buckets=_TTFT_BUCKETS_S, registry=r)
         self.reused_token_layers = Counter("kvrelay_reused_token_layers", "prompt token-layers taken from the store",
                                            registry=r)
         self.computed_token_layers = Counter("kvrelay_computed_token_layers", "prompt token-layers computed",
@@ -54,6 +51,8 @@ class ServerMetrics:
         self.tier_bad_records = Counter("kvrelay_tier_bad_records",
                                         "records of the shared tier skipped as unreadable (announcement, metadata, "
                                         "value); the tier goes on", ["kind"], registry=r)
+        # TTFT and the other latencies, sizes, reuse and finish reason of each request; kvrelay_cancelled_total
+        self.per_request = RequestMetrics(r)
         self._seen: dict[str, int] = {}
 
     def observe_store(self, store: KVStore) -> None:
@@ -73,4 +72,21 @@ class ServerMetrics:
             self._seen["bad:" + kind] = total
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry's families without their ``*_created`` samples. prometheus_client adds one per counter and
+    histogram (and per label set): the time the series began, as a gauge, which doubles the page and which
+    Prometheus's text-format scrape stores as a series of its own that no dashboard reads (a restart already shows as
+    a counter reset). ``prometheus_client.disable_created_metrics()`` would drop them for every registry in the
+    process, an embedding application's too; this drops them from this server's page only."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield kept
