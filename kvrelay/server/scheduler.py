@@ -192,12 +192,27 @@ class EngineWorker(RequestFailures):
         return None if wait_s is None or wait_s == float("inf") else wait_s
 
     @property
+    def state(self) -> str:
+        """"running" (serving), "starting" (its thread not started yet), "stopping" (asked to stop: the server shuts
+        down) or "dead" (its thread ended without being asked: a request would wait for ever)."""
+        if self._stopping:
+            return "stopping"
+        if self._thread.ident is None:
+            return "starting"
+        return "running" if self._thread.is_alive() else "dead"
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
     @property
     def num_prefilling(self) -> int:
         return len(self._prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued or being prepared (what ``--max-queue`` bounds)."""
+        return len(self._waiting) + self._num_preparing
 
     # ------------------------------------------------------------------ the worker thread
     def _loop(self) -> None:
