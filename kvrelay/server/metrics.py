@@ -18,7 +18,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvrelay_requests", "HTTP requests received", ["endpoint"], registry=r)
-        self.requests_done = Counter("kvrelay_completions", "completions finished", ["method"], registry=r)
+        self.requests_done = Counter("kvrelay_completions", "requests served to their end, by the reuse method "
+                                     "that served them", ["method"], registry=r)
         self.errors = Counter("kvrelay_errors", "requests answered with an error", ["status"], registry=r)
         self.rejected = Counter("kvrelay_rejected_queue_full", "requests refused with 429 (queue full)", registry=r)
         self.publish_skipped = Counter("kvrelay_publish_skipped",
@@ -31,13 +32,16 @@ class ServerMetrics:
                                                "token-layers of reused spans computed again (repair)", registry=r)
         self.decode_batch = Histogram("kvrelay_decode_batch_size", "sequences decoded per batched step",
                                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.generated_tokens = Counter("kvrelay_generated_tokens", "completion tokens generated", registry=r)
+        self.generated_tokens = Counter("kvrelay_generated_tokens", "completion tokens of requests served to their end",
+                                        registry=r)
         self.live_engine_seconds = Counter("kvrelay_live_engine_seconds", "engine time in turns with live requests "
                                            "(their prefill pieces, decode steps and post-processing; shadow "
                                            "references not included)", registry=r)
-        self.queue_depth = Gauge("kvrelay_queue_depth", "requests waiting for the engine", registry=r)
+        self.queue_depth = Gauge("kvrelay_queue_depth", "requests queued for the engine (prepared, waiting for a slot)",
+                                 registry=r)
         self.running = Gauge("kvrelay_running_requests", "requests prefilled and decoding", registry=r)
-        self.sequence_kv_bytes = Gauge("kvrelay_sequence_kv_bytes", "KV bytes held by running requests", registry=r)
+        self.sequence_kv_bytes = Gauge("kvrelay_sequence_kv_bytes", "KV bytes held by running and prefilling requests",
+                                       registry=r)
         self.store_bytes = Gauge("kvrelay_store_bytes", "bytes of KV in the span store", registry=r)
         self.store_spans = Gauge("kvrelay_store_spans", "spans in the store", registry=r)
         self.store_budget_bytes = Gauge("kvrelay_store_budget_bytes", "the store's byte budget", registry=r)
