@@ -68,7 +68,10 @@ class Job:
     decoder: IncrementalDecoder | None = None
     logprobs: list[dict] = field(default_factory=list)
     num_logprobs_sent: int = 0
+    # stamped by kvrelay.server.request_metrics (its clock, as ``created_s``'s): prefill start, first and latest token
+    admitted_s: float | None = None
     first_token_s: float | None = None
+    last_token_s: float | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from kvrelay.server.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from kvrelay.cache.store import KVStore
-
-_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvrelay_requests", "HTTP requests received", ["endpoint"], registry=r)
-        self.requests_done = Counter("kvrelay_completions", "completions finished", ["method"], registry=r)
+        self.requests_done = Counter("kvrelay_completions", "requests served to their end, by the reuse method "
+                                     "that served them", ["method"], registry=r)
         self.errors = Counter("kvrelay_errors", "requests answered with an error", ["status"], registry=r)
         self.rejected = Counter("kvrelay_rejected_queue_full", "requests refused with 429 (queue full)", registry=r)
-        self.cancelled = Counter("kvrelay_cancelled", "requests cancelled because the client went away", registry=r)
         self.publish_skipped = Counter("kvrelay_publish_skipped",
                                        "outputs not stored: no room in their namespace's share", registry=r)
-        self.ttft = Histogram("kvrelay_ttft_seconds", "request arrival to first token (queue included)",
-                              buckets=_TTFT_BUCKETS_S, registry=r)
-        self.engine_ttft = Histogram("kvrelay_engine_ttft_seconds", "plan + reused-KV load + prefill + first token",
-                                     buckets=_TTFT_BUCKETS_S, registry=r)
         self.reused_token_layers = Counter("kvrelay_reused_token_layers", "prompt token-layers taken from the store",
                                            registry=r)
         self.computed_token_layers = Counter("kvrelay_computed_token_layers", "prompt token-layers computed",
@@ -34,13 +32,16 @@ class ServerMetrics:
                                                "token-layers of reused spans computed again (repair)", registry=r)
         self.decode_batch = Histogram("kvrelay_decode_batch_size", "sequences decoded per batched step",
                                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.generated_tokens = Counter("kvrelay_generated_tokens", "completion tokens generated", registry=r)
+        self.generated_tokens = Counter("kvrelay_generated_tokens", "completion tokens of requests served to their end",
+                                        registry=r)
         self.live_engine_seconds = Counter("kvrelay_live_engine_seconds", "engine time in turns with live requests "
                                            "(their prefill pieces, decode steps and post-processing; shadow "
                                            "references not included)", registry=r)
-        self.queue_depth = Gauge("kvrelay_queue_depth", "requests waiting for the engine", registry=r)
+        self.queue_depth = Gauge("kvrelay_queue_depth", "requests queued for the engine (prepared, waiting for a slot)",
+                                 registry=r)
         self.running = Gauge("kvrelay_running_requests", "requests prefilled and decoding", registry=r)
-        self.sequence_kv_bytes = Gauge("kvrelay_sequence_kv_bytes", "KV bytes held by running requests", registry=r)
+        self.sequence_kv_bytes = Gauge("kvrelay_sequence_kv_bytes", "KV bytes held by running and prefilling requests",
+                                       registry=r)
         self.store_bytes = Gauge("kvrelay_store_bytes", "bytes of KV in the span store", registry=r)
         self.store_spans = Gauge("kvrelay_store_spans", "spans in the store", registry=r)
         self.store_budget_bytes = Gauge("kvrelay_store_budget_bytes", "the store's byte budget", registry=r)
@@ -54,6 +55,8 @@ class ServerMetrics:
         self.tier_bad_records = Counter("kvrelay_tier_bad_records",
                                         "records of the shared tier skipped as unreadable (announcement, metadata, "
                                         "value); the tier goes on", ["kind"], registry=r)
+        # TTFT and the other latencies, sizes, reuse and finish reason of each request; kvrelay_cancelled_total
+        self.per_request = RequestMetrics(r)
         self._seen: dict[str, int] = {}
 
     def observe_store(self, store: KVStore) -> None:
@@ -73,4 +76,21 @@ class ServerMetrics:
             self._seen["bad:" + kind] = total
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry's families without their ``*_created`` samples. prometheus_client adds one per counter and
+    histogram (and per label set): the time the series began, as a gauge, which doubles the page and which
+    Prometheus's text-format scrape stores as a series of its own that no dashboard reads (a restart already shows as
+    a counter reset). ``prometheus_client.disable_created_metrics()`` would drop them for every registry in the
+    process, an embedding application's too; this drops them from this server's page only."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield kept

@@ -24,7 +24,7 @@ FALLBACK_METHOD = "prefix"
 
 class RequestFailures:
     """The failure handling of ``EngineWorker`` (which provides ``engine``, ``_prefilling``, ``_running``,
-    ``_admit`` and ``_release``)."""
+    ``_admit``, ``_release`` and ``requests``, its RequestMetrics)."""
 
     def _prefill_failed(self, job: Job, exc: Exception) -> None:
         """A request whose prefill failed is failed alone; one whose method planned an inconsistent schedule (the
@@ -69,7 +69,12 @@ class RequestFailures:
                 job.seq.cancel()
                 self.engine.finish(job.seq).cache = None
         self._release(job)
-        job.emit(ErrorEvent(status, message, None, code))
+        self._answer_error(job, ErrorEvent(status, message, None, code))
+
+    def _answer_error(self, job: Job, event: ErrorEvent) -> None:
+        """Every error the worker answers a request with goes out here: counted as how the request ended."""
+        self.requests.ended_early("error")
+        job.emit(event)
 
 
 def engine_failure_message(error: Exception) -> str:

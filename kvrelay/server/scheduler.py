@@ -52,6 +52,7 @@ class EngineWorker(RequestFailures):
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.engine, self.catalog, self.metrics = engine, catalog, metrics
+        self.requests = metrics.per_request  # each request's latencies, sizes and ending (their observer)
         self.max_queue, self.max_running = max_queue, max_running
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.chunk_budget = ChunkBudget(prefill_chunk_tokens)
@@ -145,16 +146,18 @@ class EngineWorker(RequestFailures):
             if not job.cancelled.is_set():
                 self.prepare(job)
         except ApiError as exc:
-            job.emit(ErrorEvent.of(exc))
+            self._answer_error(job, ErrorEvent.of(exc))
         except KvRelayError as exc:
-            job.emit(ErrorEvent(400, str(exc), None, "invalid_value"))
+            self._answer_error(job, ErrorEvent(400, str(exc), None, "invalid_value"))
         except Exception:
             log.exception("preparing request %s failed", job.request_id or "-")
-            job.emit(ErrorEvent(500, "internal error while starting this request", None, "internal_error"))
+            self._answer_error(job, ErrorEvent(500, "internal error while starting this request", None,
+                                               "internal_error"))
         else:
             with self._cond:
                 if job.cancelled.is_set():
                     self._release(job)
+                    self.requests.ended_early("cancelled")
                 else:
                     self._queue(job)
         finally:
@@ -170,7 +173,7 @@ class EngineWorker(RequestFailures):
                 self._waiting.remove(job)
                 self._release(job)
                 self.metrics.queue_depth.set(len(self._waiting))
-                self.metrics.cancelled.inc()
+                self.requests.ended_early("cancelled")
             self._cond.notify_all()
 
     def _has_turn(self) -> bool:  # holding ``_cond``
@@ -189,12 +192,27 @@ class EngineWorker(RequestFailures):
         return None if wait_s is None or wait_s == float("inf") else wait_s
 
     @property
+    def state(self) -> str:
+        """"running" (serving), "starting" (its thread not started yet), "stopping" (asked to stop: the server shuts
+        down) or "dead" (its thread ended without being asked: a request would wait for ever)."""
+        if self._stopping:
+            return "stopping"
+        if self._thread.ident is None:
+            return "starting"
+        return "running" if self._thread.is_alive() else "dead"
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
     @property
     def num_prefilling(self) -> int:
         return len(self._prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued or being prepared (what ``--max-queue`` bounds)."""
+        return len(self._waiting) + self._num_preparing
 
     # ------------------------------------------------------------------ the worker thread
     def _loop(self) -> None:
@@ -235,6 +253,7 @@ class EngineWorker(RequestFailures):
         for job in jobs:
             if job.cancelled.is_set():
                 self._release(job)
+                self.requests.ended_early("cancelled")
             else:
                 self._admit(job)
         advance_prefills(self._prefilling, self.chunk_budget, self._prefilled, self._prefill_failed)
@@ -244,6 +263,7 @@ class EngineWorker(RequestFailures):
             self.metrics.decode_batch.observe(len(live))
             for j, token in zip(live, tokens, strict=True):
                 if token is not None:
+                    self.requests.token(j)
                     self._contained(j, self._emit_text)
         for j in list(self._running):
             if j.seq.error is not None:  # its sampling or forward failed in the step: it alone fails
@@ -282,15 +302,16 @@ class EngineWorker(RequestFailures):
             mask = job.constraint.new_mask() if job.constraint else None
             if job.penalties is not None:  # outside the grammar: its -inf stays, whatever the bias
                 mask = job.penalized = job.penalties.new_mask(mask)
+            self.requests.admitted(job)
             job.task = self.engine.begin(job.built.call, job.method, GenerateOptions(
                 job.sampling, keep_cache=True, logits_mask=mask), store=self.catalog.view(job.namespace))
         except ApiError as exc:
             self._release(job)
-            job.emit(ErrorEvent.of(exc))
+            self._answer_error(job, ErrorEvent.of(exc))
             return False
         except KvRelayError as exc:
             self._release(job)
-            job.emit(ErrorEvent(400, str(exc), None, "invalid_value"))
+            self._answer_error(job, ErrorEvent(400, str(exc), None, "invalid_value"))
             return False
         return True
 
@@ -307,14 +328,12 @@ class EngineWorker(RequestFailures):
         job.task.cancel()
         job.task = None
         self._release(job)
-        self.metrics.cancelled.inc()
+        self.requests.ended_early("cancelled")
 
     def _begin(self, job: Job) -> None:
         """The prefilled request joins the decode batch: its metrics, stop matcher, logprobs, first token out."""
         self._running.append(job)  # first: a failure below then finishes its sequence in ``_fail``
-        job.first_token_s = time.perf_counter()
-        self.metrics.ttft.observe(job.first_token_s - job.created_s)
-        self.metrics.engine_ttft.observe(job.seq.stats.ttft_ms / 1e3)
+        self.requests.first_token(job)
         job.matcher = StopMatcher(job.stop)
         job.decoder = IncrementalDecoder(self.tokenizer)
         job.record_logprobs(self.tokenizer)
@@ -336,12 +355,13 @@ class EngineWorker(RequestFailures):
         self._release(job)
         if client_gone:
             out.cache = None
-            self.metrics.cancelled.inc()
+            self.requests.ended_early("cancelled")
             return
         text = job.matcher.final_text(self.tokenizer.decode(out.output_ids))
         span_id = self._publish(job, out, text) if job.cache_output else None
         out.cache = None
         done = job.close_output(out, text, stop_string, span_id)  # the last deltas out
+        self.requests.done(job, done)
         stats = out.stats
         self.metrics.requests_done.labels(stats.method).inc()
         self.metrics.reused_token_layers.inc(stats.num_reused_token_layers)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvrelay.server.access import check_metrics_access
@@ -17,11 +17,16 @@ def service_router(ctx: AppContext) -> APIRouter:
     settings = ctx.settings
 
     @router.get("/health")
-    async def health() -> dict:
+    async def health() -> JSONResponse:
         # with the quality guard on, a request that names no method runs at its agent's rung, not ``--method``
         guarded = settings.quality is not None and settings.quality.target is not None
-        return {"status": "ok", "model": ctx.model_id, "method": None if guarded else settings.method,
-                "quality_guard": guarded, "running": ctx.worker.num_running}
+        # a 503 unless the engine worker serves: a load balancer then sends no request that would wait for ever
+        # (its thread died) or be cut off (the server is shutting down)
+        state = ctx.worker.state
+        return JSONResponse({"status": "ok" if state == "running" else state, "model": ctx.model_id,
+                             "method": None if guarded else settings.method, "quality_guard": guarded,
+                             "running": ctx.worker.num_running, "prefilling": ctx.worker.num_prefilling,
+                             "waiting": ctx.worker.num_waiting}, status_code=200 if state == "running" else 503)
 
     @router.get("/metrics")
     async def prometheus(request: Request) -> Response:
