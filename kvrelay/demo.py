@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from kvrelay.engine import Engine
 from kvrelay.errors import ConfigError
-from kvrelay.eval.configs import DemoConfig
+from kvrelay.eval.configs import DEMO_METHODS, DemoConfig  # noqa: F401 (DEMO_METHODS: its import path before configs)
 from kvrelay.eval.harness import Bench
 from kvrelay.eval.plots import write_plots
 from kvrelay.eval.report import format_by_agent, format_table, format_time_split

@@ -23,7 +23,7 @@ from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine, GenerateOptions, sync_device
 from kvrelay.errors import ConfigError
-from kvrelay.eval.configs import BenchConfig
+from kvrelay.eval.configs import REFERENCES, BenchConfig  # noqa: F401 (REFERENCES: its import path before configs)
 from kvrelay.eval.fidelity import first_token_agrees, first_token_margin, greedy_match, kl_first_token
 from kvrelay.eval.report import CallRow, summarize
 from kvrelay.eval.stats import mean, median

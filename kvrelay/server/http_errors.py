@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvrelay.server.body_rate import BodyRate, client_key
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import ApiError, error_response, validation_message
-from kvrelay.server.request_ids import REQUEST_ID_HEADER, request_id_of
+from kvrelay.server.request_ids import REQUEST_ID_HEADER, loggable_path, request_id_of
 
 log = logging.getLogger("kvrelay.server")
 
@@ -115,8 +115,8 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # answered outside RequestIds (Starlette's outermost middleware calls this), so the id is set here too
         request_id = request_id_of(request.scope)
-        log.exception("unexpected error in request %s (%s %s)", request_id or "-", request.method, request.url.path,
-                      exc_info=exc, extra={"request_id": request_id})
+        log.exception("unexpected error in request %s (%s %s)", request_id or "-", request.method,
+                      loggable_path(request.scope), exc_info=exc, extra={"request_id": request_id})
         metrics.errors.labels("500").inc()
         return error_response(500, "internal server error", "server_error", code="internal_error",
                               headers={REQUEST_ID_HEADER: request_id} if request_id else None)

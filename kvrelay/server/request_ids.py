@@ -17,6 +17,7 @@ import logging
 import re
 import secrets
 import time
+from urllib.parse import quote
 
 REQUEST_ID_HEADER = "x-request-id"
 _STATE_KEY = "request_id"  # under the ASGI scope's "state": ``request.state.request_id`` in a handler
@@ -41,6 +42,12 @@ def current_request_id() -> str:
 def request_id_of(scope: dict) -> str:
     """The id ``RequestIds`` gave the request of ``scope`` ("" if it gave none)."""
     return scope.get("state", {}).get(_STATE_KEY, "")
+
+
+def loggable_path(scope: dict) -> str:
+    """The request's path as a log line may hold it: percent-encoded again, as uvicorn's access log writes it, since
+    the path arrives decoded (a client's ``%0A`` would otherwise start a forged line in the log)."""
+    return quote(scope.get("root_path", "") + scope["path"])
 
 
 def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -105,6 +112,6 @@ class _AccessLine:
         if access_log.isEnabledFor(logging.INFO):
             status = self.status or status_if_none or "-"
             client = client_request_id(self.scope["headers"])
-            access_log.info("%s %s %s %s %.1f ms%s", self.request_id, self.scope["method"], self.scope["path"],
+            access_log.info("%s %s %s %s %.1f ms%s", self.request_id, self.scope["method"], loggable_path(self.scope),
                             status, (time.perf_counter() - self.started_s) * 1e3,
                             f" client_request_id={client}" if client else "", extra={"request_id": self.request_id})

@@ -105,6 +105,15 @@ def test_a_failure_in_the_worker_is_logged_with_the_id(srv, caplog):
     assert any(f"serving request {request_id} failed" in r.getMessage() for r in caplog.records), caplog.records
 
 
+def test_a_path_cannot_forge_a_log_line(srv, caplog):
+    """The path arrives percent-decoded: written as it is, a client's %0A would start a line of its own choosing."""
+    caplog.set_level(logging.INFO, logger="kvrelay.server.access")
+    answer = httpx.get(f"{srv.url}/v1/x%0A2099-01-01%20kvrelay.server%20ERROR%20forged", timeout=30)
+    line = next(r.getMessage() for r in caplog.records
+                if r.name == "kvrelay.server.access" and r.getMessage().startswith(answer.headers["x-request-id"]))
+    assert "\n" not in line and " GET /v1/x%0A2099-01-01%20kvrelay.server%20ERROR%20forged 404 " in line, line
+
+
 def test_the_clients_own_id_is_not_the_id_and_is_logged_only_when_plain(srv, caplog):
     caplog.set_level(logging.INFO, logger="kvrelay.server.access")
     client = srv.client()
