@@ -64,10 +64,18 @@ def check_metrics_access(request: Request, api_keys: frozenset[str], metrics_key
                        code="metrics_disabled")
 
 
+def may_read_docs(request: Request, api_keys: frozenset[str], metrics_key: str | None) -> bool:
+    """Whether ``request`` may learn what the schema says: always without API keys, else with one of them or the
+    metrics key."""
+    if not api_keys:
+        return True
+    given = bearer(request)
+    return any(_same(given, key) for key in api_keys) or (metrics_key is not None and _same(given, metrics_key))
+
+
 def check_docs_access(request: Request, api_keys: frozenset[str], metrics_key: str | None) -> None:
     """Raise a 401 ``ApiError`` unless ``request`` carries one of the API keys or the metrics key."""
-    given = bearer(request)
-    if not (any(_same(given, key) for key in api_keys) or (metrics_key is not None and _same(given, metrics_key))):
+    if not may_read_docs(request, api_keys, metrics_key):
         raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error",
                        code="invalid_api_key")
 

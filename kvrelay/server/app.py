@@ -78,7 +78,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     app = FastAPI(title="kvrelay", lifespan=lifespan, **docs_urls(settings.api_keys))
     app.state.worker, app.state.catalog, app.state.metrics, app.state.context = worker, catalog, metrics, ctx
     add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
-    add_error_handlers(app, metrics)  # OpenAI's error JSON, never a traceback
+    add_error_handlers(app, metrics, settings.api_keys, settings.metrics_key)  # OpenAI's error JSON, no traceback
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, api_keys=settings.api_keys)
     app.add_middleware(RequestIds)  # added last: outside BodyLimit, so its 413s and 429s carry an id too
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models

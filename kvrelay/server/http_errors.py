@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrelay.server.access import may_read_docs
 from kvrelay.server.body_rate import BodyRate, client_key
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import ApiError, error_response, validation_message
@@ -82,9 +83,11 @@ class BodyLimit:
                 self.rate.charge(client, num_bytes)
 
 
-def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+def add_error_handlers(app: FastAPI, metrics: ServerMetrics, api_keys: frozenset[str] = frozenset(),
+                       metrics_key: str | None = None) -> None:
     """ApiError, pydantic's 422 (a 400 here, as OpenAI answers), Starlette's HTTP errors and anything unexpected
-    (a 500 that names no internals), each counted by status."""
+    (a 500 that names no internals), each counted by status. A 404/405 lists the served routes to whoever may read
+    the schema (``kvrelay.server.access.may_read_docs``: with API keys, a caller with one)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -104,11 +107,12 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         code = {404: "not_found", 405: "method_not_allowed", 400: "invalid_value",
                 413: "request_too_large"}.get(exc.status_code)
         message = str(exc.detail)
-        if exc.status_code in (404, 405):  # the router's: a client calling an API this server lacks learns which
+        if exc.status_code in (404, 405):  # the router's: a client calling an API this server lacks learns that
+            message = f"{request.method} {request.url.path}: {message.lower()}"
+        if exc.status_code in (404, 405) and may_read_docs(request, api_keys, metrics_key):  # and what is served
             served = sorted(f"{method.upper()} {path}" for path, methods in app.openapi()["paths"].items()
                             if path.startswith("/v1/") for method in methods)  # the schema is built once
-            message = (f"{request.method} {request.url.path}: {message.lower()}; this server serves "
-                       f"{', '.join(served)}")
+            message = f"{message}; this server serves {', '.join(served)}"
         return error_response(exc.status_code, message, "invalid_request_error", code=code)
 
     @app.exception_handler(Exception)

@@ -56,6 +56,17 @@ def test_with_api_keys_no_tenant_key_reads_metrics_and_the_docs_need_a_key(engin
     assert "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]
 
 
+def test_a_missing_route_lists_the_served_ones_only_to_who_may_read_the_schema(engine):
+    """The 404/405 body is the schema in short: with API keys, a caller without one learns only that it missed."""
+    open_client, keyed = _client(engine), _client(engine, api_keys=("tenant-a",), metrics_key="scrape")
+    for client, headers, listed in ((open_client, {}, True), (keyed, {}, False), (keyed, _auth("wrong"), False),
+                                    (keyed, _auth("tenant-a"), True), (keyed, _auth("scrape"), True)):
+        for r in (client.get("/v1/embeddings", headers=headers), client.get("/v1/chat/completions", headers=headers)):
+            message = _error(r)["message"]
+            assert r.status_code in (404, 405) and message.startswith(f"GET {r.request.url.path}: ")
+            assert ("/v1/chat/completions" in message.split(": ", 1)[1]) is listed, (headers, message)
+
+
 @pytest.mark.parametrize("api_keys", [(), ("tenant-a",)])
 def test_the_metrics_key_opens_metrics_and_nothing_else_does(engine, api_keys):
     client = _client(engine, api_keys=api_keys, metrics_key="scraper")
