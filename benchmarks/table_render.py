@@ -15,6 +15,7 @@ from pathlib import Path
 from kvrelay.eval.report import merge_results
 from kvrelay.eval.result_files import read_json
 from kvrelay.eval.stats import mean, median, median_ratio
+from kvrelay.reuse import get_method
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_GREEDY_TOKENS = 32
@@ -52,10 +53,13 @@ def bench_command(cfg: dict, env: dict, out_name: str, methods: Sequence[str] | 
         args += ["--repeats", str(cfg["repeats"])]
     if cfg.get("greedy_tokens", DEFAULT_GREEDY_TOKENS) != DEFAULT_GREEDY_TOKENS:
         args += ["--greedy-tokens", str(cfg["greedy_tokens"])]
-    if cfg.get("warm_problems"):
+    # a warm-up that fed only methods since removed leaves the rows unchanged, and kvrelay bench refuses one
+    # with no stateful method to warm
+    named = cfg["methods"] if methods is None else methods
+    if cfg.get("warm_problems") and any(get_method(m).stateful for m in named):
         args += ["--warm-problems", str(cfg["warm_problems"])]
-    if cfg.get("warm_data"):
-        args += ["--warm-data", cfg["warm_data"]]
+        if cfg.get("warm_data"):
+            args += ["--warm-data", cfg["warm_data"]]
     if cfg.get("keep_store"):
         args.append("--keep-store")
     if cfg.get("device", "cpu") != "cpu":
@@ -87,7 +91,8 @@ def bench_table(names: Sequence[str], rows: dict[str, str], specs_now: dict[str,
     d, runs = _bench_runs(names)
     commits = ", ".join(dict.fromkeys(env["commit"] for _, _, env in runs))
     machines = "; ".join(dict.fromkeys(env["machine"] for _, _, env in runs))
-    warm = d.get("warm_problem_ids") or []
+    # the run's warm-up is named only where a row's method kept state from it
+    warm = (d.get("warm_problem_ids") or []) if any(get_method(specs_now.get(m, m)).stateful for m in rows) else []
     num_problems = len({c["problem_id"] for c in d["calls"]})
     lines = [f"{d['model']}, {d['workload']}, {num_problems} problems ({_problem_range(d)}), "
              f"{d['results']['full']['n_calls']} downstream calls" + (f", pools warmed on {len(warm)} problems"

@@ -4,14 +4,35 @@ and the results kept in the tree are the ones those tables read, within the size
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import make_tables
+import pytest
 from table_render import RESULTS, result_path
 
+from kvrelay.cli import build_parser
+from kvrelay.errors import ConfigError
+from kvrelay.eval.configs import BenchConfig, BranchBenchConfig
+from kvrelay.flags import dataclass_from_args
+
 RESULTS_BUDGET_BYTES = 5 * 10**6
+# a whole command as a document gives it to copy: its output file named
+BENCH_COMMAND = re.compile(r"`((?:\w+=\S+ )*kvrelay bench [^`]*--json [^`]*)`")
+
+
+def documented_bench_commands() -> list[str]:
+    return [m[1] for path in make_tables.DOCUMENTS for m in BENCH_COMMAND.finditer(path.read_text())]
+
+
+def bench_config(command: str) -> BenchConfig | BranchBenchConfig:
+    """What ``kvrelay bench`` makes of ``command`` before it loads a model (its flags and their config)."""
+    argv = shlex.split(command)
+    argv = argv[argv.index("kvrelay") + 1:]
+    args = build_parser().parse_args(argv)
+    return dataclass_from_args(BranchBenchConfig if args.workload == "gsm8k-branches" else BenchConfig, args)
 
 
 def test_the_documents_are_what_the_json_gives():
@@ -35,6 +56,20 @@ def test_every_table_is_placed_once_and_reads_files_that_exist():
     assert sorted(keys) == sorted(make_tables.TABLES)
     missing = [name for name in make_tables.result_files() if not result_path(name).is_file()]
     assert missing == []
+
+
+def test_every_documented_bench_command_is_accepted():
+    """A researcher copies a caption's command: it must get past the bench's checks, not stop with an error."""
+    commands = documented_bench_commands()
+    assert len(commands) >= 15
+    for command in commands:
+        bench_config(command)  # a flag, method or combination the bench refuses raises here, naming it
+
+
+def test_a_refused_command_is_caught():
+    command = documented_bench_commands()[0]
+    with pytest.raises(ConfigError, match="nothing to warm"):
+        bench_config(command.replace(" --json", " --warm-problems 4 --json"))
 
 
 def test_results_in_the_tree_fit_the_budget():

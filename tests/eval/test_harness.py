@@ -136,9 +136,9 @@ def test_bad_warm_up():
         BenchConfig(warm_problems=-1)
     with pytest.raises(ConfigError, match="warm_data is given"):
         BenchConfig(warm_data="x.jsonl")
-    with pytest.raises(ConfigError, match="nothing to warm"):
-        Bench(BenchConfig(workload="copy-agents:2", methods=("naive",), limit=1, model="random:tiny",
-                          warm_problems=1)).run(progress=False)
+    with pytest.raises(ConfigError, match="nothing to warm"):  # refused by the config, before a model loads
+        BenchConfig(workload="copy-agents:2", methods=("naive", "relay"), limit=1, warm_problems=1)
+    assert BenchConfig(methods=("naive", "kvcomm"), warm_problems=1).warm_problems == 1  # kvcomm keeps state
     with pytest.raises(ConfigError, match="only 1 problems exist"):
         Bench(BenchConfig(workload="gsm8k-chain3", methods=("kvcomm",), limit=1, offset=998, model="random:tiny",
                           warm_problems=5)).run(progress=False)
