@@ -16,6 +16,7 @@ from table_render import RESULTS, result_path
 from kvrelay.cli import build_parser
 from kvrelay.errors import ConfigError
 from kvrelay.eval.configs import BenchConfig, BranchBenchConfig
+from kvrelay.eval.result_files import read_json
 from kvrelay.flags import dataclass_from_args
 
 RESULTS_BUDGET_BYTES = 5 * 10**6
@@ -70,6 +71,41 @@ def test_a_refused_command_is_caught():
     command = documented_bench_commands()[0]
     with pytest.raises(ConfigError, match="nothing to warm"):
         bench_config(command.replace(" --json", " --warm-problems 4 --json"))
+
+
+# relay rows measured with a selector that no longer ships: the prose before each table gives the shipped default's
+# change on a few calls, from behaviour_snapshot.py's files (table key -> the files' suffix)
+SNAPSHOT_NOTES = {"smollm2-humaneval": "smollm2-humaneval", "gemma3-gsm8k": "gemma3-gsm8k"}
+
+
+def snapshot_numbers(name: str) -> dict:
+    """Per-call means of relay on a behaviour snapshot's calls, as the prose rounds them."""
+    d = read_json(RESULTS / name)
+    calls = [c for c in d["calls"] if c["method"] == "relay"]
+
+    def mean(key: str) -> float:
+        return sum(float(c[key]) for c in calls) / len(calls)
+
+    return {"calls": len(calls), "reuse": f"{mean('reuse_rate'):.3f}", "kl": f"{mean('kl_first_token'):.4f}",
+            "greedy": f"{mean('greedy_match'):.2f}", "config": d["config"]}
+
+
+@pytest.mark.parametrize("key", sorted(SNAPSHOT_NOTES))
+def test_the_shipped_relay_notes_are_what_their_snapshots_give(key):
+    text = make_tables.BENCHMARKS_MD.read_text()
+    end = text.index(f"<!-- table: {key} -->")
+    note = " ".join(text[text.rindex("###", 0, end):end].split())
+    stem = f"behaviour-no-workload-selectors-{{}}-{SNAPSHOT_NOTES[key]}.json"
+    before, after = snapshot_numbers(stem.format("before")), snapshot_numbers(stem.format("after"))
+    assert stem.format("{before,after}") in note
+    assert f"{after['calls']} downstream calls" in note
+    assert f"reuse {after['reuse']} instead of {before['reuse']}" in note
+    assert f"KL {after['kl']} instead of {before['kl']}" in note
+    greedy = f"{after['greedy']} both" if after["greedy"] == before["greedy"] else \
+        f"{after['greedy']} instead of {before['greedy']}"
+    assert f"greedy@{after['config']['greedy_tokens']} {greedy}" in note
+    for flag in ("models", "workloads"):  # the command that wrote the files, as far as it differs from the defaults
+        assert f"--{flag} {','.join(after['config'][flag])}" in note
 
 
 def test_results_in_the_tree_fit_the_budget():
