@@ -50,7 +50,7 @@ methods() {
   done; wait_lanes
 }
 
-engine() { $PY benchmarks/bench_engine.py --repeats 9 --json $R/engine_cpu.json; }
+engine() { $PY benchmarks/bench_engine.py --repeats 9 --int4-decode --json $R/engine_cpu.json; }
 
 serving() {
   OMP_NUM_THREADS=1 $K serve --model smollm2-135m --methods naive,epic,relay --port 8049 & local pid=$!

@@ -229,9 +229,32 @@ def rksc_table(names: Sequence[str]) -> str:
     return "\n".join([*lines, "", "Commands: " + "; ".join(cmds) + " (lanes side by side)."])
 
 
+# bench_engine.py's flags for a file written before it recorded them (engine_cpu.json: 9 repeats)
+ENGINE_FLAGS_UNRECORDED = {"repeats": 9}
+
+
+def engine_command(d: dict, name: str) -> str:
+    """The bench_engine.py command that wrote ``d``: its recorded flags, else the 4-bit decode where it has one."""
+    cfg = d.get("config") or {**ENGINE_FLAGS_UNRECORDED, "int4_decode": "int4_tokens_per_s_median" in d["decode"]}
+    args = ["python", "benchmarks/bench_engine.py"]
+    if cfg.get("model", "smollm2-135m") != "smollm2-135m":
+        args += ["--model", cfg["model"]]
+    for flag in ("prompt_tokens", "new_tokens", "repeats"):
+        if flag in cfg:
+            args += [f"--{flag.replace('_', '-')}", str(cfg[flag])]
+    if cfg.get("int4_decode"):
+        args.append("--int4-decode")
+    return shlex.join(args + ["--json", f"benchmarks/results/{name}"])
+
+
 def engine_table(name: str) -> str:
-    d = load(name)
+    return render_engine(load(name), name)
+
+
+def render_engine(d: dict, name: str) -> str:
     p, dec, ld = d["prefill"], d["decode"], d["load"]
+    int4 = [f"| decode on the GGUF's 4-bit weights, tokens/s | {dec['int4_tokens_per_s_median']:.1f} | – | – | "
+            f"{dec['ratio_int4_over_transformers']:.2f} |"] if "int4_tokens_per_s_median" in dec else []
     return "\n".join([
         f"{d['model']}, fp32; {d['env']['device']}, {d['env']['machine']}, torch {d['env']['torch']}; commit "
         f"{d['env']['commit']}; `{name}`", "",
@@ -243,11 +266,10 @@ def engine_table(name: str) -> str:
         f"| decode, tokens/s (median) | {dec['ours_tokens_per_s_median']:.1f} | "
         f"{dec['ours_unpacked_tokens_per_s_median']:.1f} | {dec['transformers_tokens_per_s_median']:.1f} | "
         f"{dec['ratio_ours_over_transformers']:.2f} |",
-        f"| decode on the GGUF's 4-bit weights, tokens/s | {dec['int4_tokens_per_s_median']:.1f} | – | – | "
-        f"{dec['ratio_int4_over_transformers']:.2f} |",
+        *int4,
         f"| second load of the model, s (fresh process) | {ld['second_load_s_median']:.1f} | – | – | – |",
         f"| max abs logit difference (prefill, fp32) | {p['max_abs_logit_diff']:.1e} | | | |", "",
-        f"Command: `python benchmarks/bench_engine.py --repeats 9 --json benchmarks/results/{name}`."])
+        f"Command: `{engine_command(d, name)}`."])
 
 
 def serve_chain_table(name: str, inprocess: str) -> str:

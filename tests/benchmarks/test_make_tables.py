@@ -11,7 +11,8 @@ from pathlib import Path
 
 import make_tables
 import pytest
-from table_render import RESULTS, result_path
+import table_render as render
+from table_render import RESULTS, load, result_path
 
 from kvrelay.cli import build_parser
 from kvrelay.errors import ConfigError
@@ -106,6 +107,29 @@ def test_the_shipped_relay_notes_are_what_their_snapshots_give(key):
     assert f"greedy@{after['config']['greedy_tokens']} {greedy}" in note
     for flag in ("models", "workloads"):  # the command that wrote the files, as far as it differs from the defaults
         assert f"--{flag} {','.join(after['config'][flag])}" in note
+
+
+def test_the_engine_command_is_the_one_run_all_and_make_bench_run():
+    """The engine table's command, run_all.sh's and `make bench`'s write the same file with the same flags, so
+    each writes every row the table renders (the 4-bit decode row needs --int4-decode)."""
+    root = make_tables.ROOT
+    documented = re.search(r"Command: `python (benchmarks/bench_engine\.py [^`]*)`",
+                           make_tables.BENCHMARKS_MD.read_text())[1]
+    run_all = re.search(r"\$PY (benchmarks/bench_engine\.py [^;]*);", (root / "benchmarks/run_all.sh").read_text())[1]
+    make_bench = re.search(r"\$\(PY\) (benchmarks/bench_engine\.py .*)", (root / "Makefile").read_text())[1]
+    assert run_all.replace("$R/", "benchmarks/results/") == documented
+    assert make_bench.strip() == documented
+
+
+def test_the_engine_table_shows_what_its_file_holds():
+    d = load("engine_cpu.json")
+    d["decode"] = {k: v for k, v in d["decode"].items() if "int4" not in k}
+    text = render.render_engine(d, "e.json")
+    assert "4-bit" not in text and "--int4-decode" not in text
+    d["config"] = {"model": "smollm2-135m", "prompt_tokens": 256, "new_tokens": 64, "repeats": 3,
+                   "int4_decode": False}
+    assert "`python benchmarks/bench_engine.py --prompt-tokens 256 --new-tokens 64 --repeats 3 --json " \
+           "benchmarks/results/e.json`" in render.render_engine(d, "e.json")
 
 
 def test_results_in_the_tree_fit_the_budget():
