@@ -109,8 +109,8 @@ def _bench_branches(args: argparse.Namespace) -> int:
     save = _json_saver(args.json)
     result = run_branch_bench(cfg, checkpoint=save)
     save(result)
-    print(f"\ngsm8k-branches, {result['n']} problems, model {result['model']} on {result['env']['device']} "
-          f"({result['env']['machine']})")
+    print(f"\ngsm8k-branches, {result['n']} problem{'s' * (result['n'] != 1)}, model {result['model']} on "
+          f"{result['env']['device']} ({result['env']['machine']})")
     print(format_branch_table(result))
     if args.json:
         print(f"wrote {args.json} (also after every problem)")

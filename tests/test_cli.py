@@ -83,6 +83,7 @@ def test_bench_gsm8k_branches_writes_its_table_and_json(tmp_path):
     assert [(r["concurrency"], r["budget_mb"], r["policy"]) for r in replays] == [
         (c, b, p) for c in (1, 4) for b in (8.0, 24.0) for p in ("rsbcm", "lru")]
     assert "RSBCM" not in out.stderr and "rksc[skip_top=1.0]" in out.stdout
+    assert "gsm8k-branches, 1 problem, " in out.stdout
 
 
 def test_bench_names_its_units_and_every_json_field_is_documented(tmp_path, capfd):
