@@ -112,6 +112,9 @@ def bench_table(names: Sequence[str], rows: dict[str, str], specs_now: dict[str,
                      f"{fmt(s['greedy_match_rate'], '.2f')} |")
     specs = [f"`{label}` = `{specs_now.get(m, m)}`" for m, label in rows.items() if label != specs_now.get(m, m)]
     specs += [f"`{now}` was spelled `{m}` in the run's config" for m, now in specs_now.items() if m in rows]
+    if earlier := [label for m, label in rows.items() if not any(m in cfg["methods"] for _, cfg, _ in runs)]:
+        specs.append(", ".join(f"`{label}`" for label in earlier) + " came from earlier runs with the same arguments "
+                     "(the file's `combined_from`): add them to `--methods` to measure them again")
 
     def methods(cfg: dict) -> list[str]:
         return [specs_now.get(m, m) for m in cfg["methods"] if m in rows]

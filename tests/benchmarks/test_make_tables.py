@@ -109,6 +109,19 @@ def test_the_shipped_relay_notes_are_what_their_snapshots_give(key):
         assert f"--{flag} {','.join(after['config'][flag])}" in note
 
 
+def test_every_method_row_says_which_command_measures_it():
+    """A row whose method no shown command runs (a file merged from earlier runs) says so and how to measure it."""
+    for key, table in make_tables.TABLES.items():
+        if table.rows is None:
+            continue
+        text = table.make()
+        commands = " ".join(re.findall(r"--methods (\S+)", text))
+        earlier = re.search(r"((?:`[^`]+`, )*`[^`]+`) came from earlier runs", text)
+        named = set(re.findall(r"`([^`]+)`", earlier[1])) if earlier else set()
+        for label in table.rows.values():
+            assert label in re.split(r"[ ,]", commands) or label in named, f"{key}: row {label!r} has no command"
+
+
 def test_the_engine_command_is_the_one_run_all_and_make_bench_run():
     """The engine table's command, run_all.sh's and `make bench`'s write the same file with the same flags, so
     each writes every row the table renders (the 4-bit decode row needs --int4-decode)."""
