@@ -132,7 +132,7 @@ class DemoConfig:
         "help": "keep one store across the problems, as a server keeps its cache (the agents' system "
                 "prompts are then reused exactly from the second problem on)"})
     data: str | None = field(default=None, metadata={
-        "help": "GSM8K JSON-lines file (default: ../shared/data/gsm8k/test_dev.jsonl)"})
+        "help": "GSM8K JSON-lines file (default: gsm8k/test_dev.jsonl under $KVRELAY_DATA, else ../shared/data)"})
     out: str = field(default="kvrelay-demo", metadata={"help": "folder for the JSON and the plots (created)"})
 
     def __post_init__(self) -> None:
