@@ -47,7 +47,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 bench: install
-	$(PY) benchmarks/bench_engine.py --json benchmarks/results/engine_cpu.json
+	$(PY) benchmarks/bench_engine.py --repeats 9 --int4-decode --json benchmarks/results/engine_cpu.json
 
 # kvrelay on vLLM (docs/vllm.md): vLLM's CPU build in its own venv, since it pins its own transformers and pulls
 # CUDA builds of torchvision/torchaudio/torchcodec (they break `import transformers`; removed after the install).

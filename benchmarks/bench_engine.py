@@ -149,7 +149,10 @@ def main() -> None:
     load = {"second_load_s_median": statistics.median(load_s), "runs_s": load_s,
             "note": "fresh process, conversion cache present; includes importing torch and kvrelay"}
 
-    result = {"env": environment("cpu"), "model": lm.name, "prefill": prefill, "decode": decode, "load": load}
+    config = {"model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "int4_decode": args.int4_decode}  # the table's caption rebuilds the command
+    result = {"env": environment("cpu"), "model": lm.name, "config": config, "prefill": prefill, "decode": decode,
+              "load": load}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

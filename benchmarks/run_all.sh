@@ -7,36 +7,35 @@ cd "$(dirname "$0")/.."
 K=.venv/bin/kvrelay
 PY=.venv/bin/python
 R=benchmarks/results
-TRAIN=../shared/data/gsm8k/train.jsonl
 BENCH="env OMP_NUM_THREADS=1 $K bench --repeats 1"   # two lanes of one torch thread run side by side
+# a bare `wait` returns 0 whatever its lanes returned: wait on each, so a failed lane stops the script (set -e)
+wait_lanes() { local pid; for pid in $(jobs -p); do wait "$pid"; done; }
 
 methods() {
   # two lanes per workload (--offset), merged by make_tables.py from their per-call rows
   for off in 0 25; do
-    $BENCH --workload gsm8k-chain3 --model smollm2-135m --limit 25 --offset $off --warm-problems 128 \
-      --warm-data $TRAIN --methods full,prefix,naive,relay \
+    $BENCH --workload gsm8k-chain3 --model smollm2-135m --limit 25 --offset $off --methods full,prefix,naive,relay \
       --json $R/smollm2-gsm8k-chain3-anchors-lane$off.json &
-  done; wait
+  done; wait_lanes
   for off in 300 325; do
     $BENCH --workload gsm8k-chain3 --model smollm2-135m --limit 25 --offset $off --methods full,prefix,epic,relay \
       --json $R/smollm2-gsm8k-chain3-lane$off.json &
-  done; wait
+  done; wait_lanes
   for off in 50 75; do
     $BENCH --workload humaneval-adr --model smollm2-135m --limit 25 --offset $off \
       --methods full,prefix,naive,epic,relay --json $R/smollm2-humaneval-adr-lane$off.json &
-  done; wait
+  done; wait_lanes
   # Gemma's gsm8k-chain3 table reads one file that merges lanes with the baselines' runs (make_tables.py names
   # them). Its relay row ran a selector calibrated on that workload's agents, a spec that no longer parses
   # (BENCHMARKS.md gives the shipped default's change); these lanes run the shipped relay beside the baselines:
   for off in 0 25; do
     $BENCH --workload gsm8k-chain3 --model gemma3-270m --limit 25 --offset $off \
       --methods full,prefix,naive,cacheblend,epic,relay --json $R/gemma3-gsm8k-chain3-lane$off.json &
-  done; wait
+  done; wait_lanes
   for off in 0 25; do
-    $BENCH --workload humaneval-adr --model gemma3-270m --limit 25 --offset $off --warm-problems 20 \
-      --methods full,prefix,naive,epic,relay \
-      --json $R/gemma3-humaneval-adr-lane$off.json &
-  done; wait
+    $BENCH --workload humaneval-adr --model gemma3-270m --limit 25 --offset $off \
+      --methods full,prefix,naive,epic,relay --json $R/gemma3-humaneval-adr-lane$off.json &
+  done; wait_lanes
   for n in 2 3 4 5; do
     $K bench --workload copy-agents:$n --model smollm2-135m --limit 2 --repeats 3 \
       --methods full,prefix,naive,cacheblend,epic,relay --json $R/copy-agents-$n.json
@@ -48,10 +47,10 @@ methods() {
   for lane in 0 1; do
     env OMP_NUM_THREADS=1 $K bench --workload gsm8k-branches --model smollm2-135m --limit 25 --offset $((25 * lane)) \
       --methods "full,prefix,rksc,rksc[batch_decode=false]" --json $R/rksc-gsm8k-branches-lane$lane.json &
-  done; wait
+  done; wait_lanes
 }
 
-engine() { $PY benchmarks/bench_engine.py --repeats 9 --json $R/engine_cpu.json; }
+engine() { $PY benchmarks/bench_engine.py --repeats 9 --int4-decode --json $R/engine_cpu.json; }
 
 serving() {
   OMP_NUM_THREADS=1 $K serve --model smollm2-135m --methods naive,epic,relay --port 8049 & local pid=$!

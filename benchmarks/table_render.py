@@ -15,6 +15,7 @@ from pathlib import Path
 from kvrelay.eval.report import merge_results
 from kvrelay.eval.result_files import read_json
 from kvrelay.eval.stats import mean, median, median_ratio
+from kvrelay.reuse import get_method
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_GREEDY_TOKENS = 32
@@ -52,10 +53,13 @@ def bench_command(cfg: dict, env: dict, out_name: str, methods: Sequence[str] | 
         args += ["--repeats", str(cfg["repeats"])]
     if cfg.get("greedy_tokens", DEFAULT_GREEDY_TOKENS) != DEFAULT_GREEDY_TOKENS:
         args += ["--greedy-tokens", str(cfg["greedy_tokens"])]
-    if cfg.get("warm_problems"):
+    # a warm-up that fed only methods since removed leaves the rows unchanged, and kvrelay bench refuses one
+    # with no stateful method to warm
+    named = cfg["methods"] if methods is None else methods
+    if cfg.get("warm_problems") and any(get_method(m).stateful for m in named):
         args += ["--warm-problems", str(cfg["warm_problems"])]
-    if cfg.get("warm_data"):
-        args += ["--warm-data", cfg["warm_data"]]
+        if cfg.get("warm_data"):
+            args += ["--warm-data", cfg["warm_data"]]
     if cfg.get("keep_store"):
         args.append("--keep-store")
     if cfg.get("device", "cpu") != "cpu":
@@ -87,7 +91,8 @@ def bench_table(names: Sequence[str], rows: dict[str, str], specs_now: dict[str,
     d, runs = _bench_runs(names)
     commits = ", ".join(dict.fromkeys(env["commit"] for _, _, env in runs))
     machines = "; ".join(dict.fromkeys(env["machine"] for _, _, env in runs))
-    warm = d.get("warm_problem_ids") or []
+    # the run's warm-up is named only where a row's method kept state from it
+    warm = (d.get("warm_problem_ids") or []) if any(get_method(specs_now.get(m, m)).stateful for m in rows) else []
     num_problems = len({c["problem_id"] for c in d["calls"]})
     lines = [f"{d['model']}, {d['workload']}, {num_problems} problems ({_problem_range(d)}), "
              f"{d['results']['full']['n_calls']} downstream calls" + (f", pools warmed on {len(warm)} problems"
@@ -107,6 +112,9 @@ def bench_table(names: Sequence[str], rows: dict[str, str], specs_now: dict[str,
                      f"{fmt(s['greedy_match_rate'], '.2f')} |")
     specs = [f"`{label}` = `{specs_now.get(m, m)}`" for m, label in rows.items() if label != specs_now.get(m, m)]
     specs += [f"`{now}` was spelled `{m}` in the run's config" for m, now in specs_now.items() if m in rows]
+    if earlier := [label for m, label in rows.items() if not any(m in cfg["methods"] for _, cfg, _ in runs)]:
+        specs.append(", ".join(f"`{label}`" for label in earlier) + " came from earlier runs with the same arguments "
+                     "(the file's `combined_from`): add them to `--methods` to measure them again")
 
     def methods(cfg: dict) -> list[str]:
         return [specs_now.get(m, m) for m in cfg["methods"] if m in rows]
@@ -224,9 +232,32 @@ def rksc_table(names: Sequence[str]) -> str:
     return "\n".join([*lines, "", "Commands: " + "; ".join(cmds) + " (lanes side by side)."])
 
 
+# bench_engine.py's flags for a file written before it recorded them (engine_cpu.json: 9 repeats)
+ENGINE_FLAGS_UNRECORDED = {"repeats": 9}
+
+
+def engine_command(d: dict, name: str) -> str:
+    """The bench_engine.py command that wrote ``d``: its recorded flags, else the 4-bit decode where it has one."""
+    cfg = d.get("config") or {**ENGINE_FLAGS_UNRECORDED, "int4_decode": "int4_tokens_per_s_median" in d["decode"]}
+    args = ["python", "benchmarks/bench_engine.py"]
+    if cfg.get("model", "smollm2-135m") != "smollm2-135m":
+        args += ["--model", cfg["model"]]
+    for flag in ("prompt_tokens", "new_tokens", "repeats"):
+        if flag in cfg:
+            args += [f"--{flag.replace('_', '-')}", str(cfg[flag])]
+    if cfg.get("int4_decode"):
+        args.append("--int4-decode")
+    return shlex.join(args + ["--json", f"benchmarks/results/{name}"])
+
+
 def engine_table(name: str) -> str:
-    d = load(name)
+    return render_engine(load(name), name)
+
+
+def render_engine(d: dict, name: str) -> str:
     p, dec, ld = d["prefill"], d["decode"], d["load"]
+    int4 = [f"| decode on the GGUF's 4-bit weights, tokens/s | {dec['int4_tokens_per_s_median']:.1f} | – | – | "
+            f"{dec['ratio_int4_over_transformers']:.2f} |"] if "int4_tokens_per_s_median" in dec else []
     return "\n".join([
         f"{d['model']}, fp32; {d['env']['device']}, {d['env']['machine']}, torch {d['env']['torch']}; commit "
         f"{d['env']['commit']}; `{name}`", "",
@@ -238,11 +269,10 @@ def engine_table(name: str) -> str:
         f"| decode, tokens/s (median) | {dec['ours_tokens_per_s_median']:.1f} | "
         f"{dec['ours_unpacked_tokens_per_s_median']:.1f} | {dec['transformers_tokens_per_s_median']:.1f} | "
         f"{dec['ratio_ours_over_transformers']:.2f} |",
-        f"| decode on the GGUF's 4-bit weights, tokens/s | {dec['int4_tokens_per_s_median']:.1f} | – | – | "
-        f"{dec['ratio_int4_over_transformers']:.2f} |",
+        *int4,
         f"| second load of the model, s (fresh process) | {ld['second_load_s_median']:.1f} | – | – | – |",
         f"| max abs logit difference (prefill, fp32) | {p['max_abs_logit_diff']:.1e} | | | |", "",
-        f"Command: `python benchmarks/bench_engine.py --repeats 9 --json benchmarks/results/{name}`."])
+        f"Command: `{engine_command(d, name)}`."])
 
 
 def serve_chain_table(name: str, inprocess: str) -> str:

@@ -68,11 +68,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     save = _json_saver(args.json)
     result = Bench(cfg).run(checkpoint=save)
     save(result)
-    print(f"\n{result['workload']} ({result['mode']} mode), {result['n']} problems, model {result['model']} "
-          f"on {result['env']['device']}")
+    print(f"\n{result['workload']} ({result['mode']} mode), {result['n']} problem{'s' * (result['n'] != 1)}, "
+          f"model {result['model']} on {result['env']['device']}")
     if not result["fidelity_meaningful"]:
         print("fidelity columns are not meaningful for random-weight models (n/a)")
-    print(format_table(result["results"], result["fidelity_meaningful"]))
+    print(format_table(result["results"], result["fidelity_meaningful"], cfg.greedy_tokens))
     print("\n" + format_by_agent(result["results"]))
     if args.json:
         print(f"wrote {args.json} (also after every problem)")
@@ -109,8 +109,8 @@ def _bench_branches(args: argparse.Namespace) -> int:
     save = _json_saver(args.json)
     result = run_branch_bench(cfg, checkpoint=save)
     save(result)
-    print(f"\ngsm8k-branches, {result['n']} problems, model {result['model']} on {result['env']['device']} "
-          f"({result['env']['machine']})")
+    print(f"\ngsm8k-branches, {result['n']} problem{'s' * (result['n'] != 1)}, model {result['model']} on "
+          f"{result['env']['device']} ({result['env']['machine']})")
     print(format_branch_table(result))
     if args.json:
         print(f"wrote {args.json} (also after every problem)")

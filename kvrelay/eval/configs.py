@@ -62,6 +62,10 @@ class BenchConfig:
             raise ConfigError(f"warm_problems must be >= 0, got {self.warm_problems}")
         if self.warm_data is not None and not self.warm_problems:
             raise ConfigError("warm_data is given but warm_problems is 0")
+        if self.warm_problems and not any(get_method(spec).stateful for spec in self.methods):
+            # refused here, before a model loads, and not after the warm-up's data is read
+            raise ConfigError(f"warm_problems={self.warm_problems} has nothing to warm: none of the methods "
+                              f"{', '.join(self.methods)} keeps state across calls (kvcomm does)")
         # references first, then the requested methods in order, no duplicates
         self.methods = tuple(dict.fromkeys((*REFERENCES, *self.methods)))
 
@@ -128,7 +132,7 @@ class DemoConfig:
         "help": "keep one store across the problems, as a server keeps its cache (the agents' system "
                 "prompts are then reused exactly from the second problem on)"})
     data: str | None = field(default=None, metadata={
-        "help": "GSM8K JSON-lines file (default: ../shared/data/gsm8k/test_dev.jsonl)"})
+        "help": "GSM8K JSON-lines file (default: gsm8k/test_dev.jsonl under $KVRELAY_DATA, else ../shared/data)"})
     out: str = field(default="kvrelay-demo", metadata={"help": "folder for the JSON and the plots (created)"})
 
     def __post_init__(self) -> None:

@@ -62,13 +62,25 @@ def ideal_ttft_ms(lm: LoadedModel, call: CallInput, new_mask: list[bool]) -> flo
     return (time.perf_counter() - t0) * 1e3
 
 
-def environment(device: str) -> dict:
-    """The bench JSON's "env": machine, device, versions, commit."""
+def checkout_commit(where: Path) -> str | None:
+    """The short HEAD of the checkout holding ``where``, plus ``-dirty`` where its tracked code differs from HEAD
+    (result files aside: a run that rewrites them leaves the next run's code as committed); None outside git."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where)
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode or not head.stdout.strip():
+            return None
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)benchmarks/results")
     except OSError:
-        commit = None
+        return None
+    return head.stdout.strip() + ("-dirty" if changed.stdout.strip() else "")
+
+
+def environment(device: str) -> dict:
+    """The bench JSON's "env": machine, device, versions, commit (``-dirty``: run on edited code)."""
+    commit = checkout_commit(Path(__file__).parent)
     machine = f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} torch threads"
     if device.startswith("cuda") and torch.cuda.is_available():
         machine += f", {torch.cuda.get_device_name()}"
@@ -111,10 +123,7 @@ class Bench:
     def _warm_up(self, progress: bool) -> list[str]:
         """Run ``warm_problems`` unrecorded problems through the stateful methods; return their ids."""
         cfg = self.cfg
-        stateful = {m: meth for m, meth in self.methods.items() if meth.stateful}
-        if not stateful:
-            raise ConfigError(f"warm_problems={cfg.warm_problems} has nothing to warm: none of the methods "
-                              f"{', '.join(self.methods)} keeps state across calls (kvcomm does)")
+        stateful = {m: meth for m, meth in self.methods.items() if meth.stateful}  # BenchConfig: at least one
         if cfg.warm_data is not None:
             warm = self.workload.problems(cfg.warm_data, cfg.warm_problems)
         else:

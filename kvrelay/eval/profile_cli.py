@@ -39,8 +39,8 @@ def add_profile_parser(sub) -> None:
                            "JSON-lines file of its inputs), or several comma-separated with --selector-only "
                            "(their calls pooled; default: gsm8k-chain3)")
     prof.add_argument("--data", default=None,
-                      help="calibration data file (default: ../shared/data/gsm8k/train.jsonl for GSM8K workloads, "
-                           "else the workload's own file)")
+                      help="calibration data file (default for GSM8K workloads: gsm8k/train.jsonl under "
+                           "$KVRELAY_DATA, else ../shared/data; else the workload's own file)")
     prof.add_argument("--problems", type=positive_integer, default=20,
                       help="calibration problems, of each workload (default: 20)")
     prof.add_argument("--offset", type=non_negative_integer, default=0,

@@ -112,11 +112,12 @@ def _fmt(value, spec: str, meaningful: bool = True) -> str:
     return format(value, spec)
 
 
-def format_table(results: dict[str, dict], fidelity_meaningful: bool = True) -> str:
+def format_table(results: dict[str, dict], fidelity_meaningful: bool = True, greedy_tokens: int | None = None) -> str:
+    """The per-method table; ``greedy_tokens``: G of greedy@G, named in its header where given."""
     width = max(10, *(len(m) for m in results))
     row = f"{{:<{width}}}" + " {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>8} {:>7} {:>9} {:>9} {:>8} {:>5} {:>5}"
     cols = ("method", "TTFT ms", "vs full", "vs prefix", "ideal", "reuse", "recompute", "fallback", "1st-tok",
-            "1st-clear", "KL", "greedy@G", "acc", "calls")
+            "1st-clear", "KL", f"greedy@{greedy_tokens or 'G'}", "acc", "calls")
     lines = [row.format(*cols)]
     lines.append("-" * len(lines[0]))
     for method, s in results.items():
@@ -130,6 +131,11 @@ def format_table(results: dict[str, dict], fidelity_meaningful: bool = True) -> 
             _fmt(s["kl_first_token"], ".1e", fidelity_meaningful),
             _fmt(s["greedy_match_rate"], ".2f", fidelity_meaningful),
             _fmt(s["accuracy"], ".2f"), s["n_calls"]))
+    # the units a reader would otherwise guess at: token-layers, not tokens (a served call's cached_tokens are tokens)
+    lines.append("TTFT ms: median over calls; vs full, vs prefix: median per-call ratios; ideal: full's TTFT over a "
+                 "prefill of only the new tokens")
+    lines.append("reuse: share of the prompt's token-layers taken from the cache; recompute: share of the reused "
+                 "spans' token-layers computed again")
     near_tie = next((s.get("near_tie_rate") for s in results.values() if s.get("near_tie_rate") is not None), None)
     if near_tie is not None and fidelity_meaningful:
         lines.append(f"1st-clear: first-token agreement on the calls whose `full` first token leads by >= "

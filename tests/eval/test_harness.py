@@ -136,9 +136,9 @@ def test_bad_warm_up():
         BenchConfig(warm_problems=-1)
     with pytest.raises(ConfigError, match="warm_data is given"):
         BenchConfig(warm_data="x.jsonl")
-    with pytest.raises(ConfigError, match="nothing to warm"):
-        Bench(BenchConfig(workload="copy-agents:2", methods=("naive",), limit=1, model="random:tiny",
-                          warm_problems=1)).run(progress=False)
+    with pytest.raises(ConfigError, match="nothing to warm"):  # refused by the config, before a model loads
+        BenchConfig(workload="copy-agents:2", methods=("naive", "relay"), limit=1, warm_problems=1)
+    assert BenchConfig(methods=("naive", "kvcomm"), warm_problems=1).warm_problems == 1  # kvcomm keeps state
     with pytest.raises(ConfigError, match="only 1 problems exist"):
         Bench(BenchConfig(workload="gsm8k-chain3", methods=("kvcomm",), limit=1, offset=998, model="random:tiny",
                           warm_problems=5)).run(progress=False)
@@ -154,3 +154,34 @@ def test_the_json_records_what_relay_resolved_from_the_model():
     assert relay["layers"] == [1, 2, 3]
     assert relay["selector"]["tau_dev"] == 1.5 and relay["selector"]["end_tokens"] == 10  # no profile: the paper's
     json.dumps(result)  # it goes into the bench's JSON as it is
+
+
+def test_the_commit_says_when_the_code_was_edited(tmp_path):
+    """A result's env.commit is the code it ran: ``-dirty`` after an edit to tracked code, not after a rewritten
+    result file (a run_all.sh step rewrites those before the next one starts)."""
+    from kvrelay.eval.harness import checkout_commit
+
+    repo = tmp_path / "repo"
+    (repo / "kvrelay").mkdir(parents=True)
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    code, result = repo / "kvrelay" / "m.py", repo / "benchmarks" / "results" / "r.json"
+    code.write_text("x = 1\n")
+    result.write_text("{}\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    head = git("rev-parse", "--short", "HEAD")
+    assert checkout_commit(repo / "kvrelay") == head
+    result.write_text('{"n": 1}\n')
+    (repo / "notes.txt").write_text("untracked\n")
+    assert checkout_commit(repo / "kvrelay") == head
+    code.write_text("x = 2\n")
+    assert checkout_commit(repo / "kvrelay") == f"{head}-dirty"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    assert checkout_commit(outside) is None
