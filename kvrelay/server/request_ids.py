@@ -78,7 +78,7 @@ class RequestIds:
 
         async def receive_noting_a_leave() -> dict:
             message = await receive()
-            if message["type"] == "http.disconnect" and not access.ended:
+            if message["type"] == "http.disconnect":  # after the answer ended: no change, its line is out
                 access.client_left = True
             return message
 
