@@ -76,41 +76,61 @@ class RequestIds:
         token = _current_id.set(request_id)
         access = _AccessLine(scope, request_id)
 
+        async def receive_noting_a_leave() -> dict:
+            message = await receive()
+            if message["type"] == "http.disconnect":  # after the answer ended: no change, its line is out
+                access.client_left = True
+            return message
+
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 access.status = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (REQUEST_ID_HEADER.encode(), request_id.encode())]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                access.ended = True
                 access.write()  # before the last bytes go out: a client holding its answer finds the line written
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_noting_a_leave, send_with_id)
         except Exception:
             # the app's 500 handler (kvrelay.server.http_errors) answers outside this middleware, after this line
             access.write(500)
             raise
         finally:
             _current_id.reset(token)
-            access.write()  # a request whose client left before its answer ended
+            access.write()  # an answer cut off: its client left, or the app was cancelled (``cut`` on the line)
+
+
+#: written after the status of an answer the client never got to its end (see ``_AccessLine.cut``)
+CUT_MARKER = "cut"
 
 
 class _AccessLine:
-    """One request's access line, written once: its id, method, path, status and time until its answer ended."""
+    """One request's access line, written once: its id, method, path, status (``CUT_MARKER`` after it when the
+    answer was cut off) and time until its answer ended."""
 
     def __init__(self, scope: dict, request_id: str) -> None:
         self.scope, self.request_id = scope, request_id
         self.started_s = time.perf_counter()
         self.status: int | None = None
+        self.ended = False  # the answer's last body message was sent
+        self.client_left = False  # an ``http.disconnect`` came before that message
         self.written = False
+
+    @property
+    def cut(self) -> bool:
+        """The client did not get the whole answer: it left first (the server sends nothing after that), or the
+        answer began and never ended (the app stopped mid-stream: cancelled, or failed after its status)."""
+        return self.client_left or (self.status is not None and not self.ended)
 
     def write(self, status_if_none: int | None = None) -> None:
         if self.written:
             return
         self.written = True
         if access_log.isEnabledFor(logging.INFO):
-            status = self.status or status_if_none or "-"
+            status = f"{self.status or status_if_none or '-'}{' ' + CUT_MARKER if self.cut else ''}"
             client = client_request_id(self.scope["headers"])
             access_log.info("%s %s %s %s %.1f ms%s", self.request_id, self.scope["method"], loggable_path(self.scope),
                             status, (time.perf_counter() - self.started_s) * 1e3,

@@ -10,7 +10,9 @@ and structured output"): the tools' JSON schemas appended to the system message,
 and its grammar for forced calls allows), tool results merged into one user turn of ``<tool_response>`` blocks.
 The same conversation therefore gives the same prompt ids on vLLM and on ``kvrelay serve``, so the two share
 spans, and the call text a later step renders is the text the model generated (its decode KV is an exact
-prefix). Messages without tools and tool turns render exactly as the model's own template renders them.
+prefix). Content sent as an array of text parts is joined into its text first, as kvrelay serve reads it (a
+template transformers runs gets the parts as sent). Messages without tools and tool turns render exactly as the
+model's own template renders them.
 
 The text is kvrelay serve's (kvrelay.weights may not import kvrelay.server); tests/weights/test_tool_template.py
 renders both on the same conversations and compares.
@@ -22,7 +24,19 @@ from __future__ import annotations
 _PREAMBLE = r"""{%- set kv = namespace(out=[], tool_turn=false) -%}
 {%- for m in messages -%}
   {%- set role = 'system' if m.role == 'developer' else m.role -%}
-  {%- set text = m.content if m.content is string else '' -%}
+  {#- the message's text as kvrelay serve reads it (ChatMessage.text): content parts joined, a refusal part's
+      words as text, a null content the message's refusal -#}
+  {%- set joined = namespace(text='') -%}
+  {%- if m.content is string -%}
+    {%- set joined.text = m.content -%}
+  {%- elif m.content is none or m.content is undefined -%}
+    {%- set joined.text = m.refusal or '' -%}
+  {%- else -%}
+    {%- for part in m.content -%}
+      {%- set joined.text = joined.text + (part.text if part.type == 'text' else (part.refusal or '')) -%}
+    {%- endfor -%}
+  {%- endif -%}
+  {%- set text = joined.text -%}
   {%- if role == 'assistant' and m.tool_calls -%}
     {%- set calls = namespace(text='') -%}
     {%- for c in m.tool_calls -%}
@@ -53,7 +67,7 @@ _PREAMBLE = r"""{%- set kv = namespace(out=[], tool_turn=false) -%}
   {%- elif role == 'user' and kv.tool_turn -%}
     {%- set kv.out = kv.out[:-1] + [{'role': 'user', 'content': kv.out[-1].content + '\n\n' + text}] -%}
   {%- else -%}
-    {%- set kv.out = kv.out + [{'role': role, 'content': m.content}] -%}
+    {%- set kv.out = kv.out + [{'role': role, 'content': text}] -%}
     {%- set kv.tool_turn = false -%}
   {%- endif -%}
 {%- endfor -%}

@@ -24,6 +24,12 @@ WEATHER = {"type": "function", "function": {
 CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no description, no parameters
 CALLS = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
          {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+
+
+def _parts(*texts: str) -> list[dict]:
+    return [{"type": "text", "text": t} for t in texts]
+
+
 CONVERSATIONS = {
     "first step": ([{"role": "system", "content": "You answer weather questions."},
                     {"role": "user", "content": "Weather in Paris?"}], [WEATHER]),
@@ -40,6 +46,23 @@ CONVERSATIONS = {
     "history without tools": ([{"role": "user", "content": "Weather in Paris?"},
                                {"role": "assistant", "content": "Let me look.", "tool_calls": CALLS[:1]},
                                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}], None),
+    # content as an array of text parts (OpenAI's other shape; kvrelay serve joins the parts' text)
+    "a system message in parts, with tools": ([{"role": "system", "content": _parts("You answer ", "weather.")},
+                                               {"role": "user", "content": "Weather in Paris?"}], [WEATHER]),
+    "an assistant's text in parts beside its calls": (
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": _parts("Let me ", "look."), "tool_calls": CALLS[:1]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}], [WEATHER]),
+    "a tool result in parts": ([{"role": "user", "content": "Weather and time in Paris?"},
+                                {"role": "assistant", "content": None, "tool_calls": CALLS},
+                                {"role": "tool", "tool_call_id": "call_1", "content": _parts("21 degrees, ", "sunny")},
+                                {"role": "tool", "tool_call_id": "call_2", "content": _parts("14:05")}],
+                               [WEATHER, CLOCK]),
+    "a user message in parts after results": (
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": CALLS[:1]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+         {"role": "user", "content": _parts("Answer in ", "one sentence.")}], [WEATHER]),
 }
 
 
