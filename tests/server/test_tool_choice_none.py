@@ -19,7 +19,7 @@ from tests.server.conftest import SMOL
 from tests.server.test_grammar import SCHEMAS, allowed, walk
 from tests.server.test_responses_api import WEATHER as RESPONSES_WEATHER
 from tests.server.test_responses_api import create
-from tests.server.test_tools import SYSTEM, USER, ask, tool
+from tests.server.test_tools import USER, ask, call_then_answer, tool
 
 needs_grammar = pytest.mark.skipif(grammar.xgr is None, reason="needs the tools extra (xgrammar)")
 NONE_PLAN = ToolPlan((FunctionDef(name="get_weather", parameters=SCHEMAS["enum"]),), "none")
@@ -106,13 +106,7 @@ def test_none_renders_the_same_prompt_as_auto(server, response_format):
 
 
 def test_a_required_step_then_none_reuses_the_whole_previous_prompt(server):
-    namespace = uuid.uuid4().hex
-    tools = [tool("get_weather")]
-    first = ask(server, namespace, tools=tools, tool_choice="required", parallel_tool_calls=False)
-    call = first.choices[0].message.tool_calls[0]
-    history = [SYSTEM, USER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
-    second = ask(server, namespace, messages=history, tools=tools, tool_choice="none", max_tokens=8)
+    first, second = call_then_answer(server, tool_choice="none")
     assert _prompt_ids(second)[: first.usage.prompt_tokens] == _prompt_ids(first)  # an exact prefix
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
     message = second.choices[0].message

@@ -109,14 +109,19 @@ def test_a_json_format_beside_tools_is_shown_in_the_prompt(server):
         assert json.dumps(schema) in text, choice
 
 
-def test_a_tool_loop_reuses_the_generated_call(server):
+def call_then_answer(server, **answer_kw):
+    """One tool loop in a fresh namespace: a forced call of get_weather, then a step that reads its result."""
     namespace = uuid.uuid4().hex
     tools = [tool("get_weather")]
     first = ask(server, namespace, tools=tools, tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
     history = [SYSTEM, USER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
-    second = ask(server, namespace, messages=history, tools=tools, max_tokens=8)
+    return first, ask(server, namespace, messages=history, tools=tools, max_tokens=8, **answer_kw)
+
+
+def test_a_tool_loop_reuses_the_generated_call(server):
+    first, second = call_then_answer(server)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     refs = second.model_extra["kvrelay"]["debug"]["refs"]
     spliced = [r for r in refs if r["kind"] == "output"]
