@@ -30,6 +30,7 @@ from kvrelay.server.request_ids import RequestIds
 from kvrelay.server.scheduler import EngineWorker
 from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.service_routes import service_router
+from kvrelay.server.shared_responses import response_store_for
 
 
 @dataclass
@@ -84,6 +85,8 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions
     app.include_router(completions_router(ctx))  # POST /v1/completions
-    app.include_router(responses_router(ctx))  # POST /v1/responses, GET/DELETE of stored responses
+    # POST /v1/responses, GET/DELETE of stored responses (the replicas' own when the KV store is a shared tier)
+    app.state.responses = response_store_for(catalog.store)
+    app.include_router(responses_router(ctx, app.state.responses))
     install_quality(app, ctx, engine, settings.quality)  # GET /v1/kvrelay/quality; the guard, its shadows, metrics
     return app

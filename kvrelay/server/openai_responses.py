@@ -7,18 +7,21 @@ tool prompt and constrained decoding, and the same ``kvrelay`` extension object 
 worker's events are rendered as a response object or the Responses SSE events
 (kvrelay.server.responses_events). ``store`` (default true) keeps the conversation under the caller's
 namespace so a later ``previous_response_id`` continues it (kvrelay.server.response_store); its KV is
-found again like any other quoted output.
+found again like any other quoted output. On a shared tier (``--store redis://...``) stored responses are the
+replicas' (kvrelay.server.shared_responses); every store call then may wait on the tier, so it runs off the event
+loop, and a created response is stored before its last line reaches the client: the next call may go to any replica.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from kvrelay.server.chat_route import queue_chat
 from kvrelay.server.context import AppContext
@@ -98,11 +101,27 @@ class _ResponsesAnswer:
         self.render = ResponseRender(body, model_id)
         self.body, self.store, self.namespace, self.conversation = body, store, namespace, conversation
         self.items = items
+        self._unkept: tuple | None = None  # the ``store.put`` arguments of the finished response, until ``keep``
 
     def _keep(self, done: DoneEvent, response: dict) -> None:
         if self.body.store is not False:
-            self.store.put(self.namespace, response["id"], self.conversation + [_assistant_message(done)], response,
-                           self.items)
+            self._unkept = (self.namespace, response["id"], self.conversation + [_assistant_message(done)], response,
+                            self.items)
+
+    async def keep(self) -> None:
+        """Store the finished response (off the event loop: a shared store writes to its tier), once."""
+        unkept, self._unkept = self._unkept, None
+        if unkept is not None:
+            await run_in_threadpool(self.store.put, *unkept)
+
+    async def kept_before_last_lines(self, lines: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The stream's lines, the response stored before the first of its closing lines goes out."""
+        try:
+            async for line in lines:
+                await self.keep()
+                yield line
+        finally:
+            await lines.aclose()  # its own cleanup: a stream cut short cancels the job
 
     def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         response = self.render.full(deltas, done)
@@ -136,13 +155,18 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
     async def create(body: ResponsesRequest, request: Request) -> Response:
         ctx.metrics.requests.labels("responses").inc()
         namespace = ctx.namespace_of(request, body.cache_salt)
-        chat, conversation, items = _chat_request(store, body, namespace)
+        chat, conversation, items = await run_in_threadpool(_chat_request, store, body, namespace)
         try:
             queued = await queue_chat(chat, request, ctx)
         except ApiError as exc:
             raise _in_responses_terms(exc) from exc
         answer = _ResponsesAnswer(body, ctx.model_id, store, namespace, conversation, items)
-        return await respond(ctx, request, queued.job, queued.events, bool(body.stream), answer)
+        response = await respond(ctx, request, queued.job, queued.events, bool(body.stream), answer)
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = answer.kept_before_last_lines(response.body_iterator)
+        else:
+            await answer.keep()
+        return response
 
     def stored(request: Request, response_id: str, cache_salt: str | None) -> tuple[str, StoredResponse]:
         namespace = ctx.namespace_of(request, cache_salt)
@@ -152,12 +176,13 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
                            code="not_found")
         return namespace, entry
 
+    # plain functions, which FastAPI runs off the event loop: a shared store's lookup waits on its tier
     @router.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, request: Request, cache_salt: str | None = None) -> dict:
+    def retrieve(response_id: str, request: Request, cache_salt: str | None = None) -> dict:
         return stored(request, response_id, cache_salt)[1].response
 
     @router.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items(response_id: str, request: Request, cache_salt: str | None = None,
+    def list_input_items(response_id: str, request: Request, cache_salt: str | None = None,
                                limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ITEMS)] = DEFAULT_PAGE_ITEMS,
                                order: Literal["asc", "desc"] = "desc", after: str | None = None,
                                before: str | None = None, include: Annotated[list[str], Query()] = (),
@@ -170,9 +195,11 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
         return item_page(stored(request, response_id, cache_salt)[1].input_items, limit, order, after)
 
     @router.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str, request: Request, cache_salt: str | None = None) -> dict:
+    def delete(response_id: str, request: Request, cache_salt: str | None = None) -> dict:
         namespace, _ = stored(request, response_id, cache_salt)
-        store.delete(namespace, response_id)
+        if not store.delete(namespace, response_id):  # gone meanwhile, or a shared tier that did not answer
+            raise ApiError(404, f"response {response_id!r} not found in this namespace", param="response_id",
+                           code="not_found")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return router

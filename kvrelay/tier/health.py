@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
-from kvrelay.tier.backends.base import redact
+from kvrelay.tier.backends.base import TierRefusedError, redact
 
 log = logging.getLogger("kvrelay.tier")
 
@@ -32,6 +34,24 @@ class TierHealth:
 
     def available(self) -> bool:
         return time.monotonic() >= self._next_try
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, the one fault wrapper of every tier call: ``TierDown`` (the caller's miss) while backing off
+        or when it fails. A refusal by a live tier (``TierRefusedError``) is a warning and ``TierDown("tier
+        refused")`` for this call alone; any other exception marks the tier down (logged once) and starts the backoff.
+        """
+        if not self.available():
+            raise TierDown
+        try:
+            out = fn(*args)
+        except TierRefusedError as e:  # the tier is up: this operation alone failed
+            log.warning("shared tier %s: %s", self.url, e)
+            raise TierDown("tier refused") from None
+        except Exception as e:  # any failure of the tier is a miss, never a failed request
+            self.failure(what, e)
+            raise TierDown from None
+        self.success()
+        return out
 
     def failure(self, what: str, exc: BaseException) -> None:
         with self._lock:

@@ -30,7 +30,7 @@ from typing import Any
 from kvrelay.cache.store import DEFAULT_NAMESPACE, KVStore, PrefixMatch, SpanLike, SpanNotFoundError
 from kvrelay.errors import ConfigError, StoreFullError
 from kvrelay.tier.announce import PublishedSpan, RemoteSpans, announcement
-from kvrelay.tier.backends.base import TierBackend, TierRefusedError, channel_key, redact, span_key
+from kvrelay.tier.backends.base import TierBackend, channel_key, redact, span_key
 from kvrelay.tier.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
 from kvrelay.tier.health import TierDown, TierHealth
 from kvrelay.tier.wire import SpanMeta, WireError, decode_span, encode_span
@@ -92,18 +92,7 @@ class TieredStore(KVStore):
 
     # ------------------------------------------------------------------ tier access, never raising
     def _tier(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        if not self.health.available():
-            raise TierDown
-        try:
-            out = fn(*args)
-        except TierRefusedError as e:  # the tier is up: this operation alone failed
-            log.warning("shared tier %s: %s", self.url, e)
-            raise TierDown("tier refused") from None
-        except Exception as e:  # any failure of the tier is a miss, never a failed request
-            self.health.failure(what, e)
-            raise TierDown from None
-        self.health.success()
-        return out
+        return self.health.call(what, fn, *args)
 
     def _miss(self, span_id: str, namespace: str, reason: str, **inputs: Any) -> None:
         self.decisions.record(FetchDecision(span_id, namespace, "miss", reason, **inputs))

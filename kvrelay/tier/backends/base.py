@@ -21,6 +21,12 @@ def span_key(namespace: str, fingerprint: str, span_id: str) -> str:
     return f"{KEY_VERSION}-{_h(namespace, 16)}-{_h(fingerprint, 16)}-{_h(span_id, 32)}"
 
 
+def record_key(kind: str, namespace: str, record_id: str) -> str:
+    """Key of a small record of the server (``kind``: what it is, e.g. ``resp`` for a stored response) in
+    ``namespace``: hashed like a span's key, never a model's (a record is the same for every model)."""
+    return f"{KEY_VERSION}-{_h(namespace, 16)}-{kind}-{_h(record_id, 32)}"
+
+
 def channel_key(namespace: str, fingerprint: str) -> str:
     """Where spans published for one namespace and model are announced."""
     return f"{KEY_VERSION}-{_h(namespace, 16)}-{_h(fingerprint, 16)}-published"
@@ -62,6 +68,11 @@ class TierBackend(Protocol):
     def get_value(self, key: str) -> bytes | None: ...
 
     def delete(self, key: str) -> None: ...
+
+    def touch(self, key: str) -> bool:
+        """Whether ``key``'s value and metadata are both there (all of it: a reader would get it), marking them used
+        where the tier evicts least recent first."""
+        ...
 
     def announce(self, channel: str, message: bytes) -> None:
         """Append ``message`` to ``channel``'s log (readers poll it with a cursor)."""

@@ -80,6 +80,10 @@ class DiskBackend:
     def get_value(self, key: str) -> bytes | None:
         return self._read(key + ".v")
 
+    def touch(self, key: str) -> bool:
+        # the value is renamed into place before the metadata: metadata there means a whole value, until a delete
+        return (self.root / (key + ".m")).exists() and (self.root / (key + ".v")).exists()
+
     def delete(self, key: str) -> None:
         for suffix in (".m", ".v"):  # metadata first: a reader never sees metadata without a value
             (self.root / (key + suffix)).unlink(missing_ok=True)

@@ -79,6 +79,20 @@ class RedisBackend:
             return None  # a chunk was evicted
         return bytearray().join(parts)  # a bytearray: decoding takes it over without another copy
 
+    def touch(self, key: str) -> bool:
+        # TOUCH and GETRANGE both count as a use for the LRU (EXISTS does not): a record read often stays
+        vkey = PREFIX + key + ":v"
+        pipe = self.client.pipeline(transaction=False)
+        pipe.touch(PREFIX + key + ":m", vkey)
+        pipe.getrange(vkey, 0, len(CHUNKED) + 6 - 1)  # a chunked value's head: marker and up to 6 digits
+        num_there, head = pipe.execute()
+        if num_there != 2:
+            return False
+        num_chunks = self._num_chunks(head)
+        if num_chunks is None or num_chunks < 0:  # whole, or a corrupt count (the read then finds it corrupt)
+            return True
+        return self.client.touch(*(f"{vkey}:{i}" for i in range(num_chunks))) == num_chunks
+
     def delete(self, key: str) -> None:
         vkey = PREFIX + key + ":v"
         num_chunks = max(self._num_chunks(self.client.get(vkey)) or 0, 0)
