@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import socket
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` sub-command to an argparse sub-parser set."""
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.flags import add_dataclass_flags, add_model_flags, finite_float
+    from kvrelay.server.json_logs import LOG_FORMATS
     from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, MatchConfig
     from kvrelay.weights.aliases import DEFAULT_MODEL
 
@@ -60,6 +60,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "replicas on the same tier reuse each other's spans (credentials are never printed)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="server log level (default: warning)")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text lines, or json: one JSON object a line with time, level, logger, message and, for "
+                        "a request, request_id (the access line adds http: method, path, status, duration_ms) "
+                        "(default: text)")
     p.set_defaults(fn=cmd_serve)
     return p
 
@@ -187,8 +191,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvrelay.errors import KvRelayError
+    from kvrelay.server.json_logs import announce, configure_logging
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         app = build_app(args)
     except KvRelayError as exc:
@@ -207,9 +212,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.freeze()
 
     lm = app.state.worker.engine.lm
-    print(f"kvrelay serve: {args.model} {serving_methods(args)} on http://{args.host}:{args.port}/v1 "
-          f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
-          f"threads: {torch.get_num_threads()})", file=sys.stderr, flush=True)
+    announce(f"kvrelay serve: {args.model} {serving_methods(args)} on http://{args.host}:{args.port}/v1 "
+             f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
+             f"threads: {torch.get_num_threads()})", args.log_format)
     from kvrelay.server.http_protocol import JsonErrorH11Protocol
     from kvrelay.server.shutdown_log import install_cut_off_filter
 
@@ -217,6 +222,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON; access_log off:
     # kvrelay.server.request_ids writes the access line, with the request's id (--log-level info shows it)
+    # log_config None with --log-format json: uvicorn's own lines go to the root handler, as JSON like the others
+    json_logs = {"log_config": None} if args.log_format == "json" else {}
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                http=JsonErrorH11Protocol, access_log=False)
+                http=JsonErrorH11Protocol, access_log=False, **json_logs)
     return 0

@@ -22,6 +22,11 @@ log = logging.getLogger("kvrelay.server")
 FALLBACK_METHOD = "prefix"
 
 
+def about(job: Job) -> dict:
+    """A log call's ``extra`` for a line about ``job``: its request id as a field (``--log-format json``)."""
+    return {"request_id": job.request_id}
+
+
 class RequestFailures:
     """The failure handling of ``EngineWorker`` (which provides ``engine``, ``_prefilling``, ``_running``,
     ``_admit``, ``_release`` and ``requests``, its RequestMetrics)."""
@@ -31,7 +36,7 @@ class RequestFailures:
         engine's fault, never the request's) starts over with ``FALLBACK_METHOD``."""
         if isinstance(exc, ScheduleError) and job.method != FALLBACK_METHOD:
             log.error("%s planned an inconsistent schedule (%s): request %s starts over with %s", job.method, exc,
-                      job.request_id or "-", FALLBACK_METHOD)
+                      job.request_id or "-", FALLBACK_METHOD, extra=about(job))
             self._prefilling.remove(job)
             job.task.cancel()
             # served by the fallback, it measures nothing of the method its role's rung chose
@@ -39,14 +44,14 @@ class RequestFailures:
             self._admit(job)
         elif isinstance(exc, ScheduleError):
             log.error("the fallback %s planned an inconsistent schedule for request %s", FALLBACK_METHOD,
-                      job.request_id or "-", exc_info=exc)
+                      job.request_id or "-", exc_info=exc, extra=about(job))
             self._fail(job, 500, "internal error while starting this request", "internal_error")
         elif isinstance(exc, ApiError):
             self._fail(job, exc.status, exc.message, exc.code)
         elif isinstance(exc, KvRelayError):
             self._fail(job, 400, str(exc), "invalid_value")
         else:
-            log.error("prefilling request %s failed", job.request_id or "-", exc_info=exc)
+            log.error("prefilling request %s failed", job.request_id or "-", exc_info=exc, extra=about(job))
             self._fail(job, 500, "internal error while starting this request", "internal_error")
 
     def _contained(self, job: Job, handle: Callable[[Job], None]) -> None:
@@ -54,7 +59,7 @@ class RequestFailures:
         try:
             handle(job)
         except Exception:
-            log.exception("serving request %s failed", job.request_id or "-")
+            log.exception("serving request %s failed", job.request_id or "-", extra=about(job))
             self._fail(job, 500, "internal error while serving this request", "internal_error")
 
     def _fail(self, job: Job, status: int, message: str, code: str) -> None:

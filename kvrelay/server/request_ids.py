@@ -130,8 +130,15 @@ class _AccessLine:
             return
         self.written = True
         if access_log.isEnabledFor(logging.INFO):
-            status = f"{self.status or status_if_none or '-'}{' ' + CUT_MARKER if self.cut else ''}"
+            code = self.status or status_if_none
+            status = f"{code or '-'}{' ' + CUT_MARKER if self.cut else ''}"
             client = client_request_id(self.scope["headers"])
-            access_log.info("%s %s %s %s %.1f ms%s", self.request_id, self.scope["method"], loggable_path(self.scope),
-                            status, (time.perf_counter() - self.started_s) * 1e3,
-                            f" client_request_id={client}" if client else "", extra={"request_id": self.request_id})
+            path, duration_ms = loggable_path(self.scope), (time.perf_counter() - self.started_s) * 1e3
+            # the same facts as fields, for a structured handler (--log-format json writes them as ``http``)
+            http = {"method": self.scope["method"], "path": path, "status": code, "cut": self.cut,
+                    "duration_ms": round(duration_ms, 1)}
+            if client:
+                http["client_request_id"] = client
+            access_log.info("%s %s %s %s %.1f ms%s", self.request_id, self.scope["method"], path, status, duration_ms,
+                            f" client_request_id={client}" if client else "",
+                            extra={"request_id": self.request_id, "http": http})

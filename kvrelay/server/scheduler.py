@@ -33,7 +33,7 @@ from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prefill_turn import advance_prefills
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
-from kvrelay.server.request_failures import RequestFailures, engine_failure_message
+from kvrelay.server.request_failures import RequestFailures, about, engine_failure_message
 from kvrelay.server.serve_config import DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 
@@ -150,7 +150,7 @@ class EngineWorker(RequestFailures):
         except KvRelayError as exc:
             self._answer_error(job, ErrorEvent(400, str(exc), None, "invalid_value"))
         except Exception:
-            log.exception("preparing request %s failed", job.request_id or "-")
+            log.exception("preparing request %s failed", job.request_id or "-", extra=about(job))
             self._answer_error(job, ErrorEvent(500, "internal error while starting this request", None,
                                                "internal_error"))
         else:
@@ -291,7 +291,7 @@ class EngineWorker(RequestFailures):
             if self._start(job):
                 self._prefilling.append(job)
         except Exception:
-            log.exception("starting request %s failed", job.request_id or "-")
+            log.exception("starting request %s failed", job.request_id or "-", extra=about(job))
             self._fail(job, 500, "internal error while starting this request", "internal_error")
 
     def _start(self, job: Job) -> bool:
