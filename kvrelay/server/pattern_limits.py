@@ -31,11 +31,11 @@ def _class_end(pattern: str, i: int) -> int:
     return j + 1
 
 
-def pattern_problem(pattern: str) -> str | None:
-    """Why ``pattern`` is too costly to compile, or None. A pattern this cannot parse (unbalanced groups) is left to
-    the grammar compiler, which refuses it."""
-    if len(pattern) > MAX_PATTERN_CHARS:
-        return f"a pattern longer than {MAX_PATTERN_CHARS} characters"
+def pattern_problem(pattern: str, max_chars: int = MAX_PATTERN_CHARS) -> str | None:
+    """Why ``pattern`` (of at most ``max_chars`` characters) is too costly to compile, or None. A pattern this cannot
+    parse (unbalanced groups) is left to the grammar compiler, which refuses it."""
+    if len(pattern) > max_chars:
+        return f"a pattern longer than {max_chars} characters"
     groups = [1]  # per open group: the largest product of counts inside it
     last = 1  # the product of counts inside the atom just read (1 for a character; a group's for a group)
     i = 0

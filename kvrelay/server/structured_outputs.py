@@ -1,9 +1,10 @@
 """vLLM's ``structured_outputs`` (and ``response_format`` on ``/v1/completions``), served with xgrammar as vLLM's
 xgrammar backend serves them, or refused with a 400 naming the field.
 
-- ``json`` (a schema object or its JSON text), ``json_object``: JSON of the schema (any object). The JSON holds at
-  most ``MAX_JSON_WHITESPACE`` whitespace characters in a row, as kvrelay's ``response_format`` (a small model may
-  otherwise pad forever); ``disable_any_whitespace``: none at all (vLLM's compact separators).
+- ``json`` (a schema object or its JSON text), ``json_object``: JSON of the schema (any object), with xgrammar's
+  whitespace as vLLM compiles it (any amount between tokens, so greedy answers are vLLM's); ``disable_any_whitespace``:
+  none at all (vLLM's compact separators). ``response_format`` on completions is kvrelay's, as on chat: at most
+  ``MAX_JSON_WHITESPACE`` whitespace characters in a row (a small model may otherwise pad forever).
 - ``regex``: text the regular expression matches as a whole (xgrammar's regex syntax).
 - ``choice``: exactly one of the strings (the same EBNF vLLM builds from them).
 - ``grammar``: xgrammar's EBNF (GBNF, a ``root`` rule), or Lark, which xgrammar converts; a grammar is read as Lark
@@ -32,7 +33,7 @@ from typing import Any
 
 from kvrelay.cache.tenancy import tenant_of
 from kvrelay.server.grammar_cache import grammar_key
-from kvrelay.server.pattern_limits import MAX_PATTERN_REPEAT, pattern_problem, total_repeat
+from kvrelay.server.pattern_limits import MAX_PATTERN_CHARS, MAX_PATTERN_REPEAT, pattern_problem, total_repeat
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.structured_protocol import StructuredOutputs
 from kvrelay.server.tool_protocol import ResponseFormat
@@ -58,6 +59,7 @@ class Structured:
     param: str
     lark: bool = False
     compact: bool = False  # no whitespace inside JSON (disable_any_whitespace)
+    max_whitespace: int | None = None  # whitespace characters in a row inside JSON (None: any)
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -103,8 +105,8 @@ def _close_objects(schema: Any) -> None:
             stack.extend(item)
 
 
-def _check_repetition(text: str, param: str) -> None:
-    problem = pattern_problem(text) if len(text) <= MAX_GRAMMAR_CHARS else f"over {MAX_GRAMMAR_CHARS} characters"
+def _check_repetition(text: str, param: str, max_chars: int) -> None:
+    problem = pattern_problem(text, max_chars)
     if problem is None and total_repeat(text) > MAX_TOTAL_REPEAT:
         problem = f"counted repetitions ({{m,n}}) adding up to over {MAX_TOTAL_REPEAT}"
     if problem is not None:
@@ -153,7 +155,7 @@ def _one(so: StructuredOutputs) -> Structured:
     if name == "regex":
         if "\x00" in so.regex:
             raise _bad(param, "must not contain a NUL character")
-        _check_repetition(so.regex, param)
+        _check_repetition(so.regex, param, MAX_PATTERN_CHARS)
         return Structured("regex", so.regex, param)
     if name == "choice":
         if not so.choice:
@@ -162,18 +164,17 @@ def _one(so: StructuredOutputs) -> Structured:
             raise _bad(param, f"is too large: at most {MAX_CHOICES} strings of {MAX_CHOICE_CHARS} characters "
                        "together")
         return Structured("grammar", choice_grammar(so.choice), param)
-    _check_repetition(so.grammar, param)
+    _check_repetition(so.grammar, param, MAX_GRAMMAR_CHARS)
     return Structured("grammar", so.grammar, param, lark=is_lark(so.grammar))
 
 
 def _from_response_format(fmt: ResponseFormat) -> Structured | None:
     if fmt.type == "text":
         return None
-    if fmt.type == "json_object":
-        return Structured("json", json.dumps({"type": "object"}), "response_format")
-    from kvrelay.server.grammar import check_response_format
+    from kvrelay.server.grammar import MAX_JSON_WHITESPACE, check_response_format
 
-    return Structured("json", json.dumps(check_response_format(fmt)), "response_format.json_schema")
+    param = "response_format" if fmt.type == "json_object" else "response_format.json_schema"
+    return Structured("json", json.dumps(check_response_format(fmt)), param, max_whitespace=MAX_JSON_WHITESPACE)
 
 
 def structured_of(body: Any, tools_may_call: bool = False) -> Structured | None:
@@ -207,7 +208,7 @@ def compile_structured(structured: Structured, tokenizer) -> Any:
             compiled = compiler.compile_json_schema(
                 structured.text, any_whitespace=not structured.compact,
                 separators=(",", ":") if structured.compact else None,
-                max_whitespace_cnt=None if structured.compact else grammar.MAX_JSON_WHITESPACE)
+                max_whitespace_cnt=None if structured.compact else structured.max_whitespace)
         elif structured.kind == "regex":
             compiled = compiler.compile_regex(structured.text)
         elif structured.lark:
