@@ -96,3 +96,14 @@ def test_what_is_refused_is_a_400_naming_the_field(smol, extra, param):
         smol.client().chat.completions.create(model=SMOL, messages=[QUESTION], max_tokens=4, extra_body=extra)
     assert err.value.body["param"] == param, err.value.body
     assert err.value.body["message"].startswith(param), err.value.body
+
+
+def test_the_kwargs_the_template_reads_are_kept_and_the_rest_dropped():
+    from kvrelay.server.chat_template_params import template_params
+    from kvrelay.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": SMOL, "messages": [QUESTION], "chat_template_kwargs": {
+        "enable_thinking": True, "custom": 1}, "add_generation_prompt": False})
+    params = template_params(body, frozenset({"messages", "enable_thinking"}))
+    assert params.kwargs == {"enable_thinking": True} and not params.add_generation_prompt
+    assert template_params(body, frozenset({"messages"})).kwargs == {}
