@@ -35,6 +35,7 @@ from kvrelay.cache.tenancy import tenant_of
 from kvrelay.server.grammar_cache import grammar_key
 from kvrelay.server.pattern_limits import MAX_PATTERN_CHARS, MAX_PATTERN_REPEAT, pattern_problem, total_repeat
 from kvrelay.server.protocol import ApiError
+from kvrelay.server.schema_limits import SchemaSize
 from kvrelay.server.structured_protocol import StructuredOutputs
 from kvrelay.server.tool_protocol import ResponseFormat
 
@@ -59,7 +60,8 @@ class Structured:
     param: str
     lark: bool = False
     compact: bool = False  # no whitespace inside JSON (disable_any_whitespace)
-    max_whitespace: int | None = None  # whitespace characters in a row inside JSON (None: any)
+    # JSON whitespace as kvrelay's response_format (kvrelay.server.grammar.MAX_JSON_WHITESPACE in a row), not any
+    bounded_whitespace: bool = False
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -76,14 +78,16 @@ def refuse_guided(body: Any) -> None:
 
 
 def _schema(value: str | dict, param: str, drop_extra_properties: bool) -> str:
-    from kvrelay.server.schemas import check_schema  # jsonschema: imported with the first request needing it
-
+    """The schema's JSON text, within the size limits (cheap, on the event loop); whether it is a valid JSON schema
+    is checked where it is compiled (jsonschema takes up to a fraction of a second: ``compile_structured``)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except (ValueError, RecursionError) as exc:
             raise _bad(param, f"is not valid JSON text: {exc}") from None
-    check_schema(value, param)  # size limits, then a valid JSON schema
+    if not isinstance(value, dict):
+        raise _bad(param, "must be a JSON schema object")
+    SchemaSize().add(value, param)
     if drop_extra_properties:
         value = copy.deepcopy(value)
         _close_objects(value)
@@ -92,7 +96,7 @@ def _schema(value: str | dict, param: str, drop_extra_properties: bool) -> str:
 
 def _close_objects(schema: Any) -> None:
     """``additionalProperties: false`` on every object schema that declares properties and says nothing of others
-    (vLLM's ``disable_additional_properties``). Iterative: ``check_schema`` bounded the schema's size."""
+    (vLLM's ``disable_additional_properties``). Iterative: ``SchemaSize`` bounded the schema's size."""
     stack = [schema]
     while stack:
         item = stack.pop()
@@ -171,10 +175,13 @@ def _one(so: StructuredOutputs) -> Structured:
 def _from_response_format(fmt: ResponseFormat) -> Structured | None:
     if fmt.type == "text":
         return None
-    from kvrelay.server.grammar import MAX_JSON_WHITESPACE, check_response_format
-
-    param = "response_format" if fmt.type == "json_object" else "response_format.json_schema"
-    return Structured("json", json.dumps(check_response_format(fmt)), param, max_whitespace=MAX_JSON_WHITESPACE)
+    if fmt.type == "json_object":
+        schema, param = {"type": "object"}, "response_format"
+    elif fmt.json_schema is None:
+        raise _bad("response_format.json_schema", "is needed by response_format of type json_schema")
+    else:
+        schema, param = fmt.json_schema.schema_ or {}, "response_format.json_schema.schema"
+    return Structured("json", _schema(schema, param, False), param, bounded_whitespace=True)
 
 
 def structured_of(body: Any, tools_may_call: bool = False) -> Structured | None:
@@ -202,13 +209,17 @@ def compile_structured(structured: Structured, tokenizer) -> Any:
     if grammar.xgr is None:
         raise _bad(structured.param, "needs constrained decoding, and this server has no grammar library: install "
                    "it with pip install 'kvrelay[tools]' (xgrammar)", "unsupported")
+    if structured.kind == "json":
+        from kvrelay.server.schemas import check_schema
+
+        check_schema(json.loads(structured.text), structured.param)  # a valid JSON schema (a 400 naming it)
     compiler = grammar.vocabulary(tokenizer).compiler
     try:
         if structured.kind == "json":
             compiled = compiler.compile_json_schema(
                 structured.text, any_whitespace=not structured.compact,
                 separators=(",", ":") if structured.compact else None,
-                max_whitespace_cnt=None if structured.compact else structured.max_whitespace)
+                max_whitespace_cnt=grammar.MAX_JSON_WHITESPACE if structured.bounded_whitespace else None)
         elif structured.kind == "regex":
             compiled = compiler.compile_regex(structured.text)
         elif structured.lark:
