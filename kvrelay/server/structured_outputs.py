@@ -134,7 +134,7 @@ _COMMENT = re.compile(r"(#|//).*$")
 
 def is_lark(grammar: str) -> bool:
     """vLLM's test (``grammar_is_likely_lark``): no line, comments removed, defines a rule with ``::=``."""
-    return not any(_EBNF_RULE.search(_COMMENT.sub("", line)) for line in grammar.split("\n"))
+    return bool(grammar) and not any(_EBNF_RULE.search(_COMMENT.sub("", line)) for line in grammar.split("\n"))
 
 
 def _one(so: StructuredOutputs) -> Structured:
