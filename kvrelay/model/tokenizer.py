@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -28,6 +29,9 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # character per byte; an SPM piece is the text's characters with spaces as "▁"), so such a text holds more
 # tokens than the context. The factor leaves room for a normalizer that shortens text (composing accents).
 TEXT_CHARS_SLACK = 2
+# appended to the final message to find where it ends in the rendered prompt (transformers' tag, so that a
+# continued message is cut where transformers, and so vLLM, cut it)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 
@@ -62,6 +66,7 @@ class Tokenizer:
                 stops.add(tid)
         self.stop_ids = frozenset(stops)
         self._template = None
+        self._template_variables: frozenset[str] | None = None
         self._max_text_chars_per_token: int | None = None  # 0: no bound (an unknown token covers any word)
 
     @property
@@ -113,7 +118,33 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None
+                            ) -> str:
+        """The prompt text of ``messages``. ``continue_final_message``: the text ends inside the final message
+        (no end of turn after it), as transformers' ``apply_chat_template`` cuts it, so the model continues it.
+        ``template_kwargs``: more variables for the template (the caller keeps the ones above out of it)."""
+        if continue_final_message:
+            if not messages:
+                raise ValueError("continue_final_message needs a final message to continue")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
+        text = self._render(messages, add_generation_prompt, template_kwargs or {})
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0:
+            raise ValueError("continue_final_message is set but the chat template does not show the final message")
+        # a template that keeps the message's spacing has the whole tag; one that trims it lost the trailing space
+        return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (``messages``, ``add_generation_prompt``...)."""
+        if self._template_variables is None:
+            parsed = jinja2.Environment().parse(self.chat_template) if self.chat_template else None
+            self._template_variables = frozenset(meta.find_undeclared_variables(parsed) if parsed else ())
+        return self._template_variables
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
         if not self.chat_template:
             # No template shipped: a plain transcript, so base models still work.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -129,7 +160,7 @@ class Tokenizer:
             env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
             self._template = env.from_string(self.chat_template)
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
 

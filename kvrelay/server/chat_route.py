@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
+from kvrelay.server.chat_template_params import template_params
 from kvrelay.server.context import AppContext, agent_of, digest
 from kvrelay.server.grammar_cache import grammar_key
 from kvrelay.server.prompting import chat_ids
@@ -30,6 +31,7 @@ from kvrelay.server.respond import CompletionRender, include_usage, respond
 from kvrelay.server.responses import Reply
 from kvrelay.server.scheduler import Job
 from kvrelay.server.schema_limits import check_request_schemas
+from kvrelay.server.structured_outputs import structured_constraint, structured_of
 from kvrelay.server.tools import ToolPlan, ToolStream, answer_schema, check_tool_messages, plan_tools, render_messages
 
 
@@ -120,11 +122,14 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     _check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    template = template_params(body, ctx.tokenizer.template_variables())
     answer = answer_schema(body)
     tools = body.tools or []
     check_request_schemas([t.function.parameters for t in tools], answer)  # bounded work, before any is validated
     plan = await _tool_plan(body, namespace, ctx) if tools else plan_tools(body)
-    constraint = await _constraint(body, plan, namespace, ctx)
+    structured = structured_of(body, tools_may_call=plan is not None and plan.may_call)
+    constraint = await (structured_constraint(structured, namespace, ctx) if structured is not None
+                        else _constraint(body, plan, namespace, ctx))
     messages = render_messages(body, plan)
     system = next((m.text() for m in body.messages if m.role in ("system", "developer")), "")
     agent = agent_of(request, "sys-" + digest(system))
@@ -133,7 +138,8 @@ async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppCont
     def build():
         catalog.learn_published(namespace)  # completions other replicas returned: splice them as generated
         try:
-            return chat_ids(tokenizer, messages, catalog.registry, namespace, ctx.worker.context_tokens), agent
+            return chat_ids(tokenizer, messages, catalog.registry, namespace, ctx.worker.context_tokens,
+                            template), agent
         except ContextLengthError as exc:  # refused from its length before its ids become Python objects
             raise ApiError(400, str(exc), param="messages", code="context_length_exceeded") from exc
         except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)

@@ -11,6 +11,7 @@ from kvrelay.server.prompting import PromptBuild, completion_ids
 from kvrelay.server.protocol import ApiError, CompletionRequest
 from kvrelay.server.respond import CompletionRender, include_usage, respond
 from kvrelay.server.responses import Reply
+from kvrelay.server.structured_outputs import structured_constraint, structured_of
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
 
@@ -49,6 +50,8 @@ def completions_router(ctx: AppContext) -> APIRouter:
         ctx.metrics.requests.labels("completions").inc()
         namespace, method = ctx.check_common(body, request)
         prompt = checked_prompt(body, ctx.tokenizer)
+        structured = structured_of(body)
+        constraint = await structured_constraint(structured, namespace, ctx) if structured is not None else None
         agent = agent_of(request, "completion")
         catalog = ctx.catalog
 
@@ -63,7 +66,7 @@ def completions_router(ctx: AppContext) -> APIRouter:
                 raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from exc
 
         job, events = ctx.make_job(body, namespace, method, build, body.max_tokens, _DEFAULT_MAX_TOKENS,
-                                   body.logprobs, prompt_param="prompt")
+                                   body.logprobs, prompt_param="prompt", constraint=constraint)
         ctx.worker.submit(job)
         render = CompletionRender(Reply(ctx.model_id, False, body.logprobs is not None), include_usage(body))
         return await respond(ctx, request, job, events, body.stream, render)

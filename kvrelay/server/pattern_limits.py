@@ -31,11 +31,11 @@ def _class_end(pattern: str, i: int) -> int:
     return j + 1
 
 
-def pattern_problem(pattern: str) -> str | None:
-    """Why ``pattern`` is too costly to compile, or None. A pattern this cannot parse (unbalanced groups) is left to
-    the grammar compiler, which refuses it."""
-    if len(pattern) > MAX_PATTERN_CHARS:
-        return f"a pattern longer than {MAX_PATTERN_CHARS} characters"
+def pattern_problem(pattern: str, max_chars: int = MAX_PATTERN_CHARS) -> str | None:
+    """Why ``pattern`` (of at most ``max_chars`` characters) is too costly to compile, or None. A pattern this cannot
+    parse (unbalanced groups) is left to the grammar compiler, which refuses it."""
+    if len(pattern) > max_chars:
+        return f"a pattern longer than {max_chars} characters"
     groups = [1]  # per open group: the largest product of counts inside it
     last = 1  # the product of counts inside the atom just read (1 for a character; a group's for a group)
     i = 0
@@ -66,3 +66,10 @@ def pattern_problem(pattern: str) -> str | None:
         else:
             last, i = 1, i + (2 if c == "\\" else 1)
     return None
+
+
+def total_repeat(text: str) -> int:
+    """The counts of every ``{m}``, ``{m,}`` or ``{m,n}`` in ``text`` summed (each its largest bound): a regex's
+    or grammar's repetitions side by side each cost their own compile time, nested or not."""
+    digits = (m.group(3) or m.group(1) for m in _COUNT.finditer(text))
+    return sum(max(int(d), 1) if len(d) <= 9 else 10**9 for d in digits)  # no int() of a 5000-digit count

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvrelay.errors import ContextLengthError
 from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.server.chat_template_params import TemplateParams
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # Unicode private use: no tokenizer or template gives them meaning
@@ -120,14 +121,18 @@ def _content_tokens(char_ranges: list[tuple[int, int]], offsets: list[tuple[int,
 
 
 def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], registry: OutputRegistry | None = None,
-             namespace: str = "", max_tokens: int | None = None) -> PromptBuild:
-    """Token ids of ``messages`` under the model's chat template, quoted outputs spliced in, and the
+             namespace: str = "", max_tokens: int | None = None, template: TemplateParams | None = None
+             ) -> PromptBuild:
+    """Token ids of ``messages`` under the model's chat template (``template``: the request's template parameters,
+    kvrelay.server.chat_template_params), quoted outputs spliced in (in a continued final message too), and the
     token ranges of the messages' contents. A prompt over ``max_tokens``: ContextLengthError (``Tokenizer.encode``)."""
+    template = template or TemplateParams()
     found: list[RegisteredOutput] = []
     usable = registry is not None and not any(_OPEN in m["content"] or _CLOSE in m["content"] for m in messages)
     if usable:
         messages = [{**m, "content": _mark(m["content"], registry, namespace, found)} for m in messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, template.add_generation_prompt, template.continue_final_message,
+                                         template.kwargs)
     if found:
         build, offsets = _tokenize_marked(tokenizer, text, found, max_tokens)
     else:

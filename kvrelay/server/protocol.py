@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
+from kvrelay.server.structured_protocol import StructuredOutputs
 from kvrelay.server.tool_protocol import ResponseFormat, ToolCall, ToolChoice, ToolDef
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -200,6 +201,19 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
     moderation: Any = None
     verbosity: Any = None  # "medium", OpenAI's default, is what every answer here is
+    # vLLM's structured outputs (kvrelay.server.structured_outputs) and chat-template parameters
+    # (kvrelay.server.chat_template_params); the removed guided_* fields are refused by name
+    structured_outputs: StructuredOutputs | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: StrictBool = False  # refused when true
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -209,6 +223,15 @@ class CompletionRequest(_Sampling):
     # refused when set to anything but their no-op (kvrelay.server.completions_route): each changes the answer
     suffix: str | None = None
     best_of: StrictInt | None = None
+    # vLLM's structured outputs and response_format on completions (kvrelay.server.structured_outputs)
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

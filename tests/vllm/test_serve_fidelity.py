@@ -1,8 +1,13 @@
 """vLLM serving kvrelay's exported SmolLM2 through ``kvrelay.vllm.launch``, driven by the official ``openai``
 client: it serves chat, renders the chat template to kvrelay's prompt ids, and its first-token distribution on
-the same ids is kvrelay ``full``'s (the baseline every connector fidelity number is measured against)."""
+the same ids is kvrelay ``full``'s (the baseline every connector fidelity number is measured against). Beside it,
+``kvrelay serve`` on the same weights answers vLLM's ``structured_outputs`` as vLLM does (both decode with
+xgrammar), and renders ``continue_final_message`` / ``add_generation_prompt`` to vLLM's prompt ids."""
 
 from __future__ import annotations
+
+import json
+import re
 
 import pytest
 import torch
@@ -92,3 +97,72 @@ def test_first_token_matches_kvrelay_full(server, lm, record_property):
     record_property("first_token_kl", kls)
     print(f"first-token KL(kvrelay full || vLLM) per prompt: {', '.join(f'{kl:.2e}' for kl in kls)}")
     assert max(kls) < MAX_KL, kls
+
+
+# ---------------------------------------------------------------------- kvrelay serve beside vLLM
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"]}
+COLOURS = ["red", "green", "blue"]
+STRUCTURED = [("What is 12 times 12?", {"regex": r"[0-9]{1,5}"}),
+              ("Which colour is the sky on a clear day?", {"choice": COLOURS}),
+              ("Describe a person.", {"json": PERSON}),
+              ("Is the sky blue?", {"grammar": 'root ::= "Answer: " ("yes" | "no") "."'})]
+
+
+@pytest.fixture(scope="module")
+def kvrelay_serve():
+    from tests.server.conftest import SMOL, Server
+
+    srv = Server("--model", SMOL, "--kv-budget-gb", "0.25")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _follows(structured: dict, text: str) -> bool:
+    if "regex" in structured:
+        return re.fullmatch(structured["regex"], text) is not None
+    if "choice" in structured:
+        return text in structured["choice"]
+    if "json" in structured:
+        from jsonschema import Draft202012Validator
+
+        return Draft202012Validator(structured["json"]).is_valid(json.loads(text))
+    return text in ("Answer: yes.", "Answer: no.")
+
+
+def test_structured_outputs_decode_as_on_vllm(server, kvrelay_serve):
+    from tests.server.conftest import SMOL
+
+    for question, structured in STRUCTURED:
+        messages = [{"role": "user", "content": question}]
+        answers = [srv.client().chat.completions.create(model=model, messages=messages, max_tokens=60,
+                                                        temperature=0.0,
+                                                        extra_body={"structured_outputs": structured}
+                                                        ).choices[0].message.content
+                   for srv, model in ((server, server.model), (kvrelay_serve, SMOL))]
+        assert answers[0] == answers[1], (structured, answers)
+        assert _follows(structured, answers[1]), (structured, answers)  # constrained on both, not free on both
+    prompt = "My phone number is"
+    texts = [srv.client().completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0.0,
+                                             extra_body={"structured_outputs": {"regex": r"[0-9]{3,8}"}}
+                                             ).choices[0].text
+             for srv, model in ((server, server.model), (kvrelay_serve, SMOL))]
+    assert texts[0] == texts[1] and re.fullmatch(r"[0-9]{3,8}", texts[1]), texts
+
+
+@pytest.mark.parametrize(("messages", "flags"), [
+    (_messages(QUESTIONS[0]) + [{"role": "assistant", "content": "Let me think. In April she sold"}],
+     {"continue_final_message": True, "add_generation_prompt": False}),
+    (_messages(QUESTIONS[2]), {"add_generation_prompt": False}),
+    (_messages(QUESTIONS[2]), {"add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": False}}),
+])
+def test_template_flags_give_vllms_prompt_ids(server, kvrelay_serve, messages, flags):
+    from tests.server.conftest import SMOL
+
+    vllm_ids = server.post("/tokenize", {"model": server.model, "messages": messages, **flags})["tokens"]
+    reply = kvrelay_serve.client().chat.completions.create(model=SMOL, messages=messages, max_tokens=1,
+                                                           extra_body={**flags, "kvrelay": {"debug": True}})
+    assert reply.model_extra["kvrelay"]["debug"]["prompt_ids"] == vllm_ids
