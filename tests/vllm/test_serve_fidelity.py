@@ -1,6 +1,7 @@
 """vLLM serving kvrelay's exported SmolLM2 through ``kvrelay.vllm.launch``, driven by the official ``openai``
 client: it serves chat, renders the chat template to kvrelay's prompt ids, and its first-token distribution on
-the same ids is kvrelay ``full``'s (the baseline every connector fidelity number is measured against)."""
+the same ids is kvrelay ``full``'s (the baseline every connector fidelity number is measured against). And vLLM's
+extra sampling parameters (``extra_body``) give the same greedy tokens on ``kvrelay serve`` as on vLLM itself."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
+from tests.server.conftest import SMOL, Server
 
 # the same fp32 weights on both sides: only the order of fp32 sums differs (kvrelay's packed oneDNN matmuls,
 # vLLM's CPU kernels), so the distributions agree to ~1e-11 nats (measured); a wrong weight, norm, RoPE base or
@@ -92,3 +94,52 @@ def test_first_token_matches_kvrelay_full(server, lm, record_property):
     record_property("first_token_kl", kls)
     print(f"first-token KL(kvrelay full || vLLM) per prompt: {', '.join(f'{kl:.2e}' for kl in kls)}")
     assert max(kls) < MAX_KL, kls
+
+
+@pytest.fixture(scope="module")
+def kvrelay_serve():
+    srv = Server("--model", SMOL, "--kv-budget-gb", "0.25", "--method", "full")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _kvrelay_serve_ids(srv, ids: list[int], **extra) -> tuple[list[int], str, str]:
+    """kvrelay serve's completion of ``ids``: its token ids (with the stop token it ended on, as vLLM lists them),
+    text and finish reason."""
+    reply = srv.client().completions.create(model=SMOL, prompt=ids, max_tokens=extra.pop("max_tokens"),
+                                            temperature=extra.pop("temperature", 0.0),
+                                            extra_body={"kvrelay": {"debug": True, "cache_output": False}, **extra})
+    choice = reply.choices[0]
+    output_ids = reply.model_extra["kvrelay"]["debug"]["output_ids"]
+    return output_ids, choice.text, choice.finish_reason
+
+
+def _vllm_ids(server, ids: list[int], **extra) -> tuple[list[int], str, str]:
+    reply = server.client().completions.create(model=server.model, prompt=ids, max_tokens=extra.pop("max_tokens"),
+                                               temperature=extra.pop("temperature", 0.0),
+                                               extra_body={"return_token_ids": True, **extra})
+    choice = reply.choices[0]
+    return list(choice.model_extra["token_ids"]), choice.text, choice.finish_reason
+
+
+def test_vllms_sampling_parameters_give_vllms_greedy_tokens(server, kvrelay_serve, lm):
+    ids = _prompt_ids(lm, QUESTIONS[2])
+    plain, _, plain_finish = _vllm_ids(server, ids, max_tokens=40)
+    assert plain_finish == "stop" and len(plain) < 30  # the answer ends by itself: min_tokens can hold it back
+    stop_id = next(t for i, t in enumerate(plain) if i >= 3 and t not in plain[:i])
+    min_tokens = len(plain) + 4
+    cases = [{"repetition_penalty": 1.3}, {"repetition_penalty": 0.8},
+             {"min_tokens": min_tokens, "ignore_eos": True}, {"min_tokens": min_tokens}, {"ignore_eos": True},
+             {"stop_token_ids": [stop_id]}, {"stop_token_ids": [stop_id], "include_stop_str_in_output": True},
+             {"top_k": 1, "temperature": 1.0, "seed": 3}]
+    for case in cases:
+        vllm_ids, vllm_text, vllm_finish = _vllm_ids(server, ids, max_tokens=40, **case)
+        ours, text, finish = _kvrelay_serve_ids(kvrelay_serve, ids, max_tokens=40, **case)
+        stopped_on_token = vllm_finish == "stop" and len(vllm_ids) < 40
+        # vLLM lists the stop token it ended on; kvrelay's output ids leave it out
+        assert ours == (vllm_ids[:-1] if stopped_on_token else vllm_ids), case
+        assert (text, finish) == (vllm_text, vllm_finish), case
+        # each changed vLLM's answer (top_k 1 at temperature 1 gave the greedy one): the test tells them apart
+        assert (vllm_ids == plain) if "top_k" in case else (vllm_ids != plain), case
