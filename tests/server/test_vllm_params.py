@@ -82,7 +82,7 @@ def test_skip_special_tokens_false_keeps_the_end_of_turn_text(smol, lm):
 def test_min_tokens_holds_the_end_back_and_matches_the_reference(smol, lm):
     plain = _chat(smol)
     prompt_ids, plain_ids = _ids(plain)
-    min_tokens = len(plain_ids) + 6
+    min_tokens = len(plain_ids) + 1  # the end held back exactly where greedy wanted it: an off-by-one ends there
     reply = _chat(smol, max_tokens=min_tokens + 10, min_tokens=min_tokens)
     output_ids = _ids(reply)[1]
     assert len(output_ids) >= min_tokens > len(plain_ids)
