@@ -83,6 +83,7 @@ class GenerationOutput:
     prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_prompt, hidden]
     cache: SequenceKV | None = None  # kept with keep_cache=True: every prompt and output token's KV
     top1_probs: list[float] = field(default_factory=list)  # probability of the chosen-by-argmax token per step
+    stop_token_id: int | None = None  # with stop_reason "stop": the stop token sampled (not in ``output_ids``)
 
     @property
     def confidence(self) -> float:

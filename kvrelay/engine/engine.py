@@ -70,10 +70,14 @@ class GenerateOptions:
     # too (what ``publish`` stores); None: as keep_cache
     feed_last: bool | None = None
     logits_mask: LogitsMask | None = None  # this call's own constraint (see ``LogitsMask``)
+    # the token ids that end the call (not part of its output); None: the tokenizer's (end of sequence, end of turn)
+    stop_ids: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if self.forced_output_ids is not None:
             object.__setattr__(self, "forced_output_ids", tuple(int(t) for t in self.forced_output_ids))
+        if self.stop_ids is not None:
+            object.__setattr__(self, "stop_ids", frozenset(int(t) for t in self.stop_ids))
 
     @property
     def num_new_tokens(self) -> int:
@@ -100,6 +104,7 @@ class Sequence:
     prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     decode_rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [hidden] per step
     decode_ms: float = 0.0
+    stop_token_id: int | None = None  # with stop_reason "stop": the stop token sampled (not in ``output_ids``)
 
     @property
     def done(self) -> bool:
@@ -263,7 +268,8 @@ class Engine:
         decode_hidden = {layer: torch.stack(rows) for layer, rows in seq.decode_rows.items()}
         output = GenerationOutput(seq.prompt_ids, list(seq.output_ids), self.lm.tokenizer.decode(seq.output_ids),
                                   seq.first_logits, stats, seq.stop_reason, decode_hidden, seq.prompt_hidden,
-                                  seq.cache if seq.options.keep_cache else None, list(seq.top1_probs))
+                                  seq.cache if seq.options.keep_cache else None, list(seq.top1_probs),
+                                  seq.stop_token_id)
         seq.cache = None  # the engine holds no reference: the KV is freed unless the output keeps it
         return output
 
@@ -327,8 +333,9 @@ class Engine:
         mask = seq.options.logits_mask
         next_id = seq.sampler(logits) if mask is None else sample_masked(seq.sampler, mask, logits)
         seq.top1_probs.append(float(torch.softmax(logits.float(), dim=-1).max()))
-        if next_id in self.lm.tokenizer.stop_ids:
-            seq.stop_reason = "stop"
+        stop_ids = self.lm.tokenizer.stop_ids if seq.options.stop_ids is None else seq.options.stop_ids
+        if next_id in stop_ids:
+            seq.stop_reason, seq.stop_token_id = "stop", next_id
             return
         seq.output_ids.append(next_id)
         if len(seq.output_ids) >= seq.options.sampling.max_new_tokens:

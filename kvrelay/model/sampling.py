@@ -1,10 +1,16 @@
-"""Next-token choice: greedy, or temperature with nucleus (top-p) sampling.
+"""Next-token choice: greedy, or temperature with min-p, top-k and nucleus (top-p) sampling, in vLLM's order.
+
+The filters apply to the tempered distribution, as vLLM's sampler does: min-p drops the tokens whose probability
+is below ``min_p`` times the top token's, then top-k keeps the ``top_k`` most likely (those tied with the k-th
+too), then top-p keeps the smallest set whose mass, renormalized over what is left, reaches ``top_p``. Greedy
+ignores all three (vLLM resets them at temperature 0).
 
 Sampling is numerically safe for every temperature and top_p the config accepts: the logits are shifted
 by their maximum before the temperature divides them (so ``(logit - max) / temperature`` is <= 0, the top
 token's exactly 0: no overflow to inf, no inf - inf = NaN, however small the temperature), a temperature
 below ``MIN_TEMPERATURE`` is greedy (so the divisor is never a float32 denormal or 0), and top-p always
-keeps the most likely token (a top_p that rounds to 0 in float32 still samples).
+keeps the most likely token (a top_p that rounds to 0 in float32 still samples), as min-p (its threshold is at most
+the top token's probability) and top-k (k >= 1) do.
 Logits the model got wrong (NaN, +inf, or nothing allowed) raise ``SamplingError`` instead of
 sampling garbage, so the caller can fail that one sequence.
 """
@@ -41,6 +47,7 @@ class Sampler:
         scores = logits.detach().float().cpu()
         # shifted by the max first: every exponent is <= 0, the top token's is exactly 0 (no overflow, no NaN)
         probs = torch.softmax((scores - top) / self.config.temperature, dim=-1)
+        probs = self._min_p_top_k(probs)
         if self.config.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest set whose mass reaches top_p; the top token always stays (its preceding mass is 0)
@@ -49,3 +56,15 @@ class Sampler:
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _min_p_top_k(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs`` without the tokens min-p and top-k drop, renormalized (unchanged when both are off)."""
+        min_p, top_k = self.config.min_p, self.config.top_k
+        if min_p <= 0 and (top_k <= 0 or top_k >= probs.numel()):
+            return probs
+        if min_p > 0:  # the top token's probability is the max: its own threshold is min_p <= 1 times itself
+            probs = torch.where(probs < min_p * probs.max(), 0.0, probs)
+        if 0 < top_k < probs.numel():  # ties with the k-th value stay, as in vLLM's threshold
+            kth = torch.topk(probs, top_k).values[-1]
+            probs = torch.where(probs < kth, 0.0, probs)
+        return probs / probs.sum()

@@ -29,6 +29,9 @@ class SamplingConfig:
                                                               f"(as is anything below {MIN_TEMPERATURE:g})"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]; 1 = off"})
     seed: int = field(default=0, metadata={"help": "random seed of the sampler (integer)"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens; 0 or -1 = off (vLLM's)"})
+    min_p: float = field(default=0.0, metadata={"help": "drop tokens below min_p x the top token's probability, "
+                                                        "in [0, 1]; 0 = off (vLLM's)"})
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -40,6 +43,10 @@ class SamplingConfig:
         if not _is_int(self.seed) or not -(1 << 63) <= self.seed < (1 << 64):
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64 - 1] (a torch.Generator's seed), "
                               f"got {self.seed!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ConfigError(f"top_k must be an integer: 0 or -1 (off) or at least 1, got {self.top_k!r}")
+        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:

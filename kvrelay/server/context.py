@@ -26,6 +26,7 @@ from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.penalty_check import penalties_of
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.scheduler import EngineWorker, Job
+from kvrelay.server.vllm_params import vllm_sampling
 
 if TYPE_CHECKING:
     from kvrelay.server.app import ServerSettings
@@ -102,9 +103,11 @@ class AppContext:
     def make_job(self, body, namespace: str, method: str, build, max_tokens: int | None, default_max_tokens: int,
                  num_top_logprobs: int | None, **extra: Any) -> tuple[Job, asyncio.Queue]:
         """A job for ``body`` and the asyncio queue its events arrive on; ``extra``: more ``Job`` fields. A bad
-        ``logit_bias`` key is an ApiError 400 here, before anything is queued."""
+        ``logit_bias`` key or vLLM parameter is an ApiError 400 here, before anything is queued."""
         # a token id has a logit only where both agree (a padded lm_head has rows no token decodes to)
-        penalties = penalties_of(body, min(self.tokenizer.vocab_size, self.worker.engine.lm.config.vocab_size))
+        vocab_size = min(self.tokenizer.vocab_size, self.worker.engine.lm.config.vocab_size)
+        vllm = vllm_sampling(body, self.tokenizer, vocab_size, default_max_tokens if max_tokens is None else max_tokens)
+        penalties = penalties_of(body, vocab_size, vllm.repetition_penalty, vllm.min_tokens, vllm.min_tokens_stop_ids)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -120,7 +123,7 @@ class AppContext:
                   cache_output=not body.kvrelay or body.kvrelay.cache_output,
                   first_token_logprobs=bool(body.kvrelay and body.kvrelay.first_token_logprobs),
                   method_named=bool(body.kvrelay and body.kvrelay.method and body.kvrelay.method.strip()),
-                  penalties=penalties, **extra)
+                  penalties=penalties, vllm=vllm, **extra)
         return job, events
 
     async def next_event(self, request: Request, job: Job, events: asyncio.Queue) -> Event | None:

@@ -22,6 +22,7 @@ from kvrelay.server.events import DeltaEvent, DoneEvent, Event, ToolCall, delta_
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.request_ids import current_request_id
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, encode_logprobs, token_logprobs
+from kvrelay.server.vllm_params import VllmSampling
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Job:
     constraint: Any = None
     # logit_bias and penalties (kvrelay.engine.penalties.Penalties); None: none that change anything
     penalties: Any = None
+    # vLLM's parameters: top_k, min_p, stop ids, min_tokens, stop text and special tokens (kvrelay.server.vllm_params)
+    vllm: VllmSampling = field(default_factory=VllmSampling)
     method_named: bool = False  # the request named its method: the guard measures it, never replaces it
     prompt_param: str = "messages"  # the request field holding the prompt, which a prompt's 400s name
     quality: Any = None  # the quality guard's tag (kvrelay.server.quality_serving.QualityTag); None: guard off
@@ -90,7 +93,10 @@ class Job:
 
     def emit_text(self) -> None:
         """Send the text that is final so far (held back: a possible stop-string start, a split character)."""
-        delta, hit = self.matcher.feed(self.decoder.feed(self.seq.output_ids))
+        text = self.decoder.feed(self.seq.output_ids)
+        if len(self.seq.output_ids) <= self.vllm.min_tokens:  # a stop string ending in these tokens' text is none
+            self.matcher.min_end_chars = len(text)
+        delta, hit = self.matcher.feed(text)
         if hit:
             self.seq.cancel()
         if delta:
@@ -109,6 +115,14 @@ class Job:
         new = self.logprobs[self.num_logprobs_sent : count]
         self.num_logprobs_sent = count
         return new
+
+    def output_text(self, out: GenerationOutput, tokenizer) -> str:
+        """The answer's whole text, as vLLM's: special tokens as asked, the stop token's text (a stop_token_ids
+        token's) with ``include_stop_str_in_output``, cut at a stop string."""
+        ids = out.output_ids
+        if self.vllm.include_stop_str_in_output and out.stop_token_id is not None:
+            ids = [*ids, out.stop_token_id]
+        return self.matcher.final_text(tokenizer.decode(ids, self.vllm.skip_special_tokens))
 
     def close_output(self, out: GenerationOutput, text: str, stop_string: bool, span_id: str | None) -> DoneEvent:
         """Send the text held back until the end (the tool stream's last pieces too); the done event, not yet sent.

@@ -12,8 +12,10 @@ from kvrelay.engine.penalties import Penalties
 from kvrelay.server.protocol import ApiError
 
 
-def penalties_of(body, vocab_size: int) -> Penalties | None:
-    """The request's ``Penalties``, or None when they change nothing (absent, null, 0, an empty or all-0 bias)."""
+def penalties_of(body, vocab_size: int, repetition_penalty: float = 1.0, min_tokens: int = 0,
+                 min_tokens_stop_ids: tuple[int, ...] = ()) -> Penalties | None:
+    """The request's ``Penalties``, or None when they change nothing (absent, null, 0, an empty or all-0 bias, a
+    repetition penalty of 1, no ``min_tokens``). The vLLM parameters come checked (kvrelay.server.vllm_params)."""
     bias = []
     for key, value in (body.logit_bias or {}).items():
         # at most 18 significant digits: int() of a 4301-digit key is a ValueError (a 500), and no vocabulary is near
@@ -30,5 +32,6 @@ def penalties_of(body, vocab_size: int) -> Penalties | None:
                            code="invalid_value")
         bias.append((token_id, float(value)))
     penalties = Penalties(tuple(sorted(bias)), float(body.frequency_penalty or 0.0),
-                          float(body.presence_penalty or 0.0))
+                          float(body.presence_penalty or 0.0), float(repetition_penalty), min_tokens,
+                          min_tokens_stop_ids)
     return penalties if penalties.active else None

@@ -176,6 +176,42 @@ class _Sampling(_Body):
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
+    # vLLM's extra parameters (``extra_body``), in vLLM's ranges: which are served and which refused is
+    # ``kvrelay.server.vllm_params``; None is vLLM's default (off)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # 0 or -1: off
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    # refused unless their no-op value (``kvrelay.server.vllm_params.REFUSED``): typed there, not here
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    watermarking: Any = None
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    prompt_logprobs: Any = None
+    logprob_token_ids: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    thinking_token_budget: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    repetition_detection: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    add_special_tokens: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    prompt_embeds: Any = None
+    priority: Any = None
+    return_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_prompt_text: Any = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

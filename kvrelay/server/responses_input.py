@@ -60,6 +60,29 @@ class ResponsesRequest(_Body):
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     cache_salt: str | None = Field(default=None, max_length=MAX_SALT_CHARS)
     kvrelay: KvrelayOptions | None = None
+    # vLLM's extra parameters its ResponsesRequest has: passed to the chat request, which types, serves or refuses
+    # them (kvrelay.server.vllm_params)
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    watermarking: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    priority: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+
+
+#: the fields above that pass to the chat request as they are
+VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+               "include_stop_str_in_output", "watermarking", "media_io_kwargs", "mm_processor_kwargs", "priority",
+               "vllm_xargs", "kv_transfer_params", "ec_transfer_params")
 
 
 def _refuse(message: str, param: str | None, code: str = "unsupported") -> ApiError:
@@ -222,6 +245,9 @@ def chat_body(body: ResponsesRequest, history: list[dict], messages: list[dict])
                        ("response_format", chat_response_format(body.text))):
         if value is not None:
             chat[key] = value
+    for key in VLLM_FIELDS:
+        if getattr(body, key) is not None:
+            chat[key] = getattr(body, key)
     if body.kvrelay is not None:
         chat["kvrelay"] = body.kvrelay.model_dump()
     if LOGPROBS_INCLUDE in (body.include or []):

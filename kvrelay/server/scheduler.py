@@ -114,7 +114,7 @@ class EngineWorker(RequestFailures):
                            f"over the model's context of {self.context_tokens} tokens",
                            param=job.prompt_param, code="context_length_exceeded")
         max_tokens = job.max_tokens or min(job.default_max_tokens, room)
-        job.sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed)
+        job.sampling = SamplingConfig(max_tokens, job.temperature, job.top_p, job.seed, job.vllm.top_k, job.vllm.min_p)
         job.built = self.catalog.build_call(prompt, job.namespace, agent, job.role)
         log.debug("prepare: %d tokens, build %.0f ms, match %.0f ms", n, (t1 - t0) * 1e3,
                   (time.perf_counter() - t1) * 1e3)
@@ -301,10 +301,11 @@ class EngineWorker(RequestFailures):
                 self.prepare(job)
             mask = job.constraint.new_mask() if job.constraint else None
             if job.penalties is not None:  # outside the grammar: its -inf stays, whatever the bias
-                mask = job.penalized = job.penalties.new_mask(mask)
+                mask = job.penalized = job.penalties.new_mask(mask, job.built.call.prompt_ids)
             self.requests.admitted(job)
             job.task = self.engine.begin(job.built.call, job.method, GenerateOptions(
-                job.sampling, keep_cache=True, logits_mask=mask), store=self.catalog.view(job.namespace))
+                job.sampling, keep_cache=True, logits_mask=mask, stop_ids=job.vllm.stop_ids),
+                store=self.catalog.view(job.namespace))
         except ApiError as exc:
             self._release(job)
             self._answer_error(job, ErrorEvent.of(exc))
@@ -334,8 +335,8 @@ class EngineWorker(RequestFailures):
         """The prefilled request joins the decode batch: its metrics, stop matcher, logprobs, first token out."""
         self._running.append(job)  # first: a failure below then finishes its sequence in ``_fail``
         self.requests.first_token(job)
-        job.matcher = StopMatcher(job.stop)
-        job.decoder = IncrementalDecoder(self.tokenizer)
+        job.matcher = StopMatcher(job.stop, job.vllm.include_stop_str_in_output)
+        job.decoder = IncrementalDecoder(self.tokenizer, job.vllm.skip_special_tokens)
         job.record_logprobs(self.tokenizer)
         if self.shadows is not None and job.quality is not None:  # before its first decode step: taps its logits
             self.shadows.offer(job.namespace, job.quality.role, job.quality.measured_as, job.seq, self.chunk_budget)
@@ -357,7 +358,7 @@ class EngineWorker(RequestFailures):
             out.cache = None
             self.requests.ended_early("cancelled")
             return
-        text = job.matcher.final_text(self.tokenizer.decode(out.output_ids))
+        text = job.output_text(out, self.tokenizer)
         span_id = self._publish(job, out, text) if job.cache_output else None
         out.cache = None
         done = job.close_output(out, text, stop_string, span_id)  # the last deltas out

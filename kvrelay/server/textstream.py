@@ -14,15 +14,15 @@ class IncrementalDecoder:
     """The output's text, decoding only the tokens since the last complete character each step
     (decoding the whole output every step would cost O(n) per token)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the end of ``text``
         self.read_offset = 0
         self.text = ""
 
     def feed(self, ids: list[int]) -> str:
-        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
-        new = self.tokenizer.decode(ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        new = self.tokenizer.decode(ids[self.prefix_offset :], self.skip_special_tokens)
         if len(new) > len(prefix) and not new.endswith(_REPLACEMENT):  # a split character waits for its bytes
             self.text += new[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
@@ -30,22 +30,37 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Cuts the output at the first stop string and says which text is safe to send so far."""
+    """Cuts the output at the first stop string and says which text is safe to send so far.
 
-    def __init__(self, stops: list[str]) -> None:
+    As vLLM's: with ``include_in_output`` the stop string stays in the text (cut after it); a stop string counts
+    only where it ends past ``min_end_chars`` (the text of the first ``min_tokens`` tokens, which the job raises
+    until that many tokens were generated)."""
+
+    def __init__(self, stops: list[str], include_in_output: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_in_output = include_in_output
+        self.min_end_chars = 0
         self.num_sent_chars = 0
         self.hit = False
         self._cut = 0
+
+    def _first_stop(self, text: str, start: int) -> tuple[int, int] | None:
+        """(start, end) of the earliest stop string in ``text`` from ``start`` that ends past ``min_end_chars``."""
+        found = []
+        for stop in self.stops:
+            i = text.find(stop, max(start, self.min_end_chars - len(stop) + 1))
+            if i >= 0:
+                found.append((i, i + len(stop)))
+        return min(found) if found else None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """The new text to send, given the whole decoded output so far; True once a stop string matched."""
         if self.hit:
             return "", True
         start = max(0, self.num_sent_chars - max((len(s) for s in self.stops), default=0))
-        found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        found = self._first_stop(text, start)
         if found:
-            self.hit, self._cut = True, min(found)
+            self.hit, self._cut = True, found[1] if self.include_in_output else found[0]
             delta = text[self.num_sent_chars : self._cut]
             self.num_sent_chars = max(self.num_sent_chars, self._cut)
             return delta, True

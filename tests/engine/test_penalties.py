@@ -51,3 +51,39 @@ def test_the_constraints_mask_stays_and_a_refused_token_is_not_counted():
 def test_zeros_are_inactive():
     assert not Penalties(((5, 0.0),), 0.0, 0.0).active
     assert Penalties((), 0.0, -0.1).active
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    # vLLM's (CTRL's) rule on tokens seen in the prompt (1) or the output (3); 0 and 2 were never seen
+    mask = Penalties(repetition_penalty=2.0).new_mask(prompt_ids=[1])
+    logits = torch.tensor([4.0, 4.0, -3.0, -3.0])
+    assert mask.apply(logits).tolist() == [4.0, 2.0, -3.0, -3.0]
+    mask.advance(3)
+    assert mask.apply(logits).tolist() == [4.0, 2.0, -3.0, -6.0]
+    # below 1 it rewards repeats: 4 / 0.5 = 8, -3 * 0.5 = -1.5
+    reward = Penalties(repetition_penalty=0.5).new_mask(prompt_ids=[1, 2])
+    assert reward.apply(logits).tolist() == [4.0, 8.0, -1.5, -3.0]
+
+
+def test_repetition_comes_after_the_bias_and_before_frequency_and_presence():
+    # token 1: (1 + 3) / 2 - 1 * 0.5 - 0.25 = 1.25 (vLLM's order: bias, repetition, then OpenAI's penalties)
+    mask = Penalties(((1, 3.0),), frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0).new_mask()
+    logits = torch.tensor([0.0, 1.0, 0.0])
+    mask.apply(logits)
+    mask.advance(1)
+    assert mask.apply(logits).tolist() == pytest.approx([0.0, 1.25, 0.0])
+
+
+def test_min_tokens_holds_the_stop_ids_back_until_that_many_tokens():
+    mask = Penalties(min_tokens=2, min_tokens_stop_ids=(0, 2)).new_mask()
+    logits = torch.tensor([9.0, 1.0, 8.0])
+    sampler = Sampler(SamplingConfig(temperature=0.0))
+    taken = [sample_masked(sampler, mask, logits) for _ in range(3)]
+    assert taken == [1, 1, 0]  # 0 and 2 at -inf for the first two tokens, then the greedy stop id again
+
+
+@pytest.mark.parametrize("fields", [{"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},
+                                    {"repetition_penalty": float("nan")}, {"min_tokens": -1}])
+def test_values_vllm_refuses_are_errors(fields):
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        Penalties(**fields)

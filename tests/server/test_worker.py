@@ -42,10 +42,10 @@ def _job(build, emit, max_tokens: int, stop: list[str]) -> Job:
 
 
 class _BrokenMatcher(scheduler.StopMatcher):
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], *args) -> None:
         if "PLANT" in stops:
             raise RuntimeError(PLANTED)
-        super().__init__(stops)
+        super().__init__(stops, *args)
 
 
 def _broken_build():

@@ -2,7 +2,8 @@
 client: it serves chat, renders the chat template to kvrelay's prompt ids, and its first-token distribution on
 the same ids is kvrelay ``full``'s (the baseline every connector fidelity number is measured against). Beside it,
 ``kvrelay serve`` on the same weights answers vLLM's ``structured_outputs`` as vLLM does (both decode with
-xgrammar), and renders ``continue_final_message`` / ``add_generation_prompt`` to vLLM's prompt ids."""
+xgrammar), renders ``continue_final_message`` / ``add_generation_prompt`` to vLLM's prompt ids, and gives the same
+greedy tokens for vLLM's extra sampling parameters (``extra_body``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from kvrelay.eval.fidelity import first_token_agrees, kl_first_token
+from tests.server.conftest import SMOL, Server
 
 # the same fp32 weights on both sides: only the order of fp32 sums differs (kvrelay's packed oneDNN matmuls,
 # vLLM's CPU kernels), so the distributions agree to ~1e-11 nats (measured); a wrong weight, norm, RoPE base or
@@ -112,9 +114,7 @@ STRUCTURED = [("What is 12 times 12?", {"regex": r"[0-9]{1,5}"}),
 
 @pytest.fixture(scope="module")
 def kvrelay_serve():
-    from tests.server.conftest import SMOL, Server
-
-    srv = Server("--model", SMOL, "--kv-budget-gb", "0.25")
+    srv = Server("--model", SMOL, "--kv-budget-gb", "0.25", "--method", "full")
     try:
         yield srv
     finally:
@@ -166,3 +166,43 @@ def test_template_flags_give_vllms_prompt_ids(server, kvrelay_serve, messages, f
     reply = kvrelay_serve.client().chat.completions.create(model=SMOL, messages=messages, max_tokens=1,
                                                            extra_body={**flags, "kvrelay": {"debug": True}})
     assert reply.model_extra["kvrelay"]["debug"]["prompt_ids"] == vllm_ids
+
+
+def _kvrelay_serve_ids(srv, ids: list[int], **extra) -> tuple[list[int], str, str]:
+    """kvrelay serve's completion of ``ids``: its token ids (with the stop token it ended on, as vLLM lists them),
+    text and finish reason."""
+    reply = srv.client().completions.create(model=SMOL, prompt=ids, max_tokens=extra.pop("max_tokens"),
+                                            temperature=extra.pop("temperature", 0.0),
+                                            extra_body={"kvrelay": {"debug": True, "cache_output": False}, **extra})
+    choice = reply.choices[0]
+    output_ids = reply.model_extra["kvrelay"]["debug"]["output_ids"]
+    return output_ids, choice.text, choice.finish_reason
+
+
+def _vllm_ids(server, ids: list[int], **extra) -> tuple[list[int], str, str]:
+    reply = server.client().completions.create(model=server.model, prompt=ids, max_tokens=extra.pop("max_tokens"),
+                                               temperature=extra.pop("temperature", 0.0),
+                                               extra_body={"return_token_ids": True, **extra})
+    choice = reply.choices[0]
+    return list(choice.model_extra["token_ids"]), choice.text, choice.finish_reason
+
+
+def test_vllms_sampling_parameters_give_vllms_greedy_tokens(server, kvrelay_serve, lm):
+    ids = _prompt_ids(lm, QUESTIONS[2])
+    plain, _, plain_finish = _vllm_ids(server, ids, max_tokens=40)
+    assert plain_finish == "stop" and len(plain) < 30  # the answer ends by itself: min_tokens can hold it back
+    stop_id = next(t for i, t in enumerate(plain) if i >= 3 and t not in plain[:i])
+    min_tokens = len(plain)  # the end of sequence held back exactly where greedy wanted it: off by one shows
+    cases = [{"repetition_penalty": 1.3}, {"repetition_penalty": 0.8},
+             {"min_tokens": min_tokens, "ignore_eos": True}, {"min_tokens": min_tokens}, {"ignore_eos": True},
+             {"stop_token_ids": [stop_id]}, {"stop_token_ids": [stop_id], "include_stop_str_in_output": True},
+             {"top_k": 1, "temperature": 1.0, "seed": 3}]
+    for case in cases:
+        vllm_ids, vllm_text, vllm_finish = _vllm_ids(server, ids, max_tokens=40, **case)
+        ours, text, finish = _kvrelay_serve_ids(kvrelay_serve, ids, max_tokens=40, **case)
+        stopped_on_token = vllm_finish == "stop" and len(vllm_ids) < 40
+        # vLLM lists the stop token it ended on; kvrelay's output ids leave it out
+        assert ours == (vllm_ids[:-1] if stopped_on_token else vllm_ids), case
+        assert (text, finish) == (vllm_text, vllm_finish), case
+        # each changed vLLM's answer (top_k 1 at temperature 1 gave the greedy one): the test tells them apart
+        assert (vllm_ids == plain) if "top_k" in case else (vllm_ids != plain), case
