@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -228,6 +229,20 @@ def summarize(samples: list[dict], num_requests: int, warmup_frac: float) -> dic
     return out
 
 
+def write_result(path: Path | None, args: argparse.Namespace, mix: Mix, samples: list[dict], done: bool) -> dict:
+    """The run so far (``complete`` False until the last sample): written at every sample, so a run stopped early
+    still leaves its series."""
+    result = {"env": {"machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                               text=True, cwd=REPO).stdout.strip()},
+              "model": MODEL, "requests": args.requests, "sample_every": args.sample_every, "complete": done,
+              "server_flags": args.server_flags, "outcomes": mix.counts,
+              "summary": summarize(samples, samples[-1]["requests"], args.warmup_frac), "samples": samples}
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300, help="requests to send in all")
@@ -236,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-flags", default="", help="more flags for kvrelay serve (split on spaces)")
     ap.add_argument("--json", type=Path, help="write the series and the summary here")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server too (the finally below)
     with tempfile.TemporaryDirectory(prefix="kvrelay-soak-") as tmp:
         proc, url, keys, metrics_key = start_server(Path(tmp), args.server_flags.split())
         try:
@@ -248,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                               **proc_stats(proc.pid), **metrics_stats(url, metrics_key)}
                     samples.append(sample)
                     print(json.dumps(sample), flush=True)
+                    write_result(args.json, args, mix, samples, done=i == args.requests)
                 if i < args.requests:
                     mix.run(MIX[i % len(MIX)], i)
                 if proc.poll() is not None:
@@ -258,15 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    result = {"env": {"machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                               text=True, cwd=REPO).stdout.strip()},
-              "model": MODEL, "requests": args.requests, "server_flags": args.server_flags, "outcomes": mix.counts,
-              "summary": summarize(samples, args.requests, args.warmup_frac), "samples": samples}
+    result = write_result(args.json, args, mix, samples, done=True)
     print(json.dumps(result["summary"], indent=1))
     print(json.dumps(result["outcomes"]))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
