@@ -20,7 +20,7 @@ import hashlib
 import threading
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +31,8 @@ from kvrelay.cache.view import StoreView
 from kvrelay.errors import KvRelayError, StoreFullError
 
 DEFAULT_NAMESPACE = ""
+# span ids ``take_reclaimed`` holds between two takes: far more spans than a store's budget holds
+MAX_RECLAIMED_IDS = 100_000
 
 
 class SpanNotFoundError(KvRelayError, KeyError):
@@ -122,7 +124,9 @@ class KVStore:
         self._spaces: dict[str, OrderedDict[str, _Record]] = {DEFAULT_NAMESPACE: OrderedDict()}
         self.tenants = NamespaceLedger(namespace_idle_s, clock)
         self._ns_bytes = self.tenants.bytes
-        self._reclaimed: list[str] = []  # ids dropped with their idle namespace, until take_reclaimed
+        # ids dropped with their idle namespace or evicted by a fetch from a shared tier, until take_reclaimed (the
+        # server's catalog takes them on every put); bounded for a store whose owner never takes them
+        self._reclaimed: deque[str] = deque(maxlen=MAX_RECLAIMED_IDS)
         # spans at position 0 by block hash; hashes are seeded with the namespace too, so they never cross
         self._prefixes = PrefixIndex(block_len)
 
@@ -141,10 +145,12 @@ class KVStore:
             self.tenants.touch(namespace)
 
     def take_reclaimed(self) -> list[str]:
-        """Ids of the spans dropped with an expired namespace since the last call (for indexes to forget)."""
+        """Ids of the spans dropped since the last call that no ``put`` returned: an expired namespace's, and those a
+        fetch from a shared tier evicted (for indexes to forget)."""
         with self._lock:
             self._enter()
-            out, self._reclaimed = self._reclaimed, []
+            out = list(self._reclaimed)
+            self._reclaimed.clear()
             return out
 
     @property
