@@ -20,7 +20,7 @@ import hashlib
 import threading
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +31,8 @@ from kvrelay.cache.view import StoreView
 from kvrelay.errors import KvRelayError, StoreFullError
 
 DEFAULT_NAMESPACE = ""
+# span ids ``take_reclaimed`` holds between two takes: far more spans than a store's budget holds
+MAX_RECLAIMED_IDS = 100_000
 
 
 class SpanNotFoundError(KvRelayError, KeyError):
@@ -114,13 +116,17 @@ class KVStore:
         self.namespace_budget_bytes = namespace_budget_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
-        self.evicted: list[str] = []  # ids in eviction order (for stats and tests)
+        # spans evicted for room, a count: put() returns each eviction's ids, and a list kept here grew for the
+        # server's whole life
+        self.num_evicted = 0
         self._lock = threading.RLock()
         # namespace -> span id -> record, oldest use first; eviction never looks past one namespace
         self._spaces: dict[str, OrderedDict[str, _Record]] = {DEFAULT_NAMESPACE: OrderedDict()}
         self.tenants = NamespaceLedger(namespace_idle_s, clock)
         self._ns_bytes = self.tenants.bytes
-        self._reclaimed: list[str] = []  # ids dropped with their idle namespace, until take_reclaimed
+        # ids dropped with their idle namespace or evicted by a fetch from a shared tier, until take_reclaimed (the
+        # server's catalog takes them on every put); bounded for a store whose owner never takes them
+        self._reclaimed: deque[str] = deque(maxlen=MAX_RECLAIMED_IDS)
         # spans at position 0 by block hash; hashes are seeded with the namespace too, so they never cross
         self._prefixes = PrefixIndex(block_len)
 
@@ -139,10 +145,12 @@ class KVStore:
             self.tenants.touch(namespace)
 
     def take_reclaimed(self) -> list[str]:
-        """Ids of the spans dropped with an expired namespace since the last call (for indexes to forget)."""
+        """Ids of the spans dropped since the last call that no ``put`` returned: an expired namespace's, and those a
+        fetch from a shared tier evicted (for indexes to forget)."""
         with self._lock:
             self._enter()
-            out, self._reclaimed = self._reclaimed, []
+            out = list(self._reclaimed)
+            self._reclaimed.clear()
             return out
 
     @property
@@ -214,7 +222,7 @@ class KVStore:
         hashes = self._hashes(span.fingerprint, namespace, span.token_ids) if span.start_pos == 0 else []
         with self._lock:
             self._enter(namespace)
-            space = self._spaces.setdefault(namespace, OrderedDict())
+            space = self._spaces.get(namespace, OrderedDict())  # kept in _spaces only once the span is in
             old = space.get(span_id)
             pins = old.pins if old else 0
             freed_by_replace = old.nbytes if old else 0
@@ -234,9 +242,10 @@ class KVStore:
             while self._overflow(namespace, nbytes) > 0:
                 victim = next(sid for sid, r in space.items() if r.pins == 0)
                 self._drop(victim, namespace)
-                self.evicted.append(victim)
+                self.num_evicted += 1
                 evicted.append(victim)
             self._prefixes.add(span_id, hashes)  # only a span that starts at position 0 has hashes
+            space = self._spaces.setdefault(namespace, space)  # new, or emptied and removed by the drops above
             space[span_id] = _Record(span, nbytes, pins + (1 if pin else 0), hashes)
             self.used_bytes += nbytes
             self.tenants.add(namespace, nbytes, pins + (1 if pin else 0))
@@ -260,8 +269,10 @@ class KVStore:
         rec = self._spaces[namespace].pop(span_id)
         self.used_bytes -= rec.nbytes
         self.tenants.sub(namespace, rec.nbytes, rec.pins)
-        if not self._spaces[namespace]:  # the empty dict stays: put() holds a reference to it
+        if not self._spaces[namespace]:
             self.tenants.forget(namespace)
+            if namespace != DEFAULT_NAMESPACE:  # a namespace per client salt: an emptied one is not kept
+                del self._spaces[namespace]
         self._prefixes.remove(span_id, rec.block_hashes)
 
     # ------------------------------------------------------------------ pins
@@ -323,6 +334,8 @@ class KVStore:
             assert self.used_bytes == sum(live.values()) <= self.budget_bytes, (self.used_bytes, live)
             assert self._ns_bytes == live, (self._ns_bytes, live)
             pins = {ns: sum(r.pins for r in space.values()) for ns, space in self._spaces.items() if space}
+            emptied = [ns for ns, space in self._spaces.items() if not space and ns != DEFAULT_NAMESPACE]
+            assert not emptied, f"{len(emptied)} emptied namespaces still kept"
             assert self.tenants.pins == pins and len(self.tenants) == len(live), (self.tenants.pins, pins)
             if self.namespace_budget_bytes is not None:
                 assert all(n <= self.namespace_budget_bytes for n in live.values())

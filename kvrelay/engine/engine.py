@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -120,6 +121,12 @@ class Sequence:
             self.stop_reason = "cancelled"
 
 
+# methods a call names that were not set up (a request's own ``kvrelay.method`` spec, a method object passed in),
+# kept at once, least recently used out first: every spec string is a new object, and a client naming
+# ``epic[k=1]``, ``epic[k=2]``, ... made one each for the server's life. One put out starts afresh if named again
+MAX_ONE_OFF_METHODS = 64
+
+
 class Engine:
     """A model, a span store and the methods that may run on them."""
 
@@ -129,7 +136,8 @@ class Engine:
         carry beyond what the methods ask for (e.g. a profiler's)."""
         self.lm = lm
         self.store = store
-        self._methods: dict[str, ReuseMethod] = {}
+        self._methods: dict[str, ReuseMethod] = {}  # set up: at construction or by ``method`` (kept for good)
+        self._one_off: OrderedDict[str, ReuseMethod] = OrderedDict()  # named by a call only (MAX_ONE_OFF_METHODS)
         self._capture: set[int] = {int(layer) for layer in capture_layers}
         # measured prefill token-layers/s on this device (a running mean): a shared tier weighs a fetch
         # against recomputing with it
@@ -141,18 +149,30 @@ class Engine:
             self.method(spec)
 
     # ------------------------------------------------------------------ methods
-    def method(self, spec: str | ReuseMethod) -> ReuseMethod:
+    def method(self, spec: str | ReuseMethod, keep: bool = True) -> ReuseMethod:
         """The engine's method for ``spec`` (one object per spec string, so stateful methods keep their
-        state across calls); its capture layers join the engine's."""
-        if isinstance(spec, ReuseMethod):
-            method, key = spec, f"{spec.name}@{id(spec)}"
-        else:
-            key = spec.strip()
-            method = self._methods.get(key) or get_method(key)
-        if key not in self._methods:
-            self._methods[key] = method
+        state across calls); its capture layers join the engine's. ``keep``: set it up for good; else (a
+        call's own spec) it is one of the ``MAX_ONE_OFF_METHODS`` most recently named."""
+        key = f"{spec.name}@{id(spec)}" if isinstance(spec, ReuseMethod) else spec.strip()
+        method = self._methods.get(key)
+        if method is not None:
+            return method
+        method = self._one_off.pop(key, None)
+        if method is None:
+            method = spec if isinstance(spec, ReuseMethod) else get_method(key)
             self._capture.update(method.capture_layers(self.lm))
-        return self._methods[key]
+        if keep:
+            self._methods[key] = method
+        else:
+            self._one_off[key] = method
+            while len(self._one_off) > MAX_ONE_OFF_METHODS:
+                self._one_off.popitem(last=False)
+        return method
+
+    @property
+    def num_methods(self) -> int:
+        """Methods held: those set up and the one-off ones."""
+        return len(self._methods) + len(self._one_off)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -165,7 +185,7 @@ class Engine:
         """``start`` as a task the caller advances a token budget at a time (chunked prefill, between other
         calls' decode steps); ``task.sequence()`` once it is done. A prompt that does not fit raises here."""
         call = call if isinstance(call, CallInput) else CallInput(list(call))
-        return PrefillTask(self, call, self.method(method), _checked_options(options),
+        return PrefillTask(self, call, self.method(method, keep=False), _checked_options(options),
                            self.store if store is None else store)
 
     def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
@@ -177,7 +197,7 @@ class Engine:
         options = _checked_options(options)
         store = self.store if store is None else store
         call = call if isinstance(call, CallInput) else CallInput(list(call))
-        method = self.method(method)
+        method = self.method(method, keep=False)
         lm, model = self.lm, self.lm.model
         total = check_fits(lm, call.prompt_ids, options.num_new_tokens)
         ids = torch.tensor(call.prompt_ids, dtype=torch.long)

@@ -43,6 +43,7 @@ from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
 from kvrelay.reuse.anchors import Anchor, AnchorPool, Distances, mix, normalized_entropy
 from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
+from kvrelay.reuse.learned_budget import MAX_LEARNED_BYTES, LearnedBudget
 from kvrelay.reuse.prefix import PrefixMethod
 
 
@@ -105,10 +106,16 @@ class KVCommMethod(ReuseMethod):
     # computed. Off: a placeholder longer than all but warmup-1 anchors falls back, as in the public code.
     short_anchors: bool = field(default=False, metadata={
         "help": "anchors shorter than the placeholder count for the tokens they cover (the rest computed)"})
+    max_learned_bytes: int = field(default=MAX_LEARNED_BYTES, metadata={
+        "help": "bytes of templates and anchors kept over all agents; the least recently used agent of the tenant "
+                "holding the most starts over (learned_budget.py)"})
     name = "kvcomm"
     stateful = True  # anchor pools fill as calls fall back
     pools: dict[str, AnchorPool] = field(default_factory=dict, init=False, repr=False)
     templates: dict[str, list[TemplateSegment]] = field(default_factory=dict, init=False, repr=False)
+    # template key -> the pool keys of that agent; the bytes of both, per agent (``learned_budget``)
+    agent_pools: dict[str, set[str]] = field(default_factory=dict, init=False, repr=False)
+    budget: LearnedBudget = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.gamma < 0:
@@ -119,6 +126,7 @@ class KVCommMethod(ReuseMethod):
         if self.warmup < 1 or self.max_anchors < self.warmup:
             raise ConfigError(f"kvcomm: need 1 <= warmup <= max_anchors, got warmup={self.warmup}, "
                               f"max_anchors={self.max_anchors}")
+        self.budget = LearnedBudget(self.max_learned_bytes)
 
     @staticmethod
     def pool_key(call: CallInput, ref: SpanRef, namespace: str = "") -> str:
@@ -136,6 +144,7 @@ class KVCommMethod(ReuseMethod):
 
     # ------------------------------------------------------------------ planning
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        self.budget.touch(self.template_key(call, namespace_of(store)))
         layout = _Layout.of(call)
         decisions, reason = self._gate(call, layout, store)
         if reason is not None:  # the exact prefix is exact KV, so the anchors learned from it are too
@@ -269,9 +278,20 @@ class KVCommMethod(ReuseMethod):
                 base = template[j + 1]
                 anchor.seg_ids = seg_ids
                 anchor.seg_dk, anchor.seg_dv = self._offsets(rope, cache, s, e, base.k_rel, base.v, 0)
-            pool = self.pools.setdefault(self.pool_key(call, ref, namespace),
-                                         AnchorPool(self.max_anchors, min(EVICT_WINDOW, self.max_anchors)))
+            pool_key = self.pool_key(call, ref, namespace)
+            pool = self.pools.setdefault(pool_key, AnchorPool(self.max_anchors, min(EVICT_WINDOW, self.max_anchors)))
             pool.add(anchor)
+            self.agent_pools.setdefault(template_key, set()).add(pool_key)
+        self._account(template_key)
+
+    def _account(self, template_key: str) -> None:
+        """Count the agent's bytes in the budget; forget the agents it puts out."""
+        num_bytes = sum(seg.k_rel.nbytes + seg.v.nbytes for seg in self.templates[template_key])
+        num_bytes += sum(self.pools[key].nbytes for key in self.agent_pools.get(template_key, ()))
+        for victim in self.budget.set(template_key, num_bytes):
+            self.templates.pop(victim, None)
+            for key in self.agent_pools.pop(victim, ()):
+                self.pools.pop(key, None)
 
     def _forget_expired(self, store: KVStore | None) -> None:
         """Drop the pools and templates of namespaces the store no longer holds (``cache.tenancy.expired_keys``)."""
@@ -279,6 +299,8 @@ class KVCommMethod(ReuseMethod):
             del self.pools[key]
         for key in expired_keys(self.templates, store):
             del self.templates[key]
+            self.agent_pools.pop(key, None)
+            self.budget.forget(key)
 
     def _offsets(self, rope: RotaryEmbedding, cache: SequenceKV, start: int, end: int, base_k: torch.Tensor,
                  base_v: torch.Tensor, base_pos: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,11 @@
 The store scopes spans by namespace (a tenant's spans are never matched, read or evicted through
 another namespace); the engine sees it through a ``CatalogView`` of the request's namespace, which
 also tells the index and the registry about every span the store evicts.
+
+Spans other replicas published to a shared tier are indexed too (``learn_published``) though this process may never
+hold them, so no eviction of its own store forgets them: they are kept up to ``MAX_LEARNED_TOKENS`` tokens, room
+made from the API key holding the most (``FairLru``), least recently learned first within it. Without that bound a
+replica's index grew with every span its peers published, for as long as it ran.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.cache.store import KVStore, SpanLike, StoreView
 from kvrelay.reuse.base import CallInput, SpanRef
+from kvrelay.server.fair_lru import FairLru
 from kvrelay.server.index import TokenIndex
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
@@ -33,11 +39,15 @@ class CallBuild:
 
 # a published completion's span id says where its output starts: "span-<origin>-<random>-p<prompt tokens>"
 _OUTPUT_SPAN = re.compile(r"^span-[0-9a-f]+-[0-9a-f]+-p(\d+)$")
+# tokens of spans learned from the shared tier kept in the index at once (its own spans are bounded by the store):
+# as many as the announcements' own prefix index keeps spans (``tier.announce.RemoteSpans``), at 100 tokens each
+MAX_LEARNED_TOKENS = 1_000_000
 
 
 class SpanCatalog:
     def __init__(self, store: KVStore, fingerprint: str, block_len: int = 16, match: MatchConfig | None = None,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, max_learned_tokens: int = MAX_LEARNED_TOKENS
+                 ) -> None:
         """``decode``: the tokenizer's, so that completions other processes published to a shared tier
         join this process's output registry (without it, only their token runs are indexed)."""
         self.store = store
@@ -51,6 +61,11 @@ class SpanCatalog:
         self._lock = threading.RLock()
         # span ids are unique across processes: replicas on one shared tier must never overwrite each other
         self._origin = uuid.uuid4().hex[:12]
+        # spans learned from the tier: (namespace, span id) -> None, weighed by their tokens; those put out are
+        # forgotten once its lock is released (``_unlearned``)
+        self._unlearned: list[tuple[str, str]] = []
+        self._learned = FairLru(max_learned_tokens,
+                                on_evict=lambda namespace, span_id, _: self._unlearned.append((namespace, span_id)))
 
     def new_span_id(self, num_prompt_tokens: int | None = None) -> str:
         """A span id unique across processes; a completion's says where its output starts. Random per span, not a
@@ -140,11 +155,18 @@ class SpanCatalog:
             if p.start_pos != 0:
                 continue
             self.index.add(p.span_id, p.token_ids, namespace)
+            self._learned.put(namespace, p.span_id, None, max(1, len(p.token_ids)))
             m = _OUTPUT_SPAN.match(p.span_id)
             if m is not None and self.decode is not None and int(m[1]) < len(p.token_ids):
                 output_ids = tuple(p.token_ids[int(m[1]):])
                 self.registry.add(RegisteredOutput(self.decode(list(output_ids)), output_ids, p.span_id, int(m[1]),
                                                    namespace))
+        for victim in self.store.take_reclaimed():  # evicted by a fetch from the tier, or with an idle namespace
+            self._forget(victim)
+        for ns, span_id in self._unlearned:
+            if not KVStore.contains(self.store, span_id, ns):  # fetched into memory: the store's evictions tell
+                self._forget(span_id)
+        self._unlearned.clear()
 
     def unpin(self, built: CallBuild) -> None:
         with self._lock:

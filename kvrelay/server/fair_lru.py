@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from kvrelay.cache.tenancy import tenant_of
@@ -20,13 +21,16 @@ from kvrelay.cache.tenancy import tenant_of
 
 class FairLru:
     """Thread-safe map of (namespace, key) -> (value, num_bytes), at most ``max_bytes`` in all and at most
-    ``max_per_namespace`` entries in one namespace (None: no count bound)."""
+    ``max_per_namespace`` entries in one namespace (None: no count bound). ``on_evict(namespace, key, value)`` is
+    called, under the map's lock, for each entry put out to make room (not for ``delete`` or a replaced key)."""
 
-    def __init__(self, max_bytes: int, max_per_namespace: int | None = None) -> None:
+    def __init__(self, max_bytes: int, max_per_namespace: int | None = None,
+                 on_evict: Callable[[str, str, Any], None] | None = None) -> None:
         if max_bytes < 1 or (max_per_namespace is not None and max_per_namespace < 1):
             raise ValueError("a cache needs room for at least one entry")
         self.max_bytes = max_bytes
         self.max_per_namespace = max_per_namespace
+        self.on_evict = on_evict
         self.num_bytes = 0
         self._lock = threading.Lock()
         # tenant -> its entries, least recent first: (namespace, key) -> (value, num_bytes)
@@ -61,14 +65,14 @@ class FairLru:
             self._drop(namespace, key)
             keys = self._keys_of.get(namespace)
             while self.max_per_namespace is not None and keys and len(keys) >= self.max_per_namespace:
-                self._drop(namespace, next(iter(keys)))
+                self._evict(namespace, next(iter(keys)))
                 keys = self._keys_of.get(namespace)
             while self.num_bytes + num_bytes > self.max_bytes:
                 # the heaviest tenant counts the new entry as already its own: a tenant at its share is not robbed
                 # to let a heavier one grow
                 heaviest = max(self._bytes_of, key=lambda t: self._bytes_of[t] + (num_bytes if t == tenant else 0))
                 victim_namespace, victim_key = next(iter(self._by_tenant[heaviest]))
-                self._drop(victim_namespace, victim_key)
+                self._evict(victim_namespace, victim_key)
             self._by_tenant.setdefault(tenant, OrderedDict())[(namespace, key)] = (value, num_bytes)
             self._bytes_of[tenant] = self._bytes_of.get(tenant, 0) + num_bytes
             self._keys_of.setdefault(namespace, OrderedDict())[key] = None
@@ -78,6 +82,12 @@ class FairLru:
     def delete(self, namespace: str, key: str) -> bool:
         with self._lock:
             return self._drop(namespace, key)
+
+    def _evict(self, namespace: str, key: str) -> None:
+        value = self._by_tenant[tenant_of(namespace)][(namespace, key)][0]
+        self._drop(namespace, key)
+        if self.on_evict is not None:
+            self.on_evict(namespace, key, value)
 
     def _drop(self, namespace: str, key: str) -> bool:
         tenant = tenant_of(namespace)

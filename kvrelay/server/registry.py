@@ -47,6 +47,11 @@ class OutputRegistry:
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_span.values())
 
+    @property
+    def num_namespaces(self) -> int:
+        """Namespaces holding a registered output."""
+        return len(self._count)
+
     def add(self, output: RegisteredOutput) -> bool:
         """Register ``output``; False (nothing registered) for texts too short to be told apart."""
         if len(output.text) < self.min_chars or len(output.output_ids) < self.min_tokens:
@@ -85,6 +90,8 @@ class OutputRegistry:
         if output in outs:
             outs.remove(output)
             self._count[output.namespace] -= 1
+            if not self._count[output.namespace]:  # a namespace per client salt: an emptied one is not kept
+                del self._count[output.namespace]
             if not outs:
                 del self._by_span[output.span_id]
 

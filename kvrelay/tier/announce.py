@@ -69,12 +69,18 @@ class RemoteSpans:
                     self._remember(span)
 
     def take(self, namespace: str, fingerprint: str) -> list[PublishedSpan]:
+        with self._lock:  # an emptied queue is not kept: a namespace per client salt would keep one each
+            return list(self._pending.pop((namespace, fingerprint), ()))
+
+    def forget_channel(self, namespace: str, fingerprint: str) -> None:
+        """Drop what waits for ``take`` on a channel no longer polled (its reader position was forgotten)."""
         with self._lock:
-            queue = self._pending.get((namespace, fingerprint))
-            out = list(queue or ())
-            if queue:
-                queue.clear()
-            return out
+            self._pending.pop((namespace, fingerprint), None)
+
+    @property
+    def num_channels(self) -> int:
+        """Channels with announcements waiting for ``take``."""
+        return len(self._pending)
 
     def _remember(self, span: PublishedSpan) -> None:
         key = (span.namespace, span.span_id)

@@ -37,6 +37,10 @@ from kvrelay.tier.wire import SpanMeta, WireError, decode_span, encode_span
 
 log = logging.getLogger("kvrelay.tier")
 _MAX_UNWRITTEN = 100_000  # spans remembered for writing once the tier is back (oldest forgotten first)
+# (namespace, model) announcement channels whose read position is kept, least recently polled out first: a
+# ``cache_salt`` per conversation polls a new channel each time. A channel polled again after being forgotten is
+# read from its start, as a new process reads it (announcements are hints; the remote index is bounded)
+MAX_POLLED_CHANNELS = 4096
 
 
 class TieredStore(KVStore):
@@ -46,8 +50,10 @@ class TieredStore(KVStore):
                  block_len: int = 16, namespace_budget_bytes: int | None = None,
                  compute_token_layers_per_s: float | None = None,
                  min_backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 remote_prefix_poll_s: float | None = 1.0) -> None:
+                 remote_prefix_poll_s: float | None = 1.0, max_polled_channels: int = MAX_POLLED_CHANNELS) -> None:
         super().__init__(budget_bytes, block_len, namespace_budget_bytes)
+        if max_polled_channels < 1:
+            raise ConfigError(f"max_polled_channels must be >= 1, got {max_polled_channels}")
         self.backend = backend
         self.url = backend.url
         self.fingerprint = fingerprint  # the model whose spans ``span_id in store`` looks up in the tier
@@ -55,8 +61,9 @@ class TieredStore(KVStore):
         self.decisions = DecisionLog()
         self.health = TierHealth(backend.url, min_backoff_s, max_backoff_s)
         self.origin = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._cursors: dict[tuple[str, str], str | None] = {}
-        self._last_pull: dict[tuple[str, str], float] = {}
+        # (namespace, model) -> (its announcements' read position, when it was last polled), least recent first
+        self._channels: OrderedDict[tuple[str, str], tuple[str | None, float]] = OrderedDict()
+        self.max_polled_channels = max_polled_channels
         # put while the tier was down (None: written if still in memory then), or deferred (the span itself: a
         # deferred write is owed, even if memory evicts the span before the caller flushes)
         self._unwritten: OrderedDict[tuple[str, str], SpanLike | None] = OrderedDict()
@@ -151,7 +158,9 @@ class TieredStore(KVStore):
         fetch_s = time.perf_counter() - t0
         self.cost.observe_fetch(len(value), fetch_s)
         try:
-            KVStore.put(self, span_id, span, False, namespace)
+            evicted = KVStore.put(self, span_id, span, False, namespace)
+            with self._lock:  # no caller's put returns these: indexes learn of them from ``take_reclaimed``
+                self._reclaimed.extend(evicted)
         except StoreFullError:
             self.decisions.record(replace(decision, action="recompute", reason="no room in the memory tier"))
             return None
@@ -275,14 +284,21 @@ class TieredStore(KVStore):
         """Read new announcements into ``self.remote`` (queued for ``poll_published``, prefix-indexed)."""
         with self._poll_lock:
             key = (namespace, fingerprint)
-            self._last_pull[key] = time.monotonic()
+            cursor, _ = self._channels.pop(key, (None, 0.0))
+            now = time.monotonic()
+            self._channels[key] = (cursor, now)
+            while len(self._channels) > self.max_polled_channels:
+                self.remote.forget_channel(*self._channels.popitem(last=False)[0])
             try:
-                messages, cursor = self._tier("poll", self.backend.poll, channel_key(namespace, fingerprint),
-                                              self._cursors.get(key))
+                messages, cursor = self._tier("poll", self.backend.poll, channel_key(namespace, fingerprint), cursor)
             except TierDown:
                 return
-            self._cursors[key] = cursor
+            self._channels[key] = (cursor, now)
             self.remote.add(namespace, fingerprint, messages)
+
+    @property
+    def num_polled_channels(self) -> int:
+        return len(self._channels)
 
     def match_prefix(self, fingerprint: str, token_ids: list[int] | tuple[int, ...],
                      namespace: str = DEFAULT_NAMESPACE) -> PrefixMatch | None:
@@ -291,7 +307,8 @@ class TieredStore(KVStore):
         best = super().match_prefix(fingerprint, token_ids, namespace)
         if self.remote_prefix_poll_s is None or fingerprint != self.fingerprint:
             return best
-        if time.monotonic() - self._last_pull.get((namespace, fingerprint), float("-inf")) >= self.remote_prefix_poll_s:
+        last_pull = self._channels.get((namespace, fingerprint), (None, float("-inf")))[1]
+        if time.monotonic() - last_pull >= self.remote_prefix_poll_s:
             self._pull(namespace, fingerprint)
         remote = self.remote.match(fingerprint, token_ids, namespace)
         if remote is None or (best is not None and remote.num_tokens <= best.num_tokens):

@@ -75,3 +75,17 @@ def test_one_tenant_s_large_conversations_leave_another_s_stored_response():
     for i in range(40):
         store.put(salted(A, str(i)), f"resp_a{i}", [{"role": "user", "content": "x" * 2_000}], {"id": f"resp_a{i}"})
     assert store.get(B, "resp_b").response == {"id": "resp_b"} and store.num_bytes <= 20_000
+
+
+def test_on_evict_hears_of_entries_put_out_for_room_only():
+    evicted = []
+    lru = FairLru(max_bytes=100, max_per_namespace=2, on_evict=lambda ns, key, value: evicted.append((ns, key, value)))
+    lru.put(A, "a1", "v1", 40)
+    lru.put(A, "a1", "v1'", 40)  # replaced: not an eviction
+    lru.put(B, "b1", "w1", 40)
+    lru.delete(B, "b1")  # deleted: not an eviction
+    lru.put(A, "a2", "v2", 40)
+    lru.put(A, "a3", "v3", 10)  # A's third entry: its least recent goes
+    lru.put(B, "b2", "w2", 60)  # over the bytes: A holds the most
+    assert evicted == [(A, "a1", "v1'"), (A, "a2", "v2")]
+    assert lru.get(A, "a3") == "v3" and lru.get(B, "b2") == "w2"

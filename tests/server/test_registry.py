@@ -13,6 +13,7 @@ from kvrelay.server.prompting import chat_ids, completion_ids
 from kvrelay.server.registry import OutputRegistry, RegisteredOutput
 from kvrelay.server.textstream import StopMatcher
 from tests.helpers import tiny_lm
+from tests.retained import MAX_BOUNDED_BYTES_PER_CALL, retained_bytes_per_call
 
 ANSWER = "The answer is 42 because six times seven."
 
@@ -188,3 +189,15 @@ def test_incremental_decoder_equals_whole_decode_and_waits_for_split_characters(
         text = dec.feed(ids[:k])
         assert "\ufffd" not in text and tok.decode(ids[:k]).startswith(text)
     assert text == tok.decode(ids)
+
+
+def test_registry_forgets_a_namespace_whose_outputs_are_all_gone():
+    """A namespace per conversation (``cache_salt``): its outputs go with their spans, and so does the namespace."""
+    reg = OutputRegistry()
+
+    def conversation(i: int) -> None:
+        reg.add(out(f"{ANSWER} Conversation {i}.", span=f"span{i}", ns=f"k0/s{i:08d}"))
+        reg.remove_span(f"span{i}")
+
+    assert retained_bytes_per_call(conversation) <= MAX_BOUNDED_BYTES_PER_CALL
+    assert len(reg) == 0 and reg.num_namespaces == 0
