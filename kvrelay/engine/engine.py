@@ -57,6 +57,9 @@ class LogitsMask(Protocol):
         """The sequence took ``token_id`` (a stop token included); ``kvrelay.engine.constrained.TokenRefused``
         (state unchanged) when the constraint refuses a token ``apply`` allowed: the engine picks another."""
 
+    # optional ``ended`` (bool): the constraint took its end, so the token just taken ends the answer (a grammar's
+    # stop token ends it even with ``ignore_eos``, which only keeps the end-of-sequence ids from being stop ids)
+
 
 @dataclass(frozen=True)
 class GenerateOptions:
@@ -354,7 +357,8 @@ class Engine:
         next_id = seq.sampler(logits) if mask is None else sample_masked(seq.sampler, mask, logits)
         seq.top1_probs.append(float(torch.softmax(logits.float(), dim=-1).max()))
         stop_ids = self.lm.tokenizer.stop_ids if seq.options.stop_ids is None else seq.options.stop_ids
-        if next_id in stop_ids:
+        # a constraint that took its end ends the answer on that token even where it is no stop id (ignore_eos)
+        if next_id in stop_ids or (mask is not None and getattr(mask, "ended", False)):
             seq.stop_reason, seq.stop_token_id = "stop", next_id
             return
         seq.output_ids.append(next_id)

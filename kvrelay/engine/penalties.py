@@ -84,7 +84,12 @@ class PenalizedLogits:
             adjusted.index_add_(0, *self.bias)
         if self.num_generated < p.min_tokens and p.min_tokens_stop_ids:
             stop_ids = [i for i in p.min_tokens_stop_ids if i < adjusted.shape[-1]]
-            adjusted[stop_ids] = float("-inf")
+            held = adjusted.clone()
+            held[stop_ids] = float("-inf")
+            # a constraint that allows only the end (a grammar complete) ends the answer, min_tokens or not:
+            # holding the end back then would leave no token to sample
+            if bool(torch.isfinite(held).any()):
+                adjusted = held
         if p.repetition_penalty != 1:
             if self.seen is None:  # the prompt's tokens, once the vocabulary's size is known
                 self.seen = torch.zeros(adjusted.shape[-1], dtype=torch.bool, device=adjusted.device)
@@ -96,6 +101,11 @@ class PenalizedLogits:
         if self.counts is not None:
             adjusted -= self.counts * p.frequency_penalty + (self.counts > 0).float() * p.presence_penalty
         return adjusted
+
+    @property
+    def ended(self) -> bool:
+        """The constraint inside is complete (``kvrelay.engine.engine.LogitsMask.ended``)."""
+        return bool(getattr(self.inner, "ended", False))
 
     def advance(self, token_id: int) -> None:
         # the constraint first: when it refuses the token (TokenRefused) nothing here has changed either

@@ -131,6 +131,11 @@ class GrammarMask:
         inside the engine's prefill, before the server sees its logits, which are the unmasked ones."""
         return logits if self.first_words is None else apply_bitmask(logits, self.first_words, self.vocab.size)
 
+    @property
+    def ended(self) -> bool:
+        """The grammar took its end (a stop token): nothing may follow, whatever ``ignore_eos`` says."""
+        return self.matcher.is_terminated()
+
     def advance(self, token_id: int) -> None:
         """Take ``token_id``; ``TokenRefused`` (the matcher's state unchanged) when xgrammar's matcher refuses a
         token its own bitmask allowed: the engine then samples another, so the request goes on."""

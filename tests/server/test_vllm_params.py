@@ -4,6 +4,8 @@ from the model's own ``full`` logits; the refused ones are 400s naming the param
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import torch
@@ -216,3 +218,24 @@ def test_out_of_range_values_are_400s_naming_the_parameter(smol, fields, param):
     with pytest.raises(openai.BadRequestError) as err:
         _chat(smol, **fields)  # max_tokens 24
     assert err.value.body["param"] == param and err.value.body["code"] == "invalid_value", err.value.body
+
+
+@pytest.mark.parametrize("extra", [
+    {"ignore_eos": True},
+    {"min_tokens": 20},
+    {"min_tokens": 20, "ignore_eos": True},
+])
+@pytest.mark.parametrize("constraint", [
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"blue": {"type": "boolean"}}, "required": ["blue"],
+        "additionalProperties": False}}}},
+])
+def test_a_grammars_end_ends_the_answer_whatever_ignore_eos_and_min_tokens_say(smol, extra, constraint):
+    # the end-of-sequence id held back (min_tokens) or no stop id (ignore_eos) left a complete grammar nothing to
+    # sample: a 500 "every token's logit is -inf"
+    reply = _chat(smol, max_tokens=40, **extra, **constraint)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and reply.usage.completion_tokens < 40
+    text = choice.message.content
+    assert text in ("yes", "no") if "structured_outputs" in constraint else set(json.loads(text)) == {"blue"}
