@@ -218,7 +218,20 @@ class _Sampling(_Body):
         return [s for s in stops if s]
 
 
-class ChatCompletionRequest(_Sampling):
+class _VllmStructured(_Body):
+    """vLLM's structured outputs, on chat and completions (``kvrelay.server.structured_outputs``)."""
+
+    structured_outputs: StructuredOutputs | None = None
+    # the guided_* fields vLLM removed: refused by name, pointing at structured_outputs (not dropped)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+
+
+class ChatCompletionRequest(_Sampling, _VllmStructured):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
@@ -237,37 +250,22 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
     moderation: Any = None
     verbosity: Any = None  # "medium", OpenAI's default, is what every answer here is
-    # vLLM's structured outputs (kvrelay.server.structured_outputs) and chat-template parameters
-    # (kvrelay.server.chat_template_params); the removed guided_* fields are refused by name
-    structured_outputs: StructuredOutputs | None = None
+    # vLLM's chat-template parameters (kvrelay.server.chat_template_params)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: StrictBool = False  # refused when true
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, _VllmStructured):
     prompt: str | list[str] | list[StrictInt]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool = False
     # refused when set to anything but their no-op (kvrelay.server.completions_route): each changes the answer
     suffix: str | None = None
     best_of: StrictInt | None = None
-    # vLLM's structured outputs and response_format on completions (kvrelay.server.structured_outputs)
-    structured_outputs: StructuredOutputs | None = None
+    # response_format on completions, as on vLLM (kvrelay.server.structured_outputs)
     response_format: ResponseFormat | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
