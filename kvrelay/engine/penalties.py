@@ -94,10 +94,17 @@ class PenalizedLogits:
             if self.seen is None:  # the prompt's tokens, once the vocabulary's size is known
                 self.seen = torch.zeros(adjusted.shape[-1], dtype=torch.bool, device=adjusted.device)
                 self.seen[list(self.prompt_ids)] = True
-            # times the float32 reciprocal, as vLLM's kernel computes it (x / p can differ from it in the last bit)
+            # times the float32 reciprocal, as vLLM's kernel computes it (x / p can differ from it in the last bit).
+            # Any float > 0 is valid (vLLM's range), but one outside float32's normal range is 0 or inf there, and
+            # a product past float32's range is inf: the penalty and the product are clamped to finite values (a
+            # no-op for any penalty that overflows nothing), so 1e-300 prefers seen tokens, never fails the request
+            finfo = torch.finfo(torch.float32)
             penalty = torch.tensor(p.repetition_penalty, dtype=torch.float32, device=adjusted.device)
+            penalty = penalty.clamp(finfo.tiny, finfo.max)
             scale = torch.where(adjusted > 0, 1.0 / penalty, penalty)
-            adjusted = torch.where(self.seen, adjusted * scale, adjusted)
+            scaled = (adjusted * scale).clamp(-finfo.max, finfo.max)
+            # a constraint's -inf stays -inf: the clamp would make a banned token sampleable
+            adjusted = torch.where(self.seen & torch.isfinite(adjusted), scaled, adjusted)
         if self.counts is not None:
             adjusted -= self.counts * p.frequency_penalty + (self.counts > 0).float() * p.presence_penalty
         return adjusted

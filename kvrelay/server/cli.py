@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import socket
-import sys
 from pathlib import Path
 
 from kvrelay.errors import ConfigError
@@ -197,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(args)
     except KvRelayError as exc:
-        print(f"kvrelay serve: error: {exc}", file=sys.stderr)
+        announce(f"kvrelay serve: error: {exc}", args.log_format, logging.ERROR)
         return 2
     import gc
 

@@ -78,11 +78,13 @@ def configure_logging(level: str, log_format: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
-def announce(message: str, log_format: str) -> None:
-    """A line the server always prints (the address it serves on), whatever the log level: as is, or in JSON as a
-    record of logger ``kvrelay.server`` so that a collector reading JSON lines parses it too."""
+def announce(message: str, log_format: str, level: int = logging.INFO) -> None:
+    """A line the server always prints (the address it serves on, or why it cannot start), whatever the log level:
+    as is, or in JSON as a record of logger ``kvrelay.server`` so that a collector reading JSON lines parses it
+    too."""
     if log_format == "json":
-        record = logging.makeLogRecord({"name": "kvrelay.server", "levelno": logging.INFO, "levelname": "INFO",
-                                        "msg": message, "created": time.time()})
+        record = logging.makeLogRecord({"name": "kvrelay.server", "levelno": level,
+                                        "levelname": logging.getLevelName(level), "msg": message,
+                                        "created": time.time()})
         message = JsonLogFormatter().format(record)
     print(message, file=sys.stderr, flush=True)

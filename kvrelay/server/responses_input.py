@@ -77,12 +77,19 @@ class ResponsesRequest(_Body):
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    structured_outputs: Any = None
+    chat_template_kwargs: Any = None
 
 
-#: the fields above that pass to the chat request as they are
+#: the fields above that pass to the chat request as they are (each changes the answer on vLLM: dropped, it would
+#: change nothing here, with no error)
 VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                "include_stop_str_in_output", "watermarking", "media_io_kwargs", "mm_processor_kwargs", "priority",
-               "vllm_xargs", "kv_transfer_params", "ec_transfer_params")
+               "vllm_xargs", "kv_transfer_params", "ec_transfer_params", "presence_penalty", "frequency_penalty",
+               "logit_bias", "structured_outputs", "chat_template_kwargs")
 
 
 def _refuse(message: str, param: str | None, code: str = "unsupported") -> ApiError:

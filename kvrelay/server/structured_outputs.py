@@ -204,6 +204,8 @@ def structured_of(body: Any, tools_may_call: bool = False) -> Structured | None:
 def compile_structured(structured: Structured, tokenizer) -> Any:
     """The compiled constraint (kvrelay.server.grammar.Constraint); a 400 naming the field when it does not
     compile. Slow (up to seconds): on a compile thread (``structured_constraint``)."""
+    import torch
+
     from kvrelay.server import grammar
 
     if grammar.xgr is None:
@@ -231,7 +233,13 @@ def compile_structured(structured: Structured, tokenizer) -> Any:
                 "grammar": "this Lark grammar" if structured.lark else "this EBNF grammar"}[structured.kind]
         raise _bad(structured.param, f"{what} cannot be used for constrained decoding: "
                    f"{grammar.library_reason(exc)}") from exc
-    return grammar.Constraint(compiled, grammar.vocabulary(tokenizer))
+    constraint = grammar.Constraint(compiled, grammar.vocabulary(tokenizer))
+    # xgrammar compiles a grammar that matches no text (root ::= root); its first mask allows no token, not even
+    # the end, and sampling from it would fail the request as the server's error
+    probe = constraint.new_mask()
+    if not bool(torch.isfinite(probe.apply(torch.zeros(probe.vocab.size))).any()):
+        raise _bad(structured.param, "matches no text: no token can start it")
+    return constraint
 
 
 async def structured_constraint(structured: Structured, namespace: str, ctx: Any) -> Any:

@@ -87,3 +87,16 @@ def test_min_tokens_holds_the_stop_ids_back_until_that_many_tokens():
 def test_values_vllm_refuses_are_errors(fields):
     with pytest.raises(ValueError, match=next(iter(fields))):
         Penalties(**fields)
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e-38, 1e39, 1e308])
+def test_a_penalty_past_float32s_range_leaves_the_logits_finite_and_a_constraints_ban_in_place(penalty):
+    # any float > 0 is a valid repetition_penalty; in float32 1e-300 is 0 (x / 0 = inf) and 1e308 is inf
+    # (0 * inf = NaN): the sampler then failed the request ("non-finite logits"), a 500
+    mask = Penalties(repetition_penalty=penalty).new_mask(prompt_ids=[0, 1, 2, 3])
+    logits = torch.tensor([50.0, 0.0, -50.0, float("-inf"), 1.0])
+    adjusted = mask.apply(logits)
+    assert adjusted[3] == float("-inf")
+    assert torch.isfinite(adjusted[:3]).all()
+    expected = 0 if penalty < 1 else 4  # below 1 it rewards the seen token with the largest logit
+    assert Sampler(SamplingConfig(temperature=0.0))(logits=adjusted) == expected

@@ -112,3 +112,14 @@ def test_serve_writes_only_json_lines_with_request_ids():
     assert chat["http"]["client_request_id"] == "trace-7"
     lost = access[missing.headers["x-request-id"]]["http"]
     assert lost["status"] == 404 and lost["path"] == "/v1/no%0Asuch"
+
+
+def test_why_serve_cannot_start_is_a_json_line_too():
+    # the one line an operator needs when the server does not come up was plain text in the JSON stream
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "kvrelay", "serve", "--model", "no-such-model", "--log-format",
+                           "json"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]  # a line that is no JSON fails
+    assert [line["level"] for line in lines] == ["ERROR"]
+    assert lines[0]["logger"] == "kvrelay.server" and "unknown model 'no-such-model'" in lines[0]["message"]

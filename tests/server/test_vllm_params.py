@@ -239,3 +239,23 @@ def test_a_grammars_end_ends_the_answer_whatever_ignore_eos_and_min_tokens_say(s
     assert choice.finish_reason == "stop" and reply.usage.completion_tokens < 40
     text = choice.message.content
     assert text in ("yes", "no") if "structured_outputs" in constraint else set(json.loads(text)) == {"blue"}
+
+
+# vLLM's Responses request has these (vLLM 0.32's ResponsesRequest.to_sampling_params): dropped, the answer was the
+# unconstrained one with no error
+@pytest.mark.parametrize(("extra", "check"), [
+    ({"structured_outputs": {"choice": ["maybe"]}}, lambda r: r.output_text == "maybe"),
+    ({"logit_bias": {"28": 100}, "max_output_tokens": 3}, lambda r: r.output_text == ",,,"),
+    ({"chat_template_kwargs": {"messages": []}}, None),
+])
+def test_responses_serve_the_constraint_and_penalties_vllms_responses_request_has(smol, lm, extra, check):
+    assert lm.tokenizer.decode([28]) == ","
+    kwargs = {"model": SMOL, "input": MESSAGES[0]["content"], "max_output_tokens": 8, "temperature": 0.0, **extra}
+    body = {k: kwargs.pop(k) for k in list(extra) if k != "max_output_tokens"}
+    if check is None:
+        with pytest.raises(openai.BadRequestError) as err:
+            smol.client().responses.create(**kwargs, extra_body=body)
+        assert err.value.body["param"] == "chat_template_kwargs.messages"
+    else:
+        response = smol.client().responses.create(**kwargs, extra_body=body)
+        assert check(response), response.output_text
