@@ -27,6 +27,11 @@ class TokenRefused(Exception):
     """``LogitsMask.advance`` refused a token its own ``apply`` allowed; the constraint's state is unchanged."""
 
 
+class ConstraintDeadEnd(SamplingError):
+    """The constraint allows no token where the model's logits were fine: the request's grammar cannot be
+    completed from here (e.g. a rule that only refers to itself), the request's fault, not the model's."""
+
+
 def sample_masked(sampler: Callable[[torch.Tensor], int], mask: LogitsMask, logits: torch.Tensor) -> int:
     """The next token of a sequence under ``mask`` (``logits``: [vocab]); the mask has taken it (``advance``).
 
@@ -34,7 +39,14 @@ def sample_masked(sampler: Callable[[torch.Tensor], int], mask: LogitsMask, logi
     masked = mask.apply(logits)
     num_refused = 0
     while num_refused < MAX_RESAMPLES and (num_refused == 0 or bool(torch.isfinite(masked).any())):
-        token_id = sampler(masked)  # SamplingError when the mask allows nothing
+        try:
+            token_id = sampler(masked)  # SamplingError when the mask allows nothing
+        except SamplingError:
+            # checked only here: a finiteness scan of a large vocabulary costs ~1 ms, too much for every step
+            if num_refused == 0 and not bool(torch.isfinite(masked).any()) and bool(torch.isfinite(logits).any()):
+                raise ConstraintDeadEnd("the output constraint (structured_outputs, response_format or tools) "
+                                        "allows no token here: it cannot be completed") from None
+            raise
         try:
             mask.advance(token_id)
             return token_id

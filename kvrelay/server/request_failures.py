@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kvrelay.engine.constrained import ConstraintDeadEnd
 from kvrelay.errors import KvRelayError, ScheduleError
 from kvrelay.model.sampling import SamplingError
 from kvrelay.server.events import ErrorEvent
@@ -48,6 +49,8 @@ class RequestFailures:
             self._fail(job, 500, "internal error while starting this request", "internal_error")
         elif isinstance(exc, ApiError):
             self._fail(job, exc.status, exc.message, exc.code)
+        elif isinstance(exc, ConstraintDeadEnd):  # the request's grammar allows no first token
+            self._fail(job, *engine_failure(exc))
         elif isinstance(exc, KvRelayError):
             self._fail(job, 400, str(exc), "invalid_value")
         else:
@@ -87,3 +90,11 @@ def engine_failure_message(error: Exception) -> str:
     server internals), otherwise nothing of the exception."""
     reason = f": {error}" if isinstance(error, SamplingError) else ""
     return f"generation failed for this request{reason}; other requests were not affected"
+
+
+def engine_failure(error: Exception) -> tuple[int, str, str]:
+    """(status, message, code) of a request whose sequence failed in a step: a 400 when its own constraint cannot
+    be completed (the request's grammar), else a 500."""
+    if isinstance(error, ConstraintDeadEnd):
+        return 400, str(error), "invalid_value"
+    return 500, engine_failure_message(error), "internal_error"

@@ -33,7 +33,7 @@ from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prefill_turn import advance_prefills
 from kvrelay.server.protocol import ApiError
 from kvrelay.server.registry import RegisteredOutput
-from kvrelay.server.request_failures import RequestFailures, about, engine_failure_message
+from kvrelay.server.request_failures import RequestFailures, about, engine_failure
 from kvrelay.server.serve_config import DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 
@@ -267,7 +267,7 @@ class EngineWorker(RequestFailures):
                     self._contained(j, self._emit_text)
         for j in list(self._running):
             if j.seq.error is not None:  # its sampling or forward failed in the step: it alone fails
-                self._fail(j, 500, engine_failure_message(j.seq.error), "internal_error")
+                self._fail(j, *engine_failure(j.seq.error))
             elif j.seq.done:
                 self._contained(j, self._finish)
         live_ms = (time.perf_counter() - start_s) * 1e3 if had_live else None

@@ -153,3 +153,23 @@ def test_a_grammar_larger_than_a_regex_may_be_is_served(smol):
         f'r{i} ::= "{w}"' for i, w in enumerate(words))
     assert 4096 < len(text) <= 16384
     assert _chat(smol, {"grammar": text}, "Say a word.", temperature=0).choices[0].message.content in words
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_dead_ends_after_its_first_token_is_the_requests_error_not_the_servers(smol, stream):
+    # a rule that only refers to itself, reached after "a": the mask then allows nothing, and the request was a
+    # 500 internal_error (the model's fault by its code) although its own grammar cannot be completed
+    dead = {"grammar": 'root ::= "a" x\nx ::= x'}
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(smol, dead, max_tokens=10)
+        assert err.value.code == "invalid_value" and "cannot be completed" in err.value.message
+        return
+    events = smol.client().chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": "Say a."}], max_tokens=10, stream=True,
+        extra_body={"structured_outputs": dead, "cache_salt": uuid.uuid4().hex})
+    with pytest.raises(openai.APIError) as err:
+        for _ in events:
+            pass
+    assert "cannot be completed" in str(err.value) and "internal" not in str(err.value).lower()
+    assert _chat(smol, {"choice": COLOURS}).choices[0].message.content in COLOURS  # the server serves on
