@@ -264,12 +264,14 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_de
                              "logits within KL ~1e-4 of it; every prefill stays fp32")
 
 
-def load_model_from(args: argparse.Namespace) -> LoadedModel:
-    """``load_model`` with what ``add_model_flags`` parsed (``--threads`` set on torch first)."""
+def load_model_from(args: argparse.Namespace, progress: bool = True) -> LoadedModel:
+    """``load_model`` with what ``add_model_flags`` parsed (``--threads`` set on torch first); ``progress``: a
+    first load's conversion bar on stderr."""
     import torch
 
     from kvrelay.weights.loader import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode)
+    return load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode,
+                      progress=progress)

