@@ -4,8 +4,8 @@ A record is a JSON object kept under ``record_key(kind, namespace, id)``: hashed
 appears in a key. Its value is JSON (never pickle: a value from a shared server is data, never code) that names
 its kind, namespace and id, and a value read back is used only when it names exactly what was asked for: another
 namespace's record, a forced key collision, a corrupt or oversized value all read as no record. Every tier call
-goes through the tier's one fault wrapper (``TierHealth.call``): a failed or backing-off tier is a miss here too,
-logged once per outage, and shares its backoff with the span store of the same tier.
+goes through the tier's one fault wrapper (``TierHealth.call``): a failed or down tier is a miss here too,
+logged once per outage, and shares its up/down state and prober with the span store of the same tier.
 """
 
 from __future__ import annotations

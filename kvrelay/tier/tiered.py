@@ -5,10 +5,10 @@ every process opening the same URL finds it. A span asked for (``span_id in stor
 in memory is looked up in the tier; the cost model decides whether fetching it pays over
 recomputing its tokens, and every such decision is recorded (``take_decisions``). The tier never
 fails a request: an unreachable or slow tier, a corrupt value, another model's value — each is a
-miss (a warning where data was bad, one log line when the tier goes down and one when it is back),
-and the tier is retried with exponential backoff meanwhile. A bad record (an announcement, metadata or
-value that does not decode) is skipped and counted in ``bad_records``, never taken for the tier being
-down: the tier goes on serving and storing every other record.
+miss (a warning where data was bad, one log line when the tier goes down and one when it is back);
+while it is down no call touches it, and a prober thread (``TierHealth``) marks it up once it answers
+again. A bad record (an announcement, metadata or value that does not decode) is skipped and counted in
+``bad_records``, never taken for the tier being down: the tier goes on serving and storing every other record.
 
 Spans published elsewhere are announced in the tier; ``poll_published`` and ``on_published`` +
 ``sync`` hand them to whoever indexes spans (the any-offset block index).
@@ -49,7 +49,7 @@ class TieredStore(KVStore):
     def __init__(self, budget_bytes: int, backend: TierBackend, fingerprint: str | None = None,
                  block_len: int = 16, namespace_budget_bytes: int | None = None,
                  compute_token_layers_per_s: float | None = None,
-                 min_backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 min_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
                  remote_prefix_poll_s: float | None = 1.0, max_polled_channels: int = MAX_POLLED_CHANNELS) -> None:
         super().__init__(budget_bytes, block_len, namespace_budget_bytes)
         if max_polled_channels < 1:
@@ -59,7 +59,8 @@ class TieredStore(KVStore):
         self.fingerprint = fingerprint  # the model whose spans ``span_id in store`` looks up in the tier
         self.cost = FetchCostModel(compute_token_layers_per_s)
         self.decisions = DecisionLog()
-        self.health = TierHealth(backend.url, min_backoff_s, max_backoff_s)
+        # a down tier is probed (``backend.ping``) between these intervals, on the prober's thread, never a caller's
+        self.health = TierHealth(backend.url, min_backoff_s, max_backoff_s, probe=backend.ping)
         self.origin = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # (namespace, model) -> (its announcements' read position, when it was last polled), least recent first
         self._channels: OrderedDict[tuple[str, str], tuple[str | None, float]] = OrderedDict()
@@ -338,6 +339,7 @@ class TieredStore(KVStore):
         return delivered
 
     def close(self) -> None:
+        self.health.close()
         try:
             self.backend.close()
         except Exception:  # closing a dead connection is not worth an error
@@ -372,7 +374,7 @@ def open_store(url: str | None, budget_bytes: int, *, fingerprint: str | None = 
                         compute_token_layers_per_s)
     if hasattr(backend, "client"):
         try:  # an unreachable server is logged now, once, rather than at the first request
-            store._tier("connect", backend.client.ping)
+            store._tier("connect", backend.ping)
         except TierDown:
             pass
     return store

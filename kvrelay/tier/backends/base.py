@@ -51,8 +51,8 @@ class TierBackend(Protocol):
     """Bytes under keys, shared by every process that opens the same URL.
 
     Every method may raise (OSError, a client's error): the tiered store turns that into a miss,
-    logs it once and backs off; a backend never has to be defensive itself. ``TierRefusedError``
-    says the tier is up but refused this one operation: a warning, no backoff.
+    logs it once and skips the tier until ``ping`` answers again; a backend never has to be defensive itself.
+    ``TierRefusedError`` says the tier is up but refused this one operation: a warning, the tier stays up.
     """
 
     url: str  # redacted
@@ -80,5 +80,8 @@ class TierBackend(Protocol):
     def poll(self, channel: str, cursor: str | None) -> tuple[list[bytes], str | None]:
         """Messages of ``channel`` after ``cursor`` (None: from the start) and the new cursor."""
         ...
+
+    def ping(self) -> None:
+        """Raise unless the tier answers now: a cheap call, the prober's while the tier is down."""
 
     def close(self) -> None: ...

@@ -117,5 +117,10 @@ class DiskBackend:
                 self.num_bad_records += 1
         return messages, str(offset + len(complete))
 
+    def ping(self) -> None:
+        """Raise unless the directory is there and writable (an unmounted share, a removed directory)."""
+        if not self.root.is_dir() or not os.access(self.root, os.W_OK):
+            raise OSError(f"{str(self.root)!r} is not a writable directory")
+
     def close(self) -> None:
         pass

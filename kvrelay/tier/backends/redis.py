@@ -114,5 +114,8 @@ class RedisBackend:
                     self.num_bad_records += 1
         return messages, cursor
 
+    def ping(self) -> None:
+        self.client.ping()  # a wrong password or a paused server raises here too
+
     def close(self) -> None:
         self.client.close()
