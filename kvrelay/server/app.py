@@ -63,6 +63,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     """The app: one engine worker behind the OpenAI routes, its shared objects on ``app.state``."""
     metrics = ServerMetrics()
     metrics.store_budget_bytes.set(catalog.store.budget_bytes)
+    metrics.tier.watch(catalog.store)
     worker = EngineWorker(engine, catalog, metrics, settings.max_queue, settings.max_running,
                           settings.prefill_chunk_tokens)
     ctx = AppContext(worker, catalog, metrics, settings, engine.lm.tokenizer, engine.lm.name)

@@ -17,7 +17,7 @@ import secrets
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kvrelay.cache.store import KVStore, SpanLike, StoreView
 from kvrelay.reuse.base import CallInput, SpanRef
@@ -35,6 +35,8 @@ class CallBuild:
     pinned: list[str]  # span ids pinned for this call (unpin when it ends)
     namespace: str = ""
     framing: list[tuple[int, int]] = field(default_factory=list)  # prompt ranges no later run may match
+    # the shared tier's fetch-or-recompute decisions of the lookups made here (``FetchDecision`` as dicts)
+    tier_decisions: list[dict] = field(default_factory=list)
 
 
 # a published completion's span id says where its output starts: "span-<origin>-<random>-p<prompt tokens>"
@@ -112,7 +114,12 @@ class SpanCatalog:
         """The call with its SpanRefs: quoted outputs (kind "output"), then the exact prefix, then the
         longest runs shared with stored spans (kind "input"); the spans they read are pinned."""
         with self._lock:
-            return self._build_call(prompt, namespace, agent, role)
+            # the lookups run on the calling (prepare) thread, whose decisions the engine never takes: taken here,
+            # those of earlier work on this thread dropped first, so the call's debug object lists its own
+            self.store.take_decisions()
+            build = self._build_call(prompt, namespace, agent, role)
+            build.tier_decisions = [asdict(d) for d in self.store.take_decisions()]
+            return build
 
     def _build_call(self, prompt: PromptBuild, namespace: str, agent: str, role: str) -> CallBuild:
         ids = prompt.ids

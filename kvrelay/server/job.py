@@ -155,12 +155,23 @@ class Job:
             call = self.built.call
             ext["debug"] = {"prompt_ids": call.prompt_ids, "output_ids": out.output_ids, "span_id": span_id,
                             "refs": [r.__dict__ for r in call.refs], "agent": call.name,
-                            "role": call.role}
+                            "role": call.role, "tier_decisions": [_own_decision(d) for d in
+                                               self.built.tier_decisions + stats.tier_decisions]}
         if self.quality is not None:
             ext["quality"] = self.quality.public()
         if self.first_token_logprobs:
             ext["first_token_logprobs"] = encode_logprobs(out.first_logits)
         return ext
+
+
+# what a request's debug object shows of a shared-tier decision: the facts of its own lookup. The tier's running
+# estimates (bytes/s, latency and the estimated times built on them) average every tenant's fetches, so they are left
+# out: a tenant does not watch another's traffic through them (docs/tenants.md)
+_OWN_DECISION_FIELDS = ("span_id", "action", "reason", "num_tokens", "value_bytes", "fetch_ms")
+
+
+def _own_decision(decision: dict) -> dict:
+    return {k: decision.get(k) for k in _OWN_DECISION_FIELDS}
 
 
 class _RecordingSampler:

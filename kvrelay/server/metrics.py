@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 
 from kvrelay.server.request_metrics import RequestMetrics
+from kvrelay.server.tier_metrics import TierCollector
 
 if TYPE_CHECKING:
     from kvrelay.cache.store import KVStore
@@ -52,9 +53,9 @@ class ServerMetrics:
         self.puts_refused = Counter("kvrelay_store_puts_refused",
                                     "spans not stored: the namespace's quota (pinned) or the store (other "
                                     "namespaces' live spans) was full", ["reason"], registry=r)
-        self.tier_bad_records = Counter("kvrelay_tier_bad_records",
-                                        "records of the shared tier skipped as unreadable (announcement, metadata, "
-                                        "value); the tier goes on", ["kind"], registry=r)
+        # the shared tier's up gauge, lookups, failed and skipped calls, bad records: read from the store at a scrape
+        self.tier = TierCollector()
+        r.register(self.tier)
         # TTFT and the other latencies, sizes, reuse and finish reason of each request; kvrelay_cancelled_total
         self.per_request = RequestMetrics(r)
         self._seen: dict[str, int] = {}
@@ -71,9 +72,7 @@ class ServerMetrics:
                                       for reason, n in tenants.num_refused.items())):
             counter.inc(total - self._seen.get(key, 0))
             self._seen[key] = total
-        for kind, total in getattr(store, "bad_records", {}).items():  # a tiered store's (``tier.tiered``)
-            self.tier_bad_records.labels(kind).inc(total - self._seen.get("bad:" + kind, 0))
-            self._seen["bad:" + kind] = total
+        self.tier.watch(store)
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))

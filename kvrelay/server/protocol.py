@@ -113,7 +113,7 @@ StrictFloat = Annotated[float, Strict()]
 
 class KvrelayOptions(_Body):
     method: str | None = None  # a reuse method spec, e.g. "epic" or "relay[l_pre=4]"
-    debug: StrictBool = False  # add prompt ids, refs, output ids and the span id to the kvrelay object
+    debug: StrictBool = False  # add prompt/output ids, refs, the span id and tier decisions to the kvrelay object
     cache_output: StrictBool = True  # False: this completion is not stored for later requests (probes, one-offs)
     # the first token's log-probabilities over the whole vocabulary (base64 of little-endian float32), so a
     # client can measure a method's KL against a `full` call on the same prompt; ~4 bytes x vocab per response

@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvrelay.server.access import check_metrics_access
 from kvrelay.server.context import AppContext
 from kvrelay.server.protocol import ApiError
+from kvrelay.server.tier_metrics import tier_state
 
 
 def service_router(ctx: AppContext) -> APIRouter:
@@ -21,12 +22,14 @@ def service_router(ctx: AppContext) -> APIRouter:
         # with the quality guard on, a request that names no method runs at its agent's rung, not ``--method``
         guarded = settings.quality is not None and settings.quality.target is not None
         # a 503 unless the engine worker serves: a load balancer then sends no request that would wait for ever
-        # (its thread died) or be cut off (the server is shutting down)
+        # (its thread died) or be cut off (the server is shutting down). A shared tier that is down is no reason:
+        # the replica serves from memory; ``tier`` says so (kvrelay.server.tier_metrics)
         state = ctx.worker.state
         return JSONResponse({"status": "ok" if state == "running" else state, "model": ctx.model_id,
                              "method": None if guarded else settings.method, "quality_guard": guarded,
                              "running": ctx.worker.num_running, "prefilling": ctx.worker.num_prefilling,
-                             "waiting": ctx.worker.num_waiting}, status_code=200 if state == "running" else 503)
+                             "waiting": ctx.worker.num_waiting, "tier": tier_state(ctx.catalog.store)},
+                            status_code=200 if state == "running" else 503)
 
     @router.get("/metrics")
     async def prometheus(request: Request) -> Response:

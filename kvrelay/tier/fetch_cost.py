@@ -13,6 +13,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+ACTIONS = ("fetch", "recompute", "miss")  # what a ``FetchDecision`` may decide
 _EWMA_ALPHA = 0.3  # weight of the newest sample: a few fetches move the estimate, one outlier does not
 
 
@@ -108,8 +109,13 @@ class DecisionLog:
     def __init__(self, keep_recent: int = 1000) -> None:
         self._local = threading.local()
         self.recent: deque[FetchDecision] = deque(maxlen=keep_recent)
+        # every decision since this log was made, by action (what /metrics exports: fixed labels)
+        self.num_by_action = dict.fromkeys(ACTIONS, 0)
+        self._lock = threading.Lock()
 
     def record(self, decision: FetchDecision) -> None:
+        with self._lock:
+            self.num_by_action[decision.action] += 1
         if not hasattr(self._local, "items"):
             self._local.items = []
         self._local.items.append(decision)

@@ -35,6 +35,7 @@ def test_health_is_200_while_the_worker_serves_and_503_before_and_while_shutting
         status, body = _health(client)
         assert status == 200 and body["status"] == "ok"
         assert {"model", "method", "quality_guard", "running", "prefilling", "waiting"} <= body.keys()
+        assert body["tier"] is None  # memory only (a shared tier's state: tests/tier/test_tier_monitoring.py)
     status, body = _health(TestClient(app))  # the lifespan stopped it
     assert (status, body["status"]) == (503, "stopping")
 

@@ -56,6 +56,7 @@ class TierBackend(Protocol):
     """
 
     url: str  # redacted
+    kind: str  # "redis", "disk": what /health and the metrics call this tier
     # records the backend skipped as unreadable (an announcement that does not decode): counted, never a failure of
     # the tier (the tiered store adds them to its ``bad_records``)
     num_bad_records: int

@@ -24,6 +24,8 @@ from kvrelay.errors import ConfigError
 
 
 class DiskBackend:
+    kind = "disk"  # what /health and the metrics call this tier
+
     def __init__(self, path: str | Path, fsync: bool = False) -> None:
         self.root = Path(path).expanduser()
         try:

@@ -26,6 +26,8 @@ MAX_CHUNKS = 1 << 16  # more chunks than this is a corrupt count, not a span (1 
 
 
 class RedisBackend:
+    kind = "redis"  # what /health and the metrics call this tier
+
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
                  max_announcements: int = 100_000, chunk_bytes: int = 16 << 20, client=None) -> None:
         self.url = redact(url)
