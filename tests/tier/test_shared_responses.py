@@ -110,16 +110,33 @@ def test_another_namespace_sees_nothing_and_keys_name_no_tenant(redis_url, redis
         assert keys and not any(name in k for name in names for k in keys)
 
 
-def test_redis_down_makes_ids_unknown_and_the_server_keeps_serving(own_redis, caplog):
-    with replicas(own_redis.url) as [(a, _), (b, _)]:
+def test_redis_down_is_a_503_for_stored_ids_and_they_are_known_again_once_it_is_back(own_redis, caplog):
+    import signal
+
+    with replicas(own_redis.url) as [(a, app_a), (b, app_b)]:
         ns = uuid.uuid4().hex
         r1 = create(a, ns, input="Name a colour.")
-        own_redis.stop()
-        with caplog.at_level(logging.WARNING, logger="kvrelay.tier"):
-            statuses = [status for status, _ in _errors(a, ns, r1.id) + _errors(b, ns, r1.id)]
-            assert statuses == [404, 404, 404, 400] * 2  # a's own local copy too: the tier holds what exists
-            fresh = create(b, ns, input="Still serving?")  # a response is served, not stored
-            assert fresh.status in ("completed", "incomplete")
-        with pytest.raises(openai.NotFoundError):
+        own_redis.proc.send_signal(signal.SIGSTOP)  # it still holds r1, and answers nothing
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvrelay.tier"):
+                errors = _errors(a, ns, r1.id) + _errors(b, ns, r1.id)  # a's own local copy too: not the tier's word
+                fresh = create(b, ns, input="Still serving?")  # a response is served, not stored
+                assert fresh.status in ("completed", "incomplete")
+                with pytest.raises(openai.InternalServerError) as err:
+                    b.responses.retrieve(fresh.id, extra_query={"cache_salt": ns})
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        assert [status for status, _ in errors] == [503] * 8
+        assert {body["code"] for _, body in errors} == {"tier_unavailable"}
+        assert {body["type"] for _, body in errors} == {"server_error"}
+        assert "shared tier" in errors[0][1]["message"] and "ID" not in errors[0][1]["message"]
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "5"
+        assert caplog.text.count("unavailable") == 2  # once per replica's outage, never per request
+        for app in (app_a, app_b):  # each replica's prober finds Redis answering again
+            health = app.state.responses.records.health
+            health.probe_thread.join(30.0)
+            assert health.up
+        for client in (a, b):  # the tier still held r1: known again on both
+            assert client.responses.retrieve(r1.id, extra_query={"cache_salt": ns}).id == r1.id
+        with pytest.raises(openai.NotFoundError):  # created while the tier was down: never stored
             b.responses.retrieve(fresh.id, extra_query={"cache_salt": ns})
-        assert caplog.text.count("unavailable") <= 2  # once per replica's outage, never per request
