@@ -14,6 +14,7 @@ never holds the engine thread.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -133,7 +134,8 @@ class EngineWorker(RequestFailures):
             else:
                 self._queue(job)
                 return
-        self._prepare_pool.submit(self._prepare_then_queue, job)
+        # in the submitter's context: what preparing logs (a bad record of the tier) names the request's id
+        self._prepare_pool.submit(contextvars.copy_context().run, self._prepare_then_queue, job)
 
     def _queue(self, job: Job) -> None:  # holding ``_cond``
         self._waiting.append(job)

@@ -31,6 +31,7 @@ from kvrelay.cache.store import DEFAULT_NAMESPACE, KVStore, PrefixMatch, SpanLik
 from kvrelay.errors import ConfigError, StoreFullError
 from kvrelay.tier.announce import PublishedSpan, RemoteSpans, announcement
 from kvrelay.tier.backends.base import TierBackend, channel_key, redact, span_key
+from kvrelay.tier.bad_records import BadRecords
 from kvrelay.tier.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
 from kvrelay.tier.health import TierDown, TierHealth
 from kvrelay.tier.wire import SpanMeta, WireError, decode_span, encode_span
@@ -74,7 +75,7 @@ class TieredStore(KVStore):
         self.remote_prefix_poll_s = remote_prefix_poll_s
         self._listeners: list[tuple[str, Callable[[PublishedSpan], Any]]] = []
         self._poll_lock = threading.Lock()
-        self._num_bad = {"metadata": 0, "value": 0}  # records fetched that did not decode
+        self._bad = BadRecords(self.url)  # span records that did not decode: counted once, skipped afterwards
 
     # ------------------------------------------------------------------ settings the engine gives
     def set_compute_rate(self, token_layers_per_s: float | None) -> None:
@@ -88,11 +89,8 @@ class TieredStore(KVStore):
     def bad_records(self) -> dict[str, int]:
         """Records of the tier skipped as unreadable since this store opened, by kind: announcements (lines or
         entries the backend could not read, and messages that are not announcements), span metadata, span values."""
-        return {"announcement": getattr(self.backend, "num_bad_records", 0) + self.remote.num_bad, **self._num_bad}
-
-    def _count_bad(self, kind: str) -> None:
-        with self._lock:
-            self._num_bad[kind] += 1
+        return {"announcement": getattr(self.backend, "num_bad_records", 0) + self.remote.num_bad,
+                **self._bad.num_by_kind}
 
     def take_decisions(self) -> list[FetchDecision]:
         """Fetch/recompute decisions made by this thread since its last call, oldest first."""
@@ -112,6 +110,9 @@ class TieredStore(KVStore):
             self._miss(span_id, namespace, "no model fingerprint set (set_fingerprint)")
             return None
         key = span_key(namespace, fp, span_id)
+        if self._bad.known(key):
+            self._miss(span_id, namespace, "a bad record, skipped")
+            return None
         try:
             t0 = time.perf_counter()
             raw_meta = self._tier("read metadata", self.backend.get_meta, key)
@@ -125,8 +126,7 @@ class TieredStore(KVStore):
         try:
             meta = SpanMeta.from_bytes(raw_meta)
         except WireError as e:
-            log.warning("shared tier %s: %s; treated as a miss", self.url, e)
-            self._count_bad("metadata")
+            self._bad.add(key, "metadata", str(e))
             self._miss(span_id, namespace, "corrupt metadata")
             return None
         if (meta.span_id, meta.namespace, meta.fingerprint) != (span_id, namespace, fp):
@@ -152,8 +152,7 @@ class TieredStore(KVStore):
         try:
             span = decode_span(value, span_id, namespace, fp)
         except WireError as e:
-            log.warning("shared tier %s: %s; treated as a miss", self.url, e)
-            self._count_bad("value")
+            self._bad.add(key, "value", str(e))
             self.decisions.record(replace(decision, action="miss", reason="corrupt value"))
             return None
         fetch_s = time.perf_counter() - t0
@@ -218,9 +217,10 @@ class TieredStore(KVStore):
             log.warning("span %r is kept in memory only: %s", span_id, e)
             return True
         message = announcement(span_id, span.token_ids, span.start_pos, self.origin)
+        key = span_key(namespace, span.fingerprint, span_id)
         try:
-            self._tier("write", self.backend.put, span_key(namespace, span.fingerprint, span_id), value,
-                       meta.to_bytes())
+            self._tier("write", self.backend.put, key, value, meta.to_bytes())
+            self._bad.forget(key)  # written anew: a later lookup reads it
             self._tier("announce", self.backend.announce, channel_key(namespace, span.fingerprint), message)
         except TierDown as e:
             with self._lock:

@@ -123,3 +123,16 @@ def test_the_clients_own_id_is_not_the_id_and_is_logged_only_when_plain(srv, cap
     lines = {r.getMessage().split()[0]: r.getMessage() for r in caplog.records if r.name == "kvrelay.server.access"}
     assert lines[plain.headers["x-request-id"]].endswith(" client_request_id=trace-42.a")
     assert "client_request_id" not in lines[odd.headers["x-request-id"]]
+
+
+def test_what_preparing_a_request_logs_names_its_id(srv, monkeypatch):
+    """Matching runs on a prepare thread (a bad record of the shared tier is warned about there): it sees the id."""
+    from kvrelay.server.request_ids import current_request_id
+
+    seen: list[str] = []
+    catalog = srv.worker.catalog
+    build_call = catalog.build_call
+    monkeypatch.setattr(catalog, "build_call",
+                        lambda *a, **kw: seen.append(current_request_id()) or build_call(*a, **kw))
+    chat = srv.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert seen == [chat._request_id] and ID.fullmatch(seen[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import struct
 
 import fakeredis
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from kvrelay.cache.kv import StoredSpan
+from kvrelay.cache.store import SpanNotFoundError
 from kvrelay.tier.backends.base import channel_key, span_key
 from kvrelay.tier.backends.disk import DiskBackend
 from kvrelay.tier.backends.redis import PREFIX, RedisBackend
+from kvrelay.tier.bad_records import BadRecords
 from kvrelay.tier.tiered import TieredStore
 from kvrelay.tier.wire import MAGIC
 
@@ -113,14 +116,15 @@ def test_a_bad_metadata_or_value_record_is_a_counted_miss(tmp_path, kind):
 def test_a_forged_value_that_passes_the_checksum_is_a_counted_miss(tmp_path):
     """The checksum catches corruption, not a writer of another format: such a value's header is checked too."""
     writer, reader = _two_disk_stores(tmp_path)
-    writer.put("a", span(20))
-    for header in (b"[1, 2]", json.dumps({"span_id": "a", "namespace": "", "fingerprint": "fp"}).encode(),
-                   json.dumps({"span_id": "a", "namespace": "", "fingerprint": "fp", "payload_bytes": 0,
-                               "tensors": [{"name": "k", "dtype": "float32", "shape": [-3], "offset": 0,
-                                            "nbytes": 0}]}).encode()):
+    for sid, header in (("a", b"[1, 2]"), ("b", json.dumps({"span_id": "b", "namespace": "", "fingerprint": "fp"})),
+                        ("c", json.dumps({"span_id": "c", "namespace": "", "fingerprint": "fp", "payload_bytes": 0,
+                                          "tensors": [{"name": "k", "dtype": "float32", "shape": [-3], "offset": 0,
+                                                       "nbytes": 0}]}))):
+        writer.put(sid, span(20))
+        header = header if isinstance(header, bytes) else header.encode()
         body = MAGIC + struct.pack("<I", len(header)) + header
-        (tmp_path / (span_key("", "fp", "a") + ".v")).write_bytes(body + hashlib.sha256(body).digest())
-        assert "a" not in reader
+        (tmp_path / (span_key("", "fp", sid) + ".v")).write_bytes(body + hashlib.sha256(body).digest())
+        assert sid not in reader
     assert reader.bad_records["value"] == 3
 
 
@@ -132,6 +136,42 @@ def test_a_chunk_count_that_cannot_be_one_asks_for_no_keys():
     reader = TieredStore(1 << 22, RedisBackend("redis://test", client=fakeredis.FakeRedis(server=server)), "fp")
     assert "a" not in reader and reader.bad_records["value"] == 1
 
+
+
+def test_a_bad_value_is_counted_warned_and_read_once_however_often_it_is_looked_up(caplog):
+    server = fakeredis.FakeServer()
+    writer = TieredStore(1 << 22, RedisBackend("redis://test", client=fakeredis.FakeRedis(server=server)), "fp")
+    writer.put("a", span(20))
+    writer.put("b", span(21))
+    fakeredis.FakeRedis(server=server).set(PREFIX + span_key("", "fp", "a") + ":v", b"garbage")
+    backend = RedisBackend("redis://test", client=fakeredis.FakeRedis(server=server))
+    reads: list[str] = []
+    get_value = backend.get_value
+    backend.get_value = lambda key: reads.append(key) or get_value(key)
+    reader = TieredStore(1 << 22, backend, "fp")
+    with caplog.at_level(logging.WARNING, logger="kvrelay.tier"):
+        for _ in range(3):  # a continuation looks the span up more than once
+            assert "a" not in reader
+        with pytest.raises(SpanNotFoundError):
+            reader.get("a")
+    assert reader.bad_records["value"] == 1 and len(reads) == 1
+    assert len([r for r in caplog.records if "skipped from now on" in r.getMessage()]) == 1
+    assert [d.reason for d in reader.take_decisions()] == ["corrupt value"] + ["a bad record, skipped"] * 3
+    assert "b" in reader and len(reads) == 2  # other records are read as ever
+    reader.put("a", span(20))  # written anew by this process: read again
+    reader.remove("a")
+    assert "a" in reader and reader.bad_records["value"] == 1
+
+
+def test_bad_keys_are_remembered_up_to_the_bound():
+    bad = BadRecords("fake://", max_keys=2)
+    for key in ("k1", "k2", "k3"):
+        bad.add(key, "value", "planted")
+    bad.add("k3", "value", "planted")  # known: not counted again
+    assert bad.num_by_kind == {"metadata": 0, "value": 3}
+    assert [bad.known(k) for k in ("k1", "k2", "k3")] == [False, True, True]  # the oldest forgotten first
+    bad.add("k1", "metadata", "planted")  # forgotten, so found and counted anew
+    assert bad.num_by_kind == {"metadata": 1, "value": 3} and not bad.known("k2")
 
 
 def test_the_server_exports_the_count(tmp_path):
