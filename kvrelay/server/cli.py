@@ -156,6 +156,7 @@ def build_app(args: argparse.Namespace):
     from kvrelay.server.access import read_metrics_key
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import MatchConfig, SpanCatalog
+    from kvrelay.tier.store_url import parse_store_url
     from kvrelay.tier.tiered import open_store
 
     if not 0 <= args.port <= 65535:  # else uvicorn's OverflowError, once the model has loaded
@@ -176,6 +177,10 @@ def build_app(args: argparse.Namespace):
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens,
                               default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality)
+    try:  # a URL open_store would refuse, refused now: it was refused only after the model had loaded
+        parse_store_url(args.store)
+    except ConfigError as exc:
+        raise ConfigError(f"--store: {exc}") from None
     # last before the model loads: a bad flag is named whatever holds the port (a test's app, never bound, too)
     check_can_listen(args.host, args.port)
     lm = load_model_from(args, progress=args.log_format == "text")  # a bar on stderr would break JSON lines

@@ -30,10 +30,11 @@ from typing import Any
 from kvrelay.cache.store import DEFAULT_NAMESPACE, KVStore, PrefixMatch, SpanLike, SpanNotFoundError
 from kvrelay.errors import ConfigError, StoreFullError
 from kvrelay.tier.announce import PublishedSpan, RemoteSpans, announcement
-from kvrelay.tier.backends.base import TierBackend, channel_key, redact, span_key
+from kvrelay.tier.backends.base import TierBackend, channel_key, span_key
 from kvrelay.tier.bad_records import BadRecords
 from kvrelay.tier.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
 from kvrelay.tier.health import TierDown, TierHealth
+from kvrelay.tier.store_url import parse_store_url
 from kvrelay.tier.wire import SpanMeta, WireError, decode_span, encode_span
 
 log = logging.getLogger("kvrelay.tier")
@@ -354,22 +355,17 @@ def open_store(url: str | None, budget_bytes: int, *, fingerprint: str | None = 
     ``budget_bytes`` bounds the memory tier; the shared tier is bounded by its own configuration
     (Redis ``maxmemory``). Credentials in ``url`` never appear in a message (``redact``).
     """
-    if url is None or url.strip() in ("", "memory"):
+    spec = parse_store_url(url)
+    if spec.kind == "memory":
         return KVStore(budget_bytes, block_len, namespace_budget_bytes)
-    url = url.strip()
-    if url.startswith("disk:"):
+    if spec.kind == "disk":
         from kvrelay.tier.backends.disk import DiskBackend
 
-        path = url[len("disk:"):]
-        if not path:
-            raise ConfigError("store URL 'disk:' needs a directory: disk:PATH")
-        backend: TierBackend = DiskBackend(path)
-    elif url.startswith(("redis://", "rediss://", "unix://")):
+        backend: TierBackend = DiskBackend(spec.location)
+    else:
         from kvrelay.tier.backends.redis import RedisBackend
 
-        backend = RedisBackend(url, timeout_s=timeout_s)
-    else:
-        raise ConfigError(f"unknown store {redact(url)!r}: expected memory, disk:PATH or redis://host:port/db")
+        backend = RedisBackend(spec.location, timeout_s=timeout_s)
     store = TieredStore(budget_bytes, backend, fingerprint, block_len, namespace_budget_bytes,
                         compute_token_layers_per_s)
     if hasattr(backend, "client"):
