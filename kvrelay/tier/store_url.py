@@ -47,6 +47,6 @@ def _check_directory(path: Path) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"disk store directory {str(path)!r}: {str(existing)!r} is not a directory")
+        raise ConfigError(f"disk store directory {str(path)!r} cannot be created: {str(existing)!r} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"disk store directory {str(path)!r} is not writable")
