@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 import logging
 import socket
-from pathlib import Path
 
 from kvrelay.errors import ConfigError
+from kvrelay.server.key_files import read_key_lines
 
 DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads (README, "Point your agent...")
 
@@ -123,15 +123,8 @@ def serving_methods(args: argparse.Namespace) -> str:
 
 
 def read_api_keys(path: str | None) -> frozenset[str]:
-    if path is None:
-        return frozenset()
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--api-keys {path}: no such file")
-    keys = frozenset(line.strip() for line in file.read_text().splitlines() if line.strip())
-    if not keys:
-        raise ConfigError(f"--api-keys {path}: the file holds no key")
-    return keys
+    """The tenants' keys in ``--api-keys FILE`` (kvrelay.server.key_files), or none without the flag."""
+    return frozenset() if path is None else frozenset(read_key_lines(path, "--api-keys"))
 
 
 def check_can_listen(host: str, port: int) -> None:
