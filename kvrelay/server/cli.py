@@ -23,9 +23,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
     add_model_flags(p, DEFAULT_MODEL)
-    p.add_argument("--method", default=DEFAULT_METHOD,
-                   help=f"reuse method for requests that name none (default {DEFAULT_METHOD}); "
-                        "a request picks its own with {\"kvrelay\": {\"method\": ...}}")
+    p.add_argument("--method", default=None,
+                   help=f"reuse method for requests that name none while --quality-target is off (default "
+                        f"{DEFAULT_METHOD}; with the guard on, each agent's rung picks); a request picks its own with "
+                        "{\"kvrelay\": {\"method\": ...}}")
     p.add_argument("--methods", default="",
                    help="more methods requests may ask for, set up at start so that every stored span carries "
                         "the hidden states they need (e.g. relay); comma-separated specs")
@@ -89,6 +90,17 @@ def add_quality_flags(p: argparse.ArgumentParser) -> None:
                    help=f"{fields['ladder'].metadata['help']}: method specs or NAME=SPEC, comma-separated; a learning "
                         f"rung (e.g. kvcomm: naive,kvcomm,relay,prefix) learns from the shadow references, no "
                         f"warm-up (docs/quality.md; default: {ladder_text(defaults.ladder)})")
+
+
+def resolve_method(args: argparse.Namespace, guard_on: bool) -> None:
+    """``args.method`` set (``DEFAULT_METHOD`` where the flag was not given); a ``--method`` given while the quality
+    guard is on serves only requests that name it, so the start says so instead of leaving the flag silently idle."""
+    if args.method is None:
+        args.method = DEFAULT_METHOD
+    elif guard_on:
+        logging.getLogger("kvrelay.server").warning(
+            "--method %s serves requests that name no method only with --quality-target off; with the quality "
+            "guard on, each agent's rung picks its method (a request may still name %s)", args.method, args.method)
 
 
 def quality_config(args: argparse.Namespace):
@@ -158,12 +170,13 @@ def build_app(args: argparse.Namespace):
     if args.max_queue < 1 or args.max_running < 1:
         raise ConfigError("--max-queue and --max-running must be >= 1")
     extra_methods = split_method_specs(args.methods)
+    quality = quality_config(args)  # a bad target fails here, before the model loads
+    resolve_method(args, guard_on=quality is not None)
     for spec in (args.method, *extra_methods):
         get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
     metrics_key = read_metrics_key(args.metrics_key)
     tenancy = dataclass_from_args(TenancyConfig, args)
-    quality = quality_config(args)  # a bad target fails here, before the model loads
     match = dataclass_from_args(MatchConfig, args)
     # its checks (--default-max-tokens, --prefill-chunk-tokens) run here, before the model loads
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
