@@ -63,7 +63,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="server log level (default: warning)")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text lines, or json: one JSON object a line with time, level, logger, message and, for "
-                        "a request, request_id (the access line adds http: method, path, status, duration_ms) "
+                        "a request, request_id (the access line adds http: method, path, status, cut, duration_ms and "
+                        "client_request_id) "
                         "(default: text)")
     p.set_defaults(fn=cmd_serve)
     return p

@@ -24,7 +24,7 @@ class BodyTooLarge(StarletteHTTPException):
     """The body passed the limit while it arrived (the app's HTTP error handler answers it: a 413)."""
 
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"request body of more than {max_bytes} bytes is over the limit of {max_bytes} bytes")
+        super().__init__(413, f"request body is over the limit of {max_bytes} bytes (it was cut off once past it)")
 
 
 class BodyLimit:
