@@ -28,7 +28,7 @@ from kvrelay.server.openai_responses import responses_router
 from kvrelay.server.quality_setup import install_quality
 from kvrelay.server.request_ids import RequestIds
 from kvrelay.server.scheduler import EngineWorker
-from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
+from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, ShutdownConfig
 from kvrelay.server.service_routes import service_router
 from kvrelay.server.shared_responses import response_store_for
 
@@ -50,6 +50,8 @@ class ServerSettings:
     # the quality guard (a kvrelay.quality.QualityConfig; None: off, every request runs ``method``); ``kvrelay
     # serve`` turns it on by default
     quality: Any = None
+    # SIGTERM / SIGINT: how long running requests get to finish (kvrelay.server.graceful serves it)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.default_max_tokens, int) or isinstance(self.default_max_tokens, bool) \

@@ -12,6 +12,7 @@ Pure ASGI, as ``BodyLimit``: ``@app.middleware`` would hide the client's disconn
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import re
@@ -19,8 +20,11 @@ import secrets
 import time
 from urllib.parse import quote
 
+from kvrelay.server.protocol import shutting_down_error
+
 REQUEST_ID_HEADER = "x-request-id"
 _STATE_KEY = "request_id"  # under the ASGI scope's "state": ``request.state.request_id`` in a handler
+_CUT_KEY = "answer_cut"  # under the scope's "state": the app ended the answer short after its status (``mark_cut``)
 CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 NUM_ID_HEX_DIGITS = 32
 
@@ -42,6 +46,12 @@ def current_request_id() -> str:
 def request_id_of(scope: dict) -> str:
     """The id ``RequestIds`` gave the request of ``scope`` ("" if it gave none)."""
     return scope.get("state", {}).get(_STATE_KEY, "")
+
+
+def mark_cut(scope: dict) -> None:
+    """The app ended the request's answer short after its status was sent (a stream's error chunk): its access line
+    says ``cut``, though the response itself ended in order."""
+    scope.setdefault("state", {})[_CUT_KEY] = True
 
 
 def loggable_path(scope: dict) -> str:
@@ -98,6 +108,13 @@ class RequestIds:
             # the app's 500 handler (kvrelay.server.http_errors) answers outside this middleware, after this line
             access.write(500)
             raise
+        except asyncio.CancelledError:
+            # only uvicorn's shutdown cancels a request's task (after kvrelay.server.graceful's drain and flush: a
+            # request that never reached the worker, say a grammar still compiling): a 503 with its id, not
+            # uvicorn's plain-text 500 (a stream already begun can only be cut)
+            if access.status is None:
+                await shutting_down_error().response()(scope, receive, send_with_id)
+            raise
         finally:
             _current_id.reset(token)
             access.write()  # an answer cut off: its client left, or the app was cancelled (``cut`` on the line)
@@ -121,9 +138,11 @@ class _AccessLine:
 
     @property
     def cut(self) -> bool:
-        """The client did not get the whole answer: it left first (the server sends nothing after that), or the
-        answer began and never ended (the app stopped mid-stream: cancelled, or failed after its status)."""
-        return self.client_left or (self.status is not None and not self.ended)
+        """The client did not get the whole answer: it left first (the server sends nothing after that), the answer
+        began and never ended (the app stopped mid-stream: cancelled, or failed after its status), or the app ended
+        it with an error after its status (``mark_cut``: a stream's error chunk)."""
+        return self.client_left or (self.status is not None and not self.ended) \
+            or self.scope.get("state", {}).get(_CUT_KEY, False)
 
     def write(self, status_if_none: int | None = None) -> None:
         if self.written:
