@@ -83,7 +83,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
     add_error_handlers(app, metrics, settings.api_keys, settings.metrics_key)  # OpenAI's error JSON, no traceback
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, api_keys=settings.api_keys)
-    app.add_middleware(RequestIds)  # added last: outside BodyLimit, so its 413s and 429s carry an id too
+    app.add_middleware(RequestIds, metrics=metrics)  # added last: outside BodyLimit, so its 413s and 429s count too
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions
     app.include_router(completions_router(ctx))  # POST /v1/completions

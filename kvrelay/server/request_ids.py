@@ -20,11 +20,12 @@ import secrets
 import time
 from urllib.parse import quote
 
+from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import shutting_down_error
 
 REQUEST_ID_HEADER = "x-request-id"
 _STATE_KEY = "request_id"  # under the ASGI scope's "state": ``request.state.request_id`` in a handler
-_CUT_KEY = "answer_cut"  # under the scope's "state": the app ended the answer short after its status (``mark_cut``)
+_CUT_KEY = "answer_cut"  # under the scope's "state": the error status a stream ended with after its 200 (``mark_cut``)
 CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 NUM_ID_HEX_DIGITS = 32
 
@@ -48,10 +49,11 @@ def request_id_of(scope: dict) -> str:
     return scope.get("state", {}).get(_STATE_KEY, "")
 
 
-def mark_cut(scope: dict) -> None:
-    """The app ended the request's answer short after its status was sent (a stream's error chunk): its access line
-    says ``cut``, though the response itself ended in order."""
-    scope.setdefault("state", {})[_CUT_KEY] = True
+def mark_cut(scope: dict, error_status: int) -> None:
+    """The app ended the request's answer short after its status was sent (a stream's error chunk, carrying
+    ``error_status``): its access line says ``cut``, though the response itself ended in order, and the error
+    counter counts it by ``error_status``."""
+    scope.setdefault("state", {})[_CUT_KEY] = error_status
 
 
 def loggable_path(scope: dict) -> str:
@@ -72,15 +74,17 @@ def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
 class RequestIds:
     """Gives each HTTP request a new id: in the scope's state (``request_id_of``), in the task's context
     (``current_request_id``), on the response's headers, and in one access line (INFO, ``kvrelay.server.access``)
-    when the request ends."""
+    when the request ends. With ``metrics``, counts each request on arrival and, when it ends, its error status:
+    both counters see every request the app gets, whichever part of it answered."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, metrics: ServerMetrics | None = None) -> None:
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        endpoint = self.metrics.request_received(scope["path"]) if self.metrics is not None else ""
         request_id = new_request_id()
         scope.setdefault("state", {})[_STATE_KEY] = request_id
         token = _current_id.set(request_id)
@@ -118,6 +122,8 @@ class RequestIds:
         finally:
             _current_id.reset(token)
             access.write()  # an answer cut off: its client left, or the app was cancelled (``cut`` on the line)
+            if self.metrics is not None and access.error_status is not None:
+                self.metrics.request_failed(endpoint, access.error_status)
 
 
 #: written after the status of an answer the client never got to its end (see ``_AccessLine.cut``)
@@ -135,6 +141,12 @@ class _AccessLine:
         self.ended = False  # the answer's last body message was sent
         self.client_left = False  # an ``http.disconnect`` came before that message
         self.written = False
+        self.final_status: int | None = None  # what the line says (set when it is written)
+
+    @property
+    def error_status(self) -> int | None:
+        """The status the request's error carried: a stream's error chunk's, else the answer's own."""
+        return self.scope.get("state", {}).get(_CUT_KEY) or self.final_status
 
     @property
     def cut(self) -> bool:
@@ -142,14 +154,14 @@ class _AccessLine:
         began and never ended (the app stopped mid-stream: cancelled, or failed after its status), or the app ended
         it with an error after its status (``mark_cut``: a stream's error chunk)."""
         return self.client_left or (self.status is not None and not self.ended) \
-            or self.scope.get("state", {}).get(_CUT_KEY, False)
+            or bool(self.scope.get("state", {}).get(_CUT_KEY))
 
     def write(self, status_if_none: int | None = None) -> None:
         if self.written:
             return
         self.written = True
+        code = self.final_status = self.status or status_if_none
         if access_log.isEnabledFor(logging.INFO):
-            code = self.status or status_if_none
             status = f"{code or '-'}{' ' + CUT_MARKER if self.cut else ''}"
             client = client_request_id(self.scope["headers"])
             path, duration_ms = loggable_path(self.scope), (time.perf_counter() - self.started_s) * 1e3

@@ -121,8 +121,9 @@ async def _sse(ctx: AppContext, request: Request, job: Job, events: asyncio.Queu
                 return
             else:
                 finished = True
-                mark_cut(request.scope)  # its status said 200; the access line says the answer did not end
-                yield render.error_line(render.error_of(event))
+                err = render.error_of(event)
+                mark_cut(request.scope, err.status)  # its status said 200: the access line and error counter say more
+                yield render.error_line(err)
                 return
             event = await events.get()
     finally:
