@@ -10,6 +10,7 @@ import socket
 from kvrelay.errors import ConfigError
 from kvrelay.server.key_files import read_key_lines
 
+STARTUP_FAILURE = 3  # the exit status of a server that could not start (uvicorn's, as uvicorn.run exits)
 DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads (README, "Point your agent...")
 
 
@@ -18,7 +19,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.flags import add_dataclass_flags, add_model_flags, finite_float
     from kvrelay.server.json_logs import LOG_FORMATS
-    from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, MatchConfig
+    from kvrelay.server.serve_config import (
+        DEFAULT_MAX_TOKENS,
+        DEFAULT_PREFILL_CHUNK_TOKENS,
+        MatchConfig,
+        ShutdownConfig,
+    )
     from kvrelay.weights.aliases import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
@@ -56,6 +62,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "bounds how long such a request holds a slot of the decode batch (default "
                         f"{DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)")
     add_quality_flags(p)
+    add_dataclass_flags(p, ShutdownConfig)
     p.add_argument("--store", default="memory",
                    help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
                         "replicas on the same tier reuse each other's spans (credentials are never printed)")
@@ -162,6 +169,7 @@ def build_app(args: argparse.Namespace):
     from kvrelay.server.access import read_metrics_key
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import MatchConfig, SpanCatalog
+    from kvrelay.server.serve_config import ShutdownConfig
     from kvrelay.tier.tiered import open_store
 
     if not 0 <= args.port <= 65535:  # else uvicorn's OverflowError, once the model has loaded
@@ -179,10 +187,12 @@ def build_app(args: argparse.Namespace):
     metrics_key = read_metrics_key(args.metrics_key)
     tenancy = dataclass_from_args(TenancyConfig, args)
     match = dataclass_from_args(MatchConfig, args)
+    shutdown = dataclass_from_args(ShutdownConfig, args)  # a negative grace fails here, before the model loads
     # its checks (--default-max-tokens, --prefill-chunk-tokens) run here, before the model loads
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                              default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality)
+                              default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality,
+                              shutdown=shutdown)
     # last before the model loads: a bad flag is named whatever holds the port (a test's app, never bound, too)
     check_can_listen(args.host, args.port)
     lm = load_model_from(args, progress=args.log_format == "text")  # a bar on stderr would break JSON lines
@@ -195,8 +205,6 @@ def build_app(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvrelay.errors import KvRelayError
     from kvrelay.server.json_logs import announce, configure_logging
 
@@ -222,15 +230,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     announce(f"kvrelay serve: {args.model} {serving_methods(args)} on http://{args.host}:{args.port}/v1 "
              f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
              f"threads: {torch.get_num_threads()})", args.log_format)
+    from kvrelay.server.graceful import graceful_server
     from kvrelay.server.http_protocol import JsonErrorH11Protocol
     from kvrelay.server.shutdown_log import install_cut_off_filter
 
-    install_cut_off_filter()  # Ctrl-C with a request running: one line, not its CancelledError traceback
+    install_cut_off_filter()  # a request uvicorn still cancels at the end: one line, not its traceback
 
     # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON; access_log off:
     # kvrelay.server.request_ids writes the access line, with the request's id (--log-level info shows it)
     # log_config None with --log-format json: uvicorn's own lines go to the root handler, as JSON like the others
+    # SIGTERM / SIGINT: queued requests answered 503 at once, running ones get --shutdown-grace-s (graceful)
     json_logs = {"log_config": None} if args.log_format == "json" else {}
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                http=JsonErrorH11Protocol, access_log=False, **json_logs)
-    return 0
+    server = graceful_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                             http=JsonErrorH11Protocol, access_log=False, **json_logs)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # as uvicorn.run: a Ctrl-C uvicorn re-raises once it has shut down
+        pass
+    return 0 if server.started else STARTUP_FAILURE
