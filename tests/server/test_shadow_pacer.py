@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvrelay.errors import ConfigError
+from kvrelay.server.chunk_budget import ChunkBudget, PieceCost
 from kvrelay.server.events import DoneEvent, ErrorEvent
 from kvrelay.server.shadow import ShadowRunner, reference_ms
 from kvrelay.server.shadow_pacer import (
@@ -373,13 +374,32 @@ def test_the_worker_offers_a_paced_call_with_its_references_predicted_cost(tiny)
     worker.stop()
 
 
+class _PriorBudget(ChunkBudget):
+    """A chunk budget that keeps its prior (every position's token costs the same): the live pieces, timed on the
+    wall clock, do not refit it, so the pieces it gives do not shrink on a loaded machine."""
+
+    def observe(self, piece: PieceCost) -> None:
+        pass
+
+
 def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on_no_credit(tiny):
     """A long-lived tenant's warm-up is not held to the share: its shadow runs in decode turns with every credit
     spent, a turn's budget a piece, and what it takes is spent from the credit a paced tenant is shadowed on."""
     clock = Clock()
     worker, guard = _paced_worker(tiny, clock, paced=False)
+    budget = worker.chunk_budget = _PriorBudget(worker.chunk_budget.max_tokens)
     pacer = worker.shadows.pacer
-    pacer.credit_ms = pacer.busy_credit_ms = -1.0
+    # a debt that the live turns' earnings (a share of their wall-clock time) cannot pay off in this test
+    pacer.credit_ms = pacer.busy_credit_ms = -pacer.cap_ms / 2
+    pieces = []  # (ms, paced, the credit before, after) of each shadow piece, as the pacer was told it
+    spent = pacer.spent
+
+    def spy(ms: float, paced: bool) -> None:
+        before = pacer.credit_ms
+        spent(ms, paced)
+        pieces.append((ms, paced, before, pacer.credit_ms))
+
+    pacer.spent = spy
     job = _job(worker, tiny.tokenizer.encode("a long-lived role's call " * 4), "sampled", 30)
     worker.submit(job)
     while job.seq is None:
@@ -387,9 +407,12 @@ def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on
     shadow = worker.shadows._pending[0]
     assert not shadow.paced and shadow.charged_ms == 0
     for _ in range(3):
+        num_left, num_pieces = shadow.task.num_remaining_tokens, len(pieces)
         worker.run_turn()
-    assert shadow.task is not None and shadow.task.last_piece[0] > worker.chunk_budget.min_tokens
-    assert pacer.credit_ms < -1.0  # its pieces' time
+        assert shadow.task.last_piece[0] == min(budget.max_tokens, num_left) and len(pieces) == num_pieces + 1
+    assert budget.max_tokens > budget.min_tokens  # a turn's budget, not the least piece a paced shadow gets
+    for ms, paced, before, after in pieces:  # on no credit, and its time spent from the credit
+        assert not paced and ms > 0 and before < 0 and after == before - ms
     _drain(worker, job)  # no clock moves: it needs no idle time either
     assert len(guard.records) == 1
     worker.stop()
