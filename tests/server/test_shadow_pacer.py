@@ -12,7 +12,6 @@ import time
 import pytest
 
 from kvrelay.errors import ConfigError
-from kvrelay.server.chunk_budget import ChunkBudget, PieceCost
 from kvrelay.server.events import DoneEvent, ErrorEvent
 from kvrelay.server.shadow import ShadowRunner, reference_ms
 from kvrelay.server.shadow_pacer import (
@@ -374,20 +373,15 @@ def test_the_worker_offers_a_paced_call_with_its_references_predicted_cost(tiny)
     worker.stop()
 
 
-class _PriorBudget(ChunkBudget):
-    """A chunk budget that keeps its prior (every position's token costs the same): the live pieces, timed on the
-    wall clock, do not refit it, so the pieces it gives do not shrink on a loaded machine."""
-
-    def observe(self, piece: PieceCost) -> None:
-        pass
-
-
-def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on_no_credit(tiny):
+def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on_no_credit(tiny, monkeypatch):
     """A long-lived tenant's warm-up is not held to the share: its shadow runs in decode turns with every credit
     spent, a turn's budget a piece, and what it takes is spent from the credit a paced tenant is shadowed on."""
     clock = Clock()
     worker, guard = _paced_worker(tiny, clock, paced=False)
-    budget = worker.chunk_budget = _PriorBudget(worker.chunk_budget.max_tokens)
+    budget = worker.chunk_budget
+    # the budget keeps its prior (a token costs the same at every position): the live pieces, timed on the wall
+    # clock, do not refit it, so its pieces do not shrink on a loaded machine
+    monkeypatch.setattr(budget, "observe", lambda piece: None)
     pacer = worker.shadows.pacer
     # a debt that the live turns' earnings (a share of their wall-clock time) cannot pay off in this test
     pacer.credit_ms = pacer.busy_credit_ms = -pacer.cap_ms / 2
