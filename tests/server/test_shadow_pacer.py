@@ -383,7 +383,9 @@ def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on
     # clock, do not refit it, so its pieces do not shrink on a loaded machine
     monkeypatch.setattr(budget, "observe", lambda piece: None)
     pacer = worker.shadows.pacer
-    # a debt that the live turns' earnings (a share of their wall-clock time) cannot pay off in this test
+    # a bound of months (references asked of a month each) and half of it in debt: neither the live turns' earnings
+    # (a share of their wall-clock time) nor the pieces' spending reaches an end of it, however loaded the machine
+    pacer.asked_window_ms = RATE_WINDOW_CALLS * 30 * 86_400e3
     pacer.credit_ms = pacer.busy_credit_ms = -pacer.cap_ms / 2
     pieces = []  # (ms, paced, the credit before, after) of each shadow piece, as the pacer was told it
     spent = pacer.spent
