@@ -24,8 +24,10 @@ class TierDown(Exception):
 class TierHealth:
     """Up/down state with exponential backoff; logs once per transition, never per failed call."""
 
-    def __init__(self, url: str, min_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
-        self.url, self.min_backoff_s, self.max_backoff_s = url, min_backoff_s, max_backoff_s
+    def __init__(self, url: str, min_backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` (seconds): when the backoff ends; a test passes its own to let the backoff pass on its word."""
+        self.url, self.min_backoff_s, self.max_backoff_s, self.clock = url, min_backoff_s, max_backoff_s, clock
         self.down_since: float | None = None
         self.num_failures = 0
         self._backoff_s = min_backoff_s
@@ -33,7 +35,7 @@ class TierHealth:
         self._lock = threading.Lock()
 
     def available(self) -> bool:
-        return time.monotonic() >= self._next_try
+        return self.clock() >= self._next_try
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, the one fault wrapper of every tier call: ``TierDown`` (the caller's miss) while backing off
@@ -56,7 +58,7 @@ class TierHealth:
     def failure(self, what: str, exc: BaseException) -> None:
         with self._lock:
             self.num_failures += 1
-            now = time.monotonic()
+            now = self.clock()
             if self.down_since is None:
                 self.down_since, self._backoff_s = now, self.min_backoff_s
                 log.warning("shared tier %s unavailable (%s: %s: %s); serving from memory, retrying with backoff",
@@ -70,5 +72,5 @@ class TierHealth:
             return
         with self._lock:
             if self.down_since is not None:
-                log.warning("shared tier %s is back after %.1f s", self.url, time.monotonic() - self.down_since)
+                log.warning("shared tier %s is back after %.1f s", self.url, self.clock() - self.down_since)
                 self.down_since, self._next_try = None, 0.0
