@@ -21,13 +21,13 @@ QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold
             "How many clips did Natalia sell altogether in April and May?")
 
 
-def agent(client: OpenAI, model: str, name: str, system: str, user: str, extra: dict) -> str:
+def agent(client: OpenAI, model: str, name: str, system: str, user: str, extra: dict, max_tokens: int) -> str:
     t0 = time.perf_counter()
     client_ttft_ms = None
     text, usage, ext = "", None, {}
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-        max_tokens=128, temperature=0, stream=True, stream_options={"include_usage": True},
+        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
         extra_headers={"x-kvrelay-agent": name}, extra_body=extra)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--method", default=None, help="reuse method for these requests (default: the server's)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="each agent's answer bound (default 128)")
     args = parser.parse_args()
     client = OpenAI(base_url=args.base_url, api_key=args.api_key)
     model = client.models.list().data[0].id
@@ -56,12 +57,14 @@ def main() -> None:
     extra: dict = {"cache_salt": uuid.uuid4().hex}
     if args.method:
         extra["kvrelay"] = {"method": args.method}
-    solution = agent(client, model, "solver", "You are a careful math solver. Reason step by step.", QUESTION, extra)
+    solution = agent(client, model, "solver", "You are a careful math solver. Reason step by step.", QUESTION, extra,
+                     args.max_tokens)
     review = agent(client, model, "critic", "You check math solutions and point out mistakes.",
-                   f"Problem:\n{QUESTION}\n\nSolution:\n{solution}\n\nIs this solution correct?", extra)
+                   f"Problem:\n{QUESTION}\n\nSolution:\n{solution}\n\nIs this solution correct?", extra,
+                   args.max_tokens)
     final = agent(client, model, "finalizer", "You give the final answer to a math problem.",
                   f"Problem:\n{QUESTION}\n\nSolution:\n{solution}\n\nReview:\n{review}\n\n"
-                  "End with 'Answer: <number>'.", extra)
+                  "End with 'Answer: <number>'.", extra, args.max_tokens)
     print("\nfinal answer:\n" + final)
 
 

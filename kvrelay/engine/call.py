@@ -56,7 +56,9 @@ class CallStats:
 
     @property
     def reuse_rate(self) -> float:
-        """Reused token-layers / prompt token-layers (DESIGN.md)."""
+        """Reused token-layers / prompt token-layers: a token whose KV comes from the cache at some layers and is
+        computed at the others counts those layers only, so it is below ``cached_tokens / prompt_tokens`` wherever
+        a method recomputes cached tokens (docs/benchmarks.md)."""
         return self.num_reused_token_layers / self.num_prompt_token_layers
 
     @property

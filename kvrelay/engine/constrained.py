@@ -1,4 +1,4 @@
-"""Sampling under a per-sequence constraint (``kvrelay.engine.engine.LogitsMask``, e.g. a grammar).
+"""Sampling under a per-sequence constraint (``kvrelay.engine.sequence.LogitsMask``, e.g. a grammar).
 
 A grammar library answers two questions per step: which tokens its mask allows, and whether it accepts the one
 sampled. They are meant to agree; when they do not (a library bug, a token its mask over-allows), the sampled
@@ -18,7 +18,7 @@ from kvrelay.model.sampling import SamplingError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvrelay.engine.engine import LogitsMask
+    from kvrelay.engine.sequence import LogitsMask
 
 MAX_RESAMPLES = 8  # sampled picks retried before the most-likely-first scan
 

@@ -9,7 +9,8 @@ way, nano-vllm style:
 
 ``generate`` and ``generate_batch`` are those three in a loop. The engine asks every method it
 may run for its capture layers, so an upstream call always carries the hidden states a downstream
-relay needs, whoever drives it.
+relay needs, whoever drives it. A call's options and running state are kvrelay.engine.sequence's;
+the methods the engine holds, kvrelay.engine.methods'.
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from kvrelay.cache.kv import SequenceKV, StoredSpan
+from kvrelay.cache.kv import StoredSpan
 from kvrelay.cache.store import KVStore
 from kvrelay.engine.call import (
     CallStats,
@@ -36,98 +34,16 @@ from kvrelay.engine.call import (
     sync_device,
 )
 from kvrelay.engine.constrained import sample_masked
+from kvrelay.engine.methods import MethodRegistry
 from kvrelay.engine.prefill import PrefillTask
+from kvrelay.engine.sequence import GenerateOptions, Sequence, checked_options
 from kvrelay.errors import ConfigError
 from kvrelay.model.lm import LoadedModel
-from kvrelay.model.sampling import Sampler, SamplingConfig
+from kvrelay.model.sampling import Sampler
 from kvrelay.model.schedule import SuffixSchedule
-from kvrelay.reuse import CallInput, Plan, ReuseMethod, get_method
+from kvrelay.reuse import CallInput, ReuseMethod
 
 log = logging.getLogger(__name__)
-
-
-class LogitsMask(Protocol):
-    """A per-sequence constraint on the next token (e.g. a grammar), applied before sampling. Stateful: one
-    object per call (``generate_batch`` cannot share one), told every token the call takes."""
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """[vocab] logits with the tokens not allowed now at -inf (a stop token only once the output is complete)."""
-
-    def advance(self, token_id: int) -> None:
-        """The sequence took ``token_id`` (a stop token included); ``kvrelay.engine.constrained.TokenRefused``
-        (state unchanged) when the constraint refuses a token ``apply`` allowed: the engine picks another."""
-
-    # optional ``ended`` (bool): the constraint took its end, so the token just taken ends the answer (a grammar's
-    # stop token ends it even with ``ignore_eos``, which only keeps the end-of-sequence ids from being stop ids)
-
-
-@dataclass(frozen=True)
-class GenerateOptions:
-    """How one call runs (the method is chosen separately)."""
-
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    keep_cache: bool = False  # keep the sequence KV in the output, so that ``publish`` can store it
-    # the output is these ids (not sampled); their KV is computed as one more prefill chunk
-    forced_output_ids: tuple[int, ...] | None = None
-    learn: bool = True  # a stateful method (KVCOMM's anchor pools) learns from this prefill
-    # one more decode step when generation stops at max_new_tokens, so the last output token has KV
-    # too (what ``publish`` stores); None: as keep_cache
-    feed_last: bool | None = None
-    logits_mask: LogitsMask | None = None  # this call's own constraint (see ``LogitsMask``)
-    # the token ids that end the call (not part of its output); None: the tokenizer's (end of sequence, end of turn)
-    stop_ids: frozenset[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.forced_output_ids is not None:
-            object.__setattr__(self, "forced_output_ids", tuple(int(t) for t in self.forced_output_ids))
-        if self.stop_ids is not None:
-            object.__setattr__(self, "stop_ids", frozenset(int(t) for t in self.stop_ids))
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.forced_output_ids) if self.forced_output_ids is not None else self.sampling.max_new_tokens
-
-
-@dataclass
-class Sequence:
-    """One running call: its prompt, plan, KV and the tokens generated so far."""
-
-    call: CallInput
-    method: ReuseMethod
-    options: GenerateOptions
-    plan: Plan
-    cache: SequenceKV
-    sampler: Sampler
-    first_logits: torch.Tensor  # [vocab] fp32
-    stats: CallStats
-    output_ids: list[int] = field(default_factory=list)
-    top1_probs: list[float] = field(default_factory=list)
-    stop_reason: str | None = None  # set when the sequence is done: "stop", "length", "forced", "cancelled", "error"
-    # with stop_reason "error": what failed this sequence's sampling or forward (the rest of its batch went on)
-    error: Exception | None = None
-    prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    decode_rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [hidden] per step
-    decode_ms: float = 0.0
-    stop_token_id: int | None = None  # with stop_reason "stop": the stop token sampled (not in ``output_ids``)
-
-    @property
-    def done(self) -> bool:
-        return self.stop_reason is not None
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.call.prompt_ids
-
-    def cancel(self) -> None:
-        """Stop now (a client went away, a stop string matched); the KV is freed at ``finish``."""
-        if self.stop_reason is None:
-            self.stop_reason = "cancelled"
-
-
-# methods a call names that were not set up (a request's own ``kvrelay.method`` spec, a method object passed in),
-# kept at once, least recently used out first: every spec string is a new object, and a client naming
-# ``epic[k=1]``, ``epic[k=2]``, ... made one each for the server's life. One put out starts afresh if named again
-MAX_ONE_OFF_METHODS = 64
 
 
 class Engine:
@@ -139,9 +55,7 @@ class Engine:
         carry beyond what the methods ask for (e.g. a profiler's)."""
         self.lm = lm
         self.store = store
-        self._methods: dict[str, ReuseMethod] = {}  # set up: at construction or by ``method`` (kept for good)
-        self._one_off: OrderedDict[str, ReuseMethod] = OrderedDict()  # named by a call only (MAX_ONE_OFF_METHODS)
-        self._capture: set[int] = {int(layer) for layer in capture_layers}
+        self.registry = MethodRegistry(lm, capture_layers)
         # measured prefill token-layers/s on this device (a running mean): a shared tier weighs a fetch
         # against recomputing with it
         self.compute_token_layers_per_s: float | None = None
@@ -151,36 +65,22 @@ class Engine:
         for spec in (methods,) if isinstance(methods, (str, ReuseMethod)) else methods:
             self.method(spec)
 
-    # ------------------------------------------------------------------ methods
+    # ------------------------------------------------------------------ methods (kvrelay.engine.methods)
     def method(self, spec: str | ReuseMethod, keep: bool = True) -> ReuseMethod:
         """The engine's method for ``spec`` (one object per spec string, so stateful methods keep their
         state across calls); its capture layers join the engine's. ``keep``: set it up for good; else (a
         call's own spec) it is one of the ``MAX_ONE_OFF_METHODS`` most recently named."""
-        key = f"{spec.name}@{id(spec)}" if isinstance(spec, ReuseMethod) else spec.strip()
-        method = self._methods.get(key)
-        if method is not None:
-            return method
-        method = self._one_off.pop(key, None)
-        if method is None:
-            method = spec if isinstance(spec, ReuseMethod) else get_method(key)
-            self._capture.update(method.capture_layers(self.lm))
-        if keep:
-            self._methods[key] = method
-        else:
-            self._one_off[key] = method
-            while len(self._one_off) > MAX_ONE_OFF_METHODS:
-                self._one_off.popitem(last=False)
-        return method
+        return self.registry.get(spec, keep)
 
     @property
     def num_methods(self) -> int:
         """Methods held: those set up and the one-off ones."""
-        return len(self._methods) + len(self._one_off)
+        return len(self.registry)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
         """Layers whose input hidden states every call carries (union over the engine's methods)."""
-        return tuple(sorted(self._capture))
+        return self.registry.capture_layers
 
     # ------------------------------------------------------------------ one call, step by step
     def begin(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
@@ -188,7 +88,7 @@ class Engine:
         """``start`` as a task the caller advances a token budget at a time (chunked prefill, between other
         calls' decode steps); ``task.sequence()`` once it is done. A prompt that does not fit raises here."""
         call = call if isinstance(call, CallInput) else CallInput(list(call))
-        return PrefillTask(self, call, self.method(method, keep=False), _checked_options(options),
+        return PrefillTask(self, call, self.method(method, keep=False), checked_options(options),
                            self.store if store is None else store)
 
     def start(self, call: CallInput | list[int], method: str | ReuseMethod = "full",
@@ -197,7 +97,7 @@ class Engine:
 
         ``store``: the store this call plans from instead of the engine's (e.g. one tenant's namespace view).
         """
-        options = _checked_options(options)
+        options = checked_options(options)
         store = self.store if store is None else store
         call = call if isinstance(call, CallInput) else CallInput(list(call))
         method = self.method(method, keep=False)
@@ -405,14 +305,3 @@ class _DecodeMark:
         self.seq.cache.length = self.length
         for layer in list(self.seq.decode_rows):
             del self.seq.decode_rows[layer][self.num_rows.get(layer, 0):]
-
-
-def _checked_options(options: GenerateOptions | None) -> GenerateOptions:
-    """``options``, or the defaults; a SamplingConfig given in its place (the likely slip) is named, not an
-    AttributeError deep in the call."""
-    if options is None:
-        return GenerateOptions()
-    if not isinstance(options, GenerateOptions):
-        hint = " (wrap it: GenerateOptions(SamplingConfig(...)))" if isinstance(options, SamplingConfig) else ""
-        raise TypeError(f"options must be a GenerateOptions, got a {type(options).__name__}{hint}")
-    return options

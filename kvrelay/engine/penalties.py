@@ -60,7 +60,7 @@ class Penalties:
 
 
 class PenalizedLogits:
-    """One call's bias and penalties (``kvrelay.engine.engine.LogitsMask``), around its constraint ``inner``."""
+    """One call's bias and penalties (``kvrelay.engine.sequence.LogitsMask``), around its constraint ``inner``."""
 
     def __init__(self, penalties: Penalties, inner=None, prompt_ids: list[int] | tuple[int, ...] = ()) -> None:
         self.penalties, self.inner = penalties, inner
@@ -111,7 +111,7 @@ class PenalizedLogits:
 
     @property
     def ended(self) -> bool:
-        """The constraint inside is complete (``kvrelay.engine.engine.LogitsMask.ended``)."""
+        """The constraint inside is complete (``kvrelay.engine.sequence.LogitsMask.ended``)."""
         return bool(getattr(self.inner, "ended", False))
 
     def advance(self, token_id: int) -> None:

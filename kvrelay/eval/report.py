@@ -1,4 +1,4 @@
-"""Per-call rows -> the bench summary of DESIGN.md, a printed table, and the JSON contract.
+"""Per-call rows -> the bench summary, a printed table, and the JSON contract (docs/benchmarks.md).
 
 Pure Python: the harness turns tensors into numbers before they reach here.
 """
@@ -59,7 +59,7 @@ def _near_tie_stats(fidelity: list[CallRow]) -> tuple[float | None, float | None
 
 
 def summarize(rows: list[CallRow], accuracy: dict[str, float] | None = None) -> dict[str, dict]:
-    """Per method, the DESIGN.md summary over its downstream calls."""
+    """Per method, the summary over its downstream calls (docs/benchmarks.md lists its fields)."""
     by_method: dict[str, list[CallRow]] = defaultdict(list)
     for r in rows:
         by_method[r.method].append(r)

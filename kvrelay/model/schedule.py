@@ -1,6 +1,6 @@
 """The schedule: at each layer, which prompt tokens are computed and which come from the cache.
 
-Every reuse method is a schedule (DESIGN.md, "a per-layer active set"):
+Every reuse method is a schedule, a per-layer active set:
 
 - ``entries()`` says which tokens join the active set at which layer, and with what hidden state
   (``None`` = from the embedding, only at layer 0; otherwise the carried input of that layer).

@@ -1,4 +1,4 @@
-"""Named benchmark workloads (DESIGN.md): a pipeline spec, its problems, and a scorer.
+"""Named benchmark workloads: a pipeline spec, its problems, and a scorer.
 
 Prompts are written for an instruct model; upstream outputs go into the downstream user message.
 """

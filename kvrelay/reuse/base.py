@@ -2,7 +2,7 @@
 
 A plan is the spans to load into the sequence cache (re-rotated to their new positions) and the
 schedule that says, per layer, which prompt tokens the forward computes. A method never touches
-the forward loop (DESIGN.md: if it must, the schedule interface is wrong).
+the forward loop (if it must, the schedule interface is wrong).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ KNOBS = {"tau_dev": "tau_dev", "tau_inf": "tau_inf", "l_suf": "end_tokens", "l_p
          "pos_prior": "pos_prior", "away": "away"}
 #: the knobs a relay setting names (docs/methods.md), each as that setting, in the order the docs list them
 KNOB_SETTINGS = {"top_r": "keep_share", "l_pre": "span_openings", "prune": "prune_share", "drift": "drift"}
-#: the paper's selector as knobs (second-hand figures, DESIGN.md): the thresholds and each span's last 10 tokens
+#: the paper's selector as knobs (second-hand figures): the thresholds and each span's last 10 tokens
 PAPER_SELECTOR = {"tau_dev": 1.5, "tau_inf": 1.45, "l_suf": 10}
 #: the budget's share when a spec asks for the budget and nothing gives one: the share both shipped profiles chose
 DEFAULT_KEEP_SHARE = 0.3

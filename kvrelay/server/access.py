@@ -17,30 +17,22 @@ sends no key when ``/docs`` fetches the schema, so read the schema with a client
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from kvrelay.errors import ConfigError
+from kvrelay.server.key_files import read_key_lines
 from kvrelay.server.protocol import ApiError
 
 OPENAPI_URL = "/openapi.json"
 
 
 def read_metrics_key(path: str | None) -> str | None:
-    """The bearer token in ``--metrics-key FILE`` (its first non-empty line), or None without the flag. A file, not
-    the key itself on the command line, where any user of the machine could read it in the process list."""
-    if path is None:
-        return None
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--metrics-key {path}: no such file")
-    key = next((line.strip() for line in file.read_text().splitlines() if line.strip()), "")
-    if not key:
-        raise ConfigError(f"--metrics-key {path}: the file holds no key")
-    return key
+    """The bearer token in ``--metrics-key FILE`` (its first key line, as kvrelay.server.key_files reads it), or None
+    without the flag. A file, not the key itself on the command line, where any user of the machine could read it
+    in the process list."""
+    return None if path is None else read_key_lines(path, "--metrics-key")[0]
 
 
 def bearer(request: Request) -> str:

@@ -28,7 +28,7 @@ from kvrelay.server.openai_responses import responses_router
 from kvrelay.server.quality_setup import install_quality
 from kvrelay.server.request_ids import RequestIds
 from kvrelay.server.scheduler import EngineWorker
-from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
+from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, ShutdownConfig
 from kvrelay.server.service_routes import service_router
 from kvrelay.server.shared_responses import response_store_for
 
@@ -50,6 +50,8 @@ class ServerSettings:
     # the quality guard (a kvrelay.quality.QualityConfig; None: off, every request runs ``method``); ``kvrelay
     # serve`` turns it on by default
     quality: Any = None
+    # SIGTERM / SIGINT: how long running requests get to finish (kvrelay.server.graceful serves it)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.default_max_tokens, int) or isinstance(self.default_max_tokens, bool) \
@@ -82,7 +84,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
     add_error_handlers(app, metrics, settings.api_keys, settings.metrics_key)  # OpenAI's error JSON, no traceback
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, api_keys=settings.api_keys)
-    app.add_middleware(RequestIds)  # added last: outside BodyLimit, so its 413s and 429s carry an id too
+    app.add_middleware(RequestIds, metrics=metrics)  # added last: outside BodyLimit, so its 413s and 429s count too
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions
     app.include_router(completions_router(ctx))  # POST /v1/completions

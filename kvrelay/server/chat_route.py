@@ -162,7 +162,6 @@ def chat_router(ctx: AppContext) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        ctx.metrics.requests.labels("chat").inc()
         queued = await queue_chat(body, request, ctx)
         render = CompletionRender(Reply(ctx.model_id, True, body.logprobs), include_usage(body))
         return await respond(ctx, request, queued.job, queued.events, body.stream, render)

@@ -6,10 +6,11 @@ import argparse
 import dataclasses
 import logging
 import socket
-from pathlib import Path
 
 from kvrelay.errors import ConfigError
+from kvrelay.server.key_files import read_key_lines
 
+STARTUP_FAILURE = 3  # the exit status of a server that could not start (uvicorn's, as uvicorn.run exits)
 DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads (README, "Point your agent...")
 
 
@@ -18,14 +19,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.flags import add_dataclass_flags, add_model_flags, finite_float
     from kvrelay.server.json_logs import LOG_FORMATS
-    from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, MatchConfig
+    from kvrelay.server.serve_config import (
+        DEFAULT_MAX_TOKENS,
+        DEFAULT_PREFILL_CHUNK_TOKENS,
+        MatchConfig,
+        ShutdownConfig,
+    )
     from kvrelay.weights.aliases import DEFAULT_MODEL
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible server that reuses KV across agents automatically")
     add_model_flags(p, DEFAULT_MODEL)
-    p.add_argument("--method", default=DEFAULT_METHOD,
-                   help=f"reuse method for requests that name none (default {DEFAULT_METHOD}); "
-                        "a request picks its own with {\"kvrelay\": {\"method\": ...}}")
+    p.add_argument("--method", default=None,
+                   help=f"reuse method for requests that name none while --quality-target is off (default "
+                        f"{DEFAULT_METHOD}; with the guard on, each agent's rung picks); a request picks its own with "
+                        "{\"kvrelay\": {\"method\": ...}}")
     p.add_argument("--methods", default="",
                    help="more methods requests may ask for, set up at start so that every stored span carries "
                         "the hidden states they need (e.g. relay); comma-separated specs")
@@ -55,6 +62,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "bounds how long such a request holds a slot of the decode batch (default "
                         f"{DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)")
     add_quality_flags(p)
+    add_dataclass_flags(p, ShutdownConfig)
     p.add_argument("--store", default="memory",
                    help="span store: memory (default), disk:PATH or redis://host:port/db; with a shared tier, "
                         "replicas on the same tier reuse each other's spans (credentials are never printed)")
@@ -62,7 +70,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="server log level (default: warning)")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text lines, or json: one JSON object a line with time, level, logger, message and, for "
-                        "a request, request_id (the access line adds http: method, path, status, duration_ms) "
+                        "a request, request_id (the access line adds http: method, path, status, cut, duration_ms and "
+                        "client_request_id) "
                         "(default: text)")
     p.set_defaults(fn=cmd_serve)
     return p
@@ -89,6 +98,17 @@ def add_quality_flags(p: argparse.ArgumentParser) -> None:
                    help=f"{fields['ladder'].metadata['help']}: method specs or NAME=SPEC, comma-separated; a learning "
                         f"rung (e.g. kvcomm: naive,kvcomm,relay,prefix) learns from the shadow references, no "
                         f"warm-up (docs/quality.md; default: {ladder_text(defaults.ladder)})")
+
+
+def resolve_method(args: argparse.Namespace, guard_on: bool) -> None:
+    """``args.method`` set (``DEFAULT_METHOD`` where the flag was not given); a ``--method`` given while the quality
+    guard is on serves only requests that name it, so the start says so instead of leaving the flag silently idle."""
+    if args.method is None:
+        args.method = DEFAULT_METHOD
+    elif guard_on:
+        logging.getLogger("kvrelay.server").warning(
+            "--method %s serves requests that name no method only with --quality-target off; with the quality "
+            "guard on, each agent's rung picks its method (a request may still name %s)", args.method, args.method)
 
 
 def quality_config(args: argparse.Namespace):
@@ -123,15 +143,8 @@ def serving_methods(args: argparse.Namespace) -> str:
 
 
 def read_api_keys(path: str | None) -> frozenset[str]:
-    if path is None:
-        return frozenset()
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--api-keys {path}: no such file")
-    keys = frozenset(line.strip() for line in file.read_text().splitlines() if line.strip())
-    if not keys:
-        raise ConfigError(f"--api-keys {path}: the file holds no key")
-    return keys
+    """The tenants' keys in ``--api-keys FILE`` (kvrelay.server.key_files), or none without the flag."""
+    return frozenset() if path is None else frozenset(read_key_lines(path, "--api-keys"))
 
 
 def check_can_listen(host: str, port: int) -> None:
@@ -156,6 +169,7 @@ def build_app(args: argparse.Namespace):
     from kvrelay.server.access import read_metrics_key
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import MatchConfig, SpanCatalog
+    from kvrelay.server.serve_config import ShutdownConfig
     from kvrelay.tier.store_url import parse_store_url
     from kvrelay.tier.tiered import open_store
 
@@ -166,17 +180,20 @@ def build_app(args: argparse.Namespace):
     if args.max_queue < 1 or args.max_running < 1:
         raise ConfigError("--max-queue and --max-running must be >= 1")
     extra_methods = split_method_specs(args.methods)
+    quality = quality_config(args)  # a bad target fails here, before the model loads
+    resolve_method(args, guard_on=quality is not None)
     for spec in (args.method, *extra_methods):
         get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
     metrics_key = read_metrics_key(args.metrics_key)
     tenancy = dataclass_from_args(TenancyConfig, args)
-    quality = quality_config(args)  # a bad target fails here, before the model loads
     match = dataclass_from_args(MatchConfig, args)
+    shutdown = dataclass_from_args(ShutdownConfig, args)  # a negative grace fails here, before the model loads
     # its checks (--default-max-tokens, --prefill-chunk-tokens) run here, before the model loads
     settings = ServerSettings(method=args.method, api_keys=keys, max_queue=args.max_queue,
                               max_running=args.max_running, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                              default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality)
+                              default_max_tokens=args.default_max_tokens, metrics_key=metrics_key, quality=quality,
+                              shutdown=shutdown)
     try:  # a URL open_store would refuse, refused now: it was refused only after the model had loaded
         parse_store_url(args.store)
     except ConfigError as exc:
@@ -193,8 +210,6 @@ def build_app(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvrelay.errors import KvRelayError
     from kvrelay.server.json_logs import announce, configure_logging
 
@@ -220,15 +235,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     announce(f"kvrelay serve: {args.model} {serving_methods(args)} on http://{args.host}:{args.port}/v1 "
              f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
              f"threads: {torch.get_num_threads()})", args.log_format)
+    from kvrelay.server.graceful import graceful_server
     from kvrelay.server.http_protocol import JsonErrorH11Protocol
     from kvrelay.server.shutdown_log import install_cut_off_filter
 
-    install_cut_off_filter()  # Ctrl-C with a request running: one line, not its CancelledError traceback
+    install_cut_off_filter()  # a request uvicorn still cancels at the end: one line, not its traceback
 
     # http: uvicorn's h11 protocol with its own 400s (unparsable requests) in OpenAI's error JSON; access_log off:
     # kvrelay.server.request_ids writes the access line, with the request's id (--log-level info shows it)
     # log_config None with --log-format json: uvicorn's own lines go to the root handler, as JSON like the others
+    # SIGTERM / SIGINT: queued requests answered 503 at once, running ones get --shutdown-grace-s (graceful)
     json_logs = {"log_config": None} if args.log_format == "json" else {}
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                http=JsonErrorH11Protocol, access_log=False, **json_logs)
-    return 0
+    server = graceful_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                             http=JsonErrorH11Protocol, access_log=False, **json_logs)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # as uvicorn.run: a Ctrl-C uvicorn re-raises once it has shut down
+        pass
+    return 0 if server.started else STARTUP_FAILURE

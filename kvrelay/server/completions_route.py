@@ -47,7 +47,6 @@ def completions_router(ctx: AppContext) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ctx.metrics.requests.labels("completions").inc()
         namespace, method = ctx.check_common(body, request)
         prompt = checked_prompt(body, ctx.tokenizer)
         structured = structured_of(body)

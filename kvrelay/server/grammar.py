@@ -111,7 +111,7 @@ def apply_bitmask(logits: torch.Tensor, words: torch.Tensor, size: int) -> torch
 
 
 class GrammarMask:
-    """One call's grammar state (``kvrelay.engine.engine.LogitsMask``)."""
+    """One call's grammar state (``kvrelay.engine.sequence.LogitsMask``)."""
 
     def __init__(self, compiled, vocab: _Vocabulary) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)

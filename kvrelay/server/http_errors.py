@@ -24,7 +24,7 @@ class BodyTooLarge(StarletteHTTPException):
     """The body passed the limit while it arrived (the app's HTTP error handler answers it: a 413)."""
 
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"request body of more than {max_bytes} bytes is over the limit of {max_bytes} bytes")
+        super().__init__(413, f"request body is over the limit of {max_bytes} bytes (it was cut off once past it)")
 
 
 class BodyLimit:
@@ -47,7 +47,6 @@ class BodyLimit:
         size = headers.get(b"content-length", b"")
         chunked = not size.isdigit() and b"chunked" in headers.get(b"transfer-encoding", b"").lower()
         if size.isdigit() and int(size) > self.max_bytes:
-            self.metrics.errors.labels("413").inc()
             response = error_response(413, f"request body of {int(size)} bytes is over the limit of "
                                            f"{self.max_bytes} bytes", code="request_too_large")
             await response(scope, receive, send)
@@ -57,7 +56,6 @@ class BodyLimit:
         if chunked:  # its size is not known: it waits while its client's budget is below zero
             wait_s = await self.rate.wait_turn(client, None)
         if wait_s:
-            self.metrics.errors.labels("429").inc()
             described = f"of {int(size)} bytes" if size.isdigit() else "of unknown length"
             response = error_response(429, f"request body {described}: this client sends large bodies "
                                            f"faster than {self.max_bytes} bytes a second; retry in {wait_s} s",
@@ -86,23 +84,21 @@ class BodyLimit:
 def add_error_handlers(app: FastAPI, metrics: ServerMetrics, api_keys: frozenset[str] = frozenset(),
                        metrics_key: str | None = None) -> None:
     """ApiError, pydantic's 422 (a 400 here, as OpenAI answers), Starlette's HTTP errors and anything unexpected
-    (a 500 that names no internals), each counted by status. A 404/405 lists the served routes to whoever may read
-    the schema (``kvrelay.server.access.may_read_docs``: with API keys, a caller with one)."""
+    (a 500 that names no internals); kvrelay.server.request_ids counts each by its status. A 404/405 lists the served
+    routes to whoever may read the schema (``kvrelay.server.access.may_read_docs``: with API keys, a caller with
+    one)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        metrics.errors.labels(str(exc.status)).inc()
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.errors.labels("400").inc()
         message, param = validation_message(exc.errors())
         return error_response(400, message, param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        metrics.errors.labels(str(exc.status_code)).inc()
         # 400: a body JSON cannot read; 413: a body that passed the limit while it arrived (BodyLimit)
         code = {404: "not_found", 405: "method_not_allowed", 400: "invalid_value",
                 413: "request_too_large"}.get(exc.status_code)
@@ -121,6 +117,5 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics, api_keys: frozenset
         request_id = request_id_of(request.scope)
         log.exception("unexpected error in request %s (%s %s)", request_id or "-", request.method,
                       loggable_path(request.scope), exc_info=exc, extra={"request_id": request_id})
-        metrics.errors.labels("500").inc()
         return error_response(500, "internal server error", "server_error", code="internal_error",
                               headers={REQUEST_ID_HEADER: request_id} if request_id else None)

@@ -15,13 +15,28 @@ if TYPE_CHECKING:
     from kvrelay.cache.store import KVStore
 
 
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+OTHER_ENDPOINT = "other"  # /health, /metrics, /v1/models, stored responses, unknown routes
+CLIENT_LEFT_STATUS = 499
+
+
+def endpoint_of(path: str) -> str:
+    """The ``endpoint`` label of a request path: one of ``ENDPOINTS``' values, or ``OTHER_ENDPOINT``."""
+    return ENDPOINTS.get(path, OTHER_ENDPOINT)
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvrelay_requests", "HTTP requests received", ["endpoint"], registry=r)
+        # both counted by kvrelay.server.request_ids, for every HTTP request the app gets, so that errors over requests
+        # is a ratio of one population (a 400 refused before its route ran counts in both)
+        self.requests = Counter("kvrelay_requests", "HTTP requests received, by endpoint (chat, completions, "
+                                "responses, other)", ["endpoint"], registry=r)
         self.requests_done = Counter("kvrelay_completions", "requests served to their end, by the reuse method "
                                      "that served them", ["method"], registry=r)
-        self.errors = Counter("kvrelay_errors", "requests answered with an error", ["status"], registry=r)
+        self.errors = Counter("kvrelay_errors", "requests answered with an error status (4xx: the client's, 5xx: the "
+                              "server's; a stream's error chunk by the status it carries; not 499: the client left), "
+                              "by endpoint and status", ["endpoint", "status"], registry=r)
         self.rejected = Counter("kvrelay_rejected_queue_full", "requests refused with 429 (queue full)", registry=r)
         self.publish_skipped = Counter("kvrelay_publish_skipped",
                                        "outputs not stored: no room in their namespace's share", registry=r)
@@ -59,6 +74,18 @@ class ServerMetrics:
         # TTFT and the other latencies, sizes, reuse and finish reason of each request; kvrelay_cancelled_total
         self.per_request = RequestMetrics(r)
         self._seen: dict[str, int] = {}
+
+    def request_received(self, path: str) -> str:
+        """Count one HTTP request; its ``endpoint`` label (fixed values: no client-chosen path becomes a series)."""
+        endpoint = endpoint_of(path)
+        self.requests.labels(endpoint).inc()
+        return endpoint
+
+    def request_failed(self, endpoint: str, status: int) -> None:
+        """Count a request answered with ``status`` (>= 400), unless 499: no answer, its client left first
+        (``kvrelay_cancelled_total`` counts those)."""
+        if status >= 400 and status != CLIENT_LEFT_STATUS:
+            self.errors.labels(endpoint, str(status)).inc()
 
     def observe_store(self, store: KVStore) -> None:
         """Store gauges now; the store's cumulative counts become counter increments."""

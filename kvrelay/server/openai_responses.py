@@ -153,7 +153,6 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
 
     @router.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request) -> Response:
-        ctx.metrics.requests.labels("responses").inc()
         namespace = ctx.namespace_of(request, body.cache_salt)
         chat, conversation, items = await run_in_threadpool(_chat_request, store, body, namespace)
         try:

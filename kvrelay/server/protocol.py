@@ -30,6 +30,15 @@ class ApiError(Exception):
         return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
 
 
+SHUTTING_DOWN_CODE = "shutting_down"
+
+
+def shutting_down_error() -> ApiError:
+    """What a request the server will not serve any more is answered while it shuts down (a 503: retryable)."""
+    return ApiError(503, "the server is shutting down; retry the request (another replica will serve it)",
+                    "server_error", code=SHUTTING_DOWN_CODE)
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": _bounded(redact_paths(message)), "type": type_, "param": _bounded(_text(param)),

@@ -15,7 +15,7 @@ from kvrelay.errors import KvRelayError, ScheduleError
 from kvrelay.model.sampling import SamplingError
 from kvrelay.server.events import ErrorEvent
 from kvrelay.server.job import Job
-from kvrelay.server.protocol import ApiError
+from kvrelay.server.protocol import SHUTTING_DOWN_CODE, ApiError
 
 log = logging.getLogger("kvrelay.server")
 # what a request whose method planned an inconsistent schedule is served with: exact prefix reuse, whose schedule is
@@ -81,8 +81,16 @@ class RequestFailures:
 
     def _answer_error(self, job: Job, event: ErrorEvent) -> None:
         """Every error the worker answers a request with goes out here: counted as how the request ended."""
-        self.requests.ended_early("error")
+        self.requests.ended_early(finish_reason_of(event))
         job.emit(event)
+
+
+def finish_reason_of(event: ErrorEvent) -> str:
+    """How a request the worker answered ``event`` ended (``request_metrics.FINISH_REASONS``): a 4xx was the request's
+    own fault, ``shutting_down`` the server's stop, any other 5xx the server's failure."""
+    if event.status < 500:
+        return "rejected"
+    return "shutdown" if event.code == SHUTTING_DOWN_CODE else "error"
 
 
 def engine_failure_message(error: Exception) -> str:

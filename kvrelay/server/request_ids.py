@@ -12,6 +12,7 @@ Pure ASGI, as ``BodyLimit``: ``@app.middleware`` would hide the client's disconn
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import re
@@ -19,8 +20,12 @@ import secrets
 import time
 from urllib.parse import quote
 
+from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.protocol import shutting_down_error
+
 REQUEST_ID_HEADER = "x-request-id"
 _STATE_KEY = "request_id"  # under the ASGI scope's "state": ``request.state.request_id`` in a handler
+_CUT_KEY = "answer_cut"  # under the scope's "state": the error status a stream ended with after its 200 (``mark_cut``)
 CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 NUM_ID_HEX_DIGITS = 32
 
@@ -44,6 +49,13 @@ def request_id_of(scope: dict) -> str:
     return scope.get("state", {}).get(_STATE_KEY, "")
 
 
+def mark_cut(scope: dict, error_status: int) -> None:
+    """The app ended the request's answer short after its status was sent (a stream's error chunk, carrying
+    ``error_status``): its access line says ``cut``, though the response itself ended in order, and the error
+    counter counts it by ``error_status``."""
+    scope.setdefault("state", {})[_CUT_KEY] = error_status
+
+
 def loggable_path(scope: dict) -> str:
     """The request's path as a log line may hold it: percent-encoded again, as uvicorn's access log writes it, since
     the path arrives decoded (a client's ``%0A`` would otherwise start a forged line in the log)."""
@@ -62,15 +74,17 @@ def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
 class RequestIds:
     """Gives each HTTP request a new id: in the scope's state (``request_id_of``), in the task's context
     (``current_request_id``), on the response's headers, and in one access line (INFO, ``kvrelay.server.access``)
-    when the request ends."""
+    when the request ends. With ``metrics``, counts each request on arrival and, when it ends, its error status:
+    both counters see every request the app gets, whichever part of it answered."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, metrics: ServerMetrics | None = None) -> None:
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        endpoint = self.metrics.request_received(scope["path"]) if self.metrics is not None else ""
         request_id = new_request_id()
         scope.setdefault("state", {})[_STATE_KEY] = request_id
         token = _current_id.set(request_id)
@@ -98,9 +112,18 @@ class RequestIds:
             # the app's 500 handler (kvrelay.server.http_errors) answers outside this middleware, after this line
             access.write(500)
             raise
+        except asyncio.CancelledError:
+            # only uvicorn's shutdown cancels a request's task (after kvrelay.server.graceful's drain and flush: a
+            # request that never reached the worker, say a grammar still compiling): a 503 with its id, not
+            # uvicorn's plain-text 500 (a stream already begun can only be cut)
+            if access.status is None:
+                await shutting_down_error().response()(scope, receive, send_with_id)
+            raise
         finally:
             _current_id.reset(token)
             access.write()  # an answer cut off: its client left, or the app was cancelled (``cut`` on the line)
+            if self.metrics is not None and access.error_status is not None:
+                self.metrics.request_failed(endpoint, access.error_status)
 
 
 #: written after the status of an answer the client never got to its end (see ``_AccessLine.cut``)
@@ -118,19 +141,27 @@ class _AccessLine:
         self.ended = False  # the answer's last body message was sent
         self.client_left = False  # an ``http.disconnect`` came before that message
         self.written = False
+        self.final_status: int | None = None  # what the line says (set when it is written)
+
+    @property
+    def error_status(self) -> int | None:
+        """The status the request's error carried: a stream's error chunk's, else the answer's own."""
+        return self.scope.get("state", {}).get(_CUT_KEY) or self.final_status
 
     @property
     def cut(self) -> bool:
-        """The client did not get the whole answer: it left first (the server sends nothing after that), or the
-        answer began and never ended (the app stopped mid-stream: cancelled, or failed after its status)."""
-        return self.client_left or (self.status is not None and not self.ended)
+        """The client did not get the whole answer: it left first (the server sends nothing after that), the answer
+        began and never ended (the app stopped mid-stream: cancelled, or failed after its status), or the app ended
+        it with an error after its status (``mark_cut``: a stream's error chunk)."""
+        return self.client_left or (self.status is not None and not self.ended) \
+            or bool(self.scope.get("state", {}).get(_CUT_KEY))
 
     def write(self, status_if_none: int | None = None) -> None:
         if self.written:
             return
         self.written = True
+        code = self.final_status = self.status or status_if_none
         if access_log.isEnabledFor(logging.INFO):
-            code = self.status or status_if_none
             status = f"{code or '-'}{' ' + CUT_MARKER if self.cut else ''}"
             client = client_request_id(self.scope["headers"])
             path, duration_ms = loggable_path(self.scope), (time.perf_counter() - self.started_s) * 1e3

@@ -31,8 +31,11 @@ TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000,
                        200_000)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
-# a request the worker accepted ends in exactly one of these; the first three are OpenAI's finish_reason
-FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled", "error")
+# a request the worker accepted ends in exactly one of these; the first three are OpenAI's finish_reason. The worker's
+# refusals are split by whose doing they are, so that an alert on "error" fires on the server's failures only:
+# "rejected" (a 4xx: the request's own fault, e.g. a prompt over the context, a grammar that allows no token),
+# "shutdown" (503 shutting_down: the server stopped), "error" (any other 5xx: the server failed it)
+FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled", "rejected", "shutdown", "error")
 
 
 class RequestMetrics:
@@ -75,9 +78,10 @@ class RequestMetrics:
                                                   "rate)", registry=r)
         self.cancelled = Counter("kvrelay_cancelled", "requests cancelled because the client went away",
                                  registry=r)
-        self.finished = Counter("kvrelay_requests_finished", "requests the engine worker accepted, by how they "
-                                "ended (stop, length, tool_calls; cancelled: the client went away; error: answered "
-                                "with an error)", ["finish_reason"], registry=r)
+        self.finished = Counter("kvrelay_requests_finished", "requests the engine worker accepted, by how "
+                                "they ended (stop, length, tool_calls; cancelled: the client went away; rejected: "
+                                "a 4xx, the request's fault; shutdown: 503 as the server stopped; error: another "
+                                "5xx)", ["finish_reason"], registry=r)
         for reason in FINISH_REASONS:  # every series from the first scrape: rate() needs a sample before the event
             self.finished.labels(reason)
 
@@ -119,7 +123,8 @@ class RequestMetrics:
         self.finished.labels(event.finish_reason).inc()
 
     def ended_early(self, reason: str) -> None:
-        """A request ended before it was served: "cancelled" (its client went away) or "error"."""
+        """A request ended before it was served: "cancelled" (its client went away), "rejected", "shutdown" or
+        "error" (``FINISH_REASONS``)."""
         if reason == "cancelled":
             self.cancelled.inc()
         self.finished.labels(reason).inc()

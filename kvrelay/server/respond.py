@@ -3,7 +3,8 @@ read their jobs' events the same way and differ only in how an event is rendered
 
 The flow: the first event (None: the client went away, a 499); an error first is an ApiError (its JSON body).
 Not streaming: deltas until the done or error event, then one body. Streaming: the render's head, each event's
-lines, and an error after the head as one error chunk; a client that goes away mid-stream cancels the job (its KV
+lines, and an error after the head as one error chunk (then ``[DONE]`` for chat and completions; its access line is
+``cut``); a client that goes away mid-stream cancels the job (its KV
 is freed).
 """
 
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvrelay.server.context import AppContext
 from kvrelay.server.events import DeltaEvent, DoneEvent, ErrorEvent
 from kvrelay.server.protocol import ApiError
+from kvrelay.server.request_ids import mark_cut
 from kvrelay.server.responses import Reply, stream_error_chunk
 from kvrelay.server.scheduler import Job
 
@@ -75,7 +77,8 @@ class CompletionRender:
         return error.api_error()
 
     def error_line(self, err: ApiError) -> str:
-        return stream_error_chunk(err)
+        # then [DONE], as vLLM ends a stream that failed: a client reading to [DONE] is not left waiting for more
+        return stream_error_chunk(err) + "data: [DONE]\n\n"
 
 
 async def respond(ctx: AppContext, request: Request, job: Job, events: asyncio.Queue, stream: bool,
@@ -87,7 +90,7 @@ async def respond(ctx: AppContext, request: Request, job: Job, events: asyncio.Q
     if isinstance(first, ErrorEvent):
         raise render.error_of(first)
     if stream:
-        return StreamingResponse(_sse(ctx, job, events, first, render), media_type="text/event-stream",
+        return StreamingResponse(_sse(ctx, request, job, events, first, render), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     deltas, event = [], first
     while isinstance(event, DeltaEvent):
@@ -100,8 +103,8 @@ async def respond(ctx: AppContext, request: Request, job: Job, events: asyncio.Q
     return JSONResponse(render.full(deltas, event))
 
 
-async def _sse(ctx: AppContext, job: Job, events: asyncio.Queue, first: DeltaEvent | DoneEvent, render: EventRender
-               ) -> AsyncIterator[str]:
+async def _sse(ctx: AppContext, request: Request, job: Job, events: asyncio.Queue, first: DeltaEvent | DoneEvent,
+               render: EventRender) -> AsyncIterator[str]:
     finished = False
     try:
         for line in render.head():
@@ -118,7 +121,9 @@ async def _sse(ctx: AppContext, job: Job, events: asyncio.Queue, first: DeltaEve
                 return
             else:
                 finished = True
-                yield render.error_line(render.error_of(event))
+                err = render.error_of(event)
+                mark_cut(request.scope, err.status)  # its status said 200: the access line and error counter say more
+                yield render.error_line(err)
                 return
             event = await events.get()
     finally:

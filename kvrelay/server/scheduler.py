@@ -37,6 +37,7 @@ from kvrelay.server.registry import RegisteredOutput
 from kvrelay.server.request_failures import RequestFailures, about, engine_failure
 from kvrelay.server.serve_config import DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
+from kvrelay.server.worker_drain import WorkerDrain, shutting_down_error
 
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its home is kvrelay.server.job
 
@@ -44,7 +45,7 @@ log = logging.getLogger("kvrelay.server")
 _PREPARE_THREADS = 8  # requests tokenized and matched at once, off the engine thread
 
 
-class EngineWorker(RequestFailures):
+class EngineWorker(RequestFailures, WorkerDrain):
     def __init__(self, engine: Engine, catalog: SpanCatalog, metrics: ServerMetrics, max_queue: int = 64,
                  max_running: int = 8, prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
         """``max_running``: requests prefilling or decoding at once; ``prefill_chunk_tokens``: a turn's prefill
@@ -124,6 +125,9 @@ class EngineWorker(RequestFailures):
         """Queue ``job``; a full queue is an ApiError 429. An unprepared job is prepared on the worker's prepare
         threads first (its errors arrive as error events), then joins the queue (FIFO from there)."""
         with self._cond:
+            if self._draining:  # the server is shutting down (``WorkerDrain``)
+                self._release(job)
+                raise shutting_down_error()
             if len(self._waiting) + self._num_preparing >= self.max_queue:
                 self._release(job)
                 self.metrics.rejected.inc()
@@ -160,6 +164,9 @@ class EngineWorker(RequestFailures):
                 if job.cancelled.is_set():
                     self._release(job)
                     self.requests.ended_early("cancelled")
+                elif self._draining:  # the drain began while it was prepared
+                    self._release(job)
+                    self._refuse(job)
                 else:
                     self._queue(job)
         finally:
@@ -195,9 +202,9 @@ class EngineWorker(RequestFailures):
 
     @property
     def state(self) -> str:
-        """"running" (serving), "starting" (its thread not started yet), "stopping" (asked to stop: the server shuts
-        down) or "dead" (its thread ended without being asked: a request would wait for ever)."""
-        if self._stopping:
+        """"running" (serving), "starting" (its thread not started yet), "stopping" (draining or asked to stop: the
+        server shuts down) or "dead" (its thread ended without being asked: a request would wait for ever)."""
+        if self._stopping or self._draining:
             return "stopping"
         if self._thread.ident is None:
             return "starting"
@@ -220,13 +227,18 @@ class EngineWorker(RequestFailures):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self._paused or not self._has_turn()):
+                while not self._stopping and not self._cut_pending and (self._paused or not self._has_turn()):
                     self._cond.wait(None if self._paused else self._shadow_wait_s())
                 if self._stopping:
                     break
-            self.run_turn()
+                cut = self._cut_pending
+            if cut:  # the shutdown grace is over (``WorkerDrain``); done between turns, paused or not
+                self._cut_all()
+            else:
+                self.run_turn()
+        err = shutting_down_error()
         for job in list(self._running) + list(self._prefilling) + list(self._waiting):
-            self._fail(job, 503, "the server is shutting down", "shutting_down")
+            self._fail(job, err.status, err.message, err.code)
 
     def run_turn(self) -> None:
         """One turn: admit, prefill within the budget, one decode step, finish. The worker thread loops on it; a

@@ -34,3 +34,25 @@ class MatchConfig:
                               f"{self.match_prefer!r}")
         if not isinstance(self.min_match_tokens, int) or self.min_match_tokens < 1:
             raise ConfigError(f"--min-match-tokens must be an integer >= 1, got {self.min_match_tokens!r}")
+
+
+#: Kubernetes gives a pod 30 s (its default terminationGracePeriodSeconds) between SIGTERM and SIGKILL; 25 s of
+#: grace leaves room for the cut requests' last chunks to be written and the process to exit before the kill
+DEFAULT_SHUTDOWN_GRACE_S = 25.0
+
+
+@dataclass(frozen=True)
+class ShutdownConfig:
+    """What the server does on SIGTERM or SIGINT (``kvrelay serve`` flags are derived from these fields;
+    kvrelay.server.graceful)."""
+
+    shutdown_grace_s: float = field(default=DEFAULT_SHUTDOWN_GRACE_S, metadata={"help": (
+        "seconds running requests get to finish after SIGTERM or SIGINT; queued requests are answered 503 "
+        "shutting_down at once, and those still running at the end get it too (a stream: an error chunk, then "
+        "[DONE]); keep it below the orchestrator's kill timeout (Kubernetes: terminationGracePeriodSeconds)")})
+
+    def __post_init__(self) -> None:
+        grace_s = self.shutdown_grace_s
+        if isinstance(grace_s, bool) or not isinstance(grace_s, int | float) or not grace_s >= 0 \
+                or grace_s == float("inf"):
+            raise ConfigError(f"--shutdown-grace-s must be a finite number of seconds >= 0, got {grace_s!r}")

@@ -1,10 +1,11 @@
 """One line, not a traceback, for a request cut off when the server stops.
 
-On Ctrl-C uvicorn waits ``timeout_graceful_shutdown`` seconds for running requests, then logs "Cancel N running
-task(s), timeout graceful shutdown exceeded" and cancels them; each cancelled request is logged as "Exception in
-ASGI application" with the whole CancelledError traceback through uvicorn, starlette and fastapi, which reads like a
-crash. The stop was asked for; the line says what happened. A CancelledError logged before that line (the server
-still serving: a bug that cancelled a request's task) keeps its traceback."""
+On Ctrl-C or SIGTERM the drain (kvrelay.server.graceful) answers every request the engine worker holds; then uvicorn
+waits ``timeout_graceful_shutdown`` seconds for the tasks still running (a request that never reached the worker),
+logs "Cancel N running task(s), timeout graceful shutdown exceeded" and cancels them; each cancelled request is
+logged as "Exception in ASGI application" with the whole CancelledError traceback through uvicorn, starlette and
+fastapi, which reads like a crash. The stop was asked for; the line says what happened. A CancelledError logged
+before that line (the server still serving: a bug that cancelled a request's task) keeps its traceback."""
 
 from __future__ import annotations
 

@@ -52,17 +52,21 @@ class TieredStore(KVStore):
                  block_len: int = 16, namespace_budget_bytes: int | None = None,
                  compute_token_layers_per_s: float | None = None,
                  min_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
-                 remote_prefix_poll_s: float | None = 1.0, max_polled_channels: int = MAX_POLLED_CHANNELS) -> None:
+                 remote_prefix_poll_s: float | None = 1.0, max_polled_channels: int = MAX_POLLED_CHANNELS,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock`` (seconds): times the tier's reads for the cost model, the announcement polls and how long the
+        tier has been down; a test passes its own to make every measured number exact."""
         super().__init__(budget_bytes, block_len, namespace_budget_bytes)
         if max_polled_channels < 1:
             raise ConfigError(f"max_polled_channels must be >= 1, got {max_polled_channels}")
         self.backend = backend
         self.url = backend.url
         self.fingerprint = fingerprint  # the model whose spans ``span_id in store`` looks up in the tier
+        self.clock = clock
         self.cost = FetchCostModel(compute_token_layers_per_s)
         self.decisions = DecisionLog()
         # a down tier is probed (``backend.ping``) between these intervals, on the prober's thread, never a caller's
-        self.health = TierHealth(backend.url, min_backoff_s, max_backoff_s, probe=backend.ping)
+        self.health = TierHealth(backend.url, min_backoff_s, max_backoff_s, clock=clock, probe=backend.ping)
         self.origin = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # (namespace, model) -> (its announcements' read position, when it was last polled), least recent first
         self._channels: OrderedDict[tuple[str, str], tuple[str | None, float]] = OrderedDict()
@@ -115,9 +119,9 @@ class TieredStore(KVStore):
             self._miss(span_id, namespace, "a bad record, skipped")
             return None
         try:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             raw_meta = self._tier("read metadata", self.backend.get_meta, key)
-            self.cost.observe_latency(time.perf_counter() - t0)
+            self.cost.observe_latency(self.clock() - t0)
         except TierDown as e:
             self._miss(span_id, namespace, str(e) or "tier unavailable")
             return None
@@ -141,7 +145,7 @@ class TieredStore(KVStore):
         if decision.action != "fetch":
             self.decisions.record(decision)
             return None
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             value = self._tier("read value", self.backend.get_value, key)
         except TierDown as e:
@@ -156,7 +160,7 @@ class TieredStore(KVStore):
             self._bad.add(key, "value", str(e))
             self.decisions.record(replace(decision, action="miss", reason="corrupt value"))
             return None
-        fetch_s = time.perf_counter() - t0
+        fetch_s = self.clock() - t0
         self.cost.observe_fetch(len(value), fetch_s)
         try:
             evicted = KVStore.put(self, span_id, span, False, namespace)
@@ -287,7 +291,7 @@ class TieredStore(KVStore):
         with self._poll_lock:
             key = (namespace, fingerprint)
             cursor, _ = self._channels.pop(key, (None, 0.0))
-            now = time.monotonic()
+            now = self.clock()
             self._channels[key] = (cursor, now)
             while len(self._channels) > self.max_polled_channels:
                 self.remote.forget_channel(*self._channels.popitem(last=False)[0])
@@ -310,7 +314,7 @@ class TieredStore(KVStore):
         if self.remote_prefix_poll_s is None or fingerprint != self.fingerprint:
             return best
         last_pull = self._channels.get((namespace, fingerprint), (None, float("-inf")))[1]
-        if time.monotonic() - last_pull >= self.remote_prefix_poll_s:
+        if self.clock() - last_pull >= self.remote_prefix_poll_s:
             self._pull(namespace, fingerprint)
         remote = self.remote.match(fingerprint, token_ids, namespace)
         if remote is None or (best is not None and remote.num_tokens <= best.num_tokens):

@@ -4,7 +4,7 @@ a bounded number of method objects, and the methods set up at the start are neve
 import pytest
 
 from kvrelay.engine import Engine, GenerateOptions
-from kvrelay.engine.engine import MAX_ONE_OFF_METHODS
+from kvrelay.engine.methods import MAX_ONE_OFF_METHODS
 from kvrelay.model.sampling import SamplingConfig
 from tests.helpers import tiny_lm
 

@@ -168,7 +168,7 @@ def test_the_shipped_profiles_are_readable_and_in_range():
 
 
 def test_planning_relay_imports_nothing_above_reuse():
-    """``reuse`` sits below engine, pipeline and eval (DESIGN.md): relay's profile lookup must not reach up."""
+    """``reuse`` sits below engine, pipeline and eval (the import layers): relay's profile lookup must not reach up."""
     code = ("import sys; import kvrelay.reuse, kvrelay.reuse.relay, kvrelay.reuse.profile; "
             "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
             "(['kvrelay', 'engine'], ['kvrelay', 'pipeline'], ['kvrelay', 'eval'], ['kvrelay', 'server'])))")

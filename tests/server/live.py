@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import httpx
 import openai
-import uvicorn
 
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
 from kvrelay.server.app import ServerSettings, create_app
 from kvrelay.server.catalog import SpanCatalog
+from kvrelay.server.graceful import graceful_server
 from kvrelay.weights.loader import load_model
 from tests.server.conftest import MODEL, free_port
 
@@ -43,7 +43,8 @@ class LiveServer:
         self.worker = self.app.state.worker
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        # kvrelay serve's server: its shutdown drains the worker (a test's stop with a request in flight too)
+        self._server = graceful_server(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         started = threading.Event()
@@ -82,6 +83,13 @@ class LiveServer:
                 return
             threading.Event().wait(0.02)
         raise AssertionError(f"never reached: {what}")
+
+    def begin_shutdown(self) -> None:
+        """What SIGTERM does to ``kvrelay serve`` (uvicorn's handler sets this flag): the drain begins."""
+        self._server.should_exit = True
+
+    def stopped(self) -> bool:
+        return not self._thread.is_alive()
 
     def stop(self) -> None:
         self.worker.resume()

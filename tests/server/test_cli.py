@@ -20,6 +20,7 @@ from kvrelay.server.cli import build_app, cmd_serve
     (("--default-max-tokens", "-5"), "--default-max-tokens must be an integer >= 1, got -5"),
     # was checked once the model had loaded (ServerSettings was built after it)
     (("--prefill-chunk-tokens", "0"), "--prefill-chunk-tokens must be an integer >= 1, got 0"),
+    (("--shutdown-grace-s", "-1"), "--shutdown-grace-s must be a finite number of seconds >= 0, got -1.0"),
 ])
 def test_a_bad_serve_flag_is_refused_before_the_model_loads(capsys, flags, words):
     # the port was a traceback from uvicorn's bind, after the model had loaded

@@ -47,17 +47,21 @@ def _chat(srv: LiveServer, key: str, **body) -> httpx.Response:
                       timeout=60)  # bounds a broken server only: each request below is answered without waiting
 
 
+def _num_at_compile(srv: LiveServer) -> int:
+    """Requests compiling their grammar or waiting for their tenant's turn to (GrammarCompiles' own count)."""
+    return sum(num_users[0] for _, num_users in srv.app.state.context.compiles._turns.values())
+
+
 def test_slow_compiles_of_one_tenant_delay_no_other_request(gated):
     srv = LiveServer(api_keys=KEYS)
     answers: list[httpx.Response] = []
     slow = [threading.Thread(target=lambda: answers.append(_chat(srv, "key-a", response_format=SLOW)))
             for _ in range(NUM_SLOW)]
     try:
-        chat_requests = srv.app.state.metrics.requests.labels("chat")
         for t in slow:
             t.start()
-        # every slow request has reached its compile step (the route counts it, then runs to the compile at once)
-        srv.wait_until(lambda: chat_requests._value.get() == NUM_SLOW and gated.num_slow_entered >= 1,
+        # every slow request has reached its compile step: compiling, or waiting for its tenant's turn
+        srv.wait_until(lambda: _num_at_compile(srv) == NUM_SLOW and gated.num_slow_entered >= 1,
                        "the slow requests queued for their compiles")
         plain = _chat(srv, "key-b")
         assert plain.status_code == 200, plain.text
@@ -79,10 +83,9 @@ def test_requests_of_one_namespace_waiting_for_the_same_grammar_compile_it_once(
     same = [threading.Thread(target=lambda: answers.append(_chat(srv, "key-a", response_format=SLOW)))
             for _ in range(3)]
     try:
-        chat_requests = srv.app.state.metrics.requests.labels("chat")
         for t in same:
             t.start()
-        srv.wait_until(lambda: chat_requests._value.get() == len(same) and gated.num_slow_entered == 1,
+        srv.wait_until(lambda: _num_at_compile(srv) == len(same) and gated.num_slow_entered == 1,
                        "the first compile held, the other requests waiting for their turn")
     finally:
         gated.release.set()

@@ -52,3 +52,28 @@ def test_the_startup_line_says_what_runs_a_request_that_names_no_method():
     guarded = serving_methods(_serve_args("--method", "epic"))
     assert "epic" not in guarded and "quality-guard rung (naive,relay,prefix; target kl=0.05,agreement=0.9)" in guarded
     assert serving_methods(_serve_args("--method", "epic", "--quality-target", "off")) == "with method epic"
+
+
+@pytest.mark.parametrize("flags, warned, method", [
+    (("--method", "epic"), True, "epic"),  # the flag would sit idle: every agent runs at its rung
+    ((), False, "epic"),
+    (("--method", "naive", "--quality-target", "off"), False, "naive"),
+])
+def test_a_method_flag_the_guard_overrides_is_said_at_start(monkeypatch, caplog, flags, warned, method):
+    from kvrelay.server.cli import build_app
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Loaded  # what comes before the load is what is checked
+
+    monkeypatch.setattr("kvrelay.weights.loader.load_model", load_model)
+    args = _serve_args("--port", "0", *flags)
+    with pytest.raises(Loaded):
+        build_app(args)
+    assert args.method == method
+    said = [r.getMessage() for r in caplog.records if r.name == "kvrelay.server"]
+    assert bool(said) is warned
+    if warned:
+        assert said[0].startswith("--method epic serves requests that name no method only with --quality-target off")

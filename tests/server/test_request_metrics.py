@@ -15,6 +15,7 @@ from kvrelay.server.events import DoneEvent, ErrorEvent, Event
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.protocol import ApiError
+from kvrelay.server.request_metrics import FINISH_REASONS
 from kvrelay.server.scheduler import EngineWorker, Job
 from kvrelay.weights.loader import load_model
 
@@ -99,8 +100,8 @@ def test_one_request_s_latencies_sizes_and_ending_are_the_values_of_its_turns(ti
     assert _value(worker, "kvrelay_prompt_tokens_total") == len(ids)
     assert _value(worker, "kvrelay_reused_prompt_tokens_total") == 0
     assert {r: _value(worker, "kvrelay_requests_finished_total", finish_reason=r)
-            for r in ("stop", "length", "tool_calls", "cancelled", "error")} == {
-        "stop": 0, "length": 1, "tool_calls": 0, "cancelled": 0, "error": 0}
+            for r in FINISH_REASONS} == {
+        "stop": 0, "length": 1, "tool_calls": 0, "cancelled": 0, "rejected": 0, "shutdown": 0, "error": 0}
 
 
 def test_a_reused_prompt_s_share_is_its_cached_tokens_over_its_prompt(tiny):
@@ -129,7 +130,8 @@ def test_a_reused_prompt_s_share_is_its_cached_tokens_over_its_prompt(tiny):
 
 def test_requests_that_end_early_are_counted_by_how_they_ended(tiny):
     """A request cancelled before its prompt was prepared (its client gone while it waited for a prepare thread:
-    counted nowhere before), one cancelled in the queue, and one whose prompt the worker refuses (an error)."""
+    counted nowhere before), one cancelled in the queue, and one whose prompt the worker refuses (a 400: rejected,
+    not an error of the server's)."""
     worker, _ = _worker(tiny)
     ids = tiny.tokenizer.encode("a prompt")
     gone_early = _job(lambda: (PromptBuild(ids, []), "agent"), 2)
@@ -153,7 +155,8 @@ def test_requests_that_end_early_are_counted_by_how_they_ended(tiny):
     assert isinstance(bad.emit[-1], ErrorEvent) and not gone_early.emit and not queued.emit
     assert _value(worker, "kvrelay_requests_finished_total", finish_reason="cancelled") == 2
     assert _value(worker, "kvrelay_cancelled_total") == 2
-    assert _value(worker, "kvrelay_requests_finished_total", finish_reason="error") == 1
+    assert _value(worker, "kvrelay_requests_finished_total", finish_reason="rejected") == 1
+    assert _value(worker, "kvrelay_requests_finished_total", finish_reason="error") == 0
     assert _value(worker, "kvrelay_e2e_request_latency_seconds_count") == 0  # none of them was served
 
 

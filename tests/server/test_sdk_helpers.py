@@ -116,8 +116,8 @@ def test_the_client_retries_a_full_queue_and_not_a_bad_request(queue_of_one):
 
 
 def _num_errors(srv: LiveServer, status: int) -> float:
-    """Requests the server answered with ``status`` so far (its error counter; absent before the first)."""
+    """Chat requests the server answered with ``status`` so far (its error counter; absent before the first)."""
     try:
-        return srv.metric(f'kvrelay_errors_total{{status="{status}"}}')
+        return srv.metric(f'kvrelay_errors_total{{endpoint="chat",status="{status}"}}')
     except KeyError:
         return 0.0

@@ -62,16 +62,22 @@ def test_serve_installs_the_filter_before_uvicorn_runs(monkeypatch):
     """cmd_serve puts it on uvicorn's logger (uvicorn's own log config keeps a logger's filters)."""
     import gc
 
-    import uvicorn
-
     from kvrelay.cli import build_parser
     from kvrelay.server import cli as serve_cli
+    from kvrelay.server import graceful
     from kvrelay.server.shutdown_log import CutOffRequestFilter
 
     logger = logging.getLogger(UVICORN_ERROR_LOGGER)
     monkeypatch.setattr(logger, "filters", [])
     seen = []
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: seen.append(list(logger.filters)))
+
+    class _RecordingServer:  # kvrelay serve's uvicorn server (kvrelay.server.graceful), run without serving
+        started = True
+
+        def run(self) -> None:
+            seen.append(list(logger.filters))
+
+    monkeypatch.setattr(graceful, "graceful_server", lambda *a, **k: _RecordingServer())
     monkeypatch.setattr(gc, "freeze", lambda: None)  # the serving process's, not this test session's
     monkeypatch.setattr(serve_cli, "build_app", lambda args: _FakeApp())
     args = build_parser().parse_args(["serve", "--model", "random:tiny", "--port", "0"])

@@ -18,7 +18,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.tier.backends.base import redact, span_key
 from kvrelay.tier.backends.disk import DiskBackend
 from kvrelay.tier.backends.redis import RedisBackend
-from kvrelay.tier.fetch_cost import FetchCostModel
+from kvrelay.tier.fetch_cost import _EWMA_ALPHA, FetchCostModel
 from kvrelay.tier.tiered import TieredStore, open_store
 from kvrelay.tier.wire import WireError, decode_span, encode_span
 
@@ -161,10 +161,38 @@ def test_disk_unwritable_directory_is_a_clear_error(tmp_path):
 
 
 # ---------------------------------------------------------------------- cost model and decisions
+class Clock:
+    """A clock that moves only when the test, or a backend read it slows (``slowed``), says."""
+
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def slowed(backend: RedisBackend, clock: Clock, meta_s: float, value_s: float) -> RedisBackend:
+    """``backend`` whose metadata reads take ``meta_s`` and value reads ``value_s`` on ``clock``."""
+    get_meta, get_value = backend.get_meta, backend.get_value
+
+    def meta(key: str) -> bytes | None:
+        clock.now_s += meta_s
+        return get_meta(key)
+
+    def value(key: str) -> bytes | None:
+        clock.now_s += value_s
+        return get_value(key)
+
+    backend.get_meta, backend.get_value = meta, value
+    return backend
+
+
 def test_cost_model_fetches_only_when_it_pays():
     backend = fake_backend()
     TieredStore(1 << 24, backend, "fp").put("a", span(200))
-    store = TieredStore(1 << 24, backend, "fp")
+    clock = Clock()
+    meta_s, value_s = 0.5e-3, 4e-3
+    store = TieredStore(1 << 24, slowed(backend, clock, meta_s, value_s), "fp", clock=clock)
     store.cost.observe_latency(1e-3)
     store.cost.observe_fetch(1_000_000, 1e-3 + 1e-2)  # 100 MB/s
     store.set_compute_rate(1e12)  # recompute is free: do not fetch
@@ -173,12 +201,17 @@ def test_cost_model_fetches_only_when_it_pays():
     value_bytes = d.value_bytes
     assert d.action == "recompute" and d.num_tokens == 200 and d.num_layers == 3
     assert d.est_recompute_ms == pytest.approx(200 * 3 / 1e12 * 1e3)
-    assert d.tier_bytes_per_s == pytest.approx(1e8) and 0 < d.tier_latency_ms < 1  # the meta read moved it
+    latency_s = (1 - _EWMA_ALPHA) * 1e-3 + _EWMA_ALPHA * meta_s  # the meta read moved the running average
+    assert d.tier_bytes_per_s == pytest.approx(1e8) and d.tier_latency_ms == pytest.approx(latency_s * 1e3)
     assert d.est_fetch_ms == pytest.approx(d.tier_latency_ms + value_bytes / 1e8 * 1e3)
     store.set_compute_rate(1.0)  # one token-layer per second: fetching pays
     assert "a" in store
     (d,) = store.take_decisions()
-    assert d.action == "fetch" and d.fetch_ms > 0 and d.compute_token_layers_per_s == 1.0
+    assert d.action == "fetch" and d.fetch_ms == pytest.approx(value_s * 1e3) and d.compute_token_layers_per_s == 1.0
+    latency_s = (1 - _EWMA_ALPHA) * latency_s + _EWMA_ALPHA * meta_s
+    assert d.tier_latency_ms == pytest.approx(latency_s * 1e3)
+    rate = value_bytes / (value_s - latency_s)  # the fetch's transfer: its time less the round trip
+    assert store.cost.tier_bytes_per_s == pytest.approx((1 - _EWMA_ALPHA) * 1e8 + _EWMA_ALPHA * rate)
 
 
 def test_decisions_are_per_thread():
