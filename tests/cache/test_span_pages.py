@@ -3,6 +3,7 @@
 import gc
 import mmap
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,17 @@ def test_engine_publish_stores_the_span_in_its_own_mapping(mappings, monkeypatch
     span = publish(store, "a", generate(lm, list(range(1, 20)), keep_cache=True), lm)
     assert len(mappings) == 1 and store.get("a") is span
     assert base_address(span.k) == base_address(span.v)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the mapping's flags from /proc (Linux)")
+def test_the_mapping_is_private():
+    """Shared memory (an anonymous mmap.mmap's default) would let a forked child write into the parent's spans."""
+    copy = copies_in_own_pages([torch.ones(MIN_OWN_PAGES_BYTES // 4)])[0]
+    address = base_address(copy)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        bounds, perms = line.split()[:2]
+        low, high = (int(x, 16) for x in bounds.split("-"))
+        if low <= address < high:
+            assert perms == "rw-p"
+            return
+    pytest.fail(f"no mapping holds address {address:#x}")
