@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.cache.refs import SpanRef, SplitPlans, attend_split
+from kvrelay.cache.span_pages import copies_in_own_pages
 from kvrelay.errors import ScheduleError
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.layers import attention
@@ -346,12 +347,15 @@ class SequenceKV:
         """A copy of positions [start, end) as a span (the sequence cache may then be freed)."""
         if end > self.length:
             raise ValueError(f"export [{start}, {end}) past the sequence length {self.length}")
+        hidden = dict(hidden or {})
+        # in pages of their own, not the heap: a long-running store's evictions leave no holes (cache.span_pages)
+        k, v, *hidden_rows = copies_in_own_pages([self.k[:, :, start:end], self.v[:, :, start:end], *hidden.values()])
         return StoredSpan(
             token_ids=tuple(int(t) for t in token_ids),
             start_pos=start,
-            k=self.k[:, :, start:end].clone(),
-            v=self.v[:, :, start:end].clone(),
+            k=k,
+            v=v,
             fingerprint=fingerprint,
-            hidden=dict(hidden or {}),
+            hidden=dict(zip(hidden, hidden_rows, strict=True)),
             hidden_from=hidden_from,
         )
