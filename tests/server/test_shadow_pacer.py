@@ -373,23 +373,43 @@ def test_the_worker_offers_a_paced_call_with_its_references_predicted_cost(tiny)
     worker.stop()
 
 
-def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on_no_credit(tiny):
+def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on_no_credit(tiny, monkeypatch):
     """A long-lived tenant's warm-up is not held to the share: its shadow runs in decode turns with every credit
-    spent, a turn's budget a piece, and what it takes is spent from the credit a paced tenant is shadowed on."""
+    spent, a piece each (no more than the least piece there, as any shadow beside a decode step:
+    test_shadow_beside_decode), and what it takes is spent from the credit a paced tenant is shadowed on."""
     clock = Clock()
-    worker, guard = _paced_worker(tiny, clock, paced=False)
+    worker, guard = _paced_worker(tiny, clock, paced=False, chunk_tokens=64)
+    budget = worker.chunk_budget
+    # the budget keeps its prior (a token costs the same at every position): the live pieces, timed on the wall
+    # clock, do not refit it
+    monkeypatch.setattr(budget, "observe", lambda piece: None)
     pacer = worker.shadows.pacer
-    pacer.credit_ms = pacer.busy_credit_ms = -1.0
-    job = _job(worker, tiny.tokenizer.encode("a long-lived role's call " * 4), "sampled", 30)
+    # a debt that the live turns' earnings (a share of their wall-clock time) cannot pay off in this test, under a
+    # bound (cap_ms: 16 mean references) no piece's time reaches, however loaded the machine
+    pacer.asked_window_ms = RATE_WINDOW_CALLS * 1e9
+    pacer.credit_ms = pacer.busy_credit_ms = -pacer.cap_ms / 2
+    pieces = []  # (ms, paced, the credit before, after) of each shadow piece, as the pacer was told it
+    spent = pacer.spent
+
+    def spy(ms: float, paced: bool) -> None:
+        before = pacer.credit_ms
+        spent(ms, paced)
+        pieces.append((ms, paced, before, pacer.credit_ms))
+
+    pacer.spent = spy
+    job = _job(worker, tiny.tokenizer.encode("a long-lived role's call " * 20), "sampled", 30)
     worker.submit(job)
     while job.seq is None:
         worker.run_turn()
     shadow = worker.shadows._pending[0]
     assert not shadow.paced and shadow.charged_ms == 0
     for _ in range(3):
+        num_chunks, num_pieces = (shadow.task.num_chunks if shadow.task else 0), len(pieces)
         worker.run_turn()
-    assert shadow.task is not None and shadow.task.last_piece[0] > worker.chunk_budget.min_tokens
-    assert pacer.credit_ms < -1.0  # its pieces' time
+        assert shadow.task.num_chunks == num_chunks + 1 and len(pieces) == num_pieces + 1
+        assert shadow.task.last_piece[0] <= budget.min_tokens < budget.max_tokens
+    for ms, paced, before, after in pieces:  # on no credit, and its time spent from the credit
+        assert not paced and ms > 0 and before < 0 and after == before - ms
     _drain(worker, job)  # no clock moves: it needs no idle time either
     assert len(guard.records) == 1
     worker.stop()
