@@ -13,9 +13,11 @@ only in turns where no live prefill is waiting, and outside every request's TTFT
 ``ChunkBudget`` by predicted time, as live pieces are. Between the decode steps of running streams a piece is small:
 the least piece, fewer tokens where even that is predicted to take more than ``DECODE_STEP_SHARE`` of the turn's
 decode step (a ``full`` prefill piece deep in a long prompt costs many decode steps, and every stream's next token
-waits for it); in a turn with no request decoding it is a turn's budget. So a stream beside a shadow waits for about
-one small forward per token, not a turn's budget, and a shadow still advances at least a token a turn under
-continuous decoding. For a namespace whose roles do not live
+waits for it). With no request decoding, a piece of a shadow that is not paced is predicted within the time the
+engine has been idle, a turn's budget at most: an agent chain sends its next call within milliseconds of the last
+answer, and finds one small piece in flight, not a turn's budget; a longer idle spell grows the pieces to a turn's
+budget within a few of them. So a stream beside a shadow waits for about one small forward per token, and a shadow
+still advances at least a token a turn under continuous decoding. For a namespace whose roles do not live
 through their warm-up (the guard's ``paced``), a ``ShadowPacer`` (kvrelay.server.shadow_pacer) holds the shadows to
 a share of the live compute: a call is drawn at a rate learned to spend the share, the same for every call whatever
 its length (within a credit that bounds a run of lucky draws), a piece runs between decode steps only on a short
@@ -200,8 +202,9 @@ class ShadowRunner:
         continuation chunk, the comparison and the record. ``decode_ms``: the turn's decode step, while requests
         decode (None: none does). A prompt piece is, while requests decode, at most the least piece and predicted
         within ``DECODE_STEP_SHARE`` of ``decode_ms`` (a token at least); with none decoding, a paced shadow's least
-        piece, or for one that is not paced the piece the budget gives a live prefill at the same positions. True
-        when something ran."""
+        piece (after the pacer's idle grace), or for one that is not paced the most tokens predicted within the
+        engine's idle time so far, a turn's budget at most (a token at least; without a pacer, a turn's budget).
+        True when something ran."""
         shadow = next((s for s in self._movable() if self._wait_s(s, budget) <= 0), None)
         if shadow is None:
             return False
@@ -264,9 +267,14 @@ class ShadowRunner:
     def _prefill(self, shadow: ShadowJob, budget: ChunkBudget, decode_ms: float | None) -> None:
         task = self._task(shadow)
         if decode_ms is not None:
-            task.advance(*_beside_decode_piece(task, budget, DECODE_STEP_SHARE * decode_ms))
-        else:
-            task.advance(*next_piece(task, budget, _LEAST_MS if shadow.paced else budget.turn_ms, first=True))
+            task.advance(*_small_piece(task, budget, DECODE_STEP_SHARE * decode_ms, budget.min_tokens))
+        elif shadow.paced:
+            task.advance(*next_piece(task, budget, _LEAST_MS, first=True))
+        elif self.pacer is None:
+            task.advance(*next_piece(task, budget, budget.turn_ms, first=True))
+        else:  # a call that comes now waits for this piece: no longer than the engine has been idle
+            idle_ms = self.pacer.idle_ms or 0.0  # None: a request is being prepared, live work in a moment
+            task.advance(*_small_piece(task, budget, min(budget.turn_ms, idle_ms), budget.max_tokens))
         shadow.cost_ms = task.compute_ms
         if task.last_piece is not None:
             log.debug("shadow piece: %.1f tokens, %.0f keys, %.0f ms (predicted %.0f ms; turn budget %.0f ms)",
@@ -310,11 +318,11 @@ class ShadowRunner:
         self._pending.clear()
 
 
-def _beside_decode_piece(task: PrefillTask, budget: ChunkBudget, budget_ms: float) -> tuple:
-    """``task.advance``'s arguments for a piece between decode steps: the most tokens, up to the budget's least piece,
-    predicted within ``budget_ms``, one at least (so a shadow advances every turn however short the step); a plan run
-    in pieces of layers (not ``full``'s) gets its least piece."""
-    positions = task.upcoming_positions(budget.min_tokens)
+def _small_piece(task: PrefillTask, budget: ChunkBudget, budget_ms: float, most_tokens: int) -> tuple:
+    """``task.advance``'s arguments for the most tokens, up to ``most_tokens``, predicted within ``budget_ms``, one at
+    least (so a shadow advances every turn however short the step or the idle spell); a plan run in pieces of layers
+    (not ``full``'s) gets its least piece."""
+    positions = task.upcoming_positions(most_tokens)
     if positions is None:
         return next_piece(task, budget, _LEAST_MS, first=True)
     return budget.num_tokens(positions, budget_ms, least_tokens=1), None

@@ -98,6 +98,11 @@ class ShadowPacer:
     def is_idle(self) -> bool:
         return self._idle_since is not None
 
+    @property
+    def idle_ms(self) -> float | None:
+        """How long the engine has had no live work (None: it has some)."""
+        return None if self._idle_since is None else max(0.0, self.clock() - self._idle_since) * 1e3
+
     def affordable(self, cost_ms: float) -> bool:
         """Whether a paced call whose reference is predicted at ``cost_ms`` is shadowed: the windows move on by one
         offer, its cost is asked, and it is drawn at the rate that spends the share on what the window's calls

@@ -1,8 +1,10 @@
 """A shadow piece beside running streams is small: at most the chunk budget's least piece, and predicted within
-``DECODE_STEP_SHARE`` of the turn's decode step (a token at least), paced or not; in a turn with no stream decoding
-a shadow that is not paced takes a turn's budget; under continuous decoding a shadow still completes. The engine
-worker driven turn by turn with the chunk budget's fit fixed (no measured time moves it); each piece is checked
-against the decode step the worker handed the shadows in that very turn, so no assertion depends on timing."""
+``DECODE_STEP_SHARE`` of the turn's decode step (a token at least), paced or not; with no stream decoding a shadow
+that is not paced takes a piece predicted within the engine's idle time so far, up to a turn's budget (a paced one
+its least piece after its idle grace, as before); under continuous decoding a shadow still completes. The engine
+worker driven turn by turn with the chunk budget's fit fixed (no measured time moves it) and the pacer on an
+injected clock; each piece beside a decode step is checked against the step the worker handed the shadows in that
+very turn, so no assertion depends on timing."""
 
 from __future__ import annotations
 
@@ -45,10 +47,10 @@ def _record_pieces(worker) -> list[tuple[float | None, int, int]]:
     return pieces
 
 
-def _bound(budget, decode_ms: float, num_left: int) -> int:
-    """The most tokens a piece beside a decode step of ``decode_ms`` may have, on the fixed linear fit."""
-    per_token_ms = budget.coef_ms[1]
-    return min(budget.min_tokens, num_left, max(1, int(DECODE_STEP_SHARE * decode_ms / per_token_ms)))
+def _bound(budget, budget_ms: float, most_tokens: int, num_left: int) -> int:
+    """The tokens of a piece predicted within ``budget_ms`` on the fixed linear fit: ``most_tokens`` at most, one at
+    least."""
+    return min(most_tokens, num_left, max(1, int(budget_ms / budget.coef_ms[1])))
 
 
 @pytest.mark.parametrize("per_token_ms", [CHEAP_PER_TOKEN_MS, DEAR_PER_TOKEN_MS])
@@ -71,18 +73,29 @@ def test_beside_a_decoding_stream_every_shadow_piece_is_within_the_bound_and_idl
     beside = [p for p in pieces if p[0] is not None]
     assert len(beside) >= 30  # a piece in (about) every decode turn
     for decode_ms, num_tokens, num_left in beside:
-        assert decode_ms > 0 and num_tokens == _bound(budget, decode_ms, num_left)
+        assert decode_ms > 0 and num_tokens == _bound(budget, DECODE_STEP_SHARE * decode_ms, budget.min_tokens,
+                                                      num_left)
     assert max(n for _, n, _ in beside) <= budget.min_tokens < budget.max_tokens
-    _end(worker, job)
-    assert shadow.task is not None and not shadow.task.done  # prompt left for the idle turns
-    num_before = len(pieces)
-    clock.now_s += 1e3  # a paced shadow's idle grace is over
+    _end(worker, job)  # its last turn is the engine's first idle one
+    for _ in range(3):  # the engine idle, and for no time yet (the clock does not move)
+        worker.run_turn()
+    idle = [p for p in pieces if p[0] is None]
+    assert [n for _, n, _ in idle] == ([] if paced else [1] * 4)  # paced: its idle grace; not: a token a turn
+    for idle_s in (3.5, 1e3):  # longer idle spells: larger pieces, up to a turn's budget (paced: its least piece)
+        clock.now_s += idle_s
+        num_before, idle_ms = len(pieces), worker.shadows.pacer.idle_ms
+        least_ms = budget.coef_ms[1] * min(budget.min_tokens, shadow.task.num_remaining_tokens)
+        worker.run_turn()
+        if paced and least_ms > idle_ms:  # its idle grace: idle as long as its least piece takes
+            assert pieces[num_before:] == []
+            continue
+        [(decode_ms, num_tokens, num_left)] = pieces[num_before:]
+        assert decode_ms is None and idle_ms >= idle_s * 1e3
+        assert num_tokens == (min(budget.min_tokens, num_left) if paced
+                              else _bound(budget, min(budget.turn_ms, idle_ms), budget.max_tokens, num_left))
+    assert paced or num_tokens == min(budget.max_tokens, num_left)  # a turn's budget, after a long idle spell
     while not shadow.task.done:
         worker.run_turn()
-    idle = pieces[num_before:]
-    assert idle and all(decode_ms is None for decode_ms, _, _ in idle)
-    for _, num_tokens, num_left in idle:  # not paced: a turn's budget; paced: its least piece, as before
-        assert num_tokens == min(budget.min_tokens if paced else budget.max_tokens, num_left)
     while worker.shadows.num_pending:
         worker.run_turn()
     assert len(guard.records) == 1
