@@ -375,18 +375,18 @@ def test_the_worker_offers_a_paced_call_with_its_references_predicted_cost(tiny)
 
 def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on_no_credit(tiny, monkeypatch):
     """A long-lived tenant's warm-up is not held to the share: its shadow runs in decode turns with every credit
-    spent, a piece each (no more than the least piece there, as any shadow beside a decode step:
+    spent, a piece each of no more than the least piece (as any shadow beside a decode step:
     test_shadow_beside_decode), and what it takes is spent from the credit a paced tenant is shadowed on."""
     clock = Clock()
-    worker, guard = _paced_worker(tiny, clock, paced=False, chunk_tokens=64)
+    worker, guard = _paced_worker(tiny, clock, paced=False)
     budget = worker.chunk_budget
     # the budget keeps its prior (a token costs the same at every position): the live pieces, timed on the wall
-    # clock, do not refit it
+    # clock, do not refit it, so its pieces do not shrink on a loaded machine
     monkeypatch.setattr(budget, "observe", lambda piece: None)
     pacer = worker.shadows.pacer
-    # a debt that the live turns' earnings (a share of their wall-clock time) cannot pay off in this test, under a
-    # bound (cap_ms: 16 mean references) no piece's time reaches, however loaded the machine
-    pacer.asked_window_ms = RATE_WINDOW_CALLS * 1e9
+    # a bound of months (references asked of a month each) and half of it in debt: neither the live turns' earnings
+    # (a share of their wall-clock time) nor the pieces' spending reaches an end of it, however loaded the machine
+    pacer.asked_window_ms = RATE_WINDOW_CALLS * 30 * 86_400e3
     pacer.credit_ms = pacer.busy_credit_ms = -pacer.cap_ms / 2
     pieces = []  # (ms, paced, the credit before, after) of each shadow piece, as the pacer was told it
     spent = pacer.spent
@@ -397,17 +397,17 @@ def test_a_namespace_that_is_not_paced_keeps_its_shadows_between_decode_steps_on
         pieces.append((ms, paced, before, pacer.credit_ms))
 
     pacer.spent = spy
-    job = _job(worker, tiny.tokenizer.encode("a long-lived role's call " * 20), "sampled", 30)
+    job = _job(worker, tiny.tokenizer.encode("a long-lived role's call " * 4), "sampled", 30)
     worker.submit(job)
     while job.seq is None:
         worker.run_turn()
     shadow = worker.shadows._pending[0]
     assert not shadow.paced and shadow.charged_ms == 0
     for _ in range(3):
-        num_chunks, num_pieces = (shadow.task.num_chunks if shadow.task else 0), len(pieces)
+        num_left, num_pieces = shadow.task.num_remaining_tokens, len(pieces)
         worker.run_turn()
-        assert shadow.task.num_chunks == num_chunks + 1 and len(pieces) == num_pieces + 1
-        assert shadow.task.last_piece[0] <= budget.min_tokens < budget.max_tokens
+        assert shadow.task.last_piece[0] <= min(budget.min_tokens, num_left) and len(pieces) == num_pieces + 1
+    assert budget.max_tokens > budget.min_tokens  # the least piece, not the turn's budget it had before
     for ms, paced, before, after in pieces:  # on no credit, and its time spent from the credit
         assert not paced and ms > 0 and before < 0 and after == before - ms
     _drain(worker, job)  # no clock moves: it needs no idle time either
