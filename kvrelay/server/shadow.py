@@ -57,8 +57,8 @@ _LEAST_MS = 1e-6  # a paced piece's budget: the chunk budget gives it its least 
 # Between decode steps a shadow piece is predicted to take at most this share of the turn's decode step (one token
 # where even that is predicted to take more): a stream's next token waits for it, and a turn's budget deep in a long
 # prompt is many decode steps. A share of the step, not a time, so it needs no per-model or per-machine setting; a
-# forward of a few tokens costs a large part of a decode step or more on a CPU whatever the share (docs/quality.md),
-# so a smaller one would slow the shadow more than it shortens the stream's wait.
+# forward of a few tokens costs about a decode step on a CPU whatever the share (docs/quality.md), so a smaller one
+# would slow the shadow more than it shortens the stream's wait.
 DECODE_STEP_SHARE = 0.5
 
 
