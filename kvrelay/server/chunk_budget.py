@@ -91,11 +91,12 @@ class ChunkBudget:
         self._pieces.append(PieceCost(piece.num_tokens, piece.num_attended_keys, ms))
         self.coef_ms = _fit(list(self._pieces), self.coef_ms)
 
-    def num_tokens(self, positions: list[int], budget_ms: float | None = None) -> int:
+    def num_tokens(self, positions: list[int], budget_ms: float | None = None, least_tokens: int | None = None) -> int:
         """Tokens for the next piece, whose tokens would sit at ``positions`` (ascending, the next ones the prompt
         computes): the most whose predicted time fits ``budget_ms`` (default: a whole turn's), within
-        [``min_tokens``, ``max_tokens``] and never more than ``positions`` holds."""
+        [``least_tokens`` (default ``min_tokens``), ``max_tokens``] and never more than ``positions`` holds."""
         budget_ms = self.turn_ms if budget_ms is None else budget_ms
+        least_tokens = self.min_tokens if least_tokens is None else least_tokens
         positions = positions[: self.max_tokens]
         keys = list(accumulate(p + 1 for p in positions))  # keys[n - 1]: keys attended by the first n tokens
         lo, hi = 0, len(positions)  # the most that fit lies in [lo, hi]; cost grows with n, so bisect
@@ -105,7 +106,7 @@ class ChunkBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        return min(max(lo, self.min_tokens), len(positions))
+        return min(max(lo, least_tokens), len(positions))
 
 
 def _fit(pieces: list[PieceCost], prior: tuple[float, float, float]) -> tuple[float, float, float]:

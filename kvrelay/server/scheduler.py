@@ -272,8 +272,11 @@ class EngineWorker(RequestFailures, WorkerDrain):
                 self._admit(job)
         advance_prefills(self._prefilling, self.chunk_budget, self._prefilled, self._prefill_failed)
         live = [j for j in self._running if not j.seq.done]
+        step_ms = None  # the decode step's time: a shadow piece beside it is sized by it
         if live:
+            step_start_s = time.perf_counter()
             tokens = self.engine.step([j.seq for j in live])
+            step_ms = (time.perf_counter() - step_start_s) * 1e3
             self.metrics.decode_batch.observe(len(live))
             for j, token in zip(live, tokens, strict=True):
                 if token is not None:
@@ -291,8 +294,10 @@ class EngineWorker(RequestFailures, WorkerDrain):
             self.shadows.note_turn(live_ms,
                                    idle=not (self._running or self._prefilling or self._waiting
                                              or self._num_preparing))
-            if not self._prefilling and not self._waiting:
-                self.shadows.advance(self.chunk_budget)  # lowest priority: no live prefill is waiting
+            if not self._prefilling and not self._waiting:  # lowest priority: no live prefill is waiting
+                # while streams decode, a small piece beside their step (every stream's next token waits for it)
+                decode_ms = (step_ms or 0.0) if self._running else None
+                self.shadows.advance(self.chunk_budget, decode_ms)
         self.metrics.running.set(len(self._running))
         self.metrics.sequence_kv_bytes.set(sum(_cache_bytes(j.seq) for j in self._running)
                                            + sum(_cache_bytes(j.task) for j in self._prefilling))

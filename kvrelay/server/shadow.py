@@ -9,8 +9,15 @@ compares it with what the request's own method computed:
   request's decode-step logits at the same positions (kept for sampled requests only, by a ``LogitsTap``).
 
 A shadow is work nobody waits for, so it runs at the lowest priority: the worker advances it one piece at a time
-only in turns where no live prefill is waiting (between decode steps), and outside every request's TTFT, each piece
-sized by the worker's ``ChunkBudget`` by predicted time, as live pieces are. For a namespace whose roles do not live
+only in turns where no live prefill is waiting, and outside every request's TTFT, each piece sized by the worker's
+``ChunkBudget`` by predicted time, as live pieces are. Between the decode steps of running streams a piece is small:
+the least piece, fewer tokens where even that is predicted to take more than ``DECODE_STEP_SHARE`` of the turn's
+decode step (a ``full`` prefill piece deep in a long prompt costs many decode steps, and every stream's next token
+waits for it). With no request decoding, a piece of a shadow that is not paced is predicted within the time the
+engine has been idle, a turn's budget at most: an agent chain sends its next call within milliseconds of the last
+answer, and finds one small piece in flight, not a turn's budget; a longer idle spell grows the pieces to a turn's
+budget within a few of them. So a stream beside a shadow waits for about one small forward per token, and a shadow
+still advances at least a token a turn under continuous decoding. For a namespace whose roles do not live
 through their warm-up (the guard's ``paced``), a ``ShadowPacer`` (kvrelay.server.shadow_pacer) holds the shadows to
 a share of the live compute: a call is drawn at a rate learned to spend the share, the same for every call whatever
 its length (within a credit that bounds a run of lucky draws), a piece runs between decode steps only on a short
@@ -47,6 +54,12 @@ log = logging.getLogger("kvrelay.server")
 CONTINUATION_TOKENS = 4  # tokens of the method's own continuation compared with full's logits on them
 MAX_PENDING_SHADOWS = 8  # sampled requests whose reference waits or runs; a sample beyond it is not taken
 _LEAST_MS = 1e-6  # a paced piece's budget: the chunk budget gives it its least piece
+# Between decode steps a shadow piece is predicted to take at most this share of the turn's decode step (one token
+# where even that is predicted to take more): a stream's next token waits for it, and a turn's budget deep in a long
+# prompt is many decode steps. A share of the step, not a time, so it needs no per-model or per-machine setting; a
+# forward of a few tokens costs about a decode step on a CPU whatever the share (docs/quality.md), so a smaller one
+# would slow the shadow more than it shortens the stream's wait.
+DECODE_STEP_SHARE = 0.5
 
 
 def kl_nats(full_logits: torch.Tensor, method_logits: torch.Tensor) -> torch.Tensor:
@@ -183,18 +196,22 @@ class ShadowRunner:
         piece_ms = self._next_ms(shadow, budget)
         return math.inf if piece_ms is None else self.pacer.ready_in_s(piece_ms)  # None: dropped
 
-    def advance(self, budget: ChunkBudget) -> bool:
+    def advance(self, budget: ChunkBudget, decode_ms: float | None = None) -> bool:
         """One piece of shadow work within one turn of ``budget``: of the first pending shadow that may run now (a
-        paced one when the pacer lets it start, its least piece; one that is not paced, the piece the budget gives
-        a live prefill at the same positions), a piece of its prompt, or (prompt done, continuation known) its
-        continuation chunk, the comparison and the record. True when something ran."""
+        paced one when the pacer lets it start), a piece of its prompt, or (prompt done, continuation known) its
+        continuation chunk, the comparison and the record. ``decode_ms``: the turn's decode step, while requests
+        decode (None: none does). A prompt piece is, while requests decode, at most the least piece and predicted
+        within ``DECODE_STEP_SHARE`` of ``decode_ms`` (a token at least); with none decoding, a paced shadow's least
+        piece (after the pacer's idle grace), or for one that is not paced the most tokens predicted within the
+        engine's idle time so far, a turn's budget at most (a token at least; without a pacer, a turn's budget).
+        True when something ran."""
         shadow = next((s for s in self._movable() if self._wait_s(s, budget) <= 0), None)
         if shadow is None:
             return False
         start_s = time.perf_counter()
         try:
             if shadow.task is None or not shadow.task.done:
-                self._prefill(shadow, budget)
+                self._prefill(shadow, budget, decode_ms)
             else:  # pending until recorded: a reader of ``num_pending`` (the gauge, a test waiting for its
                 # shadow) sees 0 only once the comparison and its lessons are done
                 self._compare(shadow)
@@ -247,10 +264,17 @@ class ShadowRunner:
         num = min(budget.min_tokens, num_prompt - start)
         return budget.predict_ms(num, attended_keys(list(range(start, start + num))))
 
-    def _prefill(self, shadow: ShadowJob, budget: ChunkBudget) -> None:
+    def _prefill(self, shadow: ShadowJob, budget: ChunkBudget, decode_ms: float | None) -> None:
         task = self._task(shadow)
-        budget_ms = _LEAST_MS if shadow.paced else budget.turn_ms
-        task.advance(*next_piece(task, budget, budget_ms, first=True))
+        if decode_ms is not None:
+            task.advance(*_small_piece(task, budget, DECODE_STEP_SHARE * decode_ms, budget.min_tokens))
+        elif shadow.paced:
+            task.advance(*next_piece(task, budget, _LEAST_MS, first=True))
+        elif self.pacer is None:
+            task.advance(*next_piece(task, budget, budget.turn_ms, first=True))
+        else:  # a call that comes now waits for this piece: no longer than the engine has been idle
+            idle_ms = self.pacer.idle_ms or 0.0  # None: a request is being prepared, live work in a moment
+            task.advance(*_small_piece(task, budget, min(budget.turn_ms, idle_ms), budget.max_tokens))
         shadow.cost_ms = task.compute_ms
         if task.last_piece is not None:
             log.debug("shadow piece: %.1f tokens, %.0f keys, %.0f ms (predicted %.0f ms; turn budget %.0f ms)",
@@ -292,6 +316,16 @@ class ShadowRunner:
             if shadow.task is not None:
                 shadow.task.cancel()
         self._pending.clear()
+
+
+def _small_piece(task: PrefillTask, budget: ChunkBudget, budget_ms: float, most_tokens: int) -> tuple:
+    """``task.advance``'s arguments for the most tokens, up to ``most_tokens``, predicted within ``budget_ms``, one at
+    least (so a shadow advances every turn however short the step or the idle spell); a plan run in pieces of layers
+    (not ``full``'s) gets its least piece."""
+    positions = task.upcoming_positions(most_tokens)
+    if positions is None:
+        return next_piece(task, budget, _LEAST_MS, first=True)
+    return budget.num_tokens(positions, budget_ms, least_tokens=1), None
 
 
 def reference_ms(num_prompt: int, budget: ChunkBudget) -> float:

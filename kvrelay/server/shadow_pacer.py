@@ -23,8 +23,9 @@ shadows to a share of the live work, by three rules in engine time as the worker
    and one reference. ``cap_ms`` is a minute's share, or ``CREDIT_WINDOW_REFS`` mean references where that is more: a
    band narrower than a few references would refuse many draws after each long one, and spend less than the share.
    The credit is one pool for the server.
-2. **Paced while live requests run.** In a turn with live work a paced shadow runs one piece of the least size
-   (the chunk budget's ``min_tokens``), only while a second credit, ``BUSY_WINDOW_S`` seconds' worth of the share,
+2. **Paced while live requests run.** In a turn with live work a paced shadow runs one piece, as any shadow
+   beside a decode step no more than the chunk budget's ``min_tokens`` (kvrelay.server.shadow), only while a
+   second credit, ``BUSY_WINDOW_S`` seconds' worth of the share,
    is positive: the running streams' decode steps wait for shadow pieces about ``share`` of their time.
 3. **In idle time, not where the next call is due.** With no live work a paced shadow runs on, but a piece starts
    only once the engine has been idle for as long as the piece is predicted to take. An agent chain sends its next
@@ -32,7 +33,8 @@ shadows to a share of the live work, by three rules in engine time as the worker
    behind a shadow piece. A call that arrives later waits for at most one least piece.
 
 A tenant whose roles live long (agents called again and again in one namespace) keeps its warm-up: its shadows run
-as they always did, in any turn no live prefill waits for, a turn's budget a piece, and their time is spent from
+in any turn no live prefill waits for, on no credit (small pieces beside decode steps, pieces as long as the engine
+has been idle, kvrelay.server.shadow), and their time is spent from
 the same share (the rate's window, and the credit down to ``cap_ms`` of debt at most; a deeper debt, a paced
 reference's, is left as it is), so a paced tenant beside it gets less, and none while those shadows take the whole
 share of the window (a paced tenant's own warm-up, before it was judged, counts the same).
@@ -97,6 +99,11 @@ class ShadowPacer:
     @property
     def is_idle(self) -> bool:
         return self._idle_since is not None
+
+    @property
+    def idle_ms(self) -> float | None:
+        """How long the engine has had no live work (None: it has some)."""
+        return None if self._idle_since is None else max(0.0, self.clock() - self._idle_since) * 1e3
 
     def affordable(self, cost_ms: float) -> bool:
         """Whether a paced call whose reference is predicted at ``cost_ms`` is shadowed: the windows move on by one
