@@ -261,8 +261,7 @@ def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, di
 
     from kvrelay.weights.gguf import read_gguf
 
-    if progress:
-        notice(f"converting {path.name} once (cached in {out})")
+    notice(f"converting {path.name} once (cached in {out})")  # a start that takes seconds says why, bar or not
     gguf_meta, config, state = read_gguf(path, progress=progress)
     tokenizer = tokenizer_from_gguf(gguf_meta)
     try:

@@ -378,3 +378,13 @@ def test_loading_a_converted_model_does_not_import_dynamo(tiny_gguf, cache_env):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "KVRELAY_CACHE": str(cache_env)})
     assert out.stdout.split()[-1] == "False"
+
+
+def test_a_conversion_says_so_without_its_progress_bar(tiny_gguf, cache_env, capsys, caplog):
+    """``kvrelay serve --log-format json`` loads without the bar (it would break JSON lines); the notice that the
+    start converts the model once must not go with it (it did: a start seconds longer, with no word why)."""
+    path, _ = tiny_gguf
+    load_model(str(path), progress=False)
+    assert f"converting {path.name} once" in _said(capsys, caplog)
+    load_model(str(path), progress=False)
+    assert "converting" not in _said(capsys, caplog)  # once: the next load reads the cache
