@@ -14,16 +14,19 @@ plain-text 500 (or, on a stream, the connection closes with no last chunk) and n
 4. uvicorn's shutdown: the listeners close (a new connection is refused from here), open connections are told to
    close, the tasks get ``FLUSH_S`` to write what the drain decided, and the lifespan stops the worker.
 
-A second Ctrl-C (uvicorn's ``force_exit``) ends the wait of step 2 at once.
+A second Ctrl-C ends the wait of step 2 at once, and the shutdown goes on as above (the lifespan still stops the
+worker); a third is uvicorn's ``force_exit``, which skips waiting for connections and the lifespan's shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import time
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -53,8 +56,8 @@ async def drain_worker(worker: WorkerDrain, grace_s: float, forced: Callable[[],
     num_cut = worker.num_in_flight
     if not num_cut:
         return 0
-    log.warning("shutting down: %d request(s) still running after the %g s grace are answered 503 shutting_down",
-                num_cut, grace_s)
+    why = f"after the {grace_s:g} s grace" if clock() >= deadline_s else "when a second Ctrl-C ended the grace"
+    log.warning("shutting down: %d request(s) still running %s are answered 503 shutting_down", num_cut, why)
     worker.cut_running()
     flush_deadline_s = clock() + FLUSH_S  # a worker whose thread died never cuts: uvicorn then cancels the tasks
     while worker.num_in_flight and clock() < flush_deadline_s:
@@ -68,9 +71,20 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, worker: WorkerDrain, grace_s: float) -> None:
         super().__init__(config)
         self.worker, self.grace_s = worker, grace_s
+        self.draining = False
+        self.grace_ended = False  # a second Ctrl-C came while the drain waited
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's, but for the first Ctrl-C during the drain: it ends the grace, not the orderly shutdown (uvicorn
+        would set ``force_exit``, skip the lifespan's shutdown and log the lifespan's cancellation as an ERROR)."""
+        if self.draining and sig == signal.SIGINT and not self.grace_ended:
+            self.grace_ended = True
+            return
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await drain_worker(self.worker, self.grace_s, forced=lambda: self.force_exit)
+        self.draining = True
+        await drain_worker(self.worker, self.grace_s, forced=lambda: self.grace_ended or self.force_exit)
         await super().shutdown(sockets)
 
 

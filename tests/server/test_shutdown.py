@@ -260,3 +260,22 @@ def test_the_shutdown_grace_flag_is_derived_from_its_config():
 
     assert build_parser().parse_args(["serve"]).shutdown_grace_s == DEFAULT_SHUTDOWN_GRACE_S
     assert build_parser().parse_args(["serve", "--shutdown-grace-s", "0"]).shutdown_grace_s == 0
+
+
+def test_a_ctrl_c_during_the_drain_ends_the_grace_and_a_third_forces_the_exit():
+    """uvicorn took the second Ctrl-C as its force_exit: the lifespan's shutdown (the worker's stop) was skipped
+    and its cancellation logged as an ERROR traceback. Now the second ends only the grace; a third forces."""
+    import signal
+
+    import uvicorn
+
+    from kvrelay.server.graceful import GracefulServer
+
+    server = GracefulServer(uvicorn.Config(app=None), _FakeWorker(1), 25.0)
+    server.handle_exit(signal.SIGINT, None)  # the first: shut down
+    assert server.should_exit and not server.force_exit and not server.grace_ended
+    server.draining = True  # shutdown() began its drain
+    server.handle_exit(signal.SIGINT, None)
+    assert server.grace_ended and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit
