@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvrelay.errors import ConfigError
 from kvrelay.tier.backends.base import redact
@@ -37,8 +38,20 @@ def parse_store_url(url: str | None) -> StoreUrl:
             parse_url(url)
         except ValueError as e:
             raise ConfigError(f"bad Redis URL {redact(url)!r}: {redact(str(e))}") from None
+        _check_redis_db(url)
         return StoreUrl("redis", url)
     raise ConfigError(f"unknown store {redact(url)!r}: expected memory, disk:PATH or redis://host:port/db")
+
+
+def _check_redis_db(url: str) -> None:
+    """ConfigError for a database path that is no number: redis-py reads ``/abc`` as database 0 and ``/1/2`` as 12,
+    so replicas meant to keep apart would share (or miss) each other's keys."""
+    if url.startswith("unix://"):
+        return  # the path is the socket's; the database is the ``db`` query parameter, which parse_url checks
+    db = urlsplit(url).path.removeprefix("/")
+    if db and not (db.isascii() and db.isdigit()):
+        raise ConfigError(f"bad Redis URL {redact(url)!r}: the database after the address must be a number "
+                          f"(redis://host:port/0), got {db!r}")
 
 
 def _check_directory(path: Path) -> None:

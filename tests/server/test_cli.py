@@ -34,6 +34,9 @@ def test_a_bad_serve_flag_is_refused_before_the_model_loads(capsys, flags, words
     ("redis:/oops", "--store: unknown store 'redis:/oops': expected memory, disk:PATH or redis://host:port/db"),
     ("redis://admin:s3cret@host:notaport/0", "--store: bad Redis URL 'redis://***@host:notaport/0': Port could not "
                                              "be cast to integer value"),
+    # redis-py read these as database 0 and 12: replicas meant to keep apart shared keys
+    ("redis://127.0.0.1:6379/abc", "the database after the address must be a number (redis://host:port/0), got 'abc'"),
+    ("redis://127.0.0.1:6379/1/2", "got '1/2'"),
     ("disk:", "--store: store URL 'disk:' needs a directory: disk:PATH"),
     ("disk:{file}/spans", "is not a directory"),
 ])
