@@ -103,9 +103,12 @@ def add_quality_flags(p: argparse.ArgumentParser) -> None:
 def resolve_method(args: argparse.Namespace, guard_on: bool) -> None:
     """``args.method`` set (``DEFAULT_METHOD`` where the flag was not given); a ``--method`` given while the quality
     guard is on serves only requests that name it, so the start says so instead of leaving the flag silently idle."""
+    from kvrelay.reuse import get_method
+
     if args.method is None:
         args.method = DEFAULT_METHOD
     elif guard_on:
+        get_method(args.method)  # a spec that is no method is refused, not warned about first
         logging.getLogger("kvrelay.server").warning(
             "--method %s serves requests that name no method only with --quality-target off; with the quality "
             "guard on, each agent's rung picks its method (a request may still name %s)", args.method, args.method)

@@ -38,7 +38,9 @@ class BadRecords:
             while len(self._keys) > self.max_keys:
                 self._keys.popitem(last=False)
             self.num_by_kind[kind] += 1
-        log.warning("shared tier %s: %s; treated as a miss and skipped from now on", self.url, why)
+        # the key, as docs/tier.md's key table writes it (no tenant name in it), so an operator can delete the record
+        log.warning("shared tier %s: %s (span %s, %s); treated as a miss and skipped from now on", self.url, why,
+                    key, kind)
 
     def forget(self, key: str) -> None:
         """``key`` was written anew: read it again."""
