@@ -21,7 +21,7 @@ def read_key_lines(path: str, flag: str) -> list[str]:
     if not file.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
     keys: list[str] = []
-    for line_number, line in enumerate(file.read_text().splitlines(), start=1):
+    for line_number, line in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), start=1):  # an editor's BOM
         key = line.strip()
         if not key or key.startswith("#"):
             continue

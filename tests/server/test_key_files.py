@@ -45,3 +45,9 @@ def test_a_file_of_no_keys_is_refused(tmp_path, text):
 def test_a_missing_file_names_its_flag(tmp_path):
     with pytest.raises(ConfigError, match="--api-keys .*: no such file"):
         read_api_keys(str(tmp_path / "none"))
+
+
+def test_a_byte_order_mark_an_editor_wrote_is_no_part_of_the_first_key(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_bytes("\ufeffkey-alpha\nkey-beta\n".encode())
+    assert read_api_keys(str(path)) == {"key-alpha", "key-beta"}
