@@ -18,10 +18,11 @@ import logging
 import re
 import secrets
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from kvrelay.server.metrics import ServerMetrics
-from kvrelay.server.protocol import shutting_down_error
+if TYPE_CHECKING:  # json_logs imports this module, and the command line's parsers import json_logs: no web stack
+    from kvrelay.server.metrics import ServerMetrics
 
 REQUEST_ID_HEADER = "x-request-id"
 _STATE_KEY = "request_id"  # under the ASGI scope's "state": ``request.state.request_id`` in a handler
@@ -117,6 +118,8 @@ class RequestIds:
             # request that never reached the worker, say a grammar still compiling): a 503 with its id, not
             # uvicorn's plain-text 500 (a stream already begun can only be cut)
             if access.status is None:
+                from kvrelay.server.protocol import shutting_down_error
+
                 await shutting_down_error().response()(scope, receive, send_with_id)
             raise
         finally:
