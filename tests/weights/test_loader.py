@@ -235,6 +235,7 @@ def test_bit_rot_with_unchanged_mtime(tiny_gguf, cache_env, capsys, caplog, monk
     path, _ = tiny_gguf
     sampled(monkeypatch)
     load_model(str(path), progress=False)
+    assert "converting" in _said(capsys, caplog)  # the first load converts, and says so
     weights = _converted(cache_env) / "model.safetensors"
     size = weights.stat().st_size
     unsampled = size // 10 + 1000  # between the first sampled block and the next
@@ -252,6 +253,7 @@ def test_touched_weights_are_verified_in_full_once(tiny_gguf, cache_env, capsys,
     path, _ = tiny_gguf
     sampled(monkeypatch)
     load_model(str(path), progress=False)
+    assert "converting" in _said(capsys, caplog)  # the first load converts, and says so
     weights = _converted(cache_env) / "model.safetensors"
     os.utime(weights, ns=(0, 10**18))  # same content, new mtime: hashed in full, then recorded
     calls = []
