@@ -31,13 +31,13 @@ from kvrelay.server.events import ErrorEvent
 from kvrelay.server.job import Job, ids_of_text
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.prefill_turn import advance_prefills
-from kvrelay.server.protocol import ApiError
+from kvrelay.server.protocol import ApiError, shutting_down_error
 from kvrelay.server.registry import RegisteredOutput
 from kvrelay.server.request_failures import RequestFailures, about, engine_failure
 from kvrelay.server.serve_config import DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 from kvrelay.server.worker_admission import PREPARE_THREADS, WorkerAdmission
-from kvrelay.server.worker_drain import WorkerDrain, shutting_down_error
+from kvrelay.server.worker_drain import WorkerDrain
 
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "EngineWorker", "Job"]  # Job: its home is kvrelay.server.job
 

@@ -18,9 +18,8 @@ from kvrelay.errors import KvRelayError
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.server.events import ErrorEvent
 from kvrelay.server.job import Job
-from kvrelay.server.protocol import ApiError
+from kvrelay.server.protocol import ApiError, shutting_down_error
 from kvrelay.server.request_failures import about
-from kvrelay.server.worker_drain import shutting_down_error
 
 __all__ = ["PREPARE_THREADS", "WorkerAdmission"]
 
