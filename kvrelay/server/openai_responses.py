@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -30,7 +30,7 @@ from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validation_
 from kvrelay.server.respond import respond
 from kvrelay.server.response_store import ResponseStore, StoredResponse
 from kvrelay.server.responses import tool_call_json
-from kvrelay.server.responses_events import ResponseRender
+from kvrelay.server.responses_events import ResponseRender, said_unstored
 from kvrelay.server.responses_input import ResponsesRequest, chat_body, check_call_outputs, input_messages
 from kvrelay.server.responses_items import DEFAULT_PAGE_ITEMS, MAX_PAGE_ITEMS, check_includes, input_items, item_page
 
@@ -102,6 +102,10 @@ class _ResponsesAnswer:
         self.body, self.store, self.namespace, self.conversation = body, store, namespace, conversation
         self.items = items
         self._unkept: tuple | None = None  # the ``store.put`` arguments of the finished response, until ``keep``
+        self.response: dict | None = None  # the finished response object (not streamed)
+        # ``store`` asked for but not done (a shared tier down, or over the store's byte bound): the response says
+        # ``store: false``, so a client does not learn it only from a later previous_response_id's 400
+        self.unstored = False
 
     def _keep(self, done: DoneEvent, response: dict) -> None:
         if self.body.store is not False:
@@ -111,22 +115,22 @@ class _ResponsesAnswer:
     async def keep(self) -> None:
         """Store the finished response (off the event loop: a shared store writes to its tier), once."""
         unkept, self._unkept = self._unkept, None
-        if unkept is not None:
-            await run_in_threadpool(self.store.put, *unkept)
+        if unkept is not None and not await run_in_threadpool(self.store.put, *unkept):
+            self.unstored = True
 
     async def kept_before_last_lines(self, lines: AsyncIterator[str]) -> AsyncIterator[str]:
         """The stream's lines, the response stored before the first of its closing lines goes out."""
         try:
             async for line in lines:
                 await self.keep()
-                yield line
+                yield said_unstored(line) if self.unstored else line
         finally:
             await lines.aclose()  # its own cleanup: a stream cut short cancels the job
 
     def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
-        response = self.render.full(deltas, done)
-        self._keep(done, response)
-        return response
+        self.response = self.render.full(deltas, done)
+        self._keep(done, self.response)
+        return self.response
 
     def head(self) -> Iterable[str]:
         return self.render.start()
@@ -165,6 +169,8 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
             response.body_iterator = answer.kept_before_last_lines(response.body_iterator)
         else:
             await answer.keep()
+            if answer.unstored:
+                response = JSONResponse({**answer.response, "store": False})
         return response
 
     def stored(request: Request, response_id: str, cache_salt: str | None) -> tuple[str, StoredResponse]:

@@ -201,3 +201,14 @@ class ResponseRender:
 
     def error(self, status: int, message: str, param: str | None, code: str | None) -> str:
         return self._event("error", code=code, message=message, param=param)
+
+
+def said_unstored(line: str) -> str:
+    """An SSE event line as it reads once its response was not stored: a response object in it says
+    ``store: false`` (the closing ``response.completed``; its other lines carry none)."""
+    head, sep, data = line.partition("data: ")
+    body = json.loads(data) if sep else None
+    if not isinstance(body, dict) or not isinstance(body.get("response"), dict):
+        return line
+    body["response"]["store"] = False
+    return f"{head}{sep}{json.dumps(body)}\n\n"

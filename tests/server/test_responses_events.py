@@ -8,7 +8,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from kvrelay.server.events import DoneEvent, ToolCall
-from kvrelay.server.responses_events import ResponseRender
+from kvrelay.server.responses_events import ResponseRender, said_unstored
 from kvrelay.server.responses_input import ResponsesRequest
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -100,3 +100,15 @@ def test_error_event_shape():
     r = render()
     event = parse([r.error(400, "bad", "input", "invalid_value")])[0]
     assert event.type == "error" and event.message == "bad" and event.code == "invalid_value"
+
+
+def test_an_unstored_response_says_store_false_in_the_events_that_carry_it():
+    render = ResponseRender(ResponsesRequest(model="m", input="hi"), "m")
+    created, in_progress = render.start()
+    out = said_unstored(created)
+    assert out.startswith("event: response.created\ndata: ") and out.endswith("\n\n")
+    body = json.loads(out.partition("data: ")[2])
+    assert body["response"]["store"] is False and body["sequence_number"] == 0
+    assert json.loads(created.partition("data: ")[2])["response"]["store"] is True
+    delta = render.text("Hello")
+    assert [said_unstored(line) for line in delta] == delta  # no response object: unchanged

@@ -120,8 +120,13 @@ def test_redis_down_is_a_503_for_stored_ids_and_they_are_known_again_once_it_is_
         try:
             with caplog.at_level(logging.WARNING, logger="kvrelay.tier"):
                 errors = _errors(a, ns, r1.id) + _errors(b, ns, r1.id)  # a's own local copy too: not the tier's word
-                fresh = create(b, ns, input="Still serving?")  # a response is served, not stored
-                assert fresh.status in ("completed", "incomplete")
+                fresh = create(b, ns, input="Still serving?")  # a response is served, not stored, and says so
+                assert fresh.status in ("completed", "incomplete") and fresh.store is False
+                events = list(b.responses.create(model=MODEL, input="Hi.", max_output_tokens=3, stream=True,
+                                                 extra_body={"cache_salt": ns}))
+                assert events[0].response.store is True  # asked for; known to fail only once it is tried
+                assert events[-1].type in ("response.completed", "response.incomplete")
+                assert events[-1].response.store is False
                 with pytest.raises(openai.InternalServerError) as err:
                     b.responses.retrieve(fresh.id, extra_query={"cache_salt": ns})
         finally:
