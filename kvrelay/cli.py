@@ -122,6 +122,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kvrelay.pipeline.runner import PipelineRunner
     from kvrelay.pipeline.spec import PipelineSpec
     from kvrelay.reuse import PIPELINE_METHODS, get_method
+    from kvrelay.tier.store_url import parse_store_url
     from kvrelay.tier.tiered import open_store
 
     spec = PipelineSpec.from_yaml(args.pipeline)
@@ -139,6 +140,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--input {name}: given twice")
         inputs[name] = _read_input(name, text)
     spec.check_inputs(inputs)
+    try:  # a URL open_store would refuse, refused before the model loads
+        parse_store_url(args.store)
+    except ConfigError as exc:
+        raise ConfigError(f"--store: {exc}") from None
     lm = load_model_from(args)
     if lm.decode_weights != "fp32":
         print(f"kvrelay: decode weights: {lm.decode_weights}", file=sys.stderr)

@@ -142,6 +142,9 @@ def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path, capfd):
                          for command in (["generate", "hi", "--model", "random:tiny", "--int4-decode"],
                                          ["run", str(good), "--model", "random:tiny", "--int4-decode", "--input",
                                           "q=x"])),
+                       # a store URL refused before the model (one that does not exist) would load
+                       (["run", str(good), "--model", "no-such-model", "--input", "q=x", "--store", "redis://h/abc"],
+                        "--store: "),
                        (["profile", "--int4-decode"], "unrecognized arguments: --int4-decode"),
                        (["profile", "--workload", "gsm8k-chain3,nope", "--selector-only"], "unknown workload 'nope'"),
                        (["profile", "--workload", "gsm8k-chain3,humaneval-adr"],
