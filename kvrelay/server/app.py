@@ -8,6 +8,7 @@ cancels its job. Each topic's routes live in a router of their own; ``create_app
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,6 +32,13 @@ from kvrelay.server.scheduler import EngineWorker
 from kvrelay.server.serve_config import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, ShutdownConfig
 from kvrelay.server.service_routes import service_router
 from kvrelay.server.shared_responses import response_store_for
+from kvrelay.server.tier_metrics import tier_of
+from kvrelay.tier.writer import TierWriter
+
+log = logging.getLogger("kvrelay.server")
+# at shutdown, the spans still owed to the shared tier get this long to be written (after the requests' drain,
+# whose default grace is 25 s: inside Kubernetes' default 30 s)
+WRITER_STOP_S = 3.0
 
 
 @dataclass
@@ -70,14 +78,22 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
                           settings.prefill_chunk_tokens)
     ctx = AppContext(worker, catalog, metrics, settings, engine.lm.tokenizer, engine.lm.name)
 
+    tier = tier_of(catalog.store)
+    writer = TierWriter(tier) if tier is not None else None  # the engine thread never waits on the shared tier
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if writer is not None:
+            writer.start()
         worker.start()
         try:
             yield
         finally:
             worker.stop()
             ctx.compiles.shutdown()
+            if writer is not None and not writer.stop(WRITER_STOP_S):
+                log.warning("stopped with %d spans not written to the shared tier (it was slow or down): the other "
+                            "replicas recompute them", tier.num_unwritten)
 
     app = FastAPI(title="kvrelay", lifespan=lifespan, **docs_urls(settings.api_keys))
     app.state.worker, app.state.catalog, app.state.metrics, app.state.context = worker, catalog, metrics, ctx

@@ -55,8 +55,11 @@ class TierCollector:
         bad = CounterMetricFamily("kvrelay_tier_bad_records", "records of the shared tier skipped as unreadable "
                                   "(announcement, metadata, value), each counted once; the tier goes on",
                                   labels=["kind"])
+        unwritten = GaugeMetricFamily("kvrelay_tier_unwritten_spans", "spans put in memory and owed to the shared "
+                                      "tier: the writer's backlog, or what waits for the tier to be back")
         tier = self.store
         if tier is not None:
+            unwritten.add_metric([], tier.num_unwritten)
             up.add_metric([], 1.0 if tier.health.up else 0.0)
             for action in ACTIONS:
                 lookups.add_metric([action], tier.decisions.num_by_action[action])
@@ -64,4 +67,4 @@ class TierCollector:
             skipped.add_metric([], tier.health.num_skipped)
             for kind, total in tier.bad_records.items():
                 bad.add_metric([kind], total)
-        yield from (up, lookups, failed, skipped, bad)
+        yield from (up, lookups, failed, skipped, bad, unwritten)

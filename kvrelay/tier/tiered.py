@@ -36,6 +36,7 @@ from kvrelay.tier.fetch_cost import DecisionLog, FetchCostModel, FetchDecision
 from kvrelay.tier.health import TierDown, TierHealth
 from kvrelay.tier.store_url import parse_store_url
 from kvrelay.tier.wire import SpanMeta, WireError, decode_span, encode_span
+from kvrelay.tier.writer import TierWriter
 
 log = logging.getLogger("kvrelay.tier")
 _MAX_UNWRITTEN = 100_000  # spans remembered for writing once the tier is back (oldest forgotten first)
@@ -71,10 +72,12 @@ class TieredStore(KVStore):
         # (namespace, model) -> (its announcements' read position, when it was last polled), least recent first
         self._channels: OrderedDict[tuple[str, str], tuple[str | None, float]] = OrderedDict()
         self.max_polled_channels = max_polled_channels
-        # put while the tier was down (None: written if still in memory then), or deferred (the span itself: a
-        # deferred write is owed, even if memory evicts the span before the caller flushes)
+        # put while the tier was down or for the writer (None: written if still in memory then), or deferred (the span
+        # itself: a deferred write is owed, even if memory evicts the span before the caller flushes)
         self._unwritten: OrderedDict[tuple[str, str], SpanLike | None] = OrderedDict()
         self._deferring = threading.local()  # ``writes_deferred``: this thread's puts skip the tier for now
+        # writes the tier on a thread of its own (kvrelay.tier.writer); None: each put writes on its caller's thread
+        self.writer: TierWriter | None = None
         self.remote = RemoteSpans(self._hashes, block_len)
         # match_prefix reads new announcements at most this often (None: never, memory prefixes only)
         self.remote_prefix_poll_s = remote_prefix_poll_s
@@ -200,6 +203,13 @@ class TieredStore(KVStore):
             with self._lock:
                 self._unwritten[(namespace, span_id)] = span
             return evicted
+        writer = self.writer
+        if writer is not None:  # owed to the tier while the span is in memory; the writer writes it
+            with self._lock:
+                self._unwritten.setdefault((namespace, span_id), None)
+                self._forget_oldest_unwritten()
+            writer.wake()
+            return evicted
         if self._write_through(span_id, span, namespace):
             self.flush_unwritten()
         return evicted
@@ -233,12 +243,21 @@ class TieredStore(KVStore):
                     self._unwritten.pop((namespace, span_id), None)
                 else:  # down: write it when the tier is back, if it is still in memory then
                     self._unwritten[(namespace, span_id)] = None
-                    while len(self._unwritten) > _MAX_UNWRITTEN:
-                        self._unwritten.popitem(last=False)
+                    self._forget_oldest_unwritten()
             return False
         with self._lock:
             self._unwritten.pop((namespace, span_id), None)
         return True
+
+    def _forget_oldest_unwritten(self) -> None:
+        """Bound what is remembered for the tier (under ``_lock``)."""
+        while len(self._unwritten) > _MAX_UNWRITTEN:
+            self._unwritten.popitem(last=False)
+
+    @property
+    def num_unwritten(self) -> int:
+        """Spans put but not yet in the tier: the writer's backlog, or what waits for a down tier."""
+        return len(self._unwritten)
 
     def flush_unwritten(self) -> int:
         """Write the spans published while the tier was down (those still in memory); returns how many.
@@ -344,6 +363,8 @@ class TieredStore(KVStore):
         return delivered
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.stop()
         self.health.close()
         try:
             self.backend.close()

@@ -17,7 +17,8 @@ from kvrelay.engine import Engine
 from kvrelay.server.app import ServerSettings, create_app
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.metrics import ServerMetrics
-from kvrelay.tier.tiered import open_store
+from kvrelay.tier.backends.disk import DiskBackend
+from kvrelay.tier.tiered import TieredStore, open_store
 from kvrelay.weights.loader import load_model
 from tests.tier.test_tier_prober import hanging_store
 
@@ -117,3 +118,22 @@ def test_debug_lists_the_tier_decisions_of_the_calls_lookups():
                 (first["kvrelay"]["debug"]["span_id"], "fetch")]
             assert set(decisions[0]) == {"span_id", "action", "reason", "num_tokens", "value_bytes", "fetch_ms"}
             assert sample(b, "kvrelay_tier_lookups_total", '{result="fetch"}') == 1
+
+
+def test_the_server_publishes_without_waiting_on_the_tier_and_metrics_show_what_is_owed(tmp_path):
+    from tests.tier.test_tier_writer import WAIT_S, HeldBackend
+
+    backend = HeldBackend(tmp_path)  # every write held until released: a hung or very slow tier
+    store = TieredStore(1 << 26, backend)
+    with served(store) as client:
+        first = chat(client, [{"role": "user", "content": "A first question about rivers."}])
+        assert backend.writing.wait(WAIT_S)  # its span's write has begun, and is held
+        chat(client, [{"role": "user", "content": "A second, unrelated one."}])  # served meanwhile
+        assert sample(client, "kvrelay_tier_unwritten_spans") == 2
+        assert sample(client, "kvrelay_tier_up") == 1  # slow, not down
+        backend.released.set()
+        assert store.writer.wait_written(WAIT_S)
+        assert sample(client, "kvrelay_tier_unwritten_spans") == 0
+    assert len(backend.keys) == 2 and store.writer is None  # the app's shutdown handed writes back
+    reader = TieredStore(1 << 26, DiskBackend(tmp_path), store.fingerprint)
+    assert first["kvrelay"]["debug"]["span_id"] in reader
