@@ -217,11 +217,15 @@ class ToolStream:
     arguments so far as a call's pieces, as OpenAI's does). Under "none" every piece is content: the grammar keeps
     ``<tool_call>`` out of the text, and where no grammar runs (a server without xgrammar) text that looks like a
     call is still no call.
+
+    Text that is whitespace only so far (the newline between two calls) is held back until more text or the end
+    shows whether it is an answer: beside calls it is none, so the stream sends exactly the answer's text.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.pending = ""  # text outside calls not sent yet (a possible start of CALL_OPEN)
+        self.held = ""  # whitespace-only text not sent yet: no answer if a call comes (see ``_text``)
         self.text_parts: list[str] = []
         self.call: _Call | None = None
         self.calls: list[dict] = []
@@ -263,20 +267,29 @@ class ToolStream:
             if self.plan.mode == "auto":
                 self._text(CALL_OPEN + self.call.body, events)
             self.call = None
-        self._text(self.pending, events)
+        if self.plan.mode == "auto":  # else the turn is calls only: a cut "<tool_call>" is no text
+            self._text(self.pending, events)
         self.pending = ""
-        text = "".join(self.text_parts)
-        if self.calls and not text.strip():  # the newlines between calls are no answer
-            text = ""
+        if self.held and not self.calls:  # whitespace alone is the answer
+            self.text_parts.append(self.held)
+            events.append({"type": "delta", "text": self.held})
+        self.held = ""  # beside calls, the newlines between them are no answer
         if self.calls and finish_reason != "length":
             finish_reason = "tool_calls"
-        return events, {"text": text, "tool_calls": list(self.calls), "finish_reason": finish_reason}
+        return events, {"text": "".join(self.text_parts), "tool_calls": list(self.calls),
+                        "finish_reason": finish_reason}
 
     # ------------------------------------------------------------------ internals
     def _text(self, text: str, events: list[dict]) -> None:
-        if text:
-            self.text_parts.append(text)
-            events.append({"type": "delta", "text": text})
+        """Send ``text`` of the answer; while the answer is whitespace only, hold it (``close`` decides)."""
+        if not text:
+            return
+        if self.plan.may_call and not self.text_parts and not (self.held + text).strip():
+            self.held += text
+            return
+        text, self.held = self.held + text, ""
+        self.text_parts.append(text)
+        events.append({"type": "delta", "text": text})
 
     def _stream_call(self, call: _Call, body: str, events: list[dict]) -> None:
         """Stream what is certain of an open call: its name, then its arguments up to the last '}' and the

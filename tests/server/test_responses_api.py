@@ -197,6 +197,30 @@ def test_stream_tool_call_arguments(server):
     assert added.item.id == final.output[0].id and added.item.name == "get_weather"
 
 
+def _shape(output) -> list[tuple]:
+    return [(o.type, o.status, getattr(o, "name", None), getattr(o, "arguments", None),
+             [c.text for c in getattr(o, "content", None) or []]) for o in output]
+
+
+@pytest.mark.parametrize(("tools", "temperature", "seed", "max_output_tokens", "statuses"), [
+    ([WEATHER, TIME], 1.0, 5, 120, ["completed"] * 2),  # two calls, a newline between them
+    ([WEATHER, TIME], 1.0, 3, 120, ["completed"] * 2)])  # two calls, then a third cut inside "<tool_call>"
+def test_streamed_calls_end_as_the_unstreamed_response(server, tools, temperature, seed, max_output_tokens,
+                                                       statuses):
+    """The stream shows no text between or after calls that the response lacks, and its last event's output is
+    the non-streamed response's."""
+    kw = dict(input="Weather in Paris and in Rome?", tools=tools, tool_choice="required", temperature=temperature,
+              max_output_tokens=max_output_tokens)
+    whole = create(server, extra_body={"seed": seed}, **kw)
+    events = list(server.client().responses.create(model=MODEL, stream=True, **kw,
+                                                   extra_body={"cache_salt": salt(), "seed": seed}))
+    assert [(o.type, o.status) for o in whole.output] == [("function_call", s) for s in statuses]
+    assert not any(e.type.startswith("response.output_text") for e in events)
+    closed = [e.item for e in events if e.type == "response.output_item.done"]
+    assert _shape(events[-1].response.output) == _shape(closed) == _shape(whole.output)
+    assert events[-1].response.status == whole.status
+
+
 @pytest.mark.parametrize("kw, param, named", [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},

@@ -49,7 +49,7 @@ def test_two_calls_parse_and_stream_in_pieces(pieces):
     assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [
         ("get_weather", ARGS), ("search", '{"q": "x}"}')]
     content, calls = rebuilt(events)
-    assert content.strip() == ""
+    assert content == ""  # the newline between the calls is no answer, streamed or not
     assert [(calls[i]["id"], calls[i]["name"], calls[i]["arguments"]) for i in (0, 1)] == \
         [(c["id"], c["name"], c["arguments"]) for c in done["tool_calls"]]
     assert all(c["id"].startswith("call_") for c in done["tool_calls"])
@@ -83,7 +83,24 @@ def test_where_the_turn_is_calls_only_a_cut_call_is_no_text(mode, forced):
     assert done["text"] == "" and done["finish_reason"] == "length"
     assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("search", '{"q": "a"}')]
     content, calls = rebuilt(events)
-    assert content.strip() == "" and calls[0]["arguments"] == '{"q": "a"}'
+    assert content == "" and calls[0]["arguments"] == '{"q": "a"}'
+
+
+def test_where_the_turn_is_calls_only_a_cut_call_opener_is_no_text():
+    first = call_text("search", '{"q": "a"}')
+    events, done = run(first + "\n\n<t", finish_reason="length", plan=ToolPlan(PLAN.functions, "required"))
+    assert done["text"] == "" and rebuilt(events)[0] == ""
+
+
+@pytest.mark.parametrize(("text", "answer"), [
+    (call_text("search", "{}") + "\n Done.", "\n Done."),  # text after a call: its leading newline is the answer's
+    ("\n\n", "\n\n"),  # whitespace alone, no call: it is the answer
+    ("\n" + call_text("search", "{}") + "\n", ""),  # beside calls, whitespace is no answer
+])
+def test_whitespace_is_held_until_it_is_known_to_be_the_answers(text, answer):
+    for plan in (PLAN, ToolPlan(PLAN.functions, "required")):
+        events, done = run(text, plan=plan)
+        assert done["text"] == answer and rebuilt(events)[0] == answer
 
 
 @pytest.mark.parametrize("body", ['{"name": "nope", "arguments": {}}', '{"name": "search", "arguments": [1]}',
