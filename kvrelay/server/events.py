@@ -47,9 +47,10 @@ class DoneEvent:
     """The end of a request that was served.
 
     ``finish_reason`` is "tool_calls" when at least one call completed; "length" when max_tokens cut the output (a
-    call cut off then is not in ``tool_calls``: its text is in ``text``, and may have streamed as tool-call pieces
-    before the cut, as OpenAI streams it). ``text``: the message content (calls not included), "" when only calls
-    came. ``kvrelay``: the response's extension object, as sent.
+    call cut off then is not in ``tool_calls``: it is ``cut_call``, with the arguments decoded so far, once its
+    name was decoded, as the stream announced it; before that its text is in ``text`` under tool_choice "auto").
+    ``text``: the message content (calls not included), "" when only calls came. ``kvrelay``: the response's
+    extension object, as sent.
     """
 
     finish_reason: str
@@ -59,6 +60,12 @@ class DoneEvent:
     num_cached_tokens: int
     kvrelay: dict[str, Any]
     tool_calls: tuple[ToolCall, ...] = field(default_factory=tuple)
+    cut_call: ToolCall | None = None
+
+    @property
+    def all_calls(self) -> tuple[ToolCall, ...]:
+        """The calls an answer reports: the completed ones, then the one max_tokens cut off."""
+        return self.tool_calls + ((self.cut_call,) if self.cut_call is not None else ())
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,11 @@ def delta_of(piece: dict) -> DeltaEvent:
     call = piece.get("tool_call")
     return DeltaEvent(piece["text"], ToolCallPiece(call["index"], call["id"], call["name"], call["arguments"])
                       if call is not None else None)
+
+
+def tool_call_of(call: dict | None) -> ToolCall | None:
+    """ToolStream's cut call (``{"id", "name", "arguments"}``, or None) as a typed call."""
+    return ToolCall(call["id"], call["name"], call["arguments"]) if call is not None else None
 
 
 def tool_calls_of(calls: list[dict]) -> tuple[ToolCall, ...]:

@@ -18,7 +18,7 @@ from kvrelay.engine import GenerationOutput, Sequence
 from kvrelay.engine.prefill import PrefillTask
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.server.catalog import CallBuild
-from kvrelay.server.events import DeltaEvent, DoneEvent, Event, ToolCall, delta_of, tool_calls_of
+from kvrelay.server.events import DeltaEvent, DoneEvent, Event, ToolCall, delta_of, tool_call_of, tool_calls_of
 from kvrelay.server.prompting import PromptBuild
 from kvrelay.server.request_ids import current_request_id
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher, encode_logprobs, token_logprobs
@@ -130,6 +130,7 @@ class Job:
         delta = self.matcher.flush(text)
         finish_reason = "stop" if stop_string or out.stop_reason == "stop" else "length"
         tool_calls: tuple[ToolCall, ...] = ()
+        cut_call: ToolCall | None = None
         if self.tool_stream is None:
             self._emit_deltas([DeltaEvent(delta)] if delta else [])
         else:
@@ -138,9 +139,10 @@ class Job:
             self._emit_deltas([delta_of(d) for d in fed + deltas])
             text, tool_calls, finish_reason = answer["text"], tool_calls_of(answer["tool_calls"]), \
                 answer["finish_reason"]
+            cut_call = tool_call_of(answer["cut_call"])
         stats = out.stats
         return DoneEvent(finish_reason, text, stats.num_prompt_tokens, len(out.output_ids), stats.num_reused_tokens,
-                         self._extension(out, span_id), tool_calls)
+                         self._extension(out, span_id), tool_calls, cut_call)
 
     def _extension(self, out: GenerationOutput, span_id: str | None) -> dict:
         """The response's ``kvrelay`` object: what reuse did for this request, and how long it waited."""

@@ -91,13 +91,14 @@ class ResponseRender:
 
     def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         """The whole response object (non-streaming)."""
-        calls = done.tool_calls
         for d in deltas:
             self.text_logprobs += d.logprobs or []
         status = self.status_of(done)
-        if done.text or not calls:
+        if done.text or not done.all_calls:
             self.items.append(self._message_item(done.text, status))
-        self.items += [self._call_item(vars(c), "completed") for c in calls]
+        self.items += [self._call_item(vars(c), "completed") for c in done.tool_calls]
+        if done.cut_call is not None:
+            self.items.append(self._call_item(vars(done.cut_call), "incomplete"))
         return self.envelope(status, done)
 
     # ------------------------------------------------------------------ stream
@@ -183,7 +184,7 @@ class ResponseRender:
         """The closing events: the items still open, calls the stream did not show, the final response.
         The done event's calls are authoritative (the streamed pieces are their text as it was decoded)."""
         status = self.status_of(done)
-        calls = done.tool_calls
+        calls = done.all_calls
         out: list[str] = []
         if not self.had_message and not self.calls_by_index and (done.text or not calls):
             out += self.text(done.text)  # a text the stream did not show (or an empty answer)
@@ -192,9 +193,8 @@ class ResponseRender:
         for i, final in enumerate(calls):
             if i not in self.calls_by_index:
                 out += self.call_piece(i, final.id, final.name, final.arguments)
-            out += self._close_call(self.calls_by_index[i], final)
-        for call in self.calls_by_index.values():  # a call max_output_tokens cut off
-            out += self._close_call(call, status="incomplete")
+            out += self._close_call(self.calls_by_index[i], final,
+                                    "incomplete" if final is done.cut_call else "completed")
         self.items = [item for item in self.items if item]
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return out + [self._event(kind, response=self.envelope(status, done))]

@@ -211,12 +211,12 @@ class ToolStream:
 
     ``feed`` takes each new piece of text and returns delta events (see kvrelay.server.chat_route); ``close``
     returns the last deltas and the done event's fields. A call counts only when it closed and parses into a
-    known tool's name and a JSON arguments object. A call cut off by max_tokens is no call, and the answer's
-    finish_reason stays "length"; its text is content under "auto", and dropped where the turn is calls only
-    ("required" or a named tool), as the grammar allows no text there (the stream has shown its name and the
-    arguments so far as a call's pieces, as OpenAI's does). Under "none" every piece is content: the grammar keeps
-    ``<tool_call>`` out of the text, and where no grammar runs (a server without xgrammar) text that looks like a
-    call is still no call.
+    known tool's name and a JSON arguments object. A call cut off by max_tokens once its name was decoded is the
+    answer's ``cut_call``: the stream has announced it, so the answer reports it too, with the arguments decoded so
+    far (OpenAI's way; the finish_reason stays "length"). Cut before its name, it is no call: its text is content
+    under "auto", and dropped where the turn is calls only ("required" or a named tool), as the grammar allows no
+    text there. Under "none" every piece is content: the grammar keeps ``<tool_call>`` out of the text, and where no
+    grammar runs (a server without xgrammar) text that looks like a call is still no call.
 
     Text that is whitespace only so far (the newline between two calls) is held back until more text or the end
     shows whether it is an answer: beside calls it is none, so the stream sends exactly the answer's text.
@@ -229,6 +229,7 @@ class ToolStream:
         self.text_parts: list[str] = []
         self.call: _Call | None = None
         self.calls: list[dict] = []
+        self.cut_call: dict | None = None  # the call max_tokens cut off after its name (see the class docstring)
         self.num_calls_opened = 0
 
     def feed(self, delta: str) -> list[dict]:
@@ -261,22 +262,21 @@ class ToolStream:
             self.call, self.pending = None, rest
 
     def close(self, finish_reason: str) -> tuple[list[dict], dict]:
-        """The remaining deltas and {"text", "tool_calls", "finish_reason"} of the done event."""
+        """The remaining deltas and {"text", "tool_calls", "cut_call", "finish_reason"} of the done event."""
         events: list[dict] = []
-        if self.call is not None:  # cut off inside a call: never a call; its text is content only where text may be
-            if self.plan.mode == "auto":
-                self._text(CALL_OPEN + self.call.body, events)
+        if self.call is not None:
+            self._cut(self.call, finish_reason, events)
             self.call = None
         if self.plan.mode == "auto":  # else the turn is calls only: a cut "<tool_call>" is no text
             self._text(self.pending, events)
         self.pending = ""
-        if self.held and not self.calls:  # whitespace alone is the answer
+        if self.held and not self.calls and self.cut_call is None:  # whitespace alone is the answer
             self.text_parts.append(self.held)
             events.append({"type": "delta", "text": self.held})
         self.held = ""  # beside calls, the newlines between them are no answer
         if self.calls and finish_reason != "length":
             finish_reason = "tool_calls"
-        return events, {"text": "".join(self.text_parts), "tool_calls": list(self.calls),
+        return events, {"text": "".join(self.text_parts), "tool_calls": list(self.calls), "cut_call": self.cut_call,
                         "finish_reason": finish_reason}
 
     # ------------------------------------------------------------------ internals
@@ -290,6 +290,21 @@ class ToolStream:
         text, self.held = self.held + text, ""
         self.text_parts.append(text)
         events.append({"type": "delta", "text": text})
+
+    def _cut(self, call: _Call, finish_reason: str, events: list[dict]) -> None:
+        """A call the output ended inside (see the class docstring)."""
+        if finish_reason == "length":
+            self._stream_call(call, call.body, events)  # its name, if the last piece completed it
+        if finish_reason == "length" and call.name in self.plan.callable_names:
+            sent = _sent_args(call.body, call)
+            whole = call.body[: len(call.body) - _held_back(call.body, CALL_CLOSE)]
+            arguments = _arguments_of(whole, self.plan)  # complete but for (the rest of) CALL_CLOSE
+            if arguments is None or not arguments.startswith(sent):
+                arguments = call.body[_HEAD_RE.match(call.body).end() :]
+            self._args(call, arguments[len(sent) :], events)
+            self.cut_call = {"id": call.id, "name": call.name, "arguments": arguments}
+        elif self.plan.mode == "auto":
+            self._text(CALL_OPEN + call.body, events)
 
     def _stream_call(self, call: _Call, body: str, events: list[dict]) -> None:
         """Stream what is certain of an open call: its name, then its arguments up to the last '}' and the

@@ -204,11 +204,12 @@ def _shape(output) -> list[tuple]:
 
 @pytest.mark.parametrize(("tools", "temperature", "seed", "max_output_tokens", "statuses"), [
     ([WEATHER, TIME], 1.0, 5, 120, ["completed"] * 2),  # two calls, a newline between them
-    ([WEATHER, TIME], 1.0, 3, 120, ["completed"] * 2)])  # two calls, then a third cut inside "<tool_call>"
+    ([WEATHER, TIME], 1.0, 3, 120, ["completed"] * 2),  # two calls, then a third cut inside "<tool_call>"
+    ([WEATHER], 0.0, 1, 45, ["incomplete"])])  # a call cut inside its arguments
 def test_streamed_calls_end_as_the_unstreamed_response(server, tools, temperature, seed, max_output_tokens,
                                                        statuses):
     """The stream shows no text between or after calls that the response lacks, and its last event's output is
-    the non-streamed response's."""
+    the non-streamed response's (a cut call included, "incomplete")."""
     kw = dict(input="Weather in Paris and in Rome?", tools=tools, tool_choice="required", temperature=temperature,
               max_output_tokens=max_output_tokens)
     whole = create(server, extra_body={"seed": seed}, **kw)

@@ -8,6 +8,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from kvrelay.server.events import DoneEvent, ToolCall
+from kvrelay.server.responses import Reply, tool_call_json
 from kvrelay.server.responses_events import ResponseRender, said_unstored
 from kvrelay.server.responses_input import ResponsesRequest
 
@@ -15,9 +16,9 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 KV = {"method": "epic", "num_reused_tokens": 3}
 
 
-def done(text: str, calls: list[dict] | None = None, finish: str = "stop") -> DoneEvent:
+def done(text: str, calls: list[dict] | None = None, finish: str = "stop", cut: dict | None = None) -> DoneEvent:
     return DoneEvent(finish, text, num_prompt_tokens=10, num_completion_tokens=4, num_cached_tokens=3, kvrelay=KV,
-                     tool_calls=tuple(ToolCall(**c) for c in calls or []))
+                     tool_calls=tuple(ToolCall(**c) for c in calls or []), cut_call=ToolCall(**cut) if cut else None)
 
 
 def render(**kw) -> ResponseRender:
@@ -94,6 +95,35 @@ def test_empty_answer_still_streams_a_message_and_length_is_incomplete():
     events = parse(r.start() + r.finish(done("", finish="length")))
     assert events[-1].type == "response.incomplete" and events[-1].response.output[0].type == "message"
     assert events[-1].response.output[0].status == "incomplete"
+
+
+def test_a_call_cut_by_max_output_tokens_streams_as_an_incomplete_call_and_ends_as_full_s():
+    """A call cut off after its name was streamed: its item closes "incomplete" with the arguments decoded so far,
+    and response.incomplete's output is the non-streamed response's (the call, no message repeating its text)."""
+    cut = {"id": "call_9", "name": "get", "arguments": '{"city": "Pa'}
+    answer = done("", [CALL], "length", cut)
+    r = render()
+    events = parse(r.start() + r.call_piece(0, "call_1", "get", CALL["arguments"])
+                   + r.call_piece(1, "call_9", "get", "") + r.call_piece(1, None, None, '{"city": ') + r.finish(answer))
+    closed = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status, i.arguments) for i in closed] == [
+        ("function_call", "completed", CALL["arguments"]), ("function_call", "incomplete", cut["arguments"])]
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.incomplete_details.reason == "max_output_tokens"
+    full = Response.model_validate(render().full([], answer))
+
+    def shape(response):
+        return [(o.type, o.status, o.call_id, o.name, o.arguments) for o in response.output]
+    assert shape(final.response) == shape(full) == [("function_call", "completed", "call_1", "get", CALL["arguments"]),
+                                                    ("function_call", "incomplete", "call_9", "get", cut["arguments"])]
+    assert [o.id for o in final.response.output] == [i.id for i in closed]
+
+
+def test_chat_answers_report_a_cut_call_as_openai_does():
+    cut = ToolCall("call_9", "get", '{"city": "Pa')
+    answer = DoneEvent("length", "", 10, 4, 3, KV, (), cut)
+    message = Reply("m", True, False).full([], answer)["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"] == [tool_call_json(cut)]
 
 
 def test_error_event_shape():

@@ -66,24 +66,34 @@ def test_text_around_a_call_is_content_and_a_partial_marker_is_held_back():
     assert stream.feed("Hi <tool_ca") == [{"type": "delta", "text": "Hi "}]  # "<tool_ca" may open a call
 
 
-def test_a_call_cut_by_max_tokens_is_text_and_length():
-    text = call_text("get_weather", ARGS)[:-8]
-    events, done = run(text, finish_reason="length")
-    assert done == {"text": text, "tool_calls": [], "finish_reason": "length"}
+@pytest.mark.parametrize(("cut_chars", "arguments"), [
+    (8, ARGS), (22, ARGS[:-9]), (len(ARGS) + 12, "{"), (len(ARGS) + 13, "")])
+@pytest.mark.parametrize("pieces", [None, 1])
+def test_a_call_cut_by_max_tokens_after_its_name_is_the_cut_call_the_stream_announced(cut_chars, arguments, pieces):
+    """A stream announces a call once its name is decoded: cut after that, the answer reports the call (its
+    arguments so far, finish_reason "length"), never its text as content, so stream and answer agree."""
+    text = call_text("get_weather", ARGS)[:-cut_chars]
+    events, done = run(text, pieces, finish_reason="length")
+    cut = done["cut_call"]
+    assert (done["text"], done["tool_calls"], done["finish_reason"]) == ("", [], "length")
+    assert (cut["name"], cut["arguments"]) == ("get_weather", arguments)
+    content, calls = rebuilt(events)
+    assert content == "" and calls == {0: cut}
 
 
-@pytest.mark.parametrize("mode, forced", [("required", None), ("named", "search")])
-def test_where_the_turn_is_calls_only_a_cut_call_is_no_text(mode, forced):
-    """Under "required" or a named tool the grammar allows no text: a second call cut by max_tokens is dropped,
-    not returned as content in the call format (the first, closed call stays)."""
+@pytest.mark.parametrize("mode, forced", [("auto", None), ("required", None), ("named", "search")])
+def test_a_call_cut_before_its_name_is_text_under_auto_and_nothing_where_the_turn_is_calls_only(mode, forced):
+    """Under "required" or a named tool the grammar allows no text: a second call cut by max_tokens before its name
+    is dropped (the first, closed call stays); under "auto" its text is content."""
     plan = ToolPlan(PLAN.functions, mode, forced)
     first = call_text("search", '{"q": "a"}')
-    events, done = run(first + "\n" + call_text("search", '{"q": "bb"}')[:-9], finish_reason="length",
-                   plan=plan)
-    assert done["text"] == "" and done["finish_reason"] == "length"
+    cut = call_text("search", '{"q": "bb"}')[:20]
+    events, done = run(first + "\n" + cut, finish_reason="length", plan=plan)
+    assert done["text"] == ("\n" + cut if mode == "auto" else "") and done["finish_reason"] == "length"
     assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("search", '{"q": "a"}')]
+    assert done["cut_call"] is None
     content, calls = rebuilt(events)
-    assert content == "" and calls[0]["arguments"] == '{"q": "a"}'
+    assert content == done["text"] and list(calls) == [0] and calls[0]["arguments"] == '{"q": "a"}'
 
 
 def test_where_the_turn_is_calls_only_a_cut_call_opener_is_no_text():

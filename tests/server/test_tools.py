@@ -129,17 +129,31 @@ def test_a_tool_loop_reuses_the_generated_call(server):
     assert spliced and spliced[0]["end"] - spliced[0]["start"] == first.usage.completion_tokens
 
 
-def test_a_call_cut_by_max_tokens_is_length_not_a_call(server):
-    for stream in (False, True):
-        kw = {"tools": [tool("get_weather")], "tool_choice": "required", "max_tokens": 22}
-        if not stream:
-            r = ask(server, **kw).choices[0]
-            assert r.finish_reason == "length" and r.message.tool_calls is None
-            assert not r.message.content  # the turn is calls only: the cut call's text is no answer
-        else:
-            chunks = list(ask(server, stream=True, **kw))
-            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-                ["length"]
+def _rebuilt(chunks) -> tuple[str, list[tuple[str, str, str]]]:
+    """A chat stream's content and calls, as a client accumulates them."""
+    content, calls = "", {}
+    for piece in (ch.choices[0].delta for ch in chunks if ch.choices):
+        content += piece.content or ""
+        for tc in piece.tool_calls or []:
+            call = calls.setdefault(tc.index, [tc.id, tc.function.name, ""])
+            call[2] += tc.function.arguments or ""
+    return content, [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.parametrize("max_tokens", [12, 22, 30])
+def test_a_call_cut_by_max_tokens_streams_as_it_answers(server, max_tokens):
+    """Cut before its name the call is nothing (the turn is calls only); after it, the answer reports the call the
+    stream announced, with its arguments so far: the stream never shows a call the answer lacks, or its text."""
+    kw = {"tools": [tool("get_weather")], "tool_choice": "required", "max_tokens": max_tokens}
+    r = ask(server, **kw).choices[0]
+    assert r.finish_reason == "length" and not r.message.content
+    chunks = list(ask(server, stream=True, **kw))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    calls = [(c.function.name, c.function.arguments) for c in r.message.tool_calls or []]
+    content, streamed = _rebuilt(chunks)
+    assert content == "" and [(name, args) for _, name, args in streamed] == calls
+    if max_tokens == 30:  # past the call's name (on random:tiny's tokenizer)
+        assert calls and calls[0][0] == "get_weather"
 
 
 def test_response_format_json_schema_and_json_object(server):
