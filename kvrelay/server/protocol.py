@@ -7,7 +7,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from kvrelay.server.structured_protocol import StructuredOutputs
@@ -120,6 +120,13 @@ StrictBool = Annotated[bool, Strict()]
 StrictFloat = Annotated[float, Strict()]
 
 
+def null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+    """A ``mode="before"`` field validator for fields OpenAI types "... or null" that have a default here: null is
+    the field not given (its default), every other value is checked as strictly as the field says ("0.5" is no
+    temperature). Fields whose default is None take null as they are."""
+    return cls.model_fields[info.field_name].get_default(call_default_factory=True) if value is None else value
+
+
 class KvrelayOptions(_Body):
     method: str | None = None  # a reuse method spec, e.g. "epic" or "relay[l_pre=4]"
     debug: StrictBool = False  # add prompt/output ids, refs, the span id and tier decisions to the kvrelay object
@@ -222,6 +229,8 @@ class _Sampling(_Body):
     return_tokens_as_token_ids: Any = None
     return_prompt_text: Any = None
 
+    _null_sampling = field_validator("temperature", "top_p", "n", "stream", mode="before")(null_is_default)
+
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
@@ -265,6 +274,8 @@ class ChatCompletionRequest(_Sampling, _VllmStructured):
     chat_template_kwargs: dict[str, Any] | None = None
     echo: StrictBool = False  # refused when true
 
+    _null_chat = field_validator("logprobs", "echo", mode="before")(null_is_default)
+
 
 class CompletionRequest(_Sampling, _VllmStructured):
     prompt: str | list[str] | list[StrictInt]
@@ -275,6 +286,8 @@ class CompletionRequest(_Sampling, _VllmStructured):
     best_of: StrictInt | None = None
     # response_format on completions, as on vLLM (kvrelay.server.structured_outputs)
     response_format: ResponseFormat | None = None
+
+    _null_completion = field_validator("echo", mode="before")(null_is_default)
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -12,9 +12,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from kvrelay.server.protocol import MAX_SALT_CHARS, ApiError, KvrelayOptions, StrictBool, StrictFloat, StrictInt, _Body
+from kvrelay.server.protocol import (
+    MAX_SALT_CHARS,
+    ApiError,
+    KvrelayOptions,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    _Body,
+    null_is_default,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # the other values OpenAI documents for ``include``: each asks for more of an item this server never produces (hosted
@@ -82,6 +91,8 @@ class ResponsesRequest(_Body):
     logit_bias: Any = None
     structured_outputs: Any = None
     chat_template_kwargs: Any = None
+
+    _null_stream = field_validator("stream", mode="before")(null_is_default)
 
 
 #: the fields above that pass to the chat request as they are (each changes the answer on vLLM: dropped, it would
