@@ -35,7 +35,8 @@ def test_react_agent_tool_loop(smol, streaming):
     def pick_model(state, runtime):
         """The first step must call the tool, the step after its result must answer (LangGraph's dynamic model)."""
         answered = any(isinstance(m, ToolMessage) for m in state["messages"])
-        return llm.bind_tools([get_weather], tool_choice="none" if answered else "required")
+        return llm.bind_tools([get_weather], tool_choice="none" if answered else "required",
+                              parallel_tool_calls=False)  # as docs/agents.md: one call, not a repeated one
 
     agent = create_react_agent(pick_model, [get_weather],
                                prompt="Answer weather questions with the get_weather tool.")
