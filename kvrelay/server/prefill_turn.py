@@ -22,6 +22,7 @@ from collections.abc import Callable
 from kvrelay.engine.prefill import PrefillTask
 from kvrelay.server.chunk_budget import ChunkBudget, PieceCost, attended_keys
 from kvrelay.server.job import Job
+from kvrelay.server.request_ids import request_context
 
 log = logging.getLogger("kvrelay.server.prefill")
 MAX_SKIPPED_TURNS = 4  # a prefill that got no budget this many turns goes first
@@ -42,7 +43,8 @@ def advance_prefills(jobs: list[Job], budget: ChunkBudget, finished: Callable[[J
                 job.num_skipped_turns += 1
                 continue
             first, job.num_skipped_turns = False, 0
-            job.task.advance(*piece)
+            with request_context(job.request_id):
+                job.task.advance(*piece)
             if job.task.last_piece is not None:
                 predicted_ms = budget.predict_ms(*job.task.last_piece[:2])
                 log.debug("prefill piece: %.1f tokens, %.0f keys, %.0f ms (predicted %.0f ms; turn budget %.0f ms)",

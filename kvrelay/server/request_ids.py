@@ -13,11 +13,13 @@ Pure ASGI, as ``BodyLimit``: ``@app.middleware`` would hide the client's disconn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import re
 import secrets
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
@@ -43,6 +45,17 @@ def new_request_id() -> str:
 def current_request_id() -> str:
     """The id of the HTTP request this task serves, or "" outside one."""
     return _current_id.get()
+
+
+@contextlib.contextmanager
+def request_context(request_id: str) -> Iterator[None]:
+    """Lines logged inside name ``request_id``: the engine thread works for many requests in turn, and what it logs
+    for one (a bad tier record its lookup met, a failure) names that one."""
+    token = _current_id.set(request_id)
+    try:
+        yield
+    finally:
+        _current_id.reset(token)
 
 
 def request_id_of(scope: dict) -> str:

@@ -34,6 +34,7 @@ from kvrelay.server.prefill_turn import advance_prefills
 from kvrelay.server.protocol import ApiError, shutting_down_error
 from kvrelay.server.registry import RegisteredOutput
 from kvrelay.server.request_failures import RequestFailures, about, engine_failure
+from kvrelay.server.request_ids import request_context
 from kvrelay.server.serve_config import DEFAULT_PREFILL_CHUNK_TOKENS
 from kvrelay.server.textstream import IncrementalDecoder, StopMatcher
 from kvrelay.server.worker_admission import PREPARE_THREADS, WorkerAdmission
@@ -213,7 +214,9 @@ class EngineWorker(WorkerAdmission, RequestFailures, WorkerDrain):
         """Start ``job``'s prefill (preparing it first if the server did not). A bug it meets fails it alone
         (a 500); the requests already running go on."""
         try:
-            if self._start(job):
+            with request_context(job.request_id):
+                started = self._start(job)
+            if started:
                 self._prefilling.append(job)
         except Exception:
             log.exception("starting request %s failed", job.request_id or "-", extra=about(job))
@@ -284,7 +287,8 @@ class EngineWorker(WorkerAdmission, RequestFailures, WorkerDrain):
             self.requests.ended_early("cancelled")
             return
         text = job.output_text(out, self.tokenizer)
-        span_id = self._publish(job, out, text) if job.cache_output else None
+        with request_context(job.request_id):
+            span_id = self._publish(job, out, text) if job.cache_output else None
         out.cache = None
         done = job.close_output(out, text, stop_string, span_id)  # the last deltas out
         self.requests.done(job, done)

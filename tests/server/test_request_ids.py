@@ -136,3 +136,28 @@ def test_what_preparing_a_request_logs_names_its_id(srv, monkeypatch):
                         lambda *a, **kw: seen.append(current_request_id()) or build_call(*a, **kw))
     chat = srv.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert seen == [chat._request_id] and ID.fullmatch(seen[0])
+
+
+def test_what_the_engine_thread_logs_for_a_request_names_its_id(srv, monkeypatch):
+    """The engine thread starts, prefills and publishes many requests in turn (a lookup there may meet a bad tier
+    record): while it works for one, that one's id is current, and none outside it."""
+    from kvrelay.server.request_ids import current_request_id
+
+    seen: dict[str, list[str]] = {"begin": [], "advance": [], "publish": []}
+    engine = srv.worker.engine
+    begin, publish = engine.begin, engine.publish
+
+    def spying_begin(*a, **kw):
+        seen["begin"].append(current_request_id())
+        task = begin(*a, **kw)
+        advance = task.advance
+        task.advance = lambda *p: seen["advance"].append(current_request_id()) or advance(*p)
+        return task
+
+    monkeypatch.setattr(engine, "begin", spying_begin)
+    monkeypatch.setattr(engine, "publish", lambda *a, **kw: seen["publish"].append(current_request_id())
+                        or publish(*a, **kw))
+    chat = srv.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert seen["begin"] == seen["publish"] == [chat._request_id] and ID.fullmatch(chat._request_id)
+    assert set(seen["advance"]) == {chat._request_id}
+    assert current_request_id() == ""
