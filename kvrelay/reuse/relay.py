@@ -86,7 +86,8 @@ class RelayMethod(ReuseMethod):
     span_openings: int | None = field(default=None, metadata={
         "help": "each span's first tokens, always recomputed (EPIC's finding; None: the profile's)"})
     prune_share: float | None = field(default=None, metadata={
-        "help": "each band layer above detection drops this share of the kept tokens (0: off; None: the profile's)"})
+        "help": "each band layer above detection drops this share of the kept tokens (0: off, and the profile's "
+                "drift with it; None: the profile's)"})
     drift: float | None = field(default=None, metadata={
         "help": "span tokens a band layer leaves get this share of the recomputed ones' mean K/V move (0: off)"})
     band: str | None = field(default=None, metadata={
