@@ -53,11 +53,14 @@ Layers = tuple[int, int, int]
 
 
 def parse_band(text: str) -> Layers:
-    """``"start:det:end"`` as three layer indices (a ConfigError otherwise)."""
+    """``"start:det:end"`` as three layer indices in order (a ConfigError otherwise). Their order needs no model, so
+    it is checked here, as the spec comes in; ``RelayMethod.layers`` checks them against the model's layer count."""
     parts = text.split(":")
     if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
         raise ConfigError(f"relay: band must be three layers as start:det:end (e.g. 2:2:29), got {text!r}")
     start, det, end = (int(p) for p in parts)
+    if not 0 <= start <= det <= end:
+        raise ConfigError(f"relay: band {text!r}: need 0 <= L_start {start} <= L_det {det} <= L_end {end}")
     return start, det, end
 
 
