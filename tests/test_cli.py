@@ -124,10 +124,12 @@ def test_bench_refuses_rksc_on_a_pipeline_workload(capfd):
 
 def test_bench_refuses_a_relay_band_or_profile_it_cannot_run_before_the_run_starts(capfd):
     """A band out of order is refused before a model (one that does not exist) would load; a band past the model's
-    layers, or relay on a model with no profile, once it is loaded: one line each, no progress bar before it."""
+    layers, relay on a model with no profile, or cacheblend's check layer past its last, once it is loaded: one line
+    each, no progress bar before it."""
     for model, spec, text in (("no-such-model", "relay[band=5:3:2]", "L_start 5 <= L_det 3 <= L_end 2"),
                               ("random:tiny", "relay[band=1:1:40]", "L_end 40 < 4"),
-                              ("random:tiny", "relay", "no RelayCaching layer profile")):
+                              ("random:tiny", "relay", "no RelayCaching layer profile"),
+                              ("random:tiny", "cacheblend[check_layer=100]", "check_layer must be in [0, 3]")):
         code, err = _main_in_process(["bench", "--model", model, "--methods", f"full,{spec}", "--limit", "1"], capfd)
         assert code == 2 and err.count("\n") == 1 and err.startswith("kvrelay: error: ") and text in err, err
 
