@@ -61,6 +61,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     check_output_dir(args.plot, "--plot")
     if args.workload == "gsm8k-branches":
         return _bench_branches(args)
+    given = [_flag(name) for name in _branch_only_fields() if getattr(args, name) is not None]
+    if given:  # not read on this workload: refused rather than ignored
+        raise ConfigError(f"{', '.join(given)}: gsm8k-branches only (--workload gsm8k-branches); "
+                          f"workload {args.workload!r} does not read {'it' if len(given) == 1 else 'them'}")
     cfg = dataclass_from_args(BenchConfig, args)
     check_workload_data(cfg.workload, cfg.data, cfg.warm_data)
     if cfg.mode == "e2e" and get_workload(cfg.workload).score is None:
@@ -80,6 +84,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for path in write_plots(result, args.plot):
             print(f"wrote {path}")
     return 0
+
+
+def _branch_only_fields() -> tuple[str, ...]:
+    """``BranchBenchConfig``'s fields that ``BenchConfig`` lacks: the flags only gsm8k-branches reads."""
+    from kvrelay.eval.configs import BenchConfig, BranchBenchConfig
+
+    bench_fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    return tuple(f.name for f in dataclasses.fields(BranchBenchConfig) if f.name not in bench_fields)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _read_input(name: str, text: str) -> str:
@@ -104,6 +120,9 @@ def _bench_branches(args: argparse.Namespace) -> int:
 
     if args.methods == ",".join(PIPELINE_METHODS):  # the pipeline default: use this workload's own
         args.methods = ",".join(BranchBenchConfig.methods)
+    for name in _branch_only_fields():  # not given: the config's default
+        if getattr(args, name) is None:
+            delattr(args, name)
     cfg = dataclass_from_args(BranchBenchConfig, args)
     check_workload_data("gsm8k-chain3", cfg.data)  # the branches read GSM8K problems
     save = _json_saver(args.json)
@@ -250,6 +269,8 @@ def _add_bench_parser(sub) -> None:
     add_dataclass_flags(bench, BenchConfig)
     bench_fields = {f.name for f in dataclasses.fields(BenchConfig)}
     add_dataclass_flags(bench, BranchBenchConfig, skip=tuple(bench_fields))  # gsm8k-branches only
+    # their help keeps the config's defaults; None tells a flag given from one not given, which other workloads refuse
+    bench.set_defaults(**dict.fromkeys(_branch_only_fields()))
     bench.add_argument("--json", default=None,
                        help="result JSON file, rewritten after every problem (checked before the run starts)")
     bench.add_argument("--plot", default=None, help="folder for the PNG plots (created; checked before the run)")

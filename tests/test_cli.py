@@ -122,6 +122,26 @@ def test_bench_refuses_rksc_on_a_pipeline_workload(capfd):
     assert code == 2 and "full, prefix and rksc" in err
 
 
+def test_bench_refuses_gsm8k_branches_flags_on_another_workload_before_the_model_loads(capfd):
+    """They would be ignored there; refused, one line, before a model (one that does not exist) would load."""
+    code, err = _main_in_process(["bench", "--model", "no-such-model", "--limit", "1", "--methods", "full",
+                                  "--branches", "4", "--compare-concurrency", "1"], capfd)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("kvrelay: error: --branches, --compare-concurrency: gsm8k-branches only"), err
+
+
+def test_bench_refuses_a_relay_band_or_profile_it_cannot_run_before_the_run_starts(capfd):
+    """A band out of order is refused before a model (one that does not exist) would load; a band past the model's
+    layers, relay on a model with no profile, or cacheblend's check layer past its last, once it is loaded: one line
+    each, no progress bar before it."""
+    for model, spec, text in (("no-such-model", "relay[band=5:3:2]", "L_start 5 <= L_det 3 <= L_end 2"),
+                              ("random:tiny", "relay[band=1:1:40]", "L_end 40 < 4"),
+                              ("random:tiny", "relay", "no RelayCaching layer profile"),
+                              ("random:tiny", "cacheblend[check_layer=100]", "check_layer must be in [0, 3]")):
+        code, err = _main_in_process(["bench", "--model", model, "--methods", f"full,{spec}", "--limit", "1"], capfd)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("kvrelay: error: ") and text in err, err
+
+
 def test_bad_input_is_one_line_through_the_real_entry_point(tmp_path, capfd):
     """Exit 2, one stderr line, no traceback: the first case of each command through the console entry point
     (a process of its own: what its imports print counts too), the others through main() in this process (the

@@ -106,7 +106,7 @@ class BranchBenchConfig:
 # full and prefix are the references; epic is the most faithful repair per recomputed token-layer on
 # SmolLM2 (docs/methods.md), relay is this project's method. naive and cacheblend add little to the
 # story for their time; kvcomm learns its anchor pools online, so a few problems are all warm-up for it.
-# `kvrelay bench` runs all six.
+# `kvrelay bench` runs all seven (PIPELINE_METHODS).
 DEMO_METHODS = ("full", "prefix", "epic", "relay")
 
 

@@ -94,6 +94,9 @@ class Bench:
         self.lm = lm or load_model(cfg.model, device=cfg.device)
         self.workload: Workload = get_workload(cfg.workload)
         self.methods: dict[str, ReuseMethod] = {m: get_method(m) for m in cfg.methods}
+        # what each method resolves from the model (relay: its profile's layers and selector), resolved here, once
+        # the model is known and before any output: a band past its layers or a missing profile is refused now
+        self.method_settings = {m: resolved for m, meth in self.methods.items() if (resolved := meth.settings(self.lm))}
         self._kept: dict[str, KVStore] = {}  # keep_store: one store per method (e2e) or for the run ("")
         self.fidelity_meaningful = not self.lm.name.startswith("random:")
         self.env = environment(cfg.device)  # taken once, at start: the commit whose code this run loaded
@@ -172,9 +175,7 @@ class Bench:
         return {"env": self.env, "model": self.lm.name, "workload": self.cfg.workload,
                 "n": num_problems, "mode": self.cfg.mode, "fidelity_meaningful": self.fidelity_meaningful,
                 "config": {k: v for k, v in self.cfg.__dict__.items()}, "warm_problem_ids": warm_ids,
-                # what each method resolved from the model (relay: its profile's layers and selector)
-                "method_settings": {m: resolved for m, meth in self.methods.items()
-                                    if (resolved := meth.settings(self.lm))},
+                "method_settings": self.method_settings,
                 "results": results,
                 "calls": [r.__dict__ for r in rows]}
 

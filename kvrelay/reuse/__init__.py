@@ -85,6 +85,8 @@ def get_method(spec: str) -> ReuseMethod:
         key = key.strip()
         if not sep or key not in fields:
             raise ConfigError(f"method {spec!r}: unknown parameter {key!r}; parameters: {sorted(fields) or 'none'}")
+        if key in params:  # the last one would win unseen
+            raise ConfigError(f"method {spec!r}: {key} is given twice")
         params[key] = _check_type(spec, key, _parse_value(value.strip()), fields[key])
     return cls(**params)
 

@@ -39,10 +39,18 @@ class CacheBlendMethod(ReuseMethod):
         if self.check_layer < 0:
             raise ConfigError(f"cacheblend: check_layer must be >= 0, got {self.check_layer}")
 
+    def settings(self, lm) -> dict:
+        """The check layer and share it runs (the bench JSON records them); a check layer past the model's last
+        layer is refused, not moved to it."""
+        if self.check_layer >= lm.config.num_layers:
+            raise ConfigError(f"cacheblend: check_layer must be in [0, {lm.config.num_layers - 1}] for "
+                              f"{lm.name!r} ({lm.config.num_layers} layers), got {self.check_layer}")
+        return {"check_layer": self.check_layer, "ratio": self.ratio}
+
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
+        check = self.settings(lm)["check_layer"]
         reuse = collect_reuse(call, store, lm.fingerprint)
         num_layers = lm.config.num_layers
-        check = min(self.check_layer, num_layers - 1)
 
         def top_r(view: LayerView, span_rows: torch.Tensor, new_rows: torch.Tensor) -> Kept:
             dev = value_l2_deviation(view, span_rows)

@@ -53,11 +53,14 @@ Layers = tuple[int, int, int]
 
 
 def parse_band(text: str) -> Layers:
-    """``"start:det:end"`` as three layer indices (a ConfigError otherwise)."""
+    """``"start:det:end"`` as three layer indices in order (a ConfigError otherwise). Their order needs no model, so
+    it is checked here, as the spec comes in; ``RelayMethod.layers`` checks them against the model's layer count."""
     parts = text.split(":")
     if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
         raise ConfigError(f"relay: band must be three layers as start:det:end (e.g. 2:2:29), got {text!r}")
     start, det, end = (int(p) for p in parts)
+    if not 0 <= start <= det <= end:
+        raise ConfigError(f"relay: band {text!r}: need 0 <= L_start {start} <= L_det {det} <= L_end {end}")
     return start, det, end
 
 
@@ -86,7 +89,8 @@ class RelayMethod(ReuseMethod):
     span_openings: int | None = field(default=None, metadata={
         "help": "each span's first tokens, always recomputed (EPIC's finding; None: the profile's)"})
     prune_share: float | None = field(default=None, metadata={
-        "help": "each band layer above detection drops this share of the kept tokens (0: off; None: the profile's)"})
+        "help": "each band layer above detection drops this share of the kept tokens (0: off, and the profile's "
+                "drift with it; None: the profile's)"})
     drift: float | None = field(default=None, metadata={
         "help": "span tokens a band layer leaves get this share of the recomputed ones' mean K/V move (0: off)"})
     band: str | None = field(default=None, metadata={

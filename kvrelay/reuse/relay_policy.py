@@ -75,7 +75,8 @@ class BandPolicy:
         """This policy with the settings a spec gave (None: keep this policy's). ``budget``: use the budget rule
         (this policy's share, else ``DEFAULT_KEEP_SHARE``); a budget replacing the thresholds keeps no span ends
         (the paper's last 10 are the thresholds'; every calibrated budget chose none). A zero share or drift turns
-        that part off; drift without pruning prunes nothing, so that its layers exist."""
+        that part off; pruning turned off takes this policy's drift with it (drift corrects at pruning layers), and
+        a drift given without pruning prunes nothing, so that its layers exist."""
         values = {}
         if keep_share is not None or (budget and self.keep_share is None):
             values["keep_share"] = DEFAULT_KEEP_SHARE if keep_share is None else keep_share
@@ -86,6 +87,8 @@ class BandPolicy:
             values["dense_openings"] = self.dense_openings and span_openings > 0
         if prune_share is not None:
             values["prune_share"] = prune_share or None
+            if not prune_share and drift is None:
+                values["drift"] = None
         if drift is not None:
             values["drift"] = drift or None
             if drift and values.get("prune_share", self.prune_share) is None:

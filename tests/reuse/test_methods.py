@@ -421,6 +421,8 @@ def test_bad_method_parameters():
         get_method("relay[selector=magic]")
     with pytest.raises(ConfigError, match="ratio must be in"):
         get_method("cacheblend[ratio=2]")
+    with pytest.raises(ConfigError, match="k is given twice"):  # not the last one winning unseen
+        get_method("epic[k=16,k=8]")
 
 
 KVCOMM_XFAIL = pytest.mark.xfail(strict=True, reason=(

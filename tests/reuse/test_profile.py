@@ -144,6 +144,8 @@ def test_relay_takes_the_profile_s_policy_and_each_setting_given_replaces_its_pa
     pol = get_method("relay[drift=0,prune_share=0]").policy(lm)  # both off: no pruning layers
     assert (pol.drift, pol.prune_share) == (None, None)
     assert get_method("relay[drift=0.2,prune_share=0]").policy(lm).prune_share == 0.0  # drift keeps its layers
+    pol = get_method("relay[prune_share=0]").policy(lm)  # pruning off: the profile's drift, which needs it, too
+    assert (pol.drift, pol.prune_share) == (None, None)
     # the paper's thresholds, whatever the profile holds
     pol = get_method("relay[selector=threshold]").policy(lm)
     assert (pol.keep_share, pol.open_tokens, pol.end_tokens, pol.tau_dev, pol.tau_inf) == (None, 0, 10, 1.5, 1.45)
