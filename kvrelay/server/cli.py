@@ -134,15 +134,17 @@ def quality_config(args: argparse.Namespace):
     return QualityConfig(target=target, sample_rate=args.quality_sample, shadow_share=share, ladder=ladder)
 
 
-def serving_methods(args: argparse.Namespace) -> str:
+def serving_methods(args: argparse.Namespace, ladder: tuple | None = None) -> str:
     """What the startup line says runs a request that names no method: with the quality guard on, its agent's rung
-    of the ladder, not ``--method`` (which runs them only with ``--quality-target off``)."""
+    of the ladder, not ``--method`` (which runs them only with ``--quality-target off``). ``ladder``: the rungs the
+    app runs (those this model can run), when known."""
     from kvrelay.quality.ladder import ladder_text
 
     config = quality_config(args)
     if config is None:
         return f"with method {args.method}"
-    return f"with each agent at its quality-guard rung ({ladder_text(config.ladder)}; target {args.quality_target})"
+    rungs = ladder_text(ladder if ladder is not None else config.ladder)
+    return f"with each agent at its quality-guard rung ({rungs}; target {args.quality_target})"
 
 
 def read_api_keys(path: str | None) -> frozenset[str]:
@@ -208,6 +210,8 @@ def build_app(args: argparse.Namespace):
                        namespace_budget_bytes=tenancy.namespace_budget_bytes)
     store.set_namespace_idle_s(tenancy.idle_s)
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
+    for spec in (args.method, *extra_methods):  # what a method resolves from the model (a layer past the last one,
+        engine.method(spec).settings(lm)       # a missing profile) is refused now, not in every request's 400
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, match=match, decode=lm.tokenizer.decode)
     return create_app(engine, catalog, settings)
 
@@ -235,7 +239,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.freeze()
 
     lm = app.state.worker.engine.lm
-    announce(f"kvrelay serve: {args.model} {serving_methods(args)} on http://{args.host}:{args.port}/v1 "
+    quality = getattr(app.state, "quality", None)  # its ladder: the rungs this model can run
+    ladder = quality.guard.config.ladder if quality is not None else None
+    announce(f"kvrelay serve: {args.model} {serving_methods(args, ladder)} on http://{args.host}:{args.port}/v1 "
              f"(store: {redact(args.store)}; decode weights: {lm.decode_weights}; matmuls: {lm.matmuls}; "
              f"threads: {torch.get_num_threads()})", args.log_format)
     from kvrelay.server.graceful import graceful_server

@@ -8,6 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvrelay.cli import build_parser
+from kvrelay.errors import ConfigError
 from kvrelay.server.app import DEFAULT_MAX_TOKENS
 from kvrelay.server.cli import build_app, cmd_serve
 
@@ -101,3 +102,25 @@ def test_a_bad_flag_is_named_even_when_the_port_is_in_use(capsys):
         assert cmd_serve(args) == 2
     err = capsys.readouterr().err
     assert "--kv-budget-gb must be positive" in err and "cannot listen" not in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--method", "cacheblend[check_layer=100]"), "cacheblend: check_layer must be in [0, 3] for 'random:tiny'"),
+    (("--methods", "relay"), "relay: no RelayCaching layer profile for model 'random:tiny'"),
+])
+def test_a_method_this_model_cannot_run_is_refused_at_start(flags, words):
+    # it started, then answered every request a 400 naming the setting (cmd_serve prints a ConfigError as one line)
+    args = build_parser().parse_args(["serve", "--model", "random:tiny", "--quality-target", "off", *flags])
+    with pytest.raises(ConfigError) as err:
+        build_app(args)
+    assert words in str(err.value)
+
+
+def test_the_startup_line_lists_only_the_rungs_this_model_can_run():
+    from kvrelay.server.cli import serving_methods
+
+    args = build_parser().parse_args(["serve", "--model", "random:tiny"])
+    app = build_app(args)  # random:tiny has no relay profile: the rung is left out
+    ladder = app.state.quality.guard.config.ladder
+    assert [r.name for r in ladder] == ["naive", "prefix"]
+    assert "rung (naive,prefix; target" in serving_methods(args, ladder)
