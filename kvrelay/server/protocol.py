@@ -302,6 +302,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg', '')}", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        # a body that is no JSON object (a list, a string, a form: curl's -d without a JSON Content-Type)
+        return "the request body must be a JSON object, sent with Content-Type: application/json", None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 

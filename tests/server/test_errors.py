@@ -106,6 +106,17 @@ def test_bad_request_gets_its_error(server, what, path, body, status, code):
     assert server.alive()
 
 
+@pytest.mark.parametrize("content, content_type", [
+    ('{"model": "m", "messages": []}', "application/x-www-form-urlencoded"),  # curl -d without -H
+    ("[1, 2]", "application/json"), ('"x"', "application/json")])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, RESPONSES])
+def test_a_body_that_is_no_json_object_is_told_what_to_send(server, path, content, content_type):
+    r = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": content_type}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == ("the request body must be a JSON object, sent with Content-Type: "
+                                            "application/json")
+
+
 def _post(server, path: str, body: dict | str) -> httpx.Response:
     """``body`` as JSON text (json.dumps escapes a lone surrogate as \\udfff, as a client's JSON encoder does)."""
     content = body if isinstance(body, str) else json.dumps(body)
