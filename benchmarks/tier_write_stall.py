@@ -3,8 +3,9 @@
 
 One client streams answers (short prompt, ``--stream-tokens`` tokens each, one after another); another sends
 documents of about ``--doc-tokens`` tokens, each new (``max_tokens`` 1), one after another: each finished document
-publishes a span of that size, which the tier must take. Per mode: the streaming client's gaps between tokens (p50,
-p99, max) and the documents' time to answer, in one run on one model. Both modes run in this process, alternating
+publishes a span of that size, which the tier must take. Per mode: the engine thread's time in each publish (p50,
+max; the streams' answers publish too), the streaming client's gaps between tokens (p50, p99, max) and the documents'
+time to answer, in one run on one model. Both modes run in this process, alternating
 for ``--rounds`` rounds, each on a fresh Redis server and a fresh app (uvicorn on a free loopback port).
 
     python benchmarks/tier_write_stall.py --model smollm2-135m --docs 8
@@ -67,6 +68,17 @@ def stream_gaps(url: str, model: str, num_tokens: int, stop: threading.Event, ga
 def one_mode(lm, redis_url: str, inline: bool, num_docs: int, doc_words: int, stream_tokens: int) -> dict:
     store = open_store(redis_url, 2 << 30, fingerprint=lm.fingerprint)
     catalog = SpanCatalog(store, lm.fingerprint, block_len=store.block_len, decode=lm.tokenizer.decode)
+    publish_s: list[float] = []  # the engine thread's time in each publish (memory, index and, inline, the tier)
+    put = catalog.put
+
+    def timed_put(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return put(*args, **kwargs)
+        finally:
+            publish_s.append(time.perf_counter() - start)
+
+    catalog.put = timed_put
     app = create_app(Engine(lm, store, methods=("full",)), catalog, ServerSettings(method="full", quality=None))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -97,7 +109,8 @@ def one_mode(lm, redis_url: str, inline: bool, num_docs: int, doc_words: int, st
     gaps = sorted(gaps_s)
     return {"mode": "inline" if inline else "writer", "num_gaps": len(gaps),
             "gap_p50_s": round(statistics.median(gaps), 3), "gap_p99_s": round(gaps[int(0.99 * (len(gaps) - 1))], 3),
-            "gap_max_s": round(gaps[-1], 3), "doc_p50_s": round(statistics.median(doc_s), 3),
+            "gap_max_s": round(gaps[-1], 3), "publish_p50_ms": round(1000 * statistics.median(publish_s), 1),
+            "publish_max_ms": round(1000 * max(publish_s), 1), "doc_p50_s": round(statistics.median(doc_s), 3),
             "doc_prompt_tokens": round(statistics.median(num_prompt_tokens)), "all_written": written}
 
 
