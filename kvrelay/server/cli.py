@@ -170,7 +170,7 @@ def build_app(args: argparse.Namespace):
     from kvrelay.cache.tenancy import TenancyConfig
     from kvrelay.engine import Engine
     from kvrelay.flags import dataclass_from_args, load_model_from
-    from kvrelay.reuse import get_method, split_method_specs
+    from kvrelay.reuse import PIPELINE_METHODS, get_method, split_method_specs
     from kvrelay.server.access import read_metrics_key
     from kvrelay.server.app import ServerSettings, create_app
     from kvrelay.server.catalog import MatchConfig, SpanCatalog
@@ -186,9 +186,13 @@ def build_app(args: argparse.Namespace):
         raise ConfigError("--max-queue and --max-running must be >= 1")
     extra_methods = split_method_specs(args.methods)
     quality = quality_config(args)  # a bad target fails here, before the model loads
+    given = (args.method,) if args.method is not None else ()  # None: the default, resolved below
+    for flag, specs in (("--method", given), ("--methods", extra_methods)):
+        for spec in specs:
+            if get_method(spec).name not in PIPELINE_METHODS:  # a bad spec fails here, before the model loads
+                raise ConfigError(f"{flag} {spec}: plans branches (kvrelay bench --workload gsm8k-branches), not a "
+                                  f"server's single calls; serve takes {', '.join(PIPELINE_METHODS)}")
     resolve_method(args, guard_on=quality is not None)
-    for spec in (args.method, *extra_methods):
-        get_method(spec)  # a bad spec fails here, before the model loads
     keys = read_api_keys(args.api_keys)
     metrics_key = read_metrics_key(args.metrics_key)
     tenancy = dataclass_from_args(TenancyConfig, args)

@@ -22,6 +22,9 @@ from kvrelay.server.cli import build_app, cmd_serve
     # was checked once the model had loaded (ServerSettings was built after it)
     (("--prefill-chunk-tokens", "0"), "--prefill-chunk-tokens must be an integer >= 1, got 0"),
     (("--shutdown-grace-s", "-1"), "--shutdown-grace-s must be a finite number of seconds >= 0, got -1.0"),
+    # it started, then answered every request a 400 blaming the request's kvrelay.method
+    (("--method", "rksc", "--quality-target", "off"), "--method rksc: plans branches"),
+    (("--methods", "epic,rksc[skip_gap=0.1]"), "--methods rksc[skip_gap=0.1]: plans branches"),
 ])
 def test_a_bad_serve_flag_is_refused_before_the_model_loads(capsys, flags, words):
     # the port was a traceback from uvicorn's bind, after the model had loaded
