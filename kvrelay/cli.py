@@ -14,12 +14,14 @@ from kvrelay.flags import (
     Parser,
     add_dataclass_flags,
     add_model_flags,
+    add_threads_flag,
     check_output_dir,
     check_output_file,
     check_workload_data,
     dataclass_from_args,
     load_model_from,
     positive_integer,
+    set_threads,
 )
 
 # the names commands added elsewhere (serve) use
@@ -33,6 +35,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(DemoConfig, args)
     check_output_dir(cfg.out, "--out")
     check_workload_data("gsm8k-chain3", cfg.data)
+    set_threads(args)
     run_demo(cfg)
     return 0
 
@@ -254,10 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo_parser(sub) -> None:
-    from kvrelay.eval.configs import DemoConfig
+    from kvrelay.eval.configs import DEMO_THREADS, DEMO_THREADS_WHY, DemoConfig
 
-    demo = sub.add_parser("demo", help="gsm8k-chain3 on the default model, every method side by side")
+    demo = sub.add_parser("demo", help="gsm8k-chain3 on the default model: full, prefix and the best repairs side "
+                                       "by side (kvrelay bench runs every method)")
     add_dataclass_flags(demo, DemoConfig)
+    add_threads_flag(demo, DEMO_THREADS, DEMO_THREADS_WHY)
     demo.set_defaults(fn=_cmd_demo)
 
 

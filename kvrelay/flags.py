@@ -242,6 +242,26 @@ def check_workload_data(workload: str, *paths: str | None) -> None:
             get_workload(workload).problems(None, 1)
 
 
+def add_threads_flag(parser: argparse.ArgumentParser, default: int | None = None, why: str = "") -> None:
+    """--threads, as every command that runs the model takes it (``set_threads`` applies it); ``default``: a
+    command's own thread count (None: torch's), ``why``: the reason for it, said in the help."""
+    text = "CPU threads torch runs on, >= 1 "
+    if default is None:
+        text += ("(default: torch's own, one per core it sees); on cores other processes share, 1 keeps decode "
+                 "steps steady")
+    else:
+        text += f"(default: {default}{why})"
+    parser.add_argument("--threads", type=positive_integer, default=default, help=text)
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Torch's CPU threads from a parsed ``--threads`` (nothing when it is None: torch's own)."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_decode: bool = True) -> None:
     """--model, --device, --verify, --threads and --int4-decode: what ``load_model_from`` takes, for every command
     that loads (``int4_decode=False``: a command that calibrates on fp32 decoding, as ``profile`` does)."""
@@ -252,9 +272,7 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_de
                         help="torch device; choices: cpu, cuda, cuda:N, mps (default: cpu)")
     parser.add_argument("--verify", action="store_true",
                         help="hash the whole converted weights file instead of a sample of it (slower, thorough)")
-    parser.add_argument("--threads", type=positive_integer, default=None,
-                        help="CPU threads torch runs on, >= 1 (default: torch's own, one per core it sees); on cores "
-                             "other processes share, 1 keeps decode steps steady")
+    add_threads_flag(parser)
     if not int4_decode:
         parser.set_defaults(int4_decode=False)
         return
@@ -267,11 +285,8 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, int4_de
 def load_model_from(args: argparse.Namespace, progress: bool = True) -> LoadedModel:
     """``load_model`` with what ``add_model_flags`` parsed (``--threads`` set on torch first); ``progress``: a
     first load's conversion bar on stderr."""
-    import torch
-
     from kvrelay.weights.loader import load_model
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     return load_model(args.model, device=args.device, verify=args.verify, int4_decode=args.int4_decode,
                       progress=progress)

@@ -209,6 +209,26 @@ def test_threads_flag_sets_torch_threads(capfd):
     assert err.startswith("kvrelay: error: generate: argument --threads: '0': must be an integer >= 1")
 
 
+def test_demo_runs_on_one_thread_unless_told(capfd, monkeypatch, tmp_path):
+    """The demo compares timings: one torch thread by default (as the benchmarks), --threads N as the other commands."""
+    import torch
+
+    from kvrelay import cli, demo
+
+    seen = []
+    monkeypatch.setattr(cli, "check_workload_data", lambda *args: None)
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        assert _main_in_process(["demo", "--out", tmp_path], capfd)[0] == 0
+        assert _main_in_process(["demo", "--out", tmp_path, "--threads", "2"], capfd)[0] == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
+    code, err = _main_in_process(["demo", "--threads", "0"], capfd)
+    assert code == 2 and "demo: argument --threads: '0': must be an integer >= 1" in err
+
+
 def test_serve_passes_int4_decode_on():
     out = _kvrelay("serve", "--model", "random:tiny", "--int4-decode", "--port", "0")
     assert out.returncode == 2 and "kvrelay serve: error: int4 decode runs a GGUF's 4-bit weights" in out.stderr

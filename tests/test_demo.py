@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from kvrelay.demo import capped, run_demo
+from kvrelay.demo import capped, demo_calls, run_demo
 from kvrelay.errors import ConfigError
 from kvrelay.eval.configs import DEMO_METHODS, DemoConfig
 from kvrelay.eval.report import format_time_split
@@ -20,7 +20,7 @@ def test_demo_runs_the_references_and_repairs_with_a_kept_store():
     assert repairs and repairs <= set(PIPELINE_METHODS)
     assert bench.keep_store
     assert bench.limit >= 2  # a kept store shows something from the second problem on
-    # the full six-method run stays with `kvrelay bench`
+    # every method (PIPELINE_METHODS) stays with `kvrelay bench`
     assert set(bench.methods) < set(PIPELINE_METHODS)
 
 
@@ -41,7 +41,12 @@ def test_time_split_shares_and_total():
     assert lines["total"][1] == "120.0"
 
 
-def test_run_demo_prints_the_time_table(tmp_path, monkeypatch):
+def test_the_bar_counts_every_call_the_demo_waits_on():
+    # gsm8k-chain3: solver, critic, finalizer; the critic and finalizer reuse (each method: greedy run + timed runs)
+    assert demo_calls(get_workload("gsm8k-chain3"), problems=2, num_methods=4, repeats=3) == 2 * (3 + 2 * 4 * (1 + 3))
+
+
+def test_run_demo_prints_the_time_table(tmp_path, monkeypatch, capsys):
     # random:tiny ships no relay profile: give it one, in an empty cache dir, whatever ran before
     monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
     lm = load_model("random:tiny")
@@ -56,6 +61,11 @@ def test_run_demo_prints_the_time_table(tmp_path, monkeypatch):
                                  out=str(tmp_path)), out=out)
     text = out.getvalue()
     assert list(result["results"]) == list(DEMO_METHODS) and result["n"] == 1
+    # the bar ends full: it counted every call the run made (reference pipeline and every method's runs)
+    calls = demo_calls(get_workload("gsm8k-chain3"), 1, len(DEMO_METHODS), DemoConfig().repeats)
+    assert f" {calls}/{calls} " in capsys.readouterr().err
+    assert "timings on this machine" in text
+    assert f"Every method ({len(PIPELINE_METHODS)})" in text and "--keep-store (the demo keeps one" in text
     assert "capped at 4 tokens" in text
     assert all(len(c) for c in result["calls"])
     table = text[text.index("where the time went"):].splitlines()

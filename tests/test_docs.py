@@ -56,6 +56,17 @@ def test_every_serve_flag_is_in_docs_serving():
     assert missing == []
 
 
+def test_default_max_tokens_names_the_same_parameters_in_help_and_docs():
+    """A client reads either: both name every request parameter that sets a request's own bound."""
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions if hasattr(a, "choices")).choices["serve"]
+    help_text = next(a.help for a in serve._actions if "--default-max-tokens" in a.option_strings)
+    row = next(line for line in (ROOT / "docs" / "serving.md").read_text().splitlines()
+               if line.startswith("| `--default-max-tokens`"))
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        assert name in help_text and f"`{name}`" in row, name
+
+
 def test_every_flag_with_a_default_says_it_in_its_help():
     """`kvrelay <cmd> --help` is where a user reads a flag's default: every flag that has one (other than off or
     empty) says it."""

@@ -109,6 +109,14 @@ class BranchBenchConfig:
 # `kvrelay bench` runs all seven (PIPELINE_METHODS).
 DEMO_METHODS = ("full", "prefix", "epic", "relay")
 
+# The demo's torch threads (its --threads default), as every BENCHMARKS.md command runs (OMP_NUM_THREADS=1): with
+# one thread per op, another process on a core slows a call but does not stall every parallel region on it, so the
+# methods' TTFTs stay comparable on a busy small machine; torch's default (a thread per core) swung single calls
+# 0.9-10 s on a loaded 2-core VM and put every reuse method behind full.
+DEMO_THREADS = 1
+DEMO_THREADS_WHY = (", as in BENCHMARKS.md's runs: a core that other processes take then slows every method's calls "
+                    "alike instead of stalling some of them, so the speedups stay comparable")
+
 
 @dataclass
 class DemoConfig:
@@ -120,7 +128,10 @@ class DemoConfig:
     methods: tuple[str, ...] = field(default=DEMO_METHODS, metadata={
         "help": "comma-separated reuse method specs, each NAME or NAME[k=v,...] (full and prefix always run)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
-    repeats: int = field(default=1, metadata={"help": "timed runs per method and call, median kept (>= 1)"})
+    # 3, as kvrelay bench: one timed run per call let a single stalled prefill on a busy machine decide a method's
+    # row; the two extra runs are 1-token prefills, a small share of the demo's time beside the reference pipeline.
+    repeats: int = field(default=3, metadata={"help": "timed runs per method and call, interleaved across methods, "
+                                                      "median kept (>= 1)"})
     greedy_tokens: int = field(default=16, metadata={
         "help": "G of greedy@G: tokens each method decodes greedily to compare with full (>= 1)"})
     # The reference pipeline decodes every agent's output with `full`: half the run at the workload's

@@ -58,9 +58,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"fewer tokens; a long prompt delays the others by one piece; default "
                         f"{DEFAULT_PREFILL_CHUNK_TOKENS})")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="most tokens a chat or Responses request without max_tokens (max_output_tokens) gets; it "
-                        "bounds how long such a request holds a slot of the decode batch (default "
-                        f"{DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)")
+                   help="most tokens a chat request without max_tokens or max_completion_tokens (a Responses "
+                        "request: without max_output_tokens) gets; it bounds how long such a request holds a slot of "
+                        f"the decode batch (default {DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)")
     add_quality_flags(p)
     add_dataclass_flags(p, ShutdownConfig)
     p.add_argument("--store", default="memory",
