@@ -218,15 +218,17 @@ class ToolStream:
     text there. Under "none" every piece is content: the grammar keeps ``<tool_call>`` out of the text, and where no
     grammar runs (a server without xgrammar) text that looks like a call is still no call.
 
-    Text that is whitespace only so far (the newline between two calls) is held back until more text or the end
-    shows whether it is an answer: beside calls it is none, so the stream sends exactly the answer's text.
+    Text comes in runs, each after the calls that closed before it (``text_runs``: (number of calls before it,
+    its text)), so an answer can list text and calls in the order they were generated, as a stream shows them. A run
+    that is whitespace only so far (the newline between two calls) is held back until more text or the end shows
+    whether it is an answer: beside calls it is none, so the stream sends exactly the answer's text.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.pending = ""  # text outside calls not sent yet (a possible start of CALL_OPEN)
         self.held = ""  # whitespace-only text not sent yet: no answer if a call comes (see ``_text``)
-        self.text_parts: list[str] = []
+        self.runs: list[list] = []  # [number of calls before it, text] per run of text (see the class docstring)
         self.call: _Call | None = None
         self.calls: list[dict] = []
         self.cut_call: dict | None = None  # the call max_tokens cut off after its name (see the class docstring)
@@ -262,7 +264,8 @@ class ToolStream:
             self.call, self.pending = None, rest
 
     def close(self, finish_reason: str) -> tuple[list[dict], dict]:
-        """The remaining deltas and {"text", "tool_calls", "cut_call", "finish_reason"} of the done event."""
+        """The remaining deltas and {"text", "text_runs", "tool_calls", "cut_call", "finish_reason"} of the done
+        event."""
         events: list[dict] = []
         if self.call is not None:
             self._cut(self.call, finish_reason, events)
@@ -271,24 +274,28 @@ class ToolStream:
             self._text(self.pending, events)
         self.pending = ""
         if self.held and not self.calls and self.cut_call is None:  # whitespace alone is the answer
-            self.text_parts.append(self.held)
+            self.runs.append([0, self.held])
             events.append({"type": "delta", "text": self.held})
         self.held = ""  # beside calls, the newlines between them are no answer
         if self.calls and finish_reason != "length":
             finish_reason = "tool_calls"
-        return events, {"text": "".join(self.text_parts), "tool_calls": list(self.calls), "cut_call": self.cut_call,
-                        "finish_reason": finish_reason}
+        return events, {"text": "".join(text for _, text in self.runs), "text_runs": [tuple(r) for r in self.runs],
+                        "tool_calls": list(self.calls), "cut_call": self.cut_call, "finish_reason": finish_reason}
 
     # ------------------------------------------------------------------ internals
     def _text(self, text: str, events: list[dict]) -> None:
-        """Send ``text`` of the answer; while the answer is whitespace only, hold it (``close`` decides)."""
+        """Send ``text`` of the answer; while its run is whitespace only, hold it (a call or ``close`` decides)."""
         if not text:
             return
-        if self.plan.may_call and not self.text_parts and not (self.held + text).strip():
+        in_run = bool(self.runs) and self.runs[-1][0] == len(self.calls)
+        if self.plan.may_call and not in_run and not (self.held + text).strip():
             self.held += text
             return
         text, self.held = self.held + text, ""
-        self.text_parts.append(text)
+        if in_run:
+            self.runs[-1][1] += text
+        else:
+            self.runs.append([len(self.calls), text])
         events.append({"type": "delta", "text": text})
 
     def _cut(self, call: _Call, finish_reason: str, events: list[dict]) -> None:
@@ -337,6 +344,7 @@ class ToolStream:
             return
         self._args(call, arguments[call.num_sent_arg_chars :], events)
         self.calls.append({"id": call.id, "name": call.name, "arguments": arguments})
+        self.held = ""  # whitespace before a call is no answer
 
     def _args(self, call: _Call, piece: str, events: list[dict]) -> None:
         if piece:

@@ -60,6 +60,7 @@ def test_two_calls_parse_and_stream_in_pieces(pieces):
 def test_text_around_a_call_is_content_and_a_partial_marker_is_held_back():
     events, done = run("Let me look.<tool_call>" + call_text("search", "{}")[len("<tool_call>"):] + " Done <tool")
     assert done["text"] == "Let me look. Done <tool" and [c["name"] for c in done["tool_calls"]] == ["search"]
+    assert done["text_runs"] == [(0, "Let me look."), (1, " Done <tool")]  # where each run was generated
     content, _ = rebuilt(events)
     assert content == done["text"]
     stream = ToolStream(PLAN)
@@ -106,6 +107,8 @@ def test_where_the_turn_is_calls_only_a_cut_call_opener_is_no_text():
     (call_text("search", "{}") + "\n Done.", "\n Done."),  # text after a call: its leading newline is the answer's
     ("\n\n", "\n\n"),  # whitespace alone, no call: it is the answer
     ("\n" + call_text("search", "{}") + "\n", ""),  # beside calls, whitespace is no answer
+    ("Hi" + call_text("search", "{}") + "\n" + call_text("search", "{}") + "\n", "Hi"),  # after text too
+    ("\n" + call_text("search", "{}") + "Done", "Done"),
 ])
 def test_whitespace_is_held_until_it_is_known_to_be_the_answers(text, answer):
     for plan in (PLAN, ToolPlan(PLAN.functions, "required")):
