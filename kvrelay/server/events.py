@@ -46,9 +46,10 @@ class DeltaEvent:
 class DoneEvent:
     """The end of a request that was served.
 
-    ``finish_reason`` is "tool_calls" when at least one call completed; "length" when max_tokens cut the output (a
-    call cut off then is not in ``tool_calls``: it is ``cut_call``, with the arguments decoded so far, once its
-    name was decoded, as the stream announced it; before that its text is in ``text`` under tool_choice "auto").
+    ``finish_reason`` is "tool_calls" when at least one call completed and none was cut; "length" when max_tokens
+    cut the output, "stop" when a stop string or stop token id did. A call cut off is not in ``tool_calls``: it is
+    ``cut_call``, with the arguments decoded so far, once its name was decoded, as the stream announced it; before
+    that its text is in ``text`` under tool_choice "auto".
     ``text``: the message content (calls not included), "" when only calls came. ``text_runs``: where that text
     was generated among the calls, as runs (number of calls before it, its text) that join to ``text``; empty
     means one run before any call. ``kvrelay``: the response's extension object, as sent.
@@ -66,7 +67,7 @@ class DoneEvent:
 
     @property
     def all_calls(self) -> tuple[ToolCall, ...]:
-        """The calls an answer reports: the completed ones, then the one max_tokens cut off."""
+        """The calls an answer reports: the completed ones, then the one cut off."""
         return self.tool_calls + ((self.cut_call,) if self.cut_call is not None else ())
 
     @property

@@ -169,6 +169,18 @@ def test_text_and_calls_are_listed_in_generation_order_streamed_or_not(text, fin
     assert [o.status for o in full.output] == ["completed"] * (len(kinds) - 1) + [ResponseRender.status_of(answer)]
 
 
+def test_a_call_a_stop_string_cuts_is_an_incomplete_item_of_a_completed_response_streamed_or_not():
+    """A stop string is no max_output_tokens: the response is "completed" (no incomplete_details), and the call it cut
+    after its name is the function_call item the stream announced, "incomplete" (its arguments are partial)."""
+    deltas, answer = _generated("Looking." + A[: -len('"Paris"}}</tool_call>')], "stop")
+    events = _streamed(deltas, answer)
+    full = Response.model_validate(render().full(deltas, answer))
+    assert (full.status, full.incomplete_details, events[-1].type) == ("completed", None, "response.completed")
+    assert _shape(full.output) == [("message", "completed", ["Looking."]),
+                                   ("function_call", "incomplete", answer.cut_call.id, "get", '{"city": ')]
+    assert _shape(events[-1].response.output) == _shape(full.output)
+
+
 def test_chat_answers_report_a_cut_call_as_openai_does():
     cut = ToolCall("call_9", "get", '{"city": "Pa')
     answer = DoneEvent("length", "", 10, 4, 3, KV, (), cut)

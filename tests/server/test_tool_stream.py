@@ -82,6 +82,28 @@ def test_a_call_cut_by_max_tokens_after_its_name_is_the_cut_call_the_stream_anno
     assert content == "" and calls == {0: cut}
 
 
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_a_call_a_stop_string_cuts_after_its_name_is_the_cut_call_and_a_stop(mode):
+    """A stop string in the arguments cuts the call the stream announced: the answer reports it as max_tokens' cut
+    (arguments so far) with finish_reason "stop", and its text is no content; the closed call before it stays."""
+    plan = ToolPlan(PLAN.functions, mode)
+    first = call_text("search", '{"q": "a"}')
+    for pieces in (None, 1):
+        events, done = run(first + "\n" + call_text("get_weather", ARGS)[:-22], pieces, "stop", plan)
+        assert (done["text"], done["finish_reason"]) == ("", "stop")
+        assert [c["arguments"] for c in done["tool_calls"]] == ['{"q": "a"}']
+        assert (done["cut_call"]["name"], done["cut_call"]["arguments"]) == ("get_weather", ARGS[:-9])
+        content, calls = rebuilt(events)
+        assert content == "" and calls == {0: done["tool_calls"][0], 1: done["cut_call"]}
+
+
+def test_a_stop_string_that_takes_only_the_closing_tag_leaves_a_whole_call():
+    events, done = run(call_text("get_weather", ARGS).removesuffix("</tool_call>"), finish_reason="stop")
+    assert (done["text"], done["cut_call"], done["finish_reason"]) == ("", None, "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("get_weather", ARGS)]
+    assert rebuilt(events) == ("", {0: done["tool_calls"][0]})
+
+
 @pytest.mark.parametrize("mode, forced", [("auto", None), ("required", None), ("named", "search")])
 def test_a_call_cut_before_its_name_is_text_under_auto_and_nothing_where_the_turn_is_calls_only(mode, forced):
     """Under "required" or a named tool the grammar allows no text: a second call cut by max_tokens before its name
