@@ -46,11 +46,13 @@ class DeltaEvent:
 class DoneEvent:
     """The end of a request that was served.
 
-    ``finish_reason`` is "tool_calls" when at least one call completed; "length" when max_tokens cut the output (a
-    call cut off then is not in ``tool_calls``: it is ``cut_call``, with the arguments decoded so far, once its
-    name was decoded, as the stream announced it; before that its text is in ``text`` under tool_choice "auto").
-    ``text``: the message content (calls not included), "" when only calls came. ``kvrelay``: the response's
-    extension object, as sent.
+    ``finish_reason`` is "tool_calls" when at least one call completed and none was cut; "length" when max_tokens
+    cut the output, "stop" when a stop string or stop token id did. A call cut off is not in ``tool_calls``: it is
+    ``cut_call``, with the arguments decoded so far, once its name was decoded, as the stream announced it; before
+    that its text is in ``text`` under tool_choice "auto".
+    ``text``: the message content (calls not included), "" when only calls came. ``text_runs``: where that text
+    was generated among the calls, as runs (number of calls before it, its text) that join to ``text``; empty
+    means one run before any call. ``kvrelay``: the response's extension object, as sent.
     """
 
     finish_reason: str
@@ -61,11 +63,23 @@ class DoneEvent:
     kvrelay: dict[str, Any]
     tool_calls: tuple[ToolCall, ...] = field(default_factory=tuple)
     cut_call: ToolCall | None = None
+    text_runs: tuple[tuple[int, str], ...] = ()
 
     @property
     def all_calls(self) -> tuple[ToolCall, ...]:
-        """The calls an answer reports: the completed ones, then the one max_tokens cut off."""
+        """The calls an answer reports: the completed ones, then the one cut off."""
         return self.tool_calls + ((self.cut_call,) if self.cut_call is not None else ())
+
+    @property
+    def parts(self) -> tuple[str | ToolCall, ...]:
+        """The answer's runs of text (str) and its calls, in the order they were generated."""
+        runs = self.text_runs or (((0, self.text),) if self.text else ())
+        calls, out, num_placed = self.all_calls, [], 0
+        for at, text in runs:
+            out += calls[num_placed:at]
+            num_placed = max(num_placed, at)
+            out.append(text)
+        return (*out, *calls[num_placed:])
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ The grammars (the call format is kvrelay.server.tools'):
   with "required" or a named tool the turn is calls only, so the format does not apply to it.
 
 Each call's ``{"name": ..., "arguments": `` prefix is forced text and its arguments follow the tool's schema. A
-stop token is allowed only where the grammar may end, so a forced call cannot stop half-way; max_tokens can
-still cut it (the parser then reports no call and finish_reason "length"). Special tokens other than the stop
+stop token is allowed only where the grammar may end, so a forced call cannot stop half-way; max_tokens or a stop
+string (matched on the text, whatever the grammar) can still cut it (kvrelay.server.tools.ToolStream says how the
+answer reports a cut call). Special tokens other than the stop
 tokens, and tokens holding a control character other than tab and newlines, are never allowed while a grammar
 runs (xgrammar reads special tokens as plain text, and lets control-character byte tokens into JSON strings).
 """

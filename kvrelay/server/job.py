@@ -131,6 +131,7 @@ class Job:
         finish_reason = "stop" if stop_string or out.stop_reason == "stop" else "length"
         tool_calls: tuple[ToolCall, ...] = ()
         cut_call: ToolCall | None = None
+        runs: tuple[tuple[int, str], ...] = ()
         if self.tool_stream is None:
             self._emit_deltas([DeltaEvent(delta)] if delta else [])
         else:
@@ -139,10 +140,10 @@ class Job:
             self._emit_deltas([delta_of(d) for d in fed + deltas])
             text, tool_calls, finish_reason = answer["text"], tool_calls_of(answer["tool_calls"]), \
                 answer["finish_reason"]
-            cut_call = tool_call_of(answer["cut_call"])
+            cut_call, runs = tool_call_of(answer["cut_call"]), tuple(answer["text_runs"])
         stats = out.stats
         return DoneEvent(finish_reason, text, stats.num_prompt_tokens, len(out.output_ids), stats.num_reused_tokens,
-                         self._extension(out, span_id), tool_calls, cut_call)
+                         self._extension(out, span_id), tool_calls, cut_call, runs)
 
     def _extension(self, out: GenerationOutput, span_id: str | None) -> dict:
         """The response's ``kvrelay`` object: what reuse did for this request, and how long it waited."""

@@ -46,7 +46,7 @@ class Reply:
             entries = [e for d in deltas for e in (d.logprobs or [])]
         choice: dict = {"index": 0, "finish_reason": done.finish_reason, "logprobs": self._logprobs(entries)}
         if self.chat:
-            calls = done.all_calls  # a call max_tokens cut off too, as OpenAI reports it
+            calls = done.all_calls  # a cut call too, as OpenAI reports it
             choice["message"] = {"role": "assistant", "content": done.text or (None if calls else "")}
             if calls:
                 choice["message"]["tool_calls"] = [tool_call_json(c) for c in calls]

@@ -7,6 +7,8 @@ message ``response.content_part.added``, ``response.output_text.delta``..., ``re
 ``response.content_part.done``, and for a function call ``response.function_call_arguments.delta``...,
 ``response.function_call_arguments.done``; ``response.output_item.done``; finally ``response.completed``
 (or ``response.incomplete`` when ``max_output_tokens`` cut the output), whose response equals ``full``'s.
+Both list the items in the order the model generated them (OpenAI's order): text after a call is a message item
+after it, and text between calls a message item between them.
 """
 
 from __future__ import annotations
@@ -94,11 +96,12 @@ class ResponseRender:
         for d in deltas:
             self.text_logprobs += d.logprobs or []
         status = self.status_of(done)
-        if done.text or not done.all_calls:
-            self.items.append(self._message_item(done.text, status))
-        self.items += [self._call_item(vars(c), "completed") for c in done.tool_calls]
-        if done.cut_call is not None:
-            self.items.append(self._call_item(vars(done.cut_call), "incomplete"))
+        parts = done.parts or ("",)  # an empty answer is an empty message
+        for i, part in enumerate(parts):
+            if isinstance(part, str):  # a message the model went on from (to a call) was completed
+                self.items.append(self._message_item(part, status if i == len(parts) - 1 else "completed"))
+            else:
+                self.items.append(self._call_item(vars(part), "incomplete" if part is done.cut_call else "completed"))
         return self.envelope(status, done)
 
     # ------------------------------------------------------------------ stream
@@ -188,8 +191,8 @@ class ResponseRender:
         out: list[str] = []
         if not self.had_message and not self.calls_by_index and (done.text or not calls):
             out += self.text(done.text)  # a text the stream did not show (or an empty answer)
-        if self.message is not None:
-            out += self._close_message(done.text, status)
+        if self.message is not None:  # the last run of text (those before a call closed at the call)
+            out += self._close_message(next((p for p in done.parts[::-1] if isinstance(p, str)), done.text), status)
         for i, final in enumerate(calls):
             if i not in self.calls_by_index:
                 out += self.call_piece(i, final.id, final.name, final.arguments)

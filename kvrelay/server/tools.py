@@ -211,25 +211,29 @@ class ToolStream:
 
     ``feed`` takes each new piece of text and returns delta events (see kvrelay.server.chat_route); ``close``
     returns the last deltas and the done event's fields. A call counts only when it closed and parses into a
-    known tool's name and a JSON arguments object. A call cut off by max_tokens once its name was decoded is the
-    answer's ``cut_call``: the stream has announced it, so the answer reports it too, with the arguments decoded so
-    far (OpenAI's way; the finish_reason stays "length"). Cut before its name, it is no call: its text is content
+    known tool's name and a JSON arguments object. A call cut off (by max_tokens, a stop string or a stop token id)
+    once its name was decoded is the answer's ``cut_call``: the stream has announced it, so the answer reports it
+    too, with the arguments decoded so far (OpenAI's way; the finish_reason stays "length", or "stop"). A stop
+    string that took only the closing tag (``stop: ["</tool_call>"]``) leaves a whole call: it is one of ``calls``,
+    as vLLM's parsers read an unclosed last call. Cut before its name, it is no call: its text is content
     under "auto", and dropped where the turn is calls only ("required" or a named tool), as the grammar allows no
     text there. Under "none" every piece is content: the grammar keeps ``<tool_call>`` out of the text, and where no
     grammar runs (a server without xgrammar) text that looks like a call is still no call.
 
-    Text that is whitespace only so far (the newline between two calls) is held back until more text or the end
-    shows whether it is an answer: beside calls it is none, so the stream sends exactly the answer's text.
+    Text comes in runs, each after the calls that closed before it (``text_runs``: (number of calls before it,
+    its text)), so an answer can list text and calls in the order they were generated, as a stream shows them. A run
+    that is whitespace only so far (the newline between two calls) is held back until more text or the end shows
+    whether it is an answer: beside calls it is none, so the stream sends exactly the answer's text.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.pending = ""  # text outside calls not sent yet (a possible start of CALL_OPEN)
         self.held = ""  # whitespace-only text not sent yet: no answer if a call comes (see ``_text``)
-        self.text_parts: list[str] = []
+        self.runs: list[list] = []  # [number of calls before it, text] per run of text (see the class docstring)
         self.call: _Call | None = None
         self.calls: list[dict] = []
-        self.cut_call: dict | None = None  # the call max_tokens cut off after its name (see the class docstring)
+        self.cut_call: dict | None = None  # the call cut off after its name (see the class docstring)
         self.num_calls_opened = 0
 
     def feed(self, delta: str) -> list[dict]:
@@ -262,7 +266,8 @@ class ToolStream:
             self.call, self.pending = None, rest
 
     def close(self, finish_reason: str) -> tuple[list[dict], dict]:
-        """The remaining deltas and {"text", "tool_calls", "cut_call", "finish_reason"} of the done event."""
+        """The remaining deltas and {"text", "text_runs", "tool_calls", "cut_call", "finish_reason"} of the done
+        event."""
         events: list[dict] = []
         if self.call is not None:
             self._cut(self.call, finish_reason, events)
@@ -271,40 +276,50 @@ class ToolStream:
             self._text(self.pending, events)
         self.pending = ""
         if self.held and not self.calls and self.cut_call is None:  # whitespace alone is the answer
-            self.text_parts.append(self.held)
+            self.runs.append([0, self.held])
             events.append({"type": "delta", "text": self.held})
         self.held = ""  # beside calls, the newlines between them are no answer
-        if self.calls and finish_reason != "length":
+        if self.calls and self.cut_call is None and finish_reason != "length":  # a cut call keeps why it was cut
             finish_reason = "tool_calls"
-        return events, {"text": "".join(self.text_parts), "tool_calls": list(self.calls), "cut_call": self.cut_call,
-                        "finish_reason": finish_reason}
+        return events, {"text": "".join(text for _, text in self.runs), "text_runs": [tuple(r) for r in self.runs],
+                        "tool_calls": list(self.calls), "cut_call": self.cut_call, "finish_reason": finish_reason}
 
     # ------------------------------------------------------------------ internals
     def _text(self, text: str, events: list[dict]) -> None:
-        """Send ``text`` of the answer; while the answer is whitespace only, hold it (``close`` decides)."""
+        """Send ``text`` of the answer; while its run is whitespace only, hold it (a call or ``close`` decides)."""
         if not text:
             return
-        if self.plan.may_call and not self.text_parts and not (self.held + text).strip():
+        in_run = bool(self.runs) and self.runs[-1][0] == len(self.calls)
+        if self.plan.may_call and not in_run and not (self.held + text).strip():
             self.held += text
             return
         text, self.held = self.held + text, ""
-        self.text_parts.append(text)
+        if in_run:
+            self.runs[-1][1] += text
+        else:
+            self.runs.append([len(self.calls), text])
         events.append({"type": "delta", "text": text})
 
     def _cut(self, call: _Call, finish_reason: str, events: list[dict]) -> None:
         """A call the output ended inside (see the class docstring)."""
-        if finish_reason == "length":
-            self._stream_call(call, call.body, events)  # its name, if the last piece completed it
-        if finish_reason == "length" and call.name in self.plan.callable_names:
-            sent = _sent_args(call.body, call)
-            whole = call.body[: len(call.body) - _held_back(call.body, CALL_CLOSE)]
-            arguments = _arguments_of(whole, self.plan)  # complete but for (the rest of) CALL_CLOSE
-            if arguments is None or not arguments.startswith(sent):
-                arguments = call.body[_HEAD_RE.match(call.body).end() :]
-            self._args(call, arguments[len(sent) :], events)
-            self.cut_call = {"id": call.id, "name": call.name, "arguments": arguments}
-        elif self.plan.mode == "auto":
-            self._text(CALL_OPEN + call.body, events)
+        self._stream_call(call, call.body, events)  # its name, if the last piece completed it
+        if call.name not in self.plan.callable_names:  # not a known tool's call (the grammar announces none other)
+            if self.plan.mode == "auto":
+                self._text(CALL_OPEN + call.body, events)
+            return
+        sent = _sent_args(call.body, call)
+        whole = call.body[: len(call.body) - _held_back(call.body, CALL_CLOSE)]
+        arguments = _arguments_of(whole, self.plan)  # complete but for (the rest of) CALL_CLOSE
+        complete = arguments is not None and arguments.startswith(sent)
+        if not complete:
+            arguments = call.body[_HEAD_RE.match(call.body).end() :]
+        self._args(call, arguments[len(sent) :], events)
+        answer = {"id": call.id, "name": call.name, "arguments": arguments}
+        if complete and finish_reason != "length":  # a stop string took its closing tag (stop: ["</tool_call>"])
+            self.calls.append(answer)
+        else:
+            self.cut_call = answer
+        self.held = ""
 
     def _stream_call(self, call: _Call, body: str, events: list[dict]) -> None:
         """Stream what is certain of an open call: its name, then its arguments up to the last '}' and the
@@ -337,6 +352,7 @@ class ToolStream:
             return
         self._args(call, arguments[call.num_sent_arg_chars :], events)
         self.calls.append({"id": call.id, "name": call.name, "arguments": arguments})
+        self.held = ""  # whitespace before a call is no answer
 
     def _args(self, call: _Call, piece: str, events: list[dict]) -> None:
         if piece:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from kvrelay.server.events import DoneEvent, ToolCall
+from kvrelay.server.events import DoneEvent, ToolCall, delta_of, tool_call_of, tool_calls_of
 from kvrelay.server.responses import Reply, tool_call_json
 from kvrelay.server.responses_events import ResponseRender, said_unstored
 from kvrelay.server.responses_input import ResponsesRequest
+from kvrelay.server.tool_protocol import FunctionDef
+from kvrelay.server.tools import ToolPlan, ToolStream, call_text
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 KV = {"method": "epic", "num_reused_tokens": 3}
@@ -117,6 +120,65 @@ def test_a_call_cut_by_max_output_tokens_streams_as_an_incomplete_call_and_ends_
     assert shape(final.response) == shape(full) == [("function_call", "completed", "call_1", "get", CALL["arguments"]),
                                                     ("function_call", "incomplete", "call_9", "get", cut["arguments"])]
     assert [o.id for o in final.response.output] == [i.id for i in closed]
+
+
+def _generated(text: str, finish: str) -> tuple[list, DoneEvent]:
+    """``text`` through a ToolStream under "auto", a character at a time: its delta events and done event."""
+    stream = ToolStream(ToolPlan((FunctionDef(name="get"),), "auto"))
+    deltas = [delta_of(d) for ch in text for d in stream.feed(ch)]
+    last, answer = stream.close(finish)
+    deltas += [delta_of(d) for d in last]
+    return deltas, DoneEvent(answer["finish_reason"], answer["text"], 10, 4, 3, KV, tool_calls_of(answer["tool_calls"]),
+                             tool_call_of(answer["cut_call"]), tuple(answer["text_runs"]))
+
+
+def _streamed(deltas: list, answer: DoneEvent) -> list:
+    r = render()
+    lines = r.start()
+    for d in deltas:
+        piece = d.tool_call
+        lines += r.text(d.text) if piece is None else r.call_piece(piece.index, piece.id, piece.name, piece.arguments)
+    return parse(lines + r.finish(answer))
+
+
+def _shape(output) -> list[tuple]:
+    return [(o.type, o.status, [c.text for c in o.content]) if o.type == "message" else
+            (o.type, o.status, o.call_id, o.name, o.arguments) for o in output]
+
+
+A, B = call_text("get", '{"city": "Paris"}'), call_text("get", '{"city": "Rome"}')
+
+
+@pytest.mark.parametrize(("text", "finish", "kinds"), [
+    (A + "\nDone.", "stop", ["function_call", "message"]),  # text after the call: after it in both
+    ("Looking." + A + "\n" + B + " Both sunny.", "stop", ["message", "function_call", "function_call", "message"]),
+    ("Looking." + A + " Then Rome." + B, "stop", ["message", "function_call", "message", "function_call"]),
+    ("Looking." + A + "\nAnd", "length", ["message", "function_call", "message"]),
+])
+def test_text_and_calls_are_listed_in_generation_order_streamed_or_not(text, finish, kinds):
+    """Text after or between calls is a message item where it was generated, in the stream's last event and in the
+    non-streamed response alike; only the last item of a cut answer is incomplete."""
+    deltas, answer = _generated(text, finish)
+    events = _streamed(deltas, answer)
+    full = Response.model_validate(render().full(deltas, answer))
+    assert [o.type for o in full.output] == kinds
+    assert _shape(events[-1].response.output) == _shape(full.output)
+    closed = [e.item for e in events if e.type == "response.output_item.done"]
+    assert _shape(closed) == _shape(full.output)
+    assert "".join(c.text for o in full.output if o.type == "message" for c in o.content) == answer.text
+    assert [o.status for o in full.output] == ["completed"] * (len(kinds) - 1) + [ResponseRender.status_of(answer)]
+
+
+def test_a_call_a_stop_string_cuts_is_an_incomplete_item_of_a_completed_response_streamed_or_not():
+    """A stop string is no max_output_tokens: the response is "completed" (no incomplete_details), and the call it cut
+    after its name is the function_call item the stream announced, "incomplete" (its arguments are partial)."""
+    deltas, answer = _generated("Looking." + A[: -len('"Paris"}}</tool_call>')], "stop")
+    events = _streamed(deltas, answer)
+    full = Response.model_validate(render().full(deltas, answer))
+    assert (full.status, full.incomplete_details, events[-1].type) == ("completed", None, "response.completed")
+    assert _shape(full.output) == [("message", "completed", ["Looking."]),
+                                   ("function_call", "incomplete", answer.cut_call.id, "get", '{"city": ')]
+    assert _shape(events[-1].response.output) == _shape(full.output)
 
 
 def test_chat_answers_report_a_cut_call_as_openai_does():

@@ -48,7 +48,8 @@ def test_the_stream_reads_no_call_under_none():
     events = [e for at in range(0, len(text), 4) for e in stream.feed(text[at : at + 4])]  # pieces, as decoded
     assert all("tool_call" not in e for e in events) and "".join(e["text"] for e in events) == text
     _, done = stream.close("stop")
-    assert done == {"text": text, "tool_calls": [], "cut_call": None, "finish_reason": "stop"}
+    assert done == {"text": text, "text_runs": [(0, text)], "tool_calls": [], "cut_call": None,
+                    "finish_reason": "stop"}
 
 
 # ---------------------------------------------------------------------- grammar

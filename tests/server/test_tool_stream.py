@@ -60,6 +60,7 @@ def test_two_calls_parse_and_stream_in_pieces(pieces):
 def test_text_around_a_call_is_content_and_a_partial_marker_is_held_back():
     events, done = run("Let me look.<tool_call>" + call_text("search", "{}")[len("<tool_call>"):] + " Done <tool")
     assert done["text"] == "Let me look. Done <tool" and [c["name"] for c in done["tool_calls"]] == ["search"]
+    assert done["text_runs"] == [(0, "Let me look."), (1, " Done <tool")]  # where each run was generated
     content, _ = rebuilt(events)
     assert content == done["text"]
     stream = ToolStream(PLAN)
@@ -79,6 +80,28 @@ def test_a_call_cut_by_max_tokens_after_its_name_is_the_cut_call_the_stream_anno
     assert (cut["name"], cut["arguments"]) == ("get_weather", arguments)
     content, calls = rebuilt(events)
     assert content == "" and calls == {0: cut}
+
+
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_a_call_a_stop_string_cuts_after_its_name_is_the_cut_call_and_a_stop(mode):
+    """A stop string in the arguments cuts the call the stream announced: the answer reports it as max_tokens' cut
+    (arguments so far) with finish_reason "stop", and its text is no content; the closed call before it stays."""
+    plan = ToolPlan(PLAN.functions, mode)
+    first = call_text("search", '{"q": "a"}')
+    for pieces in (None, 1):
+        events, done = run(first + "\n" + call_text("get_weather", ARGS)[:-22], pieces, "stop", plan)
+        assert (done["text"], done["finish_reason"]) == ("", "stop")
+        assert [c["arguments"] for c in done["tool_calls"]] == ['{"q": "a"}']
+        assert (done["cut_call"]["name"], done["cut_call"]["arguments"]) == ("get_weather", ARGS[:-9])
+        content, calls = rebuilt(events)
+        assert content == "" and calls == {0: done["tool_calls"][0], 1: done["cut_call"]}
+
+
+def test_a_stop_string_that_takes_only_the_closing_tag_leaves_a_whole_call():
+    events, done = run(call_text("get_weather", ARGS).removesuffix("</tool_call>"), finish_reason="stop")
+    assert (done["text"], done["cut_call"], done["finish_reason"]) == ("", None, "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("get_weather", ARGS)]
+    assert rebuilt(events) == ("", {0: done["tool_calls"][0]})
 
 
 @pytest.mark.parametrize("mode, forced", [("auto", None), ("required", None), ("named", "search")])
@@ -106,6 +129,8 @@ def test_where_the_turn_is_calls_only_a_cut_call_opener_is_no_text():
     (call_text("search", "{}") + "\n Done.", "\n Done."),  # text after a call: its leading newline is the answer's
     ("\n\n", "\n\n"),  # whitespace alone, no call: it is the answer
     ("\n" + call_text("search", "{}") + "\n", ""),  # beside calls, whitespace is no answer
+    ("Hi" + call_text("search", "{}") + "\n" + call_text("search", "{}") + "\n", "Hi"),  # after text too
+    ("\n" + call_text("search", "{}") + "Done", "Done"),
 ])
 def test_whitespace_is_held_until_it_is_known_to_be_the_answers(text, answer):
     for plan in (PLAN, ToolPlan(PLAN.functions, "required")):

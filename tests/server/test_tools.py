@@ -156,6 +156,25 @@ def test_a_call_cut_by_max_tokens_streams_as_it_answers(server, max_tokens):
         assert calls and calls[0][0] == "get_weather"
 
 
+@pytest.mark.parametrize("stop", [["celsius", "fahrenheit"], ["</tool_call>"]])
+def test_a_call_a_stop_string_cuts_streams_as_it_answers(server, stop):
+    """A stop string matches wherever the text does, inside a forced call too: cut in its arguments, the answer is
+    the announced call with its arguments so far and finish_reason "stop"; cut at its closing tag, a whole call."""
+    kw = {"tools": [tool("get_weather")], "tool_choice": "required", "parallel_tool_calls": False, "stop": stop}
+    r = ask(server, **kw).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in r.message.tool_calls]
+    assert not r.message.content and [name for name, _ in calls] == ["get_weather"]
+    if stop == ["</tool_call>"]:
+        assert r.finish_reason == "tool_calls" and set(json.loads(calls[0][1])) == {"unit", "city"}
+    else:
+        assert r.finish_reason == "stop" and calls[0][1].endswith('"')  # cut before the enum's value
+    chunks = list(ask(server, stream=True, **kw))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [r.finish_reason]
+    content, streamed = _rebuilt(chunks)
+    assert content == "" and [(name, args) for _, name, args in streamed] == calls
+
+
 def test_response_format_json_schema_and_json_object(server):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 99},
