@@ -416,11 +416,12 @@ def test_the_same_gguf_at_two_paths_converts_once(tiny_gguf, cache_env, tmp_path
     path, _ = tiny_gguf
     first = load_model(str(path), progress=False)
     assert "converting" in _said(capsys, caplog)
+    folder = _converted(cache_env)
     copy = _copy(path, tmp_path / "fresh-clone" / ".venv" / "other-name.gguf")
     second = load_model(str(copy), progress=False)
-    assert "converting" not in _said(capsys, caplog)
+    assert _said(capsys, caplog) == ""  # neither converted nor moved: the very same folder
     assert second.fingerprint == first.fingerprint
-    assert len(list((cache_env / "models").iterdir())) == 1
+    assert _converted(cache_env) == folder
 
 
 def test_a_different_gguf_converts_separately(tiny_gguf, cache_env, tmp_path, capsys, caplog):
@@ -434,6 +435,13 @@ def test_a_different_gguf_converts_separately(tiny_gguf, cache_env, tmp_path, ca
     assert second.fingerprint != first.fingerprint
     assert len(list((cache_env / "models").iterdir())) == 2
     assert load_model(str(path), progress=False).fingerprint == first.fingerprint
+    mine, theirs = loader._conversion_dir(path), loader._conversion_dir(other)  # folders swapped: each is caught
+    mine.rename(tmp_path / "swap")
+    theirs.rename(mine)
+    (tmp_path / "swap").rename(theirs)
+    _said(capsys, caplog)
+    assert load_model(str(path), progress=False).fingerprint == first.fingerprint
+    assert "meta.json records another GGUF's sha256" in _said(capsys, caplog)
 
 
 def test_a_known_path_is_not_hashed_again(tiny_gguf, cache_env, monkeypatch):
