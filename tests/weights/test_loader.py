@@ -390,3 +390,128 @@ def test_a_conversion_says_so_without_its_progress_bar(tiny_gguf, cache_env, cap
     assert f"converting {path.name} once" in _said(capsys, caplog)
     load_model(str(path), progress=False)
     assert "converting" not in _said(capsys, caplog)  # once: the next load reads the cache
+
+
+# ---------------------------------------------------------------- the conversion's key: the GGUF's content
+
+
+def _gguf_hashes(monkeypatch) -> list[str]:
+    """The GGUF files the loader hashes from now on (its seam: ``loader.file_sha256``)."""
+    calls: list[str] = []
+    real = loader.file_sha256
+    monkeypatch.setattr(loader, "file_sha256",
+                        lambda p, *a: (calls.append(str(p)) if str(p).endswith(".gguf") else None) or real(p, *a))
+    return calls
+
+
+def _copy(src, dst, mtime_ns=10**18):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(src.read_bytes())
+    os.utime(dst, ns=(mtime_ns, mtime_ns))
+    return dst
+
+
+def test_the_same_gguf_at_two_paths_converts_once(tiny_gguf, cache_env, tmp_path, capsys, caplog):
+    """A new venv or clone has the same file at a new path with a new mtime: it reuses the conversion."""
+    path, _ = tiny_gguf
+    first = load_model(str(path), progress=False)
+    assert "converting" in _said(capsys, caplog)
+    folder = _converted(cache_env)
+    copy = _copy(path, tmp_path / "fresh-clone" / ".venv" / "other-name.gguf")
+    second = load_model(str(copy), progress=False)
+    assert _said(capsys, caplog) == ""  # neither converted nor moved: the very same folder
+    assert second.fingerprint == first.fingerprint
+    assert _converted(cache_env) == folder
+
+
+def test_a_different_gguf_converts_separately(tiny_gguf, cache_env, tmp_path, capsys, caplog):
+    path, _ = tiny_gguf
+    other = tmp_path / "tiny.gguf"  # same name, size and mtime; other weights
+    write_tiny_gguf(other, hf_model("smollm2", seed=1))
+    os.utime(other, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns))
+    first = load_model(str(path), progress=False)
+    second = load_model(str(other), progress=False)
+    assert _said(capsys, caplog).count("converting") == 2
+    assert second.fingerprint != first.fingerprint
+    assert len(list((cache_env / "models").iterdir())) == 2
+    assert load_model(str(path), progress=False).fingerprint == first.fingerprint
+    mine, theirs = loader._conversion_dir(path), loader._conversion_dir(other)  # folders swapped: each is caught
+    mine.rename(tmp_path / "swap")
+    theirs.rename(mine)
+    (tmp_path / "swap").rename(theirs)
+    _said(capsys, caplog)
+    assert load_model(str(path), progress=False).fingerprint == first.fingerprint
+    assert "meta.json records another GGUF's sha256" in _said(capsys, caplog)
+
+
+def test_a_known_path_is_not_hashed_again(tiny_gguf, cache_env, monkeypatch):
+    path, _ = tiny_gguf
+    hashed = _gguf_hashes(monkeypatch)
+    load_model(str(path), progress=False)
+    assert hashed == [str(path)]  # once, for the key; the conversion's record reuses that digest
+    load_model(str(path), progress=False)
+    loader.load_tokenizer(str(path))
+    assert hashed == [str(path)]
+    os.utime(path)  # touched: its content is hashed again (and found the same: no conversion)
+    load_model(str(path), progress=False)
+    assert hashed == [str(path)] * 2
+
+
+@pytest.mark.parametrize("damage", ["not json", "no entries", "entry not a dict", "digest not hex", "stale size"])
+def test_a_corrupt_index_entry_is_recomputed(tiny_gguf, cache_env, monkeypatch, capsys, caplog, damage):
+    path, _ = tiny_gguf
+    first = load_model(str(path), progress=False)
+    _said(capsys, caplog)
+    index_file = cache_env / loader.DIGEST_INDEX
+    index = json.loads(index_file.read_text())
+    entry = index["entries"][str(path.resolve())]
+    if damage == "not json":
+        index_file.write_text('{"entries": {')
+    else:
+        if damage == "no entries":
+            index = {"entries": [entry]}
+        elif damage == "entry not a dict":
+            index["entries"][str(path.resolve())] = entry["sha256"]
+        elif damage == "digest not hex":
+            entry["sha256"] = "../../" + entry["sha256"][6:]
+        else:
+            entry["size_bytes"] += 1
+        index_file.write_text(json.dumps(index))
+    hashed = _gguf_hashes(monkeypatch)
+    again = load_model(str(path), progress=False)
+    assert hashed == [str(path)] and again.fingerprint == first.fingerprint
+    assert _said(capsys, caplog) == ""  # no conversion: the recomputed digest finds the folder
+    repaired = json.loads(index_file.read_text())["entries"][str(path.resolve())]
+    assert repaired["sha256"] == real_sha(path) and repaired["size_bytes"] == path.stat().st_size
+    load_model(str(path), progress=False)
+    assert hashed == [str(path)]  # the repaired entry is used
+
+
+def test_older_path_keyed_copies_are_reused_and_removed(tiny_gguf, cache_env, tmp_path, capsys, caplog):
+    """Before content keys each path converted again: the first load now keeps one such copy of this GGUF
+    (renamed) and removes the others; another GGUF's, and a newer conversion version's, stay."""
+    import shutil
+
+    path, _ = tiny_gguf
+    first = load_model(str(path), progress=False)
+    _said(capsys, caplog)
+    models = cache_env / "models"
+    (current,) = models.iterdir()
+    legacy = [models / f"tiny-{i:012x}" for i in range(3)]
+    for folder in legacy:
+        shutil.copytree(current, folder)
+    kept = {}
+    for name, change in [("other-aaaaaaaaaaaa", {"weights_sha256": "0" * 64}),
+                         ("sha256-feed-v99", {"version": loader.CONVERSION_VERSION + 1})]:
+        shutil.copytree(current, models / name)
+        meta = json.loads((models / name / "meta.json").read_text())
+        (models / name / "meta.json").write_text(json.dumps({**meta, **change}))
+        kept[name] = models / name
+    shutil.rmtree(current)
+    (cache_env / loader.DIGEST_INDEX).unlink()  # a cache the older kvrelay wrote has no index
+    again = load_model(str(path), progress=False)
+    said = _said(capsys, caplog)
+    assert "converting" not in said and f"reusing the conversion in {legacy[0]}" in said
+    assert "removed 2 other conversions of the same GGUF" in said
+    assert again.fingerprint == first.fingerprint
+    assert sorted(p.name for p in models.iterdir()) == sorted([current.name, *kept])
