@@ -30,10 +30,14 @@ BASE = {"chat": {"seed": 7, "max_completion_tokens": 4, "temperature": 0.8},
         "completions": {"seed": 7, "max_tokens": 4, "temperature": 0.8},
         "responses": {"extra_body": {"seed": 7}, "max_output_tokens": 4, "temperature": 0.8}}
 STAND_INS = {"seed": {"temperature": 0.0}, "max_completion_tokens": {"max_tokens": 4}}
+SAMPLING = {"temperature", "top_p", "n", "best_of", "seed"}  # fields whose null a greedy answer would not show
 
 
 def _answer(server, api: str, field: str, null: bool) -> tuple:
-    kw = {**BASE[api], **STAND_INS.get(field, {})}
+    # greedy where the field under test is not a sampling one: the answer then shows a wrong default as surely,
+    # and no float-level difference between two prefills (their pieces are sized by measured time) can move a draw
+    greedy = {} if field in SAMPLING else {"temperature": 0.0}
+    kw = {**BASE[api], **greedy, **STAND_INS.get(field, {})}
     kw.pop(field, None)
     extra = {**kw.pop("extra_body", {}), "cache_salt": uuid.uuid4().hex}
     if null:
