@@ -338,7 +338,8 @@ def _read_conversion(out: Path, verify: bool,
         tokenizer = Tokenizer.load(out)
         state = load_file(str(out / "model.safetensors"))
     except FileNotFoundError as exc:
-        reason = f"{Path(exc.filename or '?').name} is missing (an interrupted conversion?)"
+        missing = Path(exc.filename).name if exc.filename else "a file"  # tokenizers' own errors name none
+        reason = f"{missing} is missing (an interrupted conversion, or one removed meanwhile?)"
     except (IntegrityError, OSError, ValueError, KeyError, TypeError, SafetensorError, KvRelayError) as exc:
         reason = str(exc) or type(exc).__name__
     else:
