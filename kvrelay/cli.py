@@ -116,17 +116,25 @@ def _read_input(name: str, text: str) -> str:
         raise DataFileError(f"--input {name}=@{path}: cannot read ({exc.strerror or exc})") from None
 
 
-def _bench_branches(args: argparse.Namespace) -> int:
-
-    from kvrelay.eval.branch_bench import BranchBenchConfig, format_branch_table, run_branch_bench
+def branch_bench_config(args: argparse.Namespace):
+    """gsm8k-branches' config from ``kvrelay bench``'s flags: its own methods unless given, and the config's default
+    for each of its flags not given (None on the command line: other workloads refuse them when given)."""
+    from kvrelay.eval.branch_bench import BranchBenchConfig
     from kvrelay.reuse import PIPELINE_METHODS
 
+    args = argparse.Namespace(**vars(args))
     if args.methods == ",".join(PIPELINE_METHODS):  # the pipeline default: use this workload's own
         args.methods = ",".join(BranchBenchConfig.methods)
-    for name in _branch_only_fields():  # not given: the config's default
+    for name in _branch_only_fields():
         if getattr(args, name) is None:
             delattr(args, name)
-    cfg = dataclass_from_args(BranchBenchConfig, args)
+    return dataclass_from_args(BranchBenchConfig, args)
+
+
+def _bench_branches(args: argparse.Namespace) -> int:
+    from kvrelay.eval.branch_bench import format_branch_table, run_branch_bench
+
+    cfg = branch_bench_config(args)
     check_workload_data("gsm8k-chain3", cfg.data)  # the branches read GSM8K problems
     save = _json_saver(args.json)
     result = run_branch_bench(cfg, checkpoint=save)

@@ -14,7 +14,7 @@ import pytest
 import table_render as render
 from table_render import RESULTS, load, result_path
 
-from kvrelay.cli import build_parser
+from kvrelay.cli import branch_bench_config, build_parser
 from kvrelay.errors import ConfigError
 from kvrelay.eval.configs import BenchConfig, BranchBenchConfig
 from kvrelay.eval.result_files import read_json
@@ -34,7 +34,9 @@ def bench_config(command: str) -> BenchConfig | BranchBenchConfig:
     argv = shlex.split(command)
     argv = argv[argv.index("kvrelay") + 1:]
     args = build_parser().parse_args(argv)
-    return dataclass_from_args(BranchBenchConfig if args.workload == "gsm8k-branches" else BenchConfig, args)
+    if args.workload == "gsm8k-branches":
+        return branch_bench_config(args)  # as the command line makes it: defaults for the flags not given
+    return dataclass_from_args(BenchConfig, args)
 
 
 def test_the_documents_are_what_the_json_gives():
