@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from kvrelay.weights.chunked import assembled, chunk_files
 from kvrelay.weights.configs import config_from_hf
 from kvrelay.weights.devices import check_device
 from kvrelay.weights.export_record import WEIGHTS_FILE, exported_profile_fingerprint
+from kvrelay.weights.gguf_digests import gguf_sha256, indexed_sha256
 from kvrelay.weights.integrity import IntegrityError, file_sha256, record_folder, verify_folder
 from kvrelay.weights.notices import notice
 from kvrelay.weights.presets import PRESETS
@@ -161,7 +161,7 @@ def load_tokenizer(ref: str = DEFAULT_MODEL) -> Tokenizer:
         return Tokenizer.from_hf_dir(path)
     if not path.is_file():
         raise ModelNotFoundError(f"unknown model {ref!r}: no such alias or file")
-    digest = _indexed_sha256(path, path.stat())  # a file the index does not know is not hashed for this
+    digest = indexed_sha256(path, path.stat(), cache_dir())  # a file the index does not know is not hashed for this
     out = _conversion_dir(path, digest) if digest else None
     try:  # the converted tokenizer only if the folder passes its check; else the GGUF's own metadata
         if out is None:
@@ -193,71 +193,10 @@ def _alias_path(alias: str) -> Path:
     return path
 
 
-DIGEST_INDEX = "gguf-digests.json"  # under cache_dir(): resolved path -> size, mtime_ns, sha256 of a GGUF
-DIGEST_INDEX_MAX = 256  # entries kept (the most recently hashed); paths that no longer exist are dropped
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def _read_index() -> dict[str, dict]:
-    """The digest index's entries; an unreadable or malformed index is an empty one (it is only a memo)."""
-    try:
-        data = json.loads((cache_dir() / DIGEST_INDEX).read_text())
-    except (OSError, ValueError):
-        return {}
-    entries = data.get("entries") if isinstance(data, dict) else None
-    return entries if isinstance(entries, dict) else {}
-
-
-def _indexed_sha256(path: Path, st: os.stat_result) -> str | None:
-    """The digest the index holds for ``path``, if its entry matches the file's size and mtime."""
-    entry = _read_index().get(str(path.resolve()))
-    if (isinstance(entry, dict) and entry.get("size_bytes") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
-            and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])):
-        return entry["sha256"]
-    return None
-
-
-def _remember_sha256(path: Path, st: os.stat_result, digest: str) -> None:
-    """Add ``path``'s digest to the index: re-read just before, written to a temp file and renamed in, so a
-    reader never sees half an index. Two writers at once may lose one entry: that file is hashed again."""
-    index = _read_index()
-    index.pop(str(path.resolve()), None)
-    index[str(path.resolve())] = {"size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-    kept = [(k, v) for k, v in index.items() if os.path.exists(k)][-DIGEST_INDEX_MAX:]
-    root = cache_dir()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{DIGEST_INDEX}.")
-    except OSError:
-        return  # an unwritable cache: the file is hashed again next time (the conversion says why it fails)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": 1, "entries": dict(kept)}, f, indent=1)
-        os.replace(tmp, root / DIGEST_INDEX)
-    except OSError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-def gguf_sha256(path: Path) -> str:
-    """The sha256 of a GGUF file's content: from the index when it knows this path at this size and mtime,
-    else hashed (under a second for a few hundred MB) and remembered."""
-    st = path.stat()
-    digest = _indexed_sha256(path, st)
-    if digest is None:
-        digest = file_sha256(path)
-        after = path.stat()
-        if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):  # not rewritten while hashed
-            _remember_sha256(path, st, digest)
-    return digest
-
-
 def _conversion_dir(path: Path, digest: str | None = None) -> Path:
     """The conversion folder of a GGUF: keyed by its content and the conversion version (dequantized to fp32
     whatever the load's dtype or device, so nothing else changes the converted files)."""
-    digest = digest or gguf_sha256(path)
+    digest = digest or gguf_sha256(path, cache_dir())
     return cache_dir() / "models" / f"sha256-{digest[:16]}-v{CONVERSION_VERSION}"
 
 
@@ -294,7 +233,7 @@ def _reclaim_older(out: Path, digest: str) -> None:
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: bool, name: str,
                verify: bool, int4_decode: bool = False) -> LoadedModel:
-    digest = gguf_sha256(path)
+    digest = gguf_sha256(path, cache_dir())
     out = _conversion_dir(path, digest)
     if not out.exists():
         _reclaim_older(out, digest)

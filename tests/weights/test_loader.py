@@ -16,7 +16,7 @@ from kvrelay.errors import (
     UnsupportedModelError,
 )
 from kvrelay.model.config import ModelConfig
-from kvrelay.weights import integrity, loader
+from kvrelay.weights import gguf_digests, integrity, loader
 from kvrelay.weights.loader import load_model
 from tests.helpers import hf_model, toy_tokenizer_metadata, write_tiny_gguf
 
@@ -396,10 +396,10 @@ def test_a_conversion_says_so_without_its_progress_bar(tiny_gguf, cache_env, cap
 
 
 def _gguf_hashes(monkeypatch) -> list[str]:
-    """The GGUF files the loader hashes from now on (its seam: ``loader.file_sha256``)."""
+    """The GGUF files the loader hashes from now on (its seam: ``gguf_digests.file_sha256``)."""
     calls: list[str] = []
-    real = loader.file_sha256
-    monkeypatch.setattr(loader, "file_sha256",
+    real = gguf_digests.file_sha256
+    monkeypatch.setattr(gguf_digests, "file_sha256",
                         lambda p, *a: (calls.append(str(p)) if str(p).endswith(".gguf") else None) or real(p, *a))
     return calls
 
@@ -462,7 +462,7 @@ def test_a_corrupt_index_entry_is_recomputed(tiny_gguf, cache_env, monkeypatch, 
     path, _ = tiny_gguf
     first = load_model(str(path), progress=False)
     _said(capsys, caplog)
-    index_file = cache_env / loader.DIGEST_INDEX
+    index_file = cache_env / gguf_digests.DIGEST_INDEX
     index = json.loads(index_file.read_text())
     entry = index["entries"][str(path.resolve())]
     if damage == "not json":
@@ -508,7 +508,7 @@ def test_older_path_keyed_copies_are_reused_and_removed(tiny_gguf, cache_env, tm
         (models / name / "meta.json").write_text(json.dumps({**meta, **change}))
         kept[name] = models / name
     shutil.rmtree(current)
-    (cache_env / loader.DIGEST_INDEX).unlink()  # a cache the older kvrelay wrote has no index
+    (cache_env / gguf_digests.DIGEST_INDEX).unlink()  # a cache the older kvrelay wrote has no index
     again = load_model(str(path), progress=False)
     said = _said(capsys, caplog)
     assert "converting" not in said and f"reusing the conversion in {legacy[0]}" in said
