@@ -8,7 +8,10 @@ message ``response.content_part.added``, ``response.output_text.delta``..., ``re
 ``response.function_call_arguments.done``; ``response.output_item.done``; finally ``response.completed``
 (or ``response.incomplete`` when ``max_output_tokens`` cut the output), whose response equals ``full``'s.
 Both list the items in the order the model generated them (OpenAI's order): text after a call is a message item
-after it, and text between calls a message item between them.
+after it, and text between calls a message item between them. As OpenAI's stream does, an item is closed (its
+``.done`` events) before the next one is added: the tool parser (kvrelay.server.tools.ToolStream) has sent all of a
+call's arguments by the time anything after it comes, so a call closes on its streamed content, which is the
+answer's.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ class ResponseRender:
         out = self._close_message(self.message["text"], "completed") if self.message else []
         call = self.calls_by_index.get(index)
         if call is None:
+            out += self._close_calls()  # the call before this one is whole (see the module docstring)
             call = {"item_id": _new_id("fc_"), "id": call_id or _new_id("call_"), "name": name or "",
                     "arguments": "", "output_index": len(self.items), "closed": False}
             self.calls_by_index[index] = call
@@ -193,10 +197,13 @@ class ResponseRender:
             out += self.text(done.text)  # a text the stream did not show (or an empty answer)
         if self.message is not None:  # the last run of text (those before a call closed at the call)
             out += self._close_message(next((p for p in done.parts[::-1] if isinstance(p, str)), done.text), status)
-        for i, final in enumerate(calls):
-            if i not in self.calls_by_index:
-                out += self.call_piece(i, final.id, final.name, final.arguments)
-            out += self._close_call(self.calls_by_index[i], final,
+        streamed = {call["id"]: index for index, call in self.calls_by_index.items()}
+        for final in calls:
+            index = streamed.get(final.id)
+            if index is None:  # a call the stream did not show: its item now
+                index = max(self.calls_by_index, default=-1) + 1
+                out += self.call_piece(index, final.id, final.name, final.arguments)
+            out += self._close_call(self.calls_by_index[index], final,
                                     "incomplete" if final is done.cut_call else "completed")
         self.items = [item for item in self.items if item]
         kind = "response.incomplete" if status == "incomplete" else "response.completed"

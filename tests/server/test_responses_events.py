@@ -169,6 +169,57 @@ def test_text_and_calls_are_listed_in_generation_order_streamed_or_not(text, fin
     assert [o.status for o in full.output] == ["completed"] * (len(kinds) - 1) + [ResponseRender.status_of(answer)]
 
 
+def _one_item_open_at_a_time(events: list) -> None:
+    """OpenAI's stream order: an item's events (and its .done ones) all come between its output_item.added and its
+    output_item.done, and the next item is added only after that."""
+    open_index = None
+    for e in events:
+        if e.type == "response.output_item.added":
+            assert open_index is None, f"item {e.output_index} added while item {open_index} is open"
+            open_index = e.output_index
+        elif e.type == "response.output_item.done":
+            assert e.output_index == open_index
+            open_index = None
+        elif hasattr(e, "output_index"):
+            assert e.output_index == open_index, f"{e.type} of item {e.output_index} while {open_index} is open"
+    assert open_index is None
+
+
+@pytest.mark.parametrize("text", [A + "\n" + B, "Looking." + A, A + "\nDone.", A + "\n" + B + "\nBoth sunny.",
+                                  "Looking." + A + " Then Rome." + B])
+def test_each_item_closes_with_its_final_content_before_the_next_is_added(text):
+    deltas, answer = _generated(text, "stop")
+    events = _streamed(deltas, answer)
+    _one_item_open_at_a_time(events)
+    final = events[-1].response
+
+    def minted_elsewhere(response: Response) -> dict:  # ids and clocks each render mints for itself
+        body = response.model_dump(exclude={"id", "created_at", "completed_at"})
+        return body | {"output": [{k: v for k, v in o.items() if k != "id"} for o in body["output"]]}
+    assert minted_elsewhere(final) == minted_elsewhere(Response.model_validate(render().full(deltas, answer)))
+    closed = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.model_dump() for i in closed] == [o.model_dump() for o in final.output]
+    args_done = [(e.item_id, e.arguments) for e in events if e.type == "response.function_call_arguments.done"]
+    assert args_done == [(o.id, o.arguments) for o in final.output if o.type == "function_call"]
+    text_done = [(e.item_id, e.text) for e in events if e.type == "response.output_text.done"]
+    assert text_done == [(o.id, o.content[0].text) for o in final.output if o.type == "message"]
+
+
+def test_two_streamed_calls_close_one_by_one():
+    r = render()
+    second = {"id": "call_2", "name": "get", "arguments": "{}"}
+    lines = (r.start() + r.call_piece(0, "call_1", "get", CALL["arguments"]) + r.call_piece(1, "call_2", "get", "{}")
+             + r.finish(done("", [CALL, second], "tool_calls")))
+    events = parse(lines)
+    assert [(e.type, getattr(e, "output_index", None)) for e in events[2:]] == [
+        ("response.output_item.added", 0), ("response.function_call_arguments.delta", 0),
+        ("response.function_call_arguments.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.done", 1), ("response.output_item.done", 1),
+        ("response.completed", None)]
+    assert [o.arguments for o in events[-1].response.output] == [CALL["arguments"], "{}"]
+
+
 def test_a_call_a_stop_string_cuts_is_an_incomplete_item_of_a_completed_response_streamed_or_not():
     """A stop string is no max_output_tokens: the response is "completed" (no incomplete_details), and the call it cut
     after its name is the function_call item the stream announced, "incomplete" (its arguments are partial)."""
