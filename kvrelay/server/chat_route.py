@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from kvrelay.cache.tenancy import tenant_of
 from kvrelay.errors import ContextLengthError
 from kvrelay.reuse import role_key
+from kvrelay.server.call_answers import check_chat_calls_answered
 from kvrelay.server.chat_template_params import template_params
 from kvrelay.server.context import AppContext, agent_of, digest
 from kvrelay.server.grammar_cache import grammar_key
@@ -42,7 +43,7 @@ class QueuedChat:
     tools: ToolPlan | None  # None: the request has no tools
 
 
-def _check_messages(body: ChatCompletionRequest) -> None:
+def _check_messages(body: ChatCompletionRequest, answers_follow_calls: bool) -> None:
     if not body.messages:
         raise ApiError(400, "messages must hold at least one message", param="messages", code="empty_messages")
     for i, m in enumerate(body.messages):
@@ -57,6 +58,8 @@ def _check_messages(body: ChatCompletionRequest) -> None:
                 raise ApiError(400, f"messages[{i}].content[{j}]: a refusal part belongs to an assistant message, "
                                f"not a {m.role} one", param=f"messages.{i}.content.{j}.type", code="invalid_value")
     check_tool_messages(body)
+    if answers_follow_calls:
+        check_chat_calls_answered(body.messages)
 
 
 async def _tool_plan(body: ChatCompletionRequest, namespace: str, ctx: AppContext) -> ToolPlan | None:
@@ -115,10 +118,13 @@ def _check_supported(body: ChatCompletionRequest) -> None:
                        param="verbosity", code="unsupported")
 
 
-async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext) -> QueuedChat:
-    """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue."""
+async def queue_chat(body: ChatCompletionRequest, request: Request, ctx: AppContext,
+                     answers_follow_calls: bool = True) -> QueuedChat:
+    """Check, render and submit ``body`` (see the module docstring); ApiError on a bad request or a full queue.
+    ``answers_follow_calls``: chat's rule that tool messages right after an assistant's calls answer them all
+    (kvrelay.server.call_answers); the Responses API checks its items by its own rule and passes False."""
     namespace, method = ctx.check_common(body, request)
-    _check_messages(body)
+    _check_messages(body, answers_follow_calls)
     _check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's 400: top_logprobs needs logprobs
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from kvrelay.server.call_answers import check_input_calls_answered
 from kvrelay.server.chat_route import queue_chat
 from kvrelay.server.context import AppContext
 from kvrelay.server.events import DeltaEvent, DoneEvent, ErrorEvent
@@ -82,6 +83,7 @@ def _chat_request(store: ResponseStore, body: ResponsesRequest, namespace: str
         history_items = previous.input_items + previous.response.get("output", [])
     messages = input_messages(body.input)
     check_call_outputs(body.input, history)
+    check_input_calls_answered(body.input, history)
     if not history and not messages:
         raise ApiError(400, "input is empty", param="input", code="invalid_value")
     try:
@@ -160,7 +162,7 @@ def responses_router(ctx: AppContext, store: ResponseStore | None = None) -> API
         namespace = ctx.namespace_of(request, body.cache_salt)
         chat, conversation, items = await run_in_threadpool(_chat_request, store, body, namespace)
         try:
-            queued = await queue_chat(chat, request, ctx)
+            queued = await queue_chat(chat, request, ctx, answers_follow_calls=False)  # checked in _chat_request
         except ApiError as exc:
             raise _in_responses_terms(exc) from exc
         answer = _ResponsesAnswer(body, ctx.model_id, store, namespace, conversation, items)
