@@ -220,6 +220,19 @@ def test_two_streamed_calls_close_one_by_one():
     assert [o.arguments for o in events[-1].response.output] == [CALL["arguments"], "{}"]
 
 
+def test_the_answers_calls_are_matched_to_the_streamed_ones_by_id():
+    """An announced call the parser then read as text (index 0) leaves the answer's first call at stream index 1:
+    that call still closes with its final content and is in the last event's output."""
+    raw = '<tool_call>{"name": "get", "arguments": [1]}</tool_call>'
+    r = render()
+    events = parse(r.start() + r.call_piece(0, "call_x", "get", "[1") + r.text(raw)
+                   + r.call_piece(1, "call_1", "get", CALL["arguments"]) + r.finish(done(raw, [CALL], "tool_calls")))
+    _one_item_open_at_a_time(events)
+    args_done = {e.item_id: e.arguments for e in events if e.type == "response.function_call_arguments.done"}
+    final = [o for o in events[-1].response.output if o.type == "function_call" and o.call_id == "call_1"]
+    assert len(final) == 1 and args_done[final[0].id] == CALL["arguments"]
+
+
 def test_a_call_a_stop_string_cuts_is_an_incomplete_item_of_a_completed_response_streamed_or_not():
     """A stop string is no max_output_tokens: the response is "completed" (no incomplete_details), and the call it cut
     after its name is the function_call item the stream announced, "incomplete" (its arguments are partial)."""
