@@ -271,6 +271,12 @@ class ToolStream:
             self._close_call(self.call, self.call.body[:end], events)
             self.call, self.pending = None, rest
 
+    @property
+    def undecided(self) -> bool:
+        """Whether text fed so far may still become content: a possible opener, whitespace held, a call whose name
+        is not read yet (the job's logprobs of its tokens wait for what it becomes)."""
+        return bool(self.pending or self.held) or (self.call is not None and self.call.name is None)
+
     def close(self, finish_reason: str) -> tuple[list[dict], dict]:
         """The remaining deltas and {"text", "text_runs", "tool_calls", "cut_call", "finish_reason"} of the done
         event."""
