@@ -25,7 +25,8 @@ class ToolCallPiece:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A tool call that closed and parsed: a known tool's name and a JSON arguments object (as text)."""
+    """A tool call: a known tool's name and the arguments' text as the model wrote it (a JSON object wherever the
+    tool's schema let the grammar write only one; see kvrelay.server.tools.ToolStream)."""
 
     id: str
     name: str

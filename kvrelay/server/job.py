@@ -104,9 +104,16 @@ class Job:
                               else [delta_of(d) for d in self.tool_stream.feed(delta)])
 
     def _emit_deltas(self, events: list[DeltaEvent]) -> None:
-        """Send delta events; the logprobs of the tokens since the last sent ride on the first one."""
+        """Send delta events; the logprobs of the tokens since the last sent ride on the first one. With tools, on
+        the first that is content: tokens that wrote call markup only are left out (OpenAI's chat logprobs cover the
+        content), while tokens whose text may still become content (``ToolStream.undecided``) wait."""
+        at = 0
+        if self.tool_stream is not None:
+            at = next((i for i, e in enumerate(events) if e.tool_call is None and e.text), None)
+            if at is None and not self.tool_stream.undecided:
+                self._logprobs_upto()  # call markup only
         for i, event in enumerate(events):
-            self.emit(replace(event, logprobs=self._logprobs_upto() if i == 0 else None))
+            self.emit(replace(event, logprobs=self._logprobs_upto() if i == at else None))
 
     def _logprobs_upto(self) -> list[dict] | None:
         if self.num_top_logprobs is None:

@@ -43,9 +43,13 @@ class ToolPlan:
     parallel: bool = True  # several calls in one turn
 
     def schema_of(self, name: str) -> dict:
+        """The schema a call's arguments are decoded under: the tool's, an object at its top (a schema without
+        ``type``, ``{}`` say, would otherwise let the grammar write any JSON value there)."""
         for f in self.functions:
             if f.name == name:
-                return f.parameters if f.parameters is not None else EMPTY_ARGUMENTS_SCHEMA
+                if f.parameters is None:
+                    return EMPTY_ARGUMENTS_SCHEMA
+                return f.parameters if "type" in f.parameters else {"type": "object", **f.parameters}
         raise KeyError(name)
 
     @property
@@ -210,15 +214,17 @@ class ToolStream:
     """Splits the model's output text into content and tool calls, as streaming deltas and a final answer.
 
     ``feed`` takes each new piece of text and returns delta events (see kvrelay.server.chat_route); ``close``
-    returns the last deltas and the done event's fields. A call counts only when it closed and parses into a
-    known tool's name and a JSON arguments object. A call cut off (by max_tokens, a stop string or a stop token id)
-    once its name was decoded is the answer's ``cut_call``: the stream has announced it, so the answer reports it
-    too, with the arguments decoded so far (OpenAI's way; the finish_reason stays "length", or "stop"). A stop
-    string that took only the closing tag (``stop: ["</tool_call>"]``) leaves a whole call: it is one of ``calls``,
-    as vLLM's parsers read an unclosed last call. Cut before its name, it is no call: its text is content
-    under "auto", and dropped where the turn is calls only ("required" or a named tool), as the grammar allows no
-    text there. Under "none" every piece is content: the grammar keeps ``<tool_call>`` out of the text, and where no
-    grammar runs (a server without xgrammar) text that looks like a call is still no call.
+    returns the last deltas and the done event's fields. A call is announced (its first delta) once its head
+    ``{"name": "NAME", "arguments": `` names a callable tool, and from then on it is a call, streamed or not: closed,
+    its arguments are the text the model wrote (``_written_arguments``), never content. Markup naming no callable tool
+    is never announced and no call: content under "auto", dropped where the turn is calls only ("required" or a named
+    tool: the grammar allows no text there), so markup never answers a forced call. So is a call cut off before its
+    name. A call cut off (by max_tokens, a stop string or a stop token id) after its name is the answer's
+    ``cut_call``, with the arguments decoded so far (OpenAI's way; the finish_reason stays "length", or "stop"). A
+    stop string that took only the closing tag (``stop: ["</tool_call>"]``) leaves a whole call: it is one of
+    ``calls``, as vLLM's parsers read an unclosed last call. Under "none" every piece is content: the grammar keeps
+    ``<tool_call>`` out of the text, and where no grammar runs (a server without xgrammar) text that looks like a call
+    is still no call.
 
     Text comes in runs, each after the calls that closed before it (``text_runs``: (number of calls before it,
     its text)), so an answer can list text and calls in the order they were generated, as a stream shows them. A run
@@ -265,6 +271,12 @@ class ToolStream:
             self._close_call(self.call, self.call.body[:end], events)
             self.call, self.pending = None, rest
 
+    @property
+    def undecided(self) -> bool:
+        """Whether text fed so far may still become content: a possible opener, whitespace held, a call whose name
+        is not read yet (the job's logprobs of its tokens wait for what it becomes)."""
+        return bool(self.pending or self.held) or (self.call is not None and self.call.name is None)
+
     def close(self, finish_reason: str) -> tuple[list[dict], dict]:
         """The remaining deltas and {"text", "text_runs", "tool_calls", "cut_call", "finish_reason"} of the done
         event."""
@@ -303,13 +315,12 @@ class ToolStream:
     def _cut(self, call: _Call, finish_reason: str, events: list[dict]) -> None:
         """A call the output ended inside (see the class docstring)."""
         self._stream_call(call, call.body, events)  # its name, if the last piece completed it
-        if call.name not in self.plan.callable_names:  # not a known tool's call (the grammar announces none other)
-            if self.plan.mode == "auto":
-                self._text(CALL_OPEN + call.body, events)
+        if call.name is None:
+            self._no_call(CALL_OPEN + call.body, events)
             return
         sent = _sent_args(call.body, call)
         whole = call.body[: len(call.body) - _held_back(call.body, CALL_CLOSE)]
-        arguments = _arguments_of(whole, self.plan)  # complete but for (the rest of) CALL_CLOSE
+        arguments = _whole_arguments(whole)  # complete but for (the rest of) CALL_CLOSE
         complete = arguments is not None and arguments.startswith(sent)
         if not complete:
             arguments = call.body[_HEAD_RE.match(call.body).end() :]
@@ -329,9 +340,12 @@ class ToolStream:
             return
         if call.name is None:
             try:
-                call.name = json.loads(f'"{head.group(1)}"')
+                name = json.loads(f'"{head.group(1)}"')
             except json.JSONDecodeError:
                 return
+            if name not in self.plan.callable_names:  # never announced: no call (the grammar writes none)
+                return
+            call.name = name
             events.append({"type": "delta", "text": "", "tool_call": {"index": call.index, "id": call.id,
                                                                       "name": call.name, "arguments": ""}})
         args = body[head.end() :]
@@ -342,17 +356,22 @@ class ToolStream:
             call.num_sent_arg_chars = safe
 
     def _close_call(self, call: _Call, body: str, events: list[dict]) -> None:
-        arguments = _arguments_of(body, self.plan)
-        if arguments is None:  # not a well-formed call of a known tool: it stays text
-            self._text(CALL_OPEN + body + CALL_CLOSE, events)
-            return
+        """A closed call: a known tool's once its name was read (the stream has announced it then), whatever its
+        arguments; else no call (see ``_no_call``)."""
         self._stream_call(call, body, events)  # the head piece, if the call closed within one delta
-        if not arguments.startswith(_sent_args(body, call)):
-            self._text(CALL_OPEN + body + CALL_CLOSE, events)
+        if call.name is None:
+            self._no_call(CALL_OPEN + body + CALL_CLOSE, events)
             return
+        arguments = _written_arguments(body)
         self._args(call, arguments[call.num_sent_arg_chars :], events)
         self.calls.append({"id": call.id, "name": call.name, "arguments": arguments})
         self.held = ""  # whitespace before a call is no answer
+
+    def _no_call(self, text: str, events: list[dict]) -> None:
+        """Call markup that is no known tool's call: content under "auto" (as the model's text), dropped where the
+        turn is calls only ("required", a named tool), so internal markup never becomes a forced call's answer."""
+        if self.plan.mode == "auto":
+            self._text(text, events)
 
     def _args(self, call: _Call, piece: str, events: list[dict]) -> None:
         if piece:
@@ -365,28 +384,28 @@ def _sent_args(body: str, call: _Call) -> str:
     return body[head.end() :][: call.num_sent_arg_chars] if head else ""
 
 
-def _arguments_of(body: str, plan: ToolPlan) -> str | None:
-    """The arguments' JSON text of a call's body, or None unless it is a call of a known tool with an object."""
-    head = _HEAD_RE.match(body)
-    if head is None:
-        return None
+def _written_arguments(body: str) -> str:
+    """A closed call's body (its name read) after ``"arguments":``, less the body's closing brace: the arguments as
+    written, a JSON object wherever the tool's schema let the grammar write only one. No parse decides whether it is a
+    call, so what a stream sent (up to the last '}', ``_stream_call``) always starts it."""
+    rest = body[_HEAD_RE.match(body).end() :].rstrip()
+    try:
+        json.loads(rest)  # the arguments alone, without a closing brace (no grammar writes that)
+    except (json.JSONDecodeError, RecursionError):
+        rest = rest.removesuffix("}").rstrip()
+    return rest
+
+
+def _whole_arguments(body: str) -> str | None:
+    """The arguments' JSON text of the body of a call whose name was read, or None unless the body is the whole
+    call, an arguments object (a stop string may have taken its closing tag)."""
+    arguments = _written_arguments(body)
     try:
         whole = json.loads(body)
-        name = json.loads(f'"{head.group(1)}"')
-    except json.JSONDecodeError:
+        return arguments if set(whole) == {"name", "arguments"} and isinstance(whole["arguments"], dict) and \
+            json.loads(arguments) == whole["arguments"] else None
+    except (json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(whole, dict) or set(whole) != {"name", "arguments"} or name not in plan.callable_names:
-        return None
-    rest = body[head.end() :].rstrip()
-    if not rest.endswith("}"):
-        return None
-    arguments = rest[:-1].rstrip()
-    try:
-        if not isinstance(whole["arguments"], dict) or json.loads(arguments) != whole["arguments"]:
-            return None
-    except json.JSONDecodeError:
-        return None
-    return arguments
 
 
 def _held_back(text: str, marker: str) -> int:

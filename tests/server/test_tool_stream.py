@@ -138,12 +138,43 @@ def test_whitespace_is_held_until_it_is_known_to_be_the_answers(text, answer):
         assert done["text"] == answer and rebuilt(events)[0] == answer
 
 
-@pytest.mark.parametrize("body", ['{"name": "nope", "arguments": {}}', '{"name": "search", "arguments": [1]}',
-                                  '{"name": "search", "arguments": {"a": 1}', '{"name": "search"}'])
-def test_a_malformed_or_unknown_call_stays_text(body):
-    text = "<tool_call>" + body + "</tool_call>"
-    _, done = run(text)
-    assert done["tool_calls"] == [] and done["text"] == text and done["finish_reason"] == "stop"
+def assert_stream_is_the_answer(events: list[dict], done: dict) -> None:
+    """What a client assembles from the deltas is the answer: its content, and each call at its index."""
+    calls = done["tool_calls"] + ([done["cut_call"]] if done["cut_call"] else [])
+    assert rebuilt(events) == (done["text"], dict(enumerate(calls)))
+
+
+NAMED = ToolPlan(PLAN.functions, "named", "search")
+MODES = [PLAN, ToolPlan(PLAN.functions, "required"), NAMED]
+
+
+@pytest.mark.parametrize(("written", "arguments"), [
+    ("[1]", "[1]"), ('"x" ', '"x"'), ("5", "5"), ('{"a": 1}', '{"a": 1}'),  # the last with no closing brace
+    ('{"a": 1}, "b": 2', '{"a": 1}, "b": 2')])
+@pytest.mark.parametrize("plan", MODES)
+@pytest.mark.parametrize("pieces", [None, 3, 1])
+def test_a_call_announced_is_a_call_whatever_its_arguments(written, arguments, plan, pieces):
+    """A schema the grammar reads as any JSON value can give arguments that are no object: the call the stream
+    announced stays a call, with the arguments as written, in the stream and the answer alike, never content."""
+    events, done = run('<tool_call>{"name": "search", "arguments": ' + written + "}</tool_call>", pieces, plan=plan)
+    assert (done["text"], done["finish_reason"], done["cut_call"]) == ("", "tool_calls", None)
+    assert [(c["name"], c["arguments"]) for c in done["tool_calls"]] == [("search", arguments)]
+    assert_stream_is_the_answer(events, done)
+
+
+@pytest.mark.parametrize("body", ['{"name": "nope", "arguments": {}}', '{"name": "search"}', "{}"])
+@pytest.mark.parametrize("plan", MODES)
+def test_markup_naming_no_callable_tool_is_never_announced_and_no_forced_calls_content(body, plan):
+    text = "Hi <tool_call>" + body + "</tool_call>"
+    for pieces in (None, 1):
+        events, done = run(text, pieces, plan=plan)
+        assert done["tool_calls"] == [] and done["finish_reason"] == "stop"
+        assert done["text"] == (text if plan.mode == "auto" else "Hi ")
+        assert not any("tool_call" in e for e in events)
+        assert_stream_is_the_answer(events, done)
+    # under a named tool another tool's call is markup too
+    events, done = run(call_text("get_weather", "{}"), plan=NAMED)
+    assert (done["text"], done["tool_calls"]) == ("", []) and not any("tool_call" in e for e in events)
 
 
 def _request(**kw) -> ChatCompletionRequest:
@@ -205,3 +236,15 @@ def test_plans():
                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert (named.mode, named.callable_names, named.parallel) == ("named", ("get_weather",), False)
     assert json.loads(json.dumps(named.schema_of("get_weather")))["required"] == ["city"]
+
+
+@pytest.mark.parametrize(("parameters", "schema"), [
+    ({}, {"type": "object"}), ({"properties": {"a": {}}}, {"type": "object", "properties": {"a": {}}}),
+    (None, {"type": "object", "properties": {}, "additionalProperties": False}),
+    ({"type": "object", "required": []}, {"type": "object", "required": []})])
+def test_the_arguments_schema_is_an_object_at_its_top(parameters, schema):
+    """A schema without ``type`` (``{}``, which clients send for a tool without parameters) would let the grammar
+    write any JSON value as the arguments: it is decoded as an object's."""
+    tool = {"type": "function", "function": {"name": "f"} | ({} if parameters is None else {"parameters": parameters})}
+    plan = plan_tools(_request(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="required"))
+    assert plan.schema_of("f") == schema
