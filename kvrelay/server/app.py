@@ -97,9 +97,10 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
 
     app = FastAPI(title="kvrelay", lifespan=lifespan, **docs_urls(settings.api_keys))
     app.state.worker, app.state.catalog, app.state.metrics, app.state.context = worker, catalog, metrics, ctx
-    add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
-    add_error_handlers(app, metrics, settings.api_keys, settings.metrics_key)  # OpenAI's error JSON, no traceback
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, api_keys=settings.api_keys)
+    # the keys are read from ``settings`` at each request: a SIGHUP's reload (kvrelay.server.key_reload) holds at once
+    add_keyed_docs(app, settings)  # with API keys, the docs need one
+    add_error_handlers(app, metrics, settings)  # OpenAI's error JSON, no traceback
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, keys=settings)
     app.add_middleware(RequestIds, metrics=metrics)  # added last: outside BodyLimit, so its 413s and 429s count too
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions

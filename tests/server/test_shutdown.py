@@ -193,15 +193,27 @@ def test_the_drain_cuts_only_what_still_runs_when_the_grace_ends():
     assert cut_at_s[0] >= 1.0 + 5.0  # the deadline, read at 1.0, passed: the grace is over, no sooner
 
 
-def test_the_drain_ends_without_a_cut_when_the_running_requests_finish_in_the_grace():
+def test_the_drain_ends_without_a_cut_when_the_running_requests_finish_in_the_grace(caplog):
     worker = _FakeWorker(1)
 
     def finish_at_3_s(now_s: float) -> None:
         if now_s >= 3.0:
             worker.num_in_flight = 0
 
-    assert asyncio.run(drain_worker(worker, 25.0, clock=_SteppingClock(1.0, finish_at_3_s), poll_s=0)) == 0
+    with caplog.at_level(logging.WARNING, logger="kvrelay.server"):
+        assert asyncio.run(drain_worker(worker, 25.0, clock=_SteppingClock(1.0, finish_at_3_s), poll_s=0)) == 0
     assert worker.calls == ["drain"]
+    # at WARNING, the server's default level: a drain was silent unless its grace ran out
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kvrelay.server"] == [
+        (logging.WARNING, "shutting down: 1 running request(s) get up to 25 s to finish"),
+        (logging.WARNING, "shutting down: the 1 running request(s) finished in 2.0 s")]  # read at 2.0, then 4.0
+
+
+def test_a_drain_with_nothing_running_says_so_in_one_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvrelay.server"):
+        assert asyncio.run(drain_worker(_FakeWorker(0), 25.0, clock=_SteppingClock(1.0), poll_s=0)) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "kvrelay.server"] == [
+        "shutting down: no request running"]
 
 
 def test_a_second_ctrl_c_ends_the_grace_at_once():
