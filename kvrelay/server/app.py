@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from kvrelay.engine import Engine
 from kvrelay.errors import ConfigError
+from kvrelay.quality.ladder import ladder_text
 from kvrelay.server.access import add_keyed_docs, docs_urls
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.chat_route import chat_router
@@ -109,4 +110,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     app.state.responses = response_store_for(catalog.store)
     app.include_router(responses_router(ctx, app.state.responses))
     install_quality(app, ctx, engine, settings.quality)  # GET /v1/kvrelay/quality; the guard, its shadows, metrics
+    guard = getattr(app.state, "quality", None)  # the ladder it serves: the rungs this model can run
+    ladder = ladder_text(guard.guard.config.ladder) if guard is not None else None
+    metrics.describe(ctx.model_id, settings.method if guard is None else None, ladder)  # kvrelay_build_info
     return app
