@@ -205,8 +205,11 @@ def build_app(args: argparse.Namespace):
     # last before the model loads: a bad flag is named whatever holds the port (a test's app, never bound, too)
     check_can_listen(args.host, args.port)
     lm = load_model_from(args, progress=args.log_format == "text")  # a bar on stderr would break JSON lines
-    store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
-                       namespace_budget_bytes=tenancy.namespace_budget_bytes)
+    try:  # what only opening it finds (a directory that cannot be made, as under /proc) names the flag too
+        store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
+                           namespace_budget_bytes=tenancy.namespace_budget_bytes)
+    except ConfigError as exc:
+        raise ConfigError(f"--store: {exc}") from None
     store.set_namespace_idle_s(tenancy.idle_s)
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     for spec in (args.method, *extra_methods):  # what a method resolves from the model (a layer past the last one,

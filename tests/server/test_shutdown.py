@@ -19,6 +19,7 @@ import pytest
 
 from kvrelay.errors import ConfigError
 from kvrelay.server.graceful import drain_worker
+from kvrelay.server.protocol import SHUTTING_DOWN_RETRY_AFTER_S
 from kvrelay.server.request_ids import CUT_MARKER, REQUEST_ID_HEADER, RequestIds
 from kvrelay.server.serve_config import DEFAULT_SHUTDOWN_GRACE_S, ShutdownConfig
 from tests.server.conftest import MODEL
@@ -133,6 +134,9 @@ def test_queued_requests_get_503_at_once_and_the_running_one_finishes_within_the
         assert f" {CHAT} {status} " in lines[response.headers[REQUEST_ID_HEADER]]
     assert f" {CHAT} 503 " in lines[queued_stream.headers[REQUEST_ID_HEADER]]
     assert f" {CHAT} 200 " in lines[running.headers[REQUEST_ID_HEADER]]  # served whole: no cut
+    # retry soon, on another replica (as the 429's Retry-After and the tier's 503's say when to retry)
+    assert [r.get("retry-after") for r in (plain.headers, queued_stream.headers, late.headers)] == [
+        str(SHUTTING_DOWN_RETRY_AFTER_S)] * 3 == ["1"] * 3
 
 
 def test_a_stream_still_running_when_the_grace_ends_gets_an_error_chunk_then_done(caplog):
@@ -263,6 +267,7 @@ def test_a_request_uvicorn_cancels_before_its_answer_gets_a_503_with_its_id(capl
     start, body = sent
     assert start["status"] == 503
     request_id = dict(start["headers"])[REQUEST_ID_HEADER.encode()].decode()
+    assert dict(start["headers"])[b"retry-after"] == b"1"
     _assert_shutting_down_body(503, json.loads(body["body"]))
     assert f" {CHAT} 503 " in _access_lines(caplog)[request_id]
 
