@@ -177,7 +177,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     lm = load_model_from(args)
     if lm.decode_weights != "fp32":
         print(f"kvrelay: decode weights: {lm.decode_weights}", file=sys.stderr)
-    store = open_store(args.store, args.store_bytes, fingerprint=lm.fingerprint)
+    try:  # what only opening it finds (a directory that cannot be made) names the flag too
+        store = open_store(args.store, args.store_bytes, fingerprint=lm.fingerprint)
+    except ConfigError as exc:
+        raise ConfigError(f"--store: {exc}") from None
     engine = Engine(lm, store, methods=(args.method,))  # carries what the method needs
     results = PipelineRunner(engine, spec).run(inputs, args.method)
     for name, res in results.items():

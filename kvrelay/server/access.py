@@ -17,6 +17,7 @@ sends no key when ``/docs`` fetches the schema, so read the schema with a client
 from __future__ import annotations
 
 import secrets
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -26,6 +27,14 @@ from kvrelay.server.key_files import read_key_lines
 from kvrelay.server.protocol import ApiError
 
 OPENAPI_URL = "/openapi.json"
+
+
+class Keys(Protocol):
+    """Whatever holds the keys now (``ServerSettings``): read at each request, never copied, so that a SIGHUP's
+    reload (kvrelay.server.key_reload) holds from the next request on."""
+
+    api_keys: frozenset[str]
+    metrics_key: str | None
 
 
 def read_metrics_key(path: str | None) -> str | None:
@@ -77,22 +86,22 @@ def docs_urls(api_keys: frozenset[str]) -> dict:
     return {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_keys else {}
 
 
-def add_keyed_docs(app: FastAPI, api_keys: frozenset[str], metrics_key: str | None) -> None:
+def add_keyed_docs(app: FastAPI, keys: Keys) -> None:
     """The schema and its pages behind a key (with API keys; without, FastAPI serves them open)."""
-    if not api_keys:
+    if not keys.api_keys:
         return
 
     @app.get(OPENAPI_URL, include_in_schema=False)
     async def openapi(request: Request) -> JSONResponse:
-        check_docs_access(request, api_keys, metrics_key)
+        check_docs_access(request, keys.api_keys, keys.metrics_key)
         return JSONResponse(app.openapi())
 
     @app.get("/docs", include_in_schema=False)
     async def swagger(request: Request) -> HTMLResponse:
-        check_docs_access(request, api_keys, metrics_key)
+        check_docs_access(request, keys.api_keys, keys.metrics_key)
         return get_swagger_ui_html(openapi_url=OPENAPI_URL, title=f"{app.title} - docs")
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:
-        check_docs_access(request, api_keys, metrics_key)
+        check_docs_access(request, keys.api_keys, keys.metrics_key)
         return get_redoc_html(openapi_url=OPENAPI_URL, title=f"{app.title} - ReDoc")

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from kvrelay.engine import Engine
 from kvrelay.errors import ConfigError
+from kvrelay.quality.ladder import ladder_text
 from kvrelay.server.access import add_keyed_docs, docs_urls
 from kvrelay.server.catalog import SpanCatalog
 from kvrelay.server.chat_route import chat_router
@@ -97,9 +98,10 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
 
     app = FastAPI(title="kvrelay", lifespan=lifespan, **docs_urls(settings.api_keys))
     app.state.worker, app.state.catalog, app.state.metrics, app.state.context = worker, catalog, metrics, ctx
-    add_keyed_docs(app, settings.api_keys, settings.metrics_key)  # with API keys, the docs need one
-    add_error_handlers(app, metrics, settings.api_keys, settings.metrics_key)  # OpenAI's error JSON, no traceback
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, api_keys=settings.api_keys)
+    # the keys are read from ``settings`` at each request: a SIGHUP's reload (kvrelay.server.key_reload) holds at once
+    add_keyed_docs(app, settings)  # with API keys, the docs need one
+    add_error_handlers(app, metrics, settings)  # OpenAI's error JSON, no traceback
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, keys=settings)
     app.add_middleware(RequestIds, metrics=metrics)  # added last: outside BodyLimit, so its 413s and 429s count too
     app.include_router(service_router(ctx))  # /health, /metrics, /v1/models
     app.include_router(chat_router(ctx))  # POST /v1/chat/completions
@@ -108,4 +110,7 @@ def create_app(engine: Engine, catalog: SpanCatalog, settings: ServerSettings) -
     app.state.responses = response_store_for(catalog.store)
     app.include_router(responses_router(ctx, app.state.responses))
     install_quality(app, ctx, engine, settings.quality)  # GET /v1/kvrelay/quality; the guard, its shadows, metrics
+    guard = getattr(app.state, "quality", None)  # the ladder it serves: the rungs this model can run
+    ladder = ladder_text(guard.guard.config.ladder) if guard is not None else None
+    metrics.describe(ctx.model_id, settings.method if guard is None else None, ladder)  # kvrelay_build_info
     return app

@@ -8,7 +8,7 @@ import logging
 import socket
 
 from kvrelay.errors import ConfigError
-from kvrelay.server.key_files import read_key_lines
+from kvrelay.server.key_files import read_api_keys
 
 STARTUP_FAILURE = 3  # the exit status of a server that could not start (uvicorn's, as uvicorn.run exits)
 DEFAULT_METHOD = "epic"  # best measured fidelity for its speed on our workloads (README, "Point your agent...")
@@ -147,11 +147,6 @@ def serving_methods(args: argparse.Namespace, ladder: tuple | None = None) -> st
     return f"with each agent at its quality-guard rung ({rungs}; target {args.quality_target})"
 
 
-def read_api_keys(path: str | None) -> frozenset[str]:
-    """The tenants' keys in ``--api-keys FILE`` (kvrelay.server.key_files), or none without the flag."""
-    return frozenset() if path is None else frozenset(read_key_lines(path, "--api-keys"))
-
-
 def check_can_listen(host: str, port: int) -> None:
     """ConfigError unless ``host:port`` can be bound now, as uvicorn will bind it (its family rule, SO_REUSEADDR):
     a port in use was uvicorn's error after the model had loaded (and after the "serving on" line). A port taken
@@ -210,8 +205,11 @@ def build_app(args: argparse.Namespace):
     # last before the model loads: a bad flag is named whatever holds the port (a test's app, never bound, too)
     check_can_listen(args.host, args.port)
     lm = load_model_from(args, progress=args.log_format == "text")  # a bar on stderr would break JSON lines
-    store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
-                       namespace_budget_bytes=tenancy.namespace_budget_bytes)
+    try:  # what only opening it finds (a directory that cannot be made, as under /proc) names the flag too
+        store = open_store(args.store, int(args.kv_budget_gb * (1 << 30)), fingerprint=lm.fingerprint,
+                           namespace_budget_bytes=tenancy.namespace_budget_bytes)
+    except ConfigError as exc:
+        raise ConfigError(f"--store: {exc}") from None
     store.set_namespace_idle_s(tenancy.idle_s)
     engine = Engine(lm, store, methods=(args.method, "full", *extra_methods))
     for spec in (args.method, *extra_methods):  # what a method resolves from the model (a layer past the last one,
@@ -250,6 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
              f"threads: {torch.get_num_threads()})", args.log_format)
     from kvrelay.server.graceful import graceful_server
     from kvrelay.server.http_protocol import JsonErrorH11Protocol
+    from kvrelay.server.key_reload import KeyReloader
     from kvrelay.server.shutdown_log import install_cut_off_filter
 
     install_cut_off_filter()  # a request uvicorn still cancels at the end: one line, not its traceback
@@ -259,8 +258,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # log_config None with --log-format json: uvicorn's own lines go to the root handler, as JSON like the others
     # SIGTERM / SIGINT: queued requests answered 503 at once, running ones get --shutdown-grace-s (graceful)
     json_logs = {"log_config": None} if args.log_format == "json" else {}
-    server = graceful_server(app, host=args.host, port=args.port, log_level=args.log_level,
-                             http=JsonErrorH11Protocol, access_log=False, **json_logs)
+    # SIGHUP: the --api-keys and --metrics-key files read again (kvrelay.server.key_reload), no restart
+    reloader = KeyReloader(app.state.context.settings, args.api_keys, args.metrics_key)
+    server = graceful_server(app, on_hangup=reloader.reload, host=args.host, port=args.port,
+                             log_level=args.log_level, http=JsonErrorH11Protocol, access_log=False, **json_logs)
     try:
         server.run()
     except KeyboardInterrupt:  # as uvicorn.run: a Ctrl-C uvicorn re-raises once it has shut down

@@ -91,14 +91,15 @@ class ErrorEvent:
     message: str
     param: str | None = None
     code: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()  # the error's own HTTP headers (a 503 shutting_down's Retry-After)
 
     @classmethod
     def of(cls, exc: ApiError) -> ErrorEvent:
-        return cls(exc.status, exc.message, exc.param, exc.code)
+        return cls(exc.status, exc.message, exc.param, exc.code, tuple((exc.headers or {}).items()))
 
     def api_error(self) -> ApiError:
         return ApiError(self.status, self.message, "invalid_request_error" if self.status < 500 else "server_error",
-                        self.param, self.code)
+                        self.param, self.code, dict(self.headers) or None)
 
 
 Event = DeltaEvent | DoneEvent | ErrorEvent

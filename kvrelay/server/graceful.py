@@ -16,6 +16,9 @@ plain-text 500 (or, on a stream, the connection closes with no last chunk) and n
 
 A second Ctrl-C ends the wait of step 2 at once, and the shutdown goes on as above (the lifespan still stops the
 worker); a third is uvicorn's ``force_exit``, which skips waiting for connections and the lifespan's shutdown.
+
+SIGHUP is no shutdown (its default action killed the process at once, streams cut without a last chunk): it runs
+``on_hangup`` on the event loop, ``kvrelay serve``'s key reload (kvrelay.server.key_reload).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import asyncio
 import logging
 import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
@@ -49,12 +54,18 @@ async def drain_worker(worker: WorkerDrain, grace_s: float, forced: Callable[[],
     deadline_s = clock() + grace_s
     worker.drain()
     num_running = worker.num_in_flight
-    if num_running:
-        log.info("shutting down: %d running request(s) get up to %g s to finish", num_running, grace_s)
+    if num_running:  # at WARNING: at the default log level, a drain is one line when it starts and one when it ends
+        log.warning("shutting down: %d running request(s) get up to %g s to finish", num_running, grace_s)
+    else:
+        log.warning("shutting down: no request running")
+    started_s = clock()
     while worker.num_in_flight and clock() < deadline_s and not forced():
         await asyncio.sleep(poll_s)
     num_cut = worker.num_in_flight
     if not num_cut:
+        if num_running:
+            log.warning("shutting down: the %d running request(s) finished in %.1f s", num_running,
+                        clock() - started_s)
         return 0
     why = f"after the {grace_s:g} s grace" if clock() >= deadline_s else "when a second Ctrl-C ended the grace"
     log.warning("shutting down: %d request(s) still running %s are answered 503 shutting_down", num_cut, why)
@@ -68,9 +79,10 @@ async def drain_worker(worker: WorkerDrain, grace_s: float, forced: Callable[[],
 class GracefulServer(uvicorn.Server):
     """uvicorn's server whose shutdown drains the engine worker first (the module's steps)."""
 
-    def __init__(self, config: uvicorn.Config, worker: WorkerDrain, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, worker: WorkerDrain, grace_s: float,
+                 on_hangup: Callable[[], object] | None = None) -> None:
         super().__init__(config)
-        self.worker, self.grace_s = worker, grace_s
+        self.worker, self.grace_s, self.on_hangup = worker, grace_s, on_hangup
         self.draining = False
         self.grace_ended = False  # a second Ctrl-C came while the drain waited
 
@@ -82,14 +94,39 @@ class GracefulServer(uvicorn.Server):
             return
         super().handle_exit(sig, frame)
 
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn's (SIGINT, SIGTERM), and SIGHUP: ``on_hangup`` on the event loop (a signal handler only schedules
+        it: the handler runs between any two bytecodes of the loop, where writing a log line could re-enter the
+        stream being written). Signals reach the main thread only: elsewhere (a test's server thread) none is set."""
+        with super().capture_signals():
+            hangup = getattr(signal, "SIGHUP", None)
+            if hangup is None or threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            loop = asyncio.get_running_loop()
+            previous = signal.signal(hangup, lambda _sig, _frame: loop.call_soon_threadsafe(self.hangup))
+            try:
+                yield
+            finally:
+                signal.signal(hangup, previous)
+
+    def hangup(self) -> None:
+        """SIGHUP's action: ``on_hangup``, or a line saying it does nothing here."""
+        if self.on_hangup is not None:
+            self.on_hangup()
+        else:
+            log.warning("SIGHUP: nothing to reload; the server goes on")
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.draining = True
         await drain_worker(self.worker, self.grace_s, forced=lambda: self.grace_ended or self.force_exit)
         await super().shutdown(sockets)
 
 
-def graceful_server(app, **config: object) -> GracefulServer:
-    """A ``GracefulServer`` for a ``create_app`` app: its worker, its settings' grace; ``config``: uvicorn.Config's
-    other arguments (host, port, log_level, http, ...)."""
+def graceful_server(app, on_hangup: Callable[[], object] | None = None, **config: object) -> GracefulServer:
+    """A ``GracefulServer`` for a ``create_app`` app: its worker, its settings' grace; ``on_hangup``: SIGHUP's action;
+    ``config``: uvicorn.Config's other arguments (host, port, log_level, http, ...)."""
     uv_config = uvicorn.Config(app, timeout_graceful_shutdown=FLUSH_S, **config)
-    return GracefulServer(uv_config, app.state.worker, app.state.context.settings.shutdown.shutdown_grace_s)
+    return GracefulServer(uv_config, app.state.worker, app.state.context.settings.shutdown.shutdown_grace_s,
+                          on_hangup)

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrelay.server.access import may_read_docs
+from kvrelay.server.access import Keys, may_read_docs
 from kvrelay.server.body_rate import BodyRate, client_key
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import ApiError, error_response, validation_message
@@ -35,8 +35,8 @@ class BodyLimit:
     cancel."""
 
     def __init__(self, app, max_bytes: int, metrics: ServerMetrics, rate: BodyRate | None = None,
-                 api_keys: frozenset[str] = frozenset()) -> None:
-        self.app, self.max_bytes, self.metrics, self.api_keys = app, max_bytes, metrics, api_keys
+                 keys: Keys | None = None) -> None:
+        self.app, self.max_bytes, self.metrics, self.keys = app, max_bytes, metrics, keys
         self.rate = rate if rate is not None else BodyRate(max_bytes)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -51,7 +51,7 @@ class BodyLimit:
                                            f"{self.max_bytes} bytes", code="request_too_large")
             await response(scope, receive, send)
             return
-        client = client_key(scope, self.api_keys)
+        client = client_key(scope, self.keys.api_keys if self.keys is not None else frozenset())
         wait_s = await self.rate.wait_turn(client, int(size)) if size.isdigit() else 0
         if chunked:  # its size is not known: it waits while its client's budget is below zero
             wait_s = await self.rate.wait_turn(client, None)
@@ -81,8 +81,7 @@ class BodyLimit:
                 self.rate.charge(client, num_bytes)
 
 
-def add_error_handlers(app: FastAPI, metrics: ServerMetrics, api_keys: frozenset[str] = frozenset(),
-                       metrics_key: str | None = None) -> None:
+def add_error_handlers(app: FastAPI, metrics: ServerMetrics, keys: Keys | None = None) -> None:
     """ApiError, pydantic's 422 (a 400 here, as OpenAI answers), Starlette's HTTP errors and anything unexpected
     (a 500 that names no internals); kvrelay.server.request_ids counts each by its status. A 404/405 lists the served
     routes to whoever may read the schema (``kvrelay.server.access.may_read_docs``: with API keys, a caller with
@@ -105,7 +104,8 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics, api_keys: frozenset
         message = str(exc.detail)
         if exc.status_code in (404, 405):  # the router's: a client calling an API this server lacks learns that
             message = f"{request.method} {request.url.path}: {message.lower()}"
-        if exc.status_code in (404, 405) and may_read_docs(request, api_keys, metrics_key):  # and what is served
+        shown = keys is None or may_read_docs(request, keys.api_keys, keys.metrics_key)
+        if exc.status_code in (404, 405) and shown:  # and what is served
             served = sorted(f"{method.upper()} {path}" for path, methods in app.openapi()["paths"].items()
                             if path.startswith("/v1/") for method in methods)  # the schema is built once
             message = f"{message}; this server serves {', '.join(served)}"

@@ -20,8 +20,14 @@ def read_key_lines(path: str, flag: str) -> list[str]:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
+    try:
+        text = file.read_text(encoding="utf-8-sig")  # an editor's BOM is no part of the first key
+    except OSError as e:  # unreadable (permissions): named, never a traceback
+        raise ConfigError(f"{flag} {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{flag} {path}: is not UTF-8 text") from None
     keys: list[str] = []
-    for line_number, line in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), start=1):  # an editor's BOM
+    for line_number, line in enumerate(text.splitlines(), start=1):
         key = line.strip()
         if not key or key.startswith("#"):
             continue
@@ -32,3 +38,8 @@ def read_key_lines(path: str, flag: str) -> list[str]:
     if not keys:
         raise ConfigError(f"{flag} {path}: the file holds no key")
     return keys
+
+
+def read_api_keys(path: str | None) -> frozenset[str]:
+    """The tenants' keys in ``--api-keys FILE``, or none without the flag."""
+    return frozenset() if path is None else frozenset(read_key_lines(path, "--api-keys"))

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics_core import Metric
 
 from kvrelay.server.request_metrics import RequestMetrics
@@ -28,6 +36,14 @@ def endpoint_of(path: str) -> str:
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # the process's own series, as prometheus_client's default registry has them (this one is private): RSS,
+        # CPU seconds, open fds (process_*; Linux only) and python_info
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        # which version, model and method a replica serves (value 1; labels set once by ``describe``)
+        self.build_info = Gauge("kvrelay_build_info", "1, labelled with the kvrelay version, the model served, the "
+                                "--method (empty with the quality guard on) and the guard's ladder (empty without)",
+                                ["version", "model", "method", "quality_ladder"], registry=r)
         # both counted by kvrelay.server.request_ids, for every HTTP request the app gets, so that errors over requests
         # is a ratio of one population (a 400 refused before its route ran counts in both)
         self.requests = Counter("kvrelay_requests", "HTTP requests received, by endpoint (chat, completions, "
@@ -74,6 +90,12 @@ class ServerMetrics:
         # TTFT and the other latencies, sizes, reuse and finish reason of each request; kvrelay_cancelled_total
         self.per_request = RequestMetrics(r)
         self._seen: dict[str, int] = {}
+
+    def describe(self, model: str, method: str | None, quality_ladder: str | None) -> None:
+        """``kvrelay_build_info``'s one sample: this server's version, model, method or guard ladder."""
+        from kvrelay import __version__
+
+        self.build_info.labels(__version__, model, method or "", quality_ladder or "").set(1)
 
     def request_received(self, path: str) -> str:
         """Count one HTTP request; its ``endpoint`` label (fixed values: no client-chosen path becomes a series)."""

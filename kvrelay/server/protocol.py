@@ -31,12 +31,16 @@ class ApiError(Exception):
 
 
 SHUTTING_DOWN_CODE = "shutting_down"
+#: a 503 shutting_down's Retry-After: retry at once, elsewhere (this replica will not serve it; the load balancer
+#: picks another), but not in a tight loop against a balancer that has not yet dropped this one
+SHUTTING_DOWN_RETRY_AFTER_S = 1
 
 
 def shutting_down_error() -> ApiError:
     """What a request the server will not serve any more is answered while it shuts down (a 503: retryable)."""
     return ApiError(503, "the server is shutting down; retry the request (another replica will serve it)",
-                    "server_error", code=SHUTTING_DOWN_CODE)
+                    "server_error", code=SHUTTING_DOWN_CODE,
+                    headers={"Retry-After": str(SHUTTING_DOWN_RETRY_AFTER_S)})
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,

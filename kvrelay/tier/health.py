@@ -3,7 +3,9 @@
 The first failed call (an error, or a hung server's client timeout) marks the tier down. From then on every call
 is skipped at the cost of reading a flag, so a dead or hung Redis or disk costs the engine thread one failed call per
 outage, not one per retry; a ``TierProber`` probes it off the callers' threads and marks it up as soon as a probe
-answers. The state changes are logged once each way, never per failed call.
+answers. The state changes are logged once each way, never per failed call. A tier that nobody calls (a replica
+with no traffic) would never fail a call: ``watch`` pings it while it is up, every ``UP_PROBE_INTERVAL_S``, on a
+thread of its own, and a failed ping marks it down as a failed call does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrelay.tier.backends.base import TierRefusedError, redact
-from kvrelay.tier.prober import TierProber
+from kvrelay.tier.prober import UP_PROBE_INTERVAL_S, TierProber
 
 log = logging.getLogger("kvrelay.tier")
 
@@ -40,6 +42,7 @@ class TierHealth:
         self.prober = None if probe is None else TierProber(probe, min_backoff_s, max_backoff_s, wait)
         self._probing = False  # a prober thread runs (set and cleared under the lock: no outage is left unprobed)
         self.probe_thread: threading.Thread | None = None  # the latest prober thread (a test joins it)
+        self.watch_thread: threading.Thread | None = None  # pings the tier while it is up (``watch``)
         self._lock = threading.Lock()
 
     @property
@@ -71,20 +74,39 @@ class TierHealth:
             self.failure(what, e)
             raise TierDown from None
 
+    def watch(self, interval_s: float = UP_PROBE_INTERVAL_S, wait: Callable[[float], bool] | None = None) -> None:
+        """Ping the tier every ``interval_s`` while it is up, on a thread of its own, until ``close``: a failed ping
+        marks it down (one warning, as a failed call's) and the prober finds it back. No effect without a probe or
+        when already watching. ``wait``: the watcher's sleep (``TierProber.probe_while_up``), for a test to step it."""
+        if self.prober is None or self.watch_thread is not None:
+            return
+        self.watch_thread = threading.Thread(target=self.prober.probe_while_up,
+                                             args=(interval_s, lambda: self.up, self._ping_failed, wait),
+                                             name="kvrelay-tier-watch", daemon=True)
+        self.watch_thread.start()
+
+    def _ping_failed(self, exc: BaseException) -> None:
+        with self._lock:  # not a caller's failed call: not counted in ``num_failures``
+            self._mark_down("ping", exc)
+
     def failure(self, what: str, exc: BaseException) -> None:
         with self._lock:
             self.num_failures += 1
-            if self.prober is None or self.prober.stopped:  # nothing would mark it up again: stay up, retry per call
-                return
-            if self.down_since is None:
-                self.down_since = self.clock()
-                log.warning("shared tier %s unavailable (%s: %s: %s); serving from memory, probing it in the "
-                            "background", self.url, what, type(exc).__name__, redact(str(exc)))
-            if not self._probing:
-                self._probing = True
-                self.probe_thread = threading.Thread(target=self._probe_until_up, name="kvrelay-tier-prober",
-                                                     daemon=True)
-                self.probe_thread.start()
+            self._mark_down(what, exc)
+
+    def _mark_down(self, what: str, exc: BaseException) -> None:
+        """Down (logged once), with a prober thread running; the caller holds the lock."""
+        if self.prober is None or self.prober.stopped:  # nothing would mark it up again: stay up, retry per call
+            return
+        if self.down_since is None:
+            self.down_since = self.clock()
+            log.warning("shared tier %s unavailable (%s: %s: %s); serving from memory, probing it in the "
+                        "background", self.url, what, type(exc).__name__, redact(str(exc)))
+        if not self._probing:
+            self._probing = True
+            self.probe_thread = threading.Thread(target=self._probe_until_up, name="kvrelay-tier-prober",
+                                                 daemon=True)
+            self.probe_thread.start()
 
     def _probe_until_up(self) -> None:
         up = self.prober.wait_until_up()

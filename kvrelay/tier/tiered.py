@@ -398,4 +398,5 @@ def open_store(url: str | None, budget_bytes: int, *, fingerprint: str | None = 
             store._tier("connect", backend.ping)
         except TierDown:
             pass
+    store.health.watch()  # an idle process too finds the tier down within one ping interval
     return store

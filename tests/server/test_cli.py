@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
@@ -127,3 +128,15 @@ def test_the_startup_line_lists_only_the_rungs_this_model_can_run():
     ladder = app.state.quality.guard.config.ladder
     assert [r.name for r in ladder] == ["naive", "prefix"]
     assert "rung (naive,prefix; target" in serving_methods(args, ladder)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no directory can be made")
+def test_a_disk_store_that_only_opening_finds_bad_names_the_flag_too(capsys):
+    # /proc passes the check before the model loads (it is a directory, writable for root), and mkdir fails in it:
+    # the error was the only --store error without the flag's name (it comes once the model has loaded)
+    args = build_parser().parse_args(["serve", "--model", "random:tiny", "--quality-target", "off", "--port", "0",
+                                      "--store", "disk:/proc/kvrelay-no-such-dir"])
+    assert cmd_serve(args) == 2
+    err = capsys.readouterr().err
+    assert "--store: disk store directory '/proc/kvrelay-no-such-dir' cannot be created" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -51,3 +51,10 @@ def test_a_byte_order_mark_an_editor_wrote_is_no_part_of_the_first_key(tmp_path)
     path = tmp_path / "keys.txt"
     path.write_bytes("\ufeffkey-alpha\nkey-beta\n".encode())
     assert read_api_keys(str(path)) == {"key-alpha", "key-beta"}
+
+
+def test_a_file_that_is_no_utf8_text_is_refused_naming_its_flag(tmp_path):
+    path = tmp_path / "keys.bin"
+    path.write_bytes(b"key-\xff\xfe\n")
+    with pytest.raises(ConfigError, match="--api-keys .*keys.bin: is not UTF-8 text"):
+        read_api_keys(str(path))

@@ -38,9 +38,38 @@ def registered() -> dict[str, str]:
             for f in app.state.metrics.registry.collect()}
 
 
+# prometheus_client's process and platform collectors: documented in prose, not in the table (their meaning is
+# prometheus_client's); process_* exist on Linux only
+STANDARD = {"process_resident_memory_bytes": "gauge", "process_cpu_seconds_total": "counter",
+            "process_open_fds": "gauge", "process_max_fds": "gauge", "process_virtual_memory_bytes": "gauge",
+            "process_start_time_seconds": "gauge", "python_info": "gauge"}
+
+
 def test_every_metric_is_documented_with_its_type_and_every_documented_one_exists():
-    docs, registry = documented(), registered()
+    docs, everything = documented(), registered()
+    registry = {name: kind for name, kind in everything.items() if name not in STANDARD}
+    assert {name: everything.get(name) for name in STANDARD} == STANDARD  # the process's RSS, CPU, fds; Python's
+    assert all(f"`{name}`" in DOCS.read_text() for name in STANDARD), "a process series docs/serving.md omits"
     assert len(docs) >= 40  # the table was found and read
     assert sorted(set(registry) - set(docs)) == [], "registered but not in docs/serving.md's table"
     assert sorted(set(docs) - set(registry)) == [], "in docs/serving.md's table but not registered"
     assert {name: kind for name, kind in docs.items() if registry[name] != kind} == {}, "documented type is wrong"
+
+
+def test_the_page_says_which_build_model_and_method_a_replica_serves_and_its_process_memory():
+    from fastapi.testclient import TestClient
+
+    from kvrelay import __version__
+
+    engine = Engine(load_model("random:tiny"), KVStore(1 << 24))
+    catalog = SpanCatalog(engine.store, engine.lm.fingerprint)
+    plain = create_app(engine, catalog, ServerSettings(method="prefix"))
+    with TestClient(plain) as client:
+        page = client.get("/metrics").text
+    assert (f'kvrelay_build_info{{method="prefix",model="random:tiny",quality_ladder="",version="{__version__}"}} 1.0'
+            in page)
+    rss = plain.state.metrics.registry.get_sample_value("process_resident_memory_bytes")
+    assert rss is not None and rss > 50 << 20  # this process holds torch: tens of MB at least
+    guarded = create_app(engine, catalog, ServerSettings(quality=QualityConfig(ladder=LEARNING_LADDER)))
+    labels = {"version": __version__, "model": "random:tiny", "method": "", "quality_ladder": "naive,kvcomm,prefix"}
+    assert guarded.state.metrics.registry.get_sample_value("kvrelay_build_info", labels) == 1

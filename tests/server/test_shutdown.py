@@ -19,6 +19,7 @@ import pytest
 
 from kvrelay.errors import ConfigError
 from kvrelay.server.graceful import drain_worker
+from kvrelay.server.protocol import SHUTTING_DOWN_RETRY_AFTER_S
 from kvrelay.server.request_ids import CUT_MARKER, REQUEST_ID_HEADER, RequestIds
 from kvrelay.server.serve_config import DEFAULT_SHUTDOWN_GRACE_S, ShutdownConfig
 from tests.server.conftest import MODEL
@@ -133,6 +134,9 @@ def test_queued_requests_get_503_at_once_and_the_running_one_finishes_within_the
         assert f" {CHAT} {status} " in lines[response.headers[REQUEST_ID_HEADER]]
     assert f" {CHAT} 503 " in lines[queued_stream.headers[REQUEST_ID_HEADER]]
     assert f" {CHAT} 200 " in lines[running.headers[REQUEST_ID_HEADER]]  # served whole: no cut
+    # retry soon, on another replica (as the 429's Retry-After and the tier's 503's say when to retry)
+    assert [r.get("retry-after") for r in (plain.headers, queued_stream.headers, late.headers)] == [
+        str(SHUTTING_DOWN_RETRY_AFTER_S)] * 3 == ["1"] * 3
 
 
 def test_a_stream_still_running_when_the_grace_ends_gets_an_error_chunk_then_done(caplog):
@@ -193,15 +197,27 @@ def test_the_drain_cuts_only_what_still_runs_when_the_grace_ends():
     assert cut_at_s[0] >= 1.0 + 5.0  # the deadline, read at 1.0, passed: the grace is over, no sooner
 
 
-def test_the_drain_ends_without_a_cut_when_the_running_requests_finish_in_the_grace():
+def test_the_drain_ends_without_a_cut_when_the_running_requests_finish_in_the_grace(caplog):
     worker = _FakeWorker(1)
 
     def finish_at_3_s(now_s: float) -> None:
         if now_s >= 3.0:
             worker.num_in_flight = 0
 
-    assert asyncio.run(drain_worker(worker, 25.0, clock=_SteppingClock(1.0, finish_at_3_s), poll_s=0)) == 0
+    with caplog.at_level(logging.WARNING, logger="kvrelay.server"):
+        assert asyncio.run(drain_worker(worker, 25.0, clock=_SteppingClock(1.0, finish_at_3_s), poll_s=0)) == 0
     assert worker.calls == ["drain"]
+    # at WARNING, the server's default level: a drain was silent unless its grace ran out
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kvrelay.server"] == [
+        (logging.WARNING, "shutting down: 1 running request(s) get up to 25 s to finish"),
+        (logging.WARNING, "shutting down: the 1 running request(s) finished in 2.0 s")]  # read at 2.0, then 4.0
+
+
+def test_a_drain_with_nothing_running_says_so_in_one_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvrelay.server"):
+        assert asyncio.run(drain_worker(_FakeWorker(0), 25.0, clock=_SteppingClock(1.0), poll_s=0)) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "kvrelay.server"] == [
+        "shutting down: no request running"]
 
 
 def test_a_second_ctrl_c_ends_the_grace_at_once():
@@ -251,6 +267,7 @@ def test_a_request_uvicorn_cancels_before_its_answer_gets_a_503_with_its_id(capl
     start, body = sent
     assert start["status"] == 503
     request_id = dict(start["headers"])[REQUEST_ID_HEADER.encode()].decode()
+    assert dict(start["headers"])[b"retry-after"] == b"1"
     _assert_shutting_down_body(503, json.loads(body["body"]))
     assert f" {CHAT} 503 " in _access_lines(caplog)[request_id]
 

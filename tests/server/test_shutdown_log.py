@@ -94,3 +94,6 @@ class _FakeApp:
         class worker:  # noqa: N801
             class engine:  # noqa: N801
                 lm = _FakeLm
+
+        class context:  # noqa: N801  (the settings whose keys SIGHUP reloads)
+            settings = None

@@ -137,3 +137,25 @@ def test_the_server_publishes_without_waiting_on_the_tier_and_metrics_show_what_
     assert len(backend.keys) == 2 and store.writer is None  # the app's shutdown handed writes back
     reader = TieredStore(1 << 26, DiskBackend(tmp_path), store.fingerprint)
     assert first["kvrelay"]["debug"]["span_id"] in reader
+
+
+def test_an_idle_replica_shows_a_dead_tier_down_in_health_and_metrics():
+    """No request touches the tier: the watcher's ping alone turns /health's tier and kvrelay_tier_up to down."""
+    from tests.tier.test_tier_prober import STEP_TIMEOUT_S, Steps, _wait_for
+
+    store, backend, _steps = hanging_store()
+    watch = Steps()
+    store.health.watch(wait=watch.wait)
+    try:
+        with served(store) as client:
+            assert client.get("/health").json()["tier"]["up"] is True and sample(client, "kvrelay_tier_up") == 1
+            backend.hung.set()  # Redis killed
+            watch.step()
+            assert backend.probes.get(timeout=STEP_TIMEOUT_S) is False
+            _wait_for(lambda: not store.health.up)
+            health = client.get("/health")
+            assert health.status_code == 200 and health.json()["tier"]["up"] is False
+            assert sample(client, "kvrelay_tier_up") == 0
+            assert sample(client, "kvrelay_tier_failed_calls_total") == 0  # a ping, not a caller's call
+    finally:
+        store.close()

@@ -191,3 +191,55 @@ def test_down_for_s_reads_the_injected_clock():
     now[0] += 12.5
     assert store.health.down_for_s() == 12.5
     store.close()
+
+
+def test_a_tier_nobody_calls_is_pinged_while_up_and_found_down_by_a_ping(caplog):
+    """A replica with no traffic makes no call that could fail: the watcher's ping alone finds the tier dead, marks
+    it down (one warning, no failed call counted) and leaves it to the prober; while down the watcher pings nothing."""
+    store, backend, steps = hanging_store()
+    watch_steps = Steps()
+    store.health.watch(interval_s=5.0, wait=watch_steps.wait)
+    watch_steps.step()  # the tier answers: still up
+    assert backend.probes.get(timeout=STEP_TIMEOUT_S) is True
+    assert store.health.up and backend.calls["ping"] == 1
+    backend.hung.set()
+    with caplog.at_level("WARNING", logger="kvrelay.tier"):
+        watch_steps.step()  # no request at all: the ping finds it dead
+        assert backend.probes.get(timeout=STEP_TIMEOUT_S) is False
+        _wait_for(lambda: not store.health.up)  # the ping's failure is handled on the watcher's thread
+    assert not store.health.up and store.health.num_failures == 0
+    assert [r.getMessage() for r in caplog.records if "unavailable (ping: TimeoutError" in r.getMessage()] != []
+    assert sum(backend.calls.values()) == backend.calls["ping"] == 2  # no other call reached it
+    watch_steps.step()  # down: the watcher leaves the probing to the prober
+    backend.hung.clear()
+    steps.step()  # the prober's probe answers: up again
+    assert backend.probes.get(timeout=STEP_TIMEOUT_S) is True
+    store.health.probe_thread.join(STEP_TIMEOUT_S)
+    assert store.health.up and backend.calls["ping"] == 3 and watch_steps.intervals_s[:3] == [5.0, 5.0, 5.0]
+    store.close()
+    watch_steps.step()
+    store.health.watch_thread.join(STEP_TIMEOUT_S)
+    assert not store.health.watch_thread.is_alive() and backend.calls["ping"] == 3  # closed: no more pings
+
+
+def _wait_for(condition) -> None:
+    """Wait for a state another thread was made to reach (not for time to pass): the bound only stops a deadlock."""
+    done = threading.Event()
+    for _ in range(int(STEP_TIMEOUT_S / 0.01)):
+        if condition():
+            return
+        done.wait(0.01)
+    raise AssertionError("the state was never reached")
+
+
+def test_open_store_watches_its_tier_and_close_ends_the_watcher(tmp_path):
+    from kvrelay.tier.prober import UP_PROBE_INTERVAL_S
+    from kvrelay.tier.tiered import open_store
+
+    assert 1 <= UP_PROBE_INTERVAL_S <= 10  # a dead tier shows within seconds, at one cheap ping per interval
+    store = open_store(f"disk:{tmp_path}", 1 << 20)
+    watcher = store.health.watch_thread
+    assert watcher is not None and watcher.is_alive()
+    store.close()
+    watcher.join(STEP_TIMEOUT_S)
+    assert not watcher.is_alive()
