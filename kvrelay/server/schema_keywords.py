@@ -120,17 +120,17 @@ def _check_node(node: dict, where: str, key_schema: bool, root: dict, param: str
 
 
 def _check_combinator(node: dict, combinator: str, where: str, root: dict, param: str) -> None:
+    if "allOf" in node and len(node["allOf"]) > 1:
+        raise _refused(param, where, f'"allOf" of {len(node["allOf"])} schemas is not supported (one is): merge '
+                                     'them into one schema')
+    if "$ref" in node and not (node["$ref"] == "#" or node["$ref"].startswith("#/")):
+        raise _refused(param, where, f'"$ref" {node["$ref"]!r} is not supported: only a reference inside the '
+                                     'schema ("#" or "#/...") is resolved')
     for key in node:
         if key != combinator and key not in ANNOTATIONS and key not in _DEFINITIONS and key != "$id" \
                 and not key.startswith("x-"):
             raise _refused(param, where, f'"{key}" beside "{combinator}" is not supported: the grammar follows '
                                          f'"{combinator}" alone there; move "{key}" into each branch')
-    if combinator == "allOf" and len(node["allOf"]) > 1:
-        raise _refused(param, where, f'"allOf" of {len(node["allOf"])} schemas is not supported (one is): merge '
-                                     'them into one schema')
-    if combinator == "$ref" and not (node["$ref"] == "#" or node["$ref"].startswith("#/")):
-        raise _refused(param, where, f'"$ref" {node["$ref"]!r} is not supported: only a reference inside the '
-                                     'schema ("#" or "#/...") is resolved')
     if combinator == "oneOf":
         branches = node["oneOf"]
         for i, a in enumerate(branches):
@@ -207,7 +207,10 @@ def _check_objects(node: dict, where: str, param: str) -> None:
         if name not in properties:
             raise _refused(param, where, f'"required" names {name!r}, which "properties" does not list: the grammar '
                                          'requires listed properties only')
-    free_keys = any(k in node and node[k] is not False for k in ("additionalProperties", "unevaluatedProperties"))
+    # undeclared keys: where additionalProperties allows them, or where propertyNames alone names them (the grammar
+    # then takes any value for them)
+    free_keys = any(k in node and node[k] is not False for k in ("additionalProperties", "unevaluatedProperties")) \
+        or ("propertyNames" in node and "additionalProperties" not in node)
     if node.get("minProperties", 0) > 0 and free_keys:
         raise _refused(param, where, '"minProperties" beside "additionalProperties" is not supported: the grammar '
                                      'lets an undeclared key repeat, and a repeated key counts once')

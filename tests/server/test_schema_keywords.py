@@ -48,8 +48,8 @@ def accepts(schema: dict, text: str) -> bool:
 
 # name: (schema, what the 400 names, its place, a value that breaks the schema and the grammar takes)
 REFUSED = {
-    "allOf of two": ({**OBJ, "allOf": [props(a={"type": "integer"}), props(b={"type": "string"})]}, '"allOf"', "#",
-                     '"x"'),
+    "allOf of two": ({**OBJ, "allOf": [props(a={"type": "integer"}), props(b={"type": "string"})]},
+                     '"allOf" of 2 schemas', "#", '"x"'),
     "not": (props(v={"not": {"type": "string"}}), '"not"', "#/properties/v", '{"v":"s"}'),
     "if/then": ({**props(a={"type": "integer"}, b={"type": "integer"}), "required": ["a"],
                  "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, '"if"', "#", '{"a":1}'),
@@ -64,6 +64,8 @@ REFUSED = {
     "minProperties beside additionalProperties": (
         {**OBJ, "additionalProperties": {"type": "integer"}, "minProperties": 2}, '"minProperties"', "#",
         '{"a":1,"a":1}'),
+    "minProperties beside propertyNames": ({**OBJ, "propertyNames": {"pattern": "^[a-z]+$"}, "minProperties": 2},
+                                           '"minProperties"', "#", '{"a":1,"a":1}'),
     "remote $ref": (props(a={"$ref": "https://example.com/s.json"}), "'https://example.com/s.json'",
                     "#/properties/a", '{"a":"x"}'),
     "anchor $ref": ({"$defs": {"P": {"$anchor": "p", "type": "integer"}}, "$ref": "#p"}, "'#p'", "#", '"x"'),
