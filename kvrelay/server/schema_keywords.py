@@ -132,13 +132,11 @@ def _check_combinator(node: dict, combinator: str, where: str, root: dict, param
             raise _refused(param, where, f'"{key}" beside "{combinator}" is not supported: the grammar follows '
                                          f'"{combinator}" alone there; move "{key}" into each branch')
     if combinator == "oneOf":
-        branches = node["oneOf"]
-        for i, a in enumerate(branches):
-            for j in range(i + 1, len(branches)):
-                if not _disjoint(a, branches[j], root):
-                    raise _refused(param, where, f'"oneOf" branches {i} and {j} may both match a value, and the '
-                                                 'grammar enforces "oneOf" as "anyOf" then: use "anyOf", or make '
-                                                 'the branches differ by type or by a required "const" property')
+        overlap = _overlapping(node["oneOf"], root)
+        if overlap is not None:
+            raise _refused(param, where, f'"oneOf" {overlap} may both match a value, and the grammar enforces '
+                                         '"oneOf" as "anyOf" then: use "anyOf", or make the branches differ by type, '
+                                         'by fixed values or by a required "const" property')
 
 
 def _check_values(node: dict, where: str, param: str) -> None:
@@ -288,26 +286,55 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def _disjoint(a: Any, b: Any, root: dict) -> bool:
-    """No value can match both schemas (a sound test, not a complete one): different types, different fixed
-    values, or a property both require with different fixed values (a discriminator, as pydantic writes)."""
-    kinds_a, kinds_b = _kinds(a, root), _kinds(b, root)
+# a oneOf's branches are compared pair by pair up to this many (beyond, only fixed values, compared at once): the
+# pairs grow with the square, and a schema may hold thousands of values
+MAX_ONEOF_PAIRWISE = 128
+
+
+def _signature(schema: Any, root: dict) -> tuple[set[str] | None, set[str] | None, dict[str, set[str]]]:
+    """What ``_disjoint`` compares of one branch: its JSON types, its fixed values (canonical), and the fixed values
+    of each property it requires."""
+    values = _values(schema, root)
+    schema = _resolve(schema, root)
+    tags: dict[str, set[str]] = {}
+    if isinstance(schema, dict):
+        for name in schema.get("required", ()):
+            tag = _values(schema.get("properties", {}).get(name), root)
+            if tag is not None:
+                tags[name] = {_canonical(v) for v in tag}
+    return _kinds(schema, root), None if values is None else {_canonical(v) for v in values}, tags
+
+
+def _disjoint(a: tuple, b: tuple) -> bool:
+    """No value can match both branches (``_signature``s; a sound test, not a complete one): different types,
+    different fixed values, or a property both require with different fixed values (a discriminator, as pydantic
+    writes)."""
+    (kinds_a, values_a, tags_a), (kinds_b, values_b, tags_b) = a, b
     if kinds_a is not None and kinds_b is not None and not kinds_a & kinds_b:
         return True
-    values_a, values_b = _values(a, root), _values(b, root)
     if values_a is not None and values_b is not None:
-        return not {_canonical(v) for v in values_a} & {_canonical(v) for v in values_b}
-    a, b = _resolve(a, root), _resolve(b, root)
-    if not (isinstance(a, dict) and isinstance(b, dict)):
-        return False
-    shared = set(a.get("required", ())) & set(b.get("required", ()))
-    for name in shared:
-        tag_a = _values(a.get("properties", {}).get(name), root)
-        tag_b = _values(b.get("properties", {}).get(name), root)
-        if tag_a is not None and tag_b is not None and not ({_canonical(v) for v in tag_a}
-                                                            & {_canonical(v) for v in tag_b}):
-            return True
-    return False
+        return not values_a & values_b
+    return any(not tags_a[name] & tags_b[name] for name in tags_a.keys() & tags_b.keys())
+
+
+def _overlapping(branches: list, root: dict) -> str | None:
+    """Two of a oneOf's branches that may both match a value ("branches 0 and 2"), or None."""
+    signatures = [_signature(b, root) for b in branches]
+    if all(values is not None for _, values, _ in signatures):  # fixed values only: each in one branch
+        seen: dict[str, int] = {}
+        for j, (_, values, _) in enumerate(signatures):
+            for value in values:
+                if value in seen and seen[value] != j:
+                    return f"branches {seen[value]} and {j}"
+                seen[value] = j
+        return None
+    if len(branches) > MAX_ONEOF_PAIRWISE:
+        return f"has {len(branches)} branches, not all fixed values, and some"
+    for j, b in enumerate(signatures):
+        for i in range(j):
+            if not _disjoint(signatures[i], b):
+                return f"branches {i} and {j}"
+    return None
 
 
 def ignored_in_pattern(pattern: str) -> str | None:
