@@ -68,7 +68,7 @@ def check_response_format(fmt: ResponseFormat | None) -> dict | None:
     # kvrelay.server.tools.answer_schema, says the same)
     if fmt.json_schema.schema_ is None:
         return {"type": "object"}
-    check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+    check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", strict=bool(fmt.json_schema.strict))
     return fmt.json_schema.schema_
 
 

@@ -1,4 +1,6 @@
-"""The JSON-schema keywords constrained decoding enforces: a schema holding any other is a 400 before compile.
+"""The JSON-schema keywords constrained decoding enforces: a schema that asks for a guarantee (``strict: true``, or
+vLLM's ``structured_outputs.json``) holding any other is a 400 before compile. Without ``strict`` any valid schema
+is taken, as OpenAI does, and the grammar enforces what it can (kvrelay.server.schemas.check_schema).
 
 xgrammar (kvrelay.server.grammar compiles every schema with it) drops what it cannot express, some of it with a
 line on stderr, some silently: a schema with ``allOf`` of two branches, ``not``, ``if``/``then``, ``uniqueItems``,
@@ -57,10 +59,20 @@ REFUSED = {
 _DEFINITIONS = frozenset({"$defs", "definitions"})
 
 
+def _way_out(param: str) -> str:
+    """Why the schema is refused and what the client can send instead: the schema without the guarantee."""
+    if param.startswith("structured_outputs"):
+        return ("structured_outputs asks for the constraint. A response_format json_schema without \"strict\": true "
+                "accepts the schema and leaves such keywords unenforced")
+    # tools.0.function.parameters -> tools.0.function.strict; response_format.json_schema.schema -> ...strict
+    return (f"strict asks for the schema to be followed. Without {param.rsplit('.', 1)[0]}.strict: true the schema "
+            "is accepted and such keywords are not enforced (the grammar follows the rest)")
+
+
 def _refused(param: str, where: str, what: str) -> ApiError:
     return ApiError(400, f"{param}: {what} (at {where} in the schema); constrained decoding (xgrammar) would not "
-                         "enforce it, so the output could break the schema. Supported keywords: docs/agents.md",
-                    param=param, code="invalid_value")
+                         f"enforce it, so the output could break the schema, and {_way_out(param)}. Supported "
+                         "keywords: docs/agents.md", param=param, code="invalid_value")
 
 
 def _pointer(parent: str, *keys: Any) -> str:

@@ -1,7 +1,9 @@
-"""JSON-schema keywords the grammar does not enforce are a 400 naming the keyword and where it is; those it enforces
-compile. Each row is checked against the installed xgrammar both ways: a refused schema's grammar accepts a value
-that breaks the schema (so the refusal is needed), an accepted keyword's grammar rejects a value that breaks it
-(so it is enforced), with no warning from the library."""
+"""JSON-schema keywords the grammar does not enforce are a 400 naming the keyword and where it is when the schema
+asks for a guarantee (``strict: true``, ``structured_outputs.json``), and without ``strict`` the same schema is
+served, as OpenAI serves it (the grammar enforces the rest); keywords it enforces compile. Each row is checked
+against the installed xgrammar both ways: a refused schema's grammar accepts a value that breaks the schema (so the
+refusal is needed), an accepted keyword's grammar rejects a value that breaks it (so it is enforced), with no
+warning from the library."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from kvrelay.server.protocol import ApiError
 from kvrelay.server.schema_keywords import ignored_in_pattern
 from kvrelay.server.schemas import check_schema
 from tests.server.inproc import MODEL, make_app
-from tests.server.test_schema_limits import SLOTS, post
+from tests.server.test_schema_limits import CHAT, SLOTS, post
 
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
@@ -119,7 +121,7 @@ REFUSED = {
 def test_a_keyword_the_grammar_does_not_enforce_is_a_400_naming_it_and_its_place(name):
     schema, what, where, breaking = REFUSED[name]
     with pytest.raises(ApiError) as err:
-        check_schema(schema, "response_format.json_schema.schema")
+        check_schema(schema, "response_format.json_schema.schema", strict=True)
     e = err.value
     assert e.status == 400 and e.param == "response_format.json_schema.schema" and e.code == "invalid_value"
     assert what in e.message and f"(at {where} in the schema)" in e.message, e.message
@@ -181,7 +183,7 @@ ANNOTATED = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_a_keyword_the_grammar_enforces_is_accepted_and_compiles_without_warnings(name, capfd):
     schema, breaking = SUPPORTED[name]
-    check_schema(schema, "response_format.json_schema.schema")
+    check_schema(schema, "response_format.json_schema.schema", strict=True)
     assert breaks(schema, breaking)
     capfd.readouterr()
     assert not accepts(schema, breaking)
@@ -193,7 +195,7 @@ def test_a_keyword_the_grammar_enforces_is_accepted_and_compiles_without_warning
 
 
 def test_annotations_and_extensions_are_accepted(capfd):
-    check_schema(ANNOTATED, "response_format.json_schema.schema")
+    check_schema(ANNOTATED, "response_format.json_schema.schema", strict=True)
     capfd.readouterr()
     assert not accepts(ANNOTATED, '{"a":"x"}') and accepts(ANNOTATED, '{"a":1}')
     assert "Warning" not in capfd.readouterr().err
@@ -222,11 +224,21 @@ def vocabularies(monkeypatch) -> list:
     return calls
 
 
+def slot_body(slot: str, schema: dict, strict: bool | None, salt: str = "") -> str:
+    """The request of the SLOTS row ``slot`` carrying ``schema``, its tool or format's ``strict`` as given (absent
+    when None), in the namespace of ``cache_salt`` ``salt`` (a cached grammar would skip the compile)."""
+    _, body, _ = SLOTS[slot]
+    flag = "" if strict is None else f'"strict":{json.dumps(strict)},'
+    body = body.replace('"schema":{}', flag + '"schema":{}').replace('"parameters":{}', flag + '"parameters":{}')
+    body = body.replace('{"model":', f'{{"cache_salt":"{salt}","model":', 1) if salt else body
+    return body.replace("%s", MODEL).replace("{}}", json.dumps(schema) + "}", 1)
+
+
 @pytest.mark.parametrize("slot", SLOTS)
 def test_every_schema_the_server_compiles_is_checked_before_compile(client, vocabularies, slot):
-    path, body, param = SLOTS[slot]
+    path, _, param = SLOTS[slot]
     schema = props(tags={**INTS, "uniqueItems": True})
-    r = post(client, path, body.replace("%s", MODEL).replace("{}}", json.dumps(schema) + "}", 1))
+    r = post(client, path, slot_body(slot, schema, True))
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
     assert err["param"] == param and err["param"] in err["message"], err
@@ -234,7 +246,68 @@ def test_every_schema_the_server_compiles_is_checked_before_compile(client, voca
     assert vocabularies == []
 
 
+@pytest.mark.parametrize("name", REFUSED)
+def test_without_strict_every_refused_schema_is_accepted(name):
+    """As OpenAI for a tool or format without ``strict``: any valid schema, its keywords enforced as far as the
+    grammar goes (the size limits and the meta-schema still apply: tests/server/test_schema_limits.py)."""
+    check_schema(REFUSED[name][0], "response_format.json_schema.schema", strict=False)
+
+
+# a few that agent frameworks write: pydantic's set[str], constr(pattern=..., max_length=...), an allOf of models
+NON_STRICT = {name: REFUSED[name] for name in ("allOf of two", "uniqueItems", "pattern with minLength")}
+
+
+@pytest.mark.parametrize("strict", [None, False, True])
+@pytest.mark.parametrize("name", NON_STRICT)
+@pytest.mark.parametrize("slot", SLOTS)
+def test_the_server_refuses_an_unenforced_keyword_only_under_strict(client, compiled, vocabularies, slot, name,
+                                                                   strict):
+    """Without ``strict`` (absent or false) the request is answered with the schema compiled into its grammar;
+    with ``strict: true`` it is a 400 naming the keyword and the way out (the ``strict`` field, in the endpoint's
+    own terms)."""
+    path, _, param = SLOTS[slot]
+    schema, what, where, _ = NON_STRICT[name]
+    r = post(client, path, slot_body(slot, schema, strict, salt=f"{slot}/{name}/{strict}"))
+    if strict:
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["param"] == param and what in err["message"] and f"(at {where} in the schema)" in err["message"]
+        assert f"Without {param.rsplit('.', 1)[0]}.strict: true the schema is accepted" in err["message"], err
+        assert vocabularies == []  # refused before the compile
+        return
+    assert r.status_code == 200, r.text[:300]
+    assert len(compiled) == 1
+    plan, fmt, _ = compiled[0]
+    assert (fmt.json_schema.schema_ if plan is None else plan.functions[0].parameters) == schema
+
+
+def test_a_strict_schema_is_refused_after_the_same_schema_was_served_without_strict(client, compiled):
+    """The namespace's cached grammar of the non-strict request is no way around the strict check."""
+    schema = NON_STRICT["uniqueItems"][0]
+    assert post(client, CHAT, slot_body("chat response_format", schema, None, salt="cached")).status_code == 200
+    r = post(client, CHAT, slot_body("chat response_format", schema, True, salt="cached"))
+    assert r.status_code == 400 and '"uniqueItems"' in r.json()["error"]["message"], r.text[:300]
+    assert len(compiled) == 2 and compiled[1][1].json_schema.strict is True
+
+
+@pytest.mark.parametrize("strict", [None, False, True])
+def test_completions_response_format_follows_its_strict(client, vocabularies, strict):
+    """/v1/completions compiles its response_format as a structured output: the same rule."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": NON_STRICT["allOf of two"][0]}}
+    if strict is not None:
+        fmt["json_schema"]["strict"] = strict
+    body = {"model": MODEL, "max_tokens": 2, "prompt": "hi", "response_format": fmt, "cache_salt": f"c{strict}"}
+    r = post(client, "/v1/completions", json.dumps(body))
+    if strict:
+        assert r.status_code == 400 and '"allOf" of 2 schemas' in r.json()["error"]["message"], r.text[:300]
+        assert vocabularies == []
+    else:
+        assert r.status_code == 200, r.text[:300]
+        assert vocabularies  # compiled (the tokenizer's compiler is taken for the compile and its check)
+
+
 def test_vllm_structured_outputs_json_is_checked(client, vocabularies):
+    """structured_outputs has no strict flag and is the client's explicit constraint: always checked."""
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
             "structured_outputs": {"json": {"type": "object", "not": {"required": ["x"]}}}}
     r = post(client, "/v1/chat/completions", json.dumps(body))
