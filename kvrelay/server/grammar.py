@@ -55,7 +55,8 @@ MAX_JSON_WHITESPACE = 1  # consecutive whitespace characters inside JSON: a smal
 
 
 def check_response_format(fmt: ResponseFormat | None) -> dict | None:
-    """The JSON schema ``fmt`` asks the output to follow (``{"type": "object"}`` for json_object), None for text."""
+    """The JSON schema ``fmt`` asks the output to follow (``{"type": "object"}`` for json_object and for a
+    json_schema without ``schema``), None for text."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -63,9 +64,12 @@ def check_response_format(fmt: ResponseFormat | None) -> dict | None:
     if fmt.json_schema is None:
         raise ApiError(400, "response_format of type json_schema needs json_schema",
                        param="response_format.json_schema", code="invalid_value")
-    schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
-    check_schema(schema, "response_format.json_schema.schema")
-    return schema
+    # OpenAI types ``schema`` optional: without it, a JSON object as json_object (the tool prompt's answer schema,
+    # kvrelay.server.tools.answer_schema, says the same)
+    if fmt.json_schema.schema_ is None:
+        return {"type": "object"}
+    check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", strict=bool(fmt.json_schema.strict))
+    return fmt.json_schema.schema_
 
 
 class _Vocabulary:

@@ -57,7 +57,11 @@ class SchemaSize:
                 raise _too_big(param, f"more than {MAX_REQUEST_SCHEMA_NODES} JSON values in the request's schemas "
                                       "together")
             if depth > MAX_SCHEMA_DEPTH:
-                raise _too_big(param, f"nested more than {MAX_SCHEMA_DEPTH} objects and arrays deep")
+                raise _too_big(param, f"nested more than {MAX_SCHEMA_DEPTH} levels deep, counting each JSON object "
+                                      "and array of the schema's text and the values in them (an object property "
+                                      "is two levels below its object: \"properties\" and the property's schema; "
+                                      f"so {MAX_SCHEMA_DEPTH // 2 - 1} objects nested as properties around "
+                                      '{"type": "string"})')
             if isinstance(value, dict):
                 self._check_patterns(value, param)
                 properties = value.get("properties")

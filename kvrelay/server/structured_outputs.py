@@ -62,6 +62,10 @@ class Structured:
     compact: bool = False  # no whitespace inside JSON (disable_any_whitespace)
     # JSON whitespace as kvrelay's response_format (kvrelay.server.grammar.MAX_JSON_WHITESPACE in a row), not any
     bounded_whitespace: bool = False
+    # a JSON schema's keywords all enforced or a 400 (kvrelay.server.schemas.check_schema): structured_outputs asks
+    # for its constraint (vLLM's xgrammar backend too refuses the features it knows xgrammar drops:
+    # vllm/v1/structured_output/backend_xgrammar.py); a response_format only with its strict
+    strict: bool = True
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -176,12 +180,13 @@ def _from_response_format(fmt: ResponseFormat) -> Structured | None:
     if fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        schema, param = {"type": "object"}, "response_format"
+        schema, param, strict = {"type": "object"}, "response_format", False
     elif fmt.json_schema is None:
         raise _bad("response_format.json_schema", "is needed by response_format of type json_schema")
     else:
         schema, param = fmt.json_schema.schema_ or {}, "response_format.json_schema.schema"
-    return Structured("json", _schema(schema, param, False), param, bounded_whitespace=True)
+        strict = bool(fmt.json_schema.strict)
+    return Structured("json", _schema(schema, param, False), param, bounded_whitespace=True, strict=strict)
 
 
 def structured_of(body: Any, tools_may_call: bool = False) -> Structured | None:
@@ -214,7 +219,7 @@ def compile_structured(structured: Structured, tokenizer) -> Any:
     if structured.kind == "json":
         from kvrelay.server.schemas import check_schema
 
-        check_schema(json.loads(structured.text), structured.param)  # a valid JSON schema (a 400 naming it)
+        check_schema(json.loads(structured.text), structured.param, strict=structured.strict)
     compiler = grammar.vocabulary(tokenizer).compiler
     try:
         if structured.kind == "json":

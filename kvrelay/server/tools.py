@@ -92,7 +92,8 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
             raise ApiError(400, f"tools[{i}].function.name {t.function.name!r} is given twice",
                            param=f"tools.{i}.function.name", code="invalid_value")
         if t.function.parameters is not None:
-            check_schema(t.function.parameters, f"tools.{i}.function.parameters", arguments=True)
+            check_schema(t.function.parameters, f"tools.{i}.function.parameters", strict=bool(t.function.strict),
+                         arguments=True)
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"

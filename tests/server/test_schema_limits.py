@@ -24,6 +24,7 @@ from kvrelay.server.schema_limits import (
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
     MAX_TOOLS,
+    SchemaSize,
     check_request_schemas,
 )
 from tests.server.inproc import MODEL, make_app
@@ -210,3 +211,15 @@ def test_one_schema_and_the_request_s_schemas_have_their_own_value_limits():
     with pytest.raises(ApiError) as err:
         check_request_schemas([enum_of(per_tool)] * num_fit, enum_of(per_tool))
     assert err.value.param == "response_format.json_schema.schema" and "together" in err.value.message
+
+
+def test_the_depth_message_states_the_rule_it_applies():
+    """The message says how levels are counted and how many nested object properties fit: exactly as many as
+    ``SchemaSize`` lets through."""
+    fits = MAX_SCHEMA_DEPTH // 2 - 1
+    SchemaSize().add(json.loads(deep_schema_text(fits)), "p")
+    with pytest.raises(ApiError) as err:
+        SchemaSize().add(json.loads(deep_schema_text(fits + 1)), "p")
+    assert f"more than {MAX_SCHEMA_DEPTH} levels deep" in err.value.message
+    assert '"properties" and the property\'s schema' in err.value.message
+    assert f"so {fits} objects nested as properties" in err.value.message
