@@ -33,7 +33,8 @@ from kvrelay.server.responses import Reply
 from kvrelay.server.scheduler import Job
 from kvrelay.server.schema_limits import check_request_schemas
 from kvrelay.server.structured_outputs import structured_constraint, structured_of
-from kvrelay.server.tools import ToolPlan, ToolStream, answer_schema, check_tool_messages, plan_tools, render_messages
+from kvrelay.server.tool_stream import ToolStream
+from kvrelay.server.tools import ToolPlan, answer_schema, check_tool_messages, plan_tools, render_messages
 
 
 @dataclass

@@ -26,7 +26,7 @@ class ToolCallPiece:
 @dataclass(frozen=True)
 class ToolCall:
     """A tool call: a known tool's name and the arguments' text as the model wrote it (a JSON object wherever the
-    tool's schema let the grammar write only one; see kvrelay.server.tools.ToolStream)."""
+    tool's schema let the grammar write only one; see kvrelay.server.tool_stream.ToolStream)."""
 
     id: str
     name: str
@@ -106,7 +106,7 @@ Event = DeltaEvent | DoneEvent | ErrorEvent
 
 
 def delta_of(piece: dict) -> DeltaEvent:
-    """A delta of kvrelay.server.tools.ToolStream (``{"text", "tool_call"?}``) as a typed event."""
+    """A delta of kvrelay.server.tool_stream.ToolStream (``{"text", "tool_call"?}``) as a typed event."""
     call = piece.get("tool_call")
     return DeltaEvent(piece["text"], ToolCallPiece(call["index"], call["id"], call["name"], call["arguments"])
                       if call is not None else None)

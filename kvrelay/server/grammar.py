@@ -16,14 +16,14 @@ The grammars (the call format is kvrelay.server.tools'):
   ``<tool_call name=...>``; the tools are in the prompt, so a model may try to call
   one: the grammar makes it write something else). A server without xgrammar decodes "none" unconstrained rather
   than refuse it: it is a text answer, which needs no grammar library, and the answer still holds no tool call
-  (kvrelay.server.tools.ToolStream reads none under "none"), though its text may then hold the opener;
+  (kvrelay.server.tool_stream.ToolStream reads none under "none"), though its text may then hold the opener;
 - ``response_format`` json_object / json_schema: one JSON value of the schema; with "auto" tools, either
   calls or that JSON value (an agent with tools and a typed final answer); with "none", that JSON value only;
   with "required" or a named tool the turn is calls only, so the format does not apply to it.
 
 Each call's ``{"name": ..., "arguments": `` prefix is forced text and its arguments follow the tool's schema. A
 stop token is allowed only where the grammar may end, so a forced call cannot stop half-way; max_tokens or a stop
-string (matched on the text, whatever the grammar) can still cut it (kvrelay.server.tools.ToolStream says how the
+string (matched on the text, whatever the grammar) can still cut it (kvrelay.server.tool_stream.ToolStream says how the
 answer reports a cut call). Special tokens other than the stop
 tokens, and tokens holding a control character other than tab and newlines, are never allowed while a grammar
 runs (xgrammar reads special tokens as plain text, and lets control-character byte tokens into JSON strings).

@@ -44,7 +44,7 @@ class Job:
     cache_output: bool = True
     role: str = ""  # ``role_key`` of the request's system message (the agent: per-role state keys on it)
     first_token_logprobs: bool = False
-    # tool calling: splits the output into content and tool-call deltas (kvrelay.server.tools.ToolStream)
+    # tool calling: splits the output into content and tool-call deltas (kvrelay.server.tool_stream.ToolStream)
     tool_stream: Any = None
     # constrained decoding: ``new_mask()`` gives the call's LogitsMask (kvrelay.server.grammar.Constraint)
     constraint: Any = None

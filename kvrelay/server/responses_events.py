@@ -9,7 +9,7 @@ message ``response.content_part.added``, ``response.output_text.delta``..., ``re
 (or ``response.incomplete`` when ``max_output_tokens`` cut the output), whose response equals ``full``'s.
 Both list the items in the order the model generated them (OpenAI's order): text after a call is a message item
 after it, and text between calls a message item between them. As OpenAI's stream does, an item is closed (its
-``.done`` events) before the next one is added: the tool parser (kvrelay.server.tools.ToolStream) has sent all of a
+``.done`` events) before the next one is added: the tool parser (tool_stream.ToolStream) has sent all of a
 call's arguments by the time anything after it comes, so a call closes on its streamed content, which is the
 answer's.
 """

@@ -11,7 +11,8 @@ from jsonschema import Draft202012Validator
 
 from kvrelay.server.grammar import constraint_for
 from kvrelay.server.tool_protocol import FunctionDef, ResponseFormat
-from kvrelay.server.tools import ToolPlan, ToolStream, call_prefix
+from kvrelay.server.tool_stream import ToolStream
+from kvrelay.server.tools import ToolPlan, call_prefix
 from kvrelay.weights.loader import load_tokenizer
 
 SCHEMAS = {

@@ -13,7 +13,8 @@ from kvrelay.server.responses import Reply, tool_call_json
 from kvrelay.server.responses_events import ResponseRender, said_unstored
 from kvrelay.server.responses_input import ResponsesRequest
 from kvrelay.server.tool_protocol import FunctionDef
-from kvrelay.server.tools import ToolPlan, ToolStream, call_text
+from kvrelay.server.tool_stream import ToolStream
+from kvrelay.server.tools import ToolPlan, call_text
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 KV = {"method": "epic", "num_reused_tokens": 3}

@@ -13,7 +13,8 @@ from kvrelay.server import grammar
 from kvrelay.server.grammar import constraint_for
 from kvrelay.server.protocol import ApiError, ChatCompletionRequest
 from kvrelay.server.tool_protocol import FunctionDef, ResponseFormat
-from kvrelay.server.tools import CALL_OPEN, ToolPlan, ToolStream, call_text, plan_tools
+from kvrelay.server.tool_stream import ToolStream
+from kvrelay.server.tools import CALL_OPEN, ToolPlan, call_text, plan_tools
 from kvrelay.weights.loader import load_tokenizer
 from tests.server.conftest import SMOL
 from tests.server.test_grammar import SCHEMAS, allowed, walk

@@ -8,7 +8,8 @@ import pytest
 
 from kvrelay.server.protocol import ApiError, ChatCompletionRequest
 from kvrelay.server.tool_protocol import FunctionDef
-from kvrelay.server.tools import ToolPlan, ToolStream, call_text, plan_tools, render_messages
+from kvrelay.server.tool_stream import ToolStream
+from kvrelay.server.tools import ToolPlan, call_text, plan_tools, render_messages
 
 PLAN = ToolPlan((FunctionDef(name="get_weather"), FunctionDef(name="search")), "auto")
 ARGS = '{"city": "Paris", "days": {"n": 2}}'

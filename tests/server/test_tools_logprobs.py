@@ -15,7 +15,8 @@ from kvrelay.server import grammar
 from kvrelay.server.events import delta_of
 from kvrelay.server.job import Job
 from kvrelay.server.tool_protocol import FunctionDef
-from kvrelay.server.tools import ToolPlan, ToolStream
+from kvrelay.server.tool_stream import ToolStream
+from kvrelay.server.tools import ToolPlan
 from tests.server.inproc import MODEL, make_app
 
 pytestmark = pytest.mark.skipif(grammar.xgr is None, reason="needs the tools extra (xgrammar)")
