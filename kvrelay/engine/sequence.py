@@ -65,8 +65,9 @@ def _token_ids(name: str, ids: object) -> tuple[int, ...]:
     try:
         return tuple(prompt_id_list(ids))
     except PromptError:
-        raise InputError(f"GenerateOptions.{name} must be int token ids, got {ids!r} (the Python API stops on "
-                         f"token ids only: lm.tokenizer.encode(text) gives a text's ids)") from None
+        hint = "; the Python API stops on token ids only" if name == "stop_ids" else ""
+        raise InputError(f"GenerateOptions.{name} must be int token ids, got {ids!r} (lm.tokenizer.encode(text) "
+                         f"gives a text's ids{hint})") from None
 
 
 @dataclass

@@ -42,7 +42,7 @@ class SpanRef:
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.end or self.src_start < 0:
             raise SpanRefError(f"SpanRef of {self.span_id!r}: needs 0 <= start <= end and src_start >= 0, got "
-                             f"[{self.start}, {self.end}) from {self.src_start}")
+                               f"[{self.start}, {self.end}) from {self.src_start}")
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +113,7 @@ class CallInput:
         if outside:
             ref = outside[0]
             raise SpanRefError(f"SpanRef of {ref.span_id!r} covers prompt tokens [{ref.start}, {ref.end}), past the "
-                             f"prompt's {len(self.prompt_ids)} tokens")
+                               f"prompt's {len(self.prompt_ids)} tokens")
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,12 @@ def test_an_empty_or_out_of_vocabulary_prompt_is_a_prompt_error_and_a_value_erro
 
 def test_stop_ids_are_token_ids_and_a_stop_string_is_named():
     assert GenerateOptions(stop_ids=[np.int64(2), 3]).stop_ids == frozenset({2, 3})
+    stop_error = r"GenerateOptions.stop_ids must be int token ids.*encode\(text\).*stops on token ids only\)"
     for bad in (["</s>"], "</s>", [2.5]):
-        with pytest.raises(InputError, match=r"GenerateOptions.stop_ids must be int token ids.*token ids only"):
+        with pytest.raises(InputError, match=stop_error):
             GenerateOptions(stop_ids=bad)
-    with pytest.raises(InputError, match=r"GenerateOptions.forced_output_ids must be int token ids"):
+    with pytest.raises(InputError, match=r"GenerateOptions.forced_output_ids must be int token ids, got \['a'\] "
+                                         r"\(lm.tokenizer.encode\(text\) gives a text's ids\)"):
         GenerateOptions(forced_output_ids=["a"])
 
 
