@@ -43,3 +43,24 @@ class DataFileError(KvRelayError):
 
 class OutputPathError(KvRelayError):
     """An output path (--json, --plot, --out) that cannot be written; checked before any work starts."""
+
+
+class InputError(KvRelayError, ValueError):
+    """A value handed to the Python API that is malformed or out of range. A ValueError too, so code that caught
+    the ValueError raised before this class existed still catches it."""
+
+
+class PromptError(InputError):
+    """A prompt that is not a non-empty list of int token ids inside the model's vocabulary."""
+
+
+class SpanRefError(InputError):
+    """A SpanRef whose range does not fit its prompt or its stored span, or whose tokens are not the span's."""
+
+
+class SpliceError(InputError, KeyError):
+    """A splice marker in a prompt whose output was not given, or a spliced output the prompt does not hold (a
+    KeyError too, as it was before this class existed)."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -12,11 +12,12 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.cache.store import KVStore
-from kvrelay.errors import ContextLengthError
+from kvrelay.errors import ConfigError, ContextLengthError, PromptError
 from kvrelay.model.lm import LoadedModel
 from kvrelay.model.schedule import Schedule
 from kvrelay.model.transformer import PrefillResult
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
+from kvrelay.reuse.base import prompt_id_list
 from kvrelay.weights.devices import sync_device  # noqa: F401 - kvrelay.engine's name for it
 
 
@@ -136,15 +137,29 @@ class Prefilled:
     num_prefill_chunks: int = 1
 
 
+def as_call(call: CallInput | list[int]) -> CallInput:
+    """A call, given as one or as its prompt's token ids (anything else, e.g. text, is a PromptError)."""
+    return call if isinstance(call, CallInput) else CallInput(prompt_id_list(call))
+
+
+def check_model(lm: object) -> None:
+    """A ConfigError unless ``lm`` is a loaded model (a model name would fail only at the first call)."""
+    if isinstance(lm, (str, bytes)) or hasattr(lm, "__fspath__"):
+        raise ConfigError(f"Engine takes a loaded model, not the name or path {str(lm)!r}: "
+                          f"Engine(load_model({str(lm)!r}))")
+    if not all(hasattr(lm, name) for name in ("model", "config", "tokenizer")):  # a LoadedModel or one alike
+        raise ConfigError(f"Engine takes a loaded model (kvrelay.weights.load_model), got {type(lm).__name__}")
+
+
 def check_fits(lm: LoadedModel, prompt_ids: list[int], num_new: int) -> int:
     """Prompt + new tokens, or a ContextLengthError naming the model's limit."""
     if not prompt_ids:
-        raise ValueError("empty prompt: at least one token is needed")
+        raise PromptError("empty prompt: at least one token is needed")
     # an id outside the embedding table would otherwise be an IndexError deep inside torch's embedding lookup
     lowest, highest = min(prompt_ids), max(prompt_ids)
     if lowest < 0 or highest >= lm.config.vocab_size:
         bad = lowest if lowest < 0 else highest
-        raise ValueError(f"prompt token id {bad} is outside {lm.name}'s vocabulary [0, {lm.config.vocab_size})")
+        raise PromptError(f"prompt token id {bad} is outside {lm.name}'s vocabulary [0, {lm.config.vocab_size})")
     total = len(prompt_ids) + num_new
     if total > lm.config.max_position_embeddings:
         raise ContextLengthError(

@@ -28,7 +28,9 @@ from kvrelay.engine.call import (
     CallStats,
     GenerationOutput,
     Prefilled,
+    as_call,
     check_fits,
+    check_model,
     plan_call,
     run_plan,
     sync_device,
@@ -53,6 +55,7 @@ class Engine:
                  methods: Iterable[str | ReuseMethod] = ("full",), capture_layers: Iterable[int] = ()) -> None:
         """``methods``: those that may run here (more join on first use); ``capture_layers``: layers to
         carry beyond what the methods ask for (e.g. a profiler's)."""
+        check_model(lm)
         self.lm = lm
         self.store = store
         self.registry = MethodRegistry(lm, capture_layers)
@@ -87,7 +90,7 @@ class Engine:
               options: GenerateOptions | None = None, store: KVStore | None = None) -> PrefillTask:
         """``start`` as a task the caller advances a token budget at a time (chunked prefill, between other
         calls' decode steps); ``task.sequence()`` once it is done. A prompt that does not fit raises here."""
-        call = call if isinstance(call, CallInput) else CallInput(list(call))
+        call = as_call(call)
         return PrefillTask(self, call, self.method(method, keep=False), checked_options(options),
                            self.store if store is None else store)
 
@@ -99,7 +102,7 @@ class Engine:
         """
         options = checked_options(options)
         store = self.store if store is None else store
-        call = call if isinstance(call, CallInput) else CallInput(list(call))
+        call = as_call(call)
         method = self.method(method, keep=False)
         lm, model = self.lm, self.lm.model
         total = check_fits(lm, call.prompt_ids, options.num_new_tokens)

@@ -12,8 +12,10 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.engine.call import CallStats
+from kvrelay.errors import InputError, PromptError
 from kvrelay.model.sampling import Sampler, SamplingConfig
 from kvrelay.reuse import CallInput, Plan, ReuseMethod
+from kvrelay.reuse.base import prompt_id_list
 
 
 class LogitsMask(Protocol):
@@ -49,13 +51,23 @@ class GenerateOptions:
 
     def __post_init__(self) -> None:
         if self.forced_output_ids is not None:
-            object.__setattr__(self, "forced_output_ids", tuple(int(t) for t in self.forced_output_ids))
+            object.__setattr__(self, "forced_output_ids", _token_ids("forced_output_ids", self.forced_output_ids))
         if self.stop_ids is not None:
-            object.__setattr__(self, "stop_ids", frozenset(int(t) for t in self.stop_ids))
+            object.__setattr__(self, "stop_ids", frozenset(_token_ids("stop_ids", self.stop_ids)))
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.forced_output_ids) if self.forced_output_ids is not None else self.sampling.max_new_tokens
+
+
+def _token_ids(name: str, ids: object) -> tuple[int, ...]:
+    """``ids`` as token ids, or an InputError naming the option (stop strings are the server's; here they are ids)."""
+    try:
+        return tuple(prompt_id_list(ids))
+    except PromptError:
+        hint = "; the Python API stops on token ids only" if name == "stop_ids" else ""
+        raise InputError(f"GenerateOptions.{name} must be int token ids, got {ids!r} (lm.tokenizer.encode(text) "
+                         f"gives a text's ids{hint})") from None
 
 
 @dataclass

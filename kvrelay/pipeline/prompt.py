@@ -11,6 +11,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from kvrelay.errors import InputError, SpliceError
 from kvrelay.model.tokenizer import Tokenizer
 
 # ⟦<nonce>:name⟧ marks where an output is spliced in: no chat template or tokenizer alters it, and
@@ -43,7 +44,22 @@ class PromptIds:
         for seg in self.segments:
             if seg.ref == ref:
                 return seg
-        raise KeyError(f"no spliced output {ref!r} in this prompt")
+        raise SpliceError(f"no spliced output {ref!r} in this prompt")
+
+
+def check_messages(messages: object) -> None:
+    """An InputError unless ``messages`` is a list of {"role": str, "content": str} dicts (the chat template would
+    otherwise fail inside jinja, or on adding None to a string)."""
+    if not isinstance(messages, (list, tuple)):
+        raise InputError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                         f"{type(messages).__name__}")
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InputError(f"messages[{k}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                got = "missing" if key not in message else f"a {type(message[key]).__name__}"
+                raise InputError(f"messages[{k}][{key!r}] must be a string, got {got}")
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]],
@@ -51,6 +67,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]],
                     ) -> PromptIds:
     """Token ids of ``messages`` under the chat template; each ⟦name⟧ becomes ``splices[name]``."""
     splices = splices or {}
+    check_messages(messages)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     ids: list[int] = []
     segments: list[Segment] = []
@@ -58,7 +75,8 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]],
     for m in _MARK_RE.finditer(text):
         name = m.group(1)
         if name not in splices:
-            raise KeyError(f"prompt refers to output {name!r}, which was not given")
+            raise SpliceError(f"prompt refers to output {name!r}, which was not given (splices has "
+                              f"{sorted(splices) or 'none'})")
         for piece, ref in ((text[pos : m.start()], None), (None, name)):
             piece_ids = tokenizer.encode(piece) if ref is None else list(splices[ref])
             if piece_ids:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvrelay.cache.store import KVStore
+from kvrelay.errors import PromptError, SpanRefError
 from kvrelay.model.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -40,12 +41,53 @@ class SpanRef:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.end or self.src_start < 0:
-            raise ValueError(f"SpanRef of {self.span_id!r}: needs 0 <= start <= end and src_start >= 0, got "
-                             f"[{self.start}, {self.end}) from {self.src_start}")
+            raise SpanRefError(f"SpanRef of {self.span_id!r}: needs 0 <= start <= end and src_start >= 0, got "
+                               f"[{self.start}, {self.end}) from {self.src_start}")
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+
+def check_ref(ref: SpanRef, prompt_ids: list[int], span_ids: tuple[int, ...] | list[int]) -> None:
+    """A SpanRefError unless the stored span holds ``ref``'s source range and its tokens there are the prompt's:
+    loaded anyway, another text's KV would stand in for these tokens without a word (a wrong ``src_start``), or the
+    load would fail deep in the cache (a range past the span's end)."""
+    src_end = ref.src_start + ref.num_tokens
+    if src_end > len(span_ids):
+        raise SpanRefError(f"SpanRef of {ref.span_id!r} asks for its tokens [{ref.src_start}, {src_end}) (for prompt "
+                           f"tokens [{ref.start}, {ref.end})), past the span's {len(span_ids)} tokens")
+    got = span_ids[ref.src_start : src_end]
+    want = prompt_ids[ref.start : ref.end]
+    if tuple(got) != tuple(want):
+        k = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        raise SpanRefError(
+            f"SpanRef of {ref.span_id!r}: its tokens [{ref.src_start}, {src_end}) (of {len(span_ids)}) are not prompt "
+            f"tokens [{ref.start}, {ref.end}): they differ first at prompt token {ref.start + k} (span has "
+            f"{got[k]}, prompt {want[k]}); src_start is where the copy starts in the span (an upstream output's: "
+            f"the length of that call's prompt)")
+
+
+_TOKENIZE_HINT = "tokenize text first: lm.tokenizer.encode(text), or chat_prompt_ids(lm.tokenizer, messages).ids"
+
+
+def prompt_id_list(prompt: object) -> list[int]:
+    """``prompt`` as a list of int token ids (the same list when it is one already), or a PromptError: text, bytes,
+    floats and bools would otherwise run as something else or fail deep inside the model."""
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    if prompt is None or isinstance(prompt, (str, bytes, bytearray)) or not hasattr(prompt, "__iter__"):
+        raise PromptError(f"prompt must be a list of int token ids, got {type(prompt).__name__} ({_TOKENIZE_HINT})")
+    ids = []
+    for k, token in enumerate(prompt):
+        try:  # numpy ints and 0-d integer tensors are ints by ``__index__``; floats and strings are not
+            if isinstance(token, bool):
+                raise TypeError
+            ids.append(token.__index__())
+        except (TypeError, AttributeError):
+            raise PromptError(f"prompt must be a list of int token ids; item {k} is {token!r} "
+                              f"({type(token).__name__}) ({_TOKENIZE_HINT})") from None
+    return ids
 
 
 def role_key(system_prompt: str) -> str:
@@ -65,12 +107,13 @@ class CallInput:
     role: str = ""  # ``role_key`` of the agent's system prompt ("": unknown)
 
     def __post_init__(self) -> None:
+        self.prompt_ids = prompt_id_list(self.prompt_ids)
         # a ref past the prompt would otherwise be planned as loads the prompt has no room for, or dropped silently
         outside = [ref for ref in self.refs if ref.end > len(self.prompt_ids)]
         if outside:
             ref = outside[0]
-            raise ValueError(f"SpanRef of {ref.span_id!r} covers prompt tokens [{ref.start}, {ref.end}), past the "
-                             f"prompt's {len(self.prompt_ids)} tokens")
+            raise SpanRefError(f"SpanRef of {ref.span_id!r} covers prompt tokens [{ref.start}, {ref.end}), past the "
+                               f"prompt's {len(self.prompt_ids)} tokens")
 
 
 @dataclass(frozen=True)

@@ -62,4 +62,4 @@ class CacheBlendMethod(ReuseMethod):
 
         schedule = BandSchedule(reuse.new_idx(len(call.prompt_ids)), {0: Entry(reuse.approx_idx())}, check,
                                 num_layers - 1, top_r)
-        return Plan(schedule, reuse.loads)
+        return Plan(schedule, reuse.loads, note=reuse.note)

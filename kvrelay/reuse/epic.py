@@ -30,4 +30,4 @@ class EpicMethod(ReuseMethod):
         reuse = collect_reuse(call, store, lm.fingerprint)
         heads = [torch.arange(ld.dst_start, ld.dst_start + min(self.k, ld.num_tokens)) for ld in reuse.approx]
         active = torch.cat([reuse.new_idx(len(call.prompt_ids)), *heads]).unique()  # sorted
-        return Plan(StaticSchedule(active), reuse.loads)
+        return Plan(StaticSchedule(active), reuse.loads, note=reuse.note)

@@ -42,7 +42,7 @@ from kvrelay.errors import ConfigError
 from kvrelay.model.rope import RotaryEmbedding
 from kvrelay.model.schedule import StaticSchedule
 from kvrelay.reuse.anchors import Anchor, AnchorPool, Distances, mix, normalized_entropy
-from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef
+from kvrelay.reuse.base import CallInput, KVPatch, Plan, ReuseMethod, SpanLoad, SpanRef, check_ref
 from kvrelay.reuse.learned_budget import MAX_LEARNED_BYTES, LearnedBudget
 from kvrelay.reuse.prefix import PrefixMethod
 
@@ -86,6 +86,13 @@ MIX_TEMPERATURE = 0.01
 # A full pool evicts the least used of its this-many oldest anchors (KVCOMM's rule): a new anchor survives long enough
 # to be used before it can go.
 EVICT_WINDOW = 5
+
+
+def _fallback_how(exact: Plan) -> str:
+    """How a fallback prefills: the exact stored prefix is loaded as any method loads it (and counted as reused),
+    only the rest is a dense prefill."""
+    num_exact = sum(load.num_tokens for load in exact.loads)
+    return f"exact prefix of {num_exact} tokens reused, the rest a dense prefill" if num_exact else "dense prefill"
 
 
 @dataclass
@@ -142,6 +149,19 @@ class KVCommMethod(ReuseMethod):
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools.values())
 
+    @property
+    def learned_bytes(self) -> int:
+        """Bytes of templates and anchors kept now, over all agents (at most ``max_learned_bytes``)."""
+        return self.budget.num_bytes
+
+    def reset(self) -> None:
+        """Forget every template and anchor (e.g. a library loop over unrelated tasks): later calls fall back and
+        learn again, as the first calls did."""
+        self.pools.clear()
+        self.templates.clear()
+        self.agent_pools.clear()
+        self.budget = LearnedBudget(self.max_learned_bytes)
+
     # ------------------------------------------------------------------ planning
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         self.budget.touch(self.template_key(call, namespace_of(store)))
@@ -150,7 +170,7 @@ class KVCommMethod(ReuseMethod):
         if reason is not None:  # the exact prefix is exact KV, so the anchors learned from it are too
             exact = PrefixMethod().plan(call, store, lm)
             return Plan(exact.schedule, exact.loads, state=layout,
-                        fallback=f"kvcomm: {reason}; dense prefill (+1 anchor per placeholder)")
+                        fallback=f"kvcomm: {reason}; {_fallback_how(exact)} (+1 anchor per placeholder)")
         n, rope = len(call.prompt_ids), lm.model.rope
         computed_from = max(n - self.tail_tokens, 0)  # the prompt's tail is always computed
         loads, patches = [], []
@@ -182,6 +202,8 @@ class KVCommMethod(ReuseMethod):
             if store is None or ref.span_id not in store:
                 reasons.append(f"span {ref.span_id!r} of placeholder {shown!r} is not in the store")
                 continue
+            span = store.get(ref.span_id)
+            check_ref(ref, call.prompt_ids, span.token_ids)
             pool = self.pools.get(key)
             anchors = (pool.anchors if self.short_anchors else pool.eligible(ref.num_tokens)) if pool else []
             if len(anchors) < self.warmup:
@@ -190,7 +212,6 @@ class KVCommMethod(ReuseMethod):
                 reasons.append(f"placeholder {shown!r} has {len(anchors)} of {self.warmup} anchors{longer} "
                                f"({num_pooled} pooled)")
                 continue
-            span = store.get(ref.span_id)
             base_v = span.v[:, :, ref.src_start : ref.src_start + ref.num_tokens]
             dist = Distances.of(base_v, anchors)  # one pass over the pool
             weights = dist.weights(MIX_TEMPERATURE)  # [A, 1, 1, n|1]: n where a short anchor ends early
@@ -268,6 +289,7 @@ class KVCommMethod(ReuseMethod):
             if store is None or ref.span_id not in store:
                 continue
             span = store.get(ref.span_id)
+            check_ref(ref, call.prompt_ids, span.token_ids)
             src = slice(ref.src_start, ref.src_start + ref.num_tokens)
             dk, dv = self._offsets(rope, cache, ref.start, ref.end, span.k[:, :, src], span.v[:, :, src],
                                    span.start_pos + ref.src_start)

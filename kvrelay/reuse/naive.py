@@ -16,4 +16,4 @@ class NaiveMethod(ReuseMethod):
 
     def plan(self, call: CallInput, store: KVStore | None, lm) -> Plan:
         reuse = collect_reuse(call, store, lm.fingerprint)
-        return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
+        return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads, note=reuse.note)

@@ -172,7 +172,7 @@ class RelayMethod(ReuseMethod):
         """``plan`` on the call's reuse already collected."""
         start, det, end = self.layers(lm)
         if start >= lm.config.num_layers:
-            return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads)
+            return Plan(StaticSchedule(reuse.new_idx(len(call.prompt_ids))), reuse.loads, note=reuse.note)
         policy = self.policy(lm)
         if policy.away and start == 0:
             raise ConfigError("relay: away reads the span tokens' states carried to L_start, which is 0 here: "
@@ -181,7 +181,8 @@ class RelayMethod(ReuseMethod):
         marks = span_marks(call, reuse, parts, policy)
         schedule = band_schedule(len(call.prompt_ids), reuse, parts, make_selector(policy, marks), policy, marks,
                                  (start, det, end))
-        return Plan(schedule, reuse.loads, note=plan_note(parts, start, policy))
+        notes = [note for note in (reuse.note, plan_note(parts, start, policy)) if note]
+        return Plan(schedule, reuse.loads, note="; ".join(notes) or None)
 
 
 def span_parts(call: CallInput, store: KVStore | None, lm, reuse: ReusePlan, start: int,

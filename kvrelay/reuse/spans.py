@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.cache.store import KVStore
-from kvrelay.reuse.base import CallInput, SpanLoad
+from kvrelay.reuse.base import CallInput, SpanLoad, check_ref
 
 
 @dataclass
@@ -19,6 +19,16 @@ class ReusePlan:
     loads: list[SpanLoad] = field(default_factory=list)
     prefix_len: int = 0  # tokens [0, prefix_len) are exact (same tokens, same positions, same context)
     approx: list[SpanLoad] = field(default_factory=list)  # the other loads: moved and/or in a new context
+    missing: list[str] = field(default_factory=list)  # span ids of refs the store does not hold (computed instead)
+
+    @property
+    def note(self) -> str | None:
+        """What the stats should say of the missing spans: without it a ref to an evicted or mistyped span id reads
+        the same as a call with nothing to reuse."""
+        if not self.missing:
+            return None
+        names = ", ".join(repr(span_id) for span_id in dict.fromkeys(self.missing))
+        return f"span {names} not in the store (never published, or evicted): its tokens were computed"
 
     def new_idx(self, num_tokens: int) -> torch.Tensor:
         """Prompt indices with no reused KV (computed at every layer); the last token is always here."""
@@ -36,6 +46,7 @@ def collect_reuse(call: CallInput, store: KVStore | None, fingerprint: str, use_
     n = len(call.prompt_ids)
     plan = ReusePlan()
     if store is None:
+        plan.missing = [ref.span_id for ref in call.refs]
         return plan
     if use_prefix:
         match = store.match_prefix(fingerprint, call.prompt_ids)
@@ -45,7 +56,9 @@ def collect_reuse(call: CallInput, store: KVStore | None, fingerprint: str, use_
     loaded_end = plan.prefix_len  # positions below it are loaded already
     for ref in sorted(call.refs, key=lambda r: r.start):
         if ref.span_id not in store:  # evicted or never published: its tokens are simply new
+            plan.missing.append(ref.span_id)
             continue
+        check_ref(ref, call.prompt_ids, store.get(ref.span_id).token_ids)
         # refs that overlap: each position loads once, from the first; a ref cut short (here or by the exact
         # prefix) is a span of its own from its first loaded token, which is its opening for relay and epic
         start = max(ref.start, loaded_end)

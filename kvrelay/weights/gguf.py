@@ -12,8 +12,7 @@ from kvrelay.errors import CorruptModelError, UnsupportedModelError
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.int4 import GROUP_SIZE, Int4Blocks
 from kvrelay.weights.configs import config_from_gguf
-
-GGUF_MAGIC = b"GGUF"
+from kvrelay.weights.gguf_digests import check_gguf_magic
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -55,10 +54,7 @@ def _in_hf_row_order(rows: np.ndarray, name: str, config: ModelConfig) -> np.nda
 def _open(path: Path) -> Any:
     import gguf  # imported lazily: only conversions need it
 
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise CorruptModelError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    check_gguf_magic(path)
     try:
         return gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises bare ValueErrors/IndexErrors on truncation

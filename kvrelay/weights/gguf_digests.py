@@ -14,11 +14,22 @@ import re
 import tempfile
 from pathlib import Path
 
+from kvrelay.errors import CorruptModelError
 from kvrelay.weights.integrity import file_sha256
 
 DIGEST_INDEX = "gguf-digests.json"  # under the cache root: resolved path -> size, mtime_ns, sha256 of a GGUF
 DIGEST_INDEX_MAX = 256  # entries kept (the most recently hashed); paths that no longer exist are dropped
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_magic(path: Path) -> None:
+    """A CorruptModelError unless ``path`` starts with the GGUF magic: checked before a load hashes the file,
+    records its digest or says it converts it (none of which a file that is not a GGUF should get)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CorruptModelError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
 
 
 def _read_index(root: Path) -> dict[str, dict]:
@@ -65,7 +76,9 @@ def _remember_sha256(path: Path, st: os.stat_result, digest: str, root: Path) ->
 
 def gguf_sha256(path: Path, root: Path) -> str:
     """The sha256 of a GGUF file's content: from the index when it knows this path at this size and mtime,
-    else hashed (under a second for a few hundred MB) and remembered in ``root``'s index."""
+    else hashed (under a second for a few hundred MB) and remembered in ``root``'s index. A file without the GGUF
+    magic is a CorruptModelError, before any of that."""
+    check_gguf_magic(path)
     st = path.stat()
     digest = indexed_sha256(path, st, root)
     if digest is None:

@@ -56,7 +56,7 @@ def _default_dtype(device: str | torch.device, dtype: torch.dtype | str | None) 
                      "bfloat16": torch.bfloat16,
                      "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
         except KeyError:
-            raise ModelNotFoundError(f"unknown dtype {dtype!r}; use float32, float64, bfloat16 or float16") from None
+            raise ConfigError(f"unknown dtype {dtype!r}; use float32, float64, bfloat16 or float16") from None
     if dtype is not None:
         return dtype
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

@@ -42,8 +42,9 @@ def _setup():
         "several": CallInput(ids, [SpanRef(s1, s1 + 24, "up", 20), SpanRef(s3, s3 + 3, "up", 20)]),
         "mixed": CallInput(ids, [SpanRef(s1, s1 + 24, "up", 20), SpanRef(s2, s2 + 12, "plain", 15),
                                  SpanRef(s3, s3 + 3, "up", 20)]),
-        "overlapping": CallInput(ids, [SpanRef(s1, s1 + 24, "up", 20), SpanRef(s1 + 3, s1 + 13, "up", 23),
-                                       SpanRef(s1 + 18, s1 + 30, "up", 30)]),  # one inside, one partly past the end
+        # one inside the first, one partly past its end (each a true copy of its span's tokens, as every ref must be)
+        "overlapping": CallInput(ids, [SpanRef(s1, s1 + 20, "up", 20), SpanRef(s1 + 3, s1 + 13, "up", 23),
+                                       SpanRef(s1 + 16, s1 + 24, "up", 36)]),
     }
     return lm, store, calls
 

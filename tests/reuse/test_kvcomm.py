@@ -160,16 +160,33 @@ def test_fallback_loads_the_exact_stored_prefix_and_learns_the_same_anchor(lm):
     call = _downstream(lm, store, seed=0)
     dense = get_method("kvcomm[warmup=2]")
     dense_out = generate(lm, call, dense, store, ONE)  # nothing stored starts like this prompt
-    assert dense_out.stats.num_reused_tokens == 0
+    assert dense_out.stats.num_reused_tokens == 0 and dense_out.stats.fallback.endswith(
+        "; dense prefill (+1 anchor per placeholder)")
     earlier = generate(lm, call.prompt_ids, "full", store, SamplingConfig(max_new_tokens=2), keep_cache=True)
     publish(store, "earlier", earlier, lm)  # a stored prefix: the whole prompt but its last token
     method = get_method("kvcomm[warmup=2]")
     out = generate(lm, call, method, store, ONE)
     assert out.stats.fallback is not None and out.stats.num_reused_tokens == len(call.prompt_ids) - 1
+    # the fallback's text says what its stats count: the exact prefix reused, not a dense prefill of everything
+    assert out.stats.fallback.endswith(f"; exact prefix of {len(call.prompt_ids) - 1} tokens reused, the rest a dense "
+                                       "prefill (+1 anchor per placeholder)")
     torch.testing.assert_close(out.first_logits, dense_out.first_logits, atol=1e-4, rtol=0)
     (learned,), (reference,) = method.pools["agent/up"].anchors, dense.pools["agent/up"].anchors
     torch.testing.assert_close(learned.dk, reference.dk, atol=1e-4, rtol=0)
     torch.testing.assert_close(learned.dv, reference.dv, atol=1e-4, rtol=0)
+
+
+def test_reset_forgets_what_kvcomm_learned(lm):
+    store = KVStore(1 << 30)
+    call = _downstream(lm, store, seed=0)
+    method = get_method("kvcomm[warmup=1]")
+    assert generate(lm, call, method, store, ONE).stats.fallback is not None  # learns the agent's first anchor
+    assert generate(lm, call, method, store, ONE).stats.fallback is None
+    assert method.learned_bytes > 0 and method.learned_bytes == method.budget.num_bytes
+    method.reset()
+    assert method.learned_bytes == 0 and method.pools == {} and method.templates == {}
+    assert generate(lm, call, method, store, ONE).stats.fallback is not None  # it learns again, as at first
+    assert method.learned_bytes > 0
 
 
 def test_l2_gate_passes_a_nearest_anchor_and_rejects_a_tie(lm):

@@ -9,6 +9,7 @@ import torch
 
 from kvrelay.cache.kv import SequenceKV
 from kvrelay.errors import (
+    ConfigError,
     ContextLengthError,
     CorruptModelError,
     DeviceError,
@@ -79,11 +80,19 @@ def test_damaged_conversion_cache_is_rebuilt(tiny_gguf, cache_env, capsys, caplo
     assert again.fingerprint == first.fingerprint
 
 
-def test_not_a_gguf_file(tmp_path, cache_env):
+def test_not_a_gguf_file(tmp_path, cache_env, capsys):
+    """Refused on its magic before anything else: not hashed into the digest index, no conversion announced."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(CorruptModelError, match="not a GGUF file"):
         load_model(str(bad))
+    assert not (cache_env / gguf_digests.DIGEST_INDEX).exists() and not (cache_env / "models").exists()
+    assert "converting" not in capsys.readouterr().err
+
+
+def test_an_unknown_dtype_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown dtype 'float7'; use float32"):
+        load_model("random:tiny", dtype="float7")
 
 
 def test_truncated_gguf(tiny_gguf, tmp_path, cache_env):
