@@ -9,6 +9,8 @@ Chat completions: an assistant message's ``tool_calls`` are answered by the ``to
 ``tool_call_id`` (OpenAI's rule and wording). The Responses API: each ``function_call`` (in ``input``, or in the
 stored conversation ``previous_response_id`` continues) has a ``function_call_output`` with its ``call_id`` after it;
 other items may stand between them, as a client replaying a response's output items (a call, then a message) sends.
+A call cut off by ``max_output_tokens`` (``status: "incomplete"``) needs none: the stored conversation leaves it out,
+and so does a replayed one (kvrelay.server.responses_input.is_cut_call).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.server.protocol import ApiError, ChatMessage
+from kvrelay.server.responses_input import is_cut_call
 
 
 def check_chat_calls_answered(messages: list[ChatMessage]) -> None:
@@ -47,7 +50,7 @@ def check_input_calls_answered(items: str | list[dict[str, Any]], history: list[
         if m.get("role") == "tool":
             pending.pop(m.get("tool_call_id"), None)
     for item in [] if isinstance(items, str) else items:
-        if item.get("type") == "function_call":
+        if item.get("type") == "function_call" and not is_cut_call(item):
             pending[item.get("call_id")] = None
         elif item.get("type") == "function_call_output":
             pending.pop(item.get("call_id"), None)

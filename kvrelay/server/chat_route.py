@@ -170,7 +170,8 @@ def chat_router(ctx: AppContext) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         queued = await queue_chat(body, request, ctx)
-        render = CompletionRender(Reply(ctx.model_id, True, body.logprobs), include_usage(body))
+        calls_only = queued.tools is not None and queued.tools.mode in ("required", "named")
+        render = CompletionRender(Reply(ctx.model_id, True, body.logprobs, calls_only), include_usage(body))
         return await respond(ctx, request, queued.job, queued.events, body.stream, render)
 
     return router

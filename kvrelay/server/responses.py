@@ -14,8 +14,11 @@ from kvrelay.server.protocol import ApiError
 class Reply:
     """Builds one request's response objects; ``chat`` selects chat.completion vs text_completion."""
 
-    def __init__(self, model: str, chat: bool, logprobs: bool) -> None:
+    def __init__(self, model: str, chat: bool, logprobs: bool, calls_only: bool = False) -> None:
         self.model, self.chat, self.logprobs = model, chat, logprobs
+        # the turn may hold calls only (tool_choice "required" or a named tool): its content is null, as beside
+        # calls, even when max_tokens cut the call before its name and no call is left
+        self.calls_only = calls_only
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.num_text_chars = 0  # text offsets for completion logprobs
@@ -47,7 +50,8 @@ class Reply:
         choice: dict = {"index": 0, "finish_reason": done.finish_reason, "logprobs": self._logprobs(entries)}
         if self.chat:
             calls = done.all_calls  # a cut call too, as OpenAI reports it
-            choice["message"] = {"role": "assistant", "content": done.text or (None if calls else "")}
+            content = done.text or (None if calls or self.calls_only else "")
+            choice["message"] = {"role": "assistant", "content": content}
             if calls:
                 choice["message"]["tool_calls"] = [tool_call_json(c) for c in calls]
         else:
@@ -69,7 +73,8 @@ class Reply:
     def first_chunk(self) -> str | None:
         if not self.chat:
             return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        content = None if self.calls_only else ""  # what the deltas add up to: the whole answer's content
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                              "finish_reason": None}])
 
     def delta_chunk(self, event: DeltaEvent) -> str:

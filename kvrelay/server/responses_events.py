@@ -99,7 +99,7 @@ class ResponseRender:
         for d in deltas:
             self.text_logprobs += d.logprobs or []
         status = self.status_of(done)
-        parts = done.parts or ("",)  # an empty answer is an empty message
+        parts = done.parts or _empty_answer(status)
         for i, part in enumerate(parts):
             if isinstance(part, str):  # a message the model went on from (to a call) was completed
                 self.items.append(self._message_item(part, status if i == len(parts) - 1 else "completed"))
@@ -193,8 +193,8 @@ class ResponseRender:
         status = self.status_of(done)
         calls = done.all_calls
         out: list[str] = []
-        if not self.had_message and not self.calls_by_index and (done.text or not calls):
-            out += self.text(done.text)  # a text the stream did not show (or an empty answer)
+        if not self.had_message and not self.calls_by_index and (done.text or (not calls and _empty_answer(status))):
+            out += self.text(done.text)  # a text the stream did not show (or an empty answer's message)
         if self.message is not None:  # the last run of text (those before a call closed at the call)
             out += self._close_message(next((p for p in done.parts[::-1] if isinstance(p, str)), done.text), status)
         streamed = {call["id"]: index for index, call in self.calls_by_index.items()}
@@ -211,6 +211,12 @@ class ResponseRender:
 
     def error(self, status: int, message: str, param: str | None, code: str | None) -> str:
         return self._event("error", code=code, message=message, param=param)
+
+
+def _empty_answer(status: str) -> tuple[str, ...]:
+    """The parts of an answer with no text and no call: an empty message when it completed; none when
+    max_output_tokens cut it (a forced call cut before its name), as OpenAI's incomplete responses can have none."""
+    return () if status == "incomplete" else ("",)
 
 
 def said_unstored(line: str) -> str:

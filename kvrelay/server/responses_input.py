@@ -2,9 +2,9 @@
 
 A Responses request runs through the chat-completions job path, so reuse, tools and constrained decoding
 work identically: ``input`` items become chat messages (``function_call`` items an assistant's
-``tool_calls``, ``function_call_output`` items ``role: "tool"`` messages), ``instructions`` a leading
-system message, flat function tools and ``text.format`` their chat-completions shapes. What cannot be
-translated without changing the answer (hosted tools, images, files, stored prompts, conversations,
+``tool_calls``, but for a call cut off, ``is_cut_call``; ``function_call_output`` items ``role: "tool"`` messages),
+``instructions`` a leading system message, flat function tools and ``text.format`` their chat-completions shapes.
+What cannot be translated without changing the answer (hosted tools, images, files, stored prompts, conversations,
 background runs) is a 400 naming the field and the value.
 """
 
@@ -183,6 +183,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             call = {"id": _field(item, "call_id", param), "type": "function",
                     "function": {"name": _field(item, "name", param), "arguments": _field(item, "arguments", param)}}
             last = messages[-1] if messages else None
+            if is_cut_call(item):  # left out, its turn kept: as the stored conversation holds that response
+                if last is None or last["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": ""})
+                continue
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
@@ -198,6 +202,14 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     return messages
 
 
+def is_cut_call(item: dict[str, Any]) -> bool:
+    """A ``function_call`` item that ``max_output_tokens`` cut off (``status: "incomplete"``, as a response's output
+    lists it): a client replaying that output sends it back. The stored conversation leaves such a call out (the
+    model never finished it and no tool ran it), so a replayed one is left out alike: not shown to the model, and it
+    needs no ``function_call_output``."""
+    return item.get("type") == "function_call" and item.get("status") == "incomplete"
+
+
 def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict]) -> None:
     """A ``function_call_output`` answers a call made before it, in the stored history or earlier in ``input``: a
     400 naming the item (the chat check after translation would name a chat message the client never sent)."""
@@ -205,7 +217,7 @@ def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict]) -
         return
     seen = {call.get("id") for m in history for call in m.get("tool_calls") or []}
     for i, item in enumerate(items):
-        if item.get("type") == "function_call":
+        if item.get("type") == "function_call" and not is_cut_call(item):
             seen.add(item.get("call_id"))
         elif item.get("type") == "function_call_output" and item.get("call_id") not in seen:
             raise _refuse(f"input.{i}.call_id {item.get('call_id')!r} answers no function_call before it (in input "

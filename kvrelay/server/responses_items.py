@@ -56,7 +56,8 @@ def input_items(items: str | list[dict[str, Any]]) -> list[dict]:
             listed.append({"id": _new_id("msg_"), "type": "message", "role": item["role"], "status": "completed",
                            "content": _parts(item.get("content"), item["role"])})
         elif kind == "function_call":
-            listed.append({"id": _new_id("fc_"), "type": "function_call", "status": "completed",
+            status = "incomplete" if item.get("status") == "incomplete" else "completed"  # a cut call stays one
+            listed.append({"id": _new_id("fc_"), "type": "function_call", "status": status,
                            "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]})
         elif kind == "function_call_output":
             listed.append({"id": _new_id("fco_"), "type": "function_call_output", "status": "completed",

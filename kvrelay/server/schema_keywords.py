@@ -184,8 +184,10 @@ def _check_strings(node: dict, where: str, key_schema: bool, param: str) -> None
     length = next((k for k in ("minLength", "maxLength") if k in node), None)
     shape = next((k for k in ("pattern", "format") if k in node), None)
     if length and shape:
+        fix = ("write the length into the pattern ({m,n})" if shape == "pattern" else
+               "drop the length, or write a pattern with the length in it ({m,n}) in place of the format")
         raise _refused(param, where, f'"{shape}" together with "{length}" is not supported: the grammar drops the '
-                                     'length; write the length into the pattern ({m,n})')
+                                     f'length; {fix}')
     if "format" in node and node["format"] not in FORMATS:
         raise _refused(param, where, f'"format" {node["format"]!r} is not supported (supported: '
                                      f'{", ".join(FORMATS)})')

@@ -67,6 +67,7 @@ ASSISTANT = {"type": "message", "role": "assistant", "content": [{"type": "outpu
     ([call_item("c1"), ASSISTANT, output_item("c1")], []),  # a response's output replayed: call, then its text
     ([output_item("c1"), USER], [USER, calls("c1")]),  # the stored call, answered now
     ("And Rome?", [USER, calls("c1"), answer("c1")]),  # answered in the stored chain
+    ([USER, call_item("c1"), {**call_item("c2"), "status": "incomplete"}, output_item("c1")], []),  # c2 was cut
 ])
 def test_function_calls_with_an_output_after_them_pass(items, history):
     check_input_calls_answered(items, history)
@@ -130,3 +131,16 @@ def test_responses_refuse_a_stored_call_left_unanswered_and_serve_it_answered(cl
     assert replayed.status_code == 200, replayed.text  # chat's stricter order is not asked of Responses items
     wrong = respond(client, previous_response_id=first["id"], input=[output_item("call_nope")])
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "input.0.call_id"
+
+
+def test_a_cut_call_replayed_needs_no_output_as_in_the_stored_chain(client):
+    """The cookbook loop (input + the response's output items + outputs, store=false) and previous_response_id read
+    the same conversation: the call max_output_tokens cut off is left out of both and needs no output."""
+    first = respond(client, input=[USER], tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+                    max_output_tokens=30).json()  # past the call's name (36 tokens close it)
+    assert first["status"] == "incomplete" and [o["status"] for o in first["output"]] == ["incomplete"]
+    stored = respond(client, previous_response_id=first["id"], input="Well?", max_output_tokens=1)
+    replayed = respond(client, input=[USER, *first["output"], {"role": "user", "content": "Well?"}],
+                       store=False, max_output_tokens=1)
+    assert stored.status_code == replayed.status_code == 200, replayed.text
+    assert stored.json()["usage"]["input_tokens"] == replayed.json()["usage"]["input_tokens"]

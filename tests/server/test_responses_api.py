@@ -205,14 +205,16 @@ def _shape(output) -> list[tuple]:
 @pytest.mark.parametrize(("tools", "temperature", "seed", "max_output_tokens", "statuses"), [
     ([WEATHER, TIME], 1.0, 5, 120, ["completed"] * 2),  # two calls, a newline between them
     ([WEATHER, TIME], 1.0, 3, 120, ["completed"] * 2),  # two calls, then a third cut inside "<tool_call>"
-    ([WEATHER], 0.0, 1, 45, ["incomplete"])])  # a call cut inside its arguments
+    ([WEATHER], 0.0, 1, 45, ["incomplete"]),  # a call cut inside its arguments
+    ([WEATHER], 0.0, 1, 12, [])])  # a call cut before its name: no item, not an empty message
 def test_streamed_calls_end_as_the_unstreamed_response(server, tools, temperature, seed, max_output_tokens,
                                                        statuses):
     """The stream shows no text between or after calls that the response lacks, and its last event's output is
     the non-streamed response's (a cut call included, "incomplete")."""
     kw = dict(input="Weather in Paris and in Rome?", tools=tools, tool_choice="required", temperature=temperature,
               max_output_tokens=max_output_tokens)
-    whole = create(server, extra_body={"seed": seed}, **kw)
+    ns = salt()
+    whole = create(server, extra_body={"seed": seed}, salt=ns, **kw)
     events = list(server.client().responses.create(model=MODEL, stream=True, **kw,
                                                    extra_body={"cache_salt": salt(), "seed": seed}))
     assert [(o.type, o.status) for o in whole.output] == [("function_call", s) for s in statuses]
@@ -220,6 +222,9 @@ def test_streamed_calls_end_as_the_unstreamed_response(server, tools, temperatur
     closed = [e.item for e in events if e.type == "response.output_item.done"]
     assert _shape(events[-1].response.output) == _shape(closed) == _shape(whole.output)
     assert events[-1].response.status == whole.status
+    if not statuses:  # the stored response too
+        assert whole.status == "incomplete" and server.client().responses.retrieve(
+            whole.id, extra_query={"cache_salt": ns}).output == []
 
 
 @pytest.mark.parametrize("kw, param, named", [

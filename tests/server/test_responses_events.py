@@ -94,11 +94,18 @@ def test_call_stream_text_then_calls_and_unstreamed_calls_still_appear():
     assert added == [o.id for o in final.output]
 
 
-def test_empty_answer_still_streams_a_message_and_length_is_incomplete():
+def test_an_empty_answer_is_an_empty_message_unless_it_was_cut():
+    """Completed, an empty answer still streams an empty message; cut by max_output_tokens (a forced call cut before
+    its name) it has no item at all, streamed or not."""
+    r = render()
+    events = parse(r.start() + r.finish(done("", finish="stop")))
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].type == "message"
+    assert events[-1].response.output_text == "" and events[-1].response.output[0].status == "completed"
     r = render()
     events = parse(r.start() + r.finish(done("", finish="length")))
-    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].type == "message"
-    assert events[-1].response.output[0].status == "incomplete"
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.incomplete"]
+    assert events[-1].response.output == [] == render().full([], done("", finish="length"))["output"]
+    assert [o["type"] for o in render().full([], done("Sun", finish="length"))["output"]] == ["message"]
 
 
 def test_a_call_cut_by_max_output_tokens_streams_as_an_incomplete_call_and_ends_as_full_s():

@@ -53,6 +53,17 @@ def test_a_call_without_text_opens_its_own_assistant_turn():
     assert messages[1] == {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
+CUT = {"type": "function_call", "call_id": "c9", "name": "f", "arguments": '{"ci', "status": "incomplete"}
+
+
+def test_a_replayed_cut_call_is_left_out_as_the_stored_conversation_leaves_it():
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "status": "completed"}
+    messages = input_messages([{"role": "user", "content": "x"}, call, CUT])
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c"] and len(messages) == 2
+    # a lone cut call: the empty assistant turn the stored conversation holds for that response
+    assert input_messages([{"role": "user", "content": "x"}, CUT])[1:] == [{"role": "assistant", "content": ""}]
+
+
 def test_tools_tool_choice_and_text_format_in_chat_shapes():
     params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -143,7 +154,8 @@ def test_a_call_output_answers_a_call_in_input_or_the_stored_history(items, hist
     check_call_outputs(items, history)
 
 
-@pytest.mark.parametrize("items", [[OUTPUT], [OUTPUT, CALL], [CALL, {**OUTPUT, "call_id": "call_2"}]])
+@pytest.mark.parametrize("items", [[OUTPUT], [OUTPUT, CALL], [CALL, {**OUTPUT, "call_id": "call_2"}],
+                                   [{**CALL, "status": "incomplete"}, OUTPUT]])  # a cut call is no call
 def test_a_call_output_that_answers_no_call_is_a_400_naming_the_input_item(items):
     # it was the chat check's "messages[0].tool_call_id": a field of a translation the client never sent
     with pytest.raises(ApiError) as err:

@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from kvrelay.server.responses_items import input_items
 from tests.server.conftest import MODEL
 from tests.server.test_responses_api import create, salt
 
@@ -106,3 +107,9 @@ def test_a_response_not_stored_has_no_items(server):
     r = create(server, input="hi", store=False, salt=ns)
     with pytest.raises(openai.NotFoundError):
         items_of(server, r.id, ns)
+
+
+def test_a_replayed_cut_call_is_listed_as_the_incomplete_item_it_was():
+    """As a previous response's output lists it: the model read no such call (kvrelay.server.responses_input)."""
+    listed = input_items([CALL, {**CALL, "call_id": "call_2", "status": "incomplete"}])
+    assert [(i["call_id"], i["status"]) for i in listed] == [("call_1", "completed"), ("call_2", "incomplete")]

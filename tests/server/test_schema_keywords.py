@@ -129,6 +129,20 @@ def test_a_keyword_the_grammar_does_not_enforce_is_a_400_naming_it_and_its_place
         assert breaks(schema, breaking) and accepts(schema, breaking)
 
 
+PYDANTIC_URL = {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}  # HttpUrl, AnyUrl
+
+
+@pytest.mark.parametrize(("schema", "advice", "not_advised"), [
+    ({"type": "string", "pattern": "^[0-9]+$", "maxLength": 4}, "write the length into the pattern ({m,n})", None),
+    (PYDANTIC_URL, "drop the length, or write a pattern with the length in it", "write the length into the pattern"),
+])
+def test_a_length_beside_a_pattern_or_format_is_refused_with_advice_that_fits(schema, advice, not_advised):
+    with pytest.raises(ApiError) as err:
+        check_schema(schema, "tools.0.function.parameters", strict=True)
+    assert advice in err.value.message and "Without tools.0.function.strict: true" in err.value.message
+    assert not_advised is None or not_advised not in err.value.message
+
+
 # name: (schema, a value breaking the keyword, which the grammar must refuse)
 SUPPORTED = {
     "allOf of one": ({"allOf": [props(a={"type": "integer"})]}, "{}"),

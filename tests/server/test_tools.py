@@ -129,11 +129,12 @@ def test_a_tool_loop_reuses_the_generated_call(server):
     assert spliced and spliced[0]["end"] - spliced[0]["start"] == first.usage.completion_tokens
 
 
-def _rebuilt(chunks) -> tuple[str, list[tuple[str, str, str]]]:
-    """A chat stream's content and calls, as a client accumulates them."""
-    content, calls = "", {}
+def _rebuilt(chunks) -> tuple[str | None, list[tuple[str, str, str]]]:
+    """A chat stream's content (None while no delta has any) and calls, as a client accumulates them."""
+    content, calls = None, {}
     for piece in (ch.choices[0].delta for ch in chunks if ch.choices):
-        content += piece.content or ""
+        if piece.content is not None:
+            content = (content or "") + piece.content
         for tc in piece.tool_calls or []:
             call = calls.setdefault(tc.index, [tc.id, tc.function.name, ""])
             call[2] += tc.function.arguments or ""
@@ -142,18 +143,21 @@ def _rebuilt(chunks) -> tuple[str, list[tuple[str, str, str]]]:
 
 @pytest.mark.parametrize("max_tokens", [12, 22, 30])
 def test_a_call_cut_by_max_tokens_streams_as_it_answers(server, max_tokens):
-    """Cut before its name the call is nothing (the turn is calls only); after it, the answer reports the call the
-    stream announced, with its arguments so far: the stream never shows a call the answer lacks, or its text."""
+    """Cut before its name the call is nothing (the turn is calls only: content null, streamed too); after it, the
+    answer reports the call the stream announced, with its arguments so far: the stream never shows a call the
+    answer lacks, or its text."""
     kw = {"tools": [tool("get_weather")], "tool_choice": "required", "max_tokens": max_tokens}
     r = ask(server, **kw).choices[0]
-    assert r.finish_reason == "length" and not r.message.content
+    assert r.finish_reason == "length" and r.message.content is None
     chunks = list(ask(server, stream=True, **kw))
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     calls = [(c.function.name, c.function.arguments) for c in r.message.tool_calls or []]
     content, streamed = _rebuilt(chunks)
-    assert content == "" and [(name, args) for _, name, args in streamed] == calls
+    assert content is None and [(name, args) for _, name, args in streamed] == calls
     if max_tokens == 30:  # past the call's name (on random:tiny's tokenizer)
         assert calls and calls[0][0] == "get_weather"
+    if max_tokens == 12:  # before it: no call, and still no content
+        assert not calls
 
 
 @pytest.mark.parametrize("stop", [["celsius", "fahrenheit"], ["</tool_call>"]])
@@ -163,7 +167,7 @@ def test_a_call_a_stop_string_cuts_streams_as_it_answers(server, stop):
     kw = {"tools": [tool("get_weather")], "tool_choice": "required", "parallel_tool_calls": False, "stop": stop}
     r = ask(server, **kw).choices[0]
     calls = [(c.function.name, c.function.arguments) for c in r.message.tool_calls]
-    assert not r.message.content and [name for name, _ in calls] == ["get_weather"]
+    assert r.message.content is None and [name for name, _ in calls] == ["get_weather"]
     if stop == ["</tool_call>"]:
         assert r.finish_reason == "tool_calls" and set(json.loads(calls[0][1])) == {"unit", "city"}
     else:
@@ -172,7 +176,7 @@ def test_a_call_a_stop_string_cuts_streams_as_it_answers(server, stop):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [r.finish_reason]
     content, streamed = _rebuilt(chunks)
-    assert content == "" and [(name, args) for _, name, args in streamed] == calls
+    assert content is None and [(name, args) for _, name, args in streamed] == calls
 
 
 def test_response_format_json_schema_and_json_object(server):
