@@ -134,7 +134,7 @@ class _ResponsesAnswer:
         self._keep(done, self.response)
         return self.response
 
-    def head(self) -> Iterable[str]:
+    def head(self, first: DeltaEvent | DoneEvent) -> Iterable[str]:
         return self.render.start()
 
     def delta_lines(self, delta: DeltaEvent) -> Iterable[str]:

@@ -33,8 +33,8 @@ class EventRender(Protocol):
     def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         """The whole response body, after the last delta."""
 
-    def head(self) -> Iterable[str]:
-        """The SSE lines before the first event's."""
+    def head(self, first: DeltaEvent | DoneEvent) -> Iterable[str]:
+        """The SSE lines before the ``first`` event's."""
 
     def delta_lines(self, delta: DeltaEvent) -> Iterable[str]:
         """The SSE lines of one delta event."""
@@ -63,9 +63,9 @@ class CompletionRender:
     def full(self, deltas: list[DeltaEvent], done: DoneEvent) -> dict:
         return self.reply.full(deltas, done)
 
-    def head(self) -> Iterable[str]:
-        first = self.reply.first_chunk()
-        return [first] if first else []
+    def head(self, first: DeltaEvent | DoneEvent) -> Iterable[str]:
+        chunk = self.reply.first_chunk(first)
+        return [chunk] if chunk else []
 
     def delta_lines(self, delta: DeltaEvent) -> Iterable[str]:
         return [self.reply.delta_chunk(delta)]
@@ -107,7 +107,7 @@ async def _sse(ctx: AppContext, request: Request, job: Job, events: asyncio.Queu
                render: EventRender) -> AsyncIterator[str]:
     finished = False
     try:
-        for line in render.head():
+        for line in render.head(first):
             yield line
         event = first
         while True:

@@ -70,10 +70,15 @@ class Reply:
             body["kvrelay"] = kvrelay
         return f"data: {json.dumps(body)}\n\n"
 
-    def first_chunk(self) -> str | None:
+    def first_chunk(self, first: DeltaEvent | DoneEvent | None = None) -> str | None:
+        """The role chunk, sent with the answer's ``first`` event. Its content starts what the deltas add up to, the
+        whole answer's: null where the turn is calls only or the first thing written is a call (an ``auto`` turn of
+        calls), "" where it is text."""
         if not self.chat:
             return None
-        content = None if self.calls_only else ""  # what the deltas add up to: the whole answer's content
+        starts_with_call = (isinstance(first, DeltaEvent) and first.tool_call is not None) or (
+            isinstance(first, DoneEvent) and not first.text and bool(first.all_calls))
+        content = None if self.calls_only or starts_with_call else ""
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                              "finish_reason": None}])
 
