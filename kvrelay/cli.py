@@ -182,13 +182,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise ConfigError(f"--store: {exc}") from None
     engine = Engine(lm, store, methods=(args.method,))  # carries what the method needs
-    results = PipelineRunner(engine, spec).run(inputs, args.method)
-    for name, res in results.items():
+
+    def show(res) -> None:  # as each agent finishes: an error in a later one keeps what came before on screen
         s = res.output.stats
-        print(f"=== {name} [{args.method}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
+        print(f"=== {res.agent} [{args.method}: {s.num_prompt_tokens} prompt tokens, TTFT {s.ttft_ms:.1f} ms, "
               f"reuse {s.reuse_rate:.2f}, {s.num_generated_tokens} new tokens"
               + (f", fallback: {s.fallback}" if s.fallback else "") + "]")
-        print(res.output.text)
+        print(res.output.text, flush=True)
+
+    PipelineRunner(engine, spec).run(inputs, args.method, progress=show)
     return 0
 
 

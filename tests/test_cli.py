@@ -66,6 +66,18 @@ def test_run_reports_bad_pipelines_clearly(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+
+def test_run_prints_each_agent_as_it_finishes_and_a_failure_names_its_agent(tmp_path, capfd):
+    late = tmp_path / "late.yaml"
+    late.write_text("inputs: [q]\nagents:\n  - {name: a, user: '{q}', max_new_tokens: 4}\n"
+                    "  - {name: b, user: '{q} {a}', max_new_tokens: 8170}\n")
+    capfd.readouterr()
+    code = main(["run", str(late), "--input", "q=hi", "--model", "random:tiny"])
+    out, err = capfd.readouterr()
+    assert code == 2
+    assert out.startswith("=== a [full: ") and ", 4 new tokens]\n" in out and "=== b" not in out
+    assert "kvrelay: error: agent 'b': prompt of " in err and "exceeds the context length" in err
+
 def test_bench_gsm8k_branches_writes_its_table_and_json(tmp_path):
     out_json = tmp_path / "br.json"
     out = _kvrelay("bench", "--workload", "gsm8k-branches", "--model", "random:tiny", "--limit", "1",

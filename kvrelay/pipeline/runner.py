@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.engine import Engine, GenerateOptions, GenerationOutput
+from kvrelay.errors import KvRelayError
 from kvrelay.model.sampling import SamplingConfig
 from kvrelay.pipeline.dag import consumers
 from kvrelay.pipeline.prompt import PromptIds, chat_prompt_ids, splice_marker
@@ -92,9 +93,10 @@ class PipelineRunner:
 
     def run(self, inputs: dict[str, str], method: ReuseMethod | str = "full",
             before_call: Callable[[AgentSpec, CallInput, int], None] | None = None,
-            progress: Callable[[str], None] | None = None) -> dict[str, AgentResult]:
+            progress: Callable[[AgentResult], None] | None = None) -> dict[str, AgentResult]:
         """Run every agent with ``method``; ``before_call`` sees each call while the store holds
-        only the spans of the calls before it."""
+        only the spans of the calls before it; ``progress`` sees each finished call's result (so a
+        failure later in the run keeps what came before). An error of one call names its agent."""
         self.spec.check_inputs(inputs)
         method = self.engine.method(method)
         input_ids = {name: self.lm.tokenizer.encode(text) for name, text in inputs.items()}
@@ -102,13 +104,12 @@ class PipelineRunner:
         done: dict[str, AgentResult] = {}
         for position, name in enumerate(self.spec.order):
             agent = self.spec.agent(name)
-            call, prompt = self.prepare(agent, input_ids, done)
-            if before_call is not None:
-                before_call(agent, call, position)
-            sampling = SamplingConfig(agent.max_new_tokens, agent.temperature, agent.top_p)
-            forced = None if agent.forced_output is None else self.lm.tokenizer.encode(agent.forced_output)
-            out = self.engine.generate(call, method, GenerateOptions(sampling, keep_cache=True,
-                                                                     forced_output_ids=forced))
+            try:
+                out, call, prompt = self._call(agent, position, method, input_ids, done, before_call)
+            except KvRelayError as exc:  # same class, so callers that catch it still do; its text names the agent
+                if exc.args and isinstance(exc.args[0], str):
+                    exc.args = (f"agent {name!r}: {exc.args[0]}", *exc.args[1:])
+                raise
             span_id = self.span_id(name)
             self.engine.publish(span_id, out, pin=pending[name] > 0)
             out.cache = None  # the store has its own copy
@@ -119,8 +120,19 @@ class PipelineRunner:
                     if pending[holder] == 0:
                         self.store.unpin(self.span_id(holder))
             if progress is not None:
-                progress(name)
+                progress(done[name])
         return done
+
+    def _call(self, agent: AgentSpec, position: int, method: ReuseMethod, input_ids: dict[str, list[int]],
+              done: dict[str, AgentResult], before_call: Callable[[AgentSpec, CallInput, int], None] | None
+              ) -> tuple[GenerationOutput, CallInput, PromptIds]:
+        call, prompt = self.prepare(agent, input_ids, done)
+        if before_call is not None:
+            before_call(agent, call, position)
+        sampling = SamplingConfig(agent.max_new_tokens, agent.temperature, agent.top_p)
+        forced = None if agent.forced_output is None else self.lm.tokenizer.encode(agent.forced_output)
+        out = self.engine.generate(call, method, GenerateOptions(sampling, keep_cache=True, forced_output_ids=forced))
+        return out, call, prompt
 
     def drop_spans(self) -> None:
         for name in self.spec.order:

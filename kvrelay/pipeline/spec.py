@@ -88,34 +88,42 @@ class PipelineSpec:
     def __post_init__(self) -> None:
         if not self.agents:
             raise PipelineError(f"pipeline {self.name!r} has no agents")
+        for i, name in enumerate(self.inputs):
+            if name in self.inputs[:i]:
+                raise _at(f"input {name!r} is listed twice", "inputs", i)
         names = [a.name for a in self.agents]
-        for a in self.agents:
+        for i, a in enumerate(self.agents):
             if not a.name or not a.name.isidentifier():
-                raise PipelineError(f"agent name {a.name!r} must be a plain identifier")
-            if names.count(a.name) > 1:
-                raise PipelineError(f"duplicate agent name {a.name!r}")
+                raise _at(f"agent name {a.name!r} must be a plain identifier", "agents", i, "name")
+            if a.name in names[:i]:
+                raise _at(f"duplicate agent name {a.name!r}", "agents", i, "name")
             if a.name in self.inputs:
-                raise PipelineError(f"agent {a.name!r} has the name of an input")
+                raise _at(f"agent {a.name!r} has the name of an input", "agents", i, "name")
             if a.max_new_tokens < 1:
-                raise PipelineError(f"agent {a.name!r}: max_new_tokens must be >= 1, got {a.max_new_tokens}")
+                raise _at(f"agent {a.name!r}: max_new_tokens must be >= 1, got {a.max_new_tokens}",
+                          "agents", i, "max_new_tokens")
         deps = {}
-        for a in self.agents:
+        for i, a in enumerate(self.agents):
             agent_refs = []
-            for ref in a.refs():
-                if ref == a.name:
-                    raise PipelineError(f"agent {a.name!r} refers to its own output {{{ref}}}")
-                if ref in names:
-                    agent_refs.append(ref)
-                elif ref not in self.inputs:
-                    raise PipelineError(
-                        f"agent {a.name!r}: unknown reference {{{ref}}} (not an input: {list(self.inputs)}; "
-                        f"not an agent: {names})"
-                    )
+            for part in ("system", "user"):
+                try:
+                    refs = placeholders(getattr(a, part), f"agent {a.name!r} {part}")
+                except PipelineError as exc:
+                    exc.loc = ("agents", i, part)
+                    raise
+                for ref in refs:
+                    if ref == a.name:
+                        raise _at(f"agent {a.name!r} refers to its own output {{{ref}}}", "agents", i, part)
+                    if ref in names:
+                        agent_refs.append(ref)
+                    elif ref not in self.inputs:
+                        raise _at(f"agent {a.name!r}: unknown reference {{{ref}}} (not an input: "
+                                  f"{list(self.inputs)}; not an agent: {names})", "agents", i, part)
             deps[a.name] = tuple(dict.fromkeys(agent_refs))
         object.__setattr__(self, "deps", deps)
         object.__setattr__(self, "order", tuple(topological_order(names, deps)))
         if self.output and self.output not in names:
-            raise PipelineError(f"pipeline output {self.output!r} is not an agent")
+            raise _at(f"pipeline output {self.output!r} is not an agent", "output")
         if not self.output:
             object.__setattr__(self, "output", self.order[-1])
 
@@ -145,8 +153,13 @@ class PipelineSpec:
             line = line_of(tuple(exc.errors()[0]["loc"])) if line_of else None
             raise PipelineError(first_error(exc, f"{where}:{line}" if line else where, names)) from None
         agents = tuple(AgentSpec(**a.model_dump()) for a in model.agents)
-        return cls(name=model.name if model.name is not None else where, inputs=tuple(model.inputs),
-                   agents=agents, output=model.output)
+        try:
+            return cls(name=model.name if model.name is not None else where, inputs=tuple(model.inputs),
+                       agents=agents, output=model.output)
+        except PipelineError as exc:  # the checks across fields, placed like the field checks above
+            loc = getattr(exc, "loc", None)
+            line = line_of(loc) if line_of and loc else None
+            raise PipelineError(f"{where}:{line}: {exc}" if line else f"{where}: {exc}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> PipelineSpec:
@@ -158,12 +171,47 @@ class PipelineSpec:
         if not path.is_file():
             raise PipelineError(f"pipeline file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_strict_loader())  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as exc:
             raise PipelineError(f"{path}: malformed YAML ({' '.join(str(exc).split())})") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise PipelineError(f"{path}: cannot read the pipeline file ({exc})") from None
+        except _DuplicateKeyError as exc:
+            raise PipelineError(f"{path}:{exc.line}: key {exc.key!r} is given twice (a later one would silently "
+                                "replace the first)") from None
         return cls.from_dict(data, where=str(path), line_of=lambda loc: _yaml_line(path, loc))
+
+
+def _at(message: str, *loc: str | int) -> PipelineError:
+    """A PipelineError that knows the field it is about (``from_dict`` turns that into a line of the file)."""
+    exc = PipelineError(message)
+    exc.loc = loc
+    return exc
+
+
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: object, line: int) -> None:
+        super().__init__(key, line)
+        self.key, self.line = key, line
+
+
+def _strict_loader() -> type:
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last, silently)."""
+
+        def construct_mapping(self, node, deep=False):  # noqa: ANN001, ANN202 (PyYAML's signature)
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, str | int | float | bool) or key is None:
+                    if key in seen:
+                        raise _DuplicateKeyError(key, key_node.start_mark.line + 1)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
 
 
 def _yaml_line(path: Path, loc: tuple) -> int | None:

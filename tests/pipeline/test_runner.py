@@ -4,6 +4,7 @@ import pytest
 
 from kvrelay.cache.store import KVStore
 from kvrelay.engine import Engine
+from kvrelay.errors import ContextLengthError
 from kvrelay.pipeline.runner import PipelineRunner, agent_role, render_messages, span_consumers
 from kvrelay.pipeline.spec import PipelineSpec
 from kvrelay.reuse import role_key
@@ -61,3 +62,14 @@ def test_an_agent_s_role_is_the_system_message_a_client_sends():
     sent = 'Answer as {"x": 1}.'
     assert agent_role(a) == role_key(sent) and render_messages(a)[0]["content"] == sent
     assert agent_role(b) == ""  # its text changes with a's output: no fixed role
+
+
+def test_a_failing_call_names_its_agent_and_the_calls_before_it_are_reported(lm):
+    spec = PipelineSpec.from_dict({"inputs": ["q"], "agents": [
+        {"name": "a", "user": "{q}", "max_new_tokens": 2},
+        {"name": "b", "user": "{q} {a}", "max_new_tokens": 10**7},  # past any context length
+    ]})
+    seen = []
+    with pytest.raises(ContextLengthError, match=r"^agent 'b': prompt of \d+ tokens \+ 10000000 new tokens"):
+        PipelineRunner(Engine(lm, KVStore(1 << 30)), spec).run({"q": "hi"}, "full", progress=seen.append)
+    assert [(r.agent, r.output.stats.num_generated_tokens) for r in seen] == [("a", 2)]

@@ -121,3 +121,45 @@ def test_format_specs_and_conversions_are_errors(template, shown):
 def test_only_plain_names_are_placeholders(template):
     with pytest.raises(PipelineError, match="is not a plain name"):
         _spec({"name": "a", "user": template})
+
+
+_LINE_CHECKS = [  # (file text, where the error points, its rule)
+    ("inputs: [q]\nagents:\n  - name: a\n    user: '{q}'\n  - name: b\n    user: '{a} {nope}'\n",
+     "p.yaml:6: ", r"agent 'b': unknown reference \{nope\}"),
+    ("agents:\n  - {name: a, user: '{b}'}\n  - {name: b, user: '{a}'}\n", "p.yaml: ", "pipeline has a cycle"),
+    ("agents:\n  - {name: a, user: x}\n  - {name: a, user: y}\n", "p.yaml:3: ", "duplicate agent name 'a'"),
+    ("agents:\n  - {user: x, name: 'a b'}\n", "p.yaml:2: ", "agent name 'a b' must be a plain identifier"),
+    ("agents:\n  - {name: a, user: x}\n\noutput: zzz\n", "p.yaml:4: ", "pipeline output 'zzz' is not an agent"),
+    ("inputs: [q]\nagents:\n  - name: q\n    user: x\n", "p.yaml:3: ", "agent 'q' has the name of an input"),
+    ("agents:\n  - name: a\n    user: x\n    system: '{a:>4}'\n", "p.yaml:4: ",
+     r"agent 'a' system: placeholder \{a:>4\} has a format spec"),
+]
+
+
+@pytest.mark.parametrize("text,where,rule", _LINE_CHECKS)
+def test_checks_across_fields_name_the_file_and_line(tmp_path, text, where, rule):
+    bad = tmp_path / "p.yaml"
+    bad.write_text(text)
+    with pytest.raises(PipelineError, match=f"^{re.escape(str(tmp_path / where))}{rule}"):
+        PipelineSpec.from_yaml(bad)
+
+
+@pytest.mark.parametrize("text,where,key", [
+    ("agents:\n  - name: a\n    user: x\n    max_new_tokens: 4\n    max_new_tokens: 2\n", "p.yaml:5", "max_new_tokens"),
+    ("agents:\n  - name: a\n    user: x\n    user: y\n", "p.yaml:4", "user"),
+    ("agents:\n  - {name: a, user: x}\nagents:\n  - {name: b, user: y}\n", "p.yaml:3", "agents"),
+])
+def test_a_yaml_key_given_twice_is_refused(tmp_path, text, where, key):
+    bad = tmp_path / "p.yaml"
+    bad.write_text(text)
+    with pytest.raises(PipelineError, match=re.escape(f"{tmp_path / where}: key {key!r} is given twice")):
+        PipelineSpec.from_yaml(bad)
+
+
+def test_an_input_listed_twice_is_refused(tmp_path):
+    with pytest.raises(PipelineError, match="input 'q' is listed twice"):
+        _spec({"name": "a", "user": "{q}"}, inputs=("q", "q"))
+    bad = tmp_path / "p.yaml"
+    bad.write_text("inputs:\n  - q\n  - q\nagents:\n  - {name: a, user: '{q}'}\n")
+    with pytest.raises(PipelineError, match=re.escape(f"{tmp_path / 'p.yaml'}:3: input 'q' is listed twice")):
+        PipelineSpec.from_yaml(bad)
